@@ -1,0 +1,145 @@
+"""Attention: dense causal prefill, and paged single-token decode in the four WISE modes.
+
+`decode_attention_reference` is the plain-torch reference of the decode contract in
+docs/DESIGN.md; `decode_attention` dispatches to it or to the Triton kernel
+(`wise_torch.kernels.triton_decode`, same signature).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from wise_core.modes import DISCOVER, DISCOVER_UNION, SPARSE
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      scale: float | None = None) -> torch.Tensor:
+    """Dense causal attention over whole sequences.
+
+    q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim] -> [batch, seq, heads, head_dim].
+    Right padding is harmless: a real token never attends a later (padded) position.
+    """
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+def select_blocks(mass: torch.Tensor, eta: float) -> torch.Tensor:
+    """The WISE selection rule (`wise_core.reference.select_blocks`), vectorised.
+
+    mass: float[..., n_blocks], non-negative (not checked: no host sync) -> bool[..., n_blocks].
+    Keeps the smallest prefix of the blocks ranked by mass (descending, ties to the lower
+    index) whose float32 mass reaches eta of the total; never empty.
+    """
+    if not 0.0 < eta <= 1.0:
+        raise ValueError(f"eta must be in (0, 1], got {eta}")
+    ranked, order = torch.sort(mass.float(), dim=-1, descending=True, stable=True)
+    running = torch.cumsum(ranked, dim=-1)
+    threshold = running[..., -1:] * eta
+    before = torch.cat([torch.zeros_like(running[..., :1]), running[..., :-1]], dim=-1)
+    keep_ranked = before < threshold
+    keep_ranked[..., 0] = True
+    return torch.zeros_like(keep_ranked).scatter_(-1, order, keep_ranked)
+
+
+def check_decode_args(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size) -> None:
+    """Raise ValueError naming the first shape/dtype inconsistency of a decode_attention call."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [batch, heads, head_dim], got shape {tuple(q.shape)}")
+    batch, heads, head_dim = q.shape
+    if k_pages.dim() != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages and v_pages must both be [num_pages, page_size, kv_heads, head_dim], "
+                         f"got {tuple(k_pages.shape)} and {tuple(v_pages.shape)}")
+    _, page_size, kv_heads, kv_dim = k_pages.shape
+    if kv_dim != head_dim:
+        raise ValueError(f"q has head_dim {head_dim} but the cache has {kv_dim}")
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+    if page_size % block_size:
+        raise ValueError(f"page_size {page_size} is not a multiple of block_size {block_size}")
+    if page_table.dim() != 2 or page_table.shape[0] != batch:
+        raise ValueError(f"page_table must be [batch={batch}, max_pages], got {tuple(page_table.shape)}")
+    for name, t in (("seq_lens", seq_lens), ("modes", modes)):
+        if tuple(t.shape) != (batch,):
+            raise ValueError(f"{name} must be [batch={batch}], got {tuple(t.shape)}")
+    max_blocks = page_table.shape[1] * page_size // block_size
+    if tuple(support.shape) != (batch, heads, max_blocks) or support.dtype != torch.bool:
+        raise ValueError(f"support must be bool[{batch}, {heads}, {max_blocks}], "
+                         f"got {support.dtype}{list(support.shape)}")
+
+
+def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,
+                               block_size: int, eta: float, scale: float | None = None,
+                               return_mass: bool = False):
+    """One query token per row against its paged keys, per row mode (docs/DESIGN.md).
+
+    q: [batch, heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim];
+    page_table: int32[batch, max_pages]; seq_lens: int32[batch]; modes: int32[batch];
+    support: bool[batch, heads, max_blocks], updated in place for discovery rows.
+    Returns (out [batch, heads, head_dim] in q's dtype, support) and, with return_mass,
+    mass float32[batch, heads, max_blocks] (the block mass of the probabilities attended).
+    Every mode runs the same masked softmax, so DENSE, DISCOVER and a SPARSE row with every
+    causal block selected are bitwise equal. A SPARSE row must select a causal block.
+    """
+    check_decode_args(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size)
+    batch, heads, head_dim = q.shape
+    _, page_size, kv_heads, _ = k_pages.shape
+    max_keys = page_table.shape[1] * page_size
+    max_blocks = max_keys // block_size
+    group = heads // kv_heads
+    scale = head_dim ** -0.5 if scale is None else scale
+
+    pages = page_table.long()
+    k = k_pages[pages].reshape(batch, max_keys, kv_heads, head_dim).float()
+    v = v_pages[pages].reshape(batch, max_keys, kv_heads, head_dim).float()
+    qg = q.float().reshape(batch, kv_heads, group, head_dim)
+    scores = torch.einsum("bkgd,bskd->bkgs", qg, k).reshape(batch, heads, max_keys) * scale
+
+    key_pos = torch.arange(max_keys, device=q.device)
+    causal = key_pos < seq_lens.long()[:, None]                              # [batch, keys]
+    in_support = support[:, :, key_pos // block_size]                       # [batch, heads, keys]
+    sparse = (modes == SPARSE)[:, None, None]
+    mask = causal[:, None, :] & (in_support | ~sparse)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    out = torch.einsum("bkgs,bskd->bkgd", probs.reshape(batch, kv_heads, group, max_keys), v)
+
+    mass = probs.reshape(batch, heads, max_blocks, block_size).sum(-1)
+    selected = select_blocks(mass, eta)
+    rows = modes[:, None, None]
+    support.copy_(torch.where(rows == DISCOVER, selected,
+                              torch.where(rows == DISCOVER_UNION, support | selected, support)))
+    out = out.reshape(batch, heads, head_dim).to(q.dtype)
+    return (out, support, mass) if return_mass else (out, support)
+
+
+TORCH_KERNELS = ("auto", "reference", "triton")
+
+
+def resolve_kernel(kernel: str, device: torch.device | str) -> Callable:
+    """The decode_attention implementation for `kernel` on `device` ("auto": triton on CUDA)."""
+    if kernel not in TORCH_KERNELS:
+        raise ValueError(f"kernel {kernel!r} is not available in wise_torch (choose from {TORCH_KERNELS})")
+    if kernel == "auto":
+        kernel = "triton" if torch.device(device).type == "cuda" else "reference"
+    if kernel == "reference":
+        return decode_attention_reference
+    try:
+        module = importlib.import_module("wise_torch.kernels.triton_decode")
+    except ImportError as e:
+        raise RuntimeError(f"the Triton decode kernel (wise_torch.kernels.triton_decode) cannot be "
+                           f"imported: {e}; use kernel='reference'") from e
+    return module.decode_attention
+
+
+def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,
+                     block_size: int, eta: float, scale: float | None = None,
+                     return_mass: bool = False, kernel: str = "auto"):
+    """`decode_attention_reference`'s contract, run by `kernel` ("auto", "reference", "triton")."""
+    fn = resolve_kernel(kernel, q.device)
+    return fn(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size,
+              eta=eta, scale=scale, return_mass=return_mass)
