@@ -1,0 +1,131 @@
+"""Decode attention over a paged cache: the jnp reference of every mode, the selection rule,
+and the dispatcher to the Pallas kernel (`wise_jax.kernels.pallas_decode`).
+
+Modes (`wise_core.modes`, per row): DENSE attends every key < seq_len; DISCOVER attends densely,
+records block mass and returns support' = select_blocks(mass); DISCOVER_UNION ORs that selection
+into the support held; SPARSE attends only the keys of supported blocks. Every mode runs the
+same masked code path, so a SPARSE row whose support holds every causal block, and a DISCOVER
+row, are bitwise equal to DENSE.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from wise_core import modes as M
+
+KERNELS = ("auto", "reference", "pallas")
+
+
+def select_blocks(mass: jax.Array, eta: float) -> jax.Array:
+    """mass: float[..., n_blocks] (non-negative) -> bool[..., n_blocks] support.
+
+    Rank blocks by mass descending (ties to the lower index); keep the block at rank r iff
+    r == 0 or the mass ranked before it is < eta * total (wise_core.reference.select_blocks)."""
+    mass = mass.astype(jnp.float32)
+    order = jnp.argsort(-mass, axis=-1, stable=True)
+    running = jnp.cumsum(jnp.take_along_axis(mass, order, axis=-1), axis=-1)
+    before = jnp.concatenate([jnp.zeros_like(running[..., :1]), running[..., :-1]], axis=-1)
+    keep_ranked = (before < jnp.float32(eta) * running[..., -1:]).at[..., 0].set(True)
+    return jnp.take_along_axis(keep_ranked, jnp.argsort(order, axis=-1), axis=-1)
+
+
+def causal_blocks(seq_lens: jax.Array, block_size: int, n_blocks: int) -> jax.Array:
+    """seq_lens: int32[batch] -> bool[batch, n_blocks], blocks holding a key < seq_len."""
+    return jnp.arange(n_blocks, dtype=jnp.int32)[None, :] * block_size < seq_lens[:, None]
+
+
+def _check_shapes(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size) -> None:
+    if q.ndim != 3 or k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(f"expected q [batch, heads, head_dim] and k/v pages [num_pages, page_size, "
+                         f"kv_heads, head_dim], got q {q.shape}, k {k_pages.shape}, v {v_pages.shape}")
+    batch, heads, head_dim = q.shape
+    _, page_size, kv_heads, k_dim = k_pages.shape
+    if k_dim != head_dim or heads % kv_heads:
+        raise ValueError(f"q {q.shape} does not fit k pages {k_pages.shape}: head_dim must match and "
+                         f"heads must be a multiple of kv_heads")
+    if page_size % block_size:
+        raise ValueError(f"page_size {page_size} is not a multiple of block_size {block_size}")
+    if page_table.ndim != 2 or page_table.shape[0] != batch:
+        raise ValueError(f"page_table must be [batch={batch}, max_pages], got {page_table.shape}")
+    max_blocks = page_table.shape[1] * page_size // block_size
+    for name, x, shape in (("seq_lens", seq_lens, (batch,)), ("modes", modes, (batch,)),
+                           ("support", support, (batch, heads, max_blocks))):
+        if x.shape != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
+
+
+def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,
+                               block_size: int, eta: float, scale: float | None = None,
+                               return_mass: bool = False):
+    """One query token per row over a paged cache, every mode (see the module docstring).
+
+    q: [batch, heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim];
+    page_table int32[batch, max_pages]; seq_lens int32[batch]; modes int32[batch];
+    support bool[batch, heads, max_blocks] with max_blocks = max_pages * page_size // block_size.
+    Returns out [batch, heads, head_dim] (q's dtype), support' and, with return_mass, the block
+    mass float32[batch, heads, max_blocks] (zeros past seq_len; that of the attended keys).
+    Scores and softmax are float32.
+    """
+    _check_shapes(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size)
+    batch, heads, head_dim = q.shape
+    _, page_size, kv_heads, _ = k_pages.shape
+    n_keys = page_table.shape[1] * page_size
+    n_blocks = n_keys // block_size
+    group = heads // kv_heads
+    scale = head_dim ** -0.5 if scale is None else scale
+
+    k = k_pages[page_table].reshape(batch, n_keys, kv_heads, head_dim)
+    v = v_pages[page_table].reshape(batch, n_keys, kv_heads, head_dim)
+    qg = q.reshape(batch, kv_heads, group, head_dim)
+    scores = jnp.einsum("bkgd,bskd->bkgs", qg, k, preferred_element_type=jnp.float32,
+                        precision=lax.Precision.HIGHEST).reshape(batch, heads, n_keys) * scale
+
+    causal = causal_blocks(seq_lens, block_size, n_blocks)                         # [batch, n_blocks]
+    sparse = (modes == M.SPARSE)[:, None, None]
+    blocks = causal[:, None, :] & jnp.where(sparse, support, True)                # [batch, heads, n_blocks]
+    keys = jnp.repeat(blocks, block_size, axis=-1) & (jnp.arange(n_keys) < seq_lens[:, None, None])
+    scores = jnp.where(keys, scores, -jnp.inf)
+    probs = jnp.exp(scores - scores.max(-1, keepdims=True))
+    probs = probs / probs.sum(-1, keepdims=True)
+    out = jnp.einsum("bkgs,bskd->bkgd", probs.reshape(batch, kv_heads, group, n_keys),
+                     v.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    out = out.reshape(batch, heads, head_dim).astype(q.dtype)
+
+    mass = probs.reshape(batch, heads, n_blocks, block_size).sum(-1)
+    selected = select_blocks(mass, eta)
+    row = modes[:, None, None]
+    new_support = jnp.where(row == M.DISCOVER, selected,
+                            jnp.where(row == M.DISCOVER_UNION, support | selected, support))
+    return (out, new_support, mass) if return_mass else (out, new_support)
+
+
+def resolve_kernel(kernel: str) -> str:
+    """'auto' -> 'pallas' on a GPU, 'reference' elsewhere; other names are checked."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown JAX decode-attention kernel {kernel!r}; choose one of {KERNELS}")
+    if kernel == "auto":
+        return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "reference"
+    return kernel
+
+
+def attention_impl(kernel: str):
+    """The decode_attention function named by `kernel` (imports the Pallas kernel lazily)."""
+    if resolve_kernel(kernel) == "reference":
+        return decode_attention_reference
+    try:
+        from wise_jax.kernels.pallas_decode import decode_attention as pallas_decode_attention
+    except ImportError as e:
+        raise ImportError(f"kernel='pallas' needs wise_jax.kernels.pallas_decode.decode_attention, which "
+                          f"cannot be imported ({e}); use kernel='reference'") from e
+    return pallas_decode_attention
+
+
+def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size: int,
+                     eta: float, scale: float | None = None, return_mass: bool = False,
+                     kernel: str = "auto"):
+    """decode_attention_reference's contract, run by `kernel` ('reference', 'pallas' or 'auto')."""
+    return attention_impl(kernel)(q, k_pages, v_pages, page_table, seq_lens, modes, support,
+                                  block_size=block_size, eta=eta, scale=scale, return_mass=return_mass)

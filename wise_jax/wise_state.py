@@ -1,0 +1,127 @@
+"""WISE decode state as a pytree, and the decode attention of one (loop, layer) under WISE.
+
+Per slot (a batch row) and layer the state holds the support found for the token being decoded,
+the (request id, position) it was found for, and a bitmask of the discovery depths that ran for
+it. A reuse depth attends sparsely only when that tag matches the row's current (request,
+position) and every discovery depth ran; otherwise it attends densely and counts a fallback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from wise_core import modes as M
+from wise_core.config import WiseConfig
+from wise_jax.attention import causal_blocks, decode_attention
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["support", "tag_request", "tag_position", "discovered", "fallbacks",
+                                "attended_blocks", "causal_blocks"], meta_fields=[])
+@dataclasses.dataclass
+class WiseState:
+    """support bool[slots, layers, heads, max_blocks]; tag_request, tag_position, discovered
+    int32[slots, layers]; fallbacks int32[] ((token, layer) pairs that fell back to dense at a
+    reuse depth); attended_blocks, causal_blocks float32[n_reuse] (sums over reuse-depth calls
+    of attended causal blocks and causal blocks, per (row, head), in reuse_depths order)."""
+
+    support: jax.Array
+    tag_request: jax.Array
+    tag_position: jax.Array
+    discovered: jax.Array
+    fallbacks: jax.Array
+    attended_blocks: jax.Array
+    causal_blocks: jax.Array
+
+    def density(self) -> jax.Array:
+        """float32[n_reuse]: attended / causal blocks per reuse depth (0 where nothing ran)."""
+        return jnp.where(self.causal_blocks > 0, self.attended_blocks / jnp.maximum(self.causal_blocks, 1), 0.0)
+
+
+def create(wise_config: WiseConfig, *, slots: int, layers: int, heads: int, max_blocks: int) -> WiseState:
+    """A state with no support recorded (tags -1) and zero counters."""
+    n_reuse = len(wise_config.reuse_depths)
+    return WiseState(
+        support=jnp.zeros((slots, layers, heads, max_blocks), bool),
+        tag_request=jnp.full((slots, layers), -1, jnp.int32),
+        tag_position=jnp.full((slots, layers), -1, jnp.int32),
+        discovered=jnp.zeros((slots, layers), jnp.int32),
+        fallbacks=jnp.zeros((), jnp.int32),
+        attended_blocks=jnp.zeros((n_reuse,), jnp.float32),
+        causal_blocks=jnp.zeros((n_reuse,), jnp.float32))
+
+
+def reset_counters(state: WiseState) -> WiseState:
+    """Zero the fallback and density counters."""
+    return dataclasses.replace(state, fallbacks=jnp.zeros_like(state.fallbacks),
+                               attended_blocks=jnp.zeros_like(state.attended_blocks),
+                               causal_blocks=jnp.zeros_like(state.causal_blocks))
+
+
+def discovery_mask(wise_config: WiseConfig) -> int:
+    """Bitmask with bit d set for every discovery depth d."""
+    return sum(1 << d for d in wise_config.discover_depths)
+
+
+def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int, layer: jax.Array, q, k_pages,
+                   v_pages, page_table, seq_lens, request_ids, active, *, kernel: str
+                   ) -> tuple[jax.Array, WiseState]:
+    """Decode attention of `layer` at `loop` with the row modes WISE assigns, updating the state.
+
+    q: [batch, heads, head_dim]; pages / page_table / seq_lens as decode_attention (the token at
+    position seq_lens - 1 is being decoded); request_ids int32[batch]; active bool[batch]: rows
+    whose fallbacks and density are counted. Returns (out [batch, heads, head_dim], state).
+    """
+    role = wise_config.depth_role(loop)
+    batch = q.shape[0]
+    position = seq_lens - 1
+    support = state.support[:, layer]
+    n_blocks = support.shape[-1]
+    tagged = (state.tag_request[:, layer] == request_ids) & (state.tag_position[:, layer] == position)
+    discovered = state.discovered[:, layer]
+    bit = 1 << loop
+
+    if role == "discover":
+        if loop == min(wise_config.discover_depths):
+            fresh = jnp.ones((batch,), bool)
+        else:  # a union only onto support found for this very token
+            fresh = ~tagged
+        modes = jnp.where(fresh, M.DISCOVER, M.DISCOVER_UNION).astype(jnp.int32)
+    elif role == "reuse":
+        full = discovery_mask(wise_config)
+        complete = tagged & ((discovered & full) == full)
+        modes = jnp.where(complete, M.SPARSE, M.DENSE).astype(jnp.int32)
+    else:
+        modes = jnp.full((batch,), M.DENSE, jnp.int32)
+
+    out, new_support = decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support,
+                                        block_size=wise_config.block_size, eta=wise_config.eta, kernel=kernel)
+    causal = causal_blocks(seq_lens, wise_config.block_size, n_blocks)       # [batch, n_blocks]
+
+    if role == "discover":
+        if wise_config.all_blocks:
+            new_support = jnp.broadcast_to(causal[:, None, :], new_support.shape)
+        state = dataclasses.replace(
+            state,
+            support=state.support.at[:, layer].set(new_support),
+            tag_request=state.tag_request.at[:, layer].set(request_ids),
+            tag_position=state.tag_position.at[:, layer].set(position),
+            discovered=state.discovered.at[:, layer].set(jnp.where(fresh, bit, discovered | bit)))
+    elif role == "reuse":
+        depth = wise_config.reuse_depths.index(loop)
+        heads = support.shape[1]
+        n_causal = causal.sum(-1, dtype=jnp.int32)                              # [batch]
+        n_supported = (support & causal[:, None, :]).sum((-1, -2), dtype=jnp.int32)
+        attended = jnp.where(complete, n_supported, heads * n_causal)
+        counted = active.astype(jnp.int32)
+        state = dataclasses.replace(
+            state,
+            fallbacks=state.fallbacks + (counted * ~complete).sum(dtype=jnp.int32),
+            attended_blocks=state.attended_blocks.at[depth].add((counted * attended).sum().astype(jnp.float32)),
+            causal_blocks=state.causal_blocks.at[depth].add(
+                (counted * heads * n_causal).sum().astype(jnp.float32)))
+    return out, state
