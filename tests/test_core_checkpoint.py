@@ -1,0 +1,151 @@
+"""wise_core.checkpoint: round trips and every malformed checkpoint named by its error."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from wise_core.checkpoint import (BUILTIN_MODELS, DEFAULT_MODEL, Checkpoint, CheckpointError,
+                                  expected_shapes, load_checkpoint, random_tensors, save_checkpoint)
+from wise_core.config import PRESETS
+from wise_core.safetensors_io import float32_to_bf16_bits
+from wise_core.tokenizer import byte_tokenizer
+
+CONFIG = dataclasses.replace(PRESETS["test-tiny-gqa"], num_hidden_layers=1)
+
+
+@pytest.fixture
+def checkpoint():
+    return Checkpoint(CONFIG, random_tensors(CONFIG, seed=1), byte_tokenizer())
+
+
+def assert_same_tensors(a, b):
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype == np.float32, name
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def test_round_trip(tmp_path, checkpoint):
+    save_checkpoint(tmp_path, checkpoint)
+    loaded = load_checkpoint(tmp_path)
+    assert loaded.config == CONFIG
+    assert_same_tensors(loaded.tensors, checkpoint.tensors)
+    assert loaded.tokenizer.encode("def f(x):").ids == checkpoint.tokenizer.encode("def f(x):").ids
+
+
+def test_sharded_round_trip(tmp_path, checkpoint):
+    save_checkpoint(tmp_path, checkpoint, max_shard_bytes=100_000)
+    assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 1
+    assert_same_tensors(load_checkpoint(tmp_path).tensors, checkpoint.tensors)
+
+
+def test_bf16_round_trip_rounds_to_nearest_even(tmp_path, checkpoint):
+    save_checkpoint(tmp_path, checkpoint, bf16=True)
+    loaded = load_checkpoint(tmp_path).tensors
+    for name, array in checkpoint.tensors.items():
+        expected = (float32_to_bf16_bits(array).astype(np.uint32) << 16).view(np.float32)
+        np.testing.assert_array_equal(loaded[name], expected, err_msg=name)
+
+
+def test_tied_checkpoint_drops_lm_head(tmp_path):
+    config = dataclasses.replace(CONFIG, tie_word_embeddings=True)
+    tensors = random_tensors(config)
+    assert "lm_head.weight" not in tensors
+    save_checkpoint(tmp_path, Checkpoint(config, {**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"]}))
+    assert_same_tensors(load_checkpoint(tmp_path).tensors, tensors)
+
+
+def test_builtin_default_model():
+    loaded = load_checkpoint(DEFAULT_MODEL)
+    assert DEFAULT_MODEL in BUILTIN_MODELS
+    assert loaded.tokenizer is not None
+    assert {n: a.shape for n, a in loaded.tensors.items()} == expected_shapes(loaded.config)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.pop("model.norm.weight"), "missing tensor 'model.norm.weight'"),
+    (lambda t: t.update(extra=np.zeros(3, np.float32)), "unexpected tensor 'extra'"),
+    (lambda t: t.update({"model.layers.0.mlp.up_proj.weight": np.zeros((3, 4), np.float32)}),
+     r"'model.layers.0.mlp.up_proj.weight' has shape \(3, 4\), expected \(256, 128\)"),
+])
+def test_save_rejects_mismatched_tensors(tmp_path, checkpoint, edit, message):
+    edit(checkpoint.tensors)
+    with pytest.raises(CheckpointError, match=message):
+        save_checkpoint(tmp_path, checkpoint)
+
+
+def _rewrite_weights(directory, edit):
+    from wise_core.safetensors_io import read_safetensors, write_safetensors
+    tensors = read_safetensors(directory / "model.safetensors")
+    edit(tensors)
+    write_safetensors(directory / "model.safetensors", tensors)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.pop("lm_head.weight"), "missing tensor 'lm_head.weight'"),
+    (lambda t: t.update({"model.layers.7.mlp.up_proj.weight": np.zeros(1, np.float32)}),
+     "unexpected tensor 'model.layers.7.mlp.up_proj.weight'"),
+    (lambda t: t.update({"model.norm.weight": np.zeros(5, np.float32)}),
+     r"'model.norm.weight' has shape \(5,\), expected \(128,\)"),
+    (lambda t: t.update({"model.norm.weight": np.zeros(128, np.int32)}), "non-floating dtype int32"),
+])
+def test_load_rejects_mismatched_tensors(tmp_path, checkpoint, edit, message):
+    save_checkpoint(tmp_path, checkpoint)
+    _rewrite_weights(tmp_path, edit)
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{oops", "not valid JSON"),
+    ("[]", "JSON object"),
+    (json.dumps({"hidden_size": 128}), "missing the required field"),
+    (json.dumps({**CONFIG.to_dict(), "head_dim": 63}), "head_dim must be even"),
+])
+def test_bad_config_json(tmp_path, checkpoint, text, message):
+    save_checkpoint(tmp_path, checkpoint)
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(tmp_path)
+
+
+def test_missing_files(tmp_path, checkpoint):
+    save_checkpoint(tmp_path, checkpoint)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        load_checkpoint(tmp_path)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_checkpoint(tmp_path)
+
+
+def test_unknown_model_name():
+    with pytest.raises(CheckpointError, match=r"unknown model 'no-such-model'.*random-tiny"):
+        load_checkpoint("no-such-model")
+
+
+@pytest.mark.parametrize("keep", [4, 200, -100])
+def test_truncated_safetensors(tmp_path, checkpoint, keep):
+    save_checkpoint(tmp_path, checkpoint)
+    path = tmp_path / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:keep] if keep > 0 else data[:keep])
+    with pytest.raises(CheckpointError, match="too short|exceeds the file size|truncated"):
+        load_checkpoint(tmp_path)
+
+
+def test_sharded_errors(tmp_path, checkpoint):
+    save_checkpoint(tmp_path, checkpoint, max_shard_bytes=100_000)
+    shards = sorted(tmp_path.glob("model-*-of-*.safetensors"))
+    data = shards[-1].read_bytes()
+    shards[-1].write_bytes(data[:-100])
+    with pytest.raises(ValueError, match="truncated"):
+        load_checkpoint(tmp_path)
+    shards[-1].unlink()
+    with pytest.raises(CheckpointError, match=f"shard '{shards[-1].name}' is missing"):
+        load_checkpoint(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="malformed index"):
+        load_checkpoint(tmp_path)

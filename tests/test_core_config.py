@@ -1,0 +1,79 @@
+"""wise_core.config: ModelConfig and WiseConfig validation."""
+
+import dataclasses
+import json
+
+import pytest
+
+from wise_core.config import PRESETS, ConfigError, ModelConfig, WiseConfig
+
+TINY = PRESETS["test-tiny"]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_size": 0}, "hidden_size must be a positive integer"),
+    ({"num_hidden_layers": 2.0}, "num_hidden_layers must be a positive integer"),
+    ({"total_ut_steps": True}, "total_ut_steps must be a positive integer"),
+    ({"num_attention_heads": 3, "num_key_value_heads": 2}, "multiple of num_key_value_heads"),
+    ({"head_dim": 63}, "head_dim must be even"),
+    ({"rope_theta": 0.0}, "rope_theta must be positive"),
+    ({"rms_norm_eps": -1e-6}, "rms_norm_eps must be positive"),
+    ({"early_exit_threshold": 1.5}, "early_exit_threshold"),
+    ({"eos_token_id": 384}, "eos_token_id=384 is outside the vocabulary"),
+])
+def test_model_config_errors(change, message):
+    with pytest.raises(ConfigError, match=message):
+        dataclasses.replace(TINY, **change)
+
+
+def test_model_config_from_dict():
+    raw = TINY.to_dict()
+    assert ModelConfig.from_dict(raw) == TINY
+    derived = {k: v for k, v in raw.items() if k not in ("head_dim", "num_key_value_heads")}
+    config = ModelConfig.from_dict(derived)
+    assert config.head_dim == TINY.hidden_size // TINY.num_attention_heads
+    assert config.num_key_value_heads == TINY.num_attention_heads
+    assert ModelConfig.from_dict({**raw, "eos_token_id": [5]}).eos_token_id == 5
+    with pytest.raises(ConfigError, match="lists several ids"):
+        ModelConfig.from_dict({**raw, "eos_token_id": [5, 6]})
+    with pytest.raises(ConfigError, match="missing the required field 'vocab_size'"):
+        ModelConfig.from_dict({k: v for k, v in raw.items() if k != "vocab_size"})
+
+
+def test_model_config_from_json_errors(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        ModelConfig.from_json(tmp_path / "config.json")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        ModelConfig.from_json(tmp_path / "config.json")
+    (tmp_path / "config.json").write_text(json.dumps([1, 2]))
+    with pytest.raises(ConfigError, match="JSON object"):
+        ModelConfig.from_json(tmp_path / "config.json")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"block_size": 48}, "power of two"),
+    ({"block_size": 0}, "power of two"),
+    ({"block_size": True}, "power of two"),
+    ({"eta": 0.0}, r"eta must be in \(0, 1\]"),
+    ({"eta": 1.01}, r"eta must be in \(0, 1\]"),
+    ({"discover_depths": ()}, "at least one loop"),
+    ({"discover_depths": (-1, 0)}, "non-negative loop indices"),
+    ({"reuse_depths": (2, 2)}, "repeats a loop"),
+    ({"discover_depths": (0, 2), "reuse_depths": (2, 3)}, r"loops \[2\] are both"),
+    ({"discover_depths": (0, 3), "reuse_depths": (2,)}, "comes before the last discovery depth"),
+    ({"kernel": "cuda"}, "kernel must be one of"),
+])
+def test_wise_config_errors(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        WiseConfig(**kwargs)
+
+
+def test_wise_config_roles_and_range():
+    config = WiseConfig(discover_depths=[0, 1], reuse_depths=[3])
+    assert config.discover_depths == (0, 1)  # lists become tuples: hashable
+    assert [config.depth_role(loop) for loop in range(4)] == ["discover", "discover", "dense", "reuse"]
+    config.validate_for(4)
+    with pytest.raises(ConfigError, match=r"\[3\] are out of range for a model with 3 loops"):
+        config.validate_for(3)
+    hash(config)
