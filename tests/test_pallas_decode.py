@@ -1,0 +1,223 @@
+"""The Pallas paged decode kernel (wise_jax.kernels.pallas_decode) in interpret mode on CPU.
+
+Small shapes (a few rows, 2-4 heads, 6-8 blocks). References: wise_core.reference (numpy,
+float64) and wise_jax.attention.decode_attention_reference (jnp). Tolerances: float32 outputs
+2e-5 absolute; bfloat16 outputs 1.5e-2 absolute (one bf16 rounding of values of magnitude < 2);
+block mass 1e-5 absolute. Bitwise claims compare the raw bits.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from wise_core import modes as M
+from wise_core import reference as ref
+from wise_jax.kernels.pallas_decode import KernelConfig, decode_attention
+
+BLOCK = 32
+ETA = 0.95
+SPLIT = KernelConfig(tile_blocks=2, num_splits=2)  # multi-block steps and two splits
+
+
+def bits(x) -> np.ndarray:
+    x = np.asarray(x)
+    return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+
+
+def make_case(seed, *, page_size, heads, kv_heads, head_dim, dtype, max_pages, seq_lens):
+    """A random paged cache whose pages are scattered over a shuffled pool."""
+    rng = np.random.default_rng(seed)
+    batch = len(seq_lens)
+    num_pages = batch * max_pages + 3
+    shape = (num_pages, page_size, kv_heads, head_dim)
+    k = jnp.asarray(rng.standard_normal(shape), dtype)
+    v = jnp.asarray(rng.standard_normal(shape), dtype)
+    q = jnp.asarray(3.0 * rng.standard_normal((batch, heads, head_dim)), dtype)  # peaked softmax
+    page_table = rng.permutation(num_pages)[:batch * max_pages].reshape(batch, max_pages)
+    n_blocks = max_pages * page_size // BLOCK
+    support = rng.random((batch, heads, n_blocks)) < 0.4
+    support[:, :, 0] = True  # a sparse row must select a causal block
+    return dict(q=q, k=k, v=v, page_table=jnp.asarray(page_table, jnp.int32),
+                seq_lens=jnp.asarray(seq_lens, jnp.int32), support=jnp.asarray(support))
+
+
+def row_reference(case, b, support=None):
+    """(out float64 [heads, head_dim], mass [heads, n_blocks]) of row b from wise_core.reference."""
+    k, v = (np.asarray(case[name].astype(jnp.float32), np.float64) for name in ("k", "v"))
+    pages = np.asarray(case["page_table"][b])
+    n = int(case["seq_lens"][b])
+    keys = k[pages].reshape(-1, *k.shape[2:])[:n]
+    values = v[pages].reshape(-1, *v.shape[2:])[:n]
+    n_causal = ref.num_blocks(n, BLOCK)
+    out, mass = ref.attention(np.asarray(case["q"][b].astype(jnp.float32), np.float64), keys, values,
+                              block_size=BLOCK,
+                              support=None if support is None else support[:, :n_causal])
+    padded = np.zeros((mass.shape[0], case["support"].shape[-1]))
+    padded[:, :n_causal] = mass
+    return out, padded
+
+
+def run(case, modes, support=None, **kw):
+    kw.setdefault("config", SPLIT)
+    return decode_attention(case["q"], case["k"], case["v"], case["page_table"], case["seq_lens"],
+                            jnp.asarray(modes, jnp.int32),
+                            case["support"] if support is None else support,
+                            block_size=BLOCK, eta=kw.pop("eta", ETA), return_mass=True, **kw)
+
+
+COMBOS = {
+    "page32-mha-d64-f32": dict(page_size=32, heads=2, kv_heads=2, head_dim=64, dtype=jnp.float32,
+                               max_pages=6, seq_lens=[192, 150, 70, 33]),
+    "page64-gqa-d128-bf16": dict(page_size=64, heads=4, kv_heads=2, head_dim=128, dtype=jnp.bfloat16,
+                                 max_pages=3, seq_lens=[130, 192, 97, 64]),
+    "page128-gqa-d64-bf16": dict(page_size=128, heads=2, kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
+                                 max_pages=2, seq_lens=[256, 200, 129, 31]),
+}
+
+
+@pytest.mark.parametrize("name", list(COMBOS))
+def test_modes_against_references_and_dense(name):
+    """Dense = reference; discover/union bitwise dense; sparse-all bitwise dense; sparse = masked
+    reference; selection = select_blocks on the kernel's mass; union = OR."""
+    spec = COMBOS[name]
+    case = make_case(1, **spec)
+    atol = 2e-5 if spec["dtype"] == jnp.float32 else 1.5e-2
+    n_blocks = case["support"].shape[-1]
+    causal = np.stack([ref.causal_blocks(int(n), BLOCK, n_blocks) for n in case["seq_lens"]])
+    support = np.asarray(case["support"]).copy()
+    support[2] = causal[2]  # row 2 SPARSE with every causal block: must equal DENSE bitwise
+    support = jnp.asarray(support)
+
+    dense_out, dense_support, _ = run(case, [M.DENSE] * 4, support)
+    out, new_support, mass = run(case, [M.DISCOVER, M.DISCOVER_UNION, M.SPARSE, M.SPARSE], support)
+    assert out.dtype == spec["dtype"] and out.shape == case["q"].shape
+    assert np.array_equal(np.asarray(dense_support), np.asarray(support))
+
+    for b in range(4):
+        expected, _ = row_reference(case, b)
+        np.testing.assert_allclose(np.asarray(dense_out[b].astype(jnp.float32)), expected, atol=atol)
+    assert np.array_equal(bits(out[:3]), bits(dense_out[:3]))  # discover, union, sparse-all
+
+    sparse_expected, _ = row_reference(case, 3, np.asarray(support[3]))
+    np.testing.assert_allclose(np.asarray(out[3].astype(jnp.float32)), sparse_expected, atol=atol)
+
+    mass = np.asarray(mass)
+    for b in (0, 1):
+        np.testing.assert_allclose(mass[b], row_reference(case, b)[1], atol=1e-5)
+    selected = ref.select_blocks(mass[:2], ETA)
+    assert np.array_equal(np.asarray(new_support[0]), selected[0])
+    assert np.array_equal(np.asarray(new_support[1]), selected[1] | np.asarray(support[1]))
+    assert np.array_equal(np.asarray(new_support[2:]), np.asarray(support[2:]))
+    assert not np.array_equal(selected[0], causal[0][None].repeat(spec["heads"], 0)), \
+        "the case should select a strict subset of the causal blocks"
+
+
+def test_matches_jnp_reference():
+    """Every mode against wise_jax.attention.decode_attention_reference (float32)."""
+    from wise_jax.attention import decode_attention_reference
+    case = make_case(2, **COMBOS["page32-mha-d64-f32"])
+    modes = jnp.asarray([M.DISCOVER, M.DISCOVER_UNION, M.SPARSE, M.DENSE], jnp.int32)
+    args = (case["q"], case["k"], case["v"], case["page_table"], case["seq_lens"], modes,
+            case["support"])
+    out, support, mass = decode_attention(*args, block_size=BLOCK, eta=ETA, return_mass=True)
+    ref_out, ref_support, ref_mass = decode_attention_reference(*args, block_size=BLOCK, eta=ETA,
+                                                                return_mass=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(mass[:2]), np.asarray(ref_mass[:2]), atol=1e-5)
+    assert np.array_equal(np.asarray(support), np.asarray(ref_support))
+
+
+def test_mixed_batch_rows_equal_rows_alone():
+    """Each row of a mixed-mode batch gets bitwise what it gets in a batch of one."""
+    case = make_case(3, **COMBOS["page64-gqa-d128-bf16"])
+    modes = [M.SPARSE, M.DISCOVER, M.DENSE, M.DISCOVER_UNION]
+    out, support, mass = run(case, modes)
+    for b in range(4):
+        alone = {name: (x[b:b + 1] if name not in ("k", "v") else x) for name, x in case.items()}
+        out_b, support_b, mass_b = run(alone, [modes[b]])
+        assert np.array_equal(bits(out_b[0]), bits(out[b]))
+        assert np.array_equal(np.asarray(support_b[0]), np.asarray(support[b]))
+        if modes[b] in (M.DISCOVER, M.DISCOVER_UNION):
+            assert np.array_equal(bits(mass_b[0]), bits(mass[b]))
+
+
+def test_selection_ties_eta_one_and_all_blocks():
+    """Equal masses rank by index; eta=1 keeps every block with mass; all_blocks keeps the causal."""
+    spec = dict(COMBOS["page32-mha-d64-f32"], seq_lens=[192, 150, 70, 33])
+    case = make_case(4, **spec)
+    flat = dict(case, k=jnp.zeros_like(case["k"]))  # every score 0: mass = keys per block / seq_len
+    modes = [M.DISCOVER] * 4
+    _, support, mass = run(flat, modes, eta=0.4)
+    assert np.array_equal(np.asarray(support), ref.select_blocks(np.asarray(mass), 0.4))
+    np.testing.assert_array_equal(np.asarray(support[0, 0]), [1, 1, 1, 0, 0, 0])  # 6 equal blocks
+
+    _, support, mass = run(case, modes, eta=1.0)
+    assert np.array_equal(np.asarray(support), ref.select_blocks(np.asarray(mass), 1.0))
+
+    _, support, _ = run(case, [M.DISCOVER, M.DISCOVER_UNION, M.DENSE, M.SPARSE], all_blocks=True)
+    n_blocks = case["support"].shape[-1]
+    causal = np.stack([ref.causal_blocks(int(n), BLOCK, n_blocks) for n in case["seq_lens"]])
+    held = np.asarray(case["support"])
+    assert np.array_equal(np.asarray(support[0]), np.broadcast_to(causal[0], held[0].shape))
+    assert np.array_equal(np.asarray(support[1]), held[1] | causal[1])
+    assert np.array_equal(np.asarray(support[2:]), held[2:])
+
+
+def test_jit_and_default_config_match_eager():
+    """Under jax.jit (traced inputs, the dispatcher's case) the result is bitwise the eager one."""
+    case = make_case(5, **COMBOS["page128-gqa-d64-bf16"])
+    modes = jnp.asarray([M.DISCOVER, M.SPARSE, M.DENSE, M.DISCOVER_UNION], jnp.int32)
+    args = (case["q"], case["k"], case["v"], case["page_table"], case["seq_lens"], modes,
+            case["support"])
+    call = functools.partial(decode_attention, block_size=BLOCK, eta=ETA, return_mass=True)
+    eager = call(*args)
+    jitted = jax.jit(call)(*args)
+    for a, b in zip(eager, jitted):
+        assert np.array_equal(bits(a), bits(b))
+    out, support = decode_attention(*args, block_size=BLOCK, eta=ETA)
+    assert np.array_equal(bits(out), bits(eager[0]))
+
+
+def _bad(**change):
+    case = make_case(6, **COMBOS["page32-mha-d64-f32"])
+    args = dict(q=case["q"], k_pages=case["k"], v_pages=case["v"], page_table=case["page_table"],
+                seq_lens=case["seq_lens"], modes=jnp.zeros(4, jnp.int32), support=case["support"],
+                block_size=BLOCK, eta=ETA)
+    args.update(change)
+    return args
+
+
+BAD = {
+    "q rank": (dict(q=jnp.zeros((4, 128))), "q must be"),
+    "v shape": (dict(v_pages=jnp.zeros((27, 32, 2, 32))), "v_pages"),
+    "head_dim mismatch": (dict(q=jnp.zeros((4, 2, 32))), "head_dim"),
+    "heads not multiple": (dict(q=jnp.zeros((4, 3, 64)), support=jnp.zeros((4, 3, 6), bool)),
+                           "multiple"),
+    "page not multiple of block": (dict(block_size=64), "page_size"),
+    "head_dim not power of two": (dict(q=jnp.zeros((4, 2, 48)), k_pages=jnp.zeros((27, 32, 2, 48)),
+                                       v_pages=jnp.zeros((27, 32, 2, 48))), "power of two"),
+    "block not power of two": (dict(block_size=24), "block_size"),
+    "eta": (dict(eta=1.5), "eta"),
+    "support shape": (dict(support=jnp.zeros((4, 2, 5), bool)), "support"),
+    "support dtype": (dict(support=jnp.zeros((4, 2, 6), jnp.int32)), "support"),
+    "seq_lens dtype": (dict(seq_lens=jnp.zeros(4, jnp.float32)), "seq_lens"),
+    "modes shape": (dict(modes=jnp.zeros(3, jnp.int32)), "modes"),
+    "page_table dtype": (dict(page_table=jnp.zeros((4, 6), jnp.float32)), "page_table"),
+    "q dtype": (dict(q=jnp.zeros((4, 2, 64), jnp.int32)), "q dtype"),
+    "seq_len too long": (dict(seq_lens=jnp.asarray([193, 1, 1, 1], jnp.int32)), "seq_lens"),
+    "seq_len zero": (dict(seq_lens=jnp.asarray([0, 1, 1, 1], jnp.int32)), "seq_lens"),
+    "unknown mode": (dict(modes=jnp.asarray([0, 1, 2, 7], jnp.int32)), "modes"),
+    "page out of pool": (dict(page_table=jnp.full((4, 6), 27, jnp.int32)), "page_table"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_inputs_raise(name):
+    change, message = BAD[name]
+    with pytest.raises(ValueError, match=message):
+        decode_attention(**_bad(**change))

@@ -1,0 +1,422 @@
+"""Paged split-KV decode attention with per-row WISE modes, as Pallas kernels.
+
+One call serves a batch whose rows may each be DENSE, DISCOVER, DISCOVER_UNION or SPARSE
+(`wise_core.modes`). Three steps, all on the device:
+
+1. Tile lists (jnp, fused by XLA): per (row, head) the blocks to attend, compacted in
+   ascending order: every causal block for DENSE/DISCOVER/DISCOVER_UNION rows, the causal
+   blocks of the support for SPARSE rows. The kernels never branch on the mode.
+2. Split kernel, grid (batch, heads, splits): split `s` walks its contiguous share of the
+   row's list, `tile_blocks` blocks per step (each block a gather of `block_size` keys from
+   its page), with an online softmax; it writes the unnormalised partial output, its running
+   max and sum, and the log-sum-exp of every block it visited.
+3. Finish kernel, grid (batch, heads): merges the splits by log-sum-exp, writes the output,
+   the block mass `exp(lse_block - max) / sum` of discovery rows, and, for discovery rows
+   only, the selection.
+
+Bitwise by construction: DISCOVER and DISCOVER_UNION run exactly the DENSE path (the mass
+is a by-product), and a SPARSE row whose support holds every causal block gets the same list,
+hence the same split boundaries and accumulation order, as DENSE.
+
+Selection. Pallas has no sort on GPU, so the finish kernel ranks blocks by pairwise
+comparison (mass descending, ties to the lower index) in [64 x 32] tiles: block i is kept iff
+nothing ranks ahead of it, or its mass is positive and the mass ranked ahead of it is below
+`eta * total`. That is `wise_core.reference.select_blocks` summed in another order: the two
+agree except where a running sum lies within float32 rounding of the threshold (the spec
+allows this). The O(max_blocks^2) ranking runs only for discovery rows (`pl.when`).
+
+Backend. Every mode runs through the Pallas Triton lowering (`KERNEL_BACKEND`), deprecated
+in jax 0.11 but supported there, and the one path that is checked on a CPU machine: the test
+suite lowers the kernels for CUDA (to Triton IR) and runs them with `interpret=True`. Mosaic
+GPU is not used for any mode: decode is a matrix-vector product per (row, head) (Ouro is
+MHA: one query row per KV head), below the 64-row minimum of wgmma, so the Hopper fast path
+does not apply; the paged, per-row compacted gathers need per-block async copies with
+data-dependent addresses; and a Mosaic GPU kernel cannot be compiled or lowered without a
+GPU, so none could be verified before its first run. One launch serves every mode of a
+mixed batch, so the backend is one choice for all modes.
+
+GQA: each program serves one query head (supports are per query head), reading its KV head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+from wise_core import modes as wise_modes
+
+KERNEL_BACKEND = "triton"
+"""Pallas lowering used on GPU for every mode (see the module docstring for why)."""
+
+_SELECT_ROWS = 64  # ranking tile of the selection: [rows, cols] block pairs per step
+_SELECT_COLS = 32
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of the split kernel (powers of two).
+
+    tile_blocks: blocks gathered per loop step; num_splits: splits of each row's tile list;
+    num_warps, num_stages: Triton launch parameters.
+    """
+
+    tile_blocks: int = 2
+    num_splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("tile_blocks", "num_splits", "num_warps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0 or value & (value - 1):
+                raise ValueError(f"KernelConfig.{name} must be a positive power of two, got {value!r}")
+        if not isinstance(self.num_stages, int) or self.num_stages <= 0:
+            raise ValueError(f"KernelConfig.num_stages must be a positive integer, got {self.num_stages!r}")
+
+
+def default_config(batch: int, heads: int, max_blocks: int, head_dim: int, block_size: int,
+                   num_cores: int | None = None) -> KernelConfig:
+    """Heuristic launch: ~64 x head_dim keys per step, enough splits for ~8 programs per core."""
+    if num_cores is None:
+        num_cores = getattr(jax.devices()[0], "core_count", None) or 132
+    tile_blocks = max(1, 8192 // (block_size * head_dim))
+    steps = -(-max_blocks // tile_blocks)
+    splits = 1
+    while batch * heads * splits < 8 * num_cores and steps // (2 * splits) >= 4:
+        splits *= 2
+    return KernelConfig(tile_blocks=tile_blocks, num_splits=splits)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+
+def _split_kernel(seq_lens_ref, counts_ref, tiles_ref, page_table_ref, q_ref, k_ref, v_ref,
+                  acc_ref, m_ref, l_ref, block_lse_ref, *, block_size, page_size, tile_blocks,
+                  num_splits, scale):
+    """One (row, head, split): online softmax over this split's share of the tile list.
+
+    tiles_ref: [blocks_pad] listed blocks; page_table_ref: [max_pages]; q_ref: [head_dim];
+    k_ref, v_ref: [num_pages * page_size, head_dim] (this head's KV head);
+    acc_ref: [head_dim]; m_ref, l_ref: [batch, heads, splits]; block_lse_ref: [blocks_pad]
+    (by list position).
+    """
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    seq_len = seq_lens_ref[b]
+    n_listed = counts_ref[b, h]
+    n_steps = (n_listed + tile_blocks - 1) // tile_blocks
+    per_split = (n_steps + num_splits - 1) // num_splits
+    start = s * per_split
+    stop = jnp.minimum(start + per_split, n_steps)
+    q = q_ref[...].astype(jnp.float32) * scale
+    offsets = jnp.arange(block_size, dtype=jnp.int32)
+    dims = jnp.arange(q.shape[0], dtype=jnp.int32)[None, None, :]
+
+    def step(t, carry):
+        m, l, acc = carry
+        pos = t * tile_blocks + jnp.arange(tile_blocks, dtype=jnp.int32)  # list positions
+        listed = pos < n_listed
+        first = tiles_ref[pos] * block_size  # first key of each block: [tile_blocks]
+        pages = page_table_ref[first // page_size]
+        rows = (pages * page_size + first % page_size)[:, None] + offsets[None, :]
+        valid = listed[:, None] & (first[:, None] + offsets[None, :] < seq_len)
+        gather = (rows[:, :, None], dims)  # [tile_blocks, block_size, head_dim]
+        k = pl_triton.load(k_ref.at[gather], mask=valid[:, :, None], other=0)
+        scores = jnp.sum(k.astype(jnp.float32) * q[None, None, :], axis=-1)
+        scores = jnp.where(valid, scores, -jnp.inf)  # [tile_blocks, block_size]
+        m_new = jnp.maximum(m, jnp.max(scores))
+        p = jnp.exp(scores - m_new)
+        block_sum = jnp.sum(p, axis=1)
+        correction = jnp.exp(m - m_new)
+        v = pl_triton.load(v_ref.at[gather], mask=valid[:, :, None], other=0)
+        pv = jnp.sum(jnp.sum(p[:, :, None] * v.astype(jnp.float32), axis=1), axis=0)
+        pl_triton.store(block_lse_ref.at[pos], m_new + jnp.log(block_sum), mask=listed)
+        return m_new, l * correction + jnp.sum(block_sum), acc * correction + pv
+
+    init = (jnp.float32(-jnp.inf), jnp.float32(0), jnp.zeros(q.shape, jnp.float32))
+    m, l, acc = jax.lax.fori_loop(start, stop, step, init)
+    acc_ref[...] = acc
+    m_ref[b, h, s] = m
+    l_ref[b, h, s] = l
+
+
+def _finish_kernel(modes_ref, counts_ref, acc_ref, m_ref, l_ref, block_lse_ref,
+                   out_ref, mass_ref, select_ref, *, eta, all_blocks, n_blocks):
+    """One (row, head): merge splits by log-sum-exp; mass and selection of discovery rows.
+
+    acc_ref: [splits, head_dim]; m_ref, l_ref: [splits]; block_lse_ref, mass_ref,
+    select_ref (int8): [blocks_pad]; out_ref: [head_dim].
+    """
+    b, h = pl.program_id(0), pl.program_id(1)
+    mode = modes_ref[b]
+    discovering = (mode == wise_modes.DISCOVER) | (mode == wise_modes.DISCOVER_UNION)
+    n_listed = counts_ref[b, h]
+    m = m_ref[...]
+    m_max = jnp.max(m)
+    weight = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - m_max))
+    total = jnp.sum(weight * l_ref[...])
+    acc = jnp.sum(weight[:, None] * acc_ref[...], axis=0)
+    out_ref[...] = jnp.where(total > 0, acc / total, 0.0).astype(out_ref.dtype)
+
+    def block_mass(first, size):  # mass of listed blocks [first, first + size), else 0
+        index = first + jnp.arange(size, dtype=jnp.int32)
+        lse = block_lse_ref[pl.ds(first, size)]
+        return jnp.where(discovering & (index < n_listed), jnp.exp(lse - m_max) / total, 0.0)
+
+    blocks_pad = mass_ref.shape[0]
+    mass_ref[...] = block_mass(0, blocks_pad)
+
+    @pl.when(discovering)
+    def _select():
+        index = jnp.arange(blocks_pad, dtype=jnp.int32)
+        if all_blocks:  # a discovery row lists exactly its causal blocks
+            select_ref[...] = (index < n_listed).astype(jnp.int8)
+            return
+        threshold = eta * jnp.sum(block_mass(0, blocks_pad))
+        rows, cols = min(_SELECT_ROWS, blocks_pad), min(_SELECT_COLS, blocks_pad)
+
+        def row_tile(ti, carry):
+            i0 = ti * rows
+            mi = block_mass(i0, rows)[:, None]
+            ii = (i0 + jnp.arange(rows, dtype=jnp.int32))[:, None]
+
+            def col_tile(tj, sums):
+                before, ahead_count = sums
+                j0 = tj * cols
+                mj = block_mass(j0, cols)[None, :]
+                jj = (j0 + jnp.arange(cols, dtype=jnp.int32))[None, :]
+                ahead = (mj > mi) | ((mj == mi) & (jj < ii))
+                return (before + jnp.sum(jnp.where(ahead, mj, 0.0), axis=1),
+                        ahead_count + jnp.sum(ahead.astype(jnp.int32), axis=1))
+
+            before, ahead_count = jax.lax.fori_loop(
+                0, blocks_pad // cols, col_tile,
+                (jnp.zeros((rows,), jnp.float32), jnp.zeros((rows,), jnp.int32)))
+            keep = (ahead_count == 0) | ((mi[:, 0] > 0) & (before < threshold))
+            keep = keep & (ii[:, 0] < n_blocks)
+            select_ref[pl.ds(i0, rows)] = keep.astype(jnp.int8)
+            return carry
+
+        jax.lax.fori_loop(0, blocks_pad // rows, row_tile, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+
+
+def tile_lists(seq_lens: jax.Array, modes: jax.Array, support: jax.Array, *, block_size: int,
+               blocks_pad: int) -> tuple[jax.Array, jax.Array]:
+    """Per (row, head) the blocks to attend, compacted in ascending order.
+
+    seq_lens, modes: int32[batch]; support: bool[batch, heads, max_blocks] ->
+    (tiles int32[batch, heads, blocks_pad] (entries past the count are 0),
+     counts int32[batch, heads]).
+    """
+    batch, heads, n_blocks = support.shape
+    causal = jnp.arange(n_blocks, dtype=jnp.int32)[None, :] < (
+        (seq_lens + block_size - 1) // block_size)[:, None]
+    listed = jnp.where((modes == wise_modes.SPARSE)[:, None, None], support, True)
+    listed = listed & causal[:, None, :]
+    slot = jnp.where(listed, jnp.cumsum(listed, axis=-1, dtype=jnp.int32) - 1, blocks_pad)
+    b = jnp.arange(batch)[:, None, None]
+    h = jnp.arange(heads)[None, :, None]
+    blocks = jnp.broadcast_to(jnp.arange(n_blocks, dtype=jnp.int32), listed.shape)
+    tiles = jnp.zeros((batch, heads, blocks_pad), jnp.int32).at[b, h, slot].set(blocks, mode="drop")
+    return tiles, listed.sum(-1, dtype=jnp.int32)
+
+
+def _split_call(q, k_pages, v_pages, page_table, seq_lens, tiles, counts, *, block_size, scale,
+                config: KernelConfig, interpret: bool):
+    batch, heads, head_dim = q.shape
+    num_pages, page_size, kv_heads, _ = k_pages.shape
+    group = heads // kv_heads
+    blocks_pad = tiles.shape[-1]
+    splits = config.num_splits
+    k_rows = k_pages.reshape(num_pages * page_size, kv_heads, head_dim)
+    v_rows = v_pages.reshape(num_pages * page_size, kv_heads, head_dim)
+    whole = pl.BlockSpec()
+    kv_spec = pl.BlockSpec((num_pages * page_size, None, head_dim),
+                           lambda b, h, s: (0, h // group, 0))
+    kernel = functools.partial(
+        _split_kernel, block_size=block_size, page_size=page_size,
+        tile_blocks=config.tile_blocks, num_splits=splits, scale=scale)
+    f32 = jnp.float32
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, heads, splits),
+        in_specs=[
+            whole,  # seq_lens
+            whole,  # counts
+            pl.BlockSpec((None, None, blocks_pad), lambda b, h, s: (b, h, 0)),  # tiles
+            pl.BlockSpec((None, page_table.shape[1]), lambda b, h, s: (b, 0)),  # page_table
+            pl.BlockSpec((None, None, head_dim), lambda b, h, s: (b, h, 0)),  # q
+            kv_spec,
+            kv_spec,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, head_dim), lambda b, h, s: (b, h, s, 0)),  # acc
+            whole,  # m
+            whole,  # l
+            pl.BlockSpec((None, None, blocks_pad), lambda b, h, s: (b, h, 0)),  # block lse
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, heads, splits, head_dim), f32),
+            jax.ShapeDtypeStruct((batch, heads, splits), f32),
+            jax.ShapeDtypeStruct((batch, heads, splits), f32),
+            jax.ShapeDtypeStruct((batch, heads, blocks_pad), f32),
+        ],
+        compiler_params=pl_triton.CompilerParams(num_warps=config.num_warps,
+                                                 num_stages=config.num_stages),
+        interpret=interpret,
+        name="wise_decode_split",
+    )(seq_lens, counts, tiles, page_table, q, k_rows, v_rows)
+
+
+def _finish_call(modes, counts, acc, m, l, block_lse, *, out_dtype, eta, all_blocks, n_blocks,
+                 interpret: bool):
+    batch, heads, splits, head_dim = acc.shape
+    blocks_pad = block_lse.shape[-1]
+    whole = pl.BlockSpec()
+    per_head = lambda *shape: pl.BlockSpec((None, None, *shape), lambda b, h: (b, h) + (0,) * len(shape))
+    kernel = functools.partial(_finish_kernel, eta=eta, all_blocks=all_blocks, n_blocks=n_blocks)
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, heads),
+        in_specs=[whole, whole, per_head(splits, head_dim), per_head(splits), per_head(splits),
+                  per_head(blocks_pad)],
+        out_specs=[per_head(head_dim), per_head(blocks_pad), per_head(blocks_pad)],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, heads, head_dim), out_dtype),
+            jax.ShapeDtypeStruct((batch, heads, blocks_pad), jnp.float32),
+            jax.ShapeDtypeStruct((batch, heads, blocks_pad), jnp.int8),
+        ],
+        compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="wise_decode_finish",
+    )(modes, counts, acc, m, l, block_lse)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "eta", "scale", "all_blocks",
+                                             "config", "interpret"))
+def _decode(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size, eta, scale,
+            all_blocks, config, interpret):
+    n_blocks = support.shape[-1]
+    blocks_pad = max(_next_pow2(n_blocks), config.tile_blocks)
+    tiles, counts = tile_lists(seq_lens, modes, support, block_size=block_size,
+                               blocks_pad=blocks_pad)
+    acc, m, l, block_lse = _split_call(q, k_pages, v_pages, page_table, seq_lens, tiles, counts,
+                                       block_size=block_size, scale=scale, config=config,
+                                       interpret=interpret)
+    out, mass, selected = _finish_call(modes, counts, acc, m, l, block_lse, out_dtype=q.dtype,
+                                       eta=eta, all_blocks=all_blocks, n_blocks=n_blocks,
+                                       interpret=interpret)
+    selected = selected[..., :n_blocks].astype(bool)
+    row_mode = modes[:, None, None]
+    new_support = jnp.where(row_mode == wise_modes.DISCOVER, selected,
+                            jnp.where(row_mode == wise_modes.DISCOVER_UNION, selected | support,
+                                      support))
+    return out, new_support, mass[..., :n_blocks]
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+
+
+def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size,
+                     eta, scale=None, return_mass=False, interpret=None, all_blocks=False,
+                     config: KernelConfig | None = None):
+    """Decode attention over a paged KV cache with per-row WISE modes (docs/DESIGN.md).
+
+    q: [batch, heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim];
+    page_table: int32[batch, max_pages]; seq_lens: int32[batch] (keys in the cache, >= 1);
+    modes: int32[batch] (`wise_core.modes`); support: bool[batch, heads, max_blocks] with
+    max_blocks = max_pages * page_size // block_size.
+    Returns (out [batch, heads, head_dim] in q's dtype, support' bool[batch, heads, max_blocks])
+    and, with return_mass, mass float32[batch, heads, max_blocks] (zeros for rows that do not
+    discover). all_blocks: discovery rows select every causal block. interpret: run the
+    kernels in the Pallas interpreter (default: when the default backend is not a GPU).
+    config: launch parameters (default: `default_config` for these shapes).
+    """
+    _check_inputs(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size, eta)
+    _check_values(k_pages, page_table, seq_lens, modes, block_size)
+    batch, heads, head_dim = q.shape
+    if scale is None:
+        scale = head_dim ** -0.5
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    if config is None:
+        config = default_config(batch, heads, support.shape[-1], head_dim, block_size)
+    out, new_support, mass = _decode(
+        q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size,
+        eta=float(eta), scale=float(scale), all_blocks=bool(all_blocks), config=config,
+        interpret=bool(interpret))
+    return (out, new_support, mass) if return_mass else (out, new_support)
+
+
+def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size, eta):
+    """Raise ValueError naming the first shape, dtype or setting that does not fit."""
+    if not isinstance(block_size, int) or block_size <= 0 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size!r}")
+    if not 0.0 < eta <= 1.0:
+        raise ValueError(f"eta must be in (0, 1], got {eta!r}")
+    if q.ndim != 3:
+        raise ValueError(f"q must be [batch, heads, head_dim], got shape {q.shape}")
+    if k_pages.ndim != 4:
+        raise ValueError(f"k_pages must be [num_pages, page_size, kv_heads, head_dim], got shape {k_pages.shape}")
+    if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"v_pages {v_pages.shape} {v_pages.dtype} must match k_pages "
+                         f"{k_pages.shape} {k_pages.dtype}")
+    batch, heads, head_dim = q.shape
+    num_pages, page_size, kv_heads, kv_dim = k_pages.shape
+    for name, dtype in (("q", q.dtype), ("k_pages", k_pages.dtype)):
+        if jnp.dtype(dtype) not in _DTYPES:
+            raise ValueError(f"{name} dtype must be float32, bfloat16 or float16, got {dtype}")
+    if kv_dim != head_dim:
+        raise ValueError(f"head_dim of q ({head_dim}) and of the KV pages ({kv_dim}) differ")
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two for the Pallas kernel, got {head_dim}")
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+    if page_size % block_size:
+        raise ValueError(f"page_size ({page_size}) must be a multiple of block_size ({block_size})")
+    if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.dtype != jnp.int32:
+        raise ValueError(f"page_table must be int32[{batch}, max_pages], got "
+                         f"{page_table.dtype}{list(page_table.shape)}")
+    for name, x in (("seq_lens", seq_lens), ("modes", modes)):
+        if x.shape != (batch,) or x.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32[{batch}], got {x.dtype}{list(x.shape)}")
+    max_blocks = page_table.shape[1] * page_size // block_size
+    if support.shape != (batch, heads, max_blocks) or support.dtype != jnp.bool_:
+        raise ValueError(f"support must be bool[{batch}, {heads}, {max_blocks}] "
+                         f"(max_pages * page_size // block_size blocks), got "
+                         f"{support.dtype}{list(support.shape)}")
+
+
+def _check_values(k_pages, page_table, seq_lens, modes, block_size):
+    """Check seq_lens, modes and the used page-table entries when they are concrete."""
+    try:
+        lens, row_modes, table = np.asarray(seq_lens), np.asarray(modes), np.asarray(page_table)
+    except jax.errors.TracerArrayConversionError:
+        return  # traced under jit: values are the caller's contract
+    num_pages, page_size = k_pages.shape[:2]
+    capacity = table.shape[1] * page_size
+    if np.any(lens < 1) or np.any(lens > capacity):
+        raise ValueError(f"seq_lens must be in [1, {capacity}] (max_pages * page_size), got {lens}")
+    if not np.all(np.isin(row_modes, list(wise_modes.NAMES))):
+        raise ValueError(f"modes must be in {sorted(wise_modes.NAMES)}, got {row_modes}")
+    for b, n in enumerate(lens):
+        used = table[b, :-(-int(n) // page_size)]
+        if np.any(used < 0) or np.any(used >= num_pages):
+            raise ValueError(f"row {b}: page_table entries {used} are outside [0, {num_pages})")
