@@ -55,9 +55,10 @@ class GenerationOutput:
 
 @dataclasses.dataclass
 class ForcedOutput:
-    """logprobs float32[n_continuation]: log p(continuation[i] | context, continuation[:i]); stats."""
+    """logprobs: per sequence float32[len(continuation)], log p(continuation[i] | context,
+    continuation[:i]); stats."""
 
-    logprobs: np.ndarray
+    logprobs: list[np.ndarray]
     stats: dict
 
 
@@ -123,27 +124,28 @@ def _decode_loop(params: Params, cache, logits, request_ids, limit, eos, tempera
 
 
 @functools.partial(jax.jit, static_argnames=("config", "wise_config", "kernel"), donate_argnames=("cache",))
-def _forced_loop(params: Params, cache, logits, continuation, limit, *, config: ModelConfig,
+def _forced_loop(params: Params, cache, logits, continuation, limits, request_ids, *, config: ModelConfig,
                  wise_config: WiseConfig | None, kernel: str):
-    """Log-probs of the forced continuation int32[1, n]: the first from the prefill logits, each
-    next one from a decode step fed the previous forced token. Returns (float32[n], cache, state)."""
+    """Log-probs of forced continuations int32[batch, n] (row b valid up to limits[b]): the first
+    from the prefill logits, each next one from a decode step fed the previous forced token.
+    Returns (float32[batch, n], cache, state)."""
     _TRACES["forced"] += 1
-    state = _new_state(config, wise_config, cache, 1)
-    request_ids = jnp.zeros((1,), jnp.int32)
-    active = jnp.ones((1,), bool)
+    batch, n = continuation.shape
+    state = _new_state(config, wise_config, cache, batch)
 
-    def logprob(logits, token):
-        return jax.nn.log_softmax(logits[0])[token]
+    def logprob(logits, i):
+        return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), continuation[:, i, None], axis=1)[:, 0]
 
-    out = jnp.zeros(continuation.shape[1], jnp.float32).at[0].set(logprob(logits, continuation[0, 0]))
+    out = jnp.zeros((batch, n), jnp.float32).at[:, 0].set(logprob(logits, 0))
 
     def body(c):
         i, out, cache, state = c
+        active = (i < limits) & (request_ids >= 0)
         logits, cache, state = model.decode_step(params, config, cache, state, continuation[:, i - 1],
                                                  request_ids, active, wise_config=wise_config, kernel=kernel)
-        return i + 1, out.at[i].set(logprob(logits, continuation[0, i])), cache, state
+        return i + 1, out.at[:, i].set(logprob(logits, i)), cache, state
 
-    _, out, cache, state = jax.lax.while_loop(lambda c: c[0] < limit, body,
+    _, out, cache, state = jax.lax.while_loop(lambda c: c[0] < jnp.max(limits), body,
                                               (jnp.asarray(1, jnp.int32), out, cache, state))
     return out, cache, state
 
@@ -169,12 +171,16 @@ def _setup(config: ModelConfig, wise_config: WiseConfig | None, kernel: str | No
     return resolve_kernel(name)
 
 
-def _counters(state: ws.WiseState | None, wise_config: WiseConfig | None) -> dict:
-    if state is None:
-        return {"fallbacks": 0, "density": {}}
-    density = np.asarray(state.density())
-    return {"fallbacks": int(state.fallbacks),
-            "density": {d: float(x) for d, x in zip(wise_config.reuse_depths, density)}}
+def _stats(prefill_s: float, prefill_tokens: int, decode_s: float, new_tokens: int, decode_tokens: int,
+           state: ws.WiseState | None, wise_config: WiseConfig | None, traces: int, kernel: str) -> dict:
+    """The stats dict of generate / teacher_force (the fields of wise_torch's GenerationStats,
+    plus compiles and kernel); fallbacks and density are None without WISE."""
+    return {"prefill_s": prefill_s, "prefill_tokens": prefill_tokens, "decode_s": decode_s,
+            "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 else 0.0,
+            "new_tokens": new_tokens,
+            "fallbacks": None if state is None else int(state.fallbacks),
+            "density": None if state is None else state.density(wise_config),
+            "compiles": sum(_TRACES.values()) - traces, "kernel": kernel}
 
 
 def _check_pool(cache: kvc.PagedKVCache) -> None:
@@ -182,9 +188,51 @@ def _check_pool(cache: kvc.PagedKVCache) -> None:
         raise kvc.PoolExhaustedError("a page reservation did not fit the bucket's page pool")
 
 
+def _encode(prompts, config: ModelConfig, tokenizer: Tokenizer | None, what: str) -> list[list[int]]:
+    """Token-id lists or strings -> checked token-id lists."""
+    if isinstance(prompts, str) or not len(prompts):
+        raise ValueError(f"{what} must be a non-empty list of token-id lists or strings")
+    encoded = []
+    for n, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise ValueError(f"string {what} need a tokenizer: pass tokenizer= or load the model with "
+                                 "wise_jax.load_model from a checkpoint that has one")
+            prompt = tokenizer.encode(prompt).ids
+        encoded.append(_check_ids(prompt, config, f"{what}[{n}]"))
+    return encoded
+
+
+def _padded(sequences: list[list[int]], batch: int, width: int, pad: int) -> np.ndarray:
+    """Right-padded int32[batch, width]; rows past len(sequences) are a single pad token."""
+    out = np.full((batch, width), pad, np.int32)
+    for row, ids in enumerate(sequences):
+        out[row, :len(ids)] = ids
+    return out
+
+
+def _lengths(sequences: list[list[int]], batch: int) -> np.ndarray:
+    out = np.ones((batch,), np.int32)
+    out[:len(sequences)] = [len(s) for s in sequences]
+    return out
+
+
+def _request_ids(n: int, batch: int) -> np.ndarray:
+    """Row r serves request r; padding rows are -1."""
+    return np.where(np.arange(batch) < n, np.arange(batch), -1).astype(np.int32)
+
+
+class _ConfigEos:
+    def __repr__(self) -> str:
+        return "<config's eos>"
+
+
+CONFIG_EOS = _ConfigEos()
+
+
 def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int] | str], *,
              max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-             eos_token_id: int | None = None, wise_config: WiseConfig | None = None,
+             eos_token_id: int | None | _ConfigEos = CONFIG_EOS, wise_config: WiseConfig | None = None,
              key: jax.Array | None = None, return_logits: bool = False,
              tokenizer: Tokenizer | None = None, page_size: int = DEFAULT_PAGE_SIZE,
              kernel: str | None = None) -> GenerationOutput:
@@ -192,21 +240,12 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
 
     prompts: token-id lists, or strings when a tokenizer is given or registered for `config`
     (`load_model` registers the checkpoint's; strings are encoded with `tokenizer.encode(s).ids`).
-    eos_token_id None -> config.eos_token_id; a row stops after emitting it (-1: never stop).
+    A row stops after emitting eos_token_id (default: config.eos_token_id; None: never early).
     temperature 0 is greedy; otherwise sampling with top-p, using `key` (default PRNGKey(0)).
     kernel: decode-attention kernel (default: wise_config.kernel, or 'auto' when dense).
     """
     tokenizer = tokenizer if tokenizer is not None else tokenizer_for(config)
-    if isinstance(prompts, str) or not len(prompts):
-        raise ValueError("prompts must be a non-empty list of token-id lists or strings")
-    encoded = []
-    for n, prompt in enumerate(prompts):
-        if isinstance(prompt, str):
-            if tokenizer is None:
-                raise ValueError("string prompts need a tokenizer: pass tokenizer= or load the model with "
-                                 "wise_jax.load_model from a checkpoint that has one")
-            prompt = tokenizer.encode(prompt).ids
-        encoded.append(_check_ids(prompt, config, f"prompt {n}"))
+    encoded = _encode(prompts, config, tokenizer, "prompts")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if not temperature >= 0:
@@ -215,88 +254,85 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     for n, prompt in enumerate(encoded):
         if len(prompt) + max_new_tokens > config.max_position_embeddings:
-            raise ValueError(f"prompt {n} is too long: {len(prompt)} tokens + max_new_tokens {max_new_tokens} "
-                             f"exceeds max_position_embeddings {config.max_position_embeddings}")
+            raise ValueError(f"prompts[{n}] is too long: {len(prompt)} tokens + max_new_tokens {max_new_tokens} "
+                             f"exceed max_position_embeddings {config.max_position_embeddings}")
     kernel = _setup(config, wise_config, kernel, page_size)
-    eos = config.eos_token_id if eos_token_id is None else eos_token_id
+    eos = config.eos_token_id if eos_token_id is CONFIG_EOS else eos_token_id
     eos = -1 if eos is None else int(eos)
     key = jax.random.PRNGKey(0) if key is None else key
 
-    batch = bucket(len(encoded), minimum=1)
-    seq = bucket(max(map(len, encoded)))
-    max_new = bucket(max_new_tokens)
+    batch, seq, max_new = bucket(len(encoded), minimum=1), bucket(max(map(len, encoded))), bucket(max_new_tokens)
     max_pages = -(-(seq + max_new) // page_size)
     pad = config.pad_token_id if config.pad_token_id is not None else 0
-    tokens = np.full((batch, seq), pad, np.int32)
-    lengths = np.ones((batch,), np.int32)
-    for row, prompt in enumerate(encoded):
-        tokens[row, :len(prompt)] = prompt
-        lengths[row] = len(prompt)
-    request_ids = np.where(np.arange(batch) < len(encoded), np.arange(batch), -1).astype(np.int32)
 
     traces = sum(_TRACES.values())
     start = time.perf_counter()
-    logits, cache = _prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), config=config,
-                             page_size=page_size, max_pages=max_pages)
+    logits, cache = _prefill(params, jnp.asarray(_padded(encoded, batch, seq, pad)),
+                             jnp.asarray(_lengths(encoded, batch)), config=config, page_size=page_size,
+                             max_pages=max_pages)
     logits.block_until_ready()
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
     out, counts, out_logits, cache, state = _decode_loop(
-        params, cache, logits, jnp.asarray(request_ids), jnp.asarray(max_new_tokens, jnp.int32),
-        jnp.asarray(eos, jnp.int32), jnp.asarray(temperature, jnp.float32), jnp.asarray(top_p, jnp.float32),
-        key, config=config, wise_config=wise_config, kernel=kernel, max_new=max_new,
-        return_logits=return_logits)
+        params, cache, logits, jnp.asarray(_request_ids(len(encoded), batch)),
+        jnp.asarray(max_new_tokens, jnp.int32), jnp.asarray(eos, jnp.int32),
+        jnp.asarray(temperature, jnp.float32), jnp.asarray(top_p, jnp.float32), key,
+        config=config, wise_config=wise_config, kernel=kernel, max_new=max_new, return_logits=return_logits)
     out = np.asarray(out)
     decode_s = time.perf_counter() - start
     _check_pool(cache)
 
     counts = np.asarray(counts)[:len(encoded)]
-    generated = [out[row, :counts[row]].tolist() for row in range(len(encoded))]
+    tokens = [out[row, :counts[row]].tolist() for row in range(len(encoded))]
     logits_out = None
     if return_logits:
         out_logits = np.asarray(out_logits)
         logits_out = [out_logits[row, :counts[row]] for row in range(len(encoded))]
-    texts = None if tokenizer is None else [tokenizer.decode(t, skip_special_tokens=True) for t in generated]
-    decoded = int((counts - 1).sum())
-    stats = {"prefill_s": prefill_s, "decode_s": decode_s,
-             "decode_tokens_per_s": decoded / decode_s if decode_s > 0 else 0.0,
-             "new_tokens": int(counts.sum()), **_counters(state, wise_config),
-             "compiles": sum(_TRACES.values()) - traces, "kernel": kernel,
-             "bucket": {"batch": batch, "prompt": seq, "new_tokens": max_new, "page_size": page_size}}
-    return GenerationOutput(generated, texts, logits_out, stats)
+    texts = None if tokenizer is None else [tokenizer.decode(t) for t in tokens]
+    stats = _stats(prefill_s, sum(map(len, encoded)), decode_s, int(counts.sum()), int((counts - 1).sum()),
+                   state, wise_config, traces, kernel)
+    stats["bucket"] = {"batch": batch, "prompt": seq, "new_tokens": max_new, "page_size": page_size}
+    return GenerationOutput(tokens, texts, logits_out, stats)
 
 
-def teacher_force(params: Params, config: ModelConfig, context_ids: Sequence[int],
-                  continuation_ids: Sequence[int], *, wise_config: WiseConfig | None = None,
-                  page_size: int = DEFAULT_PAGE_SIZE, kernel: str | None = None) -> ForcedOutput:
-    """Prefill `context_ids`, then decode `continuation_ids` forced (the decode step of `generate`).
-    Returns per-token log-probs of the continuation and stats (timings, WISE counters)."""
-    context = _check_ids(context_ids, config, "context_ids")
-    continuation = _check_ids(continuation_ids, config, "continuation_ids")
-    if len(context) + len(continuation) > config.max_position_embeddings:
-        raise ValueError(f"context ({len(context)}) + continuation ({len(continuation)}) tokens exceed "
-                         f"max_position_embeddings {config.max_position_embeddings}")
+def teacher_force(params: Params, config: ModelConfig, context_ids, continuation_ids, *,
+                  wise_config: WiseConfig | None = None, page_size: int = DEFAULT_PAGE_SIZE,
+                  kernel: str | None = None) -> ForcedOutput:
+    """Prefill each context, then decode its continuation forced (the decode step of `generate`).
+
+    context_ids, continuation_ids: one token-id list each, or lists of them (one per sequence).
+    Returns per-sequence log-probs float32[len(continuation)] and stats."""
+    single = len(context_ids) > 0 and np.ndim(context_ids[0]) == 0
+    contexts = _encode([context_ids] if single else context_ids, config, None, "context_ids")
+    continuations = _encode([continuation_ids] if single else continuation_ids, config, None, "continuation_ids")
+    if len(contexts) != len(continuations):
+        raise ValueError(f"{len(contexts)} contexts but {len(continuations)} continuations")
+    for n, (a, b) in enumerate(zip(contexts, continuations)):
+        if len(a) + len(b) > config.max_position_embeddings:
+            raise ValueError(f"context_ids[{n}] ({len(a)} tokens) + continuation ({len(b)}) exceed "
+                             f"max_position_embeddings {config.max_position_embeddings}")
     kernel = _setup(config, wise_config, kernel, page_size)
-    seq, n = bucket(len(context)), bucket(len(continuation))
+    batch = bucket(len(contexts), minimum=1)
+    seq, n = bucket(max(map(len, contexts))), bucket(max(map(len, continuations)))
     max_pages = -(-(seq + n) // page_size)
-    tokens = np.zeros((1, seq), np.int32)
-    tokens[0, :len(context)] = context
-    forced = np.zeros((1, n), np.int32)
-    forced[0, :len(continuation)] = continuation
 
     traces = sum(_TRACES.values())
     start = time.perf_counter()
-    logits, cache = _prefill(params, jnp.asarray(tokens), jnp.asarray([len(context)], jnp.int32),
-                             config=config, page_size=page_size, max_pages=max_pages)
+    logits, cache = _prefill(params, jnp.asarray(_padded(contexts, batch, seq, 0)),
+                             jnp.asarray(_lengths(contexts, batch)), config=config, page_size=page_size,
+                             max_pages=max_pages)
     logits.block_until_ready()
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
-    logprobs, cache, state = _forced_loop(params, cache, logits, jnp.asarray(forced),
-                                          jnp.asarray(len(continuation), jnp.int32), config=config,
-                                          wise_config=wise_config, kernel=kernel)
-    logprobs = np.asarray(logprobs)[:len(continuation)]
+    limits = np.zeros((batch,), np.int32)
+    limits[:len(continuations)] = [len(c) for c in continuations]
+    logprobs, cache, state = _forced_loop(params, cache, logits, jnp.asarray(_padded(continuations, batch, n, 0)),
+                                          jnp.asarray(limits), jnp.asarray(_request_ids(len(contexts), batch)),
+                                          config=config, wise_config=wise_config, kernel=kernel)
+    logprobs = np.asarray(logprobs)
     decode_s = time.perf_counter() - start
     _check_pool(cache)
-    stats = {"prefill_s": prefill_s, "decode_s": decode_s, "tokens": len(continuation),
-             **_counters(state, wise_config), "compiles": sum(_TRACES.values()) - traces, "kernel": kernel}
-    return ForcedOutput(logprobs, stats)
+    scored = sum(map(len, continuations))
+    return ForcedOutput([logprobs[row, :len(c)] for row, c in enumerate(continuations)],
+                        _stats(prefill_s, sum(map(len, contexts)), decode_s, scored, scored - len(contexts),
+                               state, wise_config, traces, kernel))

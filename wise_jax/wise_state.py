@@ -13,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from wise_core import modes as M
 from wise_core.config import WiseConfig
@@ -20,26 +21,30 @@ from wise_jax.attention import causal_blocks, decode_attention
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["support", "tag_request", "tag_position", "discovered", "fallbacks",
-                                "attended_blocks", "causal_blocks"], meta_fields=[])
+                   data_fields=["support", "tag_request", "tag_position", "depths_run", "fallbacks",
+                                "selected_blocks", "causal_blocks"], meta_fields=[])
 @dataclasses.dataclass
 class WiseState:
-    """support bool[slots, layers, heads, max_blocks]; tag_request, tag_position, discovered
-    int32[slots, layers]; fallbacks int32[] ((token, layer) pairs that fell back to dense at a
-    reuse depth); attended_blocks, causal_blocks float32[n_reuse] (sums over reuse-depth calls
-    of attended causal blocks and causal blocks, per (row, head), in reuse_depths order)."""
+    """support bool[slots, layers, heads, max_blocks]; tag_request, tag_position int32[slots,
+    layers] (-1: none); depths_run int32[slots, layers] (bit d set when discovery depth d ran);
+    fallbacks int32[] ((token, layer) pairs that fell back to dense at a reuse depth);
+    selected_blocks, causal_blocks float32[n_reuse], in reuse_depths order: sums over reuse-depth
+    calls, per (row, head), of the causal blocks attended (all of them on a fallback) and of the
+    causal blocks."""
 
     support: jax.Array
     tag_request: jax.Array
     tag_position: jax.Array
-    discovered: jax.Array
+    depths_run: jax.Array
     fallbacks: jax.Array
-    attended_blocks: jax.Array
+    selected_blocks: jax.Array
     causal_blocks: jax.Array
 
-    def density(self) -> jax.Array:
-        """float32[n_reuse]: attended / causal blocks per reuse depth (0 where nothing ran)."""
-        return jnp.where(self.causal_blocks > 0, self.attended_blocks / jnp.maximum(self.causal_blocks, 1), 0.0)
+    def density(self, wise_config: WiseConfig) -> dict[int, float | None]:
+        """Per reuse depth: selected / causal blocks over its calls (None before any); on the host."""
+        selected, causal = np.asarray(self.selected_blocks), np.asarray(self.causal_blocks)
+        return {d: float(selected[i] / causal[i]) if causal[i] else None
+                for i, d in enumerate(wise_config.reuse_depths)}
 
 
 def create(wise_config: WiseConfig, *, slots: int, layers: int, heads: int, max_blocks: int) -> WiseState:
@@ -49,16 +54,16 @@ def create(wise_config: WiseConfig, *, slots: int, layers: int, heads: int, max_
         support=jnp.zeros((slots, layers, heads, max_blocks), bool),
         tag_request=jnp.full((slots, layers), -1, jnp.int32),
         tag_position=jnp.full((slots, layers), -1, jnp.int32),
-        discovered=jnp.zeros((slots, layers), jnp.int32),
+        depths_run=jnp.zeros((slots, layers), jnp.int32),
         fallbacks=jnp.zeros((), jnp.int32),
-        attended_blocks=jnp.zeros((n_reuse,), jnp.float32),
+        selected_blocks=jnp.zeros((n_reuse,), jnp.float32),
         causal_blocks=jnp.zeros((n_reuse,), jnp.float32))
 
 
 def reset_counters(state: WiseState) -> WiseState:
     """Zero the fallback and density counters."""
     return dataclasses.replace(state, fallbacks=jnp.zeros_like(state.fallbacks),
-                               attended_blocks=jnp.zeros_like(state.attended_blocks),
+                               selected_blocks=jnp.zeros_like(state.selected_blocks),
                                causal_blocks=jnp.zeros_like(state.causal_blocks))
 
 
@@ -82,7 +87,7 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int, layer: 
     support = state.support[:, layer]
     n_blocks = support.shape[-1]
     tagged = (state.tag_request[:, layer] == request_ids) & (state.tag_position[:, layer] == position)
-    discovered = state.discovered[:, layer]
+    depths_run = state.depths_run[:, layer]
     bit = 1 << loop
 
     if role == "discover":
@@ -93,7 +98,7 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int, layer: 
         modes = jnp.where(fresh, M.DISCOVER, M.DISCOVER_UNION).astype(jnp.int32)
     elif role == "reuse":
         full = discovery_mask(wise_config)
-        complete = tagged & ((discovered & full) == full)
+        complete = tagged & ((depths_run & full) == full)
         modes = jnp.where(complete, M.SPARSE, M.DENSE).astype(jnp.int32)
     else:
         modes = jnp.full((batch,), M.DENSE, jnp.int32)
@@ -110,7 +115,7 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int, layer: 
             support=state.support.at[:, layer].set(new_support),
             tag_request=state.tag_request.at[:, layer].set(request_ids),
             tag_position=state.tag_position.at[:, layer].set(position),
-            discovered=state.discovered.at[:, layer].set(jnp.where(fresh, bit, discovered | bit)))
+            depths_run=state.depths_run.at[:, layer].set(jnp.where(fresh, bit, depths_run | bit)))
     elif role == "reuse":
         depth = wise_config.reuse_depths.index(loop)
         heads = support.shape[1]
@@ -121,7 +126,7 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int, layer: 
         state = dataclasses.replace(
             state,
             fallbacks=state.fallbacks + (counted * ~complete).sum(dtype=jnp.int32),
-            attended_blocks=state.attended_blocks.at[depth].add((counted * attended).sum().astype(jnp.float32)),
+            selected_blocks=state.selected_blocks.at[depth].add((counted * attended).sum().astype(jnp.float32)),
             causal_blocks=state.causal_blocks.at[depth].add(
                 (counted * heads * n_causal).sum().astype(jnp.float32)))
     return out, state
