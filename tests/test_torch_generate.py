@@ -1,0 +1,149 @@
+"""wise_torch.generate / teacher_force: batching, WISE equivalences, stopping, sampling, errors."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import wise_torch as wt
+from wise_core.checkpoint import random_tensors
+from wise_core.config import PRESETS, ConfigError, WiseConfig
+
+
+@pytest.fixture(scope="module", params=["test-tiny", "test-tiny-gqa"])
+def model(request):
+    config = PRESETS[request.param]
+    return wt.from_tensors(config, random_tensors(config, seed=0, std=0.08))
+
+
+@pytest.fixture(scope="module")
+def byte_model():
+    return wt.load_model("random-tiny")
+
+
+def prompts_of(lengths, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_batch_gives_each_prompt_its_tokens_alone(model):
+    prompts = prompts_of([3, 40, 17], model.config.vocab_size)
+    both = wt.generate(model, prompts, max_new_tokens=12, eos_token_id=None, page_size=32, return_logits=True)
+    for i, prompt in enumerate(prompts):
+        alone = wt.generate(model, [prompt], max_new_tokens=12, eos_token_id=None, page_size=32,
+                            return_logits=True)
+        assert both.tokens[i] == alone.tokens[0]
+        torch.testing.assert_close(both.logits[i], alone.logits[0], atol=1e-4, rtol=0)  # batch shapes differ
+    assert [len(t) for t in both.tokens] == [12, 12, 12]
+    assert both.logits[1].shape == (12, model.config.vocab_size) and both.logits[1].dtype == torch.float32
+    assert both.texts is None and both.stats.fallbacks is None and both.stats.density is None
+    assert both.stats.prefill_tokens == 60 and both.stats.new_tokens == 36
+    assert both.stats.decode_tokens_per_s > 0
+
+
+def test_all_blocks_wise_is_bitwise_dense(model):
+    prompts = prompts_of([70, 5, 33], model.config.vocab_size, seed=1)
+    dense = wt.generate(model, prompts, max_new_tokens=8, eos_token_id=None, page_size=32, return_logits=True)
+    wise = wt.generate(model, prompts, max_new_tokens=8, eos_token_id=None, page_size=32, return_logits=True,
+                       wise_config=WiseConfig(all_blocks=True, kernel="reference"))
+    assert wise.tokens == dense.tokens
+    assert all(torch.equal(a, b) for a, b in zip(wise.logits, dense.logits))
+    assert wise.stats.density == {2: 1.0, 3: 1.0} and wise.stats.fallbacks == 0
+
+
+def test_discovery_alone_is_bitwise_dense_and_real_wise_is_sparse(model):
+    prompts = prompts_of([100, 66], model.config.vocab_size, seed=2)
+    args = dict(max_new_tokens=6, eos_token_id=None, page_size=64, return_logits=True)
+    dense = wt.generate(model, prompts, **args)
+    discover_only = wt.generate(model, prompts, wise_config=WiseConfig(reuse_depths=(), kernel="reference"), **args)
+    assert all(torch.equal(a, b) for a, b in zip(discover_only.logits, dense.logits))
+    assert discover_only.stats.density == {} and discover_only.stats.fallbacks == 0
+    wise = wt.generate(model, prompts, wise_config=WiseConfig(eta=0.5, kernel="reference"), **args)
+    assert wise.stats.fallbacks == 0
+    assert all(0 < d < 1 for d in wise.stats.density.values())
+    assert not all(torch.equal(a, b) for a, b in zip(wise.logits, dense.logits))
+
+
+def test_teacher_force_scores_what_generate_produced(model):
+    prompt = prompts_of([45], model.config.vocab_size, seed=3)[0]
+    scored = {}
+    for wise_config in (None, WiseConfig(eta=0.8, kernel="reference")):
+        gen = wt.generate(model, [prompt], max_new_tokens=7, eos_token_id=None, return_logits=True,
+                          wise_config=wise_config)
+        forced = wt.teacher_force(model, prompt, gen.tokens[0], wise_config=wise_config)
+        want = torch.log_softmax(gen.logits[0], -1).gather(1, torch.tensor(gen.tokens[0])[:, None])[:, 0]
+        assert torch.equal(forced.logprobs[0], want)  # the same decode step, the same batch
+        assert forced.stats.new_tokens == 7 and forced.stats.fallbacks == gen.stats.fallbacks
+        scored[wise_config is None] = forced.logprobs[0], gen.tokens[0]
+    logprobs, tokens = scored[True]
+    batch = wt.teacher_force(model, [prompt, prompt[:9]], [tokens, tokens[:2]])
+    short = wt.teacher_force(model, prompt[:9], tokens[:2])
+    assert [len(x) for x in batch.logprobs] == [7, 2]
+    torch.testing.assert_close(batch.logprobs[0], logprobs, atol=1e-4, rtol=0)  # batch shapes differ
+    torch.testing.assert_close(batch.logprobs[1], short.logprobs[0], atol=1e-4, rtol=0)
+
+
+def test_eos_stops_each_row(byte_model):
+    prompts = [[65, 66, 67], [10, 11]]
+    free = wt.generate(byte_model, prompts, max_new_tokens=10, eos_token_id=None)
+    assert [len(t) for t in free.tokens] == [10, 10]
+    eos = free.tokens[0][3]
+    stopped = wt.generate(byte_model, prompts, max_new_tokens=10, eos_token_id=eos)
+    for row, tokens in enumerate(free.tokens):
+        cut = tokens.index(eos) + 1 if eos in tokens else len(tokens)
+        assert stopped.tokens[row] == tokens[:cut]
+    assert len(stopped.tokens[0]) <= 4
+
+
+def test_string_prompts_and_default_eos(byte_model):
+    out = wt.generate(byte_model, ["def fib(n):", "x"], max_new_tokens=5)
+    ids = wt.generate(byte_model, [list(b"def fib(n):"), list(b"x")], max_new_tokens=5)
+    assert out.tokens == ids.tokens and len(out.texts) == 2
+    assert out.texts[0] == byte_model.tokenizer.decode(out.tokens[0])
+    for tokens in out.tokens:  # the model's eos (256) ends a row
+        assert 256 not in tokens[:-1]
+
+
+def test_sampling(model):
+    prompts = prompts_of([20, 9], model.config.vocab_size, seed=4)
+    args = dict(max_new_tokens=10, eos_token_id=None)
+    a = wt.generate(model, prompts, temperature=1.0, seed=7, **args)
+    b = wt.generate(model, prompts, temperature=1.0, seed=7, **args)
+    assert a.tokens == b.tokens
+    greedy = wt.generate(model, prompts, **args)
+    nucleus_of_one = wt.generate(model, prompts, temperature=1.0, top_p=1e-6, seed=1, **args)
+    assert nucleus_of_one.tokens == greedy.tokens
+    hot = wt.generate(model, prompts, temperature=5.0, seed=3, **args)
+    assert hot.tokens != greedy.tokens
+
+
+def test_bad_inputs_are_named(byte_model, model):
+    gen = wt.generate
+    with pytest.raises(ValueError, match=r"prompts\[0\]: 4090 tokens \+ 7 more exceed max_position_embeddings \(4096\)"):
+        gen(byte_model, [[1] * 4090], max_new_tokens=7)
+    with pytest.raises(TypeError, match="non-empty list"):
+        gen(byte_model, [], max_new_tokens=1)
+    with pytest.raises(TypeError, match="non-empty list"):
+        gen(byte_model, "a string", max_new_tokens=1)
+    with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
+        gen(byte_model, [[1], []], max_new_tokens=1)
+    with pytest.raises(ValueError, match=r"outside the vocabulary \(size 258\)"):
+        gen(byte_model, [[1, 300]], max_new_tokens=1)
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        gen(model, ["text"], max_new_tokens=1)
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive integer"):
+        gen(byte_model, [[1]], max_new_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        gen(byte_model, [[1]], max_new_tokens=1, top_p=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        gen(byte_model, [[1]], max_new_tokens=1, temperature=-1.0)
+    with pytest.raises(ValueError, match="page_size 48 is not a multiple of the WISE block_size 32"):
+        gen(byte_model, [[1]], max_new_tokens=1, wise_config=WiseConfig(), page_size=48)
+    with pytest.raises(ConfigError, match="out of range"):
+        gen(byte_model, [[1]], max_new_tokens=1, wise_config=WiseConfig(reuse_depths=(5,)))
+    with pytest.raises(ValueError, match="'pallas' is not available in wise_torch"):
+        gen(byte_model, [[1]], max_new_tokens=2, wise_config=WiseConfig(kernel="pallas"))
+    with pytest.raises(ValueError, match="2 contexts but 1 continuations"):
+        wt.teacher_force(byte_model, [[1], [2]], [[3]])
+    with pytest.raises(ValueError, match=r"continuation_ids\[0\] is empty"):
+        wt.teacher_force(byte_model, [1, 2], [])
