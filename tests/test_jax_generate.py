@@ -1,0 +1,128 @@
+"""wise_jax.generate: batching, WISE against dense, compilation per bucket, eos, sampling, errors.
+
+One model and one set of buckets for the whole module, so the compiled programs are shared."""
+
+import jax
+import numpy as np
+import pytest
+
+import wise_jax
+from wise_core.checkpoint import random_tensors
+from wise_core.config import ConfigError, PRESETS, WiseConfig
+from wise_core.tokenizer import byte_tokenizer
+
+CONFIG = PRESETS["test-tiny"]
+NEW = 6
+PAGE = 32
+
+
+@pytest.fixture(scope="module")
+def params():
+    return wise_jax.from_checkpoint_tensors(CONFIG, random_tensors(CONFIG, seed=4, std=0.08))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 256, n).tolist() for n in (70, 100, 90)]       # one bucket (128), 3-4 pages
+
+
+def _run(params, prompts, **kw):
+    kw = {"max_new_tokens": NEW, "page_size": PAGE, "return_logits": True, **kw}
+    return wise_jax.generate(params, CONFIG, prompts, **kw)
+
+
+@pytest.fixture(scope="module")
+def dense(params, prompts):
+    return _run(params, prompts)
+
+
+def test_batch_gives_each_prompt_its_tokens_alone(params, prompts, dense):
+    assert [len(t) for t in dense.tokens] == [NEW] * 3
+    assert dense.stats["bucket"] == {"batch": 4, "prompt": 128, "new_tokens": 16, "page_size": PAGE}
+    for prompt, tokens, logits in zip(prompts, dense.tokens, dense.logits):
+        alone = _run(params, [prompt])
+        assert alone.tokens[0] == tokens
+        np.testing.assert_allclose(alone.logits[0], logits, atol=1e-4)   # fp32, different batch shapes
+        assert logits.shape == (NEW, CONFIG.vocab_size) and logits.dtype == np.float32
+
+
+def test_all_blocks_wise_is_bitwise_dense(params, prompts, dense):
+    wise = _run(params, prompts, wise_config=WiseConfig(all_blocks=True))
+    assert wise.tokens == dense.tokens
+    for a, b in zip(wise.logits, dense.logits):
+        assert np.array_equal(a, b)
+    assert wise.stats["fallbacks"] == 0 and wise.stats["density"] == {2: 1.0, 3: 1.0}
+    assert dense.stats["fallbacks"] is None and dense.stats["density"] is None
+
+
+def test_wise_selects_sparse_support(params, prompts, dense):
+    wise = _run(params, prompts, wise_config=WiseConfig(eta=0.5))
+    assert wise.stats["fallbacks"] == 0
+    density = wise.stats["density"]
+    assert set(density) == {2, 3} and all(0 < d < 1 for d in density.values()), density
+    assert [t[0] for t in wise.tokens] == [t[0] for t in dense.tokens]         # first token: prefill
+    np.testing.assert_array_equal(np.stack([x[0] for x in wise.logits]), np.stack([x[0] for x in dense.logits]))
+
+
+def test_one_compilation_per_bucket(params):
+    rng = np.random.default_rng(1)
+    before = wise_jax.trace_counts().get("decode", 0)
+    first = wise_jax.generate(params, CONFIG, [rng.integers(0, 256, n).tolist() for n in (65, 80)],
+                              max_new_tokens=5, page_size=PAGE)
+    assert first.stats["compiles"] == 2                                   # prefill + decode loop
+    assert wise_jax.trace_counts()["decode"] == before + 1                # 4 decode steps, one trace
+    same_bucket = wise_jax.generate(params, CONFIG, [rng.integers(0, 256, n).tolist() for n in (127, 100)],
+                                    max_new_tokens=9, temperature=0.7, top_p=0.9, eos_token_id=3,
+                                    key=jax.random.PRNGKey(3), page_size=PAGE)
+    assert same_bucket.stats["compiles"] == 0
+    longer = wise_jax.generate(params, CONFIG, [rng.integers(0, 256, 130).tolist()] * 2, max_new_tokens=5,
+                               page_size=PAGE)
+    assert longer.stats["compiles"] == 2 and longer.stats["bucket"]["prompt"] == 256
+
+
+def test_eos_stops_each_row(params, prompts, dense):
+    eos = dense.tokens[0][2]
+    out = _run(params, prompts, eos_token_id=eos)
+    for full, stopped in zip(dense.tokens, out.tokens):
+        cut = full.index(eos) + 1 if eos in full else len(full)
+        assert stopped == full[:cut]
+    assert len(out.tokens[0]) <= 3 and out.stats["compiles"] == 0
+    assert out.stats["new_tokens"] == sum(map(len, out.tokens))
+
+
+def test_sampling_is_keyed_and_top_p_narrows(params, prompts, dense):
+    a = _run(params, prompts, temperature=1.0, key=jax.random.PRNGKey(1))
+    b = _run(params, prompts, temperature=1.0, key=jax.random.PRNGKey(1))
+    c = _run(params, prompts, temperature=1.0, key=jax.random.PRNGKey(2))
+    assert a.tokens == b.tokens and a.tokens != c.tokens
+    assert a.tokens != dense.tokens
+    nucleus_of_one = _run(params, prompts, temperature=1.0, top_p=1e-6, key=jax.random.PRNGKey(1))
+    assert nucleus_of_one.tokens == dense.tokens
+
+
+def test_string_prompts_and_texts(params):
+    tokenizer = byte_tokenizer()
+    text = "def main():\n    return sum(range(10))  # a prompt of some seventy bytes or so....."
+    out = _run(params, [text], tokenizer=tokenizer)
+    assert out.texts == [tokenizer.decode(out.tokens[0])]
+    ids = _run(params, [tokenizer.encode(text).ids])
+    assert ids.tokens == out.tokens and ids.texts is None
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"prompts": []}, ValueError, "non-empty list"),
+    ({"prompts": [[]]}, ValueError, r"prompts\[0\] is empty"),
+    ({"prompts": [[1, 384]]}, ValueError, "outside the vocabulary"),
+    ({"prompts": ["text"]}, ValueError, "need a tokenizer"),
+    ({"prompts": [[1] * 1020]}, ValueError, "too long"),
+    ({"max_new_tokens": 0}, ValueError, "max_new_tokens"),
+    ({"top_p": 0.0}, ValueError, "top_p"),
+    ({"page_size": 48}, ValueError, "multiple of block_size"),
+    ({"kernel": "triton"}, ValueError, "unknown JAX decode-attention kernel"),
+    ({"wise_config": WiseConfig(reuse_depths=(2, 4))}, ConfigError, "out of range"),
+])
+def test_bad_requests_raise(params, kwargs, error, match):
+    kwargs = {"prompts": [[1, 2, 3]], "max_new_tokens": 8, **kwargs}
+    with pytest.raises(error, match=match):
+        wise_jax.generate(params, CONFIG, kwargs.pop("prompts"), **kwargs)

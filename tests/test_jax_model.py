@@ -1,0 +1,158 @@
+"""wise_jax.model: the forward against a float64 numpy transcription of the Ouro equations, prefill
+and paged decode against the forward, teacher_force, gradients. fp32; tolerances per assertion."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import wise_jax
+from wise_core.checkpoint import random_tensors
+from wise_core.config import PRESETS
+from wise_jax import kv_cache as kvc
+from wise_jax import model
+
+
+def _setup(name):
+    config = PRESETS[name]
+    tensors = random_tensors(config, seed=1, std=0.08)
+    return config, tensors, wise_jax.from_checkpoint_tensors(config, tensors)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return _setup("test-tiny")
+
+
+@pytest.fixture(scope="module")
+def gqa():
+    return _setup("test-tiny-gqa")
+
+
+def numpy_forward(config, t, ids):
+    """Ouro per docs/DESIGN.md "Model", in float64 from the HF-named tensors: (logits, lambdas)."""
+    seq, heads, kv_heads, dim = len(ids), config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    w = {k: v.astype(np.float64) for k, v in t.items()}
+
+    def norm(x, weight):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + config.rms_norm_eps) * weight
+
+    angles = np.arange(seq)[:, None] * config.rope_theta ** (-np.arange(0, dim, 2) / dim)
+    cos, sin = np.cos(np.concatenate([angles] * 2, -1))[:, None], np.sin(np.concatenate([angles] * 2, -1))[:, None]
+
+    def rope(x):
+        x1, x2 = np.split(x, 2, -1)
+        return x * cos + np.concatenate([-x2, x1], -1) * sin
+
+    h, lambdas = w["model.embed_tokens.weight"][ids], []
+    for _ in range(config.total_ut_steps):
+        for n in range(config.num_hidden_layers):
+            p = {k[len(f"model.layers.{n}."):]: v for k, v in w.items() if k.startswith(f"model.layers.{n}.")}
+            x = norm(h, p["input_layernorm.weight"])
+            q = rope((x @ p["self_attn.q_proj.weight"].T).reshape(seq, heads, dim))
+            k = np.repeat(rope((x @ p["self_attn.k_proj.weight"].T).reshape(seq, kv_heads, dim)), heads // kv_heads, 1)
+            v = np.repeat((x @ p["self_attn.v_proj.weight"].T).reshape(seq, kv_heads, dim), heads // kv_heads, 1)
+            s = np.einsum("qhd,khd->hqk", q, k) * dim ** -0.5 + np.triu(np.full((seq, seq), -np.inf), 1)
+            probs = np.exp(s - s.max(-1, keepdims=True))
+            probs /= probs.sum(-1, keepdims=True)
+            o = np.einsum("hqk,khd->qhd", probs, v).reshape(seq, heads * dim)
+            h = h + norm(o @ p["self_attn.o_proj.weight"].T, p["input_layernorm_2.weight"])
+            x = norm(h, p["post_attention_layernorm.weight"])
+            g = x @ p["mlp.gate_proj.weight"].T
+            m = (g / (1 + np.exp(-g)) * (x @ p["mlp.up_proj.weight"].T)) @ p["mlp.down_proj.weight"].T
+            h = h + norm(m, p["post_attention_layernorm_2.weight"])
+        h = norm(h, w["model.norm.weight"])
+        z = h @ w["model.early_exit_gate.weight"].T + w["model.early_exit_gate.bias"]
+        lambdas.append(1 / (1 + np.exp(-z[:, 0])))
+    return h @ w["lm_head.weight"].T, np.stack(lambdas)
+
+
+def test_forward_matches_numpy_equations(gqa):
+    config, tensors, params = gqa
+    ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, 24))
+    logits, exits = jax.jit(wise_jax.forward_with_exits, static_argnums=1)(params, config, jnp.asarray(ids, jnp.int32))
+    for b in range(2):
+        ref_logits, lambdas = numpy_forward(config, tensors, ids[b])
+        np.testing.assert_allclose(np.asarray(logits[b]), ref_logits, atol=1e-4, rtol=1e-4)
+        remaining, ref_exits = 1.0, []
+        for lam in lambdas[:-1]:
+            ref_exits.append(lam * remaining)
+            remaining = remaining * (1 - lam)
+        np.testing.assert_allclose(np.asarray(exits[:, b]), np.stack(ref_exits + [remaining]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(exits.sum(0)), 1.0, atol=1e-6)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _prefill(params, cache, tokens, lengths, *, config):
+    return model.prefill(params, config, cache, tokens, lengths)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _dense_step(params, cache, tokens, *, config):
+    batch = tokens.shape[0]
+    logits, cache, _ = model.decode_step(params, config, cache, None, tokens, jnp.arange(batch), jnp.ones(batch, bool),
+                                         wise_config=None, kernel="reference")
+    return logits, cache
+
+
+@pytest.mark.parametrize("preset,page_size", [("test-tiny", 32), ("test-tiny-gqa", 64), ("test-tiny", 128)])
+def test_prefill_and_paged_decode_match_forward(preset, page_size, tiny, gqa):
+    config, _, params = tiny if preset == "test-tiny" else gqa
+    rng = np.random.default_rng(page_size)
+    lengths, prefix = np.array([80, 47, 9]), np.array([37, 1, 4])     # mixed lengths and positions
+    tokens = rng.integers(0, config.vocab_size, (3, 80)).astype(np.int32)
+    full = np.asarray(jax.jit(wise_jax.forward, static_argnums=1)(params, config, jnp.asarray(tokens)))
+    max_pages = -(-96 // page_size)
+    cache = kvc.create(config, batch=3, max_pages=max_pages, num_pages=3 * max_pages, page_size=page_size)
+    logits, cache = _prefill(params, cache, jnp.asarray(tokens[:, :40]), jnp.asarray(prefix, jnp.int32), config=config)
+    # fp32 logits of magnitude ~5; different summation orders
+    np.testing.assert_allclose(np.asarray(logits), full[np.arange(3), prefix - 1], atol=2e-4, rtol=1e-4)
+    for step in range(int((lengths - prefix).max())):
+        position = prefix + step
+        fed = np.where(position < lengths, tokens[np.arange(3), np.minimum(position, 79)], 0)
+        logits, cache = _dense_step(params, cache, jnp.asarray(fed, jnp.int32), config=config)
+        live = position < lengths
+        np.testing.assert_allclose(np.asarray(logits)[live], full[np.arange(3)[live], position[live]],
+                                   atol=2e-4, rtol=1e-4, err_msg=f"step {step}")
+    assert not bool(cache.overflowed)
+    assert np.asarray(cache.seq_lens).tolist() == (prefix + step + 1).tolist()
+
+
+def test_teacher_force_matches_forward(tiny):
+    config, _, params = tiny
+    rng = np.random.default_rng(5)
+    seqs = [rng.integers(0, config.vocab_size, n).tolist() for n in (50, 20)]
+    split = [30, 12]
+    out = wise_jax.teacher_force(params, config, [s[:c] for s, c in zip(seqs, split)],
+                                 [s[c:] for s, c in zip(seqs, split)], page_size=32)
+    padded = jnp.asarray([seqs[0], seqs[1] + [0] * 30])                # causal: padding changes nothing before it
+    ref = np.asarray(jax.nn.log_softmax(jax.jit(wise_jax.forward, static_argnums=1)(params, config, padded), -1))
+    for b, (s, c, logprobs) in enumerate(zip(seqs, split, out.logprobs)):
+        np.testing.assert_allclose(logprobs, ref[b, np.arange(c - 1, len(s) - 1), s[c:]], atol=2e-4)
+    assert out.stats["new_tokens"] == 28 and out.stats["fallbacks"] is None
+    single = wise_jax.teacher_force(params, config, seqs[1][:12], seqs[1][12:], page_size=32)
+    np.testing.assert_allclose(single.logprobs[0], out.logprobs[1], atol=1e-5)
+
+
+def test_gradients_with_and_without_remat(tiny):
+    config, _, params = tiny
+    config = dataclasses.replace(config, total_ut_steps=2)
+    ids = jnp.asarray(np.random.default_rng(2).integers(0, config.vocab_size, (2, 33)), jnp.int32)
+
+    def loss(params, remat):
+        logits = wise_jax.forward(params, config, ids[:, :-1], remat=remat)
+        return -jnp.take_along_axis(jax.nn.log_softmax(logits), ids[:, 1:, None], -1).mean()
+
+    value_and_grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+    value, grads = value_and_grad(params, False)
+    value_remat, grads_remat = value_and_grad(params, True)
+    assert float(value) == pytest.approx(float(value_remat), abs=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_remat)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-4)
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+    assert float(jnp.abs(grads.layers.q_proj).max()) > 0
+    stepped = jax.tree.map(lambda p, g: p - 0.05 * g, params, grads)
+    assert float(jax.jit(loss, static_argnums=1)(stepped, False)) < float(value)     # a descent direction
