@@ -80,41 +80,49 @@ COMBOS = {
 }
 
 
-@pytest.mark.parametrize("name", list(COMBOS))
-def test_modes_against_references_and_dense(name):
-    """Dense = reference; discover/union bitwise dense; sparse-all bitwise dense; sparse = masked
-    reference; selection = select_blocks on the kernel's mass; union = OR."""
-    spec = COMBOS[name]
+def check_modes(spec, *, config, atol):
+    """Rows cycle DISCOVER, DISCOVER_UNION, SPARSE with every causal block, SPARSE at random.
+
+    Dense = reference; discover/union bitwise dense; sparse-all bitwise dense; sparse = masked
+    reference; selection = select_blocks on the kernel's mass; union = OR; other rows' support
+    unchanged."""
     case = make_case(1, **spec)
-    atol = 2e-5 if spec["dtype"] == jnp.float32 else 1.5e-2
-    n_blocks = case["support"].shape[-1]
+    batch, heads, n_blocks = case["support"].shape
+    roles = np.arange(batch) % 4
     causal = np.stack([ref.causal_blocks(int(n), BLOCK, n_blocks) for n in case["seq_lens"]])
     support = np.asarray(case["support"]).copy()
-    support[2] = causal[2]  # row 2 SPARSE with every causal block: must equal DENSE bitwise
+    support[roles == 2] = causal[roles == 2][:, None, :]
     support = jnp.asarray(support)
+    modes = np.array([M.DISCOVER, M.DISCOVER_UNION, M.SPARSE, M.SPARSE])[roles]
 
-    dense_out, dense_support, _ = run(case, [M.DENSE] * 4, support)
-    out, new_support, mass = run(case, [M.DISCOVER, M.DISCOVER_UNION, M.SPARSE, M.SPARSE], support)
+    dense_out, dense_support, _ = run(case, [M.DENSE] * batch, support, config=config)
+    out, new_support, mass = run(case, modes, support, config=config)
     assert out.dtype == spec["dtype"] and out.shape == case["q"].shape
     assert np.array_equal(np.asarray(dense_support), np.asarray(support))
-
-    for b in range(4):
-        expected, _ = row_reference(case, b)
+    mass, held = np.asarray(mass), np.asarray(support)
+    for b in range(batch):
+        expected, expected_mass = row_reference(case, b)
         np.testing.assert_allclose(np.asarray(dense_out[b].astype(jnp.float32)), expected, atol=atol)
-    assert np.array_equal(bits(out[:3]), bits(dense_out[:3]))  # discover, union, sparse-all
+        if roles[b] < 3:  # discover, union, sparse-all
+            assert np.array_equal(bits(out[b]), bits(dense_out[b])), f"row {b}"
+        else:
+            sparse_expected, _ = row_reference(case, b, held[b])
+            np.testing.assert_allclose(np.asarray(out[b].astype(jnp.float32)), sparse_expected,
+                                       atol=atol)
+        if roles[b] < 2:
+            np.testing.assert_allclose(mass[b], expected_mass, atol=1e-5)
+            selected = ref.select_blocks(mass[b], ETA)
+            assert np.array_equal(np.asarray(new_support[b]), selected | (held[b] & (roles[b] == 1)))
+            assert not np.array_equal(selected, np.broadcast_to(causal[b], selected.shape)), \
+                f"row {b} should select a strict subset of its causal blocks"
+        else:
+            assert np.array_equal(np.asarray(new_support[b]), held[b])
 
-    sparse_expected, _ = row_reference(case, 3, np.asarray(support[3]))
-    np.testing.assert_allclose(np.asarray(out[3].astype(jnp.float32)), sparse_expected, atol=atol)
 
-    mass = np.asarray(mass)
-    for b in (0, 1):
-        np.testing.assert_allclose(mass[b], row_reference(case, b)[1], atol=1e-5)
-    selected = ref.select_blocks(mass[:2], ETA)
-    assert np.array_equal(np.asarray(new_support[0]), selected[0])
-    assert np.array_equal(np.asarray(new_support[1]), selected[1] | np.asarray(support[1]))
-    assert np.array_equal(np.asarray(new_support[2:]), np.asarray(support[2:]))
-    assert not np.array_equal(selected[0], causal[0][None].repeat(spec["heads"], 0)), \
-        "the case should select a strict subset of the causal blocks"
+@pytest.mark.parametrize("name", list(COMBOS))
+def test_modes_against_references_and_dense(name):
+    spec = COMBOS[name]
+    check_modes(spec, config=SPLIT, atol=2e-5 if spec["dtype"] == jnp.float32 else 1.5e-2)
 
 
 def test_matches_jnp_reference():
@@ -221,3 +229,53 @@ def test_bad_inputs_raise(name):
     change, message = BAD[name]
     with pytest.raises(ValueError, match=message):
         decode_attention(**_bad(**change))
+
+
+# ------------------------------------------------------------------------------------------------
+# On a GPU: compiled kernels (default launch config) at larger shapes.
+
+def on_gpu(test):
+    skip = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a GPU backend")
+    return pytest.mark.gpu(skip(test))
+
+GPU_COMBOS = {
+    "ouro-page128-d128-bf16": dict(page_size=128, heads=16, kv_heads=16, head_dim=128,
+                                   dtype=jnp.bfloat16, max_pages=16,
+                                   seq_lens=[2048, 1900, 1000, 513, 1717, 1500, 2000, 64]),
+    "gqa-page32-d64-f32": dict(page_size=32, heads=8, kv_heads=2, head_dim=64, dtype=jnp.float32,
+                               max_pages=40, seq_lens=[1280, 999, 1280, 700, 640, 1100, 33, 1000]),
+    "gqa-page64-d128-bf16": dict(page_size=64, heads=4, kv_heads=1, head_dim=128,
+                                 dtype=jnp.bfloat16, max_pages=12,
+                                 seq_lens=[768, 700, 512, 300, 767, 640, 65, 500]),
+}
+
+
+@pytest.mark.parametrize("name", list(GPU_COMBOS))
+@on_gpu
+def test_gpu_modes_against_references_and_dense(name):
+    spec = GPU_COMBOS[name]
+    check_modes(spec, config=None, atol=5e-5 if spec["dtype"] == jnp.float32 else 1.5e-2)
+
+
+@on_gpu
+def test_gpu_mixed_batch_rows_equal_rows_alone_and_jnp_reference():
+    from wise_jax.attention import decode_attention_reference
+    case = make_case(7, **GPU_COMBOS["ouro-page128-d128-bf16"])
+    modes = [M.SPARSE, M.DISCOVER, M.DENSE, M.DISCOVER_UNION] * 2
+    config = KernelConfig(tile_blocks=2, num_splits=4)
+    out, support, mass = run(case, modes, config=config)
+    for b in range(len(modes)):
+        alone = {name: (x[b:b + 1] if name not in ("k", "v") else x) for name, x in case.items()}
+        out_b, support_b, mass_b = run(alone, [modes[b]], config=config)
+        assert np.array_equal(bits(out_b[0]), bits(out[b]))
+        assert np.array_equal(np.asarray(support_b[0]), np.asarray(support[b]))
+        if modes[b] in (M.DISCOVER, M.DISCOVER_UNION):
+            assert np.array_equal(bits(mass_b[0]), bits(mass[b]))
+    ref_out, _, ref_mass = decode_attention_reference(
+        case["q"], case["k"], case["v"], case["page_table"], case["seq_lens"],
+        jnp.asarray(modes, jnp.int32), case["support"], block_size=BLOCK, eta=ETA, return_mass=True)
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)),
+                               np.asarray(ref_out.astype(jnp.float32)), atol=1.5e-2)
+    discovering = np.isin(modes, [M.DISCOVER, M.DISCOVER_UNION])
+    np.testing.assert_allclose(np.asarray(mass)[discovering], np.asarray(ref_mass)[discovering],
+                               atol=1e-5)

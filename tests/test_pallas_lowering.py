@@ -1,0 +1,85 @@
+"""The Pallas decode kernels lower for CUDA, and their Triton IR compiles for sm90, on a CPU.
+
+Interpret mode (test_pallas_decode.py) checks what the kernels compute; these tests check what
+the H200 will compile, at Ouro-1.4B attention shapes: jax lowers each pallas_call to Triton IR
+without a GPU (jax <= 0.10 hands that IR to XLA; from 0.11 lowering also compiles it, which
+needs the CUDA plugin, so there the GPU tests cover it), and the Triton compiler (the `triton`
+package) takes that IR through to a cubin for sm90.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from wise_jax.kernels import pallas_decode
+from wise_jax.kernels.pallas_decode import default_config
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "cpu" or jax.__version_info__ >= (0, 11),
+    reason="cross-lowering for CUDA is checked on a CPU machine with jax <= 0.10")
+
+SHAPES = {  # batch, heads, kv_heads, head_dim, page_size, max_pages, dtype
+    "ouro-1k-x64": (64, 16, 16, 128, 128, 8, jnp.bfloat16),
+    "gqa-d64-f32": (4, 8, 2, 64, 32, 40, jnp.float32),
+}
+
+
+def lower_for_cuda(name):
+    batch, heads, kv_heads, head_dim, page_size, max_pages, dtype = SHAPES[name]
+    num_pages = batch * max_pages
+    n_blocks = max_pages * page_size // 32
+    config = default_config(batch, heads, n_blocks, head_dim, 32, num_cores=132)
+    args = (jax.ShapeDtypeStruct((batch, heads, head_dim), dtype),
+            jax.ShapeDtypeStruct((num_pages, page_size, kv_heads, head_dim), dtype),
+            jax.ShapeDtypeStruct((num_pages, page_size, kv_heads, head_dim), dtype),
+            jax.ShapeDtypeStruct((batch, max_pages), jnp.int32),
+            jax.ShapeDtypeStruct((batch,), jnp.int32),
+            jax.ShapeDtypeStruct((batch,), jnp.int32),
+            jax.ShapeDtypeStruct((batch, heads, n_blocks), jnp.bool_))
+
+    def call(*a):
+        return pallas_decode.decode_attention(*a, block_size=32, eta=0.95, return_mass=True,
+                                              interpret=False, config=config)
+
+    jax.clear_caches()
+    return jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_lowers_to_two_triton_kernels(name):
+    text = lower_for_cuda(name)
+    assert text.count("__gpu$xla.gpu.triton") == 2  # the split and the finish kernel
+    assert "wise_decode_split" in text and "wise_decode_finish" in text
+
+
+def test_triton_ir_compiles_for_sm90(tmp_path, monkeypatch):
+    triton = pytest.importorskip("triton")
+    from jax._src.pallas.triton import lowering
+    from triton.backends.compiler import GPUTarget
+
+    modules = {}
+    lower = lowering.lower_jaxpr_to_triton_module
+
+    def keep_ir(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        asm = result.module.operation.get_asm(enable_debug_info=False)
+        modules["split" if "wise_decode_split" in asm else "finish"] = asm
+        return result
+
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", keep_ir)
+    text = lower_for_cuda("ouro-1k-x64")
+    assert sorted(modules) == ["finish", "split"]
+    launch = {name: (int(warps), int(stages)) for name, stages, warps in re.findall(
+        r'name = "wise_decode_(\w+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', text)}
+    assert sorted(launch) == ["finish", "split"]
+    for name, asm in modules.items():
+        path = tmp_path / f"{name}.ttir"
+        path.write_text(asm)
+        num_warps, num_stages = launch[name]
+        kernel = triton.compile(str(path), target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=num_warps, num_stages=num_stages))
+        assert kernel.asm["cubin"], f"{name}: no cubin"
