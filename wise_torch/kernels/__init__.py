@@ -1,0 +1,1 @@
+"""Triton kernels of wise_torch (imported lazily: `wise_torch.kernels.triton_decode` needs triton)."""

@@ -1,0 +1,482 @@
+"""Split-KV paged decode attention in Triton, with per-row WISE modes (docs/DESIGN.md).
+
+One launch per call. Program (row, kv_head, split) of the grid [batch * kv_heads, max_splits]:
+
+1. List. The row's attended blocks are every causal block (DENSE, DISCOVER, DISCOVER_UNION) or
+   the causal blocks selected by some query head of the KV group (SPARSE), numbered by a prefix
+   sum over the bits. Split s owns list entries [s * split_blocks, (s + 1) * split_blocks) and
+   writes their first-key cache offsets to the workspace. A dense row's list is 0, 1, 2, ...;
+   a sparse row selecting every causal block has the very same list, so the same splits and the
+   same accumulation order: the two are bitwise equal by construction.
+2. Attend. Loop over the split's entries, `tile_n` keys per iteration, online softmax in base 2
+   for all query heads of the group at once (GQA: tensor-core dots; MHA: a reduction). Sparse
+   GQA rows mask the blocks a head did not select. Discovery rows also store, per block, its
+   sum of exponentials and the running max that sum is relative to; the output math is the
+   dense path's, so DISCOVER and DISCOVER_UNION outputs are bitwise DENSE.
+3. Finish. Each split stores (acc, max, sum). The last split of a (row, kv_head) to finish,
+   told by an atomic counter, merges the splits in split order (so the result does not depend
+   on which split is last), writes the output and, for discovery rows, turns the block stats
+   into block mass and applies `wise_core.reference.select_blocks` (sort by mass, prefix sum,
+   threshold), writing the support in place.
+A program attends at most `split_keys` keys, so a long dense row costs more programs, not longer
+ones, and the sparse rows of a mixed batch are not paced by its longest dense row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from wise_core import modes as M
+from wise_torch.attention import check_decode_args
+
+_DISCOVER = tl.constexpr(M.DISCOVER)
+_DISCOVER_UNION = tl.constexpr(M.DISCOVER_UNION)
+_SPARSE = tl.constexpr(M.SPARSE)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Launch shape: keys per loop iteration, keys per program (bounds its work), warps, stages."""
+
+    tile_n: int = 64
+    split_keys: int = 512
+    num_warps: int = 4
+    num_stages: int = 2
+    mha_dots: bool = False  # MHA too on tensor-core dots (query-head axis padded to 16)
+
+    def __post_init__(self) -> None:
+        for name in ("tile_n", "split_keys", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"KernelConfig.{name} must be a power of two, got {value}")
+        if self.tile_n < 16 or self.split_keys < self.tile_n:
+            raise ValueError(f"KernelConfig needs 16 <= tile_n <= split_keys, got {self}")
+        if self.num_stages < 1:
+            raise ValueError(f"KernelConfig.num_stages must be >= 1, got {self.num_stages}")
+
+
+# Fixed launch configurations (no autotuning: a decode step must be capturable in a CUDA graph).
+# About 16 KB of K (and of V) per iteration, 8 iterations per program.
+CONFIGS: dict[tuple[int, torch.dtype], KernelConfig] = {
+    (128, torch.bfloat16): KernelConfig(tile_n=64, split_keys=512, num_warps=4, num_stages=2),
+    (128, torch.float16): KernelConfig(tile_n=64, split_keys=512, num_warps=4, num_stages=2),
+    (128, torch.float32): KernelConfig(tile_n=32, split_keys=256, num_warps=4, num_stages=2),
+    (64, torch.bfloat16): KernelConfig(tile_n=128, split_keys=1024, num_warps=4, num_stages=2),
+    (64, torch.float16): KernelConfig(tile_n=128, split_keys=1024, num_warps=4, num_stages=2),
+    (64, torch.float32): KernelConfig(tile_n=64, split_keys=512, num_warps=4, num_stages=2),
+}
+
+
+def config_for(head_dim: int, dtype: torch.dtype) -> KernelConfig:
+    """The table's configuration for (head_dim, dtype); KernelConfig() for other head dims."""
+    return CONFIGS.get((head_dim, dtype), KernelConfig())
+
+
+def _split_blocks(config: KernelConfig, block_size: int) -> int:
+    return max(config.split_keys, config.tile_n, block_size) // block_size
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeWorkspace:
+    """Buffers of `decode_attention`, preallocated so a call allocates nothing and never syncs.
+
+    Sized for up to `max_batch` rows and `max_blocks` blocks per row. The returned output (and
+    mass) are views of `out` (and `mass`), overwritten by the next call using this workspace;
+    calls sharing a workspace must run in stream order. `counters` are zero between calls.
+    """
+
+    config: KernelConfig
+    block_size: int
+    out: torch.Tensor       # [max_batch, heads, head_dim], q's dtype
+    mass: torch.Tensor      # float32[max_batch, heads, max_blocks]
+    starts: torch.Tensor    # int64[max_batch, kv_heads, max_blocks]: block list, first-key cache offsets
+    blocks: torch.Tensor    # int32[max_batch, kv_heads, max_blocks]: block list, block indices
+    part_acc: torch.Tensor  # float32[max_batch, heads, max_splits, head_dim]: per-split unnormalised outputs
+    part_m: torch.Tensor    # float32[max_batch, heads, max_splits]: per-split max score (base 2)
+    part_l: torch.Tensor    # float32[max_batch, heads, max_splits]: per-split sum of exponentials
+    stat_m: torch.Tensor    # float32[max_batch, heads, max_blocks]: block stats, reference max
+    stat_l: torch.Tensor    # float32[max_batch, heads, max_blocks]: block stats, sum of exponentials
+    counters: torch.Tensor  # int32[max_batch, kv_heads]: splits finished per (row, kv_head)
+
+    @classmethod
+    def allocate(cls, max_batch: int, heads: int, kv_heads: int, head_dim: int, max_blocks: int, *,
+                 dtype: torch.dtype, device: torch.device | str, block_size: int = 32,
+                 config: KernelConfig | None = None) -> "DecodeWorkspace":
+        """Workspace for calls with q: [<= max_batch, heads, head_dim] of `dtype` on `device`."""
+        for name, value in (("max_batch", max_batch), ("heads", heads), ("kv_heads", kv_heads),
+                            ("head_dim", head_dim), ("max_blocks", max_blocks), ("block_size", block_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"DecodeWorkspace.{name} must be a positive integer, got {value!r}")
+        if heads % kv_heads:
+            raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+        config = config_for(head_dim, dtype) if config is None else config
+        max_splits = -(-max_blocks // _split_blocks(config, block_size))
+        f32 = dict(dtype=torch.float32, device=device)
+        return cls(
+            config=config, block_size=block_size,
+            out=torch.empty(max_batch, heads, head_dim, dtype=dtype, device=device),
+            mass=torch.zeros(max_batch, heads, max_blocks, **f32),
+            starts=torch.zeros(max_batch, kv_heads, max_blocks, dtype=torch.int64, device=device),
+            blocks=torch.zeros(max_batch, kv_heads, max_blocks, dtype=torch.int32, device=device),
+            part_acc=torch.zeros(max_batch, heads, max_splits, head_dim, **f32),
+            part_m=torch.zeros(max_batch, heads, max_splits, **f32),
+            part_l=torch.zeros(max_batch, heads, max_splits, **f32),
+            stat_m=torch.zeros(max_batch, heads, max_blocks, **f32),
+            stat_l=torch.zeros(max_batch, heads, max_blocks, **f32),
+            counters=torch.zeros(max_batch, kv_heads, dtype=torch.int32, device=device))
+
+    @property
+    def max_blocks(self) -> int:
+        return self.mass.shape[2]
+
+    @property
+    def max_splits(self) -> int:
+        return self.part_m.shape[2]
+
+    def check_fits(self, batch: int, heads: int, kv_heads: int, head_dim: int, max_blocks: int,
+                   block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Raise ValueError if a call of these dimensions does not fit this workspace."""
+        max_batch, ws_heads, ws_dim = self.out.shape
+        wanted = {"heads": (heads, ws_heads), "kv_heads": (kv_heads, self.counters.shape[1]),
+                  "head_dim": (head_dim, ws_dim), "block_size": (block_size, self.block_size),
+                  "dtype": (dtype, self.out.dtype), "device": (device, self.out.device)}
+        for name, (got, have) in wanted.items():
+            if got != have:
+                raise ValueError(f"the workspace was allocated for {name}={have}, the call has {got}")
+        if batch > max_batch:
+            raise ValueError(f"batch {batch} exceeds the workspace's max_batch {max_batch}")
+        if max_blocks > self.max_blocks:
+            raise ValueError(f"{max_blocks} blocks per row exceed the workspace's max_blocks {self.max_blocks}")
+
+
+@triton.jit
+def _scores(q, k, BLOCK_G: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """q: [BLOCK_G, D], k: [TILE_N, D] -> k q^T, float32 [TILE_N, BLOCK_G]."""
+    if BLOCK_G == 1:
+        return tl.sum(k.to(tl.float32) * q.to(tl.float32), 1, keep_dims=True)
+    else:
+        return tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _weighted_values(p, v, BLOCK_G: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """p: float32 [TILE_N, BLOCK_G], v: [TILE_N, D] -> p^T v, float32 [BLOCK_G, D]."""
+    if BLOCK_G == 1:
+        return tl.sum(p * v.to(tl.float32), 0, keep_dims=True)
+    else:
+        return tl.dot(tl.trans(p.to(v.dtype)), v, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _as_rows(x, BLOCK_G: tl.constexpr):
+    """Per-head values [1, BLOCK_G] -> [BLOCK_G, 1], to scale the rows of [BLOCK_G, D]."""
+    if BLOCK_G == 1:
+        return x
+    else:
+        return tl.trans(x)
+
+
+@triton.jit
+def _select_ranked(mass, eta, NB_PAD: tl.constexpr):
+    """mass: float32 [NB_PAD] >= 0 -> (block index, kept), both in rank order.
+
+    Rank: mass descending, ties to the lower index. Kept: rank r with r == 0 or running[r - 1]
+    < eta * total, i.e. r <= #{r' : running[r'] < eta * total} (running is non-decreasing).
+    """
+    idx = tl.arange(0, NB_PAD)
+    key = (mass.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (NB_PAD - 1 - idx).to(tl.int64)
+    key = tl.sort(key, descending=True)
+    order = NB_PAD - 1 - (key & 0xFFFFFFFF).to(tl.int32)
+    running = tl.cumsum((key >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0)
+    total = tl.sum(tl.where(idx == NB_PAD - 1, running, 0.0), 0)
+    below = tl.sum((running < eta * total).to(tl.int32), 0)
+    return order, idx <= below
+
+
+@triton.jit
+def _finish_head(row, head, heads, mode, n_splits, n_causal, max_blocks, eta,
+                 out_ptr, mass_ptr, support_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+                 stat_m_ptr, stat_l_ptr,
+                 stride_ob, stride_oh, stride_mb, stride_mh, stride_sb, stride_sh,
+                 ws_blocks, ws_splits,
+                 HEAD_DIM: tl.constexpr, S_CHUNK: tl.constexpr, NB_PAD: tl.constexpr,
+                 RETURN_MASS: tl.constexpr):
+    """Merge one head's splits in split order; discovery rows: block mass and selection."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_s = tl.arange(0, S_CHUNK)
+    part = (row * heads + head) * ws_splits
+    m_run = tl.full([1], float("-inf"), tl.float32)
+    l_run = tl.zeros([1], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for c in range(0, n_splits, S_CHUNK):
+        split_ok = c + offs_s < n_splits
+        m_s = tl.load(part_m_ptr + part + c + offs_s, mask=split_ok, other=float("-inf"),
+                      cache_modifier=".cg")
+        l_s = tl.load(part_l_ptr + part + c + offs_s, mask=split_ok, other=0.0, cache_modifier=".cg")
+        acc_s = tl.load(part_acc_ptr + (part + c + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=split_ok[:, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_run, tl.max(m_s, 0, keep_dims=True))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_ref)
+        w = tl.exp2(m_s - m_ref)
+        l_run = l_run * alpha + tl.sum(l_s * w, 0, keep_dims=True)
+        acc = acc * alpha + tl.sum(acc_s * w[:, None], 0)
+        m_run = m_new
+    tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d,
+             (acc / l_run).to(out_ptr.dtype.element_ty))
+
+    is_disc = (mode == _DISCOVER) | (mode == _DISCOVER_UNION)
+    blk = tl.arange(0, NB_PAD)
+    has_stat = tl.where(is_disc, blk < n_causal, False)
+    stat = (row * heads + head) * ws_blocks + blk
+    stat_m = tl.load(stat_m_ptr + stat, mask=has_stat, other=0.0, cache_modifier=".cg")
+    stat_l = tl.load(stat_l_ptr + stat, mask=has_stat, other=0.0, cache_modifier=".cg")
+    mass = tl.where(has_stat, stat_l * tl.exp2(stat_m - m_run) / l_run, 0.0)
+    if RETURN_MASS:
+        tl.store(mass_ptr + row * stride_mb + head * stride_mh + blk, mass, mask=blk < max_blocks)
+    if is_disc:
+        order, kept = _select_ranked(mass, eta, NB_PAD)
+        dst = support_ptr + row * stride_sb + head * stride_sh + order
+        in_row = order < max_blocks
+        held = tl.load(dst, mask=tl.where(mode == _DISCOVER_UNION, in_row, False), other=0)
+        tl.store(dst, (kept | (held != 0)).to(tl.uint8), mask=in_row)
+
+
+@triton.jit
+def _decode_kernel(
+        q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, modes_ptr, support_ptr,
+        out_ptr, mass_ptr, starts_ptr, blocks_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+        stat_m_ptr, stat_l_ptr, counters_ptr,
+        kv_heads, max_blocks, qk_scale, eta,
+        stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_pt,
+        stride_sb, stride_sh, stride_ob, stride_oh, stride_mb, stride_mh,
+        ws_blocks, ws_splits,
+        HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK: tl.constexpr,
+        PAGE: tl.constexpr, TILE_N: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, NB_PAD: tl.constexpr,
+        S_CHUNK: tl.constexpr, RETURN_MASS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        KV_ALIGN: tl.constexpr):
+    row = tl.program_id(0) // kv_heads
+    kvh = tl.program_id(0) % kv_heads
+    split = tl.program_id(1)
+    heads = kv_heads * GROUP
+    mode = tl.load(modes_ptr + row)
+    seq_len = tl.load(seq_lens_ptr + row)
+    is_sparse = mode == _SPARSE
+    is_disc = (mode == _DISCOVER) | (mode == _DISCOVER_UNION)
+    n_causal = tl.minimum(tl.cdiv(seq_len, BLOCK), max_blocks)
+
+    # 1. The row's block list; this split's entries [lo, hi) go to the workspace.
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP
+    head = kvh * GROUP + g
+    support_rows = support_ptr + row * stride_sb + head * stride_sh          # [BLOCK_G]
+    blk = tl.arange(0, NB_PAD)
+    causal = blk < n_causal
+    picked = tl.load(support_rows[:, None] + blk[None, :],
+                     mask=tl.where(is_sparse, g_ok[:, None] & causal[None, :], False), other=0)
+    listed = causal & tl.where(is_sparse, tl.max(picked, 0) != 0, True)
+    rank = tl.cumsum(listed.to(tl.int32), 0) - 1
+    n_listed = tl.sum(listed.to(tl.int32), 0)
+    n_splits = tl.maximum(tl.cdiv(n_listed, SPLIT_BLOCKS), 1)
+    if split >= n_splits:
+        return
+    lo = split * SPLIT_BLOCKS
+    hi = tl.minimum(lo + SPLIT_BLOCKS, n_listed)
+    mine = listed & (rank >= lo) & (rank < hi)
+    page = tl.load(page_table_ptr + row * stride_pt + blk * BLOCK // PAGE, mask=mine, other=0)
+    start = (page.to(tl.int64) * stride_kp + (blk * BLOCK % PAGE).to(tl.int64) * stride_kt
+             + kvh * stride_kh)
+    list_base = (row * kv_heads + kvh) * ws_blocks
+    tl.store(starts_ptr + list_base + rank, start, mask=mine)
+    if GROUP > 1:
+        tl.store(blocks_ptr + list_base + rank, blk, mask=mine)
+    # Only the last causal block can be partial; when listed, it is the last entry.
+    tail_listed = tl.sum(tl.where(blk == n_causal - 1, listed, False).to(tl.int32), 0) > 0
+    tail_keys = tl.where(tail_listed, seq_len - (n_causal - 1) * BLOCK, BLOCK)
+    tl.debug_barrier()
+
+    # 2. Online softmax over the split's entries, TILE_N keys per iteration.
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    within = offs_n % BLOCK
+    q = tl.load(q_ptr + row * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None], other=0.0)                                # [BLOCK_G, D]
+    m_i = tl.full([1, BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([1, BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    stats = (row * heads + head[None, :]) * ws_blocks                         # [1, BLOCK_G]
+    for t in range(lo, hi, TILE_N // BLOCK):
+        entry = t + offs_n // BLOCK
+        in_list = entry < hi
+        key_start = tl.load(starts_ptr + list_base + entry, mask=in_list, other=0, cache_modifier=".cg")
+        key_start = tl.multiple_of(key_start, KV_ALIGN)
+        key_ok = in_list & ((entry < n_listed - 1) | (within < tail_keys))
+        kv = (key_start + within.to(tl.int64) * stride_kt)[:, None] + offs_d[None, :]
+        k = tl.load(k_ptr + kv, mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + kv, mask=key_ok[:, None], other=0.0)
+        s = _scores(q, k, BLOCK_G, DOT_PRECISION) * qk_scale                   # [TILE_N, BLOCK_G]
+        keep = key_ok[:, None]
+        if GROUP > 1:  # a sparse row lists the union of its heads' blocks; mask per head
+            key_blk = tl.load(blocks_ptr + list_base + entry, mask=in_list, other=0, cache_modifier=".cg")
+            chosen = tl.load(support_rows[None, :] + key_blk[:, None],
+                             mask=tl.where(is_sparse, key_ok[:, None] & g_ok[None, :], False), other=1)
+            keep = keep & (chosen != 0)
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0, keep_dims=True))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 0, keep_dims=True)
+        acc = acc * _as_rows(alpha, BLOCK_G) + _weighted_values(p, v, BLOCK_G, DOT_PRECISION)
+        m_i = m_new
+        if is_disc:  # per block: sum of exp2(s - m_ref), relative to m_ref (the list is the block index)
+            for j in tl.static_range(TILE_N // BLOCK):
+                block_sum = tl.sum(tl.where((offs_n // BLOCK == j)[:, None], p, 0.0), 0, keep_dims=True)
+                ok = tl.where(t + j < hi, g_ok[None, :], False)
+                tl.store(stat_m_ptr + stats + t + j, m_ref, mask=ok)
+                tl.store(stat_l_ptr + stats + t + j, block_sum, mask=ok)
+
+    # 3. Store this split's partials; the last split of the (row, kv_head) finishes.
+    part = (row * heads + head) * ws_splits + split
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_ok[:, None])
+    tl.store(part_m_ptr + part[None, :], m_i, mask=g_ok[None, :])
+    tl.store(part_l_ptr + part[None, :], l_i, mask=g_ok[None, :])
+    tl.debug_barrier()
+    last = n_splits == 1
+    if n_splits > 1:
+        counter = counters_ptr + row * kv_heads + kvh
+        last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_splits - 1
+        if last:
+            tl.store(counter, 0)
+    if last:
+        for gi in range(GROUP):
+            _finish_head(row, kvh * GROUP + gi, heads, mode, n_splits, n_causal, max_blocks, eta,
+                         out_ptr, mass_ptr, support_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+                         stat_m_ptr, stat_l_ptr,
+                         stride_ob, stride_oh, stride_mb, stride_mh, stride_sb, stride_sh,
+                         ws_blocks, ws_splits, HEAD_DIM, S_CHUNK, NB_PAD, RETURN_MASS)
+
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_kernel_inputs(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size, eta):
+    """Kernel-specific checks on top of the shared `check_decode_args` (no host sync)."""
+    if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size!r}")
+    check_decode_args(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size)
+    if not 0.0 < eta <= 1.0:
+        raise ValueError(f"eta must be in (0, 1], got {eta}")
+    if q.dtype not in _DTYPES or k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+        raise ValueError(f"q, k_pages and v_pages must share one dtype of {_DTYPES}, got "
+                         f"{q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+    head_dim = q.shape[2]
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    for name, t in (("page_table", page_table), ("seq_lens", seq_lens), ("modes", modes)):
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {t.dtype}")
+    tensors = {"q": q, "k_pages": k_pages, "v_pages": v_pages, "page_table": page_table,
+               "seq_lens": seq_lens, "modes": modes, "support": support}
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) != 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+    if q.stride(2) != 1 or k_pages.stride(3) != 1:
+        raise ValueError("q and k_pages must be contiguous in head_dim")
+    if k_pages.stride() != v_pages.stride():
+        raise ValueError(f"k_pages and v_pages must have the same strides, got "
+                         f"{k_pages.stride()} and {v_pages.stride()}")
+    if not support.is_contiguous() or not seq_lens.is_contiguous() or not modes.is_contiguous() \
+            or page_table.stride(1) != 1:
+        raise ValueError("support, seq_lens and modes must be contiguous, page_table contiguous in pages")
+
+
+def _check_values(k_pages, page_table, seq_lens, modes, support, block_size) -> None:
+    """Value checks of the convenience path (no workspace): these read the tensors on the host."""
+    page_size = k_pages.shape[1]
+    max_keys = page_table.shape[1] * page_size
+    lens, row_modes = seq_lens.cpu().long(), modes.cpu()
+    if lens.numel() and (lens.min() < 1 or lens.max() > max_keys):
+        raise ValueError(f"seq_lens must be in [1, {max_keys}] (the page table's capacity), got {lens.tolist()}")
+    known = torch.tensor(sorted(M.NAMES))
+    if not torch.isin(row_modes, known).all():
+        raise ValueError(f"modes must be one of {M.NAMES}, got {row_modes.tolist()}")
+    used = torch.arange(page_table.shape[1]) < -(-lens[:, None] // page_size)
+    pages = page_table.cpu()
+    if (used & ((pages < 0) | (pages >= k_pages.shape[0]))).any():
+        raise ValueError(f"page_table holds a page outside [0, {k_pages.shape[0]}) for a used page")
+    causal = torch.arange(support.shape[2]) * block_size < lens[:, None]
+    empty = ~(support.cpu() & causal[:, None, :]).any(-1) & (row_modes == M.SPARSE)[:, None]
+    if empty.any():
+        rows, heads = torch.nonzero(empty, as_tuple=True)
+        raise ValueError(f"sparse rows {rows.tolist()} (heads {heads.tolist()}) select no causal block")
+
+
+def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,
+                     block_size: int, eta: float, scale: float | None = None,
+                     return_mass: bool = False, workspace: DecodeWorkspace | None = None):
+    """One query token per row against its paged keys, per-row WISE mode (docs/DESIGN.md).
+
+    q: [batch, heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim]
+    (same strides); page_table: int32[batch, max_pages]; seq_lens, modes: int32[batch];
+    support: bool[batch, heads, max_blocks], written in place for discovery rows.
+    Returns (out [batch, heads, head_dim] in q's dtype, support) and, with return_mass, mass
+    float32[batch, heads, max_blocks] (discovery rows; zeros elsewhere).
+    With a `workspace` the call allocates nothing and does not sync (CUDA-graph capturable);
+    out and mass are then views of the workspace. Without one, a workspace is allocated and the
+    values (seq_lens, modes, used pages, sparse supports) are checked on the host first.
+    """
+    _check_kernel_inputs(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size, eta)
+    batch, heads, head_dim = q.shape
+    _, page_size, kv_heads, _ = k_pages.shape
+    max_blocks = support.shape[2]
+    if workspace is None:
+        _check_values(k_pages, page_table, seq_lens, modes, support, block_size)
+        workspace = DecodeWorkspace.allocate(max(batch, 1), heads, kv_heads, head_dim, max_blocks,
+                                             dtype=q.dtype, device=q.device, block_size=block_size)
+    else:
+        workspace.check_fits(batch, heads, kv_heads, head_dim, max_blocks, block_size, q.dtype, q.device)
+    out, mass = workspace.out[:batch], workspace.mass[:batch, :, :max_blocks]
+    if batch:
+        _launch(q, k_pages, v_pages, page_table, seq_lens, modes, support, out, mass, workspace,
+                scale=head_dim ** -0.5 if scale is None else scale, eta=eta, return_mass=return_mass)
+    return (out, support, mass) if return_mass else (out, support)
+
+
+def _launch(q, k_pages, v_pages, page_table, seq_lens, modes, support, out, mass, ws, *,
+            scale, eta, return_mass):
+    batch, heads, head_dim = q.shape
+    kv_heads = k_pages.shape[2]
+    max_blocks = support.shape[2]
+    config, block_size = ws.config, ws.block_size
+    group = heads // kv_heads
+    split_blocks = _split_blocks(config, block_size)
+    max_splits = -(-max_blocks // split_blocks)
+    grid = (batch * kv_heads, max_splits)
+    _decode_kernel[grid](
+        q, k_pages, v_pages, page_table, seq_lens, modes, support.view(torch.uint8),
+        out, mass, ws.starts, ws.blocks, ws.part_acc, ws.part_m, ws.part_l,
+        ws.stat_m, ws.stat_l, ws.counters,
+        kv_heads, max_blocks, scale * math.log2(math.e), eta,
+        q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+        page_table.stride(0), support.stride(0), support.stride(1), out.stride(0), out.stride(1),
+        mass.stride(0), mass.stride(1), ws.max_blocks, ws.max_splits,
+        HEAD_DIM=head_dim, GROUP=group,
+        BLOCK_G=1 if group == 1 and not config.mha_dots else max(16, triton.next_power_of_2(group)),
+        BLOCK=block_size, PAGE=k_pages.shape[1], TILE_N=max(config.tile_n, block_size),
+        SPLIT_BLOCKS=split_blocks, NB_PAD=triton.next_power_of_2(max_blocks),
+        S_CHUNK=min(16, triton.next_power_of_2(max_splits)), RETURN_MASS=return_mass,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        KV_ALIGN=16 if all(stride % 16 == 0 for stride in k_pages.stride()[:3]) else 1,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def all_blocks_support(seq_lens: torch.Tensor, heads: int, max_blocks: int, block_size: int) -> torch.Tensor:
+    """The all-causal-blocks support: seq_lens int[batch] -> bool[batch, heads, max_blocks]."""
+    causal = torch.arange(max_blocks, device=seq_lens.device) * block_size < seq_lens[:, None]
+    return causal[:, None, :].expand(-1, heads, -1).contiguous()
