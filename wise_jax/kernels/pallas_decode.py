@@ -103,19 +103,29 @@ def _next_pow2(n: int) -> int:
 # Kernels
 
 
-def _split_kernel(seq_lens_ref, counts_ref, tiles_ref, page_table_ref, q_ref, k_ref, v_ref,
+def _listed_blocks(support_ref, seq_len, mode, *, block_size, blocks_pad):
+    """bool[blocks_pad]: the blocks a row attends (SPARSE: its support; else all) that are causal."""
+    index = jnp.arange(blocks_pad, dtype=jnp.int32)
+    held = pl_triton.load(support_ref.at[index], mask=index < support_ref.shape[0], other=False)
+    return (held | (mode != wise_modes.SPARSE)) & (index * block_size < seq_len)
+
+
+def _split_kernel(seq_lens_ref, modes_ref, support_ref, page_table_ref, q_ref, k_ref, v_ref,
                   acc_ref, m_ref, l_ref, block_lse_ref, *, block_size, page_size, tile_blocks,
                   num_splits, scale):
-    """One (row, head, split): online softmax over this split's share of the tile list.
+    """One (row, head, split): online softmax over this split's share of the row's block list.
 
-    tiles_ref: [blocks_pad] listed blocks; page_table_ref: [max_pages]; q_ref: [head_dim];
-    k_ref, v_ref: [num_pages * page_size, head_dim] (this head's KV head);
-    acc_ref: [head_dim]; m_ref, l_ref: [batch, heads, splits]; block_lse_ref: [blocks_pad]
-    (by list position).
+    support_ref: [max_blocks]; page_table_ref: [max_pages]; q_ref: [head_dim];
+    k_ref, v_ref: [num_pages * page_size, head_dim] (this head's KV head); acc_ref: [head_dim];
+    m_ref, l_ref: [batch, heads, splits]; block_lse_ref: [blocks_pad], by list position.
     """
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    seq_len = seq_lens_ref[b]
-    n_listed = counts_ref[b, h]
+    seq_len, mode = seq_lens_ref[b], modes_ref[b]
+    n_blocks, blocks_pad = support_ref.shape[0], block_lse_ref.shape[0]
+    listed = _listed_blocks(support_ref, seq_len, mode, block_size=block_size,
+                            blocks_pad=blocks_pad).astype(jnp.int32)
+    rank = jnp.cumsum(listed)  # listed blocks up to and including each block
+    n_listed = jnp.sum(listed)
     n_steps = (n_listed + tile_blocks - 1) // tile_blocks
     per_split = (n_steps + num_splits - 1) // num_splits
     start = s * per_split
@@ -127,11 +137,13 @@ def _split_kernel(seq_lens_ref, counts_ref, tiles_ref, page_table_ref, q_ref, k_
     def step(t, carry):
         m, l, acc = carry
         pos = t * tile_blocks + jnp.arange(tile_blocks, dtype=jnp.int32)  # list positions
-        listed = pos < n_listed
-        first = tiles_ref[pos] * block_size  # first key of each block: [tile_blocks]
+        in_list = pos < n_listed
+        # The pos-th listed block is the number of blocks listed at most pos times before it.
+        block = jnp.sum((rank[None, :] <= pos[:, None]).astype(jnp.int32), axis=1)
+        first = jnp.minimum(block, n_blocks - 1) * block_size  # first key: [tile_blocks]
         pages = page_table_ref[first // page_size]
         rows = (pages * page_size + first % page_size)[:, None] + offsets[None, :]
-        valid = listed[:, None] & (first[:, None] + offsets[None, :] < seq_len)
+        valid = in_list[:, None] & (first[:, None] + offsets[None, :] < seq_len)
         gather = (rows[:, :, None], dims)  # [tile_blocks, block_size, head_dim]
         k = pl_triton.load(k_ref.at[gather], mask=valid[:, :, None], other=0)
         scores = jnp.sum(k.astype(jnp.float32) * q[None, None, :], axis=-1)
@@ -142,7 +154,7 @@ def _split_kernel(seq_lens_ref, counts_ref, tiles_ref, page_table_ref, q_ref, k_
         correction = jnp.exp(m - m_new)
         v = pl_triton.load(v_ref.at[gather], mask=valid[:, :, None], other=0)
         pv = jnp.sum(jnp.sum(p[:, :, None] * v.astype(jnp.float32), axis=1), axis=0)
-        pl_triton.store(block_lse_ref.at[pos], m_new + jnp.log(block_sum), mask=listed)
+        pl_triton.store(block_lse_ref.at[pos], m_new + jnp.log(block_sum), mask=in_list)
         return m_new, l * correction + jnp.sum(block_sum), acc * correction + pv
 
     init = (jnp.float32(-jnp.inf), jnp.float32(0), jnp.zeros(q.shape, jnp.float32))
@@ -152,17 +164,18 @@ def _split_kernel(seq_lens_ref, counts_ref, tiles_ref, page_table_ref, q_ref, k_
     l_ref[b, h, s] = l
 
 
-def _finish_kernel(modes_ref, counts_ref, acc_ref, m_ref, l_ref, block_lse_ref,
-                   out_ref, mass_ref, select_ref, *, eta, all_blocks, n_blocks):
+def _finish_kernel(seq_lens_ref, modes_ref, support_ref, acc_ref, m_ref, l_ref, block_lse_ref,
+                   out_ref, support_out_ref, mass_ref, *, block_size, eta, all_blocks):
     """One (row, head): merge splits by log-sum-exp; mass and selection of discovery rows.
 
-    acc_ref: [splits, head_dim]; m_ref, l_ref: [splits]; block_lse_ref, mass_ref,
-    select_ref (int8): [blocks_pad]; out_ref: [head_dim].
+    support_ref, support_out_ref, mass_ref: [max_blocks]; acc_ref: [splits, head_dim];
+    m_ref, l_ref: [splits]; block_lse_ref: [blocks_pad]; out_ref: [head_dim].
     """
-    b, h = pl.program_id(0), pl.program_id(1)
+    b = pl.program_id(0)
     mode = modes_ref[b]
     discovering = (mode == wise_modes.DISCOVER) | (mode == wise_modes.DISCOVER_UNION)
-    n_listed = counts_ref[b, h]
+    n_causal = (seq_lens_ref[b] + block_size - 1) // block_size  # a discovery row's list
+    n_blocks, blocks_pad = support_ref.shape[0], block_lse_ref.shape[0]
     m = m_ref[...]
     m_max = jnp.max(m)
     weight = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - m_max))
@@ -170,25 +183,25 @@ def _finish_kernel(modes_ref, counts_ref, acc_ref, m_ref, l_ref, block_lse_ref,
     acc = jnp.sum(weight[:, None] * acc_ref[...], axis=0)
     out_ref[...] = jnp.where(total > 0, acc / total, 0.0).astype(out_ref.dtype)
 
-    def block_mass(first, size):  # mass of listed blocks [first, first + size), else 0
+    def block_mass(first, size):  # [size]: mass of blocks [first, first + size) (0 if none)
         index = first + jnp.arange(size, dtype=jnp.int32)
         lse = block_lse_ref[pl.ds(first, size)]
-        return jnp.where(discovering & (index < n_listed), jnp.exp(lse - m_max) / total, 0.0)
+        return jnp.where(discovering & (index < n_causal), jnp.exp(lse - m_max) / total, 0.0)
 
-    blocks_pad = mass_ref.shape[0]
-    mass_ref[...] = block_mass(0, blocks_pad)
+    index = jnp.arange(blocks_pad, dtype=jnp.int32)
+    pl_triton.store(mass_ref.at[index], block_mass(0, blocks_pad), mask=index < n_blocks)
+
+    @pl.when(jnp.logical_not(discovering))
+    def _keep_support():
+        held = pl_triton.load(support_ref.at[index], mask=index < n_blocks, other=False)
+        pl_triton.store(support_out_ref.at[index], held, mask=index < n_blocks)
 
     @pl.when(discovering)
     def _select():
-        index = jnp.arange(blocks_pad, dtype=jnp.int32)
-        if all_blocks:  # a discovery row lists exactly its causal blocks
-            select_ref[...] = (index < n_listed).astype(jnp.int8)
-            return
         threshold = eta * jnp.sum(block_mass(0, blocks_pad))
         rows, cols = min(_SELECT_ROWS, blocks_pad), min(_SELECT_COLS, blocks_pad)
 
-        def row_tile(ti, carry):
-            i0 = ti * rows
+        def rank_tile(i0):  # keep[rows] for blocks [i0, i0 + rows), by pairwise ranking
             mi = block_mass(i0, rows)[:, None]
             ii = (i0 + jnp.arange(rows, dtype=jnp.int32))[:, None]
 
@@ -204,9 +217,15 @@ def _finish_kernel(modes_ref, counts_ref, acc_ref, m_ref, l_ref, block_lse_ref,
             before, ahead_count = jax.lax.fori_loop(
                 0, blocks_pad // cols, col_tile,
                 (jnp.zeros((rows,), jnp.float32), jnp.zeros((rows,), jnp.int32)))
-            keep = (ahead_count == 0) | ((mi[:, 0] > 0) & (before < threshold))
-            keep = keep & (ii[:, 0] < n_blocks)
-            select_ref[pl.ds(i0, rows)] = keep.astype(jnp.int8)
+            return (ahead_count == 0) | ((mi[:, 0] > 0) & (before < threshold))
+
+        def row_tile(ti, carry):
+            i0 = ti * rows
+            ii = i0 + jnp.arange(rows, dtype=jnp.int32)
+            keep = ii < n_causal if all_blocks else rank_tile(i0)
+            held = pl_triton.load(support_ref.at[ii], mask=ii < n_blocks, other=False)
+            keep = keep | (held & (mode == wise_modes.DISCOVER_UNION))
+            pl_triton.store(support_out_ref.at[ii], keep, mask=ii < n_blocks)
             return carry
 
         jax.lax.fori_loop(0, blocks_pad // rows, row_tile, 0)
@@ -216,33 +235,11 @@ def _finish_kernel(modes_ref, counts_ref, acc_ref, m_ref, l_ref, block_lse_ref,
 # Launchers
 
 
-def tile_lists(seq_lens: jax.Array, modes: jax.Array, support: jax.Array, *, block_size: int,
-               blocks_pad: int) -> tuple[jax.Array, jax.Array]:
-    """Per (row, head) the blocks to attend, compacted in ascending order.
-
-    seq_lens, modes: int32[batch]; support: bool[batch, heads, max_blocks] ->
-    (tiles int32[batch, heads, blocks_pad] (entries past the count are 0),
-     counts int32[batch, heads]).
-    """
-    batch, heads, n_blocks = support.shape
-    causal = jnp.arange(n_blocks, dtype=jnp.int32)[None, :] < (
-        (seq_lens + block_size - 1) // block_size)[:, None]
-    listed = jnp.where((modes == wise_modes.SPARSE)[:, None, None], support, True)
-    listed = listed & causal[:, None, :]
-    slot = jnp.where(listed, jnp.cumsum(listed, axis=-1, dtype=jnp.int32) - 1, blocks_pad)
-    b = jnp.arange(batch)[:, None, None]
-    h = jnp.arange(heads)[None, :, None]
-    blocks = jnp.broadcast_to(jnp.arange(n_blocks, dtype=jnp.int32), listed.shape)
-    tiles = jnp.zeros((batch, heads, blocks_pad), jnp.int32).at[b, h, slot].set(blocks, mode="drop")
-    return tiles, listed.sum(-1, dtype=jnp.int32)
-
-
-def _split_call(q, k_pages, v_pages, page_table, seq_lens, tiles, counts, *, block_size, scale,
-                config: KernelConfig, interpret: bool):
+def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size, scale,
+                blocks_pad, config: KernelConfig, interpret: bool):
     batch, heads, head_dim = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     group = heads // kv_heads
-    blocks_pad = tiles.shape[-1]
     splits = config.num_splits
     k_rows = k_pages.reshape(num_pages * page_size, kv_heads, head_dim)
     v_rows = v_pages.reshape(num_pages * page_size, kv_heads, head_dim)
@@ -258,9 +255,9 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, tiles, counts, *, blo
         grid=(batch, heads, splits),
         in_specs=[
             whole,  # seq_lens
-            whole,  # counts
-            pl.BlockSpec((None, None, blocks_pad), lambda b, h, s: (b, h, 0)),  # tiles
-            pl.BlockSpec((None, page_table.shape[1]), lambda b, h, s: (b, 0)),  # page_table
+            whole,  # modes
+            pl.BlockSpec((None, None, support.shape[-1]), lambda b, h, s: (b, h, 0)),
+            pl.BlockSpec((None, page_table.shape[1]), lambda b, h, s: (b, 0)),
             pl.BlockSpec((None, None, head_dim), lambda b, h, s: (b, h, 0)),  # q
             kv_spec,
             kv_spec,
@@ -281,53 +278,48 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, tiles, counts, *, blo
                                                  num_stages=config.num_stages),
         interpret=interpret,
         name="wise_decode_split",
-    )(seq_lens, counts, tiles, page_table, q, k_rows, v_rows)
+    )(seq_lens, modes, support, page_table, q, k_rows, v_rows)
 
 
-def _finish_call(modes, counts, acc, m, l, block_lse, *, out_dtype, eta, all_blocks, n_blocks,
-                 interpret: bool):
+def _finish_call(seq_lens, modes, support, acc, m, l, block_lse, *, out_dtype, block_size, eta,
+                 all_blocks, interpret: bool):
     batch, heads, splits, head_dim = acc.shape
-    blocks_pad = block_lse.shape[-1]
+    n_blocks, blocks_pad = support.shape[-1], block_lse.shape[-1]
     whole = pl.BlockSpec()
-    per_head = lambda *shape: pl.BlockSpec((None, None, *shape), lambda b, h: (b, h) + (0,) * len(shape))
-    kernel = functools.partial(_finish_kernel, eta=eta, all_blocks=all_blocks, n_blocks=n_blocks)
+
+    def per_head(*shape):
+        return pl.BlockSpec((None, None, *shape), lambda b, h: (b, h) + (0,) * len(shape))
+
+    kernel = functools.partial(_finish_kernel, block_size=block_size, eta=eta,
+                               all_blocks=all_blocks)
     return pl.pallas_call(
         kernel,
         grid=(batch, heads),
-        in_specs=[whole, whole, per_head(splits, head_dim), per_head(splits), per_head(splits),
-                  per_head(blocks_pad)],
-        out_specs=[per_head(head_dim), per_head(blocks_pad), per_head(blocks_pad)],
+        in_specs=[whole, whole, per_head(n_blocks), per_head(splits, head_dim), per_head(splits),
+                  per_head(splits), per_head(blocks_pad)],
+        out_specs=[per_head(head_dim), per_head(n_blocks), per_head(n_blocks)],
         out_shape=[
             jax.ShapeDtypeStruct((batch, heads, head_dim), out_dtype),
-            jax.ShapeDtypeStruct((batch, heads, blocks_pad), jnp.float32),
-            jax.ShapeDtypeStruct((batch, heads, blocks_pad), jnp.int8),
+            jax.ShapeDtypeStruct((batch, heads, n_blocks), jnp.bool_),
+            jax.ShapeDtypeStruct((batch, heads, n_blocks), jnp.float32),
         ],
         compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="wise_decode_finish",
-    )(modes, counts, acc, m, l, block_lse)
+    )(seq_lens, modes, support, acc, m, l, block_lse)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "eta", "scale", "all_blocks",
                                              "config", "interpret"))
 def _decode(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size, eta, scale,
             all_blocks, config, interpret):
-    n_blocks = support.shape[-1]
-    blocks_pad = max(_next_pow2(n_blocks), config.tile_blocks)
-    tiles, counts = tile_lists(seq_lens, modes, support, block_size=block_size,
-                               blocks_pad=blocks_pad)
-    acc, m, l, block_lse = _split_call(q, k_pages, v_pages, page_table, seq_lens, tiles, counts,
-                                       block_size=block_size, scale=scale, config=config,
-                                       interpret=interpret)
-    out, mass, selected = _finish_call(modes, counts, acc, m, l, block_lse, out_dtype=q.dtype,
-                                       eta=eta, all_blocks=all_blocks, n_blocks=n_blocks,
-                                       interpret=interpret)
-    selected = selected[..., :n_blocks].astype(bool)
-    row_mode = modes[:, None, None]
-    new_support = jnp.where(row_mode == wise_modes.DISCOVER, selected,
-                            jnp.where(row_mode == wise_modes.DISCOVER_UNION, selected | support,
-                                      support))
-    return out, new_support, mass[..., :n_blocks]
+    blocks_pad = max(_next_pow2(support.shape[-1]), config.tile_blocks)
+    acc, m, l, block_lse = _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support,
+                                       block_size=block_size, scale=scale, blocks_pad=blocks_pad,
+                                       config=config, interpret=interpret)
+    return _finish_call(seq_lens, modes, support, acc, m, l, block_lse, out_dtype=q.dtype,
+                        block_size=block_size, eta=eta, all_blocks=all_blocks,
+                        interpret=interpret)
 
 
 # ---------------------------------------------------------------------------------------------
