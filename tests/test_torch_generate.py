@@ -1,6 +1,6 @@
 """wise_torch.generate / teacher_force: batching, WISE equivalences, stopping, sampling, errors."""
 
-import dataclasses
+import os
 
 import pytest
 import torch
@@ -83,6 +83,27 @@ def test_teacher_force_scores_what_generate_produced(model):
     torch.testing.assert_close(batch.logprobs[1], short.logprobs[0], atol=1e-4, rtol=0)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs Triton in its CPU interpreter")
+def test_triton_kernel_through_generate():
+    config = PRESETS["test-tiny-gqa"]
+    model = wt.from_tensors(config, random_tensors(config, seed=0, std=0.08))
+    prompts = prompts_of([70, 5], config.vocab_size, seed=5)
+
+    def run(**wise):
+        return wt.generate(model, prompts, max_new_tokens=2, eos_token_id=None, page_size=32, return_logits=True,
+                           wise_config=WiseConfig(**wise))
+
+    dense_ref, dense_tri = run(kernel="reference", reuse_depths=()), run(kernel="triton", reuse_depths=())
+    assert dense_tri.tokens == dense_ref.tokens
+    for a, b in zip(dense_tri.logits, dense_ref.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)  # fp32, another summation order
+    all_blocks = run(kernel="triton", all_blocks=True)
+    assert all(torch.equal(a, b) for a, b in zip(all_blocks.logits, dense_tri.logits))
+    sparse_ref, sparse_tri = run(kernel="reference", eta=0.5), run(kernel="triton", eta=0.5)
+    assert sparse_tri.tokens == sparse_ref.tokens and sparse_tri.stats.density == sparse_ref.stats.density
+    assert sparse_tri.stats.density[2] < 1.0
+
+
 def test_eos_stops_each_row(byte_model):
     prompts = [[65, 66, 67], [10, 11]]
     free = wt.generate(byte_model, prompts, max_new_tokens=10, eos_token_id=None)
@@ -137,7 +158,7 @@ def test_bad_inputs_are_named(byte_model, model):
         gen(byte_model, [[1]], max_new_tokens=1, top_p=0.0)
     with pytest.raises(ValueError, match="temperature"):
         gen(byte_model, [[1]], max_new_tokens=1, temperature=-1.0)
-    with pytest.raises(ValueError, match="page_size 48 is not a multiple of the WISE block_size 32"):
+    with pytest.raises(ValueError, match="page_size must be a positive multiple of the block_size 32, got 48"):
         gen(byte_model, [[1]], max_new_tokens=1, wise_config=WiseConfig(), page_size=48)
     with pytest.raises(ConfigError, match="out of range"):
         gen(byte_model, [[1]], max_new_tokens=1, wise_config=WiseConfig(reuse_depths=(5,)))

@@ -7,6 +7,7 @@ docs/DESIGN.md; `decode_attention` dispatches to it or to the Triton kernel
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Callable
 
@@ -134,6 +135,19 @@ def resolve_kernel(kernel: str, device: torch.device | str) -> Callable:
         raise RuntimeError(f"the Triton decode kernel (wise_torch.kernels.triton_decode) cannot be "
                            f"imported: {e}; use kernel='reference'") from e
     return module.decode_attention
+
+
+def prepare_decode_attention(kernel: str, *, max_batch: int, heads: int, kv_heads: int, head_dim: int,
+                             max_blocks: int, block_size: int, dtype: torch.dtype,
+                             device: torch.device | str) -> Callable:
+    """`kernel`'s decode attention with its buffers allocated once for calls up to these sizes
+    (Triton: a workspace, so that a call allocates nothing and never syncs)."""
+    fn = resolve_kernel(kernel, device)
+    if fn is decode_attention_reference:
+        return fn
+    workspace = importlib.import_module(fn.__module__).DecodeWorkspace.allocate(
+        max_batch, heads, kv_heads, head_dim, max_blocks, dtype=dtype, device=device, block_size=block_size)
+    return functools.partial(fn, workspace=workspace)
 
 
 def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,

@@ -13,7 +13,7 @@ import time
 import torch
 
 from wise_core.config import WiseConfig
-from wise_torch.attention import select_blocks
+from wise_torch.attention import prepare_decode_attention, select_blocks
 from wise_torch.kv_cache import PagedKVCache
 from wise_torch.model import OuroForCausalLM
 from wise_torch.wise_state import WiseState
@@ -77,21 +77,24 @@ class _Session:
 
     def __init__(self, model: OuroForCausalLM, max_tokens: list[int], wise_config: WiseConfig | None,
                  page_size: int):
-        weight = model.model.embed_tokens.weight
+        config, weight = model.config, model.model.embed_tokens.weight
+        block_size = (wise_config or WiseConfig()).block_size
+        if not isinstance(page_size, int) or page_size <= 0 or page_size % block_size:
+            raise ValueError(f"page_size must be a positive multiple of the block_size {block_size}, got {page_size!r}")
+        if wise_config is not None:
+            wise_config.validate_for(config.num_loops)
         self.model, self.device = model, weight.device
         self.max_pages = -(-max(max_tokens) // page_size)
-        if wise_config is not None:
-            wise_config.validate_for(model.config.num_loops)
-            if page_size % wise_config.block_size:
-                raise ValueError(f"page_size {page_size} is not a multiple of the WISE block_size "
-                                 f"{wise_config.block_size}")
-        self.cache = PagedKVCache.for_model(model.config, num_pages=sum(-(-n // page_size) for n in max_tokens),
+        max_blocks = self.max_pages * page_size // block_size
+        self.cache = PagedKVCache.for_model(config, num_pages=sum(-(-n // page_size) for n in max_tokens),
                                             page_size=page_size, dtype=weight.dtype, device=self.device)
         self.wise = None if wise_config is None else WiseState(
-            wise_config, model.config, max_slots=len(max_tokens),
-            max_blocks=self.max_pages * page_size // wise_config.block_size, device=self.device)
-        self.kernel = "auto" if wise_config is None else wise_config.kernel
+            wise_config, config, max_slots=len(max_tokens), max_blocks=max_blocks, device=self.device)
         self.wise_slots: dict[int, int] = {}
+        self.attention = prepare_decode_attention(
+            "auto" if wise_config is None else wise_config.kernel, max_batch=len(max_tokens),
+            heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+            max_blocks=max_blocks, block_size=block_size, dtype=weight.dtype, device=self.device)
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         """Logits [n, vocab] after each prompt (request i is prompts[i])."""
@@ -111,7 +114,7 @@ class _Session:
             self.cache.reserve(rid, n)
         slots = None if self.wise is None else [self.wise_slots[r] for r in request_ids]
         batch = self.cache.decode_batch(request_ids, seq_lens, self.max_pages, wise_slots=slots)
-        return self.model.decode_step(tokens, batch, self.cache, wise=self.wise, kernel=self.kernel)
+        return self.model.decode_step(tokens, batch, self.cache, wise=self.wise, kernel=self.attention)
 
     def finish(self, rid: int) -> None:
         self.cache.release(rid)

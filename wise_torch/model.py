@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -162,12 +163,12 @@ class DecodeContext:
     with the modes of the loop (all DENSE without WISE)."""
 
     def __init__(self, config: ModelConfig, batch: DecodeBatch, cache: PagedKVCache,
-                 wise: WiseState | None, kernel: str):
+                 wise: WiseState | None, kernel: str | Callable):
         if wise is not None and batch.wise_slots is None:
             raise ValueError("decoding with WISE needs DecodeBatch.wise_slots")
         self.batch, self.cache, self.wise = batch, cache, wise
         self.num_layers = config.num_hidden_layers
-        self.attention = resolve_kernel(kernel, cache.device)
+        self.attention = resolve_kernel(kernel, cache.device) if isinstance(kernel, str) else kernel
         wise_config = wise.config if wise is not None else WiseConfig()
         self.block_size, self.eta = wise_config.block_size, wise_config.eta
         self.cos, self.sin = rope_cos_sin(batch.positions, config.head_dim, config.rope_theta)
@@ -272,13 +273,14 @@ class OuroForCausalLM(nn.Module):
         return self.logits(h[torch.arange(batch, device=h.device), lengths - 1])
 
     def decode_context(self, batch: DecodeBatch, cache: PagedKVCache, *, wise: WiseState | None = None,
-                       kernel: str = "auto") -> DecodeContext:
+                       kernel: str | Callable = "auto") -> DecodeContext:
         return DecodeContext(self.config, batch, cache, wise, kernel)
 
     def decode_step(self, tokens: torch.Tensor, batch: DecodeBatch, cache: PagedKVCache, *,
-                    wise: WiseState | None = None, kernel: str = "auto") -> torch.Tensor:
+                    wise: WiseState | None = None, kernel: str | Callable = "auto") -> torch.Tensor:
         """tokens: int64[batch], the token at each row's position -> logits [batch, vocab].
-        With `wise`, loops follow its WiseConfig roles; without, every loop is DENSE."""
+        With `wise`, loops follow its WiseConfig roles; without, every loop is DENSE. kernel: a
+        name ("auto", "reference", "triton") or a `prepare_decode_attention` callable."""
         self._check_ids(tokens, 1)
         ctx = self.decode_context(batch, cache, wise=wise, kernel=kernel)
         h = self.model.embed_tokens(tokens)
