@@ -443,13 +443,16 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
         workspace.check_fits(batch, heads, kv_heads, head_dim, max_blocks, block_size, q.dtype, q.device)
     out, mass = workspace.out[:batch], workspace.mass[:batch, :, :max_blocks]
     if batch:
-        _launch(q, k_pages, v_pages, page_table, seq_lens, modes, support, out, mass, workspace,
-                scale=head_dim ** -0.5 if scale is None else scale, eta=eta, return_mass=return_mass)
+        grid, args, kwargs = kernel_launch(
+            q, k_pages, v_pages, page_table, seq_lens, modes, support, out, mass, workspace,
+            scale=head_dim ** -0.5 if scale is None else scale, eta=eta, return_mass=return_mass)
+        _decode_kernel[grid](*args, **kwargs)
     return (out, support, mass) if return_mass else (out, support)
 
 
-def _launch(q, k_pages, v_pages, page_table, seq_lens, modes, support, out, mass, ws, *,
-            scale, eta, return_mass):
+def kernel_launch(q, k_pages, v_pages, page_table, seq_lens, modes, support, out, mass, ws, *,
+                  scale, eta, return_mass):
+    """(grid, args, kwargs) of `_decode_kernel` for a checked call (also used to compile offline)."""
     batch, heads, head_dim = q.shape
     kv_heads = k_pages.shape[2]
     max_blocks = support.shape[2]
@@ -457,15 +460,14 @@ def _launch(q, k_pages, v_pages, page_table, seq_lens, modes, support, out, mass
     group = heads // kv_heads
     split_blocks = _split_blocks(config, block_size)
     max_splits = -(-max_blocks // split_blocks)
-    grid = (batch * kv_heads, max_splits)
-    _decode_kernel[grid](
-        q, k_pages, v_pages, page_table, seq_lens, modes, support.view(torch.uint8),
-        out, mass, ws.starts, ws.blocks, ws.part_acc, ws.part_m, ws.part_l,
-        ws.stat_m, ws.stat_l, ws.counters,
-        kv_heads, max_blocks, scale * math.log2(math.e), eta,
-        q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
-        page_table.stride(0), support.stride(0), support.stride(1), out.stride(0), out.stride(1),
-        mass.stride(0), mass.stride(1), ws.max_blocks, ws.max_splits,
+    args = (q, k_pages, v_pages, page_table, seq_lens, modes, support.view(torch.uint8),
+            out, mass, ws.starts, ws.blocks, ws.part_acc, ws.part_m, ws.part_l,
+            ws.stat_m, ws.stat_l, ws.counters,
+            kv_heads, max_blocks, scale * math.log2(math.e), eta,
+            q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+            page_table.stride(0), support.stride(0), support.stride(1), out.stride(0), out.stride(1),
+            mass.stride(0), mass.stride(1), ws.max_blocks, ws.max_splits)
+    kwargs = dict(
         HEAD_DIM=head_dim, GROUP=group,
         BLOCK_G=1 if group == 1 and not config.mha_dots else max(16, triton.next_power_of_2(group)),
         BLOCK=block_size, PAGE=k_pages.shape[1], TILE_N=max(config.tile_n, block_size),
@@ -474,6 +476,7 @@ def _launch(q, k_pages, v_pages, page_table, seq_lens, modes, support, out, mass
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         KV_ALIGN=16 if all(stride % 16 == 0 for stride in k_pages.stride()[:3]) else 1,
         num_warps=config.num_warps, num_stages=config.num_stages)
+    return (batch * kv_heads, max_splits), args, kwargs
 
 
 def all_blocks_support(seq_lens: torch.Tensor, heads: int, max_blocks: int, block_size: int) -> torch.Tensor:

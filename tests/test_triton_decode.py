@@ -1,0 +1,375 @@
+"""The Triton paged decode kernel against the numpy specification and the torch reference.
+
+Without CUDA the kernel runs in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET),
+so shapes are tiny and the split size is cut to 64 keys to give rows several splits. The `gpu`
+tests repeat the checks at larger shapes with the table's launch configurations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import triton
+
+from wise_core import reference as ref
+from wise_core.modes import DENSE, DISCOVER, DISCOVER_UNION, SPARSE
+from wise_torch.attention import decode_attention_reference
+from wise_torch.kernels.triton_decode import (DecodeWorkspace, KernelConfig, all_blocks_support,
+                                              config_for, decode_attention)
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+BLOCK = 32
+ETA = 0.9
+SMALL = KernelConfig(tile_n=32, split_keys=64, num_warps=4, num_stages=2)  # 2 blocks per split
+# Output tolerances against the float64 numpy attention (inputs rounded to the kernel's dtype).
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+def _widen_interpreted_bf16_dots() -> None:
+    """Triton's interpreter multiplies bf16 dot operands as their raw uint16 storage; widen
+    them to float32 first (exact, as the GPU's bf16 products are) so GQA bf16 runs on CPU."""
+    from triton.runtime import interpreter as interp
+
+    create_dot = interp.InterpreterBuilder.create_dot
+
+    def widened(builder, a, b, d, input_precision, max_num_imprecise_acc):
+        a, b = (builder.cast_impl(x, triton.language.float32) if x.dtype == triton.language.bfloat16 else x
+                for x in (a, b))
+        return create_dot(builder, a, b, d, input_precision, max_num_imprecise_acc)
+
+    interp.InterpreterBuilder.create_dot = widened
+
+
+if not CUDA:
+    _widen_interpreted_bf16_dots()
+
+
+@dataclasses.dataclass
+class Case:
+    q: torch.Tensor
+    k_pages: torch.Tensor
+    v_pages: torch.Tensor
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+
+    @property
+    def max_blocks(self) -> int:
+        return self.page_table.shape[1] * self.k_pages.shape[1] // BLOCK
+
+    @property
+    def heads(self) -> int:
+        return self.q.shape[1]
+
+    def keys(self, row: int) -> tuple[np.ndarray, np.ndarray]:
+        """The row's keys and values in order, float64 [seq_len, kv_heads, head_dim]."""
+        n = int(self.seq_lens[row])
+        pages = self.page_table[row].long()
+        k = self.k_pages[pages].flatten(0, 1)[:n]
+        v = self.v_pages[pages].flatten(0, 1)[:n]
+        return k.double().cpu().numpy(), v.double().cpu().numpy()
+
+    def workspace(self, config: KernelConfig | None = SMALL, batch: int | None = None) -> DecodeWorkspace:
+        batch, heads, head_dim = self.q.shape if batch is None else (batch,) + self.q.shape[1:]
+        return DecodeWorkspace.allocate(batch, heads, self.k_pages.shape[2], head_dim, self.max_blocks,
+                                        dtype=self.q.dtype, device=self.q.device, config=config)
+
+    def row(self, b: int) -> "Case":
+        return Case(self.q[b:b + 1], self.k_pages, self.v_pages, self.page_table[b:b + 1],
+                    self.seq_lens[b:b + 1])
+
+
+def make_case(seq_lens, *, heads=2, kv_heads=2, head_dim=64, page_size=32, dtype=torch.float32,
+              seed=0, device=DEVICE) -> Case:
+    """Random cache with pages out of order, one spare page per row, peaked queries."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(seq_lens)
+    max_pages = max(-(-n // page_size) for n in seq_lens) + 1
+    num_pages = batch * max_pages + 3
+    page_table = torch.randperm(num_pages, generator=gen)[:batch * max_pages].reshape(batch, max_pages)
+    shape = (num_pages, page_size, kv_heads, head_dim)
+    to = dict(device=device, dtype=dtype)
+    return Case(q=(3 * torch.randn(batch, heads, head_dim, generator=gen)).to(**to),
+                k_pages=torch.randn(shape, generator=gen).to(**to),
+                v_pages=torch.randn(shape, generator=gen).to(**to),
+                page_table=page_table.to(device=device, dtype=torch.int32),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device))
+
+
+def run(case: Case, modes, support, workspace=None, **kw):
+    """decode_attention on `case` with per-row `modes`; returns (out, support, mass)."""
+    modes = torch.tensor(modes, dtype=torch.int32, device=case.q.device)
+    return decode_attention(case.q, case.k_pages, case.v_pages, case.page_table, case.seq_lens, modes,
+                            support, block_size=BLOCK, eta=ETA, return_mass=True,
+                            workspace=case.workspace() if workspace is None else workspace, **kw)
+
+
+def random_support(case: Case, density: float, seed: int) -> torch.Tensor:
+    """bool[batch, heads, max_blocks]; every (row, head) keeps at least its first block."""
+    gen = torch.Generator().manual_seed(seed)
+    support = torch.rand(case.q.shape[0], case.heads, case.max_blocks, generator=gen) < density
+    support[:, :, 0] = True
+    return support.to(case.q.device)
+
+
+def numpy_attention(case: Case, support: torch.Tensor | None = None):
+    """Per-row float64 reference: (out [batch, heads, dim], mass [batch, heads, max_blocks])."""
+    outs, masses = [], []
+    for b in range(case.q.shape[0]):
+        k, v = case.keys(b)
+        sup = None if support is None else support[b].cpu().numpy()
+        out, mass = ref.attention(case.q[b].double().cpu().numpy(), k, v, block_size=BLOCK, support=sup)
+        if sup is None:
+            mass = np.pad(mass, ((0, 0), (0, case.max_blocks - mass.shape[1])))
+        outs.append(out)
+        masses.append(mass)
+    return np.stack(outs), np.stack(masses)
+
+
+def assert_selection(support: np.ndarray, mass: np.ndarray, eta: float = ETA) -> None:
+    """support == select_blocks(mass) exactly, on every (row, head) whose ranked running sum
+    is not within float32 rounding of the threshold (where summation order may decide)."""
+    ranked = -np.sort(-mass.astype(np.float64), axis=-1)
+    running = np.cumsum(ranked, axis=-1)
+    threshold = eta * running[..., -1:]
+    ambiguous = (np.abs(running - threshold) <= 1e-5 * running[..., -1:]).any(-1)
+    assert ambiguous.mean() < 0.25, "too many near-threshold rows for a meaningful check"
+    expected = ref.select_blocks(mass, eta)
+    np.testing.assert_array_equal(support[~ambiguous], expected[~ambiguous])
+
+
+LAYOUTS = {  # name: (page_size, heads, kv_heads, head_dim, dtype)
+    "p32-mha-d64-fp32": (32, 2, 2, 64, torch.float32),
+    "p64-gqa-d64-bf16": (64, 4, 2, 64, torch.bfloat16),
+    "p128-mha-d128-bf16": (128, 2, 2, 128, torch.bfloat16),
+    "p32-gqa-d128-fp32": (32, 4, 2, 128, torch.float32),
+}
+SEQ_LENS = [150, 64, 1, 97]  # several splits, exact blocks, one key, partial blocks
+
+
+def layout_case(name: str, seq_lens=SEQ_LENS, seed=0) -> Case:
+    page_size, heads, kv_heads, head_dim, dtype = LAYOUTS[name]
+    return make_case(seq_lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
+                     dtype=dtype, seed=seed)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_dense_matches_references(layout):
+    case = layout_case(layout)
+    support = torch.zeros(len(SEQ_LENS), case.heads, case.max_blocks, dtype=torch.bool, device=DEVICE)
+    out, support_out, _ = run(case, [DENSE] * len(SEQ_LENS), support.clone())
+    expected, _ = numpy_attention(case)
+    np.testing.assert_allclose(out.double().cpu().numpy(), expected, **TOL[case.q.dtype])
+    assert not support_out.any(), "dense rows must not touch the support"
+    torch_out, _ = decode_attention_reference(
+        case.q, case.k_pages, case.v_pages, case.page_table, case.seq_lens,
+        torch.full((len(SEQ_LENS),), DENSE, dtype=torch.int32, device=DEVICE), support.clone(),
+        block_size=BLOCK, eta=ETA)
+    torch.testing.assert_close(out.float(), torch_out.float(), **TOL[case.q.dtype])
+
+
+@pytest.mark.parametrize("layout", ["p64-gqa-d64-bf16", "p32-mha-d64-fp32"])
+def test_discovery_is_dense_bitwise_and_selects_by_the_rule(layout):
+    case = layout_case(layout)
+    batch = len(SEQ_LENS)
+    held = random_support(case, 0.3, seed=1)
+    dense, _, _ = run(case, [DENSE] * batch, held.clone())
+    found, fresh, mass = run(case, [DISCOVER] * batch, held.clone())
+    united, union, union_mass = run(case, [DISCOVER_UNION] * batch, held.clone())
+    assert torch.equal(found, dense) and torch.equal(united, dense)
+    assert torch.equal(mass, union_mass)
+
+    _, expected_mass = numpy_attention(case)
+    np.testing.assert_allclose(mass.cpu().numpy(), expected_mass, atol=1e-5 if case.q.dtype == torch.float32 else 2e-3)
+    mass_np = mass.cpu().numpy()
+    assert_selection(fresh.cpu().numpy(), mass_np)
+    fresh_np = fresh.cpu().numpy()
+    causal = np.arange(case.max_blocks) * BLOCK < case.seq_lens.cpu().numpy()[:, None, None]
+    assert not (fresh_np & ~causal).any(), "a discovery selected a non-causal block"
+    np.testing.assert_array_equal(union.cpu().numpy(), held.cpu().numpy() | fresh_np)
+
+
+def test_union_across_discovery_depths():
+    """Depth 0 discovers, depth 1 ORs its own selection in: the OR of the two selections."""
+    first = layout_case("p32-mha-d64-fp32", seed=3)
+    second = dataclasses.replace(first, q=torch.roll(first.q, 1, dims=1) * 0.5)
+    batch = len(SEQ_LENS)
+    support = torch.zeros(batch, first.heads, first.max_blocks, dtype=torch.bool, device=DEVICE)
+    _, support, mass0 = run(first, [DISCOVER] * batch, support)
+    sel0 = support.cpu().numpy().copy()
+    _, support, mass1 = run(second, [DISCOVER_UNION] * batch, support)
+    assert_selection(sel0, mass0.cpu().numpy())
+    sel1 = ref.select_blocks(mass1.cpu().numpy(), ETA)
+    np.testing.assert_array_equal(support.cpu().numpy(), sel0 | sel1)
+    assert (sel1 & ~sel0).any(), "the second depth should add blocks for the check to mean something"
+
+
+@pytest.mark.parametrize("layout", ["p64-gqa-d64-bf16", "p128-mha-d128-bf16", "p32-mha-d64-fp32"])
+def test_sparse_with_every_block_is_dense_bitwise(layout):
+    case = layout_case(layout)
+    batch = len(SEQ_LENS)
+    support = all_blocks_support(case.seq_lens, case.heads, case.max_blocks, BLOCK)
+    assert support.shape == (batch, case.heads, case.max_blocks)
+    dense, _, _ = run(case, [DENSE] * batch, support.clone())
+    sparse, after, _ = run(case, [SPARSE] * batch, support.clone())
+    assert torch.equal(sparse, dense)
+    assert torch.equal(after, support), "sparse rows must not touch the support"
+    spare = support.clone()
+    spare[:, :, -1] = True  # bits of blocks past seq_len are ignored
+    assert torch.equal(run(case, [SPARSE] * batch, spare)[0], dense)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_sparse_matches_masked_attention(layout):
+    case = layout_case(layout, seed=5)
+    support = random_support(case, 0.4, seed=6)
+    out, _, _ = run(case, [SPARSE] * len(SEQ_LENS), support.clone())
+    expected, _ = numpy_attention(case, support)
+    np.testing.assert_allclose(out.double().cpu().numpy(), expected, **TOL[case.q.dtype])
+
+
+def test_mixed_batch_rows_match_each_row_alone():
+    case = make_case([150, 97, 130, 64, 33], heads=4, kv_heads=2, seed=7)
+    modes = [DENSE, DISCOVER, DISCOVER_UNION, SPARSE, SPARSE]
+    support = random_support(case, 0.5, seed=8)
+    out, together, mass = run(case, modes, support.clone())
+    for b, mode in enumerate(modes):
+        alone_out, alone_support, alone_mass = run(case.row(b), [mode], support[b:b + 1].clone(),
+                                                   workspace=case.workspace(batch=1))
+        assert torch.equal(out[b:b + 1], alone_out), f"row {b}"
+        assert torch.equal(together[b:b + 1], alone_support), f"row {b}"
+        if mode in (DISCOVER, DISCOVER_UNION):
+            assert torch.equal(mass[b:b + 1], alone_mass), f"row {b}"
+
+
+def test_default_workspace_and_table_config():
+    """No workspace: one is allocated with the table's configuration; results agree."""
+    case = layout_case("p32-mha-d64-fp32")
+    support = random_support(case, 0.5, seed=9)
+    modes = [DISCOVER, SPARSE, DENSE, DISCOVER_UNION]
+    out, sup, mass = decode_attention(
+        case.q, case.k_pages, case.v_pages, case.page_table, case.seq_lens,
+        torch.tensor(modes, dtype=torch.int32, device=DEVICE), support.clone(), block_size=BLOCK, eta=ETA,
+        return_mass=True)
+    small_out, small_sup, _ = run(case, modes, support.clone())
+    torch.testing.assert_close(out, small_out, **TOL[torch.float32])
+    assert_selection(sup[[0]].cpu().numpy(), mass[[0]].cpu().numpy())
+    assert config_for(128, torch.bfloat16).split_keys % config_for(128, torch.bfloat16).tile_n == 0
+
+
+def test_all_blocks_support():
+    lens = torch.tensor([1, 32, 33, 0], dtype=torch.int32)
+    got = all_blocks_support(lens, 2, 3, BLOCK)
+    expected = np.stack([ref.all_blocks(int(n), BLOCK, (2,), 3) for n in lens])
+    np.testing.assert_array_equal(got.numpy(), expected)
+
+
+def _call(case: Case, **changes):
+    args = dict(q=case.q, k_pages=case.k_pages, v_pages=case.v_pages, page_table=case.page_table,
+                seq_lens=case.seq_lens, modes=torch.zeros(case.q.shape[0], dtype=torch.int32, device=DEVICE),
+                support=torch.zeros(case.q.shape[0], case.heads, case.max_blocks, dtype=torch.bool, device=DEVICE))
+    kw = dict(block_size=BLOCK, eta=ETA)
+    for name, value in changes.items():
+        (kw if name in ("block_size", "eta", "workspace") else args)[name] = value
+    return decode_attention(**args, **kw)
+
+
+def test_bad_input_raises_clear_errors():
+    case = make_case([40, 70], seed=11)
+    bad_pages = make_case([40, 70], page_size=48, seed=11)
+    with pytest.raises(ValueError, match="q must be"):
+        _call(case, q=case.q[0])
+    with pytest.raises(ValueError, match="share one dtype"):
+        _call(case, q=case.q.double())
+    with pytest.raises(ValueError, match="share one dtype"):
+        _call(case, k_pages=case.k_pages.bfloat16(), v_pages=case.v_pages.bfloat16())
+    with pytest.raises(ValueError, match="not a multiple of block_size"):
+        _call(bad_pages, support=torch.zeros(2, 2, 3, dtype=torch.bool, device=DEVICE))
+    with pytest.raises(ValueError, match="power of two"):
+        _call(case, block_size=24)
+    with pytest.raises(ValueError, match="support must be"):
+        _call(case, support=torch.zeros(2, 2, 3, dtype=torch.bool, device=DEVICE))
+    with pytest.raises(ValueError, match="page_table must be int32"):
+        _call(case, page_table=case.page_table.long())
+    with pytest.raises(ValueError, match="eta"):
+        _call(case, eta=0.0)
+    with pytest.raises(ValueError, match="seq_lens must be in"):
+        _call(case, seq_lens=torch.tensor([40, 1000], dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="modes must be one of"):
+        _call(case, modes=torch.tensor([0, 7], dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="select no causal block"):
+        _call(case, modes=torch.tensor([0, SPARSE], dtype=torch.int32, device=DEVICE))
+    small = case.row(0).workspace()
+    with pytest.raises(ValueError, match="max_batch"):
+        _call(case, workspace=small)
+    with pytest.raises(ValueError, match="dtype"):
+        _call(case, workspace=DecodeWorkspace.allocate(2, 2, 2, 64, case.max_blocks, dtype=torch.bfloat16,
+                                                       device=DEVICE))
+    with pytest.raises(ValueError, match="power of two"):
+        KernelConfig(tile_n=48)
+
+
+# ---- GPU: the same properties at larger shapes with the table's configurations -------------
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("heads, kv_heads, head_dim, page_size, dtype", [
+    (16, 16, 128, 128, torch.bfloat16), (16, 4, 128, 64, torch.bfloat16), (8, 8, 64, 32, torch.float32)])
+def test_gpu_modes_at_scale(heads, kv_heads, head_dim, page_size, dtype):
+    lens = [4096, 1000, 2047, 33, 3000, 1]
+    case = make_case(lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
+                     dtype=dtype, seed=12)
+    batch = len(lens)
+    ws = case.workspace(config=None)
+    held = random_support(case, 0.2, seed=13)
+    dense, _, _ = run(case, [DENSE] * batch, held.clone(), workspace=ws)
+    dense = dense.clone()
+    expected, expected_mass = numpy_attention(case)
+    np.testing.assert_allclose(dense.double().cpu().numpy(), expected, **TOL[dtype])
+    found, fresh, mass = run(case, [DISCOVER] * batch, held.clone(), workspace=ws)
+    assert torch.equal(found, dense)
+    np.testing.assert_allclose(mass.cpu().numpy(), expected_mass, atol=1e-5 if dtype == torch.float32 else 2e-3)
+    assert_selection(fresh.cpu().numpy(), mass.cpu().numpy())
+    every = all_blocks_support(case.seq_lens, heads, case.max_blocks, BLOCK)
+    assert torch.equal(run(case, [SPARSE] * batch, every, workspace=ws)[0], dense)
+    sparse, _, _ = run(case, [SPARSE] * batch, held.clone(), workspace=ws)
+    expected_sparse, _ = numpy_attention(case, held)
+    np.testing.assert_allclose(sparse.double().cpu().numpy(), expected_sparse, **TOL[dtype])
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_cuda_graph_capture_and_replay():
+    case = make_case([3000, 1500, 800, 2048], heads=16, kv_heads=16, head_dim=128, page_size=128,
+                     dtype=torch.bfloat16, seed=14)
+    modes = torch.tensor([DISCOVER, SPARSE, DISCOVER_UNION, DENSE], dtype=torch.int32, device=DEVICE)
+    ws = case.workspace(config=None)
+    support = random_support(case, 0.2, seed=15)
+    static_q = case.q.clone()
+
+    def step():
+        return decode_attention(static_q, case.k_pages, case.v_pages, case.page_table, case.seq_lens, modes,
+                                support, block_size=BLOCK, eta=ETA, workspace=ws)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = step()
+    for seed in (16, 17):
+        fresh_q = 3 * torch.randn(case.q.shape, generator=torch.Generator().manual_seed(seed)).to(case.q)
+        start = random_support(case, 0.2, seed=seed)
+        static_q.copy_(fresh_q)
+        support.copy_(start)
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed, replayed_support = out.clone(), support.clone()
+        support.copy_(start)
+        eager, eager_support = decode_attention(fresh_q, case.k_pages, case.v_pages, case.page_table,
+                                                case.seq_lens, modes, support, block_size=BLOCK, eta=ETA)
+        assert torch.equal(replayed, eager)
+        assert torch.equal(replayed_support, eager_support)
