@@ -1,18 +1,19 @@
 """Paged split-KV decode attention with per-row WISE modes, as Pallas kernels.
 
 One call serves a batch whose rows may each be DENSE, DISCOVER, DISCOVER_UNION or SPARSE
-(`wise_core.modes`). Three steps, all on the device:
+(`wise_core.modes`). Two kernels and no other device work:
 
-1. Tile lists (jnp, fused by XLA): per (row, head) the blocks to attend, compacted in
-   ascending order: every causal block for DENSE/DISCOVER/DISCOVER_UNION rows, the causal
-   blocks of the support for SPARSE rows. The kernels never branch on the mode.
-2. Split kernel, grid (batch, heads, splits): split `s` walks its contiguous share of the
-   row's list, `tile_blocks` blocks per step (each block a gather of `block_size` keys from
-   its page), with an online softmax; it writes the unnormalised partial output, its running
-   max and sum, and the log-sum-exp of every block it visited.
-3. Finish kernel, grid (batch, heads): merges the splits by log-sum-exp, writes the output,
-   the block mass `exp(lse_block - max) / sum` of discovery rows, and, for discovery rows
-   only, the selection.
+1. Split kernel, grid (batch, heads, splits). A row's block list is every causal block
+   (DENSE, DISCOVER, DISCOVER_UNION) or the causal blocks of its support (SPARSE), ascending,
+   numbered by a prefix sum over the row's bits in registers. Split `s` walks its contiguous
+   share of the list, `tile_blocks` blocks per step: the pos-th listed block is found by
+   counting, its `block_size` keys are gathered from its page, and an online softmax
+   accumulates them. The loop never branches on the mode. It writes the unnormalised partial
+   output, its running max and sum, and the log-sum-exp of every block it visited.
+2. Finish kernel, grid (batch, heads): merges the splits by log-sum-exp, writes the output,
+   the block mass `exp(lse_block - max) / sum` of discovery rows (zeros for other rows), and
+   support': the selection for discovery rows (OR-ed into the held support for
+   DISCOVER_UNION), the held support otherwise.
 
 Bitwise by construction: DISCOVER and DISCOVER_UNION run exactly the DENSE path (the mass
 is a by-product), and a SPARSE row whose support holds every causal block gets the same list,
@@ -25,9 +26,10 @@ nothing ranks ahead of it, or its mass is positive and the mass ranked ahead of 
 agree except where a running sum lies within float32 rounding of the threshold (the spec
 allows this). The O(max_blocks^2) ranking runs only for discovery rows (`pl.when`).
 
-Backend. Every mode runs through the Pallas Triton lowering (`KERNEL_BACKEND`), deprecated
-in jax 0.11 but supported there, and the one path that is checked on a CPU machine: the test
-suite lowers the kernels for CUDA (to Triton IR) and runs them with `interpret=True`. Mosaic
+Backend. Every mode runs through the Pallas Triton lowering (`_compiler_params`, the one
+place that picks it), deprecated in jax 0.11 but supported there, and the one path that can be
+checked on a CPU machine: the tests run the kernels with `interpret=True`, lower them for CUDA
+to Triton IR and compile that IR for sm90 with the Triton compiler. Mosaic
 GPU is not used for any mode: decode is a matrix-vector product per (row, head) (Ouro is
 MHA: one query row per KV head), below the 64-row minimum of wgmma, so the Hopper fast path
 does not apply; the paged, per-row compacted gathers need per-block async copies with
@@ -42,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -51,9 +52,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from wise_core import modes as wise_modes
-
-KERNEL_BACKEND = "triton"
-"""Pallas lowering used on GPU for every mode (see the module docstring for why)."""
 
 _SELECT_ROWS = 64  # ranking tile of the selection: [rows, cols] block pairs per step
 _SELECT_COLS = 32
@@ -93,6 +91,11 @@ def default_config(batch: int, heads: int, max_blocks: int, head_dim: int, block
     while batch * heads * splits < 8 * num_cores and steps // (2 * splits) >= 4:
         splits *= 2
     return KernelConfig(tile_blocks=tile_blocks, num_splits=splits)
+
+
+def _compiler_params(num_warps: int, num_stages: int):
+    """The GPU backend of every kernel and mode: the Pallas Triton lowering (module docstring)."""
+    return pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def _next_pow2(n: int) -> int:
@@ -274,8 +277,7 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
             jax.ShapeDtypeStruct((batch, heads, splits), f32),
             jax.ShapeDtypeStruct((batch, heads, blocks_pad), f32),
         ],
-        compiler_params=pl_triton.CompilerParams(num_warps=config.num_warps,
-                                                 num_stages=config.num_stages),
+        compiler_params=_compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name="wise_decode_split",
     )(seq_lens, modes, support, page_table, q, k_rows, v_rows)
@@ -303,7 +305,7 @@ def _finish_call(seq_lens, modes, support, acc, m, l, block_lse, *, out_dtype, b
             jax.ShapeDtypeStruct((batch, heads, n_blocks), jnp.bool_),
             jax.ShapeDtypeStruct((batch, heads, n_blocks), jnp.float32),
         ],
-        compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=_compiler_params(num_warps=4, num_stages=1),
         interpret=interpret,
         name="wise_decode_finish",
     )(seq_lens, modes, support, acc, m, l, block_lse)

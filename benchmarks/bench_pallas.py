@@ -1,0 +1,279 @@
+"""Timing of the Pallas WISE decode kernel, and of jax's Pallas paged attention, per mode.
+
+    python benchmarks/bench_pallas.py --out DIR            # on a GPU: Ouro-1.4B attention shapes
+    python benchmarks/bench_pallas.py --out DIR --sweep    # also a few launch configurations
+    python benchmarks/bench_pallas.py --out DIR --smoke    # CPU, interpret mode, tiny shapes
+
+`bench_pallas(shapes, densities)` returns rows keyed impl, mode, ctx, batch, density, us, tbps
+(plus config, and error where a case failed); `benchmarks/kernel_bench.py` merges them with the
+Triton kernel's rows of the same run. Shapes are (ctx, batch) at 16 heads x head_dim 128,
+bf16, pages of 128 keys scattered over the pool, every row at seq_len = ctx.
+
+- impl "pallas" (wise_jax.kernels.pallas_decode, default launch): modes dense, discover,
+  sparse (random blocks, `density` of each row's blocks per head) and discover+sparse (half
+  the rows each);
+- impl "jax-paged" (jax.experimental.pallas.ops.gpu.paged_attention, best of three tile
+  settings): mode dense, and mode contiguous: lengths of 13% of ctx, the floor a sparse
+  kernel at that density can hope for.
+Time per call: two jitted chains of `chain` calls (each call's output is the next call's
+query), after warm-up, blocked until ready; the difference of their median times over the
+difference of their lengths removes dispatch. tbps counts the K and V bytes attended.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
+
+import argparse
+import datetime
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent  # runnable as a script from anywhere
+sys.path[:0] = [p for p in (str(_HERE.parent),) if p not in sys.path]
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from wise_core import modes as M
+from wise_jax.kernels.pallas_decode import KernelConfig, decode_attention, default_config
+
+OURO_SHAPES = ((1024, 64), (4096, 20), (8192, 10))  # (ctx, batch)
+DENSITIES = (0.05, 0.13, 0.25, 0.5)
+CONTIGUOUS = 0.13
+BLOCK = 32
+JAX_PAGED_SETTINGS = ((4, 2), (8, 1), (8, 2), (16, 1))  # (k_splits, pages_per_compute_block)
+
+
+def _chains(step, chain):
+    """Two jitted chains of `step(q, *rest) -> q'`, of the lengths in `chain`."""
+    def chained(n):
+        @jax.jit
+        def run(q, *rest):
+            for _ in range(n):
+                q = step(q, *rest)
+            return q
+        return run
+    return [(n, chained(n)) for n in chain]
+
+
+def _time_us(chains, args, *, repeats):
+    """Per-call microseconds: difference of the chains' median times over their lengths'."""
+    medians = []
+    for _, run in chains:
+        run(*args).block_until_ready()  # compile and warm up
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run(*args).block_until_ready()
+            samples.append(time.perf_counter() - start)
+        medians.append(float(np.median(samples)))
+    (short, _), (long, _) = chains
+    return (medians[1] - medians[0]) / (long - short) * 1e6
+
+
+def _cache(key, ctx, batch, heads, head_dim, page_size, dtype):
+    """q, k_pages, v_pages, page_table (a shuffled pool), seq_lens (all ctx)."""
+    if ctx % page_size:
+        raise ValueError(f"ctx {ctx} is not a multiple of the page size {page_size}")
+    pages = ctx // page_size
+    kq, kk, kv, kp = jax.random.split(key, 4)
+    shape = (batch * pages, page_size, heads, head_dim)
+    q = jax.random.normal(kq, (batch, heads, head_dim), dtype)
+    k = jax.random.normal(kk, shape, dtype)
+    v = jax.random.normal(kv, shape, dtype)
+    page_table = jax.random.permutation(kp, batch * pages).reshape(batch, pages).astype(jnp.int32)
+    return q, k, v, page_table, jnp.full((batch,), ctx, jnp.int32)
+
+
+def _random_support(key, batch, heads, n_blocks, density):
+    """bool[batch, heads, n_blocks]: max(1, round(density * n_blocks)) random blocks per head."""
+    keep = max(1, round(density * n_blocks))
+    rank = jnp.argsort(jnp.argsort(jax.random.uniform(key, (batch, heads, n_blocks)), -1), -1)
+    return rank < keep
+
+
+def _row(impl, mode, ctx, batch, density, us, kv_bytes, config, error=None):
+    row = dict(impl=impl, mode=mode, ctx=ctx, batch=batch, density=density, us=us,
+               tbps=kv_bytes / (us * 1e6) if us == us and us > 0 else float("nan"),
+               config=config)
+    if error is not None:
+        row["error"] = error
+    return row
+
+
+def _attempt(rows, describe, measure):
+    """Add measure()'s rows; on failure, one row with us = nan and the error (never raise).
+
+    describe: (impl, mode, ctx, batch, density, config) of the failure row."""
+    try:
+        rows.extend(measure())
+    except Exception as e:  # a failed case must not stop the run
+        traceback.print_exc()
+        *head, config = describe
+        rows.append(_row(*head, us=float("nan"), kv_bytes=0, config=config,
+                         error=f"{type(e).__name__}: {e}"[:500]))
+
+
+def _pallas_cases(densities, batch):
+    """(mode name, density, per-row modes, support density or None)."""
+    half = np.arange(batch) < batch // 2
+    cases = [("dense", 1.0, np.full(batch, M.DENSE), None),
+             ("discover", 1.0, np.full(batch, M.DISCOVER), None)]
+    for d in densities:
+        cases.append(("sparse", d, np.full(batch, M.SPARSE), d))
+        cases.append(("discover+sparse", d, np.where(half, M.DISCOVER, M.SPARSE), d))
+    return cases
+
+
+def _bench_pallas_shape(rows, ctx, batch, densities, *, heads, head_dim, page_size, dtype,
+                        interpret, chain, repeats, configs):
+    q, k, v, page_table, seq_lens = _cache(jax.random.key(ctx + batch), ctx, batch, heads,
+                                           head_dim, page_size, dtype)
+    n_blocks = ctx // BLOCK
+    block_bytes = 2 * BLOCK * head_dim * jnp.dtype(dtype).itemsize  # K and V of one block, one head
+    for config in configs:
+        def step(q, k, v, page_table, seq_lens, modes, support, config=config):
+            return decode_attention(q, k, v, page_table, seq_lens, modes, support,
+                                    block_size=BLOCK, eta=0.95, interpret=interpret,
+                                    config=config)[0]
+
+        chains = _chains(step, chain)  # compiled once, run for every mode
+
+        for mode, density, row_modes, support_density in _pallas_cases(densities, batch):
+            if config is not configs[0] and mode not in ("dense", "sparse"):
+                continue  # other launch configurations: dense and sparse only
+            if support_density is None:
+                support = jnp.ones((batch, heads, n_blocks), bool)
+            else:
+                support = _random_support(jax.random.key(7), batch, heads, n_blocks,
+                                          support_density)
+            attended = np.where(row_modes == M.SPARSE, np.asarray(support.sum((1, 2))),
+                                heads * n_blocks)
+            modes = jnp.asarray(row_modes, jnp.int32)
+            name = "pallas" if config is configs[0] else "pallas-config"
+
+            def measure():
+                us = _time_us(chains, (q, k, v, page_table, seq_lens, modes, support),
+                              repeats=repeats)
+                return [_row(name, mode, ctx, batch, density, us,
+                             float(attended.sum()) * block_bytes, str(config))]
+
+            _attempt(rows, (name, mode, ctx, batch, density, str(config)), measure)
+
+
+def _bench_jax_paged_shape(ctx, batch, *, heads, head_dim, page_size, dtype, interpret, chain,
+                           repeats):
+    """Rows of jax's paged attention, dense and contiguous, each the best setting that runs."""
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+    q, k, v, page_table, _ = _cache(jax.random.key(ctx + batch), ctx, batch, heads, head_dim,
+                                    page_size, dtype)
+    k_heads_first, v_heads_first = k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3)
+    pages = ctx // page_size
+    settings = {(s, min(p, pages // s)) for s, p in JAX_PAGED_SETTINGS if pages % s == 0}
+    key_bytes = 2 * head_dim * jnp.dtype(dtype).itemsize * heads  # K and V of one position
+    chains = {}
+    for k_splits, per_block in settings:
+        def step(q, k, v, page_table, lengths, k_splits=k_splits, per_block=per_block):
+            return paged_attention(q, k, v, page_table, lengths, k_splits=k_splits,
+                                   pages_per_compute_block=per_block, interpret=interpret)
+        chains[k_splits, per_block] = _chains(step, chain)  # compiled once, run for both modes
+    rows = []
+    for mode, density in (("dense", 1.0), ("contiguous", CONTIGUOUS)):
+        lengths = jnp.full((batch,), max(1, round(density * ctx)), jnp.int32)
+        best, errors = None, []
+        for k_splits, per_block in sorted(settings):
+            setting = f"k_splits={k_splits},pages_per_compute_block={per_block}"
+            try:
+                us = _time_us(chains[k_splits, per_block],
+                              (q, k_heads_first, v_heads_first, page_table, lengths),
+                              repeats=repeats)
+            except Exception as e:  # a setting that does not run is skipped
+                errors.append(f"{setting}: {type(e).__name__}: {e}"[:300])
+                continue
+            if best is None or us < best[0]:
+                best = (us, setting)
+        if best is None:
+            rows.append(_row("jax-paged", mode, ctx, batch, density, float("nan"), 0, "",
+                             error="; ".join(errors) or "no setting fits"))
+        else:
+            rows.append(_row("jax-paged", mode, ctx, batch, density, best[0],
+                             float(int(lengths[0]) * batch * key_bytes), best[1]))
+    return rows
+
+
+def sweep_configs(batch, heads, n_blocks, head_dim):
+    """The default launch first, then a few alternatives around it."""
+    base = default_config(batch, heads, n_blocks, head_dim, BLOCK)
+    alternatives = [KernelConfig(tile_blocks=t, num_splits=base.num_splits, num_warps=w)
+                    for t in (1, 2, 4) for w in (4, 8)]
+    alternatives += [KernelConfig(tile_blocks=base.tile_blocks, num_splits=s)
+                     for s in (max(1, base.num_splits // 2), base.num_splits * 2)]
+    return [base] + [c for c in dict.fromkeys(alternatives) if c != base]
+
+
+def bench_pallas(shapes=OURO_SHAPES, densities=DENSITIES, *, heads=16, head_dim=128,
+                 page_size=128, dtype=jnp.bfloat16, interpret=None, chain=(10, 40), repeats=5,
+                 sweep=False, jax_paged=True) -> list[dict]:
+    """Rows keyed impl, mode, ctx, batch, density, us, tbps, config (and error if it failed).
+
+    shapes: iterable of (ctx, batch); densities: support densities of the sparse modes.
+    """
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    rows: list[dict] = []
+    for ctx, batch in shapes:
+        n_blocks = ctx // BLOCK
+        configs = (sweep_configs(batch, heads, n_blocks, head_dim) if sweep
+                   else [default_config(batch, heads, n_blocks, head_dim, BLOCK)])
+        common = dict(heads=heads, head_dim=head_dim, page_size=page_size, dtype=dtype,
+                      interpret=interpret, chain=chain, repeats=repeats)
+        _bench_pallas_shape(rows, ctx, batch, densities, configs=configs, **common)
+        if jax_paged:
+            _attempt(rows, ("jax-paged", "dense", ctx, batch, 1.0, ""),
+                     lambda: _bench_jax_paged_shape(ctx, batch, **common))
+    return rows
+
+
+def _table(rows) -> str:
+    lines = ["| impl | mode | ctx x batch | density | us | TB/s | config |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['impl']} | {r['mode']} | {r['ctx']} x {r['batch']} | {r['density']:.2f} "
+                     f"| {r['us']:.1f} | {r['tbps']:.2f} | {r.get('error') or r['config']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="directory for the JSON and table")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes in interpret mode (checks the code paths on a CPU)")
+    parser.add_argument("--sweep", action="store_true", help="also time other launch configurations")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        rows = bench_pallas(((256, 2),), (0.25,), heads=2, head_dim=64, page_size=32,
+                            interpret=True, chain=(1, 2), repeats=1, sweep=args.sweep)
+    else:
+        if jax.default_backend() != "gpu":
+            raise SystemExit("bench_pallas needs a GPU (use --smoke for a CPU check of the code paths)")
+        rows = bench_pallas(sweep=args.sweep)
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = jax.devices()[0]
+    report = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
+                  device=getattr(device, "device_kind", str(device)), jax=jax.__version__,
+                  smoke=args.smoke, rows=rows)
+    (args.out / "bench_pallas.json").write_text(json.dumps(report, indent=1))
+    table = _table(rows)
+    (args.out / "bench_pallas.md").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
