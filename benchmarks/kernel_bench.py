@@ -1,0 +1,457 @@
+"""Decode-attention benchmark: the Triton WISE kernel per mode against cuDNN SDPA and FlashAttention-4.
+
+    python benchmarks/kernel_bench.py                       # on an H200: Ouro-1.4B attention
+    python benchmarks/kernel_bench.py --smoke --out DIR     # CPU: Triton interpreter, tiny shapes
+
+Ouro-1.4B attention: 16 heads x head_dim 128, bf16, pages of 128 keys scattered over the pool,
+every row at seq_len = ctx; (ctx, batch) = 1K x 64, 4K x 20, 8K x 10. Per call time from a CUDA
+graph of `reps` calls replayed after warm-up (the smoke run times eager calls).
+
+Rows (keys impl, mode, ctx, batch, density, us, tbps, config, [error]), tbps = K and V bytes
+attended / time:
+- impl "triton" (wise_torch.kernels.triton_decode, the table's launch): modes dense, discover,
+  sparse (random blocks: round(density * blocks) per row and head), sparse-contiguous (the first
+  blocks), discover+sparse (half the rows discover, half sparse);
+- impl "triton-config": dense and sparse at 0.13 under other launch configurations (--no-sweep
+  skips them);
+- impl "sdpa-cudnn" (torch SDPA, cuDNN backend, contiguous K/V): dense, and mode contiguous: the
+  first density * ctx keys, the floor of a sparse kernel at that density;
+- impl "fa4" (flash_attn.cute paged decode, same pages), dense and contiguous, when importable;
+- the rows of benchmarks/bench_pallas.py's `bench_pallas(shapes, densities)` when JAX has a GPU.
+Writes kernel_bench.json, kernel_bench.md (the standing against each target) and
+kernel_bench.png (time against density per shape) to --out.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX shares the GPU with torch
+
+import argparse
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import math
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent  # runnable as a script from anywhere
+sys.path[:0] = [p for p in (str(_HERE.parent), str(_HERE)) if p not in sys.path]
+
+import torch
+import torch.nn.functional as F
+
+from wise_core import modes as M
+
+BLOCK = 32
+ETA = 0.95
+DENSITIES = (0.05, 0.13, 0.25, 0.5, 1.0)
+TARGET_DENSITY = 0.13
+FULL = dict(shapes=((1024, 64), (4096, 20), (8192, 10)), heads=16, head_dim=128, page_size=128)
+SMOKE = dict(shapes=((128, 2), (256, 1)), heads=2, head_dim=64, page_size=32)
+# Targets: (name, numerator (impl, mode, density), denominator (impl, mode, density), bound).
+TARGETS = (
+    ("dense <= 1.15x cuDNN SDPA dense", ("triton", "dense", 1.0), ("sdpa-cudnn", "dense", 1.0), 1.15),
+    ("discover <= 1.10x dense", ("triton", "discover", 1.0), ("triton", "dense", 1.0), 1.10),
+    ("sparse @0.13 <= 0.25x cuDNN SDPA dense", ("triton", "sparse", TARGET_DENSITY),
+     ("sdpa-cudnn", "dense", 1.0), 0.25),
+    ("discover+sparse @0.13 <= 0.7x dense", ("triton", "discover+sparse", TARGET_DENSITY),
+     ("triton", "dense", 1.0), 0.70),
+)
+
+
+def sweep_configs():
+    """Launch configurations tried besides the table's (dense and sparse @0.13)."""
+    from wise_torch.kernels.triton_decode import KernelConfig
+    return [KernelConfig(tile_n=32, split_keys=512, num_warps=4, num_stages=2),
+            KernelConfig(tile_n=64, split_keys=512, num_warps=8, num_stages=2),
+            KernelConfig(tile_n=128, split_keys=1024, num_warps=8, num_stages=2),
+            KernelConfig(tile_n=64, split_keys=256, num_warps=4, num_stages=2),
+            KernelConfig(tile_n=64, split_keys=1024, num_warps=4, num_stages=2),
+            KernelConfig(tile_n=32, split_keys=512, num_warps=4, num_stages=1),
+            KernelConfig(tile_n=64, split_keys=512, num_warps=8, num_stages=2, mha_dots=True),
+            KernelConfig(tile_n=64, split_keys=512, num_warps=4, num_stages=3, mha_dots=True)]
+
+
+@dataclasses.dataclass
+class Timer:
+    """Per-call microseconds: CUDA-graph replay of `reps` calls after warm-up, or eager on CPU."""
+
+    device: str
+    reps: int = 10
+    replays: int = 20
+
+    def __call__(self, fn) -> tuple[float, str]:
+        if self.device != "cuda":
+            fn()
+            start = time.perf_counter()
+            fn()
+            return (time.perf_counter() - start) * 1e6, "eager"
+        fn()  # compile and warm up outside the capture
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(self.reps):
+                    fn()
+            run, calls, method = graph.replay, self.reps * self.replays, "graph"
+        except RuntimeError:  # not capturable: time eager calls instead
+            traceback.print_exc()
+            torch.cuda.synchronize()
+            run, calls, method = fn, self.reps * self.replays, "eager"
+        run()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(self.replays if method == "graph" else calls):
+            run()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) * 1e3 / calls, method
+
+
+def _row(impl, mode, ctx, batch, density, us, kv_bytes, config="", error=None):
+    row = dict(impl=impl, mode=mode, ctx=ctx, batch=batch, density=density, us=us,
+               tbps=kv_bytes / (us * 1e6) if us == us and us > 0 else float("nan"), config=config)
+    if error is not None:
+        row["error"] = error
+    return row
+
+
+def _attempt(rows, describe, measure):
+    """Add measure()'s row; on failure a row with us = nan and the error (never raise)."""
+    try:
+        rows.append(measure())
+    except Exception as e:  # one failed case must not stop the run
+        traceback.print_exc()
+        impl, mode, ctx, batch, density, config = describe
+        rows.append(_row(impl, mode, ctx, batch, density, float("nan"), 0, config,
+                         error=f"{type(e).__name__}: {e}"[:500]))
+
+
+@dataclasses.dataclass
+class Problem:
+    """One (ctx, batch) shape: a paged cache, queries and the kernel's fixed inputs."""
+
+    ctx: int
+    batch: int
+    heads: int
+    head_dim: int
+    page_size: int
+    device: str
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self):
+        gen = torch.Generator(device="cpu").manual_seed(self.ctx + self.batch)
+        pages = self.ctx // self.page_size
+        shape = (self.batch * pages, self.page_size, self.heads, self.head_dim)
+        to = dict(device=self.device, dtype=self.dtype)
+        self.q = torch.randn(self.batch, self.heads, self.head_dim, generator=gen).to(**to)
+        self.k_pages = torch.randn(shape, generator=gen).to(**to)
+        self.v_pages = torch.randn(shape, generator=gen).to(**to)
+        self.page_table = torch.randperm(self.batch * pages, generator=gen).reshape(self.batch, pages).to(
+            device=self.device, dtype=torch.int32)
+        self.seq_lens = torch.full((self.batch,), self.ctx, dtype=torch.int32, device=self.device)
+        self.blocks = self.ctx // BLOCK
+
+    @property
+    def block_bytes(self) -> int:
+        """K and V bytes of one block of one head."""
+        return 2 * BLOCK * self.head_dim * self.k_pages.element_size()
+
+    def support(self, density: float, contiguous: bool = False) -> torch.Tensor:
+        """bool[batch, heads, blocks]: max(1, round(density * blocks)) blocks per row and head."""
+        keep = max(1, round(density * self.blocks))
+        if contiguous:
+            rank = torch.arange(self.blocks).expand(self.batch, self.heads, -1)
+        else:
+            gen = torch.Generator(device="cpu").manual_seed(7)
+            rank = torch.rand(self.batch, self.heads, self.blocks, generator=gen).argsort(-1).argsort(-1)
+        return (rank < keep).to(self.device)
+
+    def modes(self, name: str) -> torch.Tensor:
+        half = torch.arange(self.batch) < self.batch // 2
+        by_name = {"dense": torch.full((self.batch,), M.DENSE), "discover": torch.full((self.batch,), M.DISCOVER),
+                   "sparse": torch.full((self.batch,), M.SPARSE),
+                   "sparse-contiguous": torch.full((self.batch,), M.SPARSE),
+                   "discover+sparse": torch.where(half, M.DISCOVER, M.SPARSE)}
+        return by_name[name].to(device=self.device, dtype=torch.int32)
+
+    def attended_bytes(self, modes: torch.Tensor, support: torch.Tensor) -> float:
+        per_row = torch.where(modes == M.SPARSE, support.sum((1, 2)), self.heads * self.blocks)
+        return float(per_row.sum()) * self.block_bytes
+
+
+def bench_triton(rows, problem: Problem, densities, timer: Timer, configs, checks) -> None:
+    """Rows of the Triton kernel: every mode under configs[0], dense/sparse under the others."""
+    from wise_torch.kernels.triton_decode import DecodeWorkspace, all_blocks_support, decode_attention
+    p = problem
+    for index, config in enumerate(configs):
+        ws = DecodeWorkspace.allocate(p.batch, p.heads, p.heads, p.head_dim, p.blocks, dtype=p.dtype,
+                                      device=p.device, config=config)
+        impl = "triton" if index == 0 else "triton-config"
+        cases = [("dense", 1.0), ("discover", 1.0)] + [
+            (mode, d) for d in densities for mode in ("sparse", "sparse-contiguous", "discover+sparse")]
+        if index:
+            cases = [("dense", 1.0), ("sparse", TARGET_DENSITY)]
+        for mode, density in cases:
+            modes = p.modes(mode)
+            support = p.support(density, contiguous=mode == "sparse-contiguous")
+
+            def call(modes=modes, support=support):
+                return decode_attention(p.q, p.k_pages, p.v_pages, p.page_table, p.seq_lens, modes, support,
+                                        block_size=BLOCK, eta=ETA, workspace=ws)
+
+            def measure(mode=mode, density=density, modes=modes, support=support, call=call):
+                kv_bytes = p.attended_bytes(modes, support)  # before discovery rows rewrite the support
+                us, method = timer(call)
+                return _row(impl, mode, p.ctx, p.batch, density, us, kv_bytes, f"{config} {method}")
+
+            _attempt(rows, (impl, mode, p.ctx, p.batch, density, str(config)), measure)
+        if index == 0:
+            checks.update(_check_triton(p, ws, decode_attention, all_blocks_support))
+
+
+def _check_triton(p: Problem, ws, decode_attention, all_blocks_support) -> dict:
+    """Bitwise mode equivalences and the dense output against SDPA (math on CPU, cuDNN on GPU)."""
+    def run(mode, support):
+        out, _ = decode_attention(p.q, p.k_pages, p.v_pages, p.page_table, p.seq_lens, p.modes(mode),
+                                  support, block_size=BLOCK, eta=ETA, workspace=ws)
+        return out.clone()
+
+    every = all_blocks_support(p.seq_lens, p.heads, p.blocks, BLOCK)
+    dense = run("dense", every.clone())
+    k, v = _contiguous_kv(p, p.ctx)
+    reference = _sdpa(p.q, k, v).float()
+    return {f"{p.ctx}x{p.batch}": dict(
+        dense_max_abs_err_vs_sdpa=float((dense.float() - reference).abs().max()),
+        discover_bitwise_dense=bool(torch.equal(run("discover", every.clone()), dense)),
+        sparse_all_blocks_bitwise_dense=bool(torch.equal(run("sparse", every.clone()), dense)))}
+
+
+def _contiguous_kv(p: Problem, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `keys` keys of every row, contiguous [batch, heads, keys, head_dim]."""
+    pages = -(-keys // p.page_size)
+    k = p.k_pages[p.page_table[:, :pages].long()].flatten(1, 2)[:, :keys].transpose(1, 2).contiguous()
+    v = p.v_pages[p.page_table[:, :pages].long()].flatten(1, 2)[:, :keys].transpose(1, 2).contiguous()
+    return k, v
+
+
+def _sdpa(q, k, v):
+    """q: [batch, heads, head_dim] against contiguous k, v: [batch, heads, keys, head_dim]."""
+    if q.is_cuda:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(q[:, :, None], k, v)[:, :, 0]
+    return F.scaled_dot_product_attention(q[:, :, None], k, v)[:, :, 0]
+
+
+def bench_baselines(rows, p: Problem, densities, timer: Timer, notes) -> None:
+    """cuDNN SDPA on contiguous K/V and FA4 on the same pages: dense and contiguous floors."""
+    impl = "sdpa-cudnn" if p.device == "cuda" else "sdpa-cpu"
+    for density in densities:
+        keys = max(1, round(density * p.ctx))
+        mode = "dense" if keys == p.ctx else "contiguous"
+
+        def measure(keys=keys, mode=mode, density=density):
+            k, v = _contiguous_kv(p, keys)
+            us, method = timer(lambda: _sdpa(p.q, k, v))
+            return _row(impl, mode, p.ctx, p.batch, density, us, 2 * k.numel() * k.element_size(), method)
+
+        _attempt(rows, (impl, mode, p.ctx, p.batch, density, ""), measure)
+
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except Exception as e:  # not installed: say so in the report
+        note = f"FA4 skipped: flash_attn.cute does not import ({type(e).__name__}: {e})"[:300]
+        notes.extend([note] if note not in notes else [])
+        return
+    for density in densities:
+        keys = max(1, round(density * p.ctx))
+        mode = "dense" if keys == p.ctx else "contiguous"
+
+        def measure(keys=keys, mode=mode, density=density):
+            used = torch.full((p.batch,), keys, dtype=torch.int32, device=p.device)
+            q = p.q[:, None]
+            us, method = timer(lambda: flash_attn_varlen_func(q, p.k_pages, p.v_pages, seqused_k=used,
+                                                              page_table=p.page_table, return_lse=True))
+            kv_bytes = 2 * p.batch * keys * p.heads * p.head_dim * p.k_pages.element_size()
+            return _row("fa4", mode, p.ctx, p.batch, density, us, kv_bytes, method)
+
+        _attempt(rows, ("fa4", mode, p.ctx, p.batch, density, ""), measure)
+
+
+def bench_pallas_rows(shapes, densities, notes) -> list[dict]:
+    """benchmarks/bench_pallas.py's rows, when the module exists and JAX has a GPU."""
+    if not (_HERE / "bench_pallas.py").exists():
+        notes.append("Pallas skipped: benchmarks/bench_pallas.py is absent")
+        return []
+    try:
+        import jax
+        if jax.default_backend() != "gpu":
+            notes.append(f"Pallas skipped: JAX runs on {jax.default_backend()}, not a GPU")
+            return []
+        from bench_pallas import bench_pallas
+        return bench_pallas(shapes, densities)
+    except Exception as e:  # the Pallas rows are optional
+        traceback.print_exc()
+        notes.append(f"Pallas failed: {type(e).__name__}: {e}"[:500])
+        return []
+
+
+def _lookup(rows, ctx, batch, impl, mode, density):
+    for r in rows:
+        if (r["impl"], r["mode"], r["ctx"], r["batch"]) == (impl, mode, ctx, batch) \
+                and math.isclose(r["density"], density) and r["us"] == r["us"]:
+            return r["us"]
+    return None
+
+
+def standing(rows, shapes) -> list[dict]:
+    """Each target per shape: measured ratio and pass/fail (None where a side is missing)."""
+    out = []
+    for name, num, den, bound in TARGETS:
+        for ctx, batch in shapes:
+            a, b = _lookup(rows, ctx, batch, *num), _lookup(rows, ctx, batch, *den)
+            ratio = a / b if a is not None and b else None
+            out.append(dict(target=name, ctx=ctx, batch=batch, ratio=ratio, bound=bound,
+                            passed=None if ratio is None else ratio <= bound))
+    return out
+
+
+def _fmt(x, spec=".1f"):
+    return "-" if x is None or x != x else format(x, spec)
+
+
+def markdown(report) -> str:
+    env = report["environment"]
+    lines = [f"# Decode-attention kernel benchmark ({report['date']})", "",
+             f"Machine: {env['device']} ({env['host']}); torch {env['torch']}, triton {env['triton']}, "
+             f"CUDA {env['cuda']}, jax {env['jax']}, flash-attn-4 {env['flash_attn_4']}. "
+             f"Shapes: {env['heads']} heads x head_dim {env['head_dim']}, {env['dtype']}, pages of "
+             f"{env['page_size']} keys; times per call from {env['timing']}.", "",
+             "## Targets", "", "| target | ctx x batch | ratio | bound | result |", "|---|---|---|---|---|"]
+    for t in report["standing"]:
+        result = "n/a" if t["passed"] is None else ("pass" if t["passed"] else "FAIL")
+        lines.append(f"| {t['target']} | {t['ctx']} x {t['batch']} | {_fmt(t['ratio'], '.3f')} | "
+                     f"{t['bound']} | {result} |")
+    lines += ["", "## Checks", "", "```", json.dumps(report["checks"], indent=1), "```", ""]
+    if report["notes"]:
+        lines += ["## Notes", ""] + [f"- {n}" for n in report["notes"]] + [""]
+    lines += ["## All rows", "", "| impl | mode | ctx x batch | density | us | TB/s | config |",
+              "|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        lines.append(f"| {r['impl']} | {r['mode']} | {r['ctx']} x {r['batch']} | {r['density']:.2f} | "
+                     f"{_fmt(r['us'])} | {_fmt(r['tbps'], '.2f')} | {r.get('error') or r.get('config', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, shapes, path: Path) -> None:
+    """Time against density, one panel per shape; dense times as horizontal lines."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
+    curves = [("triton", "sparse"), ("triton", "sparse-contiguous"), ("triton", "discover+sparse"),
+              ("sdpa-cudnn", "contiguous"), ("sdpa-cpu", "contiguous"), ("fa4", "contiguous"),
+              ("pallas", "sparse"), ("pallas", "discover+sparse")]
+    levels = [("triton", "dense"), ("triton", "discover"), ("sdpa-cudnn", "dense"), ("sdpa-cpu", "dense"),
+              ("fa4", "dense"), ("pallas", "dense")]
+    for ax, (ctx, batch) in zip(axes[0], shapes):
+        for impl, mode in curves:
+            pts = sorted((r["density"], r["us"]) for r in rows if (r["impl"], r["mode"], r["ctx"], r["batch"])
+                         == (impl, mode, ctx, batch) and r["us"] == r["us"])
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{impl} {mode}")
+        for i, (impl, mode) in enumerate(levels):
+            us = _lookup(rows, ctx, batch, impl, mode, 1.0)
+            if us is not None:
+                ax.axhline(us, linestyle="--", color=f"C{(len(curves) + i) % 10}", label=f"{impl} {mode}")
+        ax.set(title=f"ctx {ctx} x batch {batch}", xlabel="support density", ylabel="us per call")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=_HERE / "results", help="directory for JSON, markdown, PNG")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton interpreter)")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the other launch configurations")
+    parser.add_argument("--no-pallas", action="store_true", help="skip benchmarks/bench_pallas.py's rows")
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    if device == "cpu":
+        if not args.smoke:
+            raise SystemExit("kernel_bench needs a CUDA GPU (use --smoke for a CPU check of the code paths)")
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+    from wise_torch.kernels.triton_decode import config_for
+
+    import triton
+    setup = SMOKE if args.smoke else FULL
+    shapes, densities = setup["shapes"], DENSITIES
+    timer = Timer(device)
+    table_config = config_for(setup["head_dim"], torch.bfloat16)
+    configs = [table_config] + ([] if args.no_sweep else
+                                [c for c in sweep_configs() if c != table_config][:2 if args.smoke else None])
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), smoke=args.smoke,
+                  environment=dict(device=torch.cuda.get_device_name() if device == "cuda" else platform.processor()
+                                   or "cpu", host=platform.node(), python=platform.python_version(),
+                                   torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
+                                   jax=_version("jax"), flash_attn_4=_version("flash-attn-4"),
+                                   heads=setup["heads"], head_dim=setup["head_dim"], dtype="bfloat16",
+                                   page_size=setup["page_size"],
+                                   timing=f"CUDA-graph replay of {timer.reps} calls x {timer.replays}"
+                                   if device == "cuda" else "one eager call (smoke)"),
+                  table_config=str(table_config), rows=[], checks={}, notes=[], standing=[])
+    rows = report["rows"]
+    for ctx, batch in shapes:
+        started = time.perf_counter()
+        problem = Problem(ctx, batch, setup["heads"], setup["head_dim"], setup["page_size"], device)
+        bench_baselines(rows, problem, densities, timer, report["notes"])
+        bench_triton(rows, problem, densities, timer, configs, report["checks"])
+        del problem
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        write_report(report, shapes, args.out)  # a run cut short still leaves a report
+        print(f"{ctx} x {batch} done in {time.perf_counter() - started:.0f} s", flush=True)
+    if device == "cuda" and not args.no_pallas:
+        rows.extend(bench_pallas_rows(shapes, [d for d in densities if d < 1.0], report["notes"]))
+    print(write_report(report, shapes, args.out))
+    return report
+
+
+def write_report(report, shapes, out: Path) -> str:
+    """kernel_bench.{json,md,png} in `out`; returns the markdown."""
+    report["standing"] = standing(report["rows"], shapes)
+    (out / "kernel_bench.json").write_text(json.dumps(report, indent=1))
+    text = markdown(report)
+    (out / "kernel_bench.md").write_text(text)
+    plot(report["rows"], shapes, out / "kernel_bench.png")
+    return text
+
+
+if __name__ == "__main__":
+    main()
