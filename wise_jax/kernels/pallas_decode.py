@@ -149,13 +149,13 @@ def _split_kernel(seq_lens_ref, modes_ref, support_ref, page_table_ref, q_ref, k
         valid = in_list[:, None] & (first[:, None] + offsets[None, :] < seq_len)
         gather = (rows[:, :, None], dims)  # [tile_blocks, block_size, head_dim]
         k = pl_triton.load(k_ref.at[gather], mask=valid[:, :, None], other=0)
+        v = pl_triton.load(v_ref.at[gather], mask=valid[:, :, None], other=0)  # both in flight
         scores = jnp.sum(k.astype(jnp.float32) * q[None, None, :], axis=-1)
         scores = jnp.where(valid, scores, -jnp.inf)  # [tile_blocks, block_size]
         m_new = jnp.maximum(m, jnp.max(scores))
         p = jnp.exp(scores - m_new)
         block_sum = jnp.sum(p, axis=1)
         correction = jnp.exp(m - m_new)
-        v = pl_triton.load(v_ref.at[gather], mask=valid[:, :, None], other=0)
         pv = jnp.sum(jnp.sum(p[:, :, None] * v.astype(jnp.float32), axis=1), axis=0)
         pl_triton.store(block_lse_ref.at[pos], m_new + jnp.log(block_sum), mask=in_list)
         return m_new, l * correction + jnp.sum(block_sum), acc * correction + pv
