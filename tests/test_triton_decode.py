@@ -56,10 +56,11 @@ class Case:
     v_pages: torch.Tensor
     page_table: torch.Tensor
     seq_lens: torch.Tensor
+    block_size: int = BLOCK
 
     @property
     def max_blocks(self) -> int:
-        return self.page_table.shape[1] * self.k_pages.shape[1] // BLOCK
+        return self.page_table.shape[1] * self.k_pages.shape[1] // self.block_size
 
     @property
     def heads(self) -> int:
@@ -76,11 +77,12 @@ class Case:
     def workspace(self, config: KernelConfig | None = SMALL, batch: int | None = None) -> DecodeWorkspace:
         batch, heads, head_dim = self.q.shape if batch is None else (batch,) + self.q.shape[1:]
         return DecodeWorkspace.allocate(batch, heads, self.k_pages.shape[2], head_dim, self.max_blocks,
-                                        dtype=self.q.dtype, device=self.q.device, config=config)
+                                        dtype=self.q.dtype, device=self.q.device, block_size=self.block_size,
+                                        config=config)
 
     def row(self, b: int) -> "Case":
-        return Case(self.q[b:b + 1], self.k_pages, self.v_pages, self.page_table[b:b + 1],
-                    self.seq_lens[b:b + 1])
+        return dataclasses.replace(self, q=self.q[b:b + 1], page_table=self.page_table[b:b + 1],
+                                   seq_lens=self.seq_lens[b:b + 1])
 
 
 def make_case(seq_lens, *, heads=2, kv_heads=2, head_dim=64, page_size=32, dtype=torch.float32,
@@ -104,7 +106,7 @@ def run(case: Case, modes, support, workspace=None, **kw):
     """decode_attention on `case` with per-row `modes`; returns (out, support, mass)."""
     modes = torch.tensor(modes, dtype=torch.int32, device=case.q.device)
     return decode_attention(case.q, case.k_pages, case.v_pages, case.page_table, case.seq_lens, modes,
-                            support, block_size=BLOCK, eta=ETA, return_mass=True,
+                            support, block_size=case.block_size, eta=ETA, return_mass=True,
                             workspace=case.workspace() if workspace is None else workspace, **kw)
 
 
@@ -122,7 +124,8 @@ def numpy_attention(case: Case, support: torch.Tensor | None = None):
     for b in range(case.q.shape[0]):
         k, v = case.keys(b)
         sup = None if support is None else support[b].cpu().numpy()
-        out, mass = ref.attention(case.q[b].double().cpu().numpy(), k, v, block_size=BLOCK, support=sup)
+        out, mass = ref.attention(case.q[b].double().cpu().numpy(), k, v, block_size=case.block_size,
+                                  support=sup)
         if sup is None:
             mass = np.pad(mass, ((0, 0), (0, case.max_blocks - mass.shape[1])))
         outs.append(out)
@@ -130,15 +133,16 @@ def numpy_attention(case: Case, support: torch.Tensor | None = None):
     return np.stack(outs), np.stack(masses)
 
 
-def assert_selection(support: np.ndarray, mass: np.ndarray, eta: float = ETA) -> None:
-    """support == select_blocks(mass) exactly, on every (row, head) whose ranked running sum
-    is not within float32 rounding of the threshold (where summation order may decide)."""
+def assert_selection(support: np.ndarray, mass: np.ndarray, held: np.ndarray | None = None,
+                     eta: float = ETA) -> None:
+    """support == held | select_blocks(mass) exactly, on every (row, head) whose ranked running
+    sum is not within float32 rounding of the threshold (where summation order may decide)."""
     ranked = -np.sort(-mass.astype(np.float64), axis=-1)
     running = np.cumsum(ranked, axis=-1)
     threshold = eta * running[..., -1:]
     ambiguous = (np.abs(running - threshold) <= 1e-5 * running[..., -1:]).any(-1)
     assert ambiguous.mean() < 0.25, "too many near-threshold rows for a meaningful check"
-    expected = ref.select_blocks(mass, eta)
+    expected = ref.select_blocks(mass, eta) | (False if held is None else held)
     np.testing.assert_array_equal(support[~ambiguous], expected[~ambiguous])
 
 
@@ -203,8 +207,8 @@ def test_union_across_discovery_depths():
     sel0 = support.cpu().numpy().copy()
     _, support, mass1 = run(second, [DISCOVER_UNION] * batch, support)
     assert_selection(sel0, mass0.cpu().numpy())
+    assert_selection(support.cpu().numpy(), mass1.cpu().numpy(), held=sel0)
     sel1 = ref.select_blocks(mass1.cpu().numpy(), ETA)
-    np.testing.assert_array_equal(support.cpu().numpy(), sel0 | sel1)
     assert (sel1 & ~sel0).any(), "the second depth should add blocks for the check to mean something"
 
 
@@ -244,6 +248,38 @@ def test_mixed_batch_rows_match_each_row_alone():
         assert torch.equal(together[b:b + 1], alone_support), f"row {b}"
         if mode in (DISCOVER, DISCOVER_UNION):
             assert torch.equal(mass[b:b + 1], alone_mass), f"row {b}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mha_on_tensor_core_dots(dtype):
+    """KernelConfig(mha_dots=True): MHA through the GQA dot path, same properties."""
+    case = make_case(SEQ_LENS, dtype=dtype, seed=21)
+    batch = len(SEQ_LENS)
+    dots = dataclasses.replace(SMALL, mha_dots=True)
+    every = all_blocks_support(case.seq_lens, case.heads, case.max_blocks, BLOCK)
+    dense, _, _ = run(case, [DENSE] * batch, every.clone(), workspace=case.workspace(dots))
+    np.testing.assert_allclose(dense.double().cpu().numpy(), numpy_attention(case)[0], **TOL[dtype])
+    found, fresh, mass = run(case, [DISCOVER] * batch, every.clone(), workspace=case.workspace(dots))
+    assert torch.equal(found, dense)
+    assert_selection(fresh.cpu().numpy(), mass.cpu().numpy())
+    assert torch.equal(run(case, [SPARSE] * batch, every.clone(), workspace=case.workspace(dots))[0], dense)
+
+
+@pytest.mark.parametrize("block_size, page_size", [(16, 32), (64, 64)])
+def test_other_block_sizes(block_size, page_size):
+    case = dataclasses.replace(make_case(SEQ_LENS, page_size=page_size, seed=22), block_size=block_size)
+    support = random_support(case, 0.5, seed=23)
+    modes = [DISCOVER, SPARSE, DISCOVER_UNION, SPARSE]
+    out, after, mass = run(case, modes, support.clone())
+    dense_out, dense_mass = numpy_attention(case)
+    sparse_out, _ = numpy_attention(case, support)
+    expected = np.where(np.isin(modes, [SPARSE])[:, None, None], sparse_out, dense_out)
+    np.testing.assert_allclose(out.double().cpu().numpy(), expected, **TOL[torch.float32])
+    mass, after, support = mass.cpu().numpy(), after.cpu().numpy(), support.cpu().numpy()
+    np.testing.assert_allclose(mass[[0, 2]], dense_mass[[0, 2]], atol=1e-5)
+    assert_selection(after[[0]], mass[[0]])
+    assert_selection(after[[2]], mass[[2]], held=support[[2]])
+    np.testing.assert_array_equal(after[[1, 3]], support[[1, 3]])
 
 
 def test_default_workspace_and_table_config():
