@@ -11,10 +11,10 @@ bf16, pages of 128 keys scattered over the pool, every row at seq_len = ctx.
 
 - impl "pallas" (wise_jax.kernels.pallas_decode, default launch): modes dense, discover,
   sparse (random blocks, `density` of each row's blocks per head) and discover+sparse (half
-  the rows each);
-- impl "jax-paged" (jax.experimental.pallas.ops.gpu.paged_attention, best of three tile
-  settings): mode dense, and mode contiguous: lengths of 13% of ctx, the floor a sparse
-  kernel at that density can hope for.
+  the rows each); with --sweep, impl "pallas-config": dense and sparse under other launches;
+- impl "jax-paged" (jax.experimental.pallas.ops.gpu.paged_attention, the best of the tile
+  settings `JAX_PAGED_SETTINGS` that fit): mode dense, and mode contiguous: lengths of 13%
+  of ctx, the floor a sparse kernel at that density can hope for.
 Time per call: two jitted chains of `chain` calls (each call's output is the next call's
 query), after warm-up, blocked until ready; the difference of their median times over the
 difference of their lengths removes dispatch. tbps counts the K and V bytes attended.
@@ -219,7 +219,7 @@ def sweep_configs(batch, heads, n_blocks, head_dim):
 
 
 def bench_pallas(shapes=OURO_SHAPES, densities=DENSITIES, *, heads=16, head_dim=128,
-                 page_size=128, dtype=jnp.bfloat16, interpret=None, chain=(10, 40), repeats=5,
+                 page_size=128, dtype=jnp.bfloat16, interpret=None, chain=(4, 16), repeats=7,
                  sweep=False, jax_paged=True) -> list[dict]:
     """Rows keyed impl, mode, ctx, batch, density, us, tbps, config (and error if it failed).
 
