@@ -280,11 +280,11 @@ def _decode_kernel(
     picked = tl.load(support_rows[:, None] + blk[None, :],
                      mask=tl.where(is_sparse, g_ok[:, None] & causal[None, :], False), other=0)
     listed = causal & tl.where(is_sparse, tl.max(picked, 0) != 0, True)
-    rank = tl.cumsum(listed.to(tl.int32), 0) - 1
     n_listed = tl.sum(listed.to(tl.int32), 0)
     n_splits = tl.maximum(tl.cdiv(n_listed, SPLIT_BLOCKS), 1)
     if split >= n_splits:
         return
+    rank = tl.cumsum(listed.to(tl.int32), 0) - 1
     lo = split * SPLIT_BLOCKS
     hi = tl.minimum(lo + SPLIT_BLOCKS, n_listed)
     mine = listed & (rank >= lo) & (rank < hi)
@@ -298,7 +298,7 @@ def _decode_kernel(
     # Only the last causal block can be partial; when listed, it is the last entry.
     tail_listed = tl.sum(tl.where(blk == n_causal - 1, listed, False).to(tl.int32), 0) > 0
     tail_keys = tl.where(tail_listed, seq_len - (n_causal - 1) * BLOCK, BLOCK)
-    tl.debug_barrier()
+    tl.debug_barrier()  # a program reads back only the entries it wrote: the barrier suffices
 
     # 2. Online softmax over the split's entries, TILE_N keys per iteration.
     offs_n = tl.arange(0, TILE_N)
@@ -313,8 +313,7 @@ def _decode_kernel(
     for t in range(lo, hi, TILE_N // BLOCK):
         entry = t + offs_n // BLOCK
         in_list = entry < hi
-        key_start = tl.load(starts_ptr + list_base + entry, mask=in_list, other=0, cache_modifier=".cg")
-        key_start = tl.multiple_of(key_start, KV_ALIGN)
+        key_start = tl.multiple_of(tl.load(starts_ptr + list_base + entry, mask=in_list, other=0), KV_ALIGN)
         key_ok = in_list & ((entry < n_listed - 1) | (within < tail_keys))
         kv = (key_start + within.to(tl.int64) * stride_kt)[:, None] + offs_d[None, :]
         k = tl.load(k_ptr + kv, mask=key_ok[:, None], other=0.0)
@@ -322,7 +321,7 @@ def _decode_kernel(
         s = _scores(q, k, BLOCK_G, DOT_PRECISION) * qk_scale                   # [TILE_N, BLOCK_G]
         keep = key_ok[:, None]
         if GROUP > 1:  # a sparse row lists the union of its heads' blocks; mask per head
-            key_blk = tl.load(blocks_ptr + list_base + entry, mask=in_list, other=0, cache_modifier=".cg")
+            key_blk = tl.load(blocks_ptr + list_base + entry, mask=in_list, other=0)
             chosen = tl.load(support_rows[None, :] + key_blk[:, None],
                              mask=tl.where(is_sparse, key_ok[:, None] & g_ok[None, :], False), other=1)
             keep = keep & (chosen != 0)
@@ -346,10 +345,11 @@ def _decode_kernel(
     tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_ok[:, None])
     tl.store(part_m_ptr + part[None, :], m_i, mask=g_ok[None, :])
     tl.store(part_l_ptr + part[None, :], l_i, mask=g_ok[None, :])
-    tl.debug_barrier()
+    tl.debug_barrier()  # all threads' partials are written before the release below
     last = n_splits == 1
     if n_splits > 1:
         counter = counters_ptr + row * kv_heads + kvh
+        # release our partials, acquire the others' (read below with .cg, past the SM's L1)
         last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_splits - 1
         if last:
             tl.store(counter, 0)
