@@ -34,8 +34,9 @@ GPU is not used for any mode: decode is a matrix-vector product per (row, head) 
 MHA: one query row per KV head), below the 64-row minimum of wgmma, so the Hopper fast path
 does not apply; the paged, per-row compacted gathers need per-block async copies with
 data-dependent addresses; and a Mosaic GPU kernel cannot be compiled or lowered without a
-GPU, so none could be verified before its first run. One launch serves every mode of a
-mixed batch, so the backend is one choice for all modes.
+GPU, so none could be verified before its first run. The backend is also one choice for all
+modes by necessity: one launch serves every mode of a mixed batch, and a SPARSE row with every
+block selected must be bitwise DENSE, which two backends' arithmetic would not give.
 
 GQA: each program serves one query head (supports are per query head), reading its KV head.
 """
