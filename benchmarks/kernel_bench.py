@@ -220,7 +220,11 @@ def bench_triton(rows, problem: Problem, densities, timer: Timer, configs, check
 
             _attempt(rows, (impl, mode, p.ctx, p.batch, density, str(config)), measure)
         if index == 0:
-            checks.update(_check_triton(p, ws, decode_attention, all_blocks_support))
+            try:
+                checks.update(_check_triton(p, ws, decode_attention, all_blocks_support))
+            except Exception as e:  # report it, keep the timings
+                traceback.print_exc()
+                checks[f"{p.ctx}x{p.batch}"] = dict(error=f"{type(e).__name__}: {e}"[:500])
 
 
 def _check_triton(p: Problem, ws, decode_attention, all_blocks_support) -> dict:

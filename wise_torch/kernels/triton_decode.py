@@ -284,6 +284,9 @@ def _decode_kernel(
     n_splits = tl.maximum(tl.cdiv(n_listed, SPLIT_BLOCKS), 1)
     if split >= n_splits:
         return
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + row * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None], other=0.0)                                # [BLOCK_G, D]
     rank = tl.cumsum(listed.to(tl.int32), 0) - 1
     lo = split * SPLIT_BLOCKS
     hi = tl.minimum(lo + SPLIT_BLOCKS, n_listed)
@@ -302,10 +305,7 @@ def _decode_kernel(
 
     # 2. Online softmax over the split's entries, TILE_N keys per iteration.
     offs_n = tl.arange(0, TILE_N)
-    offs_d = tl.arange(0, HEAD_DIM)
     within = offs_n % BLOCK
-    q = tl.load(q_ptr + row * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
-                mask=g_ok[:, None], other=0.0)                                # [BLOCK_G, D]
     m_i = tl.full([1, BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([1, BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
