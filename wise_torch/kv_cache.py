@@ -94,13 +94,13 @@ class PagedKVCache:
 
     def page_table(self, request_ids: list[int], max_pages: int) -> torch.Tensor:
         """int32[len(request_ids), max_pages]; entries past a request's pages are 0."""
-        table = torch.zeros(len(request_ids), max_pages, dtype=torch.int32)
-        for row, rid in enumerate(request_ids):
+        rows = []
+        for rid in request_ids:
             pages = self.pages[rid]
             if len(pages) > max_pages:
                 raise ValueError(f"request {rid} holds {len(pages)} pages, more than max_pages={max_pages}")
-            table[row, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        return table.to(self.device)
+            rows.append(pages + [0] * (max_pages - len(pages)))
+        return torch.tensor(rows, dtype=torch.int32).reshape(len(rows), max_pages).to(self.device)
 
     def slots(self, page_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat slots int64[...] of `positions` (int64[batch, ...]) through `page_table` [batch, max_pages]."""

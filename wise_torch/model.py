@@ -224,15 +224,16 @@ class OuroForCausalLM(nn.Module):
             h = layer(h, ctx, loop)
         return self.model.norm(h)
 
-    def _check_ids(self, input_ids: torch.Tensor, dims: int) -> None:
+    @staticmethod
+    def _check_ids(input_ids: torch.Tensor, dims: int) -> None:
         if input_ids.dim() != dims or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids must be an integer tensor with {dims} dims, "
                              f"got {input_ids.dtype}{list(input_ids.shape)}")
-        if input_ids.shape[-1] > self.config.max_position_embeddings and dims == 2:
-            raise ValueError(f"sequence of {input_ids.shape[-1]} tokens exceeds max_position_embeddings "
-                             f"({self.config.max_position_embeddings})")
 
     def _sequence_context(self, seq: int, device, **cache_args) -> SequenceContext:
+        if seq > self.config.max_position_embeddings:
+            raise ValueError(f"sequence of {seq} tokens exceeds max_position_embeddings "
+                             f"({self.config.max_position_embeddings})")
         positions = torch.arange(seq, device=device)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         return SequenceContext(cos, sin, self.config.num_hidden_layers, **cache_args)
