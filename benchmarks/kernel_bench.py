@@ -350,6 +350,16 @@ def markdown(report) -> str:
         result = "n/a" if t["passed"] is None else ("pass" if t["passed"] else "FAIL")
         lines.append(f"| {t['target']} | {t['ctx']} x {t['batch']} | {_fmt(t['ratio'], '.3f')} | "
                      f"{t['bound']} | {result} |")
+    lines += ["", "## Launch configurations", "", "| ctx x batch | mode | table's us | fastest us | fastest config |",
+              "|---|---|---|---|---|"]
+    for ctx, batch in sorted({(r["ctx"], r["batch"]) for r in report["rows"] if r["impl"] == "triton-config"}):
+        for mode, density in (("dense", 1.0), ("sparse", TARGET_DENSITY)):
+            tried = [r for r in report["rows"] if r["impl"] in ("triton", "triton-config") and r["us"] == r["us"]
+                     and (r["ctx"], r["batch"], r["mode"]) == (ctx, batch, mode) and math.isclose(r["density"], density)]
+            if tried:
+                best = min(tried, key=lambda r: r["us"])
+                lines.append(f"| {ctx} x {batch} | {mode} | {_fmt(_lookup(report['rows'], ctx, batch, 'triton', mode, density))}"
+                             f" | {_fmt(best['us'])} | {best['config']} |")
     lines += ["", "## Checks", "", "```", json.dumps(report["checks"], indent=1), "```", ""]
     if report["notes"]:
         lines += ["## Notes", ""] + [f"- {n}" for n in report["notes"]] + [""]
