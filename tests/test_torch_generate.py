@@ -89,17 +89,17 @@ def test_triton_kernel_through_generate():
     model = wt.from_tensors(config, random_tensors(config, seed=0, std=0.08))
     prompts = prompts_of([70, 5], config.vocab_size, seed=5)
 
-    def run(**wise):
+    def run(kernel, **wise):
         return wt.generate(model, prompts, max_new_tokens=2, eos_token_id=None, page_size=32, return_logits=True,
-                           wise_config=WiseConfig(**wise))
+                           kernel=kernel, wise_config=WiseConfig(**wise) if wise else None)
 
-    dense_ref, dense_tri = run(kernel="reference", reuse_depths=()), run(kernel="triton", reuse_depths=())
+    dense_ref, dense_tri = run("reference"), run("triton")
     assert dense_tri.tokens == dense_ref.tokens
     for a, b in zip(dense_tri.logits, dense_ref.logits):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)  # fp32, another summation order
-    all_blocks = run(kernel="triton", all_blocks=True)
+    all_blocks = run("triton", all_blocks=True)
     assert all(torch.equal(a, b) for a, b in zip(all_blocks.logits, dense_tri.logits))
-    sparse_ref, sparse_tri = run(kernel="reference", eta=0.5), run(kernel="triton", eta=0.5)
+    sparse_ref, sparse_tri = run("reference", eta=0.5), run("triton", eta=0.5)
     assert sparse_tri.tokens == sparse_ref.tokens and sparse_tri.stats.density == sparse_ref.stats.density
     assert sparse_tri.stats.density[2] < 1.0
 

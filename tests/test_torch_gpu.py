@@ -44,20 +44,20 @@ def test_generate_triton_against_reference_fp32():
     model = gpu_model("test-tiny")
     prompts = prompts_of([300, 40, 129], model.config.vocab_size, seed=1)
 
-    def run(**wise):
+    def run(kernel=None, **wise):
         return wt.generate(model, prompts, max_new_tokens=16, eos_token_id=None, return_logits=True,
-                           wise_config=WiseConfig(**wise) if wise else None)
+                           kernel=kernel, wise_config=WiseConfig(**wise) if wise else None)
 
-    dense = run()
-    dense_tri, dense_ref = run(kernel="triton", reuse_depths=()), run(kernel="reference", reuse_depths=())
-    # "auto" is Triton on CUDA, and discovery outputs are bitwise dense.
-    assert all(torch.equal(a, b) for a, b in zip(dense.logits, dense_tri.logits))
+    dense, dense_tri, dense_ref = run(), run("triton"), run("reference")
+    assert all(torch.equal(a, b) for a, b in zip(dense.logits, dense_tri.logits))  # "auto" is Triton on CUDA
+    discover_only = run("triton", reuse_depths=())
+    assert all(torch.equal(a, b) for a, b in zip(discover_only.logits, dense_tri.logits))
     assert dense_tri.tokens == dense_ref.tokens
     for a, b in zip(dense_tri.logits, dense_ref.logits):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)  # fp32, another summation order
-    all_blocks = run(kernel="triton", all_blocks=True)
+    all_blocks = run("triton", all_blocks=True)
     assert all(torch.equal(a, b) for a, b in zip(all_blocks.logits, dense_tri.logits))
-    wise, wise_ref = run(kernel="triton", eta=0.9), run(kernel="reference", eta=0.9)
+    wise, wise_ref = run("triton", eta=0.9), run("reference", eta=0.9)
     assert wise.stats.fallbacks == wise_ref.stats.fallbacks == 0
     for d in (2, 3):
         assert abs(wise.stats.density[d] - wise_ref.stats.density[d]) < 0.01

@@ -47,10 +47,11 @@ def build_model(args) -> wise_torch.OuroForCausalLM:
                                    device=args.device)
 
 
-def run_once(model, prompts, new_tokens: int, wise_config: WiseConfig | None, page_size: int) -> dict:
+def run_once(model, prompts, new_tokens: int, wise_config: WiseConfig | None, page_size: int,
+             kernel: str) -> dict:
     start = time.perf_counter()
     out = wise_torch.generate(model, prompts, max_new_tokens=new_tokens, eos_token_id=None,
-                              wise_config=wise_config, page_size=page_size)
+                              wise_config=wise_config, page_size=page_size, kernel=kernel)
     stats = out.stats
     steps = new_tokens - 1
     return {"prefill_s": stats.prefill_s, "prefill_tokens_per_s": stats.prefill_tokens / stats.prefill_s,
@@ -93,8 +94,9 @@ def main(argv: list[str] | None = None) -> None:
         for name, wise_config in modes.items():
             row = {"context": context, "batch": batch, "mode": name}
             try:
-                run_once(model, prompts, args.new_tokens, wise_config, args.page_size)  # compile, warm up
-                row.update(run_once(model, prompts, args.new_tokens, wise_config, args.page_size))
+                run = (model, prompts, args.new_tokens, wise_config, args.page_size, args.kernel)
+                run_once(*run)  # compile, warm up
+                row.update(run_once(*run))
                 density = ", ".join(f"{d}: {x:.3f}" for d, x in (row["density"] or {}).items())
                 print(f"{context:>9} x {batch:<4} {name:>16} {row['prefill_tokens_per_s']:>14.0f} "
                       f"{row['decode_step_ms']:>9.2f} {row['decode_tokens_per_s']:>13.1f} {density}", flush=True)

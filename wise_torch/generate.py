@@ -76,7 +76,7 @@ class _Session:
     """Requests (ids 0..n-1) decoding together: their cache pages and WISE slots."""
 
     def __init__(self, model: OuroForCausalLM, max_tokens: list[int], wise_config: WiseConfig | None,
-                 page_size: int):
+                 page_size: int, kernel: str | None):
         config, weight = model.config, model.model.embed_tokens.weight
         block_size = (wise_config or WiseConfig()).block_size
         if not isinstance(page_size, int) or page_size <= 0 or page_size % block_size:
@@ -91,8 +91,10 @@ class _Session:
         self.wise = None if wise_config is None else WiseState(
             wise_config, config, max_slots=len(max_tokens), max_blocks=max_blocks, device=self.device)
         self.wise_slots: dict[int, int] = {}
+        if kernel is None:
+            kernel = "auto" if wise_config is None else wise_config.kernel
         self.attention = prepare_decode_attention(
-            "auto" if wise_config is None else wise_config.kernel, max_batch=len(max_tokens),
+            kernel, max_batch=len(max_tokens),
             heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
             max_blocks=max_blocks, block_size=block_size, dtype=weight.dtype, device=self.device)
 
@@ -175,11 +177,12 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float,
 def generate(model: OuroForCausalLM, prompts, *, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, eos_token_id=MODEL_EOS, wise_config: WiseConfig | None = None,
              seed: int | None = None, return_logits: bool = False,
-             page_size: int = DEFAULT_PAGE_SIZE) -> GenerationOutput:
+             page_size: int = DEFAULT_PAGE_SIZE, kernel: str | None = None) -> GenerationOutput:
     """Generate up to max_new_tokens per prompt (list of token-id lists, or strings with a tokenizer).
 
     Greedy at temperature 0, else sampling with top-p; a row stops at eos_token_id (default: the
-    model's; None: never early). With wise_config, decode runs WISE through its kernel.
+    model's; None: never early). With wise_config, decode runs WISE. kernel: the decode
+    attention (default: wise_config.kernel, or "auto" for dense decode).
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -190,7 +193,7 @@ def generate(model: OuroForCausalLM, prompts, *, max_new_tokens: int, temperatur
     eos = model.config.eos_token_id if eos_token_id is MODEL_EOS else eos_token_id
     ids = _token_lists(model, prompts, "prompts")
     _check_length(model, [len(p) for p in ids], [max_new_tokens] * len(ids), "prompts")
-    session = _Session(model, [len(p) + max_new_tokens for p in ids], wise_config, page_size)
+    session = _Session(model, [len(p) + max_new_tokens for p in ids], wise_config, page_size, kernel)
     generator = None
     if seed is not None:
         generator = torch.Generator(device=session.device).manual_seed(seed)
@@ -236,11 +239,13 @@ def generate(model: OuroForCausalLM, prompts, *, max_new_tokens: int, temperatur
 
 @torch.inference_mode()
 def teacher_force(model: OuroForCausalLM, context_ids, continuation_ids, *,
-                  wise_config: WiseConfig | None = None, page_size: int = DEFAULT_PAGE_SIZE) -> ForcedOutput:
+                  wise_config: WiseConfig | None = None, page_size: int = DEFAULT_PAGE_SIZE,
+                  kernel: str | None = None) -> ForcedOutput:
     """Log-probabilities of forced continuations: prefill each context, then decode its
     continuation token by token (the decode step of `generate`, dense or WISE).
 
     context_ids, continuation_ids: one token-id list each, or lists of them (one per sequence).
+    kernel: as in `generate`.
     """
     single = isinstance(context_ids, (list, tuple)) and bool(context_ids) and isinstance(context_ids[0], int)
     contexts = _token_lists(model, [context_ids] if single else context_ids, "context_ids")
@@ -248,7 +253,8 @@ def teacher_force(model: OuroForCausalLM, context_ids, continuation_ids, *,
     if len(contexts) != len(continuations):
         raise ValueError(f"{len(contexts)} contexts but {len(continuations)} continuations")
     _check_length(model, [len(c) for c in contexts], [len(c) for c in continuations], "context_ids")
-    session = _Session(model, [len(a) + len(b) for a, b in zip(contexts, continuations)], wise_config, page_size)
+    session = _Session(model, [len(a) + len(b) for a, b in zip(contexts, continuations)], wise_config,
+                       page_size, kernel)
 
     start = _sync(session.device)
     logits = session.prefill(contexts)
