@@ -1,0 +1,5 @@
+import sys
+
+from parity import main
+
+sys.exit(main())

@@ -1,0 +1,192 @@
+"""Inputs of the checks: paged decode-attention cases, selection masses, models and prompts.
+
+Everything is numpy and seeded, so both frameworks see the same values. Low-precision inputs
+are rounded once here (`round_to`), so the float64 specification sees exactly the values the
+implementations receive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from wise_core import modes as M
+from wise_core import reference as ref
+from wise_core.config import PRESETS, ModelConfig
+from wise_core.safetensors_io import float32_to_bf16_bits
+
+DTYPES = ("float32", "bfloat16")
+
+
+def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values rounded to `dtype` (round to nearest even), returned as float32."""
+    x = np.asarray(x, np.float32)
+    if dtype == "float32":
+        return x
+    if dtype == "bfloat16":
+        return (float32_to_bf16_bits(x).astype(np.uint32) << 16).view(np.float32)
+    raise ValueError(f"unsupported dtype {dtype!r} (choose from {DTYPES})")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCase:
+    """One paged decode-attention problem: a batch of rows with the given seq_lens, pages
+    scattered over a shuffled pool. Page-table entries past a row's pages point at other rows'
+    pages and keys past seq_len hold random values: both must be ignored."""
+
+    name: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    seq_lens: tuple[int, ...]
+    page_size: int = 64
+    block_size: int = 32
+    eta: float = 0.95
+    q_scale: float = 2.0  # > 1 makes the softmax peaked, so the selection is not all blocks
+    seed: int = 0
+
+    @property
+    def batch(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def max_pages(self) -> int:
+        return -(-max(self.seq_lens) // self.page_size)
+
+    @property
+    def max_blocks(self) -> int:
+        return self.max_pages * self.page_size // self.block_size
+
+    def causal(self) -> np.ndarray:
+        """bool[batch, max_blocks]: blocks holding a key < seq_len."""
+        return np.stack([ref.causal_blocks(n, self.block_size, self.max_blocks) for n in self.seq_lens])
+
+    @functools.lru_cache(maxsize=None)
+    def inputs(self, dtype: str) -> dict[str, np.ndarray]:
+        """q [batch, heads, head_dim], k_pages / v_pages [num_pages, page_size, kv_heads, head_dim]
+        (float32 holding `dtype` values), page_table int32[batch, max_pages], seq_lens int32[batch],
+        and supports bool[batch, heads, max_blocks]: `all_blocks` (every causal block), `random`
+        (about half the causal blocks, at least one per head), `garbage` (random bits)."""
+        rng = np.random.default_rng(self.seed)
+        batch, max_pages = self.batch, self.max_pages
+        num_pages = batch * max_pages + 2
+        shape = (num_pages, self.page_size, self.kv_heads, self.head_dim)
+        k, v = rng.standard_normal(shape), rng.standard_normal(shape)
+        q = self.q_scale * rng.standard_normal((batch, self.heads, self.head_dim))
+        pool = rng.permutation(num_pages)
+        page_table = pool[:batch * max_pages].reshape(batch, max_pages).copy()
+        for b, n in enumerate(self.seq_lens):
+            used = -(-n // self.page_size)
+            page_table[b, used:] = page_table[(b + 1) % batch, :max_pages - used]  # foreign pages
+        causal = np.broadcast_to(self.causal()[:, None, :], (batch, self.heads, self.max_blocks))
+        random = (rng.random(causal.shape) < 0.5) & causal
+        first = rng.integers(0, np.maximum(causal.sum(-1), 1))  # one causal block each head keeps
+        np.put_along_axis(random, first[..., None], True, axis=-1)
+        arrays = {"q": round_to(q, dtype), "k_pages": round_to(k, dtype), "v_pages": round_to(v, dtype),
+                  "page_table": page_table.astype(np.int32), "seq_lens": np.asarray(self.seq_lens, np.int32),
+                  "all_blocks": causal.copy(), "random": random, "garbage": rng.random(causal.shape) < 0.5}
+        for array in arrays.values():
+            array.flags.writeable = False  # shared by every implementation: copy before writing
+        return arrays
+
+    def row_keys(self, dtype: str, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Row b's keys and values float64 [seq_len, kv_heads, head_dim], gathered through its pages."""
+        x = self.inputs(dtype)
+        pages = x["page_table"][b]
+        n = self.seq_lens[b]
+        k = x["k_pages"][pages].reshape(-1, self.kv_heads, self.head_dim)[:n]
+        v = x["v_pages"][pages].reshape(-1, self.kv_heads, self.head_dim)[:n]
+        return k.astype(np.float64), v.astype(np.float64)
+
+    def spec(self, dtype: str, support: np.ndarray | None, modes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The float64 specification (`wise_core.reference.attention`) of a call: (out [batch,
+        heads, head_dim], mass [batch, heads, max_blocks]); SPARSE rows attend `support`."""
+        x = self.inputs(dtype)
+        out = np.zeros((self.batch, self.heads, self.head_dim))
+        mass = np.zeros((self.batch, self.heads, self.max_blocks))
+        for b, n in enumerate(self.seq_lens):
+            k, v = self.row_keys(dtype, b)
+            n_blocks = ref.num_blocks(n, self.block_size)
+            row_support = support[b, :, :n_blocks] if modes[b] == M.SPARSE else None
+            out[b], mass[b, :, :n_blocks] = ref.attention(x["q"][b].astype(np.float64), k, v,
+                                                          block_size=self.block_size, support=row_support)
+        return out, mass
+
+
+def attention_cases(quick: bool) -> tuple[AttentionCase, ...]:
+    """MHA and GQA cases: tiny on CPU (interpreted kernels), Ouro-sized heads and long contexts
+    otherwise. Sequence lengths cover 1 key, partial and full blocks and pages."""
+    if quick:
+        lens = (1, 33, 97, 160)
+        return (AttentionCase("mha-h2-d64", heads=2, kv_heads=2, head_dim=64, seq_lens=lens, seed=1),
+                AttentionCase("gqa-h4-kv2-d32", heads=4, kv_heads=2, head_dim=32, seq_lens=lens, seed=2))
+    lens = (1, 31, 300, 1024, 1500, 2048, 3001, 4096)
+    return (AttentionCase("ouro-mha-h16-d128", heads=16, kv_heads=16, head_dim=128, seq_lens=lens,
+                          page_size=128, seed=1),
+            AttentionCase("gqa-h16-kv4-d128", heads=16, kv_heads=4, head_dim=128, seq_lens=lens,
+                          page_size=128, seed=2),
+            AttentionCase("gqa-h8-kv2-d64", heads=8, kv_heads=2, head_dim=64, seq_lens=lens[:6],
+                          page_size=64, seed=3))
+
+
+# -- selection masses -----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SelectionCase:
+    """mass float32[rows, n_blocks] (non-negative) and eta."""
+
+    name: str
+    mass: np.ndarray
+    eta: float
+
+
+def selection_cases(seed: int = 0) -> list[SelectionCase]:
+    """Random masses (Dirichlet and heavy-tailed, several widths and etas) and adversarial ones:
+    exact ties, zeros, eta = 1, a single block, prefix sums landing on the threshold."""
+    rng = np.random.default_rng(seed)
+    f32 = functools.partial(np.asarray, dtype=np.float32)
+    cases = []
+    for n, eta in ((1, 0.95), (6, 0.95), (24, 0.5), (128, 0.95), (128, 1.0), (1024, 0.9)):
+        cases.append(SelectionCase(f"dirichlet-n{n}-eta{eta}", f32(rng.dirichlet(np.full(n, 0.3), 16)), eta))
+    heavy = rng.pareto(1.0, (16, 64)) * (rng.random((16, 64)) < 0.7)
+    cases.append(SelectionCase("heavy-tailed-n64", f32(heavy), 0.95))
+    cases += [
+        SelectionCase("all-equal", np.full((3, 8), 0.125, np.float32), 0.5),
+        SelectionCase("pairwise-ties", f32([[0.3, 0.3, 0.2, 0.2], [0.1, 0.4, 0.1, 0.4],
+                                            [0.25, 0.25, 0.25, 0.25]]), 0.7),
+        SelectionCase("all-zero", np.zeros((2, 5), np.float32), 0.95),
+        SelectionCase("zero-tail", f32([[0.6, 0.4, 0, 0, 0], [0, 0, 1.0, 0, 0]]), 1.0),
+        SelectionCase("eta-one", f32(rng.dirichlet(np.full(16, 0.5), 8)), 1.0),
+        SelectionCase("single-block", f32([[0.0], [0.7], [1.0]]), 0.95),
+        SelectionCase("on-threshold", f32([[0.5, 0.45, 0.05], [0.95, 0.05, 0.0], [0.25, 0.25, 0.5]]), 0.95),
+        SelectionCase("tiny-and-huge", f32([[1e-30, 1.0, 1e-40, 3e-38], [1e30, 1e-30, 1e30, 0.0]]), 0.95),
+    ]
+    return cases
+
+
+# -- models and prompts -----------------------------------------------------------------------------
+MEDIUM = dataclasses.replace(
+    PRESETS["ouro-1.4b"], vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+    num_attention_heads=8, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+    bos_token_id=0, eos_token_id=0)
+"""A GPU-sized random model with Ouro's head shape (8 heads of 128 here), 4 layers, 4 loops."""
+
+MODELS: dict[str, ModelConfig] = {
+    "test-tiny": PRESETS["test-tiny"], "test-tiny-gqa": PRESETS["test-tiny-gqa"], "medium-random": MEDIUM,
+}
+"""Random-weight models, written as HF checkpoints; other names are loaded by `wise_core`."""
+WEIGHT_STD = 0.08  # as the built-in random-tiny: a random model's attention is then not flat
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """Greedy generation settings: prompt lengths and new tokens. Prompts are seeded random ids."""
+
+    prompt_lens: tuple[int, ...]
+    max_new_tokens: int
+    seed: int = 0
+
+    def prompts(self, vocab_size: int) -> list[list[int]]:
+        rng = np.random.default_rng(self.seed)
+        return [rng.integers(0, vocab_size, n).tolist() for n in self.prompt_lens]

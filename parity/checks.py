@@ -1,0 +1,463 @@
+"""The checks: each runs on a `Suite` and returns one `Result` per (implementation, case, dtype),
+with the measured difference and the bound it was held to. `CHECKS` is the registry that
+`python -m parity` and the pytest tests both run.
+
+Bounds. Bitwise claims have bound 0 and count the values whose bits differ. Tolerances are in
+units of the float32 / output-dtype epsilon (`EPS`, the spacing at 1.0):
+- attention output vs the float64 spec: `scale * (OUT_ULPS * eps(dtype) + ACC_ULPS * eps32 *
+  sqrt(n))` with `scale` = max |v| of the row and `n` its attended keys: the final rounding to
+  the output dtype (and bf16 probabilities in tensor-core dots), plus float32 rounding of
+  scores, exponentials and sums, accumulating like a random walk over the keys;
+  two implementations: the sum of their bounds;
+- block mass vs the spec: `MASS_ULPS * eps32 * sqrt(n)` (masses are <= 1);
+- a support bit may differ only where the selection is decided within rounding: the mass ranked
+  before the block is within `2 * n_blocks * (delta + eps32 * total)` of eta * total, or the
+  block's mass is within `2 * delta` of another's (delta: the mass bound, 0 for given masses);
+- end to end, float32: logits within `LOGIT_ULPS * eps32 * max |logit| * sqrt(layers * loops)`
+  (every layer of every loop adds rounding of the same relative size); low precision
+  (teacher-forced log-probs): `FORCED_ULPS * eps(dtype) * max |logit| * sqrt(layers * loops)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import time
+import traceback
+from typing import Callable
+
+import numpy as np
+
+from parity import cases
+from parity.convert import bits, jax_to_torch, jax_weights, params_differences, tensor_differences, \
+    torch_to_jax, torch_weights
+from parity.suite import Suite
+from wise_core import modes as M
+from wise_core import reference as ref
+
+EPS = {"float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
+OUT_ULPS = 2.0
+ACC_ULPS = 8.0
+MASS_ULPS = 8.0
+LOGIT_ULPS = 64.0
+FORCED_ULPS = 8.0
+SHOWN = 4  # differences spelled out per result
+
+
+@dataclasses.dataclass
+class Measured:
+    """What one comparison found. passed None: skipped (detail says why)."""
+
+    passed: bool | None
+    measured: float | None = None
+    bound: float | None = None
+    unit: str = ""
+    detail: str = ""
+
+
+@dataclasses.dataclass
+class Result(Measured):
+    """One row of the report: a `Measured` with its labels and run time."""
+
+    check: str = ""
+    impl: str = ""
+    case: str = ""
+    dtype: str = ""
+    seconds: float = 0.0
+
+    @property
+    def status(self) -> str:
+        return {True: "pass", False: "FAIL", None: "skip"}[self.passed]
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One row to compute: labels, and `measure() -> Measured`."""
+
+    impl: str
+    case: str
+    dtype: str
+    measure: Callable[[], Measured]
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """`tasks(suite)` lists the rows; `run(suite)` computes them. An exception fails its own row
+    (with the error as detail) and the run goes on."""
+
+    name: str
+    summary: str
+    tasks: Callable[[Suite], list[Task]]
+
+    def run(self, suite: Suite) -> list[Result]:
+        results = []
+        for task in self.tasks(suite):
+            start = time.perf_counter()
+            try:
+                measured = task.measure()
+            except Exception as e:  # a crash is this row's failure, not the run's
+                lines = traceback.format_exception(e)
+                measured = Measured(False, detail=f"{type(e).__name__}: {e} [{lines[-2].strip() if len(lines) > 1 else ''}]")
+            results.append(Result(**dataclasses.asdict(measured), check=self.name, impl=task.impl, case=task.case,
+                                  dtype=task.dtype, seconds=time.perf_counter() - start))
+        return results
+
+
+CHECKS: dict[str, Check] = {}
+
+
+def check(name: str, summary: str):
+    """Register `fn(suite) -> iterable of Task` as the check `name`."""
+    def register(fn):
+        CHECKS[name] = Check(name, summary, lambda suite: list(fn(suite)))
+        return fn
+    return register
+
+
+def bitwise(pairs: list[tuple[str, np.ndarray, np.ndarray]]) -> Measured:
+    """Bitwise comparisons (label, got, want): measured = values whose bits differ."""
+    lines, count = [], 0
+    for label, got, want in pairs:
+        got, want = np.asarray(got), np.asarray(want)
+        if got.shape != want.shape:
+            lines.append(f"{label}: shape {got.shape} vs {want.shape}")
+            count += max(got.size, want.size)
+            continue
+        differ = bits(got) != bits(want)
+        if differ.any():
+            count += int(differ.sum())
+            where = [int(i) for i in np.argwhere(differ)[0]]
+            lines.append(f"{label}: {int(differ.sum())} of {differ.size} values differ, first at {where} "
+                         f"({got[tuple(where)]!r} vs {want[tuple(where)]!r}), max |diff| "
+                         f"{np.max(np.abs(got.astype(np.float64) - want.astype(np.float64))):.3g}")
+    detail = "; ".join(lines[:SHOWN]) if lines else "bitwise identical: " + ", ".join(p[0] for p in pairs)
+    return Measured(count == 0, count, 0, "values differing", detail)
+
+
+# -- support differences -------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SupportDifference:
+    """A block selected by one side only. before: mass ranked before the block (spec order);
+    threshold: eta * total; tie: distance to the nearest other block's mass."""
+
+    row: tuple[int, ...]
+    block: int
+    kept: bool          # by the implementation (the spec did the opposite)
+    before: float
+    threshold: float
+    tolerance: float
+    tie: float
+    tie_tolerance: float
+
+    @property
+    def straddle(self) -> float:
+        return abs(self.before - self.threshold)
+
+    @property
+    def explained(self) -> bool:
+        return self.straddle <= self.tolerance or self.tie < self.tie_tolerance
+
+    def describe(self) -> str:
+        text = (f"row {list(self.row)} block {self.block} {'kept' if self.kept else 'dropped'} (spec: "
+                f"{'dropped' if self.kept else 'kept'}): mass ranked before it {self.before:.9g} vs eta*total "
+                f"{self.threshold:.9g}, straddle {self.straddle:.3g} (tolerance {self.tolerance:.3g})")
+        if self.tie < self.tie_tolerance:
+            text += f", within {self.tie:.3g} of another block's mass (tolerance {self.tie_tolerance:.3g})"
+        return text
+
+
+def support_differences(mass: np.ndarray, eta: float, got: np.ndarray, want: np.ndarray,
+                        delta: float = 0.0) -> list[SupportDifference]:
+    """Blocks where `got` and `want` (bool[..., n_blocks]) disagree, with the margins that tell
+    whether rounding can decide them. mass: the spec's masses [..., n_blocks]; delta: the bound
+    on each block's mass error (0 when both sides selected from the same masses)."""
+    mass = np.asarray(mass, np.float64)
+    got, want = np.asarray(got, bool), np.asarray(want, bool)
+    out = []
+    for row in zip(*np.nonzero((got != want).any(-1))):
+        m = mass[row]
+        n = m.shape[-1]
+        order = np.argsort(-m, kind="stable")
+        ranked = m[order]
+        before = np.concatenate([[0.0], np.cumsum(ranked)[:-1]])
+        rank = np.argsort(order)
+        total = float(ranked.sum())
+        tolerance = 2 * n * (delta + EPS["float32"] * total)
+        for block in np.flatnonzero(got[row] != want[row]):
+            others = np.delete(m, block)
+            tie = float(np.min(np.abs(others - m[block]))) if n > 1 else math.inf
+            out.append(SupportDifference(tuple(int(i) for i in row), int(block), bool(got[row][block]),
+                                         float(before[rank[block]]), eta * total, tolerance, tie, 2 * delta))
+    return out
+
+
+def support_measured(diffs: list[SupportDifference]) -> Measured:
+    """measured = support bits that differ beyond rounding; the differences are listed with margins."""
+    unexplained = [d for d in diffs if not d.explained]
+    if not diffs:
+        return Measured(True, 0, 0, "support bits unexplained", "supports identical")
+    kind = f"{len(unexplained)} NOT explained by rounding" if unexplained else "all within rounding of the threshold"
+    detail = f"{len(diffs)} support bits differ, {kind}: " + "; ".join(
+        d.describe() for d in (unexplained or diffs)[:SHOWN])
+    return Measured(not unexplained, len(unexplained), 0, "support bits unexplained", detail)
+
+
+# -- weights ---------------------------------------------------------------------------------------
+def _checkpoint(suite: Suite, model: str, dtype: str) -> Measured:
+    want = {name: cases.round_to(x, dtype) for name, x in suite.checkpoint(model).tensors.items()}
+    lines = [f"torch {line}" for line in tensor_differences(torch_weights(suite.torch_model(model, dtype)), want)]
+    lines += [f"jax {line}" for line in tensor_differences(jax_weights(*suite.jax_model(model, dtype)), want)]
+    return Measured(not lines, len(lines), 0, "tensors differing",
+                    "; ".join(lines[:SHOWN]) or f"{len(want)} tensors bitwise identical in both frameworks")
+
+
+@check("checkpoint", "one checkpoint loaded by both frameworks holds the same weights (bitwise)")
+def check_checkpoint(suite: Suite):
+    for model, dtype in itertools.product(suite.settings.e2e_models, cases.DTYPES):
+        yield Task("torch|jax", model, dtype, functools.partial(_checkpoint, suite, model, dtype))
+
+
+def _torch_round_trip(suite: Suite, model: str, dtype: str) -> Measured:
+    original = suite.torch_model(model, dtype).state_dict()
+    back = jax_to_torch(*torch_to_jax(suite.torch_model(model, dtype)), device=suite.settings.device).state_dict()
+    lines = [f"{n}: dtype {back[n].dtype} vs {original[n].dtype}" for n in original
+             if n in back and back[n].dtype != original[n].dtype]
+    lines += tensor_differences({n: t.float().cpu().numpy() for n, t in back.items()},
+                                {n: t.float().cpu().numpy() for n, t in original.items()})
+    return Measured(not lines, len(lines), 0, "tensors differing",
+                    "; ".join(lines[:SHOWN]) or f"{len(original)} tensors bitwise identical")
+
+
+def _jax_round_trip(suite: Suite, model: str, dtype: str) -> Measured:
+    config, params = suite.jax_model(model, dtype)
+    lines = params_differences(torch_to_jax(jax_to_torch(config, params, device=suite.settings.device))[1], params)
+    return Measured(not lines, len(lines), 0, "leaves differing",
+                    "; ".join(lines[:SHOWN]) or "every params leaf bitwise identical")
+
+
+@check("convert", "torch state dict <-> JAX params conversion of live weights round-trips bitwise")
+def check_convert(suite: Suite):
+    model = suite.settings.e2e_models[-1]
+    for dtype in cases.DTYPES:
+        yield Task("torch->jax->torch", model, dtype, functools.partial(_torch_round_trip, suite, model, dtype))
+        yield Task("jax->torch->jax", model, dtype, functools.partial(_jax_round_trip, suite, model, dtype))
+
+
+# -- 1. all-blocks WISE is dense, bitwise ----------------------------------------------------------
+def _attention_task(label: str, impls, case, dtype, measure) -> Task:
+    """A task on an attention case, or a skip when an implementation cannot run it here."""
+    reasons = [r for r in (i.limitation(case.heads, case.kv_heads, dtype) for i in impls) if r]
+    if reasons:
+        return Task(label, case.name, dtype, functools.partial(Measured, None, detail=reasons[0]))
+    return Task(label, case.name, dtype, measure)
+
+
+def _attention_tasks(suite: Suite, measure):
+    for impl, case, dtype in itertools.product(suite.impls, suite.settings.attention_cases,
+                                               suite.settings.attention_dtypes):
+        yield _attention_task(impl.name, [impl], case, dtype, functools.partial(measure, suite, impl, case, dtype))
+
+
+def _all_blocks_call(suite: Suite, impl, case, dtype) -> Measured:
+    dense = suite.decode(impl, case, dtype, "dense")
+    pairs = [(f"{call} vs dense", suite.decode(impl, case, dtype, call).out, dense.out)
+             for call in ("sparse-all", "discover", "union")]
+    pairs += [(f"{call} support'", suite.decode(impl, case, dtype, call).support,
+               suite.call_inputs(case, dtype, call)[1]) for call in ("dense", "sparse-all")]
+    return bitwise(pairs)
+
+
+@check("all-blocks-call", "decode_attention: SPARSE with every causal block, DISCOVER and DISCOVER_UNION "
+                          "are bitwise DENSE; DENSE and SPARSE leave the support unchanged")
+def check_all_blocks_call(suite: Suite):
+    return _attention_tasks(suite, _all_blocks_call)
+
+
+def _all_blocks_generate(suite: Suite, impl) -> Measured:
+    model, workload = suite.settings.equivalence_model, suite.settings.equivalence_workload
+    dense = suite.generate(impl.framework, model, impl.kernel, "dense", workload)
+    wise = suite.generate(impl.framework, model, impl.kernel, "all-blocks", workload)
+    pairs = [(f"prompt {i} tokens", np.asarray(w), np.asarray(d)) for i, (w, d) in
+             enumerate(zip(wise.tokens, dense.tokens))]
+    pairs += [(f"prompt {i} logits", w, d) for i, (w, d) in enumerate(zip(wise.logits, dense.logits))]
+    measured = bitwise(pairs)
+    if dense.note:
+        measured.detail += f" ({dense.note})"
+    return measured
+
+
+@check("all-blocks-generate", "generate with WiseConfig(all_blocks=True) gives dense decode's tokens and "
+                              "logits, bitwise")
+def check_all_blocks_generate(suite: Suite):
+    for impl in suite.impls:
+        yield Task(impl.name, suite.settings.equivalence_model, "float32",
+                   functools.partial(_all_blocks_generate, suite, impl))
+
+
+# -- 2. masked attention across frameworks ---------------------------------------------------------
+def attention_bound(dtype: str, scale: float, n_keys: int) -> float:
+    """Allowed |out - spec| for one row (see the module docstring)."""
+    return scale * (OUT_ULPS * EPS[dtype] + ACC_ULPS * EPS["float32"] * math.sqrt(n_keys))
+
+
+def row_bounds(suite: Suite, case: cases.AttentionCase, dtype: str, call: str) -> np.ndarray:
+    """float64[batch]: `attention_bound` of each row of a call (scale: max |v| of the row's keys)."""
+    modes, support = suite.call_inputs(case, dtype, call)
+    bounds = np.zeros(case.batch)
+    for b, n in enumerate(case.seq_lens):
+        _, v = case.row_keys(dtype, b)
+        if modes[b] == M.SPARSE:
+            n = min(n, int(support[b].sum(-1).max()) * case.block_size)
+        bounds[b] = attention_bound(dtype, float(np.abs(v).max()), n)
+    return bounds
+
+
+def worst_row(case: cases.AttentionCase, got: np.ndarray, want: np.ndarray, bounds: np.ndarray) -> Measured:
+    """Rows held to their own bounds; reports the row closest to (or furthest over) its bound."""
+    err = np.abs(np.asarray(got, np.float64) - want).reshape(len(bounds), -1).max(-1)
+    worst = int(np.argmax(err / bounds))
+    passed = bool(np.all(err <= bounds))
+    detail = f"worst row {worst} ({case.seq_lens[worst]} keys)"
+    if not passed:
+        detail += f"; rows over their bound: {np.flatnonzero(err > bounds).tolist()}"
+    return Measured(passed, float(err[worst]), float(bounds[worst]), "max |diff|", detail)
+
+
+def _masked_vs_spec(suite: Suite, impl, case, dtype) -> Measured:
+    return worst_row(case, suite.decode(impl, case, dtype, "mixed").out, suite.spec(case, dtype, "mixed")[0],
+                     row_bounds(suite, case, dtype, "mixed"))
+
+
+def _masked_pair(suite: Suite, a, b, case, dtype) -> Measured:
+    got, want = (suite.decode(i, case, dtype, "mixed").out for i in (a, b))
+    return worst_row(case, got, want, 2 * row_bounds(suite, case, dtype, "mixed"))
+
+
+@check("masked-attention", "identical q, K/V pages and support (mixed DENSE and SPARSE rows): each "
+                           "implementation within its bound of the float64 spec, torch vs JAX within twice it")
+def check_masked_attention(suite: Suite):
+    yield from _attention_tasks(suite, _masked_vs_spec)
+    pairs = itertools.product([i for i in suite.impls if i.framework == "torch"],
+                              [i for i in suite.impls if i.framework == "jax"])
+    for (a, b), case, dtype in itertools.product(pairs, suite.settings.attention_cases,
+                                                 suite.settings.attention_dtypes):
+        yield _attention_task(f"{a.name}|{b.name}", [a, b], case, dtype,
+                              functools.partial(_masked_pair, suite, a, b, case, dtype))
+
+
+def mass_bound(n_keys: int) -> float:
+    return MASS_ULPS * EPS["float32"] * math.sqrt(n_keys)
+
+
+def _discover_mass(suite: Suite, impl, case, dtype) -> Measured:
+    bounds = np.array([mass_bound(n) for n in case.seq_lens])
+    return worst_row(case, suite.decode(impl, case, dtype, "discover").mass, suite.spec(case, dtype, "discover")[1],
+                     bounds)
+
+
+@check("discover-mass", "DISCOVER block mass within its bound of the float64 spec")
+def check_discover_mass(suite: Suite):
+    return _attention_tasks(suite, _discover_mass)
+
+
+def _discover_support(suite: Suite, impl, case, dtype) -> Measured:
+    found = suite.decode(impl, case, dtype, "discover").support
+    spec_mass = suite.spec(case, dtype, "discover")[1]
+    want = ref.select_blocks(spec_mass.astype(np.float32), case.eta)
+    diffs = []
+    for b, n in enumerate(case.seq_lens):
+        diffs += [dataclasses.replace(d, row=(b,) + d.row) for d in support_differences(
+            spec_mass[b], case.eta, found[b], want[b], mass_bound(n))]
+    measured = support_measured(diffs)
+    prior = suite.call_inputs(case, dtype, "union")[1]
+    union_wrong = int((suite.decode(impl, case, dtype, "union").support != (prior | found)).sum())
+    if union_wrong:
+        measured.passed, measured.measured = False, measured.measured + union_wrong
+        measured.detail += f"; DISCOVER_UNION: {union_wrong} bits differ from support | selection"
+    return measured
+
+
+@check("discover-support", "DISCOVER selects the spec's support except within rounding of the threshold "
+                           "(rows and margins named); DISCOVER_UNION gives support | selection, bitwise")
+def check_discover_support(suite: Suite):
+    return _attention_tasks(suite, _discover_support)
+
+
+# -- 3. end to end ---------------------------------------------------------------------------------
+def logit_bound(dtype: str, ulps: float, scale: float, config) -> float:
+    return ulps * EPS[dtype] * scale * math.sqrt(config.num_hidden_layers * config.total_ut_steps)
+
+
+def compare_runs(config, torch_run, jax_run, dtype: str, ulps: float, forced: bool) -> Measured:
+    """Same tokens (greedy runs), and logits (log-probs when forced) within `logit_bound`, compared
+    up to and including each prompt's first divergent step."""
+    lines, errs, scale = [], [0.0], 1.0
+    for i, (tt, jt, tl, jl) in enumerate(zip(torch_run.tokens, jax_run.tokens, torch_run.logits, jax_run.logits)):
+        split = next((s for s, (a, b) in enumerate(zip(tt, jt)) if a != b), None)
+        if split is not None or len(tt) != len(jt):
+            at = split if split is not None else min(len(tt), len(jt))
+            gap = np.diff(np.sort(tl[min(at, len(tl) - 1)])[-2:])[0]
+            lines.append(f"prompt {i} diverges at step {at}: torch {tt[at:at + 1]} vs jax {jt[at:at + 1]} "
+                         f"(torch's top-2 logit gap there {gap:.3g})")
+        n = min(len(tl), len(jl)) if split is None else split + 1
+        errs.append(float(np.abs(tl[:n].astype(np.float64) - jl[:n]).max()))
+        scale = max(scale, float(np.abs(tl[:n]).max()))
+    bound = logit_bound(dtype, ulps, scale, config)
+    if max(errs) > bound:
+        lines.append(f"{'log-probs' if forced else 'logits'} differ by {max(errs):.3g} > bound {bound:.3g}")
+    tokens = sum(map(len, torch_run.tokens))
+    detail = "; ".join(lines[:SHOWN]) or (f"{tokens} forced tokens" if forced else f"{tokens} tokens identical")
+    if torch_run.density is not None:
+        detail += f"; WISE density torch {_density(torch_run.density)}, jax {_density(jax_run.density)}"
+    return Measured(not lines, max(errs), bound, "max |diff| " + ("log-prob" if forced else "logit"), detail)
+
+
+def _density(density: dict | None) -> str:
+    return "/".join(f"{x:.3f}" for x in (density or {}).values() if x is not None) or "n/a"
+
+
+def _end_to_end(suite: Suite, model: str, kernels: tuple[str, str], mode: str, dtype: str | None) -> Measured:
+    workload, config = suite.settings.e2e_workload, suite.checkpoint(model).config
+    if dtype is None:
+        runs = [suite.generate(f, model, k, mode, workload) for f, k in zip(("torch", "jax"), kernels)]
+        return compare_runs(config, *runs, "float32", LOGIT_ULPS, False)
+    runs = [suite.teacher_force(f, model, k, mode, workload, dtype) for f, k in zip(("torch", "jax"), kernels)]
+    return compare_runs(config, *runs, dtype, FORCED_ULPS, True)
+
+
+@check("end-to-end", "torch and JAX give the same greedy tokens, dense and WISE, logits within the bound "
+                     "(float32); teacher-forced log-probs within the bound in low precision")
+def check_end_to_end(suite: Suite):
+    s = suite.settings
+    for model, kernels, mode, dtype in itertools.product(s.e2e_models, s.e2e_kernels, ("dense", "wise"),
+                                                         (None,) + s.forced_dtypes):
+        yield Task(f"torch-{kernels[0]}|jax-{kernels[1]}", f"{model} {mode}" + (" forced" if dtype else ""),
+                   dtype or "float32", functools.partial(_end_to_end, suite, model, kernels, mode, dtype))
+
+
+# -- 4. the selection rule against its specification ----------------------------------------------
+def _selection(suite: Suite, name: str) -> Measured:
+    spec = suite.selectors["numpy-spec"]
+    unexplained, explained, lines = 0, 0, []
+    for case in cases.selection_cases():
+        found = support_differences(case.mass, case.eta, suite.selectors[name](case.mass, case.eta),
+                                    spec(case.mass, case.eta))
+        bad = [d for d in found if not d.explained]
+        unexplained += len(bad)
+        explained += len(found) - len(bad)
+        lines += [f"{case.name}: {d.describe()}" for d in (bad or found)[:SHOWN]]
+    detail = "; ".join(lines[:SHOWN]) or f"identical on {len(cases.selection_cases())} cases"
+    if explained and not unexplained:
+        detail = f"{explained} bits differ, all within rounding of the threshold: {detail}"
+    return Measured(unexplained == 0, unexplained, 0, "support bits unexplained", detail)
+
+
+@check("selection-spec", "select_blocks of torch and JAX equal wise_core.reference.select_blocks on "
+                         "identical float32 masses (random and adversarial), except within rounding")
+def check_selection_spec(suite: Suite):
+    for name in suite.selectors:
+        if name != "numpy-spec":
+            yield Task(f"{name} vs numpy-spec", "random+adversarial", "float32",
+                       functools.partial(_selection, suite, name))

@@ -1,0 +1,123 @@
+"""The implementations under test, behind one numpy interface.
+
+`Impl(framework, kernel)` runs that framework's `decode_attention(..., kernel=kernel)` on numpy
+inputs; `SELECTORS` are the selection rules (numpy specification, torch, jax). Implementations
+are discovered from the frameworks' kernel lists, so a kernel added there (FlashAttention) is
+checked once it is importable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from parity import environment  # noqa: F401  (before triton and jax are imported)
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from wise_core import reference as ref
+from wise_jax import attention as jax_attention
+from wise_torch import attention as torch_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoded:
+    """One decode_attention call: out float32[batch, heads, head_dim] (exact copy of the output
+    dtype's values), support bool[batch, heads, max_blocks], mass float32[batch, heads, max_blocks]."""
+
+    out: np.ndarray
+    support: np.ndarray
+    mass: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+    """framework 'torch' or 'jax'; kernel as in `WiseConfig.kernel`; device: torch's device."""
+
+    framework: str
+    kernel: str
+    device: str = "cpu"
+
+    @property
+    def name(self) -> str:
+        return f"{self.framework}-{self.kernel}"
+
+    def unavailable(self) -> str | None:
+        """None when the kernel can run here, else why not."""
+        try:
+            if self.framework == "torch":
+                torch_attention.resolve_kernel(self.kernel, self.device)
+            else:
+                jax_attention.attention_impl(self.kernel)
+        except (ImportError, RuntimeError, ValueError) as e:
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    def limitation(self, heads: int, kv_heads: int, dtype: str) -> str | None:
+        """Why these shapes cannot be checked here (None: they can)."""
+        if (self.kernel == "triton" and os.environ.get("TRITON_INTERPRET") == "1" and dtype == "bfloat16"
+                and heads != kv_heads):
+            return ("Triton's interpreter multiplies bf16 tl.dot operands as their raw uint16 storage, "
+                    "so GQA bf16 (tensor-core dots) is checked on a GPU only")
+        return None
+
+    def decode(self, inputs: dict[str, np.ndarray], dtype: str, modes: np.ndarray, support: np.ndarray, *,
+               block_size: int, eta: float) -> Decoded:
+        """decode_attention on inputs (see `cases.AttentionCase.inputs`) cast to `dtype`."""
+        names = ("q", "k_pages", "v_pages", "page_table", "seq_lens")
+        if self.framework == "torch":
+            def put(x, dt=None):
+                return torch.from_numpy(np.array(x)).to(self.device, dt)
+            dt = getattr(torch, dtype)
+            args = [put(inputs[n], dt if n in names[:3] else None) for n in names]
+            out, new_support, mass = torch_attention.decode_attention(
+                *args, put(modes), put(support), block_size=block_size, eta=eta, return_mass=True,
+                kernel=self.kernel)
+            return Decoded(out.float().cpu().numpy(), new_support.cpu().numpy(), mass.float().cpu().numpy())
+        dt = getattr(jnp, dtype)
+        args = [jnp.asarray(inputs[n], dt if n in names[:3] else None) for n in names]
+        out, new_support, mass = jax_attention.decode_attention(
+            *args, jnp.asarray(modes), jnp.asarray(support), block_size=block_size, eta=eta, return_mass=True,
+            kernel=self.kernel)
+        return Decoded(np.asarray(out.astype(jnp.float32)), np.asarray(new_support), np.asarray(mass, np.float32))
+
+
+def discover_impls(device: str) -> tuple[list[Impl], dict[str, str]]:
+    """Every kernel both frameworks list: (runnable here, {name: why not} for the others)."""
+    candidates = [Impl("torch", k, device) for k in torch_attention.TORCH_KERNELS if k != "auto"]
+    candidates += [Impl("jax", k, device) for k in jax_attention.KERNELS if k != "auto"]
+    found, missing = [], {}
+    for impl in candidates:
+        reason = impl.unavailable()
+        if reason is None:
+            found.append(impl)
+        else:
+            missing[impl.name] = reason
+    return found, missing
+
+
+def torch_selector(device: str):
+    """wise_torch's select_blocks on `device`, as mass (numpy) -> support (numpy)."""
+    def select(mass: np.ndarray, eta: float) -> np.ndarray:
+        return torch_attention.select_blocks(torch.from_numpy(np.array(mass)).to(device), eta).cpu().numpy()
+    return select
+
+
+_jax_select = jax.jit(jax_attention.select_blocks)  # eta traced: one compilation per mass shape
+
+
+def jax_selector(mass: np.ndarray, eta: float) -> np.ndarray:
+    """wise_jax's select_blocks (jit-compiled) on the default JAX device."""
+    return np.asarray(_jax_select(jnp.asarray(mass), eta))
+
+
+def selectors(device: str) -> dict:
+    """name -> select(mass float32[..., n_blocks], eta) -> bool[..., n_blocks]; 'numpy-spec' first."""
+    return {"numpy-spec": ref.select_blocks, "torch": torch_selector(device), "jax": jax_selector}
+
+
+def jax_backend() -> str:
+    return jax.default_backend()

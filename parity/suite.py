@@ -1,0 +1,221 @@
+"""The shared state of a parity run: settings for this machine, the implementations, the models
+both frameworks load, and memoised results (each call or generation runs once per run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+import torch
+
+import wise_jax
+import wise_torch
+from parity import cases
+from parity.convert import DTYPES
+from parity.impls import Decoded, Impl, discover_impls, jax_backend
+from parity.impls import selectors as default_selectors
+from wise_core import modes as M
+from wise_core.checkpoint import DEFAULT_MODEL, Checkpoint, load_checkpoint, random_tensors, save_checkpoint
+from wise_core.config import WiseConfig
+from wise_torch.attention import resolve_kernel
+
+# decode_attention calls of the checks: name -> (row modes cycled over the batch, support input).
+CALLS = {
+    "dense": ((M.DENSE,), "garbage"),            # support ignored
+    "sparse-all": ((M.SPARSE,), "all_blocks"),   # every causal block: bitwise dense
+    "discover": ((M.DISCOVER,), "garbage"),      # support ignored and replaced
+    "union": ((M.DISCOVER_UNION,), "random"),    # support | selection
+    "mixed": ((M.SPARSE, M.DENSE), "random"),    # sparse rows attend a random support
+}
+
+
+def jax_precision(dtype: str):
+    """float32 models: JAX matmuls in full float32, as torch's (JAX's default on a GPU is TF32)."""
+    return jax.default_matmul_precision("float32") if dtype == "float32" else contextlib.nullcontext()
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What a run covers. `quick`: tiny shapes (CPU CI, interpreted kernels)."""
+
+    quick: bool
+    device: str                                   # torch's device; JAX uses its default backend
+    attention_cases: tuple[cases.AttentionCase, ...]
+    attention_dtypes: tuple[str, ...]
+    equivalence_model: str                        # model of the all-blocks generation check
+    equivalence_workload: cases.Workload
+    e2e_models: tuple[str, ...]
+    e2e_workload: cases.Workload
+    e2e_kernels: tuple[tuple[str, str], ...]      # (torch kernel, jax kernel) pairs
+    forced_dtypes: tuple[str, ...]                # teacher-forced end-to-end runs in low precision
+    wise_eta: float = 0.8                         # below the 0.95 default: random models' supports get sparse
+
+    @classmethod
+    def for_machine(cls, quick: bool, device: str | None = None) -> "Settings":
+        """CUDA when torch sees it (JAX then runs on its GPU backend too), else CPU."""
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        gpu = device == "cuda"
+        if gpu and jax_backend() != "gpu":
+            raise RuntimeError(f"torch runs on CUDA but JAX on {jax_backend()!r}: install jax with CUDA, "
+                               f"or run on CPU with CUDA_VISIBLE_DEVICES=")
+        kernels = (("reference", "reference"),) + ((("triton", "pallas"),) if gpu else ())
+        if quick:  # GQA and the default model (MHA); the interpreted kernels decode 2 steps
+            return cls(quick, device, cases.attention_cases(True), cases.DTYPES, "test-tiny-gqa",
+                       cases.Workload((40,), 3), ("test-tiny-gqa", DEFAULT_MODEL), cases.Workload((70, 133), 8),
+                       kernels, ())
+        return cls(quick, device, cases.attention_cases(False), cases.DTYPES, "medium-random",
+                   cases.Workload((300, 1000, 2100), 16), ("test-tiny", "test-tiny-gqa", DEFAULT_MODEL, "medium-random"),
+                   cases.Workload((90, 700, 2500), 32), kernels, ("bfloat16",) if gpu else ())
+
+
+@dataclasses.dataclass(frozen=True)
+class Generated:
+    """Greedy tokens per prompt, logits float32[n_tokens, vocab] per prompt (generate), or
+    log-probs float32[n] per sequence (teacher_force), and WISE counters."""
+
+    tokens: list[list[int]]
+    logits: list[np.ndarray]
+    density: dict | None = None
+    fallbacks: int | None = None
+    note: str = ""
+
+
+class Suite:
+    """Settings, implementations and memoised results of one run.
+
+    impls: the attention implementations (default: every kernel importable here);
+    selectors: name -> selection function (default: `impls.selectors`). Tests replace either to
+    plant a difference; models are cached, so perturbing `torch_model(...)` in place is seen by
+    every later check.
+    """
+
+    def __init__(self, settings: Settings | None = None, *, quick: bool = True,
+                 impls: list[Impl] | None = None, selectors: dict | None = None):
+        self.settings = settings or Settings.for_machine(quick)
+        found, self.unavailable = discover_impls(self.settings.device)
+        self.impls = found if impls is None else list(impls)
+        self.selectors = default_selectors(self.settings.device) if selectors is None else selectors
+        self._dir = tempfile.TemporaryDirectory(prefix="wise-parity-")
+        self._memo: dict = {}
+
+    def _once(self, key, make):
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
+    # -- models -------------------------------------------------------------------------------
+    def checkpoint_path(self, model: str) -> str:
+        """A name both frameworks' `load_model` accept: a random model of `cases.MODELS` written
+        as an HF checkpoint directory, or a built-in model's name."""
+        if model not in cases.MODELS:
+            return model
+
+        def write() -> str:
+            config = cases.MODELS[model]
+            tensors = random_tensors(config, seed=0, std=cases.WEIGHT_STD)
+            path = Path(self._dir.name) / model
+            save_checkpoint(path, Checkpoint(config, tensors, None, model))
+            return str(path)
+        return self._once(("checkpoint", model), write)
+
+    def checkpoint(self, model: str) -> Checkpoint:
+        return self._once(("tensors", model), lambda: load_checkpoint(self.checkpoint_path(model)))
+
+    def torch_model(self, model: str, dtype: str = "float32") -> wise_torch.OuroForCausalLM:
+        return self._once(("torch", model, dtype), lambda: wise_torch.load_model(
+            self.checkpoint_path(model), dtype=DTYPES[dtype][0], device=self.settings.device))
+
+    def jax_model(self, model: str, dtype: str = "float32"):
+        """(config, params)."""
+        return self._once(("jax", model, dtype), lambda: wise_jax.load_model(
+            self.checkpoint_path(model), dtype=DTYPES[dtype][1]))
+
+    # -- attention calls ----------------------------------------------------------------------
+    def call_inputs(self, case: cases.AttentionCase, dtype: str, call: str) -> tuple[np.ndarray, np.ndarray]:
+        """(modes int32[batch], support bool[batch, heads, max_blocks]) of a call in `CALLS`."""
+        cycle, support = CALLS[call]
+        modes = np.array([cycle[b % len(cycle)] for b in range(case.batch)], np.int32)
+        return modes, np.array(case.inputs(dtype)[support])
+
+    def decode(self, impl: Impl, case: cases.AttentionCase, dtype: str, call: str) -> Decoded:
+        def run() -> Decoded:
+            modes, support = self.call_inputs(case, dtype, call)
+            return impl.decode(case.inputs(dtype), dtype, modes, support, block_size=case.block_size, eta=case.eta)
+        return self._once(("decode", impl, case, dtype, call), run)
+
+    def spec(self, case: cases.AttentionCase, dtype: str, call: str) -> tuple[np.ndarray, np.ndarray]:
+        """The float64 specification of a call: (out [batch, heads, head_dim], mass [batch, heads, max_blocks])."""
+        def run():
+            modes, support = self.call_inputs(case, dtype, call)
+            return case.spec(dtype, support, modes)
+        return self._once(("spec", case, dtype, call), run)
+
+    # -- generation ---------------------------------------------------------------------------
+    def generate(self, framework: str, model: str, kernel: str, mode: str, workload: cases.Workload,
+                 dtype: str = "float32") -> Generated:
+        """Greedy generation (no early stop). mode: 'dense', 'wise' (WiseConfig with `kernel` and
+        the settings' eta) or 'all-blocks' (WiseConfig(kernel=kernel, all_blocks=True))."""
+        return self._once(("generate", framework, model, kernel, mode, workload, dtype),
+                          lambda: self._generate(framework, model, kernel, mode, workload, dtype))
+
+    def _wise_config(self, framework: str, kernel: str, mode: str) -> tuple[WiseConfig | None, str]:
+        if mode == "wise":
+            return WiseConfig(kernel=kernel, eta=self.settings.wise_eta), ""
+        if mode == "all-blocks":
+            return WiseConfig(kernel=kernel, all_blocks=True), ""
+        if mode != "dense":
+            raise ValueError(f"unknown generation mode {mode!r}")
+        if framework == "torch" and resolve_kernel("auto", self.settings.device) is not resolve_kernel(
+                kernel, self.settings.device):
+            # wise_torch.generate takes no kernel for dense decode: loop 0 discovers (DISCOVER is
+            # bitwise DENSE, checked per call), loops 1-3 are dense, all through `kernel`.
+            return (WiseConfig(kernel=kernel, discover_depths=(0,), reuse_depths=()),
+                    f"torch dense baseline through kernel {kernel!r}: loop 0 DISCOVER, loops 1+ DENSE")
+        return None, ""
+
+    def _generate(self, framework, model, kernel, mode, workload, dtype) -> Generated:
+        wise_config, note = self._wise_config(framework, kernel, mode)
+        if framework == "torch":
+            torch_model = self.torch_model(model, dtype)
+            out = wise_torch.generate(torch_model, workload.prompts(torch_model.config.vocab_size),
+                                      max_new_tokens=workload.max_new_tokens, eos_token_id=None,
+                                      wise_config=wise_config, return_logits=True)
+            logits = [x.float().numpy() for x in out.logits]
+            stats = dataclasses.asdict(out.stats)
+        else:
+            config, params = self.jax_model(model, dtype)
+            with jax_precision(dtype):
+                out = wise_jax.generate(params, config, workload.prompts(config.vocab_size),
+                                        max_new_tokens=workload.max_new_tokens, eos_token_id=None,
+                                        wise_config=wise_config, return_logits=True, kernel=kernel)
+            logits, stats = [np.asarray(x, np.float32) for x in out.logits], out.stats
+        density = None if mode != "wise" else stats["density"]
+        return Generated(out.tokens, logits, density, stats["fallbacks"], note)
+
+    def teacher_force(self, framework: str, model: str, kernel: str, mode: str, workload: cases.Workload,
+                      dtype: str) -> Generated:
+        """Log-probs of a seeded random continuation (`workload.max_new_tokens` tokens) after each
+        prompt: both frameworks score the same tokens, so low-precision runs cannot diverge."""
+        def run() -> Generated:
+            wise_config, note = self._wise_config(framework, kernel, mode)
+            vocab = self.checkpoint(model).config.vocab_size
+            contexts = workload.prompts(vocab)
+            rng = np.random.default_rng(workload.seed + 1)
+            continuations = [rng.integers(0, vocab, workload.max_new_tokens).tolist() for _ in contexts]
+            if framework == "torch":
+                out = wise_torch.teacher_force(self.torch_model(model, dtype), contexts, continuations,
+                                               wise_config=wise_config)
+                logprobs = [x.float().numpy() for x in out.logprobs]
+            else:
+                config, params = self.jax_model(model, dtype)
+                with jax_precision(dtype):
+                    out = wise_jax.teacher_force(params, config, contexts, continuations, wise_config=wise_config,
+                                                 kernel=kernel)
+                logprobs = [np.asarray(x, np.float32) for x in out.logprobs]
+            return Generated(continuations, logprobs, note=note)
+        return self._once(("forced", framework, model, kernel, mode, workload, dtype), run)
