@@ -256,7 +256,8 @@ def _decode_kernel(
         stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_pt,
         stride_sb, stride_sh, stride_ob, stride_oh, stride_mb, stride_mh,
         ws_blocks, ws_splits,
-        HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK: tl.constexpr,
+        HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_G: tl.constexpr,
+        BLOCK: tl.constexpr,
         PAGE: tl.constexpr, TILE_N: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, NB_PAD: tl.constexpr,
         S_CHUNK: tl.constexpr, RETURN_MASS: tl.constexpr, DOT_PRECISION: tl.constexpr,
         KV_ALIGN: tl.constexpr):
@@ -277,8 +278,9 @@ def _decode_kernel(
     support_rows = support_ptr + row * stride_sb + head * stride_sh          # [BLOCK_G]
     blk = tl.arange(0, NB_PAD)
     causal = blk < n_causal
-    picked = tl.load(support_rows[:, None] + blk[None, :],
-                     mask=tl.where(is_sparse, g_ok[:, None] & causal[None, :], False), other=0)
+    gp = tl.arange(0, GROUP_PAD)  # the group's heads without the dots' padding
+    picked = tl.load(support_ptr + row * stride_sb + (kvh * GROUP + gp[:, None]) * stride_sh + blk[None, :],
+                     mask=tl.where(is_sparse, (gp[:, None] < GROUP) & causal[None, :], False), other=0)
     listed = causal & tl.where(is_sparse, tl.max(picked, 0) != 0, True)
     n_listed = tl.sum(listed.to(tl.int32), 0)
     n_splits = tl.maximum(tl.cdiv(n_listed, SPLIT_BLOCKS), 1)
@@ -468,7 +470,7 @@ def kernel_launch(q, k_pages, v_pages, page_table, seq_lens, modes, support, out
             page_table.stride(0), support.stride(0), support.stride(1), out.stride(0), out.stride(1),
             mass.stride(0), mass.stride(1), ws.max_blocks, ws.max_splits)
     kwargs = dict(
-        HEAD_DIM=head_dim, GROUP=group,
+        HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
         BLOCK_G=1 if group == 1 and not config.mha_dots else max(16, triton.next_power_of_2(group)),
         BLOCK=block_size, PAGE=k_pages.shape[1], TILE_N=max(config.tile_n, block_size),
         SPLIT_BLOCKS=split_blocks, NB_PAD=triton.next_power_of_2(max_blocks),
