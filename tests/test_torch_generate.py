@@ -2,6 +2,7 @@
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -81,6 +82,8 @@ def test_teacher_force_scores_what_generate_produced(model):
     assert [len(x) for x in batch.logprobs] == [7, 2]
     torch.testing.assert_close(batch.logprobs[0], logprobs, atol=1e-4, rtol=0)  # batch shapes differ
     torch.testing.assert_close(batch.logprobs[1], short.logprobs[0], atol=1e-4, rtol=0)
+    as_arrays = wt.teacher_force(model, np.array(prompt[:9]), torch.tensor(tokens[:2]))
+    assert torch.equal(as_arrays.logprobs[0], short.logprobs[0])
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs Triton in its CPU interpreter")
@@ -146,6 +149,8 @@ def test_bad_inputs_are_named(byte_model, model):
         gen(byte_model, [], max_new_tokens=1)
     with pytest.raises(TypeError, match="non-empty list"):
         gen(byte_model, "a string", max_new_tokens=1)
+    with pytest.raises(TypeError, match=r"prompts\[0\] must be a string or a sequence of integer token ids, got \[1.5\]"):
+        gen(byte_model, [[1.5]], max_new_tokens=1)
     with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
         gen(byte_model, [[1], []], max_new_tokens=1)
     with pytest.raises(ValueError, match=r"outside the vocabulary \(size 258\)"):

@@ -8,8 +8,10 @@ leave the batch when they finish (eos, token budget, or end of the forced contin
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 
+import numpy as np
 import torch
 
 from wise_core.config import WiseConfig
@@ -132,8 +134,13 @@ class _Session:
             density=None if self.wise is None else self.wise.density())
 
 
+def _is_token_list(x) -> bool:
+    return (isinstance(x, (np.ndarray, torch.Tensor)) and x.ndim == 1) or (
+        isinstance(x, (list, tuple)) and bool(x) and all(isinstance(t, numbers.Integral) for t in x))
+
+
 def _token_lists(model: OuroForCausalLM, sequences, what: str) -> list[list[int]]:
-    """Validate a list of prompts (token-id lists, or strings with a tokenizer) as id lists."""
+    """Validate a list of prompts (token-id sequences, or strings with a tokenizer) as id lists."""
     if not isinstance(sequences, (list, tuple)) or not sequences:
         raise TypeError(f"{what} must be a non-empty list of token-id lists or strings")
     out = []
@@ -142,14 +149,17 @@ def _token_lists(model: OuroForCausalLM, sequences, what: str) -> list[list[int]
             if model.tokenizer is None:
                 raise ValueError(f"{what}[{i}] is a string but the model has no tokenizer; pass token ids")
             seq = model.tokenizer.encode(seq).ids
-        elif not isinstance(seq, (list, tuple)) or not all(isinstance(t, int) for t in seq):
-            raise TypeError(f"{what}[{i}] must be a list of ints or a string, got {type(seq).__name__}")
+        elif isinstance(seq, (np.ndarray, torch.Tensor)) and seq.ndim == 1:
+            seq = seq.tolist()
+        if not isinstance(seq, (list, tuple)) or not all(isinstance(t, numbers.Integral) for t in seq):
+            raise TypeError(f"{what}[{i}] must be a string or a sequence of integer token ids, got {seq!r:.80}")
         if not seq:
             raise ValueError(f"{what}[{i}] is empty")
+        seq = [int(t) for t in seq]
         bad = [t for t in seq if not 0 <= t < model.config.vocab_size]
         if bad:
             raise ValueError(f"{what}[{i}] holds ids {bad[:5]} outside the vocabulary (size {model.config.vocab_size})")
-        out.append(list(seq))
+        out.append(seq)
     return out
 
 
@@ -244,10 +254,10 @@ def teacher_force(model: OuroForCausalLM, context_ids, continuation_ids, *,
     """Log-probabilities of forced continuations: prefill each context, then decode its
     continuation token by token (the decode step of `generate`, dense or WISE).
 
-    context_ids, continuation_ids: one token-id list each, or lists of them (one per sequence).
+    context_ids, continuation_ids: one token-id sequence each, or lists of them (one per sequence).
     kernel: as in `generate`.
     """
-    single = isinstance(context_ids, (list, tuple)) and bool(context_ids) and isinstance(context_ids[0], int)
+    single = _is_token_list(context_ids)
     contexts = _token_lists(model, [context_ids] if single else context_ids, "context_ids")
     continuations = _token_lists(model, [continuation_ids] if single else continuation_ids, "continuation_ids")
     if len(contexts) != len(continuations):
