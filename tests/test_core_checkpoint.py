@@ -141,7 +141,7 @@ def test_sharded_errors(tmp_path, checkpoint):
     shards = sorted(tmp_path.glob("model-*-of-*.safetensors"))
     data = shards[-1].read_bytes()
     shards[-1].write_bytes(data[:-100])
-    with pytest.raises(ValueError, match="truncated"):
+    with pytest.raises(CheckpointError, match="truncated"):
         load_checkpoint(tmp_path)
     shards[-1].unlink()
     with pytest.raises(CheckpointError, match=f"shard '{shards[-1].name}' is missing"):

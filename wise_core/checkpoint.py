@@ -95,7 +95,7 @@ def read_weights(directory: Path) -> dict[str, np.ndarray]:
         for shard in sorted(set(weight_map.values())):
             if not (directory / shard).exists():
                 raise CheckpointError(f"{index}: shard {shard!r} is missing")
-            for name, array in read_safetensors(directory / shard).items():
+            for name, array in _read_file(directory / shard).items():
                 if weight_map.get(name) != shard:
                     raise CheckpointError(f"{directory / shard}: tensor {name!r} is not listed for this shard in the index")
                 tensors[name] = array
@@ -103,8 +103,12 @@ def read_weights(directory: Path) -> dict[str, np.ndarray]:
     single = directory / WEIGHTS_FILE
     if not single.exists():
         raise CheckpointError(f"{directory}: no {WEIGHTS_FILE} or {INDEX_FILE}")
+    return _read_file(single)
+
+
+def _read_file(path: Path) -> dict[str, np.ndarray]:
     try:
-        return read_safetensors(single)
+        return read_safetensors(path)
     except ValueError as e:
         raise CheckpointError(str(e)) from None
 
