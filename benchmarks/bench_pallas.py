@@ -27,6 +27,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
 
 import argparse
+import dataclasses
 import datetime
 import json
 import sys
@@ -215,6 +216,7 @@ def sweep_configs(batch, heads, n_blocks, head_dim):
                     for t in (1, 2, 4) for w in (4, 8)]
     alternatives += [KernelConfig(tile_blocks=base.tile_blocks, num_splits=s)
                      for s in (max(1, base.num_splits // 2), base.num_splits * 2)]
+    alternatives.append(dataclasses.replace(base, fused_finish=False))
     return [base] + [c for c in dict.fromkeys(alternatives) if c != base]
 
 

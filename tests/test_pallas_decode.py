@@ -8,6 +8,7 @@ block mass 1e-5 absolute. Bitwise claims compare the raw bits.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -17,11 +18,12 @@ import pytest
 
 from wise_core import modes as M
 from wise_core import reference as ref
-from wise_jax.kernels.pallas_decode import KernelConfig, decode_attention
+from wise_jax.kernels.pallas_decode import KernelConfig, decode_attention, default_config
 
 BLOCK = 32
 ETA = 0.95
-SPLIT = KernelConfig(tile_blocks=2, num_splits=2)  # multi-block steps and two splits
+SPLIT = KernelConfig(tile_blocks=2, num_splits=2, fused_finish=False)  # two splits, two launches
+FUSED = KernelConfig(tile_blocks=2, num_splits=4, fused_finish=True)  # the last split finishes
 
 
 def bits(x) -> np.ndarray:
@@ -141,6 +143,16 @@ def check_modes(spec, *, config, atol, exact=True):
 def test_modes_against_references_and_dense(name):
     spec = COMBOS[name]
     check_modes(spec, config=SPLIT, atol=2e-5 if spec["dtype"] == jnp.float32 else 1.5e-2)
+
+
+def test_fused_finish_equals_finish_launch():
+    """The last split finishing (fused_finish) gives bitwise what the separate finish gives."""
+    case = make_case(8, **COMBOS["page64-gqa-d128-bf16"])
+    modes = [M.DISCOVER, M.SPARSE, M.DISCOVER_UNION, M.DENSE]
+    separate = run(case, modes, config=dataclasses.replace(FUSED, fused_finish=False))
+    fused = run(case, modes, config=FUSED)
+    for a, b in zip(separate, fused):
+        assert np.array_equal(bits(a), bits(b))
 
 
 def test_matches_jnp_reference():
@@ -268,11 +280,17 @@ GPU_COMBOS = {
 }
 
 
+@pytest.mark.parametrize("fused_finish", [True, False])
 @pytest.mark.parametrize("name", list(GPU_COMBOS))
 @on_gpu
-def test_gpu_modes_against_references_and_dense(name):
+def test_gpu_modes_against_references_and_dense(name, fused_finish):
+    """Default launch (fused finish) and the finish as a second launch."""
     spec = GPU_COMBOS[name]
-    check_modes(spec, config=None, atol=5e-5 if spec["dtype"] == jnp.float32 else 1.5e-2,
+    n_blocks = spec["max_pages"] * spec["page_size"] // BLOCK
+    config = dataclasses.replace(
+        default_config(len(spec["seq_lens"]), spec["heads"], n_blocks, spec["head_dim"], BLOCK),
+        fused_finish=fused_finish)
+    check_modes(spec, config=config, atol=5e-5 if spec["dtype"] == jnp.float32 else 1.5e-2,
                 exact=False)
 
 
@@ -283,6 +301,12 @@ def test_gpu_mixed_batch_rows_equal_rows_alone_and_jnp_reference():
     modes = [M.SPARSE, M.DISCOVER, M.DENSE, M.DISCOVER_UNION] * 2
     config = KernelConfig(tile_blocks=2, num_splits=4)
     out, support, mass = run(case, modes, config=config)
+    # The fused finish reads other programs' partials: repeated runs and the separate finish
+    # launch must agree bitwise.
+    for again in [run(case, modes, config=config) for _ in range(4)] + [
+            run(case, modes, config=dataclasses.replace(config, fused_finish=False))]:
+        for a, b in zip((out, support, mass), again):
+            assert np.array_equal(bits(a), bits(b))
     for b in range(len(modes)):
         alone = {name: (x[b:b + 1] if name not in ("k", "v") else x) for name, x in case.items()}
         out_b, support_b, mass_b = run(alone, [modes[b]], config=config)

@@ -9,6 +9,7 @@ package) takes that IR through to a cubin for sm90.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -28,11 +29,12 @@ SHAPES = {  # batch, heads, kv_heads, head_dim, page_size, max_pages, dtype
 }
 
 
-def lower_for_cuda(name):
+def lower_for_cuda(name, fused_finish=False):
     batch, heads, kv_heads, head_dim, page_size, max_pages, dtype = SHAPES[name]
     num_pages = batch * max_pages
     n_blocks = max_pages * page_size // 32
-    config = default_config(batch, heads, n_blocks, head_dim, 32, num_cores=132)
+    config = dataclasses.replace(default_config(batch, heads, n_blocks, head_dim, 32, num_cores=132),
+                                 fused_finish=fused_finish)
     args = (jax.ShapeDtypeStruct((batch, heads, head_dim), dtype),
             jax.ShapeDtypeStruct((num_pages, page_size, kv_heads, head_dim), dtype),
             jax.ShapeDtypeStruct((num_pages, page_size, kv_heads, head_dim), dtype),
@@ -50,13 +52,16 @@ def lower_for_cuda(name):
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_lowers_to_two_triton_kernels(name):
+def test_lowers_to_triton_kernels(name):
     text = lower_for_cuda(name)
     assert text.count("__gpu$xla.gpu.triton") == 2  # the split and the finish kernel
     assert "wise_decode_split" in text and "wise_decode_finish" in text
+    fused = lower_for_cuda(name, fused_finish=True)
+    assert fused.count("__gpu$xla.gpu.triton") == 1 and "wise_decode_finish" not in fused
 
 
-def test_triton_ir_compiles_for_sm90(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fused_finish", [False, True])
+def test_triton_ir_compiles_for_sm90(tmp_path, monkeypatch, fused_finish):
     triton = pytest.importorskip("triton")
     from jax._src.pallas.triton import lowering
     from triton.backends.compiler import GPUTarget
@@ -71,11 +76,12 @@ def test_triton_ir_compiles_for_sm90(tmp_path, monkeypatch):
         return result
 
     monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", keep_ir)
-    text = lower_for_cuda("ouro-1k-x64")
-    assert sorted(modules) == ["finish", "split"]
+    text = lower_for_cuda("ouro-1k-x64", fused_finish)
+    kernels = ["split"] if fused_finish else ["finish", "split"]
+    assert sorted(modules) == kernels
     launch = {name: (int(warps), int(stages)) for name, stages, warps in re.findall(
         r'name = "wise_decode_(\w+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', text)}
-    assert sorted(launch) == ["finish", "split"]
+    assert sorted(launch) == kernels
     for name, asm in modules.items():
         path = tmp_path / f"{name}.ttir"
         path.write_text(asm)

@@ -1,25 +1,27 @@
 """Paged split-KV decode attention with per-row WISE modes, as Pallas kernels.
 
 One call serves a batch whose rows may each be DENSE, DISCOVER, DISCOVER_UNION or SPARSE
-(`wise_core.modes`). Two kernels and no other device work:
+(`wise_core.modes`), in one kernel launch and no other device work (besides zeroing a
+counter):
 
-1. Split kernel, grid (batch, heads, splits). A row's block list is every causal block
+1. Split phase, grid (batch, heads, splits). A row's block list is every causal block
    (DENSE, DISCOVER, DISCOVER_UNION) or the causal blocks of its support (SPARSE), ascending,
    numbered by a prefix sum over the row's bits in registers. Split `s` walks its contiguous
    share of the list, `tile_blocks` blocks per step: the pos-th listed block is found by
    counting, its `block_size` keys are gathered from its page, and an online softmax
    accumulates them. The loop never branches on the mode. It writes the unnormalised partial
    output, its running max and sum, and the log-sum-exp of every block it visited.
-2. Finish kernel, grid (batch, heads): merges the splits by log-sum-exp, writes the output,
-   the block mass `exp(lse_block - max) / sum` of discovery rows (zeros for other rows), and
-   support': the selection for discovery rows (OR-ed into the held support for
-   DISCOVER_UNION), the held support otherwise.
+2. Finish, per (row, head), run by the last split to arrive (an atomic counter; or, with
+   `KernelConfig.fused_finish=False`, by a second launch): merges the splits by log-sum-exp,
+   writes the output, the block mass `exp(lse_block - max) / sum` of discovery rows (zeros
+   for other rows), and support': the selection for discovery rows (OR-ed into the held
+   support for DISCOVER_UNION), the held support otherwise.
 
 Bitwise by construction: DISCOVER and DISCOVER_UNION run exactly the DENSE path (the mass
 is a by-product), and a SPARSE row whose support holds every causal block gets the same list,
 hence the same split boundaries and accumulation order, as DENSE.
 
-Selection. Pallas has no sort on GPU, so the finish kernel ranks blocks by pairwise
+Selection. Pallas has no sort on GPU, so the finish ranks blocks by pairwise
 comparison (mass descending, ties to the lower index) in [64 x 32] tiles: block i is kept iff
 nothing ranks ahead of it, or its mass is positive and the mass ranked ahead of it is below
 `eta * total`. That is `wise_core.reference.select_blocks` summed in another order: the two
@@ -29,12 +31,12 @@ allows this). The O(max_blocks^2) ranking runs only for discovery rows (`pl.when
 Backend. Every mode runs through the Pallas Triton lowering (`_compiler_params`, the one
 place that picks it), deprecated in jax 0.11 but supported there, and the one path that can be
 checked on a CPU machine: the tests run the kernels with `interpret=True`, lower them for CUDA
-to Triton IR and compile that IR for sm90 with the Triton compiler. Mosaic
-GPU is not used for any mode: decode is a matrix-vector product per (row, head) (Ouro is
-MHA: one query row per KV head), below the 64-row minimum of wgmma, so the Hopper fast path
-does not apply; the paged, per-row compacted gathers need per-block async copies with
-data-dependent addresses; and a Mosaic GPU kernel cannot be compiled or lowered without a
-GPU, so none could be verified before its first run. The backend is also one choice for all
+to Triton IR and compile that IR for sm90 with the Triton compiler. Mosaic GPU is not used
+for any mode: decode is a matrix-vector product per (row, head) (Ouro is MHA: one query row
+per KV head), below the 64-row minimum of wgmma, so the Hopper fast path does not apply; the
+paged, per-row compacted gathers need per-block async copies with data-dependent addresses;
+and a Mosaic GPU kernel cannot be compiled or lowered without a GPU, so none could be
+verified before its first run. The backend is also one choice for all
 modes by necessity: one launch serves every mode of a mixed batch, and a SPARSE row with every
 block selected must be bitwise DENSE, which two backends' arithmetic would not give.
 
@@ -61,16 +63,18 @@ _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float1
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Launch parameters of the split kernel (powers of two).
+    """Launch parameters (tile_blocks, num_splits and num_warps are powers of two).
 
-    tile_blocks: blocks gathered per loop step; num_splits: splits of each row's tile list;
-    num_warps, num_stages: Triton launch parameters.
+    tile_blocks: blocks gathered per loop step; num_splits: splits of each row's block list;
+    num_warps, num_stages: Triton launch parameters; fused_finish: the last split of each
+    (row, head) to arrive (an atomic counter) merges and selects, instead of a second launch.
     """
 
     tile_blocks: int = 2
     num_splits: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    fused_finish: bool = True
 
     def __post_init__(self) -> None:
         for name in ("tile_blocks", "num_splits", "num_warps"):
@@ -107,26 +111,35 @@ def _next_pow2(n: int) -> int:
 # Kernels
 
 
-def _listed_blocks(support_ref, seq_len, mode, *, block_size, blocks_pad):
-    """bool[blocks_pad]: the blocks a row attends (SPARSE: its support; else all) that are causal."""
+def _listed_blocks(support_ref, b, h, seq_len, mode, *, block_size, blocks_pad):
+    """bool[blocks_pad]: the blocks row b attends (SPARSE: its support; else all) that are causal."""
     index = jnp.arange(blocks_pad, dtype=jnp.int32)
-    held = pl_triton.load(support_ref.at[index], mask=index < support_ref.shape[0], other=False)
+    held = pl_triton.load(support_ref.at[b, h, index], mask=index < support_ref.shape[-1],
+                          other=False)
     return (held | (mode != wise_modes.SPARSE)) & (index * block_size < seq_len)
 
 
 def _split_kernel(seq_lens_ref, modes_ref, support_ref, page_table_ref, q_ref, k_ref, v_ref,
-                  acc_ref, m_ref, l_ref, block_lse_ref, *, block_size, page_size, tile_blocks,
-                  num_splits, scale):
+                  *refs, block_size, page_size, tile_blocks, num_splits, scale, finish, barrier):
     """One (row, head, split): online softmax over this split's share of the row's block list.
 
-    support_ref: [max_blocks]; page_table_ref: [max_pages]; q_ref: [head_dim];
-    k_ref, v_ref: [num_pages * page_size, head_dim] (this head's KV head); acc_ref: [head_dim];
-    m_ref, l_ref: [batch, heads, splits]; block_lse_ref: [blocks_pad], by list position.
+    page_table_ref: [max_pages]; q_ref: [head_dim]; k_ref, v_ref: [num_pages * page_size,
+    head_dim] (this head's KV head); other refs whole: support [batch, heads, max_blocks],
+    partials acc [batch, heads, splits, head_dim], m and l [batch, heads, splits], block_lse
+    [batch, heads, blocks_pad] (by list position). With `finish` (a dict of _finish's static
+    arguments, or None), refs also hold the finish outputs and a zeroed counter
+    int32[batch, heads]: the last split of each (row, head) to arrive runs _finish. barrier:
+    synchronise the program's threads before the counter (off in the interpreter, which runs
+    programs one at a time).
     """
+    if finish is None:
+        acc_ref, m_ref, l_ref, block_lse_ref = refs
+    else:  # the counter's input ref, then outputs; the counter's output ref aliases the input
+        _, acc_ref, m_ref, l_ref, block_lse_ref, out_ref, support_out_ref, mass_ref, counter_ref = refs
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq_len, mode = seq_lens_ref[b], modes_ref[b]
-    n_blocks, blocks_pad = support_ref.shape[0], block_lse_ref.shape[0]
-    listed = _listed_blocks(support_ref, seq_len, mode, block_size=block_size,
+    n_blocks, blocks_pad = support_ref.shape[-1], block_lse_ref.shape[-1]
+    listed = _listed_blocks(support_ref, b, h, seq_len, mode, block_size=block_size,
                             blocks_pad=blocks_pad).astype(jnp.int32)
     rank = jnp.cumsum(listed)  # listed blocks up to and including each block
     n_listed = jnp.sum(listed)
@@ -158,47 +171,67 @@ def _split_kernel(seq_lens_ref, modes_ref, support_ref, page_table_ref, q_ref, k
         block_sum = jnp.sum(p, axis=1)
         correction = jnp.exp(m - m_new)
         pv = jnp.sum(jnp.sum(p[:, :, None] * v.astype(jnp.float32), axis=1), axis=0)
-        pl_triton.store(block_lse_ref.at[pos], m_new + jnp.log(block_sum), mask=in_list)
+        pl_triton.store(block_lse_ref.at[b, h, pos], m_new + jnp.log(block_sum), mask=in_list)
         return m_new, l * correction + jnp.sum(block_sum), acc * correction + pv
 
     init = (jnp.float32(-jnp.inf), jnp.float32(0), jnp.zeros(q.shape, jnp.float32))
     m, l, acc = jax.lax.fori_loop(start, stop, step, init)
-    acc_ref[...] = acc
+    acc_ref[b, h, s, :] = acc
     m_ref[b, h, s] = m
     l_ref[b, h, s] = l
+    if finish is None:
+        return
+    if barrier:  # every thread's partial stores precede the counter's release
+        pl_triton.debug_barrier()
+    arrived = pl_triton.atomic_add(counter_ref, (b, h), jnp.ones((), jnp.int32))  # acq_rel, GPU
+
+    @pl.when(arrived == num_splits - 1)
+    def _last_split_finishes():
+        _finish(b, h, seq_lens_ref, modes_ref, support_ref, acc_ref, m_ref, l_ref, block_lse_ref,
+                out_ref, support_out_ref, mass_ref, block_size=block_size, volatile=True, **finish)
 
 
-def _finish_kernel(seq_lens_ref, modes_ref, support_ref, acc_ref, m_ref, l_ref, block_lse_ref,
-                   out_ref, support_out_ref, mass_ref, *, block_size, eta, all_blocks):
-    """One (row, head): merge splits by log-sum-exp; mass and selection of discovery rows.
+def _finish_kernel(*refs, block_size, eta, all_blocks):
+    """One (row, head) of _finish, as its own launch (refs as _finish's)."""
+    _finish(pl.program_id(0), pl.program_id(1), *refs, block_size=block_size, eta=eta,
+            all_blocks=all_blocks, volatile=False)
 
-    support_ref, support_out_ref, mass_ref: [max_blocks]; acc_ref: [splits, head_dim];
-    m_ref, l_ref: [splits]; block_lse_ref: [blocks_pad]; out_ref: [head_dim].
+
+def _finish(b, h, seq_lens_ref, modes_ref, support_ref, acc_ref, m_ref, l_ref, block_lse_ref,
+            out_ref, support_out_ref, mass_ref, *, block_size, eta, all_blocks, volatile):
+    """Row b, head h: merge the splits by log-sum-exp; mass and selection of discovery rows.
+
+    Whole refs: support, support_out, mass [batch, heads, max_blocks]; acc [batch, heads,
+    splits, head_dim]; m, l [batch, heads, splits]; block_lse [batch, heads, blocks_pad];
+    out [batch, heads, head_dim]. volatile: read the partials from L2, past the L1 cache
+    (other programs wrote them in this launch).
     """
-    b = pl.program_id(0)
+    def load(ref_view):
+        return pl_triton.load(ref_view, volatile=volatile)
+
     mode = modes_ref[b]
     discovering = (mode == wise_modes.DISCOVER) | (mode == wise_modes.DISCOVER_UNION)
     n_causal = (seq_lens_ref[b] + block_size - 1) // block_size  # a discovery row's list
-    n_blocks, blocks_pad = support_ref.shape[0], block_lse_ref.shape[0]
-    m = m_ref[...]
+    n_blocks, blocks_pad = support_ref.shape[-1], block_lse_ref.shape[-1]
+    m = load(m_ref.at[b, h, :])
     m_max = jnp.max(m)
     weight = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - m_max))
-    total = jnp.sum(weight * l_ref[...])
-    acc = jnp.sum(weight[:, None] * acc_ref[...], axis=0)
-    out_ref[...] = jnp.where(total > 0, acc / total, 0.0).astype(out_ref.dtype)
+    total = jnp.sum(weight * load(l_ref.at[b, h, :]))
+    acc = jnp.sum(weight[:, None] * load(acc_ref.at[b, h, :, :]), axis=0)
+    out_ref[b, h, :] = jnp.where(total > 0, acc / total, 0.0).astype(out_ref.dtype)
 
     def block_mass(first, size):  # [size]: mass of blocks [first, first + size) (0 if none)
         index = first + jnp.arange(size, dtype=jnp.int32)
-        lse = block_lse_ref[pl.ds(first, size)]
+        lse = load(block_lse_ref.at[b, h, pl.ds(first, size)])
         return jnp.where(discovering & (index < n_causal), jnp.exp(lse - m_max) / total, 0.0)
 
     index = jnp.arange(blocks_pad, dtype=jnp.int32)
-    pl_triton.store(mass_ref.at[index], block_mass(0, blocks_pad), mask=index < n_blocks)
+    pl_triton.store(mass_ref.at[b, h, index], block_mass(0, blocks_pad), mask=index < n_blocks)
 
     @pl.when(jnp.logical_not(discovering))
     def _keep_support():
-        held = pl_triton.load(support_ref.at[index], mask=index < n_blocks, other=False)
-        pl_triton.store(support_out_ref.at[index], held, mask=index < n_blocks)
+        held = pl_triton.load(support_ref.at[b, h, index], mask=index < n_blocks, other=False)
+        pl_triton.store(support_out_ref.at[b, h, index], held, mask=index < n_blocks)
 
     @pl.when(discovering)
     def _select():
@@ -227,9 +260,9 @@ def _finish_kernel(seq_lens_ref, modes_ref, support_ref, acc_ref, m_ref, l_ref, 
             i0 = ti * rows
             ii = i0 + jnp.arange(rows, dtype=jnp.int32)
             keep = ii < n_causal if all_blocks else rank_tile(i0)
-            held = pl_triton.load(support_ref.at[ii], mask=ii < n_blocks, other=False)
+            held = pl_triton.load(support_ref.at[b, h, ii], mask=ii < n_blocks, other=False)
             keep = keep | (held & (mode == wise_modes.DISCOVER_UNION))
-            pl_triton.store(support_out_ref.at[ii], keep, mask=ii < n_blocks)
+            pl_triton.store(support_out_ref.at[b, h, ii], keep, mask=ii < n_blocks)
             return carry
 
         jax.lax.fori_loop(0, blocks_pad // rows, row_tile, 0)
@@ -239,8 +272,15 @@ def _finish_kernel(seq_lens_ref, modes_ref, support_ref, acc_ref, m_ref, l_ref, 
 # Launchers
 
 
+def _finish_shapes(batch, heads, head_dim, n_blocks, out_dtype):
+    return [jax.ShapeDtypeStruct((batch, heads, head_dim), out_dtype),
+            jax.ShapeDtypeStruct((batch, heads, n_blocks), jnp.bool_),
+            jax.ShapeDtypeStruct((batch, heads, n_blocks), jnp.float32)]
+
+
 def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size, scale,
-                blocks_pad, config: KernelConfig, interpret: bool):
+                blocks_pad, config: KernelConfig, finish, interpret: bool):
+    """The split kernel; with `finish` (dict of eta, all_blocks) it also finishes (fused)."""
     batch, heads, head_dim = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     group = heads // kv_heads
@@ -250,62 +290,51 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
     whole = pl.BlockSpec()
     kv_spec = pl.BlockSpec((num_pages * page_size, None, head_dim),
                            lambda b, h, s: (0, h // group, 0))
+    in_specs = [whole, whole, whole,  # seq_lens, modes, support
+                pl.BlockSpec((None, page_table.shape[1]), lambda b, h, s: (b, 0)),
+                pl.BlockSpec((None, None, head_dim), lambda b, h, s: (b, h, 0)),  # q
+                kv_spec, kv_spec]
+    args = [seq_lens, modes, support, page_table, q, k_rows, v_rows]
+    f32 = jnp.float32
+    out_shape = [jax.ShapeDtypeStruct((batch, heads, splits, head_dim), f32),  # acc
+                 jax.ShapeDtypeStruct((batch, heads, splits), f32),  # m
+                 jax.ShapeDtypeStruct((batch, heads, splits), f32),  # l
+                 jax.ShapeDtypeStruct((batch, heads, blocks_pad), f32)]  # block lse
+    aliases = {}
+    if finish is not None:
+        out_shape += _finish_shapes(batch, heads, head_dim, support.shape[-1], q.dtype)
+        out_shape.append(jax.ShapeDtypeStruct((batch, heads), jnp.int32))  # counter
+        in_specs.append(whole)
+        args.append(jnp.zeros((batch, heads), jnp.int32))
+        aliases = {len(args) - 1: len(out_shape) - 1}
     kernel = functools.partial(
         _split_kernel, block_size=block_size, page_size=page_size,
-        tile_blocks=config.tile_blocks, num_splits=splits, scale=scale)
-    f32 = jnp.float32
+        tile_blocks=config.tile_blocks, num_splits=splits, scale=scale, finish=finish,
+        barrier=not interpret)
     return pl.pallas_call(
         kernel,
         grid=(batch, heads, splits),
-        in_specs=[
-            whole,  # seq_lens
-            whole,  # modes
-            pl.BlockSpec((None, None, support.shape[-1]), lambda b, h, s: (b, h, 0)),
-            pl.BlockSpec((None, page_table.shape[1]), lambda b, h, s: (b, 0)),
-            pl.BlockSpec((None, None, head_dim), lambda b, h, s: (b, h, 0)),  # q
-            kv_spec,
-            kv_spec,
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, head_dim), lambda b, h, s: (b, h, s, 0)),  # acc
-            whole,  # m
-            whole,  # l
-            pl.BlockSpec((None, None, blocks_pad), lambda b, h, s: (b, h, 0)),  # block lse
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, heads, splits, head_dim), f32),
-            jax.ShapeDtypeStruct((batch, heads, splits), f32),
-            jax.ShapeDtypeStruct((batch, heads, splits), f32),
-            jax.ShapeDtypeStruct((batch, heads, blocks_pad), f32),
-        ],
+        in_specs=in_specs,
+        out_specs=[whole] * len(out_shape),
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=_compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name="wise_decode_split",
-    )(seq_lens, modes, support, page_table, q, k_rows, v_rows)
+    )(*args)
 
 
 def _finish_call(seq_lens, modes, support, acc, m, l, block_lse, *, out_dtype, block_size, eta,
                  all_blocks, interpret: bool):
-    batch, heads, splits, head_dim = acc.shape
-    n_blocks, blocks_pad = support.shape[-1], block_lse.shape[-1]
-    whole = pl.BlockSpec()
-
-    def per_head(*shape):
-        return pl.BlockSpec((None, None, *shape), lambda b, h: (b, h) + (0,) * len(shape))
-
+    batch, heads, _, head_dim = acc.shape
     kernel = functools.partial(_finish_kernel, block_size=block_size, eta=eta,
                                all_blocks=all_blocks)
     return pl.pallas_call(
         kernel,
         grid=(batch, heads),
-        in_specs=[whole, whole, per_head(n_blocks), per_head(splits, head_dim), per_head(splits),
-                  per_head(splits), per_head(blocks_pad)],
-        out_specs=[per_head(head_dim), per_head(n_blocks), per_head(n_blocks)],
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, heads, head_dim), out_dtype),
-            jax.ShapeDtypeStruct((batch, heads, n_blocks), jnp.bool_),
-            jax.ShapeDtypeStruct((batch, heads, n_blocks), jnp.float32),
-        ],
+        in_specs=[pl.BlockSpec()] * 7,
+        out_specs=[pl.BlockSpec()] * 3,
+        out_shape=_finish_shapes(batch, heads, head_dim, support.shape[-1], out_dtype),
         compiler_params=_compiler_params(num_warps=4, num_stages=1),
         interpret=interpret,
         name="wise_decode_finish",
@@ -317,12 +346,15 @@ def _finish_call(seq_lens, modes, support, acc, m, l, block_lse, *, out_dtype, b
 def _decode(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size, eta, scale,
             all_blocks, config, interpret):
     blocks_pad = max(_next_pow2(support.shape[-1]), config.tile_blocks)
-    acc, m, l, block_lse = _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support,
-                                       block_size=block_size, scale=scale, blocks_pad=blocks_pad,
-                                       config=config, interpret=interpret)
-    return _finish_call(seq_lens, modes, support, acc, m, l, block_lse, out_dtype=q.dtype,
-                        block_size=block_size, eta=eta, all_blocks=all_blocks,
-                        interpret=interpret)
+    finish = dict(eta=eta, all_blocks=all_blocks)
+    outputs = _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support,
+                          block_size=block_size, scale=scale, blocks_pad=blocks_pad,
+                          config=config, finish=finish if config.fused_finish else None,
+                          interpret=interpret)
+    if config.fused_finish:
+        return tuple(outputs[4:7])
+    return tuple(_finish_call(seq_lens, modes, support, *outputs, out_dtype=q.dtype,
+                              block_size=block_size, interpret=interpret, **finish))
 
 
 # ---------------------------------------------------------------------------------------------
