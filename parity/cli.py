@@ -43,19 +43,22 @@ def run(args: argparse.Namespace) -> int:
               "--quick runs the CI shapes", file=sys.stderr)
     results = [Result(None, detail=reason, check="implementations", impl=name, case="-", dtype="-")
                for name, reason in suite.unavailable.items()]
-    for name in args.check or CHECKS:
+    names = args.check or list(CHECKS)
+    for n, name in enumerate(names):
         check_start = time.perf_counter()
         found = CHECKS[name].run(suite)
         print(f"parity: {name}: {report.summary(found)} in {time.perf_counter() - check_start:.1f} s",
               file=sys.stderr, flush=True)
         results += found
+        if args.json:  # after every check, so an interrupted run still leaves its results
+            report.write_json(args.json, report.record(results, suite.settings, suite.unavailable,
+                                                       time.perf_counter() - start, complete=n + 1 == len(names)))
     seconds = time.perf_counter() - start
     print(report.table(results, details=args.details))
     print(f"\n{report.summary(results)} in {seconds:.1f} s "
           f"({', '.join(i.name for i in suite.impls)} on torch {suite.settings.device})")
     if args.json:
-        path = report.write_json(args.json, report.record(results, suite.settings, suite.unavailable, seconds))
-        print(f"wrote {path}")
+        print(f"wrote {args.json}")
     return 0 if all(r.passed is not False for r in results) else 1
 
 

@@ -6,6 +6,8 @@ between models of one dtype are lossless.
 
 from __future__ import annotations
 
+from parity import environment  # noqa: F401  (before triton and jax are imported)
+
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -70,11 +70,11 @@ def machine(settings) -> dict:
     return info
 
 
-def record(results, settings, unavailable: dict[str, str], seconds: float) -> dict:
-    """The JSON-able record of a run."""
+def record(results, settings, unavailable: dict[str, str], seconds: float, complete: bool = True) -> dict:
+    """The JSON-able record of a run (complete: every requested check ran)."""
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "quick": settings.quick, "seconds": round(seconds, 2), "machine": machine(settings),
+        "quick": settings.quick, "complete": complete, "seconds": round(seconds, 2), "machine": machine(settings),
         "versions": versions(), "unavailable_implementations": unavailable,
         "passed": all(r.passed is not False for r in results), "summary": summary(results),
         "results": [dataclasses.asdict(r) | {"status": r.status} for r in results],

@@ -22,7 +22,6 @@ from parity.impls import selectors as default_selectors
 from wise_core import modes as M
 from wise_core.checkpoint import DEFAULT_MODEL, Checkpoint, load_checkpoint, random_tensors, save_checkpoint
 from wise_core.config import WiseConfig
-from wise_torch.attention import resolve_kernel
 
 # decode_attention calls of the checks: name -> (row modes cycled over the batch, support input).
 CALLS = {
@@ -40,6 +39,23 @@ def jax_precision(dtype: str):
 
 
 @dataclasses.dataclass(frozen=True)
+class EndToEnd:
+    """One torch-vs-JAX comparison: float32 runs greedy generation, lower precision teacher-forced
+    scoring (the frameworks' roundings differ, so greedy runs could part ways legitimately)."""
+
+    model: str
+    torch_kernel: str
+    jax_kernel: str
+    mode: str  # 'dense' or 'wise'
+    dtype: str
+    workload: cases.Workload
+
+    @property
+    def kernels(self) -> str:
+        return f"torch-{self.torch_kernel}|jax-{self.jax_kernel}"
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
     """What a run covers. `quick`: tiny shapes (CPU CI, interpreted kernels)."""
 
@@ -49,28 +65,42 @@ class Settings:
     attention_dtypes: tuple[str, ...]
     equivalence_model: str                        # model of the all-blocks generation check
     equivalence_workload: cases.Workload
-    e2e_models: tuple[str, ...]
-    e2e_workload: cases.Workload
-    e2e_kernels: tuple[tuple[str, str], ...]      # (torch kernel, jax kernel) pairs
-    forced_dtypes: tuple[str, ...]                # teacher-forced end-to-end runs in low precision
+    e2e: tuple[EndToEnd, ...]
     wise_eta: float = 0.8                         # below the 0.95 default: random models' supports get sparse
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """Every model the end-to-end comparisons load, in order."""
+        return tuple(dict.fromkeys(run.model for run in self.e2e))
 
     @classmethod
     def for_machine(cls, quick: bool, device: str | None = None) -> "Settings":
-        """CUDA when torch sees it (JAX then runs on its GPU backend too), else CPU."""
+        """CUDA when torch sees it (JAX then runs on its GPU backend too), else CPU.
+
+        WISE runs use short workloads: a support bit that one framework's rounding puts on the
+        other side of the threshold changes that head's attention by a whole block, and the
+        chance of one grows with the number of selections (tokens x layers x heads)."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         gpu = device == "cuda"
-        if gpu and jax_backend() != "gpu":
+        if gpu and jax_backend() not in ("gpu", "cuda", "rocm"):
             raise RuntimeError(f"torch runs on CUDA but JAX on {jax_backend()!r}: install jax with CUDA, "
                                f"or run on CPU with CUDA_VISIBLE_DEVICES=")
-        kernels = (("reference", "reference"),) + ((("triton", "pallas"),) if gpu else ())
         if quick:  # GQA and the default model (MHA); the interpreted kernels decode 2 steps
+            work = cases.Workload((70, 133), 8)
+            e2e = tuple(EndToEnd(m, "reference", "reference", mode, "float32", work)
+                        for m in ("test-tiny-gqa", DEFAULT_MODEL) for mode in ("dense", "wise"))
             return cls(quick, device, cases.attention_cases(True), cases.DTYPES, "test-tiny-gqa",
-                       cases.Workload((40,), 3), ("test-tiny-gqa", DEFAULT_MODEL), cases.Workload((70, 133), 8),
-                       kernels, ())
+                       cases.Workload((40,), 3), e2e)
+        long, short = cases.Workload((90, 700, 2500), 32), cases.Workload((90, 300), 16)
+        kernels = ("triton", "pallas") if gpu else ("reference", "reference")
+        e2e = [EndToEnd(m, *kernels, "dense", "float32", long) for m in ("test-tiny-gqa", DEFAULT_MODEL, "medium-random")]
+        e2e += [EndToEnd(m, *kernels, "wise", "float32", short) for m in ("test-tiny-gqa", DEFAULT_MODEL, "medium-random")]
+        if gpu:
+            e2e += [EndToEnd(DEFAULT_MODEL, "reference", "reference", "dense", "float32", long),
+                    EndToEnd(DEFAULT_MODEL, "reference", "reference", "wise", "float32", short)]
+            e2e += [EndToEnd("medium-random", *kernels, mode, "bfloat16", short) for mode in ("dense", "wise")]
         return cls(quick, device, cases.attention_cases(False), cases.DTYPES, "medium-random",
-                   cases.Workload((300, 1000, 2100), 16), ("test-tiny", "test-tiny-gqa", DEFAULT_MODEL, "medium-random"),
-                   cases.Workload((90, 700, 2500), 32), kernels, ("bfloat16",) if gpu else ())
+                   cases.Workload((300, 1000, 2100), 16), tuple(e2e))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +112,6 @@ class Generated:
     logits: list[np.ndarray]
     density: dict | None = None
     fallbacks: int | None = None
-    note: str = ""
 
 
 class Suite:
@@ -163,28 +192,22 @@ class Suite:
         return self._once(("generate", framework, model, kernel, mode, workload, dtype),
                           lambda: self._generate(framework, model, kernel, mode, workload, dtype))
 
-    def _wise_config(self, framework: str, kernel: str, mode: str) -> tuple[WiseConfig | None, str]:
+    def _wise_config(self, mode: str, kernel: str) -> WiseConfig | None:
+        if mode == "dense":
+            return None
         if mode == "wise":
-            return WiseConfig(kernel=kernel, eta=self.settings.wise_eta), ""
+            return WiseConfig(kernel=kernel, eta=self.settings.wise_eta)
         if mode == "all-blocks":
-            return WiseConfig(kernel=kernel, all_blocks=True), ""
-        if mode != "dense":
-            raise ValueError(f"unknown generation mode {mode!r}")
-        if framework == "torch" and resolve_kernel("auto", self.settings.device) is not resolve_kernel(
-                kernel, self.settings.device):
-            # wise_torch.generate takes no kernel for dense decode: loop 0 discovers (DISCOVER is
-            # bitwise DENSE, checked per call), loops 1-3 are dense, all through `kernel`.
-            return (WiseConfig(kernel=kernel, discover_depths=(0,), reuse_depths=()),
-                    f"torch dense baseline through kernel {kernel!r}: loop 0 DISCOVER, loops 1+ DENSE")
-        return None, ""
+            return WiseConfig(kernel=kernel, all_blocks=True)
+        raise ValueError(f"unknown generation mode {mode!r} (dense, wise, all-blocks)")
 
     def _generate(self, framework, model, kernel, mode, workload, dtype) -> Generated:
-        wise_config, note = self._wise_config(framework, kernel, mode)
+        wise_config = self._wise_config(mode, kernel)
         if framework == "torch":
             torch_model = self.torch_model(model, dtype)
             out = wise_torch.generate(torch_model, workload.prompts(torch_model.config.vocab_size),
                                       max_new_tokens=workload.max_new_tokens, eos_token_id=None,
-                                      wise_config=wise_config, return_logits=True)
+                                      wise_config=wise_config, return_logits=True, kernel=kernel)
             logits = [x.float().numpy() for x in out.logits]
             stats = dataclasses.asdict(out.stats)
         else:
@@ -195,21 +218,21 @@ class Suite:
                                         wise_config=wise_config, return_logits=True, kernel=kernel)
             logits, stats = [np.asarray(x, np.float32) for x in out.logits], out.stats
         density = None if mode != "wise" else stats["density"]
-        return Generated(out.tokens, logits, density, stats["fallbacks"], note)
+        return Generated(out.tokens, logits, density, stats["fallbacks"])
 
     def teacher_force(self, framework: str, model: str, kernel: str, mode: str, workload: cases.Workload,
                       dtype: str) -> Generated:
         """Log-probs of a seeded random continuation (`workload.max_new_tokens` tokens) after each
         prompt: both frameworks score the same tokens, so low-precision runs cannot diverge."""
         def run() -> Generated:
-            wise_config, note = self._wise_config(framework, kernel, mode)
+            wise_config = self._wise_config(mode, kernel)
             vocab = self.checkpoint(model).config.vocab_size
             contexts = workload.prompts(vocab)
             rng = np.random.default_rng(workload.seed + 1)
             continuations = [rng.integers(0, vocab, workload.max_new_tokens).tolist() for _ in contexts]
             if framework == "torch":
                 out = wise_torch.teacher_force(self.torch_model(model, dtype), contexts, continuations,
-                                               wise_config=wise_config)
+                                               wise_config=wise_config, kernel=kernel)
                 logprobs = [x.float().numpy() for x in out.logprobs]
             else:
                 config, params = self.jax_model(model, dtype)
@@ -217,5 +240,5 @@ class Suite:
                     out = wise_jax.teacher_force(params, config, contexts, continuations, wise_config=wise_config,
                                                  kernel=kernel)
                 logprobs = [np.asarray(x, np.float32) for x in out.logprobs]
-            return Generated(continuations, logprobs, note=note)
+            return Generated(continuations, logprobs)
         return self._once(("forced", framework, model, kernel, mode, workload, dtype), run)

@@ -101,8 +101,22 @@ def run_generate(args) -> int:
     return 0
 
 
+def add_parity_arguments(parser: argparse.ArgumentParser) -> None:
+    from parity import add_arguments  # argparse only: no framework is imported here
+
+    add_arguments(parser)
+
+
+def run_parity(args) -> int:
+    import parity
+
+    return parity.run(args)
+
+
 COMMANDS = {
     "generate": ("generate text from a prompt, dense or with WISE", add_generate_arguments, run_generate),
+    "parity": ("check that the torch and JAX implementations agree (python -m parity)", add_parity_arguments,
+               run_parity),
 }
 
 
