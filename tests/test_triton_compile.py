@@ -2,8 +2,10 @@
 
 CI runs the kernel only in Triton's interpreter, which accepts code the GPU compiler rejects; this
 compiles the real launches (MHA bf16 at the benchmark's shape, GQA bf16 on tensor cores, fp32
-with mass) to a cubin in a subprocess without TRITON_INTERPRET, and checks the PTX for 16-byte
-K/V loads or copies (the alignment hint) and the release/acquire counter of the split merge.
+with mass; each the split and the finish kernel) to a cubin in a subprocess without
+TRITON_INTERPRET, and checks the PTX for 16-byte K/V loads or copies (the alignment hint), the
+absence of atomics (the launch boundary orders the merge) and, with cuobjdump, that the
+benchmark's split kernel does not spill registers.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import torch
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the other tests compile it for real")
 
 SCRIPT = r"""
-import json, re, sys
+import json, os, re, subprocess, sys, tempfile
 import torch
+import triton
 try:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile, make_backend
@@ -33,7 +36,19 @@ from wise_torch.kernels import triton_decode as td
 
 target = GPUTarget("cuda", 90, 32)
 backend = make_backend(target)
-kernel = td._decode_kernel
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def resources(cubin):
+    # {"REG": registers per thread, "LOCAL": bytes of local memory (spills), ...} from cuobjdump
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
+    return dict(zip(("REG", "STACK", "SHARED", "LOCAL"), map(int, found.groups()))) if found else {}
+
+
 results = {}
 for name, (batch, heads, kv_heads, dim, ctx, page, dtype, return_mass) in {
         "mha-bf16-d128": (10, 16, 16, 128, 8192, 128, torch.bfloat16, False),
@@ -45,16 +60,18 @@ for name, (batch, heads, kv_heads, dim, ctx, page, dtype, return_mass) in {
     support = torch.zeros(batch, heads, blocks, dtype=torch.bool)
     ws = td.DecodeWorkspace.allocate(batch, heads, kv_heads, dim, blocks, dtype=dtype, device="cpu")
     ints = lambda *shape: torch.zeros(shape, dtype=torch.int32)
-    grid, args, kwargs = td.kernel_launch(
+    launches = td.kernel_launches(
         q, k, torch.empty_like(k), ints(batch, ctx // page), ints(batch), ints(batch), support,
         ws.out[:batch], ws.mass[:batch], ws, scale=dim ** -0.5, eta=0.95, return_mass=return_mass)
-    bound, spec, options = create_function_from_signature(kernel.signature, kernel.params, backend)(*args, **kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, spec, options)
-    compiled = compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
-    ptx = compiled.asm["ptx"]
-    wide = ptx.count("ld.global.v4.b32") + len(re.findall(r"cp\.async\.cg\.shared\.global [^;]*, 0x10", ptx))
-    results[name] = {"cubin": len(compiled.asm["cubin"]), "wide_loads": wide,
-                     "acq_rel_atomic": ptx.count("atom.global.gpu.acq_rel.add")}
+    for kernel, grid, args, kwargs in launches:
+        bound, spec, options = create_function_from_signature(kernel.signature, kernel.params, backend)(*args, **kwargs)
+        options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, spec, options)
+        compiled = compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+        ptx = compiled.asm["ptx"]
+        wide = ptx.count("ld.global.v4.b32") + len(re.findall(r"cp\.async\.cg\.shared\.global [^;]*, 0x10", ptx))
+        results[f"{name}/{kernel.fn.__name__}"] = dict(
+            cubin=len(compiled.asm["cubin"]), wide_loads=wide, atomics=ptx.count("atom."),
+            **resources(compiled.asm["cubin"]))
 print(json.dumps(results))
 """
 
@@ -68,10 +85,14 @@ def test_kernel_compiles_for_sm90():
     results = json.loads(done.stdout.strip().splitlines()[-1])
     if "skip" in results:
         pytest.skip(results["skip"])
-    assert sorted(results) == ["gqa-bf16-d128", "gqa-fp32-d64", "mha-bf16-d128"]
+    assert sorted(results) == [f"{name}/{kernel}" for name in ("gqa-bf16-d128", "gqa-fp32-d64", "mha-bf16-d128")
+                               for kernel in ("_finish_kernel", "_split_kernel")]
     for name, facts in results.items():
         assert facts["cubin"] > 0, name
-        assert facts["acq_rel_atomic"] == 1, name
+        assert facts["atomics"] == 0, f"{name}: the launch boundary orders the merge, no atomics"
+    # The benchmark's launch: registers, no spills to local memory.
+    split = results["mha-bf16-d128/_split_kernel"]
+    assert split.get("LOCAL", 0) == 0 and split.get("STACK", 0) == 0, split
     # [64 keys, 128 dims] bf16 K and V tiles over 128 threads: 8 rows of 16 bytes each per thread,
     # loaded to registers (ld.global.v4) or copied to shared memory (cp.async of 16 bytes).
-    assert results["mha-bf16-d128"]["wide_loads"] >= 16
+    assert split["wide_loads"] >= 16, split

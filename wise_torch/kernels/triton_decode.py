@@ -1,6 +1,8 @@
 """Split-KV paged decode attention in Triton, with per-row WISE modes (docs/DESIGN.md).
 
-One launch per call. Program (row, kv_head, split) of the grid [batch * kv_heads, max_splits]:
+Two launches per call. Split kernel: program (row, kv_head, split) of the grid
+[batch * kv_heads, max_splits] does steps 1 and 2; finish kernel: program (row, head) of the grid
+[batch * heads] does step 3.
 
 1. List. The row's attended blocks are every causal block (DENSE, DISCOVER, DISCOVER_UNION) or
    the causal blocks selected by some query head of the KV group (SPARSE), numbered by a prefix
@@ -13,13 +15,14 @@ One launch per call. Program (row, kv_head, split) of the grid [batch * kv_heads
    GQA rows mask the blocks a head did not select. Discovery rows also store, per block, its
    sum of exponentials and the running max that sum is relative to; the output math is the
    dense path's, so DISCOVER and DISCOVER_UNION outputs are bitwise DENSE.
-3. Finish. Each split stores (acc, max, sum). The last split of a (row, kv_head) to finish,
-   told by an atomic counter, merges the splits in split order (so the result does not depend
-   on which split is last), writes the output and, for discovery rows, turns the block stats
-   into block mass and applies `wise_core.reference.select_blocks` (sort by mass, prefix sum,
-   threshold), writing the support in place.
+3. Finish. Each split stores (acc, max, sum). The finish kernel counts the row's splits as
+   step 1 does, merges them in split order, writes the output and, for discovery rows, turns
+   the block stats into block mass and applies `wise_core.reference.select_blocks` (sort by
+   mass, prefix sum, threshold), writing the support in place.
 A program attends at most `split_keys` keys, so a long dense row costs more programs, not longer
-ones, and the sparse rows of a mixed batch are not paced by its longest dense row.
+ones, and the sparse rows of a mixed batch are not paced by its longest dense row. The merge
+runs in its own launch (the launch boundary orders it after every split, no atomics), which
+keeps the selection's sort out of the split kernel's register budget.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ class DecodeWorkspace:
 
     Sized for up to `max_batch` rows and `max_blocks` blocks per row. The returned output (and
     mass) are views of `out` (and `mass`), overwritten by the next call using this workspace;
-    calls sharing a workspace must run in stream order. `counters` are zero between calls.
+    calls sharing a workspace must run in stream order.
     """
 
     config: KernelConfig
@@ -102,7 +105,6 @@ class DecodeWorkspace:
     part_l: torch.Tensor    # float32[max_batch, heads, max_splits]: per-split sum of exponentials
     stat_m: torch.Tensor    # float32[max_batch, heads, max_blocks]: block stats, reference max
     stat_l: torch.Tensor    # float32[max_batch, heads, max_blocks]: block stats, sum of exponentials
-    counters: torch.Tensor  # int32[max_batch, kv_heads]: splits finished per (row, kv_head)
 
     @classmethod
     def allocate(cls, max_batch: int, heads: int, kv_heads: int, head_dim: int, max_blocks: int, *,
@@ -128,8 +130,7 @@ class DecodeWorkspace:
             part_m=torch.zeros(max_batch, heads, max_splits, **f32),
             part_l=torch.zeros(max_batch, heads, max_splits, **f32),
             stat_m=torch.zeros(max_batch, heads, max_blocks, **f32),
-            stat_l=torch.zeros(max_batch, heads, max_blocks, **f32),
-            counters=torch.zeros(max_batch, kv_heads, dtype=torch.int32, device=device))
+            stat_l=torch.zeros(max_batch, heads, max_blocks, **f32))
 
     @property
     def max_blocks(self) -> int:
@@ -143,7 +144,7 @@ class DecodeWorkspace:
                    block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         """Raise ValueError if a call of these dimensions does not fit this workspace."""
         max_batch, ws_heads, ws_dim = self.out.shape
-        wanted = {"heads": (heads, ws_heads), "kv_heads": (kv_heads, self.counters.shape[1]),
+        wanted = {"heads": (heads, ws_heads), "kv_heads": (kv_heads, self.starts.shape[1]),
                   "head_dim": (head_dim, ws_dim), "block_size": (block_size, self.block_size),
                   "dtype": (dtype, self.out.dtype), "device": (device, self.out.device)}
         for name, (got, have) in wanted.items():
@@ -216,11 +217,10 @@ def _finish_head(row, head, heads, mode, n_splits, n_causal, max_blocks, eta,
     acc = tl.zeros([HEAD_DIM], tl.float32)
     for c in range(0, n_splits, S_CHUNK):
         split_ok = c + offs_s < n_splits
-        m_s = tl.load(part_m_ptr + part + c + offs_s, mask=split_ok, other=float("-inf"),
-                      cache_modifier=".cg")
-        l_s = tl.load(part_l_ptr + part + c + offs_s, mask=split_ok, other=0.0, cache_modifier=".cg")
+        m_s = tl.load(part_m_ptr + part + c + offs_s, mask=split_ok, other=float("-inf"))
+        l_s = tl.load(part_l_ptr + part + c + offs_s, mask=split_ok, other=0.0)
         acc_s = tl.load(part_acc_ptr + (part + c + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                        mask=split_ok[:, None], other=0.0, cache_modifier=".cg")
+                        mask=split_ok[:, None], other=0.0)
         m_new = tl.maximum(m_run, tl.max(m_s, 0, keep_dims=True))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_run - m_ref)
@@ -235,8 +235,8 @@ def _finish_head(row, head, heads, mode, n_splits, n_causal, max_blocks, eta,
     blk = tl.arange(0, NB_PAD)
     has_stat = tl.where(is_disc, blk < n_causal, False)
     stat = (row * heads + head) * ws_blocks + blk
-    stat_m = tl.load(stat_m_ptr + stat, mask=has_stat, other=0.0, cache_modifier=".cg")
-    stat_l = tl.load(stat_l_ptr + stat, mask=has_stat, other=0.0, cache_modifier=".cg")
+    stat_m = tl.load(stat_m_ptr + stat, mask=has_stat, other=0.0)
+    stat_l = tl.load(stat_l_ptr + stat, mask=has_stat, other=0.0)
     mass = tl.where(has_stat, stat_l * tl.exp2(stat_m - m_run) / l_run, 0.0)
     if RETURN_MASS:
         tl.store(mass_ptr + row * stride_mb + head * stride_mh + blk, mass, mask=blk < max_blocks)
@@ -249,19 +249,30 @@ def _finish_head(row, head, heads, mode, n_splits, n_causal, max_blocks, eta,
 
 
 @triton.jit
-def _decode_kernel(
+def _listed_blocks(support_ptr, row, kvh, is_sparse, n_causal, stride_sb, stride_sh,
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NB_PAD: tl.constexpr):
+    """bool [NB_PAD]: the blocks the (row, kv_head) attends, every causal block or (SPARSE) the
+    causal blocks some query head of the group selected."""
+    blk = tl.arange(0, NB_PAD)
+    causal = blk < n_causal
+    gp = tl.arange(0, GROUP_PAD)  # the group's heads without the dots' padding
+    picked = tl.load(support_ptr + row * stride_sb + (kvh * GROUP + gp[:, None]) * stride_sh + blk[None, :],
+                     mask=tl.where(is_sparse, (gp[:, None] < GROUP) & causal[None, :], False), other=0)
+    return causal & tl.where(is_sparse, tl.max(picked, 0) != 0, True)
+
+
+@triton.jit
+def _split_kernel(
         q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, modes_ptr, support_ptr,
-        out_ptr, mass_ptr, starts_ptr, blocks_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-        stat_m_ptr, stat_l_ptr, counters_ptr,
-        kv_heads, max_blocks, qk_scale, eta,
-        stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_pt,
-        stride_sb, stride_sh, stride_ob, stride_oh, stride_mb, stride_mh,
+        starts_ptr, blocks_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, stat_m_ptr, stat_l_ptr,
+        kv_heads, max_blocks, qk_scale,
+        stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_pt, stride_sb, stride_sh,
         ws_blocks, ws_splits,
         HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK: tl.constexpr,
         PAGE: tl.constexpr, TILE_N: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, NB_PAD: tl.constexpr,
-        S_CHUNK: tl.constexpr, RETURN_MASS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        KV_ALIGN: tl.constexpr):
+        DOT_PRECISION: tl.constexpr, KV_ALIGN: tl.constexpr):
+    """Steps 1 and 2 of the module docstring for program (row * kv_heads + kv_head, split)."""
     row = tl.program_id(0) // kv_heads
     kvh = tl.program_id(0) % kv_heads
     split = tl.program_id(1)
@@ -278,11 +289,8 @@ def _decode_kernel(
     head = kvh * GROUP + g
     support_rows = support_ptr + row * stride_sb + head * stride_sh          # [BLOCK_G]
     blk = tl.arange(0, NB_PAD)
-    causal = blk < n_causal
-    gp = tl.arange(0, GROUP_PAD)  # the group's heads without the dots' padding
-    picked = tl.load(support_ptr + row * stride_sb + (kvh * GROUP + gp[:, None]) * stride_sh + blk[None, :],
-                     mask=tl.where(is_sparse, (gp[:, None] < GROUP) & causal[None, :], False), other=0)
-    listed = causal & tl.where(is_sparse, tl.max(picked, 0) != 0, True)
+    listed = _listed_blocks(support_ptr, row, kvh, is_sparse, n_causal, stride_sb, stride_sh,
+                            GROUP, GROUP_PAD, NB_PAD)
     n_listed = tl.sum(listed.to(tl.int32), 0)
     n_splits = tl.maximum(tl.cdiv(n_listed, SPLIT_BLOCKS), 1)
     if split >= n_splits:
@@ -343,26 +351,36 @@ def _decode_kernel(
                 tl.store(stat_m_ptr + stats + t + j, m_ref, mask=ok)
                 tl.store(stat_l_ptr + stats + t + j, block_sum, mask=ok)
 
-    # 3. Store this split's partials; the last split of the (row, kv_head) finishes.
+    # This split's partials, merged by the finish kernel.
     part = (row * heads + head) * ws_splits + split
     tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_ok[:, None])
     tl.store(part_m_ptr + part[None, :], m_i, mask=g_ok[None, :])
     tl.store(part_l_ptr + part[None, :], l_i, mask=g_ok[None, :])
-    tl.debug_barrier()  # all threads' partials are written before the release below
-    last = n_splits == 1
-    if n_splits > 1:
-        counter = counters_ptr + row * kv_heads + kvh
-        # release our partials, acquire the others' (read below with .cg, past the SM's L1)
-        last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_splits - 1
-        if last:
-            tl.store(counter, 0)
-    if last:
-        for gi in range(GROUP):
-            _finish_head(row, kvh * GROUP + gi, heads, mode, n_splits, n_causal, max_blocks, eta,
-                         out_ptr, mass_ptr, support_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-                         stat_m_ptr, stat_l_ptr,
-                         stride_ob, stride_oh, stride_mb, stride_mh, stride_sb, stride_sh,
-                         ws_blocks, ws_splits, HEAD_DIM, S_CHUNK, NB_PAD, RETURN_MASS)
+
+
+@triton.jit
+def _finish_kernel(
+        seq_lens_ptr, modes_ptr, support_ptr, out_ptr, mass_ptr,
+        part_acc_ptr, part_m_ptr, part_l_ptr, stat_m_ptr, stat_l_ptr,
+        heads, max_blocks, eta,
+        stride_sb, stride_sh, stride_ob, stride_oh, stride_mb, stride_mh, ws_blocks, ws_splits,
+        HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK: tl.constexpr,
+        SPLIT_BLOCKS: tl.constexpr, NB_PAD: tl.constexpr, S_CHUNK: tl.constexpr,
+        RETURN_MASS: tl.constexpr):
+    """Step 3 of the module docstring for program (row * heads + head)."""
+    row = tl.program_id(0) // heads
+    head = tl.program_id(0) % heads
+    mode = tl.load(modes_ptr + row)
+    seq_len = tl.load(seq_lens_ptr + row)
+    n_causal = tl.minimum(tl.cdiv(seq_len, BLOCK), max_blocks)
+    listed = _listed_blocks(support_ptr, row, head // GROUP, mode == _SPARSE, n_causal, stride_sb, stride_sh,
+                            GROUP, GROUP_PAD, NB_PAD)
+    n_splits = tl.maximum(tl.cdiv(tl.sum(listed.to(tl.int32), 0), SPLIT_BLOCKS), 1)
+    _finish_head(row, head, heads, mode, n_splits, n_causal, max_blocks, eta,
+                 out_ptr, mass_ptr, support_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+                 stat_m_ptr, stat_l_ptr,
+                 stride_ob, stride_oh, stride_mb, stride_mh, stride_sb, stride_sh,
+                 ws_blocks, ws_splits, HEAD_DIM, S_CHUNK, NB_PAD, RETURN_MASS)
 
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -446,16 +464,17 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
         workspace.check_fits(batch, heads, kv_heads, head_dim, max_blocks, block_size, q.dtype, q.device)
     out, mass = workspace.out[:batch], workspace.mass[:batch, :, :max_blocks]
     if batch:
-        grid, args, kwargs = kernel_launch(
-            q, k_pages, v_pages, page_table, seq_lens, modes, support, out, mass, workspace,
-            scale=head_dim ** -0.5 if scale is None else scale, eta=eta, return_mass=return_mass)
-        _decode_kernel[grid](*args, **kwargs)
+        for kernel, grid, args, kwargs in kernel_launches(
+                q, k_pages, v_pages, page_table, seq_lens, modes, support, out, mass, workspace,
+                scale=head_dim ** -0.5 if scale is None else scale, eta=eta, return_mass=return_mass):
+            kernel[grid](*args, **kwargs)
     return (out, support, mass) if return_mass else (out, support)
 
 
-def kernel_launch(q, k_pages, v_pages, page_table, seq_lens, modes, support, out, mass, ws, *,
-                  scale, eta, return_mass):
-    """(grid, args, kwargs) of `_decode_kernel` for a checked call (also used to compile offline)."""
+def kernel_launches(q, k_pages, v_pages, page_table, seq_lens, modes, support, out, mass, ws, *,
+                    scale, eta, return_mass):
+    """[(kernel, grid, args, kwargs)] of a checked call in launch order: the split kernel, then
+    the finish kernel (also used to compile offline)."""
     batch, heads, head_dim = q.shape
     kv_heads = k_pages.shape[2]
     max_blocks = support.shape[2]
@@ -463,23 +482,29 @@ def kernel_launch(q, k_pages, v_pages, page_table, seq_lens, modes, support, out
     group = heads // kv_heads
     split_blocks = _split_blocks(config, block_size)
     max_splits = -(-max_blocks // split_blocks)
-    args = (q, k_pages, v_pages, page_table, seq_lens, modes, support.view(torch.uint8),
-            out, mass, ws.starts, ws.blocks, ws.part_acc, ws.part_m, ws.part_l,
-            ws.stat_m, ws.stat_l, ws.counters,
-            kv_heads, max_blocks, scale * math.log2(math.e), eta,
-            q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
-            page_table.stride(0), support.stride(0), support.stride(1), out.stride(0), out.stride(1),
-            mass.stride(0), mass.stride(1), ws.max_blocks, ws.max_splits)
-    kwargs = dict(
-        HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
-        BLOCK_G=1 if group == 1 and not config.mha_dots else max(16, triton.next_power_of_2(group)),
-        BLOCK=block_size, PAGE=k_pages.shape[1], TILE_N=max(config.tile_n, block_size),
-        SPLIT_BLOCKS=split_blocks, NB_PAD=triton.next_power_of_2(max_blocks),
-        S_CHUNK=min(16, triton.next_power_of_2(max_splits)), RETURN_MASS=return_mass,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        KV_ALIGN=16 if all(stride % 16 == 0 for stride in k_pages.stride()[:3]) else 1,
-        num_warps=config.num_warps, num_stages=config.num_stages)
-    return (batch * kv_heads, max_splits), args, kwargs
+    support = support.view(torch.uint8)
+    partials = (ws.part_acc, ws.part_m, ws.part_l, ws.stat_m, ws.stat_l)
+    shared = dict(HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK=block_size,
+                  SPLIT_BLOCKS=split_blocks, NB_PAD=triton.next_power_of_2(max_blocks))
+    split = (
+        _split_kernel, (batch * kv_heads, max_splits),
+        (q, k_pages, v_pages, page_table, seq_lens, modes, support, ws.starts, ws.blocks, *partials,
+         kv_heads, max_blocks, scale * math.log2(math.e),
+         q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+         page_table.stride(0), support.stride(0), support.stride(1), ws.max_blocks, ws.max_splits),
+        dict(shared, BLOCK_G=1 if group == 1 and not config.mha_dots else max(16, triton.next_power_of_2(group)),
+             PAGE=k_pages.shape[1], TILE_N=max(config.tile_n, block_size),
+             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+             KV_ALIGN=16 if all(stride % 16 == 0 for stride in k_pages.stride()[:3]) else 1,
+             num_warps=config.num_warps, num_stages=config.num_stages))
+    finish = (
+        _finish_kernel, (batch * heads,),
+        (seq_lens, modes, support, out, mass, *partials, heads, max_blocks, eta,
+         support.stride(0), support.stride(1), out.stride(0), out.stride(1), mass.stride(0), mass.stride(1),
+         ws.max_blocks, ws.max_splits),
+        dict(shared, S_CHUNK=min(16, triton.next_power_of_2(max_splits)), RETURN_MASS=return_mass,
+             num_warps=4, num_stages=1))
+    return [split, finish]
 
 
 def all_blocks_support(seq_lens: torch.Tensor, heads: int, max_blocks: int, block_size: int) -> torch.Tensor:
