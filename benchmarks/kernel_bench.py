@@ -66,16 +66,26 @@ TARGETS = (
 
 
 def sweep_configs():
-    """Launch configurations tried besides the table's (dense and sparse @0.13)."""
-    from wise_torch.kernels.triton_decode import KernelConfig
-    return [KernelConfig(tile_n=32, split_keys=512, num_warps=4, num_stages=2),
-            KernelConfig(tile_n=64, split_keys=512, num_warps=8, num_stages=2),
-            KernelConfig(tile_n=128, split_keys=1024, num_warps=8, num_stages=2),
-            KernelConfig(tile_n=64, split_keys=256, num_warps=4, num_stages=2),
-            KernelConfig(tile_n=64, split_keys=1024, num_warps=4, num_stages=2),
-            KernelConfig(tile_n=32, split_keys=512, num_warps=4, num_stages=1),
-            KernelConfig(tile_n=64, split_keys=512, num_warps=8, num_stages=2, mha_dots=True),
-            KernelConfig(tile_n=64, split_keys=512, num_warps=4, num_stages=3, mha_dots=True)]
+    """Launch configurations tried besides the table's (dense and sparse @0.13), most promising
+    first (the sweep stops at its time budget). Registers per thread from an offline sm90
+    compile (triton 3.6) in brackets; an SM holds 64K registers, so 4 warps at <= 128 registers
+    run 4 programs per SM. Without mha_dots the loop has no dot and Triton does not pipeline
+    its loads, so num_stages changes nothing there and only 2 is tried."""
+    from wise_torch.kernels.triton_decode import KernelConfig as C
+    return [C(tile_n=64, split_keys=512, num_warps=4, num_stages=2),                   # [128] reductions
+            C(tile_n=64, split_keys=512, num_warps=4, num_stages=2, mha_dots=True),    # [160]
+            C(tile_n=64, split_keys=256, num_warps=4, num_stages=3, mha_dots=True),    # [162]
+            C(tile_n=64, split_keys=1024, num_warps=4, num_stages=3, mha_dots=True),   # [162]
+            C(tile_n=64, split_keys=256, num_warps=4, num_stages=2),                   # [128]
+            C(tile_n=64, split_keys=1024, num_warps=4, num_stages=2),                  # [128]
+            C(tile_n=64, split_keys=512, num_warps=8, num_stages=2),                   # [79]
+            C(tile_n=128, split_keys=512, num_warps=8, num_stages=2),                  # [128]
+            C(tile_n=128, split_keys=1024, num_warps=8, num_stages=2),                 # [128]
+            C(tile_n=64, split_keys=512, num_warps=8, num_stages=3, mha_dots=True),    # [114]
+            C(tile_n=64, split_keys=512, num_warps=4, num_stages=4, mha_dots=True),    # [162]
+            C(tile_n=128, split_keys=1024, num_warps=4, num_stages=3, mha_dots=True),  # [227]
+            C(tile_n=128, split_keys=1024, num_warps=8, num_stages=3, mha_dots=True),  # [157]
+            C(tile_n=32, split_keys=256, num_warps=4, num_stages=3, mha_dots=True)]
 
 
 @dataclasses.dataclass
@@ -193,11 +203,20 @@ class Problem:
         return float(per_row.sum()) * self.block_bytes
 
 
-def bench_triton(rows, problem: Problem, densities, timer: Timer, configs, checks) -> None:
-    """Rows of the Triton kernel: every mode under configs[0], dense/sparse under the others."""
+def bench_triton(rows, problem: Problem, densities, timer: Timer, configs, checks, notes,
+                 sweep_seconds: float = math.inf) -> None:
+    """Rows of the Triton kernel: every mode under configs[0], dense/sparse under the others
+    while the time spent on them stays within `sweep_seconds`."""
     from wise_torch.kernels.triton_decode import DecodeWorkspace, all_blocks_support, decode_attention
     p = problem
+    sweep_start = None
     for index, config in enumerate(configs):
+        if index == 1:
+            sweep_start = time.perf_counter()
+        elif index and time.perf_counter() - sweep_start > sweep_seconds:
+            notes.append(f"{p.ctx} x {p.batch}: sweep budget of {sweep_seconds:.0f} s spent, "
+                         f"{len(configs) - index} of {len(configs) - 1} configurations not tried")
+            break
         ws = DecodeWorkspace.allocate(p.batch, p.heads, p.heads, p.head_dim, p.blocks, dtype=p.dtype,
                                       device=p.device, config=config)
         impl = "triton" if index == 0 else "triton-config"
@@ -334,6 +353,32 @@ def standing(rows, shapes) -> list[dict]:
     return out
 
 
+def best_configs(rows) -> dict:
+    """The sweep's verdict: per (shape, mode) the fastest configuration, and per mode the
+    configurations that do best on every shape at once (geometric mean of time / fastest)."""
+    tried = {}  # (ctx, batch, mode) -> {config: us}
+    for r in rows:
+        density = {"dense": 1.0, "sparse": TARGET_DENSITY}.get(r["mode"])
+        if r["impl"] in ("triton", "triton-config") and density is not None and r["us"] == r["us"] \
+                and math.isclose(r["density"], density):
+            config = r["config"].rsplit(" ", 1)[0]  # without the timing method
+            tried.setdefault((r["ctx"], r["batch"], r["mode"]), {})[config] = r["us"]
+    per_shape = []
+    for (ctx, batch, mode), times in sorted(tried.items()):
+        config, us = min(times.items(), key=lambda item: item[1])
+        cudnn = _lookup(rows, ctx, batch, "sdpa-cudnn", "dense", 1.0)
+        per_shape.append(dict(ctx=ctx, batch=batch, mode=mode, config=config, us=us,
+                              table_us=_lookup(rows, ctx, batch, "triton", mode, 1.0 if mode == "dense" else TARGET_DENSITY),
+                              vs_cudnn_dense=us / cudnn if cudnn else None))
+    overall = []
+    for mode in ("dense", "sparse"):
+        shapes = [times for (_, _, m), times in sorted(tried.items()) if m == mode]
+        everywhere = set.intersection(*(set(t) for t in shapes)) if shapes else set()
+        scores = {c: math.exp(sum(math.log(t[c] / min(t.values())) for t in shapes) / len(shapes)) for c in everywhere}
+        overall += [dict(mode=mode, config=c, geomean_slowdown=g) for c, g in sorted(scores.items(), key=lambda x: x[1])[:3]]
+    return dict(per_shape=per_shape, overall=overall)
+
+
 def _fmt(x, spec=".1f"):
     return "-" if x is None or x != x else format(x, spec)
 
@@ -350,16 +395,19 @@ def markdown(report) -> str:
         result = "n/a" if t["passed"] is None else ("pass" if t["passed"] else "FAIL")
         lines.append(f"| {t['target']} | {t['ctx']} x {t['batch']} | {_fmt(t['ratio'], '.3f')} | "
                      f"{t['bound']} | {result} |")
-    lines += ["", "## Launch configurations", "", "| ctx x batch | mode | table's us | fastest us | fastest config |",
-              "|---|---|---|---|---|"]
-    for ctx, batch in sorted({(r["ctx"], r["batch"]) for r in report["rows"] if r["impl"] == "triton-config"}):
-        for mode, density in (("dense", 1.0), ("sparse", TARGET_DENSITY)):
-            tried = [r for r in report["rows"] if r["impl"] in ("triton", "triton-config") and r["us"] == r["us"]
-                     and (r["ctx"], r["batch"], r["mode"]) == (ctx, batch, mode) and math.isclose(r["density"], density)]
-            if tried:
-                best = min(tried, key=lambda r: r["us"])
-                lines.append(f"| {ctx} x {batch} | {mode} | {_fmt(_lookup(report['rows'], ctx, batch, 'triton', mode, density))}"
-                             f" | {_fmt(best['us'])} | {best['config']} |")
+    best = report["best_configs"]
+    lines += ["", "## Launch configurations", "",
+              "Fastest configuration per shape and mode (the table's and the sweep's); ratio: its time "
+              "over cuDNN SDPA dense.", "",
+              "| ctx x batch | mode | table's us | fastest us | ratio | fastest config |", "|---|---|---|---|---|---|"]
+    for b in best["per_shape"]:
+        lines.append(f"| {b['ctx']} x {b['batch']} | {b['mode']} | {_fmt(b['table_us'])} | {_fmt(b['us'])} | "
+                     f"{_fmt(b['vs_cudnn_dense'], '.3f')} | {b['config']} |")
+    if best["overall"]:
+        lines += ["", "One configuration for every shape (tried at all of them), per mode: the three with the "
+                  "smallest geometric mean of time over the shape's fastest.", "",
+                  "| mode | geomean slowdown | config |", "|---|---|---|"]
+        lines += [f"| {o['mode']} | {o['geomean_slowdown']:.3f} | {o['config']} |" for o in best["overall"]]
     lines += ["", "## Checks", "", "```", json.dumps(report["checks"], indent=1), "```", ""]
     if report["notes"]:
         lines += ["## Notes", ""] + [f"- {n}" for n in report["notes"]] + [""]
@@ -413,6 +461,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", type=Path, default=_HERE / "results", help="directory for JSON, markdown, PNG")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton interpreter)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the other launch configurations")
+    parser.add_argument("--sweep-seconds", type=float, default=150.0,
+                        help="time budget of the launch-configuration sweep, all shapes together")
     parser.add_argument("--no-pallas", action="store_true", help="skip benchmarks/bench_pallas.py's rows")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
@@ -439,13 +489,14 @@ def main(argv=None) -> dict:
                                    page_size=setup["page_size"],
                                    timing=f"CUDA-graph replay of {timer.reps} calls x {timer.replays}"
                                    if device == "cuda" else "one eager call (smoke)"),
-                  table_config=str(table_config), rows=[], checks={}, notes=[], standing=[])
+                  table_config=str(table_config), rows=[], checks={}, notes=[], standing=[], best_configs={})
     rows = report["rows"]
     for ctx, batch in shapes:
         started = time.perf_counter()
         problem = Problem(ctx, batch, setup["heads"], setup["head_dim"], setup["page_size"], device)
         bench_baselines(rows, problem, densities, timer, report["notes"])
-        bench_triton(rows, problem, densities, timer, configs, report["checks"])
+        bench_triton(rows, problem, densities, timer, configs, report["checks"], report["notes"],
+                     args.sweep_seconds / len(shapes))
         del problem
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -460,6 +511,7 @@ def main(argv=None) -> dict:
 def write_report(report, shapes, out: Path) -> str:
     """kernel_bench.{json,md,png} in `out`; returns the markdown."""
     report["standing"] = standing(report["rows"], shapes)
+    report["best_configs"] = best_configs(report["rows"])
     (out / "kernel_bench.json").write_text(json.dumps(report, indent=1))
     text = markdown(report)
     (out / "kernel_bench.md").write_text(text)

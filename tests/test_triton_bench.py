@@ -57,5 +57,16 @@ def test_smoke_run_writes_a_complete_report(tmp_path):
     assert len(report["standing"]) == len(bench.TARGETS) * len(shapes)
     discover = [t for t in report["standing"] if t["target"].startswith("discover <=")]
     assert all(t["ratio"] is not None for t in discover)  # triton against triton: measured on CPU too
+    # The sweep's verdict: the fastest configuration per shape and mode, and across shapes.
+    best = report["best_configs"]
+    assert {(b["ctx"], b["batch"], b["mode"]) for b in best["per_shape"]} == {
+        (ctx, batch, mode) for ctx, batch in shapes for mode in ("dense", "sparse")}
+    for b in best["per_shape"]:
+        times = [r["us"] for r in rows if r["impl"] in ("triton", "triton-config") and r["mode"] == b["mode"]
+                 and (r["ctx"], r["batch"]) == (b["ctx"], b["batch"])
+                 and math.isclose(r["density"], 1.0 if b["mode"] == "dense" else bench.TARGET_DENSITY)]
+        assert len(times) == 3 and b["us"] == min(times)  # the table's and two sweep configurations
+    assert {o["mode"] for o in best["overall"]} == {"dense", "sparse"}
+    assert all(o["geomean_slowdown"] >= 1.0 for o in best["overall"])
     text = (tmp_path / "kernel_bench.md").read_text()
-    assert "## Targets" in text and "FA4 skipped" in text
+    assert "## Targets" in text and "FA4 skipped" in text and "## Launch configurations" in text
