@@ -5,7 +5,7 @@
 """
 
 from wise_jax.checkpoint import restore_params, save_params
-from wise_jax.generate import ForcedOutput, GenerationOutput, generate, teacher_force, trace_counts
+from wise_jax.generation import ForcedOutput, GenerationOutput, generate, teacher_force, trace_counts
 from wise_jax.loading import load_model, load_tokenizer, register_tokenizer, tokenizer_for
 from wise_jax.model import decode_step, forward, forward_with_exits, prefill
 from wise_jax.params import (LayerParams, Params, abstract_params, from_checkpoint_tensors, init_params,

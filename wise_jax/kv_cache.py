@@ -157,8 +157,9 @@ def write_token(cache: PagedKVCache, plane: jax.Array, k: jax.Array, v: jax.Arra
     position = cache.seq_lens - 1
     page = jnp.take_along_axis(cache.page_table, (position // cache.page_size)[:, None], axis=1)[:, 0]
     offset = position % cache.page_size
-    return dataclasses.replace(cache, k=cache.k.at[plane, page, offset].set(k.astype(cache.k.dtype)),
-                               v=cache.v.at[plane, page, offset].set(v.astype(cache.v.dtype)))
+    return dataclasses.replace(
+        cache, k=cache.k.at[plane, page, offset].set(k.astype(cache.k.dtype), mode="drop"),
+        v=cache.v.at[plane, page, offset].set(v.astype(cache.v.dtype), mode="drop"))
 
 
 def write_prompt(cache: PagedKVCache, plane: jax.Array, k: jax.Array, v: jax.Array) -> PagedKVCache:
