@@ -265,6 +265,29 @@ def test_mha_on_tensor_core_dots(dtype):
     assert torch.equal(run(case, [SPARSE] * batch, every.clone(), workspace=case.workspace(dots))[0], dense)
 
 
+@pytest.mark.parametrize("layout", ["p64-gqa-d64-bf16", "p32-mha-d64-fp32"])
+def test_min_splits_shrinks_splits_and_keeps_the_properties(layout):
+    """KernelConfig(min_splits=3): a 5-block row runs 3 splits of 2 blocks, not 2 of 4; outputs,
+    selections and the bitwise equalities are those of the plain split size."""
+    case = layout_case(layout, seed=24)
+    batch = len(SEQ_LENS)
+    plain = KernelConfig(tile_n=64, split_keys=128, num_warps=4, num_stages=2)
+    spread = dataclasses.replace(plain, min_splits=3)
+    assert case.workspace(spread).max_splits == 3 > case.workspace(plain).max_splits
+    every = all_blocks_support(case.seq_lens, case.heads, case.max_blocks, BLOCK)
+    dense, _, _ = run(case, [DENSE] * batch, every.clone(), workspace=case.workspace(spread))
+    np.testing.assert_allclose(dense.double().cpu().numpy(), numpy_attention(case)[0], **TOL[case.q.dtype])
+    torch.testing.assert_close(dense, run(case, [DENSE] * batch, every.clone(), workspace=case.workspace(plain))[0],
+                               **TOL[case.q.dtype])
+    found, fresh, mass = run(case, [DISCOVER] * batch, every.clone(), workspace=case.workspace(spread))
+    assert torch.equal(found, dense)
+    assert_selection(fresh.cpu().numpy(), mass.cpu().numpy())
+    assert torch.equal(run(case, [SPARSE] * batch, every.clone(), workspace=case.workspace(spread))[0], dense)
+    support = random_support(case, 0.6, seed=25)
+    sparse, _, _ = run(case, [SPARSE] * batch, support.clone(), workspace=case.workspace(spread))
+    np.testing.assert_allclose(sparse.double().cpu().numpy(), numpy_attention(case, support)[0], **TOL[case.q.dtype])
+
+
 @pytest.mark.parametrize("block_size, page_size", [(16, 32), (64, 64)])
 def test_other_block_sizes(block_size, page_size):
     case = dataclasses.replace(make_case(SEQ_LENS, page_size=page_size, seed=22), block_size=block_size)
@@ -348,6 +371,8 @@ def test_bad_input_raises_clear_errors():
                                                        device=DEVICE))
     with pytest.raises(ValueError, match="power of two"):
         KernelConfig(tile_n=48)
+    with pytest.raises(ValueError, match="min_splits"):
+        KernelConfig(min_splits=0)
 
 
 # ---- GPU: the same properties at larger shapes with the table's configurations -------------

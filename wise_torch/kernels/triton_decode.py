@@ -51,6 +51,10 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 2
     mha_dots: bool = False  # MHA too on tensor-core dots (query-head axis padded to 16)
+    # A row listing few blocks (short or sparse) still gets up to min_splits programs: its
+    # splits shrink to whole tiles. Depends on the row's block count only, so the bitwise
+    # equalities (sparse with every block == dense, a row in a batch == alone) still hold.
+    min_splits: int = 1
 
     def __post_init__(self) -> None:
         for name in ("tile_n", "split_keys", "num_warps"):
@@ -61,6 +65,8 @@ class KernelConfig:
             raise ValueError(f"KernelConfig needs 16 <= tile_n <= split_keys, got {self}")
         if self.num_stages < 1:
             raise ValueError(f"KernelConfig.num_stages must be >= 1, got {self.num_stages}")
+        if self.min_splits < 1:
+            raise ValueError(f"KernelConfig.min_splits must be >= 1, got {self.min_splits}")
 
 
 # Fixed launch configurations (no autotuning: a decode step must be capturable in a CUDA graph).
@@ -83,6 +89,11 @@ def config_for(head_dim: int, dtype: torch.dtype) -> KernelConfig:
 
 def _split_blocks(config: KernelConfig, block_size: int) -> int:
     return max(config.split_keys, config.tile_n, block_size) // block_size
+
+
+def _max_splits(config: KernelConfig, block_size: int, max_blocks: int) -> int:
+    """Most splits of a row of max_blocks blocks (see `_split_size`)."""
+    return max(-(-max_blocks // _split_blocks(config, block_size)), min(config.min_splits, max_blocks))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +129,7 @@ class DecodeWorkspace:
         if heads % kv_heads:
             raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
         config = config_for(head_dim, dtype) if config is None else config
-        max_splits = -(-max_blocks // _split_blocks(config, block_size))
+        max_splits = _max_splits(config, block_size, max_blocks)
         f32 = dict(dtype=torch.float32, device=device)
         return cls(
             config=config, block_size=block_size,
@@ -249,6 +260,17 @@ def _finish_head(row, head, heads, mode, n_splits, n_causal, max_blocks, eta,
 
 
 @triton.jit
+def _split_size(n_listed, SPLIT_BLOCKS: tl.constexpr, TILE_BLOCKS: tl.constexpr, MIN_SPLITS: tl.constexpr):
+    """Blocks per split of a row listing n_listed blocks: SPLIT_BLOCKS, or fewer (whole tiles,
+    at least one) to give the row MIN_SPLITS splits."""
+    if MIN_SPLITS == 1:
+        return SPLIT_BLOCKS
+    else:
+        wanted = tl.cdiv(tl.cdiv(n_listed, MIN_SPLITS), TILE_BLOCKS) * TILE_BLOCKS
+        return tl.minimum(tl.maximum(wanted, TILE_BLOCKS), SPLIT_BLOCKS)
+
+
+@triton.jit
 def _listed_blocks(support_ptr, row, kvh, is_sparse, n_causal, stride_sb, stride_sh,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NB_PAD: tl.constexpr):
     """bool [NB_PAD]: the blocks the (row, kv_head) attends, every causal block or (SPARSE) the
@@ -270,8 +292,8 @@ def _split_kernel(
         ws_blocks, ws_splits,
         HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK: tl.constexpr,
-        PAGE: tl.constexpr, TILE_N: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, NB_PAD: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, KV_ALIGN: tl.constexpr):
+        PAGE: tl.constexpr, TILE_N: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, MIN_SPLITS: tl.constexpr,
+        NB_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_ALIGN: tl.constexpr):
     """Steps 1 and 2 of the module docstring for program (row * kv_heads + kv_head, split)."""
     row = tl.program_id(0) // kv_heads
     kvh = tl.program_id(0) % kv_heads
@@ -292,15 +314,16 @@ def _split_kernel(
     listed = _listed_blocks(support_ptr, row, kvh, is_sparse, n_causal, stride_sb, stride_sh,
                             GROUP, GROUP_PAD, NB_PAD)
     n_listed = tl.sum(listed.to(tl.int32), 0)
-    n_splits = tl.maximum(tl.cdiv(n_listed, SPLIT_BLOCKS), 1)
+    split_blocks = _split_size(n_listed, SPLIT_BLOCKS, TILE_N // BLOCK, MIN_SPLITS)
+    n_splits = tl.maximum(tl.cdiv(n_listed, split_blocks), 1)
     if split >= n_splits:
         return
     offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + row * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
                 mask=g_ok[:, None], other=0.0)                                # [BLOCK_G, D]
     rank = tl.cumsum(listed.to(tl.int32), 0) - 1
-    lo = split * SPLIT_BLOCKS
-    hi = tl.minimum(lo + SPLIT_BLOCKS, n_listed)
+    lo = split * split_blocks
+    hi = tl.minimum(lo + split_blocks, n_listed)
     mine = listed & (rank >= lo) & (rank < hi)
     page = tl.load(page_table_ptr + row * stride_pt + blk * BLOCK // PAGE, mask=mine, other=0)
     start = (page.to(tl.int64) * stride_kp + (blk * BLOCK % PAGE).to(tl.int64) * stride_kt
@@ -365,8 +388,8 @@ def _finish_kernel(
         heads, max_blocks, eta,
         stride_sb, stride_sh, stride_ob, stride_oh, stride_mb, stride_mh, ws_blocks, ws_splits,
         HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK: tl.constexpr,
-        SPLIT_BLOCKS: tl.constexpr, NB_PAD: tl.constexpr, S_CHUNK: tl.constexpr,
-        RETURN_MASS: tl.constexpr):
+        SPLIT_BLOCKS: tl.constexpr, TILE_BLOCKS: tl.constexpr, MIN_SPLITS: tl.constexpr,
+        NB_PAD: tl.constexpr, S_CHUNK: tl.constexpr, RETURN_MASS: tl.constexpr):
     """Step 3 of the module docstring for program (row * heads + head)."""
     row = tl.program_id(0) // heads
     head = tl.program_id(0) % heads
@@ -375,7 +398,8 @@ def _finish_kernel(
     n_causal = tl.minimum(tl.cdiv(seq_len, BLOCK), max_blocks)
     listed = _listed_blocks(support_ptr, row, head // GROUP, mode == _SPARSE, n_causal, stride_sb, stride_sh,
                             GROUP, GROUP_PAD, NB_PAD)
-    n_splits = tl.maximum(tl.cdiv(tl.sum(listed.to(tl.int32), 0), SPLIT_BLOCKS), 1)
+    n_listed = tl.sum(listed.to(tl.int32), 0)
+    n_splits = tl.maximum(tl.cdiv(n_listed, _split_size(n_listed, SPLIT_BLOCKS, TILE_BLOCKS, MIN_SPLITS)), 1)
     _finish_head(row, head, heads, mode, n_splits, n_causal, max_blocks, eta,
                  out_ptr, mass_ptr, support_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
                  stat_m_ptr, stat_l_ptr,
@@ -481,11 +505,12 @@ def kernel_launches(q, k_pages, v_pages, page_table, seq_lens, modes, support, o
     config, block_size = ws.config, ws.block_size
     group = heads // kv_heads
     split_blocks = _split_blocks(config, block_size)
-    max_splits = -(-max_blocks // split_blocks)
+    max_splits = _max_splits(config, block_size, max_blocks)
+    tile_n = max(config.tile_n, block_size)
     support = support.view(torch.uint8)
     partials = (ws.part_acc, ws.part_m, ws.part_l, ws.stat_m, ws.stat_l)
     shared = dict(HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK=block_size,
-                  SPLIT_BLOCKS=split_blocks, NB_PAD=triton.next_power_of_2(max_blocks))
+                  SPLIT_BLOCKS=split_blocks, MIN_SPLITS=config.min_splits, NB_PAD=triton.next_power_of_2(max_blocks))
     split = (
         _split_kernel, (batch * kv_heads, max_splits),
         (q, k_pages, v_pages, page_table, seq_lens, modes, support, ws.starts, ws.blocks, *partials,
@@ -493,7 +518,7 @@ def kernel_launches(q, k_pages, v_pages, page_table, seq_lens, modes, support, o
          q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
          page_table.stride(0), support.stride(0), support.stride(1), ws.max_blocks, ws.max_splits),
         dict(shared, BLOCK_G=1 if group == 1 and not config.mha_dots else max(16, triton.next_power_of_2(group)),
-             PAGE=k_pages.shape[1], TILE_N=max(config.tile_n, block_size),
+             PAGE=k_pages.shape[1], TILE_N=tile_n,
              DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
              KV_ALIGN=16 if all(stride % 16 == 0 for stride in k_pages.stride()[:3]) else 1,
              num_warps=config.num_warps, num_stages=config.num_stages))
@@ -502,7 +527,8 @@ def kernel_launches(q, k_pages, v_pages, page_table, seq_lens, modes, support, o
         (seq_lens, modes, support, out, mass, *partials, heads, max_blocks, eta,
          support.stride(0), support.stride(1), out.stride(0), out.stride(1), mass.stride(0), mass.stride(1),
          ws.max_blocks, ws.max_splits),
-        dict(shared, S_CHUNK=min(16, triton.next_power_of_2(max_splits)), RETURN_MASS=return_mass,
+        dict(shared, TILE_BLOCKS=tile_n // block_size, S_CHUNK=min(16, triton.next_power_of_2(max_splits)),
+             RETURN_MASS=return_mass,
              num_warps=4, num_stages=1))
     return [split, finish]
 
