@@ -69,10 +69,13 @@ def sweep_configs():
     """Launch configurations tried besides the table's (dense and sparse @0.13), most promising
     first (the sweep stops at its time budget). Registers per thread from an offline sm90
     compile (triton 3.6) in brackets; an SM holds 64K registers, so 4 warps at <= 128 registers
-    run 4 programs per SM. Without mha_dots the loop has no dot and Triton does not pipeline
+    run 4 programs per SM. min_splits > 1 gives rows listing few blocks (sparse ones) more,
+    smaller splits. Without mha_dots the loop has no dot and Triton does not pipeline
     its loads, so num_stages changes nothing there and only 2 is tried."""
     from wise_torch.kernels.triton_decode import KernelConfig as C
     return [C(tile_n=64, split_keys=512, num_warps=4, num_stages=2),                   # [128] reductions
+            C(tile_n=64, split_keys=512, num_warps=4, num_stages=3, mha_dots=True, min_splits=4),  # [162]
+            C(tile_n=64, split_keys=512, num_warps=4, num_stages=2, min_splits=4),     # [96]
             C(tile_n=64, split_keys=512, num_warps=4, num_stages=2, mha_dots=True),    # [160]
             C(tile_n=64, split_keys=256, num_warps=4, num_stages=3, mha_dots=True),    # [162]
             C(tile_n=64, split_keys=1024, num_warps=4, num_stages=3, mha_dots=True),   # [162]
