@@ -15,6 +15,7 @@ import sysconfig
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer
 
 EOT = 256  # <|endoftext|> of the byte tokenizer
 HELD_OUT_FRACTION = 0.1
@@ -53,27 +54,26 @@ def split_files(paths: list[str], fraction: float = HELD_OUT_FRACTION) -> tuple[
     return train, held
 
 
-def token_stream(paths: list[str], root: Path | None = None) -> np.ndarray:
-    """uint16[n_tokens]: each file's bytes preceded by <|endoftext|>, in the given order."""
+def token_stream(paths: list[str], root: Path | None = None, tokenizer: Tokenizer | None = None,
+                 separator: int | None = EOT) -> np.ndarray:
+    """int64[n_tokens]: each file's tokens preceded by `separator` (none when None), in order.
+
+    Without a tokenizer the tokens are the file's bytes (the byte tokenizer's ids, exact for any
+    encoding); with one, the file decoded as UTF-8 (invalid bytes replaced) and encoded by it.
+    """
     root = stdlib_root() if root is None else Path(root)
     if not paths:
         raise ValueError("token_stream needs at least one file")
     parts = []
     for rel in paths:
-        parts.append(np.array([EOT], np.uint16))
-        parts.append(np.frombuffer((root / rel).read_bytes(), np.uint8).astype(np.uint16))
+        if separator is not None:
+            parts.append(np.array([separator], np.int64))
+        data = (root / rel).read_bytes()
+        if tokenizer is None:
+            parts.append(np.frombuffer(data, np.uint8).astype(np.int64))
+        else:
+            parts.append(np.array(tokenizer.encode(data.decode("utf-8", "replace")).ids, np.int64))
     return np.concatenate(parts)
-
-
-def load_split(fraction: float = HELD_OUT_FRACTION, root: Path | None = None,
-               max_files: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(train_stream, held_out_stream); `max_files` keeps the first files of each side (smoke runs)."""
-    train, held = split_files(list_files(root), fraction)
-    if max_files is not None:
-        train, held = train[:max_files], held[:max_files]
-    if not held:
-        raise ValueError("the held-out split is empty; raise the fraction or the file count")
-    return token_stream(train, root), token_stream(held, root)
 
 
 def sample_contexts(stream: np.ndarray, n: int, min_len: int, max_len: int, continuation: int,
@@ -93,6 +93,6 @@ def sample_contexts(stream: np.ndarray, n: int, min_len: int, max_len: int, cont
     for _ in range(n):
         length = int(rng.integers(min_len, max_len + 1))
         start = int(rng.integers(0, len(stream) - length - continuation + 1))
-        window = stream[start:start + length + continuation].astype(np.int64).tolist()
+        window = stream[start:start + length + continuation].tolist()
         pairs.append((window[:length], window[length:]))
     return pairs

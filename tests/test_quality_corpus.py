@@ -56,6 +56,9 @@ def test_token_stream_matches_the_byte_tokenizer(tmp_path):
     for name in paths:
         expected += [eot] + tok.encode(texts[name]).ids
     assert np.array_equal(corpus.token_stream(paths, tmp_path), np.array(expected))
+    assert np.array_equal(corpus.token_stream(paths, tmp_path, tokenizer=tok), np.array(expected))
+    assert np.array_equal(corpus.token_stream(paths, tmp_path, separator=None),
+                          [t for t in expected if t != eot])
 
 
 def test_sample_contexts_are_seeded_and_contiguous():
