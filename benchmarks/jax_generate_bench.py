@@ -32,6 +32,7 @@ if str(ROOT.parent) not in sys.path:  # run from a checkout without installing
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import jaxlib  # noqa: E402
 import numpy as np  # noqa: E402
 
 import wise_jax  # noqa: E402
@@ -55,7 +56,7 @@ def environment() -> dict:
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": platform.node(), "device": f"{device.platform}: {device.device_kind}",
             "python": platform.python_version(), "jax": jax.__version__,
-            "jaxlib": getattr(jax.lib, "__version__", jax.__version__), "numpy": np.__version__}
+            "jaxlib": jaxlib.__version__, "numpy": np.__version__}
 
 
 def run_variant(params, config, prompts, variant: str, args) -> dict:

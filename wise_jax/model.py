@@ -2,15 +2,15 @@
 
 Structure (docs/DESIGN.md "Model"): embed; `total_ut_steps` loops, each a `lax.scan` of the
 sandwich-norm `decoder_layer` over the stacked layers followed by `model.norm`; the early-exit
-gate on each loop's normed state; the head on the last loop. Three callers share `run_loop` and
-differ only in how a layer attends: `forward` (dense causal, differentiable), `prefill` (dense
-causal, writing the paged cache) and `decode_step` (one token per row against the paged cache,
-dense or WISE).
+gate on each loop's normed state; the head on the last loop. Every loop runs
+(`early_exit_threshold` is not applied; `forward_with_exits` returns the exit probabilities).
+Three callers share `run_loop` and differ only in how a layer attends: `forward` (dense causal,
+differentiable), `prefill` (dense causal, writing the paged cache) and `decode_step` (one token
+per row against the paged cache, dense or WISE).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable
 
 import jax
