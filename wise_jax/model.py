@@ -26,15 +26,16 @@ from wise_jax.params import LayerParams, Params
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """x: [..., hidden] -> x * rsqrt(mean(x^2) + eps) * weight, computed in float32, x's dtype."""
+    """x: [..., hidden] -> weight * (x * rsqrt(mean(x^2) + eps)): normalised in float32, cast back to
+    x's dtype, then scaled (the HF Ouro order)."""
     x32 = x.astype(jnp.float32)
-    y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * weight.astype(jnp.float32)
-    return y.astype(x.dtype)
+    y = (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    return (weight.astype(x.dtype) * y).astype(x.dtype)
 
 
 def rope(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
     """positions int32[batch, seq] -> (cos, sin) float32[batch, seq, head_dim] (split-half layout)."""
-    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
