@@ -245,7 +245,9 @@ def candidates(batch: int) -> list[tuple[str, bool, int]]:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=Path, help="output directory (checkpoint, log, plot)")
-    ap.add_argument("--minutes", type=float, default=5.0, help="training wall-clock budget")
+    ap.add_argument("--minutes", type=float, default=None,
+                    help="training wall-clock budget, from the first step after compilation; start-up, "
+                         "compilation and the final evaluation come on top (default 5, smoke 0.25)")
     ap.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=2048)
@@ -262,14 +264,82 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true",
                     help="tiny model, short context, few files: a CPU check of the whole script")
     args = ap.parse_args(argv)
+    if args.minutes is None:
+        args.minutes = 0.25 if args.smoke else 5.0
     if args.smoke:
-        args.minutes = min(args.minutes, 0.25)
         args.batch, args.seq_len, args.warmup = min(args.batch, 4), min(args.seq_len, 256), 10
         args.eval_every, args.eval_windows, args.final_eval_windows = 4.0, 8, 16
     for name in ("minutes", "batch", "seq_len", "lr", "eval_every", "eval_windows", "final_eval_windows"):
         if not getattr(args, name) > 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be positive")
     return args
+
+
+@dataclasses.dataclass
+class Setting:
+    """How training runs: attention implementation, rematerialisation, batch, the jitted step."""
+
+    attention: str
+    remat: bool
+    batch: int
+    step: Callable
+
+
+def pick_setting(config: ModelConfig, args, stream: jax.Array, sample: Callable) -> Setting:
+    """The first of `candidates` whose step compiles and runs with a finite loss."""
+    for attention, remat, batch in candidates(args.batch):
+        params, opt = init_state(config, args.seed)
+        step = make_train_step(config, seq_len=args.seq_len, beta=args.beta, weight_decay=args.weight_decay,
+                               clip=args.clip, attention=attention, remat=remat)
+        try:
+            t = time.perf_counter()
+            _, _, metrics = step(params, opt, stream, sample(batch), jnp.float32(0.0))
+            if not np.isfinite(float(metrics["loss"])):
+                raise FloatingPointError(f"first-step loss is {float(metrics['loss'])}")
+        except Exception as e:  # compile or runtime failure (no cuDNN, out of memory): next setting
+            print(f"attention {attention}, remat {remat}, batch {batch} failed: {str(e).splitlines()[0][:300]}",
+                  flush=True)
+            continue
+        print(f"attention {attention}, remat {remat}, batch {batch}: first step (compile) "
+              f"{time.perf_counter() - t:.1f}s", flush=True)
+        return Setting(attention, remat, batch, step)
+    raise SystemExit("no training setting compiled and ran; see the errors above")
+
+
+def train(config: ModelConfig, args, setting: Setting, stream: jax.Array, sample: Callable,
+          evaluate: Callable, periodic: np.ndarray):
+    """The training loop under the wall-clock budget, evaluating every `--eval-every` seconds.
+    Returns (params, history, steps, diverged_at_step or None, training seconds)."""
+    params, opt = init_state(config, args.seed)
+    budget = args.minutes * 60.0
+    history, window, pending, step, diverged = [], [], None, 0, None
+    start, last_eval = time.perf_counter(), -math.inf
+    while True:
+        elapsed = time.perf_counter() - start
+        done = elapsed >= budget or (args.max_steps is not None and step >= args.max_steps)
+        if done or elapsed - last_eval >= args.eval_every:
+            if pending is not None:
+                window.append(jax.device_get(pending))
+                pending = None
+            last_eval = elapsed
+            history.append(progress_record(step, setting.batch * args.seq_len, elapsed, window,
+                                           held_out_metrics(evaluate, params, periodic, setting.batch)))
+            window = []
+            if not math.isfinite(history[-1]["heldout_bpb"]):
+                print("held-out loss is not finite: training diverged; keeping the weights of the "
+                      f"evaluation at step {history[-2]['step']}", flush=True)
+                params, diverged = last_good, step
+                break
+            last_good = jax.tree.map(jnp.copy, params)  # params are donated to the next step
+        if done:
+            break
+        lr = learning_rate(step, elapsed / budget, peak=args.lr, warmup=args.warmup,
+                           final_ratio=args.final_lr_ratio)
+        params, opt, metrics = setting.step(params, opt, stream, sample(setting.batch), jnp.float32(lr))
+        if pending is not None:  # read the previous step while this one runs: one step in flight
+            window.append(jax.device_get(pending))
+        pending, step = metrics, step + 1
+    return params, history, step, diverged, time.perf_counter() - start
 
 
 def main(argv=None) -> dict:
@@ -291,64 +361,21 @@ def main(argv=None) -> dict:
     print(f"device {device.device_kind} ({jax.default_backend()}); train {len(train_np):,} tokens, "
           f"held-out {len(held_np):,} tokens; files {len(train_files)}/{len(held_files)}", flush=True)
     rng = np.random.default_rng(args.seed)
-    high = len(train_np) - args.seq_len - 1
 
-    def offsets(batch):
-        return jnp.asarray(rng.integers(0, high + 1, size=batch), jnp.int32)
+    def sample(batch: int) -> jax.Array:
+        return jnp.asarray(rng.integers(0, len(train_np) - args.seq_len - 1, size=batch), jnp.int32)
 
-    # Pick the first setting that compiles and runs a step.
-    for attention, remat, batch in candidates(args.batch):
-        params, opt = init_state(config, args.seed)
-        step_fn = make_train_step(config, seq_len=args.seq_len, beta=args.beta, weight_decay=args.weight_decay,
-                                  clip=args.clip, attention=attention, remat=remat)
-        try:
-            t = time.perf_counter()
-            params, opt, metrics = step_fn(params, opt, stream, offsets(batch), jnp.float32(0.0))
-            jax.block_until_ready(metrics)
-            print(f"attention {attention}, remat {remat}, batch {batch}: first step (compile) "
-                  f"{time.perf_counter() - t:.1f}s", flush=True)
-            break
-        except Exception as e:  # compile or runtime failure (no cuDNN, out of memory): next setting
-            print(f"attention {attention}, remat {remat}, batch {batch} failed: {str(e).splitlines()[0][:300]}",
-                  flush=True)
-    else:
-        raise SystemExit("no training configuration compiled; see the errors above")
-    params, opt = init_state(config, args.seed)  # the trial step used lr 0 but advanced Adam's moments
-    evaluate = make_eval_step(config, attention)
-    n_params = sum(x.size for x in jax.tree.leaves(params))
-    print(f"{n_params:,} parameters; batch {batch} x {args.seq_len}; budget {args.minutes} min", flush=True)
+    setting = pick_setting(config, args, stream, sample)
+    evaluate = make_eval_step(config, setting.attention)
+    n_params = sum(x.size for x in jax.tree.leaves(wise_jax.abstract_params(config)))
+    print(f"{n_params:,} parameters; batch {setting.batch} x {args.seq_len}; budget {args.minutes} min", flush=True)
+    params, history, steps, diverged, train_s = train(config, args, setting, stream, sample, evaluate, periodic)
 
-    budget = args.minutes * 60.0
-    history, window, pending, step = [], [], None, 0
-    train_start = time.perf_counter()
-    last_eval = -math.inf
-    while True:
-        elapsed = time.perf_counter() - train_start
-        done = elapsed >= budget or (args.max_steps is not None and step >= args.max_steps)
-        if done or elapsed - last_eval >= args.eval_every:
-            if pending is not None:
-                window.append(jax.device_get(pending))
-                pending = None
-            last_eval = elapsed
-            history.append(progress_record(step, batch * args.seq_len, elapsed, window,
-                                           held_out_metrics(evaluate, params, periodic, batch)))
-            window = []
-        if done:
-            break
-        lr = learning_rate(step, elapsed / budget, peak=args.lr, warmup=args.warmup,
-                           final_ratio=args.final_lr_ratio)
-        params, opt, metrics = step_fn(params, opt, stream, offsets(batch), jnp.float32(lr))
-        if pending is not None:  # read the previous step while this one runs: one step in flight
-            window.append(jax.device_get(pending))
-        pending, step = metrics, step + 1
-    train_s = time.perf_counter() - train_start
-
-    final = held_out_metrics(evaluate, params, final_data, batch)
-    final.update({"steps": step, "tokens_seen": step * batch * args.seq_len, "train_s": round(train_s, 1),
-                  "heldout_windows": len(final_data)})
-    print(f"final held-out: {final['heldout_bpb']:.4f} bits per byte (last loop) over "
-          f"{final['heldout_bytes']:,} bytes; per loop nats {np.round(final['heldout_nll_per_loop'], 4).tolist()}",
-          flush=True)
+    final = held_out_metrics(evaluate, params, final_data, setting.batch)
+    final.update({"steps": steps, "tokens_seen": steps * setting.batch * args.seq_len,
+                  "train_s": round(train_s, 1), "heldout_windows": len(final_data), "diverged_at_step": diverged})
+    print(f"final held-out: {final['heldout_bpb']:.4f} bits per byte (last loop) over {final['heldout_bytes']:,} "
+          f"bytes; per loop nats {np.round(final['heldout_nll_per_loop'], 4).tolist()}", flush=True)
 
     out = Path(args.out)
     tensors = wise_jax.to_checkpoint_tensors(config, params)
@@ -357,7 +384,7 @@ def main(argv=None) -> dict:
         "model": config.to_dict(), "parameters": int(n_params),
         "objective": f"Ouro stage I: sum_t p_t CE_t - {args.beta} H(p); early-exit gate trained",
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "attention": attention, "remat": remat, "batch": batch,
+        "attention": setting.attention, "remat": setting.remat, "batch": setting.batch,
         "corpus": {"stdlib": str(stdlib_corpus.stdlib_root()), "train_files": len(train_files),
                    "heldout_files": len(held_files), "train_tokens": int(len(train_np)),
                    "heldout_tokens": int(len(held_np)), "heldout_fraction": stdlib_corpus.HELD_OUT_FRACTION},

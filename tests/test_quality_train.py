@@ -12,6 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
+import qa_scoring  # noqa: E402
 import quality  # noqa: E402
 import train_builtin as tb  # noqa: E402
 import wise_jax  # noqa: E402
@@ -105,3 +106,27 @@ def test_quality_smoke_run_on_the_smoke_model(smoke_model, tmp_path):
         assert len(row["per_context"]["nll"]) == 4
     # A lower eta keeps fewer blocks.
     assert result["rows"][0]["density"]["2"] <= result["rows"][1]["density"]["2"]
+
+
+def test_qa_run_scores_the_answers(smoke_model, tmp_path):
+    out, _ = smoke_model
+    records = [{"question": "Which keyword defines a function?", "context": "In Python, def defines a function.",
+                "answer": "def"},
+               {"question": "What ends a function?", "context": [["Python", ["A return statement", " ends it."]]],
+                "answers": ["return", "a return statement"]},
+               {"question": "Too long?", "context": "x" * 5000, "answer": "yes"}]
+    data = tmp_path / "qa.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    argv = ["qa", "--model", str(out), "--data", str(data), "--max-new-tokens", "4", "--etas", "0.5",
+            "--out", str(tmp_path), "--quiet"]
+    with pytest.raises(SystemExit, match="example 2: prompt of .* exceeds max_position_embeddings 4096"):
+        quality.main(argv)
+    result = quality.main(argv + ["--skip-too-long"])
+    assert result["examples"] == 2 and result["skipped_too_long"] == [2]
+    golds = [["def"], ["return", "a return statement"]]
+    for key, summary in (("dense", result["dense"]), ("0.5", result["rows"][0])):
+        assert len(result["answers"][key]) == 2
+        scores = [qa_scoring.best_scores(answer, g) for answer, g in zip(result["answers"][key], golds)]
+        assert summary["em"] == pytest.approx(np.mean([s[0] for s in scores]))
+        assert summary["f1"] == pytest.approx(np.mean([s[1] for s in scores]))
+    assert (tmp_path / f"quality_qa_{out.name}_qa.md").exists()

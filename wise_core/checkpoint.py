@@ -191,5 +191,16 @@ def _random_tiny() -> Checkpoint:
                       "random-tiny")
 
 
+# Trained models shipped in wise_core/models/<name>/ (checkpoint directories).
+PACKAGED_MODELS_DIR = Path(__file__).resolve().parent / "models"
+TRAINED_MODEL = "ouro-py-3m"  # trained on the stdlib's source by benchmarks/train_builtin.py
+
+
+def _packaged(directory: Path):
+    return lambda: load_checkpoint(directory)
+
+
 BUILTIN_MODELS = {"random-tiny": _random_tiny}
-DEFAULT_MODEL = "random-tiny"
+BUILTIN_MODELS.update({config.parent.name: _packaged(config.parent)
+                       for config in sorted(PACKAGED_MODELS_DIR.glob("*/config.json"))})
+DEFAULT_MODEL = TRAINED_MODEL if TRAINED_MODEL in BUILTIN_MODELS else "random-tiny"
