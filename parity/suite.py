@@ -85,14 +85,15 @@ class Settings:
         if gpu and jax_backend() not in ("gpu", "cuda", "rocm"):
             raise RuntimeError(f"torch runs on CUDA but JAX on {jax_backend()!r}: install jax with CUDA, "
                                f"or run on CPU with CUDA_VISIBLE_DEVICES=")
-        if quick:  # GQA and the default model (MHA); the interpreted kernels decode 2 steps
+        kernels = ("triton", "pallas") if gpu else ("reference", "reference")
+        if quick:  # GQA and the default model (MHA); interpreted kernels decode 2 steps on CPU
             work = cases.Workload((70, 133), 8)
-            e2e = tuple(EndToEnd(m, "reference", "reference", mode, "float32", work)
+            pairs = {("reference", "reference"), kernels}
+            e2e = tuple(EndToEnd(m, *k, mode, "float32", work) for k in sorted(pairs)
                         for m in ("test-tiny-gqa", DEFAULT_MODEL) for mode in ("dense", "wise"))
             return cls(quick, device, cases.attention_cases(True), cases.DTYPES, "test-tiny-gqa",
                        cases.Workload((40,), 3), e2e)
         long, short = cases.Workload((90, 700, 2500), 32), cases.Workload((90, 300), 16)
-        kernels = ("triton", "pallas") if gpu else ("reference", "reference")
         e2e = [EndToEnd(m, *kernels, "dense", "float32", long) for m in ("test-tiny-gqa", DEFAULT_MODEL, "medium-random")]
         e2e += [EndToEnd(m, *kernels, "wise", "float32", short) for m in ("test-tiny-gqa", DEFAULT_MODEL, "medium-random")]
         if gpu:
@@ -145,8 +146,8 @@ class Suite:
             return model
 
         def write() -> str:
-            config = cases.MODELS[model]
-            tensors = random_tensors(config, seed=0, std=cases.WEIGHT_STD)
+            config, std = cases.MODELS[model]
+            tensors = random_tensors(config, seed=0, std=std)
             path = Path(self._dir.name) / model
             save_checkpoint(path, Checkpoint(config, tensors, None, model))
             return str(path)

@@ -4,10 +4,15 @@ kernel the frameworks list is importable, hence checked.
 Each check is one implementation (parity.checks) shared with `python -m parity`; its bounds are
 stated there (bitwise checks: 0 differing values)."""
 
+import dataclasses
+
+import numpy as np
 import pytest
 
-from parity.checks import CHECKS
-from parity.suite import Suite
+from parity import cases
+from parity.checks import CHECKS, LOGIT_ULPS, compare_runs
+from parity.suite import EndToEnd, Generated, Settings, Suite
+from wise_core.config import PRESETS
 
 
 @pytest.fixture(scope="module")
@@ -20,11 +25,37 @@ def test_every_listed_kernel_is_checked(suite):
     assert {i.name for i in suite.impls} >= {"torch-reference", "torch-triton", "jax-reference", "jax-pallas"}
 
 
-@pytest.mark.parametrize("name", list(CHECKS))
-def test_check(suite, name):
+def assert_check_passes(suite, name):
+    """Run check `name`: it yields results, fails none, and does not skip them all."""
     results = CHECKS[name].run(suite)
     assert results, f"check {name} produced no results"
     failed = [r for r in results if r.passed is False]
     assert not failed, "\n".join(f"{r.impl} {r.case} {r.dtype}: measured {r.measured} > bound {r.bound} "
                                  f"({r.unit}): {r.detail}" for r in failed)
     assert any(r.passed for r in results), f"check {name} skipped every row: {results[0].detail}"
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_check(suite, name):
+    assert_check_passes(suite, name)
+
+
+def test_end_to_end_teacher_forced_bfloat16():
+    """The low-precision end-to-end path (run on the GPU at full size) on a tiny model."""
+    run = EndToEnd("test-tiny-gqa", "reference", "reference", "wise", "bfloat16", cases.Workload((70,), 4))
+    suite = Suite(dataclasses.replace(Settings.for_machine(quick=True), e2e=(run,)), impls=[])
+    [result] = CHECKS["end-to-end"].run(suite)
+    assert (result.passed, result.case, result.dtype) == (True, "test-tiny-gqa wise forced", "bfloat16"), result.detail
+    assert result.measured <= result.bound and result.detail.startswith("4 forced tokens")
+
+
+@pytest.mark.parametrize("gap, passed", [(1e-6, True), (0.5, False)])
+def test_greedy_divergence_passes_only_on_a_near_tie(gap, passed):
+    logits = np.zeros((3, 5), np.float32)
+    logits[:, 0] = 1.0
+    logits[1, 2] = 1.0 - gap  # step 1: token 0 leads token 2 by `gap`
+    torch_run, jax_run = Generated([[0, 0, 0]], [logits]), Generated([[0, 2, 4]], [logits.copy()])
+    result = compare_runs(PRESETS["test-tiny"], torch_run, jax_run, "float32", LOGIT_ULPS, forced=False)
+    assert result.passed is passed and result.measured == 0
+    assert result.detail.startswith("prompt 0 diverges at step 1: torch [0] vs jax [2], torch's top-2 logit gap")
+    assert result.detail.endswith("<= 2 x bound: a near-tie" if passed else "NOT a near-tie")
