@@ -80,9 +80,11 @@ class KernelConfig:
         for name in ("tile_blocks", "num_splits", "num_warps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0 or value & (value - 1):
-                raise ValueError(f"KernelConfig.{name} must be a positive power of two, got {value!r}")
+                raise ValueError(
+                    f"KernelConfig.{name} must be a positive power of two, got {value!r}")
         if not isinstance(self.num_stages, int) or self.num_stages <= 0:
-            raise ValueError(f"KernelConfig.num_stages must be a positive integer, got {self.num_stages!r}")
+            raise ValueError(
+                f"KernelConfig.num_stages must be a positive integer, got {self.num_stages!r}")
 
 
 def default_config(batch: int, heads: int, max_blocks: int, head_dim: int, block_size: int,
@@ -112,7 +114,7 @@ def _next_pow2(n: int) -> int:
 
 
 def _listed_blocks(support_ref, b, h, seq_len, mode, *, block_size, blocks_pad):
-    """bool[blocks_pad]: the blocks row b attends (SPARSE: its support; else all) that are causal."""
+    """bool[blocks_pad]: the causal blocks row b attends (SPARSE: its support; else all)."""
     index = jnp.arange(blocks_pad, dtype=jnp.int32)
     held = pl_triton.load(support_ref.at[b, h, index], mask=index < support_ref.shape[-1],
                           other=False)
@@ -135,7 +137,8 @@ def _split_kernel(seq_lens_ref, modes_ref, support_ref, page_table_ref, q_ref, k
     if finish is None:
         acc_ref, m_ref, l_ref, block_lse_ref = refs
     else:  # the counter's input ref, then outputs; the counter's output ref aliases the input
-        _, acc_ref, m_ref, l_ref, block_lse_ref, out_ref, support_out_ref, mass_ref, counter_ref = refs
+        (_, acc_ref, m_ref, l_ref, block_lse_ref, out_ref, support_out_ref, mass_ref,
+         counter_ref) = refs
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq_len, mode = seq_lens_ref[b], modes_ref[b]
     n_blocks, blocks_pad = support_ref.shape[-1], block_lse_ref.shape[-1]
@@ -401,7 +404,8 @@ def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, modes, support, blo
     if q.ndim != 3:
         raise ValueError(f"q must be [batch, heads, head_dim], got shape {q.shape}")
     if k_pages.ndim != 4:
-        raise ValueError(f"k_pages must be [num_pages, page_size, kv_heads, head_dim], got shape {k_pages.shape}")
+        raise ValueError(f"k_pages must be [num_pages, page_size, kv_heads, head_dim], "
+                         f"got shape {k_pages.shape}")
     if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
         raise ValueError(f"v_pages {v_pages.shape} {v_pages.dtype} must match k_pages "
                          f"{k_pages.shape} {k_pages.dtype}")
