@@ -11,7 +11,8 @@ Both frameworks are tested against these functions. Conventions (shared by every
   `threshold = eta * total`, the block at rank r is kept iff r == 0 or c[r - 1] < threshold.
   That is the smallest ranked prefix whose mass reaches eta of the total, never empty.
   Implementations may sum in another order; they then agree except where a running sum lies
-  within float32 rounding of the threshold.
+  within float32 rounding of the threshold. Masses below float32's smallest normal number
+  count as zero (GPU arithmetic and XLA on CPU flush such subnormals).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def select_blocks(mass: np.ndarray, eta: float) -> np.ndarray:
     mass = mass.astype(np.float32)
     if np.any(mass < 0) or not np.all(np.isfinite(mass)):
         raise ValueError("mass must be finite and non-negative")
+    mass = np.where(mass < np.finfo(np.float32).tiny, np.float32(0), mass)
     order = np.argsort(-mass, axis=-1, kind="stable")  # descending, ties to the lower index
     ranked = np.take_along_axis(mass, order, axis=-1)
     running = np.cumsum(ranked, axis=-1, dtype=np.float32)

@@ -25,6 +25,7 @@ def select_blocks(mass: jax.Array, eta: float) -> jax.Array:
     Rank blocks by mass descending (ties to the lower index); keep the block at rank r iff
     r == 0 or the mass ranked before it is < eta * total (wise_core.reference.select_blocks)."""
     mass = mass.astype(jnp.float32)
+    mass = jnp.where(mass < jnp.finfo(jnp.float32).tiny, jnp.float32(0), mass)  # flush subnormals
     order = jnp.argsort(-mass, axis=-1, stable=True)
     running = jnp.cumsum(jnp.take_along_axis(mass, order, axis=-1), axis=-1)
     before = jnp.concatenate([jnp.zeros_like(running[..., :1]), running[..., :-1]], axis=-1)

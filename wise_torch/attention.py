@@ -39,7 +39,9 @@ def select_blocks(mass: torch.Tensor, eta: float) -> torch.Tensor:
     """
     if not 0.0 < eta <= 1.0:
         raise ValueError(f"eta must be in (0, 1], got {eta}")
-    ranked, order = torch.sort(mass.float(), dim=-1, descending=True, stable=True)
+    mass = mass.float()
+    mass = torch.where(mass < torch.finfo(torch.float32).tiny, torch.zeros_like(mass), mass)  # flush subnormals
+    ranked, order = torch.sort(mass, dim=-1, descending=True, stable=True)
     running = torch.cumsum(ranked, dim=-1)
     threshold = running[..., -1:] * eta
     before = torch.cat([torch.zeros_like(running[..., :1]), running[..., :-1]], dim=-1)
