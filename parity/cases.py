@@ -143,7 +143,8 @@ class SelectionCase:
 
 def selection_cases(seed: int = 0) -> list[SelectionCase]:
     """Random masses (Dirichlet and heavy-tailed, several widths and etas) and adversarial ones:
-    exact ties, zeros, eta = 1, a single block, prefix sums landing on the threshold."""
+    exact ties, zeros, eta = 1, a single block, prefix sums landing on the threshold, extreme
+    magnitudes. No subnormals: with torch or JAX loaded the CPU may flush them to zero."""
     rng = np.random.default_rng(seed)
     f32 = functools.partial(np.asarray, dtype=np.float32)
     cases = []
@@ -160,7 +161,7 @@ def selection_cases(seed: int = 0) -> list[SelectionCase]:
         SelectionCase("eta-one", f32(rng.dirichlet(np.full(16, 0.5), 8)), 1.0),
         SelectionCase("single-block", f32([[0.0], [0.7], [1.0]]), 0.95),
         SelectionCase("on-threshold", f32([[0.5, 0.45, 0.05], [0.95, 0.05, 0.0], [0.25, 0.25, 0.5]]), 0.95),
-        SelectionCase("tiny-and-huge", f32([[1e-30, 1.0, 1e-40, 3e-38], [1e30, 1e-30, 1e30, 0.0]]), 0.95),
+        SelectionCase("tiny-and-huge", f32([[1e-30, 1.0, 2e-38, 3e-38], [1e30, 1e-30, 1e30, 0.0]]), 0.95),
     ]
     return cases
 

@@ -100,8 +100,8 @@ class Check:
             try:
                 measured = task.measure()
             except Exception as e:  # a crash is this row's failure, not the run's
-                lines = traceback.format_exception(e)
-                measured = Measured(False, detail=f"{type(e).__name__}: {e} [{lines[-2].strip() if len(lines) > 1 else ''}]")
+                where = traceback.extract_tb(e.__traceback__)[-1]
+                measured = Measured(False, detail=f"{type(e).__name__}: {e} (raised at {where.filename}:{where.lineno})")
             results.append(Result(**dataclasses.asdict(measured), check=self.name, impl=task.impl, case=task.case,
                                   dtype=task.dtype, seconds=time.perf_counter() - start))
         return results

@@ -11,7 +11,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-COLUMNS = ("check", "implementation", "case", "dtype", "measured", "bound", "status")
+COLUMNS = ("check", "implementation", "case", "dtype", "measured", "bound", "unit", "status")
 
 
 def _number(x: float | None) -> str:
@@ -24,8 +24,8 @@ def _number(x: float | None) -> str:
 
 def table(results, *, details: str = "failures") -> str:
     """Aligned text table; details: 'failures' (detail lines under FAIL/skip rows), 'all' or 'none'."""
-    rows = [COLUMNS] + [(r.check, r.impl, r.case, r.dtype, _number(r.measured), _number(r.bound), r.status)
-                        for r in results]
+    rows = [COLUMNS] + [(r.check, r.impl, r.case, r.dtype, _number(r.measured), _number(r.bound), r.unit or "-",
+                         r.status) for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     lines = []
     for n, row in enumerate(rows):
@@ -35,7 +35,7 @@ def table(results, *, details: str = "failures") -> str:
             continue
         result = results[n - 1]
         if result.detail and (details == "all" or (details == "failures" and result.status != "pass")):
-            lines.append(f"    {result.unit}: {result.detail}" if result.unit else f"    {result.detail}")
+            lines.append(f"    {result.detail}")
     return "\n".join(lines)
 
 

@@ -6,7 +6,7 @@ import parity
 from parity.checks import CHECKS, Check, Measured, Task
 from wise_core import cli
 
-HEADER = ["check", "implementation", "case", "dtype", "measured", "bound", "status"]
+HEADER = ["check", "implementation", "case", "dtype", "measured", "bound", "unit", "status"]
 
 
 def test_json_record(tmp_path, capsys):
@@ -28,8 +28,8 @@ def test_failure_exits_1_with_details(monkeypatch, capsys):
     monkeypatch.setitem(CHECKS, "planted", planted)
     assert cli.main(["parity", "--quick", "--check", "planted"]) == 1
     lines = capsys.readouterr().out.splitlines()
-    assert lines[2].split() == ["planted", "torch-x", "case-y", "float32", "3", "1", "FAIL"]
-    assert lines[3].strip() == "max |diff|: row 7 is off"
+    assert lines[2].split() == ["planted", "torch-x", "case-y", "float32", "3", "1", "max", "|diff|", "FAIL"]
+    assert lines[3].strip() == "row 7 is off"
 
 
 def test_list_and_unknown_check(capsys):
