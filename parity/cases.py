@@ -64,19 +64,14 @@ class AttentionCase:
         return np.stack([ref.causal_blocks(n, self.block_size, self.max_blocks) for n in self.seq_lens])
 
     @functools.lru_cache(maxsize=None)
-    def inputs(self, dtype: str) -> dict[str, np.ndarray]:
-        """q [batch, heads, head_dim], k_pages / v_pages [num_pages, page_size, kv_heads, head_dim]
-        (float32 holding `dtype` values), page_table int32[batch, max_pages], seq_lens int32[batch],
-        and supports bool[batch, heads, max_blocks]: `all_blocks` (every causal block), `random`
-        (about half the causal blocks, at least one per head), `garbage` (random bits)."""
+    def _float32_inputs(self) -> dict[str, np.ndarray]:
         rng = np.random.default_rng(self.seed)
         batch, max_pages = self.batch, self.max_pages
         num_pages = batch * max_pages + 2
         shape = (num_pages, self.page_size, self.kv_heads, self.head_dim)
-        k, v = rng.standard_normal(shape), rng.standard_normal(shape)
-        q = self.q_scale * rng.standard_normal((batch, self.heads, self.head_dim))
-        pool = rng.permutation(num_pages)
-        page_table = pool[:batch * max_pages].reshape(batch, max_pages).copy()
+        k, v = rng.standard_normal(shape, np.float32), rng.standard_normal(shape, np.float32)
+        q = self.q_scale * rng.standard_normal((batch, self.heads, self.head_dim), np.float32)
+        page_table = rng.permutation(num_pages)[:batch * max_pages].reshape(batch, max_pages)
         for b, n in enumerate(self.seq_lens):
             used = -(-n // self.page_size)
             page_table[b, used:] = page_table[(b + 1) % batch, :max_pages - used]  # foreign pages
@@ -84,9 +79,19 @@ class AttentionCase:
         random = (rng.random(causal.shape) < 0.5) & causal
         first = rng.integers(0, np.maximum(causal.sum(-1), 1))  # one causal block each head keeps
         np.put_along_axis(random, first[..., None], True, axis=-1)
-        arrays = {"q": round_to(q, dtype), "k_pages": round_to(k, dtype), "v_pages": round_to(v, dtype),
-                  "page_table": page_table.astype(np.int32), "seq_lens": np.asarray(self.seq_lens, np.int32),
-                  "all_blocks": causal.copy(), "random": random, "garbage": rng.random(causal.shape) < 0.5}
+        return {"q": q, "k_pages": k, "v_pages": v, "page_table": page_table.astype(np.int32),
+                "seq_lens": np.asarray(self.seq_lens, np.int32), "all_blocks": causal.copy(), "random": random,
+                "garbage": rng.random(causal.shape) < 0.5}
+
+    @functools.lru_cache(maxsize=None)
+    def inputs(self, dtype: str) -> dict[str, np.ndarray]:
+        """q [batch, heads, head_dim], k_pages / v_pages [num_pages, page_size, kv_heads, head_dim]
+        (float32 holding `dtype` values), page_table int32[batch, max_pages], seq_lens int32[batch],
+        and supports bool[batch, heads, max_blocks]: `all_blocks` (every causal block), `random`
+        (about half the causal blocks, at least one per head), `garbage` (random bits). Read-only."""
+        arrays = dict(self._float32_inputs())
+        for name in ("q", "k_pages", "v_pages"):
+            arrays[name] = round_to(arrays[name], dtype)
         for array in arrays.values():
             array.flags.writeable = False  # shared by every implementation: copy before writing
         return arrays

@@ -37,7 +37,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"parity: unknown check(s) {unknown}; choose from {sorted(CHECKS)}", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    suite = Suite(quick=args.quick)
+    try:
+        suite = Suite(quick=args.quick)
+    except RuntimeError as e:  # e.g. torch sees CUDA but JAX has no GPU backend
+        print(f"parity: {e}", file=sys.stderr)
+        return 2
     if suite.settings.device == "cpu" and not args.quick:
         print("parity: no GPU: full shapes run the Triton and Pallas kernels in their interpreters (slow); "
               "--quick runs the CI shapes", file=sys.stderr)

@@ -64,25 +64,35 @@ class Impl:
                     "so GQA bf16 (tensor-core dots) is checked on a GPU only")
         return None
 
-    def decode(self, inputs: dict[str, np.ndarray], dtype: str, modes: np.ndarray, support: np.ndarray, *,
-               block_size: int, eta: float) -> Decoded:
-        """decode_attention on inputs (see `cases.AttentionCase.inputs`) cast to `dtype`."""
-        names = ("q", "k_pages", "v_pages", "page_table", "seq_lens")
+    def to_device(self, inputs: dict[str, np.ndarray], dtype: str) -> dict:
+        """The fixed inputs of a case (see `cases.AttentionCase.inputs`) as this framework's arrays
+        on its device: q, k_pages, v_pages in `dtype`; page_table, seq_lens."""
         if self.framework == "torch":
-            def put(x, dt=None):
-                return torch.from_numpy(np.array(x)).to(self.device, dt)
             dt = getattr(torch, dtype)
-            args = [put(inputs[n], dt if n in names[:3] else None) for n in names]
-            out, new_support, mass = torch_attention.decode_attention(
-                *args, put(modes), put(support), block_size=block_size, eta=eta, return_mass=True,
-                kernel=self.kernel)
-            return Decoded(out.float().cpu().numpy(), new_support.cpu().numpy(), mass.float().cpu().numpy())
+            return {name: torch.from_numpy(np.array(inputs[name])).to(self.device, dt if name in _FLOATS else None)
+                    for name in _FIXED}
         dt = getattr(jnp, dtype)
-        args = [jnp.asarray(inputs[n], dt if n in names[:3] else None) for n in names]
+        return {name: jnp.asarray(inputs[name], dt if name in _FLOATS else None) for name in _FIXED}
+
+    def decode(self, arrays: dict, modes: np.ndarray, support: np.ndarray, *, block_size: int,
+               eta: float) -> Decoded:
+        """decode_attention(kernel=self.kernel) on `to_device` arrays, per-row modes int32[batch]
+        and support bool[batch, heads, max_blocks] (numpy; not modified)."""
+        fixed = [arrays[name] for name in _FIXED]
+        if self.framework == "torch":
+            out, new_support, mass = torch_attention.decode_attention(
+                *fixed, torch.from_numpy(np.array(modes)).to(self.device),
+                torch.from_numpy(np.array(support)).to(self.device), block_size=block_size, eta=eta,
+                return_mass=True, kernel=self.kernel)
+            return Decoded(out.float().cpu().numpy(), new_support.cpu().numpy(), mass.float().cpu().numpy())
         out, new_support, mass = jax_attention.decode_attention(
-            *args, jnp.asarray(modes), jnp.asarray(support), block_size=block_size, eta=eta, return_mass=True,
+            *fixed, jnp.asarray(modes), jnp.asarray(support), block_size=block_size, eta=eta, return_mass=True,
             kernel=self.kernel)
         return Decoded(np.asarray(out.astype(jnp.float32)), np.asarray(new_support), np.asarray(mass, np.float32))
+
+
+_FIXED = ("q", "k_pages", "v_pages", "page_table", "seq_lens")
+_FLOATS = ("q", "k_pages", "v_pages")
 
 
 def discover_impls(device: str) -> tuple[list[Impl], dict[str, str]]:

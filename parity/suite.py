@@ -173,9 +173,12 @@ class Suite:
         return modes, np.array(case.inputs(dtype)[support])
 
     def decode(self, impl: Impl, case: cases.AttentionCase, dtype: str, call: str) -> Decoded:
+        """One call of `CALLS` by `impl` (the case's arrays are moved to the device once)."""
         def run() -> Decoded:
+            arrays = self._once(("arrays", impl.framework, impl.device, case, dtype),
+                                lambda: impl.to_device(case.inputs(dtype), dtype))
             modes, support = self.call_inputs(case, dtype, call)
-            return impl.decode(case.inputs(dtype), dtype, modes, support, block_size=case.block_size, eta=case.eta)
+            return impl.decode(arrays, modes, support, block_size=case.block_size, eta=case.eta)
         return self._once(("decode", impl, case, dtype, call), run)
 
     def spec(self, case: cases.AttentionCase, dtype: str, call: str) -> tuple[np.ndarray, np.ndarray]:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from parity import cases
+from parity import suite as suite_module
 from parity.checks import CHECKS, LOGIT_ULPS, compare_runs
 from parity.suite import EndToEnd, Generated, Settings, Suite
 from wise_core.config import PRESETS
@@ -59,3 +60,20 @@ def test_greedy_divergence_passes_only_on_a_near_tie(gap, passed):
     assert result.passed is passed and result.measured == 0
     assert result.detail.startswith("prompt 0 diverges at step 1: torch [0] vs jax [2], torch's top-2 logit gap")
     assert result.detail.endswith("<= 2 x bound: a near-tie" if passed else "NOT a near-tie")
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_settings_on_a_gpu(monkeypatch, quick):
+    """What an H200 run covers (built here with JAX's backend reported as a GPU; nothing runs)."""
+    monkeypatch.setattr(suite_module, "jax_backend", lambda: "gpu")
+    s = Settings.for_machine(quick, device="cuda")
+    assert {r.kernels for r in s.e2e} == {"torch-reference|jax-reference", "torch-triton|jax-pallas"}
+    assert {(r.mode, r.dtype) for r in s.e2e} >= {("dense", "float32"), ("wise", "float32")}
+    if not quick:
+        assert ("wise", "bfloat16") in {(r.mode, r.dtype) for r in s.e2e}
+        assert s.models == ("test-tiny-gqa", "random-tiny", "medium-random") and s.equivalence_model == "medium-random"
+        assert max(max(c.seq_lens) for c in s.attention_cases) == 4096
+        assert {(c.heads, c.kv_heads, c.head_dim) for c in s.attention_cases} >= {(16, 16, 128), (16, 4, 128)}
+    monkeypatch.setattr(suite_module, "jax_backend", lambda: "cpu")
+    with pytest.raises(RuntimeError, match="torch runs on CUDA but JAX on 'cpu'"):
+        Settings.for_machine(quick, device="cuda")

@@ -48,10 +48,10 @@ class FlipOneBit(Impl):
     head: int = 0
     block: int = 1
 
-    def decode(self, inputs, dtype, modes, support, **kwargs):
+    def decode(self, arrays, modes, support, **kwargs):
         support = support.copy()
         support[self.row, self.head, self.block] ^= True
-        return super().decode(inputs, dtype, modes, support, **kwargs)
+        return super().decode(arrays, modes, support, **kwargs)
 
 
 def test_flipped_support_bit_fails_all_blocks_and_masked_attention():
