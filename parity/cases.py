@@ -131,9 +131,7 @@ def attention_cases(quick: bool) -> tuple[AttentionCase, ...]:
     return (AttentionCase("ouro-mha-h16-d128", heads=16, kv_heads=16, head_dim=128, seq_lens=lens,
                           page_size=128, seed=1),
             AttentionCase("gqa-h16-kv4-d128", heads=16, kv_heads=4, head_dim=128, seq_lens=lens,
-                          page_size=128, seed=2),
-            AttentionCase("gqa-h8-kv2-d64", heads=8, kv_heads=2, head_dim=64, seq_lens=lens[:6],
-                          page_size=64, seed=3))
+                          page_size=128, seed=2))
 
 
 # -- selection masses -----------------------------------------------------------------------------

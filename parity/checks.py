@@ -419,6 +419,9 @@ def compare_runs(config, torch_run, jax_run, dtype: str, ulps: float, forced: bo
     detail = "; ".join(lines[:SHOWN]) or (f"{tokens} forced tokens" if forced else f"{tokens} tokens identical")
     if torch_run.density is not None:
         detail += f"; WISE density torch {_density(torch_run.density)}, jax {_density(jax_run.density)}"
+        if not passed:
+            detail += ("; if the dense run of this model agrees, a support bit that the frameworks' rounding "
+                       "put on different sides of the threshold is the likely cause (see discover-support)")
     return Measured(passed, max(errs), bound, "max |diff| " + ("log-prob" if forced else "logit"), detail)
 
 

@@ -77,9 +77,9 @@ class Settings:
     def for_machine(cls, quick: bool, device: str | None = None) -> "Settings":
         """CUDA when torch sees it (JAX then runs on its GPU backend too), else CPU.
 
-        WISE runs use short workloads: a support bit that one framework's rounding puts on the
-        other side of the threshold changes that head's attention by a whole block, and the
-        chance of one grows with the number of selections (tokens x layers x heads)."""
+        WISE runs stay short: a support bit that one framework's rounding puts on the other side
+        of the threshold changes that head's attention by a whole block, and the chance of one
+        grows with the number of selections (tokens x layers x heads)."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         gpu = device == "cuda"
         if gpu and jax_backend() not in ("gpu", "cuda", "rocm"):
@@ -93,26 +93,26 @@ class Settings:
                         for m in ("test-tiny-gqa", DEFAULT_MODEL) for mode in ("dense", "wise"))
             return cls(quick, device, cases.attention_cases(True), cases.DTYPES, "test-tiny-gqa",
                        cases.Workload((40,), 3), e2e)
-        long, short = cases.Workload((90, 700, 2500), 32), cases.Workload((90, 300), 16)
-        e2e = [EndToEnd(m, *kernels, "dense", "float32", long) for m in ("test-tiny-gqa", DEFAULT_MODEL, "medium-random")]
-        e2e += [EndToEnd(m, *kernels, "wise", "float32", short) for m in ("test-tiny-gqa", DEFAULT_MODEL, "medium-random")]
+        # Full shapes: one workload for the medium model, so the all-blocks check and the dense
+        # end-to-end runs share their generations and compilations (the run must stay short on a GPU).
+        work = cases.Workload((200, 700), 16)
+        runs = [("medium-random", kernels, "dense", "float32"), ("medium-random", kernels, "wise", "float32"),
+                (DEFAULT_MODEL, kernels, "dense", "float32"), (DEFAULT_MODEL, kernels, "wise", "float32")]
         if gpu:
-            e2e += [EndToEnd(DEFAULT_MODEL, "reference", "reference", "dense", "float32", long),
-                    EndToEnd(DEFAULT_MODEL, "reference", "reference", "wise", "float32", short)]
-            e2e += [EndToEnd("medium-random", *kernels, mode, "bfloat16", short) for mode in ("dense", "wise")]
-        return cls(quick, device, cases.attention_cases(False), cases.DTYPES, "medium-random",
-                   cases.Workload((300, 1000, 2100), 16), tuple(e2e))
+            runs += [("medium-random", ("reference", "reference"), "dense", "float32"),
+                     ("medium-random", kernels, "dense", "bfloat16"), ("medium-random", kernels, "wise", "bfloat16")]
+        e2e = tuple(EndToEnd(model, *k, mode, dtype, work) for model, k, mode, dtype in runs)
+        return cls(quick, device, cases.attention_cases(False), cases.DTYPES, "medium-random", work, e2e)
 
 
 @dataclasses.dataclass(frozen=True)
 class Generated:
-    """Greedy tokens per prompt, logits float32[n_tokens, vocab] per prompt (generate), or
-    log-probs float32[n] per sequence (teacher_force), and WISE counters."""
+    """Greedy tokens per prompt and logits float32[n_tokens, vocab] per prompt (generate), or the
+    forced tokens and their log-probs float32[n] (teacher_force); WISE density per reuse loop."""
 
     tokens: list[list[int]]
     logits: list[np.ndarray]
     density: dict | None = None
-    fallbacks: int | None = None
 
 
 class Suite:
@@ -193,8 +193,23 @@ class Suite:
                  dtype: str = "float32") -> Generated:
         """Greedy generation (no early stop). mode: 'dense', 'wise' (WiseConfig with `kernel` and
         the settings' eta) or 'all-blocks' (WiseConfig(kernel=kernel, all_blocks=True))."""
-        return self._once(("generate", framework, model, kernel, mode, workload, dtype),
-                          lambda: self._generate(framework, model, kernel, mode, workload, dtype))
+        def run() -> Generated:
+            wise_config = self._wise_config(mode, kernel)
+            if framework == "torch":
+                torch_model = self.torch_model(model, dtype)
+                out = wise_torch.generate(torch_model, workload.prompts(torch_model.config.vocab_size),
+                                          max_new_tokens=workload.max_new_tokens, eos_token_id=None,
+                                          wise_config=wise_config, return_logits=True, kernel=kernel)
+                logits, density = [x.float().numpy() for x in out.logits], out.stats.density
+            else:
+                config, params = self.jax_model(model, dtype)
+                with jax_precision(dtype):
+                    out = wise_jax.generate(params, config, workload.prompts(config.vocab_size),
+                                            max_new_tokens=workload.max_new_tokens, eos_token_id=None,
+                                            wise_config=wise_config, return_logits=True, kernel=kernel)
+                logits, density = [np.asarray(x, np.float32) for x in out.logits], out.stats["density"]
+            return Generated(out.tokens, logits, density if mode == "wise" else None)
+        return self._once(("generate", framework, model, kernel, mode, workload, dtype), run)
 
     def _wise_config(self, mode: str, kernel: str) -> WiseConfig | None:
         if mode == "dense":
@@ -204,25 +219,6 @@ class Suite:
         if mode == "all-blocks":
             return WiseConfig(kernel=kernel, all_blocks=True)
         raise ValueError(f"unknown generation mode {mode!r} (dense, wise, all-blocks)")
-
-    def _generate(self, framework, model, kernel, mode, workload, dtype) -> Generated:
-        wise_config = self._wise_config(mode, kernel)
-        if framework == "torch":
-            torch_model = self.torch_model(model, dtype)
-            out = wise_torch.generate(torch_model, workload.prompts(torch_model.config.vocab_size),
-                                      max_new_tokens=workload.max_new_tokens, eos_token_id=None,
-                                      wise_config=wise_config, return_logits=True, kernel=kernel)
-            logits = [x.float().numpy() for x in out.logits]
-            stats = dataclasses.asdict(out.stats)
-        else:
-            config, params = self.jax_model(model, dtype)
-            with jax_precision(dtype):
-                out = wise_jax.generate(params, config, workload.prompts(config.vocab_size),
-                                        max_new_tokens=workload.max_new_tokens, eos_token_id=None,
-                                        wise_config=wise_config, return_logits=True, kernel=kernel)
-            logits, stats = [np.asarray(x, np.float32) for x in out.logits], out.stats
-        density = None if mode != "wise" else stats["density"]
-        return Generated(out.tokens, logits, density, stats["fallbacks"])
 
     def teacher_force(self, framework: str, model: str, kernel: str, mode: str, workload: cases.Workload,
                       dtype: str) -> Generated:

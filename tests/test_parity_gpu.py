@@ -1,6 +1,7 @@
-"""The parity suite's CI shapes on a CUDA GPU (run on the H200): every check with the Triton and
-Pallas kernels compiled, CUDA numerics in both frameworks, and a Triton|Pallas end-to-end pair.
-The full shapes (Ouro heads, 4K contexts, bf16 end to end) are `python -m parity` there."""
+"""The parity suite's CI shapes on a CUDA GPU (run on the H200): the checks that do not generate
+(weights, decode-attention calls, selection) with the Triton and Pallas kernels compiled and CUDA
+numerics. Generation checks, full shapes (Ouro heads, 4K contexts) and bf16 end to end are
+`python -m parity` there, kept out of this file to keep the GPU test run short."""
 
 import pytest
 import torch
@@ -24,9 +25,8 @@ def test_kernels_compiled_on_gpu(suite):
     assert suite.settings.device == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
     assert not suite.unavailable, suite.unavailable
     assert {"torch-triton", "jax-pallas"} <= {i.name for i in suite.impls}
-    assert any(run.kernels == "torch-triton|jax-pallas" for run in suite.settings.e2e)
 
 
-@pytest.mark.parametrize("name", list(CHECKS))
+@pytest.mark.parametrize("name", [n for n in CHECKS if n not in ("all-blocks-generate", "end-to-end")])
 def test_check(suite, name):
     assert_check_passes(suite, name)
