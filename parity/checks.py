@@ -247,7 +247,33 @@ def check_convert(suite: Suite):
         yield Task("jax->torch->jax", model, dtype, functools.partial(_jax_round_trip, suite, model, dtype))
 
 
-# -- 1. all-blocks WISE is dense, bitwise ----------------------------------------------------------
+# -- the selection rule against its specification ------------------------------------------------
+def _selection(suite: Suite, name: str) -> Measured:
+    spec = suite.selectors["numpy-spec"]
+    unexplained, explained, lines = 0, 0, []
+    for case in cases.selection_cases():
+        found = support_differences(case.mass, case.eta, suite.selectors[name](case.mass, case.eta),
+                                    spec(case.mass, case.eta))
+        bad = [d for d in found if not d.explained]
+        unexplained += len(bad)
+        explained += len(found) - len(bad)
+        lines += [f"{case.name}: {d.describe()}" for d in (bad or found)[:SHOWN]]
+    detail = "; ".join(lines[:SHOWN]) or f"identical on {len(cases.selection_cases())} cases"
+    if explained and not unexplained:
+        detail = f"{explained} bits differ, all within rounding of the threshold: {detail}"
+    return Measured(unexplained == 0, unexplained, 0, "support bits unexplained", detail)
+
+
+@check("selection-spec", "select_blocks of torch and JAX equal wise_core.reference.select_blocks on "
+                         "identical float32 masses (random and adversarial), except within rounding")
+def check_selection_spec(suite: Suite):
+    for name in suite.selectors:
+        if name != "numpy-spec":
+            yield Task(f"{name} vs numpy-spec", "random+adversarial", "float32",
+                       functools.partial(_selection, suite, name))
+
+
+# -- decode calls: all-blocks WISE is dense, bitwise ---------------------------------------------
 def _attention_task(label: str, impls, case, dtype, measure) -> Task:
     """A task on an attention case, or a skip when an implementation cannot run it here."""
     reasons = [r for r in (i.limitation(case.heads, case.kv_heads, dtype) for i in impls) if r]
@@ -277,25 +303,7 @@ def check_all_blocks_call(suite: Suite):
     return _attention_tasks(suite, _all_blocks_call)
 
 
-def _all_blocks_generate(suite: Suite, impl) -> Measured:
-    model, workload = suite.settings.equivalence_model, suite.settings.equivalence_workload
-    dense = suite.generate(impl.framework, model, impl.kernel, "dense", workload)
-    wise = suite.generate(impl.framework, model, impl.kernel, "all-blocks", workload)
-    pairs = [(f"prompt {i} tokens", np.asarray(w), np.asarray(d)) for i, (w, d) in
-             enumerate(zip(wise.tokens, dense.tokens))]
-    pairs += [(f"prompt {i} logits", w, d) for i, (w, d) in enumerate(zip(wise.logits, dense.logits))]
-    return bitwise(pairs)
-
-
-@check("all-blocks-generate", "generate with WiseConfig(all_blocks=True) gives dense decode's tokens and "
-                              "logits, bitwise")
-def check_all_blocks_generate(suite: Suite):
-    for impl in suite.impls:
-        yield Task(impl.name, suite.settings.equivalence_model, "float32",
-                   functools.partial(_all_blocks_generate, suite, impl))
-
-
-# -- 2. masked attention across frameworks ---------------------------------------------------------
+# -- decode calls: masked attention and selection across frameworks -----------------------------
 def attention_bound(dtype: str, scale: float, n_keys: int) -> float:
     """Allowed |out - spec| for one row (see the module docstring)."""
     return scale * (OUT_ULPS * EPS[dtype] + ACC_ULPS * EPS["float32"] * math.sqrt(n_keys))
@@ -384,7 +392,26 @@ def check_discover_support(suite: Suite):
     return _attention_tasks(suite, _discover_support)
 
 
-# -- 3. end to end ---------------------------------------------------------------------------------
+# -- generation: all-blocks WISE is dense, bitwise ------------------------------------------------
+def _all_blocks_generate(suite: Suite, impl) -> Measured:
+    model, workload = suite.settings.equivalence_model, suite.settings.equivalence_workload
+    dense = suite.generate(impl.framework, model, impl.kernel, "dense", workload)
+    wise = suite.generate(impl.framework, model, impl.kernel, "all-blocks", workload)
+    pairs = [(f"prompt {i} tokens", np.asarray(w), np.asarray(d)) for i, (w, d) in
+             enumerate(zip(wise.tokens, dense.tokens))]
+    pairs += [(f"prompt {i} logits", w, d) for i, (w, d) in enumerate(zip(wise.logits, dense.logits))]
+    return bitwise(pairs)
+
+
+@check("all-blocks-generate", "generate with WiseConfig(all_blocks=True) gives dense decode's tokens and "
+                              "logits, bitwise")
+def check_all_blocks_generate(suite: Suite):
+    for impl in suite.impls:
+        yield Task(impl.name, suite.settings.equivalence_model, "float32",
+                   functools.partial(_all_blocks_generate, suite, impl))
+
+
+# -- end to end ------------------------------------------------------------------------------------
 def logit_bound(dtype: str, ulps: float, scale: float, config) -> float:
     return ulps * EPS[dtype] * scale * math.sqrt(config.num_hidden_layers * config.total_ut_steps)
 
@@ -446,29 +473,3 @@ def check_end_to_end(suite: Suite):
     for run in suite.settings.e2e:
         case = f"{run.model} {run.mode}" + ("" if run.dtype == "float32" else " forced")
         yield Task(run.kernels, case, run.dtype, functools.partial(_end_to_end, suite, run))
-
-
-# -- 4. the selection rule against its specification ----------------------------------------------
-def _selection(suite: Suite, name: str) -> Measured:
-    spec = suite.selectors["numpy-spec"]
-    unexplained, explained, lines = 0, 0, []
-    for case in cases.selection_cases():
-        found = support_differences(case.mass, case.eta, suite.selectors[name](case.mass, case.eta),
-                                    spec(case.mass, case.eta))
-        bad = [d for d in found if not d.explained]
-        unexplained += len(bad)
-        explained += len(found) - len(bad)
-        lines += [f"{case.name}: {d.describe()}" for d in (bad or found)[:SHOWN]]
-    detail = "; ".join(lines[:SHOWN]) or f"identical on {len(cases.selection_cases())} cases"
-    if explained and not unexplained:
-        detail = f"{explained} bits differ, all within rounding of the threshold: {detail}"
-    return Measured(unexplained == 0, unexplained, 0, "support bits unexplained", detail)
-
-
-@check("selection-spec", "select_blocks of torch and JAX equal wise_core.reference.select_blocks on "
-                         "identical float32 masses (random and adversarial), except within rounding")
-def check_selection_spec(suite: Suite):
-    for name in suite.selectors:
-        if name != "numpy-spec":
-            yield Task(f"{name} vs numpy-spec", "random+adversarial", "float32",
-                       functools.partial(_selection, suite, name))

@@ -85,12 +85,13 @@ class Impl:
                 torch.from_numpy(np.array(support)).to(self.device), block_size=block_size, eta=eta,
                 return_mass=True, kernel=self.kernel)
             return Decoded(out.float().cpu().numpy(), new_support.cpu().numpy(), mass.float().cpu().numpy())
-        out, new_support, mass = jax_attention.decode_attention(
-            *fixed, jnp.asarray(modes), jnp.asarray(support), block_size=block_size, eta=eta, return_mass=True,
-            kernel=self.kernel)
+        out, new_support, mass = _jax_decode(*fixed, jnp.asarray(modes), jnp.asarray(support), block_size=block_size,
+                                             eta=eta, return_mass=True, kernel=self.kernel)
         return Decoded(np.asarray(out.astype(jnp.float32)), np.asarray(new_support), np.asarray(mass, np.float32))
 
 
+# jit-compiled as inside generate: one compilation per shape, modes and support traced
+_jax_decode = jax.jit(jax_attention.decode_attention, static_argnames=("block_size", "eta", "return_mass", "kernel"))
 _FIXED = ("q", "k_pages", "v_pages", "page_table", "seq_lens")
 _FLOATS = ("q", "k_pages", "v_pages")
 
