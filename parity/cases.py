@@ -147,7 +147,7 @@ class SelectionCase:
 def selection_cases(seed: int = 0) -> list[SelectionCase]:
     """Random masses (Dirichlet and heavy-tailed, several widths and etas) and adversarial ones:
     exact ties, zeros, eta = 1, a single block, prefix sums landing on the threshold, extreme
-    magnitudes. No subnormals: with torch or JAX loaded the CPU may flush them to zero."""
+    magnitudes, subnormals (which the rule counts as zero)."""
     rng = np.random.default_rng(seed)
     f32 = functools.partial(np.asarray, dtype=np.float32)
     cases = []
@@ -165,6 +165,7 @@ def selection_cases(seed: int = 0) -> list[SelectionCase]:
         SelectionCase("single-block", f32([[0.0], [0.7], [1.0]]), 0.95),
         SelectionCase("on-threshold", f32([[0.5, 0.45, 0.05], [0.95, 0.05, 0.0], [0.25, 0.25, 0.5]]), 0.95),
         SelectionCase("tiny-and-huge", f32([[1e-30, 1.0, 2e-38, 3e-38], [1e30, 1e-30, 1e30, 0.0]]), 0.95),
+        SelectionCase("subnormal", f32([[0.0, 1e-40, 0.0], [1e-40, 2e-40, 0.0], [1e-39, 0.5, 1e-45]]), 0.95),
     ]
     return cases
 
