@@ -358,7 +358,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     text.add_argument("--etas", type=float, nargs="+", default=[0.9, 0.95, 0.99])
     text.add_argument("--n-contexts", type=int, default=200)
     text.add_argument("--min-context", type=int, default=1024)
-    text.add_argument("--max-context", type=int, default=2048)
+    text.add_argument("--max-context", type=int, default=1984,
+                      help="default: context + continuation stay within the built-in model's 2048 training tokens")
     text.add_argument("--continuation", type=int, default=64, help="teacher-forced tokens per context")
     text.add_argument("--greedy", type=int, default=32, help="greedy tokens per context")
     text.add_argument("--smoke", action="store_true", help="4 short contexts, 2 etas: a quick check")

@@ -74,8 +74,11 @@ def test_train_step_reduces_loss_on_a_repeated_batch():
 
 @pytest.fixture(scope="module")
 def smoke_model(tmp_path_factory):
+    """A smoke-trained model; its run first tries cuDNN attention, which fails here (no GPU)."""
     out = tmp_path_factory.mktemp("smoke-model")
-    log = tb.main(["--smoke", "--out", str(out), "--max-steps", "4", "--eval-every", "1000"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tb, "candidates", lambda batch: [("cudnn", False, batch), ("xla", False, batch)])
+        log = tb.main(["--smoke", "--out", str(out), "--max-steps", "4", "--eval-every", "1000"])
     return out, log
 
 
@@ -86,6 +89,7 @@ def test_smoke_training_writes_a_loadable_checkpoint(smoke_model):
     checkpoint = load_checkpoint(out)
     assert checkpoint.config == tb.SMOKE_MODEL
     saved = json.loads((out / "train_log.json").read_text())
+    assert saved["attention"] == "xla"  # the fallback after cuDNN failed
     assert saved["final"]["steps"] == 4 and saved["final"]["tokens_seen"] == 4 * 4 * 256
     assert saved["history"][-1]["step"] == 4 and 0 < saved["final"]["heldout_bpb"] < 9
     assert saved["versions"]["jax"] == jax.__version__
