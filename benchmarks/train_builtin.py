@@ -396,9 +396,29 @@ def main(argv=None) -> dict:
         "total_s": round(time.perf_counter() - started, 1),
     }
     (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
+    (out / "README.md").write_text(model_card(log))
     plot(history, final, out / "loss_curve.png")
     print(f"saved {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.2f} MB)", flush=True)
     return log
+
+
+def model_card(log: dict) -> str:
+    """A short README for the checkpoint directory, from the training log."""
+    m, f, c = log["model"], log["final"], log["corpus"]
+    per_loop = ", ".join(f"{x / math.log(2):.3f}" for x in f["heldout_nll_per_loop"])
+    return (
+        "# Built-in Ouro-architecture byte-level model\n\n"
+        f"{log['parameters']:,} parameters: {m['num_hidden_layers']} shared layers x {m['total_ut_steps']} loops, "
+        f"hidden {m['hidden_size']}, {m['num_attention_heads']} heads x {m['head_dim']}, MLP "
+        f"{m['intermediate_size']}, byte vocabulary of {m['vocab_size']} (<|endoftext|> = 256), "
+        f"RoPE theta {m['rope_theta']:g}. Weights in bf16.\n\n"
+        f"Trained by `benchmarks/train_builtin.py` on the Python {log['machine']['python']} standard library's "
+        f"`*.py` files ({c['train_files']} files, {c['train_tokens']:,} tokens; {c['heldout_files']} files held out "
+        f"by path hash) for {f['steps']:,} steps, {f['tokens_seen']:,} tokens, {f['train_s']:.0f} s on "
+        f"{log['machine']['device']} ({log['date']}), windows of {log['args']['seq_len']} tokens. Objective: "
+        f"{log['objective']}.\n\n"
+        f"Held-out bits per byte (last loop): **{f['heldout_bpb']:.3f}**; per loop: {per_loop}. "
+        "History in `train_log.json`, curve in `loss_curve.png`.\n")
 
 
 def plot(history: list[dict], final: dict, path: Path) -> None:

@@ -84,8 +84,9 @@ def smoke_model(tmp_path_factory):
 
 def test_smoke_training_writes_a_loadable_checkpoint(smoke_model):
     out, log = smoke_model
-    assert {"config.json", "model.safetensors", "tokenizer.json", "train_log.json", "loss_curve.png"} <= {
-        p.name for p in out.iterdir()}
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "tokenizer.json",
+                                                "train_log.json", "loss_curve.png", "README.md"}
+    assert "Held-out bits per byte (last loop)" in (out / "README.md").read_text()
     checkpoint = load_checkpoint(out)
     assert checkpoint.config == tb.SMOKE_MODEL
     saved = json.loads((out / "train_log.json").read_text())
