@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Every GPU test and benchmark of the project, in three parts, for one H200:
+#   bash benchmarks/gpu_suite.sh tests|train|bench OUTDIR [MODEL_DIR]
+# tests: the `gpu`-marked pytest suite, the parity suite, the JAX generation benchmark;
+# train: trains the built-in model (benchmarks/train_builtin.py) into OUTDIR/model;
+# bench: the kernel benchmark (Triton, Pallas, cuDNN SDPA, FlashAttention-4 when importable) and
+#        the WISE quality run on MODEL_DIR when given.
+# Logs and results go to OUTDIR. The project runs from the source tree (PYTHONPATH).
+set -uo pipefail
+part=$1; out=$2; model=${3:-}
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+run() {  # run NAME SECONDS CMD...: log to OUTDIR/NAME.log, keep going on failure
+  local name=$1 secs=$2; shift 2
+  echo "== $name: $*"
+  timeout "$secs" "$@" > "$out/$name.log" 2>&1
+  echo "== $name exit $?  ($(tail -n 1 "$out/$name.log"))"
+}
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import sys,torch,triton,jax;print(sys.version.split()[0],'torch',torch.__version__,'triton',triton.__version__,'jax',jax.__version__)"
+  date -u +%FT%TZ; } > "$out/machine.txt" 2>&1
+case $part in
+  tests)
+    run gpu_tests 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider --continue-on-collection-errors -rfE
+    run parity 150 python3 -m parity --json "$out/parity_h200.json" --details failures
+    run jax_generate 200 python3 benchmarks/jax_generate_bench.py --variants dense-reference,dense-pallas,wise-pallas --out "$out"
+    ;;
+  train)
+    run train 540 python3 benchmarks/train_builtin.py --minutes "${TRAIN_MINUTES:-5}" --out "$out/model"
+    ;;
+  bench)
+    run kernel_bench 330 python3 benchmarks/kernel_bench.py --out "$out/kernel" --sweep-seconds 90
+    if [ -n "$model" ]; then
+      run quality 120 python3 benchmarks/quality.py text --model "$model" --out "$out/quality" --quiet
+    fi
+    ;;
+  *) echo "unknown part $part (tests|train|bench)" >&2; exit 2;;
+esac
