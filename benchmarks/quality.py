@@ -324,8 +324,8 @@ def run_qa(backend: Backend, args) -> dict:
 
 def qa_markdown(result: dict) -> str:
     d = result["dense"]
-    lines = ["| decode | EM | F1 | F1 - dense [95% CI] | EM - dense [95% CI] | same answer as dense | density by depth |",
-             "|---|---|---|---|---|---|---|",
+    lines = ["| decode | EM | F1 | F1 - dense [95% CI] | EM - dense [95% CI] | same answer as dense "
+             "| density by depth |", "|---|---|---|---|---|---|---|",
              f"| dense | {d['em']:.4f} | {d['f1']:.4f} | | | | |"]
     for row in result["rows"]:
         f, e = row["f1_diff"], row["em_diff"]
