@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from wise_core.checkpoint import DEFAULT_MODEL
+from wise_core.checkpoint import BUILTIN_MODELS, DEFAULT_MODEL
 from wise_core.config import KERNELS, WiseConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -18,9 +18,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"checkpoint directory (HF Ouro layout) or built-in model name (default: "
-                             f"{DEFAULT_MODEL!r}, a small random model until a trained one ships: its "
-                             f"text is gibberish)")
+                        help=f"checkpoint directory (HF Ouro layout) or built-in model name: "
+                             f"{', '.join(sorted(BUILTIN_MODELS))} (default: {DEFAULT_MODEL!r}; "
+                             f"'ouro-py-3m' is a small model trained on Python source, 'random-tiny' "
+                             f"has random weights)")
     parser.add_argument("--prompt", required=True, help="prompt text")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default: 32)")
     parser.add_argument("--backend", choices=("torch", "jax"), default="torch", help="framework (default: torch)")

@@ -141,7 +141,7 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-KERNELS = ("auto", "reference", "triton", "pallas", "flash")
+KERNELS = ("auto", "reference", "triton", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
