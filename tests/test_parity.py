@@ -13,6 +13,7 @@ from parity import cases
 from parity import suite as suite_module
 from parity.checks import CHECKS, LOGIT_ULPS, compare_runs
 from parity.suite import EndToEnd, Generated, Settings, Suite
+from wise_core.checkpoint import DEFAULT_MODEL
 from wise_core.config import PRESETS
 
 
@@ -71,7 +72,7 @@ def test_settings_on_a_gpu(monkeypatch, quick):
     assert {(r.mode, r.dtype) for r in s.e2e} >= {("dense", "float32"), ("wise", "float32")}
     if not quick:
         assert ("wise", "bfloat16") in {(r.mode, r.dtype) for r in s.e2e}
-        assert s.models == ("medium-random", "random-tiny") and s.equivalence_model == "medium-random"
+        assert s.models == ("medium-random", DEFAULT_MODEL) and s.equivalence_model == "medium-random"
         # the all-blocks check and the dense end-to-end runs share generations
         assert all(r.workload == s.equivalence_workload for r in s.e2e if r.model == "medium-random")
         assert max(max(c.seq_lens) for c in s.attention_cases) == 4096
