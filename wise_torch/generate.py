@@ -75,7 +75,8 @@ def _sync(device: torch.device) -> float:
 
 
 class _Session:
-    """Requests (ids 0..n-1) decoding together: their cache pages and WISE slots."""
+    """Requests (ids 0..n-1) decoding together: their cache pages, WISE slots, and which are
+    still active (`active`, in row order) at which length."""
 
     def __init__(self, model: OuroForCausalLM, max_tokens: list[int], wise_config: WiseConfig | None,
                  page_size: int, kernel: str | None):
@@ -106,19 +107,34 @@ class _Session:
             self.cache.reserve(rid, len(prompt))
             if self.wise is not None:
                 self.wise_slots[rid] = self.wise.acquire(rid)
+        self.active = list(range(len(prompts)))
+        self.lengths = [len(p) for p in prompts]
         width = max(map(len, prompts))
         ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], dtype=torch.int64).to(self.device)
         lengths = torch.tensor(list(map(len, prompts)), dtype=torch.int64).to(self.device)
         table = self.cache.page_table(list(range(len(prompts))), self.max_pages)
         return self.model.prefill(ids, lengths, self.cache, table)
 
-    def decode(self, request_ids: list[int], seq_lens: list[int], tokens: torch.Tensor) -> torch.Tensor:
-        """The decode step: tokens int64[batch] at position seq_len - 1 of each request -> logits."""
-        for rid, n in zip(request_ids, seq_lens):
-            self.cache.reserve(rid, n)
-        slots = None if self.wise is None else [self.wise_slots[r] for r in request_ids]
-        batch = self.cache.decode_batch(request_ids, seq_lens, self.max_pages, wise_slots=slots)
-        return self.model.decode_step(tokens, batch, self.cache, wise=self.wise, kernel=self.attention)
+    def advance(self, keep: list[int], tokens: torch.Tensor) -> torch.Tensor | None:
+        """Finish the active requests whose rows are not in `keep`, then run the decode step on
+        the others with `tokens[keep]` (tokens: int64[len(active)]) as their next token.
+        Returns logits [len(keep), vocab], or None when no request is left."""
+        kept = set(keep)
+        for row, rid in enumerate(self.active):
+            if row not in kept:
+                self.finish(rid)
+        if not keep:
+            return None
+        self.active = [self.active[r] for r in keep]
+        seq_lens = []
+        for rid in self.active:
+            self.lengths[rid] += 1
+            self.cache.reserve(rid, self.lengths[rid])
+            seq_lens.append(self.lengths[rid])
+        slots = None if self.wise is None else [self.wise_slots[r] for r in self.active]
+        batch = self.cache.decode_batch(self.active, seq_lens, self.max_pages, wise_slots=slots)
+        fed = tokens[torch.tensor(keep, device=self.device)]
+        return self.model.decode_step(fed, batch, self.cache, wise=self.wise, kernel=self.attention)
 
     def finish(self, rid: int) -> None:
         self.cache.release(rid)
@@ -215,26 +231,18 @@ def generate(model: OuroForCausalLM, prompts, *, max_new_tokens: int, temperatur
 
     tokens: list[list[int]] = [[] for _ in ids]
     kept: list[list[torch.Tensor]] = [[] for _ in ids]
-    seq_lens = [len(p) for p in ids]
-    active = list(range(len(ids)))
     while True:
         chosen = next_tokens.tolist()
-        rows = []
-        for row, rid in enumerate(active):
+        keep = []
+        for row, rid in enumerate(session.active):
             tokens[rid].append(chosen[row])
             if return_logits:
                 kept[rid].append(logits[row])
-            if chosen[row] == eos or len(tokens[rid]) == max_new_tokens:
-                session.finish(rid)
-            else:
-                rows.append(row)
-        if not rows:
+            if chosen[row] != eos and len(tokens[rid]) < max_new_tokens:
+                keep.append(row)
+        logits = session.advance(keep, next_tokens)
+        if logits is None:
             break
-        active = [active[r] for r in rows]
-        for rid in active:
-            seq_lens[rid] += 1
-        fed = next_tokens[torch.tensor(rows, device=session.device)]
-        logits = session.decode(active, [seq_lens[r] for r in active], fed)
         next_tokens = sample(logits, temperature, top_p, generator)
     end = _sync(session.device)
 
@@ -270,26 +278,19 @@ def teacher_force(model: OuroForCausalLM, context_ids, continuation_ids, *,
     logits = session.prefill(contexts)
     prefill_done = _sync(session.device)
     scored: list[list[torch.Tensor]] = [[] for _ in contexts]
-    seq_lens = [len(c) for c in contexts]
-    active = list(range(len(contexts)))
     step = 0
     while True:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
-        targets = torch.tensor([continuations[rid][step] for rid in active], device=session.device)
+        targets = torch.tensor([continuations[rid][step] for rid in session.active], device=session.device)
         picked = logprobs.gather(1, targets[:, None])[:, 0]
-        rows = []
-        for row, rid in enumerate(active):
+        keep = []
+        for row, rid in enumerate(session.active):
             scored[rid].append(picked[row])
-            if step + 1 == len(continuations[rid]):
-                session.finish(rid)
-            else:
-                rows.append(row)
-        if not rows:
+            if step + 1 < len(continuations[rid]):
+                keep.append(row)
+        logits = session.advance(keep, targets)
+        if logits is None:
             break
-        active = [active[r] for r in rows]
-        for rid in active:
-            seq_lens[rid] += 1
-        logits = session.decode(active, [seq_lens[r] for r in active], targets[torch.tensor(rows, device=session.device)])
         step += 1
     end = _sync(session.device)
 
