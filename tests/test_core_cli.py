@@ -39,7 +39,8 @@ def test_errors_and_help():
     result = wise("generate", "--prompt", "x", "--model", "no-such-model")
     assert result.returncode == 1 and "unknown model 'no-such-model'" in result.stderr
     result = wise("generate", "--help")
-    assert result.returncode == 0 and "small random model until a trained one ships" in " ".join(result.stdout.split())
+    help_text = " ".join(result.stdout.split())
+    assert result.returncode == 0 and "ouro-py-3m, random-tiny (default: 'ouro-py-3m';" in help_text
     assert wise().returncode == 2  # a command is required
 
 
