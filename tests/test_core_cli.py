@@ -40,7 +40,8 @@ def test_errors_and_help():
     assert result.returncode == 1 and "unknown model 'no-such-model'" in result.stderr
     result = wise("generate", "--help")
     help_text = " ".join(result.stdout.split())
-    assert result.returncode == 0 and "ouro-py-3m, random-tiny (default: 'ouro-py-3m';" in help_text
+    assert result.returncode == 0 and "built-in model name: ouro-py-3m, random-tiny" in help_text
+    assert "'ouro-py-3m' is a small model trained on Python source" in help_text
     assert wise().returncode == 2  # a command is required
 
 
