@@ -63,6 +63,9 @@ def test_model_config_from_json_errors(tmp_path):
     ({"discover_depths": (0, 2), "reuse_depths": (2, 3)}, r"loops \[2\] are both"),
     ({"discover_depths": (0, 3), "reuse_depths": (2,)}, "comes before the last discovery depth"),
     ({"kernel": "cuda"}, "kernel must be one of"),
+    ({"eta": "0.9"}, "eta must be a number"),
+    ({"discover_depths": 0}, "sequence of non-negative loop indices"),
+    ({"discover_depths": (True,)}, "sequence of non-negative loop indices"),
 ])
 def test_wise_config_errors(kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -77,3 +80,8 @@ def test_wise_config_roles_and_range():
     with pytest.raises(ConfigError, match=r"\[3\] are out of range for a model with 3 loops"):
         config.validate_for(3)
     hash(config)
+
+
+def test_wise_config_depths_in_loop_order():
+    """Depths given out of order mean the same loops: the first discovery loop is the lowest."""
+    assert WiseConfig(discover_depths=(1, 0), reuse_depths=(3, 2)) == WiseConfig()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 from pathlib import Path
 from typing import Any
 
@@ -164,21 +165,24 @@ class WiseConfig:
     all_blocks: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "discover_depths", tuple(self.discover_depths))
-        object.__setattr__(self, "reuse_depths", tuple(self.reuse_depths))
+        for name in ("discover_depths", "reuse_depths"):
+            depths = getattr(self, name)
+            if not isinstance(depths, (tuple, list)) or any(
+                    not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in depths):
+                raise ConfigError(f"WiseConfig.{name} must be a sequence of non-negative loop indices, "
+                                  f"got {depths!r}")
+            if len(set(depths)) != len(depths):
+                raise ConfigError(f"WiseConfig.{name} repeats a loop: {depths}")
+            object.__setattr__(self, name, tuple(sorted(depths)))  # loop order, whatever the input order
         bs = self.block_size
         if not isinstance(bs, int) or isinstance(bs, bool) or bs <= 0 or bs & (bs - 1):
             raise ConfigError(f"WiseConfig.block_size must be a power of two, got {bs!r}")
+        if not isinstance(self.eta, numbers.Real) or isinstance(self.eta, bool):
+            raise ConfigError(f"WiseConfig.eta must be a number, got {self.eta!r}")
         if not 0.0 < self.eta <= 1.0:
             raise ConfigError(f"WiseConfig.eta must be in (0, 1], got {self.eta!r}")
         if not self.discover_depths:
             raise ConfigError("WiseConfig.discover_depths must name at least one loop")
-        for name in ("discover_depths", "reuse_depths"):
-            depths = getattr(self, name)
-            if any(not isinstance(d, int) or d < 0 for d in depths):
-                raise ConfigError(f"WiseConfig.{name} must hold non-negative loop indices, got {depths}")
-            if len(set(depths)) != len(depths):
-                raise ConfigError(f"WiseConfig.{name} repeats a loop: {depths}")
         overlap = set(self.discover_depths) & set(self.reuse_depths)
         if overlap:
             raise ConfigError(f"loops {sorted(overlap)} are both discovery and reuse depths")
