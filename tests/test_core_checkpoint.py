@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import struct
 
 import numpy as np
 import pytest
@@ -133,6 +134,18 @@ def test_truncated_safetensors(tmp_path, checkpoint, keep):
     data = path.read_bytes()
     path.write_bytes(data[:keep] if keep > 0 else data[:keep])
     with pytest.raises(CheckpointError, match="too short|exceeds the file size|truncated"):
+        load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("header, message", [
+    (b"[1, 2]", "header must be a JSON object"),
+    (b'{"model.norm.weight": {"shape": [4], "data_offsets": [0, 16]}}', "malformed header entry"),
+    (b'{"model.norm.weight": {"dtype": "F32", "shape": [4], "data_offsets": [0]}}', "malformed header entry"),
+])
+def test_malformed_safetensors_header(tmp_path, checkpoint, header, message):
+    save_checkpoint(tmp_path, checkpoint)
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
+    with pytest.raises(CheckpointError, match=message):
         load_checkpoint(tmp_path)
 
 

@@ -35,14 +35,6 @@ class Checkpoint:
     source: str = ""
 
 
-LAYER_TENSORS = (
-    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-    "input_layernorm.weight", "input_layernorm_2.weight", "post_attention_layernorm.weight",
-    "post_attention_layernorm_2.weight",
-)
-
-
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of an Ouro checkpoint with its shape ([out, in] for linear weights)."""
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
@@ -91,6 +83,8 @@ def read_weights(directory: Path) -> dict[str, np.ndarray]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: malformed index ({e!r})") from None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: malformed index (weight_map must map tensor names to files)")
         tensors: dict[str, np.ndarray] = {}
         for shard in sorted(set(weight_map.values())):
             if not (directory / shard).exists():

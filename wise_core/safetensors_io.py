@@ -34,12 +34,17 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
         header = json.loads(data[8:8 + header_len])
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SafetensorsError(f"{path}: unreadable header: {e}") from None
+    if not isinstance(header, dict):
+        raise SafetensorsError(f"{path}: header must be a JSON object")
     body = memoryview(data)[8 + header_len:]
     out: dict[str, np.ndarray] = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        try:
+            dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise SafetensorsError(f"{path}: tensor {name!r} has a malformed header entry {info!r:.120}") from None
         if end > len(body) or start > end:
             raise SafetensorsError(f"{path}: tensor {name!r} lies outside the file (truncated?)")
         raw = body[start:end]
