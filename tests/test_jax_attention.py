@@ -119,6 +119,10 @@ def test_shape_errors_and_kernel_dispatch(monkeypatch):
         A.decode_attention_reference(q[:, :3], k, k, table, lens, modes, support, block_size=BLOCK, eta=0.9)
     with pytest.raises(ValueError, match="not a multiple of block_size"):
         A.decode_attention_reference(q, k, k, table, lens, modes, support, block_size=64, eta=0.9)
+    with pytest.raises(ValueError, match="block_size must be a positive power of two, got 0"):
+        A.decode_attention_reference(q, k, k, table, lens, modes, support, block_size=0, eta=0.9)
+    with pytest.raises(ValueError, match=r"eta must be in \(0, 1\], got 1.5"):
+        A.decode_attention_reference(q, k, k, table, lens, modes, support, block_size=BLOCK, eta=1.5)
     ref = A.decode_attention(q, k, k, table, lens, modes, support, block_size=BLOCK, eta=0.9, kernel="reference")
     assert ref[0].shape == (2, 4, 16)
     with pytest.raises(ValueError, match="unknown JAX decode-attention kernel 'triton'"):

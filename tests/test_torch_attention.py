@@ -183,6 +183,10 @@ def test_bad_arguments_are_named():
         call(q[:, :3], kp, vp, table, lens, modes, support[:, :3])
     with pytest.raises(ValueError, match="page_size 64 is not a multiple of block_size 48"):
         decode_attention_reference(q, kp, vp, table, lens, modes, support, block_size=48, eta=0.9)
+    with pytest.raises(ValueError, match="block_size must be a positive power of two, got 0"):
+        decode_attention_reference(q, kp, vp, table, lens, modes, support, block_size=0, eta=0.9)
+    with pytest.raises(ValueError, match=r"eta must be in \(0, 1\], got 1.5"):
+        call(q, kp, vp, table, lens, modes, support, eta=1.5)
 
 
 def test_kernel_dispatch(monkeypatch):

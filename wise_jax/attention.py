@@ -47,8 +47,12 @@ def _check_shapes(q, k_pages, v_pages, page_table, seq_lens, modes, support, blo
     if k_dim != head_dim or heads % kv_heads:
         raise ValueError(f"q {q.shape} does not fit k pages {k_pages.shape}: head_dim must match and "
                          f"heads must be a multiple of kv_heads")
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive power of two, got {block_size!r}")
     if page_size % block_size:
         raise ValueError(f"page_size {page_size} is not a multiple of block_size {block_size}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a positive power of two, got {block_size!r}")
     if page_table.ndim != 2 or page_table.shape[0] != batch:
         raise ValueError(f"page_table must be [batch={batch}, max_pages], got {page_table.shape}")
     max_blocks = page_table.shape[1] * page_size // block_size
@@ -71,6 +75,8 @@ def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes,
     Scores and softmax are float32.
     """
     _check_shapes(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size)
+    if not 0.0 < eta <= 1.0:
+        raise ValueError(f"eta must be in (0, 1], got {eta}")
     batch, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     n_keys = page_table.shape[1] * page_size
