@@ -149,11 +149,26 @@ def test_string_prompts_and_texts(params):
     assert ids.tokens == out.tokens and ids.texts is None
 
 
+def test_teacher_force_takes_strings_through_the_tokenizer(params):
+    tokenizer = byte_tokenizer()
+    context, continuation = "def main():\n", "    return 0"
+    text = wise_jax.teacher_force(params, CONFIG, context, continuation, tokenizer=tokenizer)
+    ids = wise_jax.teacher_force(params, CONFIG, tokenizer.encode(context).ids, tokenizer.encode(continuation).ids)
+    assert np.array_equal(text.logprobs[0], ids.logprobs[0])
+
+
+def test_load_model_rejects_a_non_floating_dtype():
+    with pytest.raises(ValueError, match="dtype must be a floating type"):
+        wise_jax.load_model("random-tiny", dtype=jnp.int8)
+
+
 @pytest.mark.parametrize("kwargs,error,match", [
     ({"prompts": []}, ValueError, "non-empty list"),
     ({"prompts": [[]]}, ValueError, r"prompts\[0\] is empty"),
     ({"prompts": [[1, 384]]}, ValueError, "outside the vocabulary"),
     ({"prompts": ["text"]}, ValueError, "need a tokenizer"),
+    ({"prompts": [[1.7, 2.2]]}, TypeError, "integer token ids"),
+    ({"prompts": [["1", "2"]]}, TypeError, "integer token ids"),
     ({"prompts": [[1] * 1020]}, ValueError, "too long"),
     ({"max_new_tokens": 0}, ValueError, "max_new_tokens"),
     ({"top_p": 0.0}, ValueError, "top_p"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import numbers
 import time
 from typing import Sequence
 
@@ -151,6 +152,8 @@ def _forced_loop(params: Params, cache, logits, continuation, limits, request_id
 
 
 def _check_ids(ids: Sequence[int], config: ModelConfig, what: str) -> list[int]:
+    if not all(isinstance(t, numbers.Integral) for t in ids):
+        raise TypeError(f"{what} must be a string or a sequence of integer token ids, got {ids!r:.80}")
     ids = [int(t) for t in ids]
     if not ids:
         raise ValueError(f"{what} is empty")
@@ -199,6 +202,8 @@ def _encode(prompts, config: ModelConfig, tokenizer: Tokenizer | None, what: str
                 raise ValueError(f"string {what} need a tokenizer: pass tokenizer= or load the model with "
                                  "wise_jax.load_model from a checkpoint that has one")
             prompt = tokenizer.encode(prompt).ids
+        elif isinstance(prompt, (np.ndarray, jax.Array)):
+            prompt = np.asarray(prompt).tolist()
         encoded.append(_check_ids(prompt, config, f"{what}[{n}]"))
     return encoded
 
@@ -297,14 +302,17 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
 
 def teacher_force(params: Params, config: ModelConfig, context_ids, continuation_ids, *,
                   wise_config: WiseConfig | None = None, page_size: int = DEFAULT_PAGE_SIZE,
-                  kernel: str | None = None) -> ForcedOutput:
+                  kernel: str | None = None, tokenizer: Tokenizer | None = None) -> ForcedOutput:
     """Prefill each context, then decode its continuation forced (the decode step of `generate`).
 
-    context_ids, continuation_ids: one token-id list each, or lists of them (one per sequence).
+    context_ids, continuation_ids: one token-id list (or string) each, or lists of them (one per
+    sequence); strings use `tokenizer`, or the one registered for `config` by `load_model`.
     Returns per-sequence log-probs float32[len(continuation)] and stats."""
-    single = len(context_ids) > 0 and np.ndim(context_ids[0]) == 0
-    contexts = _encode([context_ids] if single else context_ids, config, None, "context_ids")
-    continuations = _encode([continuation_ids] if single else continuation_ids, config, None, "continuation_ids")
+    tokenizer = tokenizer if tokenizer is not None else tokenizer_for(config)
+    single = isinstance(context_ids, str) or (len(context_ids) > 0 and np.ndim(context_ids[0]) == 0)
+    contexts = _encode([context_ids] if single else context_ids, config, tokenizer, "context_ids")
+    continuations = _encode([continuation_ids] if single else continuation_ids, config, tokenizer,
+                            "continuation_ids")
     if len(contexts) != len(continuations):
         raise ValueError(f"{len(contexts)} contexts but {len(continuations)} continuations")
     for n, (a, b) in enumerate(zip(contexts, continuations)):

@@ -24,6 +24,8 @@ _TOKENIZERS: dict[ModelConfig, Tokenizer] = {}
 def load_model(path_or_name: str | Path, *, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
     """A checkpoint directory (HF Ouro layout) or built-in model name -> (config, params of dtype).
     Registers the checkpoint's tokenizer for `config` (see `tokenizer_for`)."""
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"dtype must be a floating type, got {dtype}")
     checkpoint = load_checkpoint(path_or_name)
     params = from_checkpoint_tensors(checkpoint.config, checkpoint.tensors, dtype)
     if checkpoint.tokenizer is not None:
