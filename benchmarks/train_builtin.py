@@ -326,6 +326,8 @@ def train(config: ModelConfig, args, setting: Setting, stream: jax.Array, sample
                                            held_out_metrics(evaluate, params, periodic, setting.batch)))
             window = []
             if not math.isfinite(history[-1]["heldout_bpb"]):
+                if len(history) < 2:
+                    raise RuntimeError("the held-out loss of the initial weights is not finite")
                 print("held-out loss is not finite: training diverged; keeping the weights of the "
                       f"evaluation at step {history[-2]['step']}", flush=True)
                 params, diverged = last_good, step
