@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from wise_core import modes as M
+from wise_core.reference import check_decode_settings
 
 KERNELS = ("auto", "reference", "pallas")
 
@@ -38,7 +39,7 @@ def causal_blocks(seq_lens: jax.Array, block_size: int, n_blocks: int) -> jax.Ar
     return jnp.arange(n_blocks, dtype=jnp.int32)[None, :] * block_size < seq_lens[:, None]
 
 
-def _check_shapes(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size) -> None:
+def _check_shapes(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size, eta) -> None:
     if q.ndim != 3 or k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
         raise ValueError(f"expected q [batch, heads, head_dim] and k/v pages [num_pages, page_size, "
                          f"kv_heads, head_dim], got q {q.shape}, k {k_pages.shape}, v {v_pages.shape}")
@@ -47,12 +48,7 @@ def _check_shapes(q, k_pages, v_pages, page_table, seq_lens, modes, support, blo
     if k_dim != head_dim or heads % kv_heads:
         raise ValueError(f"q {q.shape} does not fit k pages {k_pages.shape}: head_dim must match and "
                          f"heads must be a multiple of kv_heads")
-    if not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"block_size must be a positive power of two, got {block_size!r}")
-    if page_size % block_size:
-        raise ValueError(f"page_size {page_size} is not a multiple of block_size {block_size}")
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a positive power of two, got {block_size!r}")
+    check_decode_settings(block_size, page_size, eta)
     if page_table.ndim != 2 or page_table.shape[0] != batch:
         raise ValueError(f"page_table must be [batch={batch}, max_pages], got {page_table.shape}")
     max_blocks = page_table.shape[1] * page_size // block_size
@@ -74,9 +70,7 @@ def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes,
     mass float32[batch, heads, max_blocks] (zeros past seq_len; that of the attended keys).
     Scores and softmax are float32.
     """
-    _check_shapes(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size)
-    if not 0.0 < eta <= 1.0:
-        raise ValueError(f"eta must be in (0, 1], got {eta}")
+    _check_shapes(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size, eta)
     batch, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     n_keys = page_table.shape[1] * page_size

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from wise_core.modes import DISCOVER, DISCOVER_UNION, SPARSE
+from wise_core.reference import check_decode_settings
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -50,8 +51,8 @@ def select_blocks(mass: torch.Tensor, eta: float) -> torch.Tensor:
     return torch.zeros_like(keep_ranked).scatter_(-1, order, keep_ranked)
 
 
-def check_decode_args(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size) -> None:
-    """Raise ValueError naming the first shape/dtype inconsistency of a decode_attention call."""
+def check_decode_args(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size, eta) -> None:
+    """Raise ValueError naming the first shape/dtype/setting inconsistency of a decode_attention call."""
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, heads, head_dim], got shape {tuple(q.shape)}")
     batch, heads, head_dim = q.shape
@@ -63,12 +64,7 @@ def check_decode_args(q, k_pages, v_pages, page_table, seq_lens, modes, support,
         raise ValueError(f"q has head_dim {head_dim} but the cache has {kv_dim}")
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
-    if not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"block_size must be a positive power of two, got {block_size!r}")
-    if page_size % block_size:
-        raise ValueError(f"page_size {page_size} is not a multiple of block_size {block_size}")
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a positive power of two, got {block_size!r}")
+    check_decode_settings(block_size, page_size, eta)
     if page_table.dim() != 2 or page_table.shape[0] != batch:
         raise ValueError(f"page_table must be [batch={batch}, max_pages], got {tuple(page_table.shape)}")
     for name, t in (("seq_lens", seq_lens), ("modes", modes)):
@@ -93,9 +89,7 @@ def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes,
     Every mode runs the same masked softmax, so DENSE, DISCOVER and a SPARSE row with every
     causal block selected are bitwise equal. A SPARSE row must select a causal block.
     """
-    check_decode_args(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size)
-    if not 0.0 < eta <= 1.0:
-        raise ValueError(f"eta must be in (0, 1], got {eta}")
+    check_decode_args(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size, eta)
     batch, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     max_keys = page_table.shape[1] * page_size

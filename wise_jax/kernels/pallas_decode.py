@@ -55,6 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from wise_core import modes as wise_modes
+from wise_core.reference import check_decode_settings
 
 _SELECT_ROWS = 64  # ranking tile of the selection: [rows, cols] block pairs per step
 _SELECT_COLS = 32
@@ -397,10 +398,6 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
 
 def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size, eta):
     """Raise ValueError naming the first shape, dtype or setting that does not fit."""
-    if not isinstance(block_size, int) or block_size <= 0 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two, got {block_size!r}")
-    if not 0.0 < eta <= 1.0:
-        raise ValueError(f"eta must be in (0, 1], got {eta!r}")
     if q.ndim != 3:
         raise ValueError(f"q must be [batch, heads, head_dim], got shape {q.shape}")
     if k_pages.ndim != 4:
@@ -420,8 +417,7 @@ def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, modes, support, blo
         raise ValueError(f"head_dim must be a power of two for the Pallas kernel, got {head_dim}")
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
-    if page_size % block_size:
-        raise ValueError(f"page_size ({page_size}) must be a multiple of block_size ({block_size})")
+    check_decode_settings(block_size, page_size, eta)
     if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.dtype != jnp.int32:
         raise ValueError(f"page_table must be int32[{batch}, max_pages], got "
                          f"{page_table.dtype}{list(page_table.shape)}")

@@ -412,11 +412,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def _check_kernel_inputs(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size, eta):
     """Kernel-specific checks on top of the shared `check_decode_args` (no host sync)."""
-    if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two, got {block_size!r}")
-    check_decode_args(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size)
-    if not 0.0 < eta <= 1.0:
-        raise ValueError(f"eta must be in (0, 1], got {eta}")
+    check_decode_args(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size, eta)
     if q.dtype not in _DTYPES or k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
         raise ValueError(f"q, k_pages and v_pages must share one dtype of {_DTYPES}, got "
                          f"{q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
