@@ -109,10 +109,10 @@ class _Session:
                 self.wise_slots[rid] = self.wise.acquire(rid)
         self.active = list(range(len(prompts)))
         self.lengths = [len(p) for p in prompts]
-        width = max(map(len, prompts))
+        width = max(self.lengths)
         ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], dtype=torch.int64).to(self.device)
-        lengths = torch.tensor(list(map(len, prompts)), dtype=torch.int64).to(self.device)
-        table = self.cache.page_table(list(range(len(prompts))), self.max_pages)
+        lengths = torch.tensor(self.lengths, dtype=torch.int64).to(self.device)
+        table = self.cache.page_table(self.active, self.max_pages)
         return self.model.prefill(ids, lengths, self.cache, table)
 
     def advance(self, keep: list[int], tokens: torch.Tensor) -> torch.Tensor | None:
