@@ -251,14 +251,15 @@ def check_convert(suite: Suite):
 def _selection(suite: Suite, name: str) -> Measured:
     spec = suite.selectors["numpy-spec"]
     unexplained, explained, lines = 0, 0, []
-    for case in cases.selection_cases():
+    selection_cases = cases.selection_cases()
+    for case in selection_cases:
         found = support_differences(case.mass, case.eta, suite.selectors[name](case.mass, case.eta),
                                     spec(case.mass, case.eta))
         bad = [d for d in found if not d.explained]
         unexplained += len(bad)
         explained += len(found) - len(bad)
         lines += [f"{case.name}: {d.describe()}" for d in (bad or found)[:SHOWN]]
-    detail = "; ".join(lines[:SHOWN]) or f"identical on {len(cases.selection_cases())} cases"
+    detail = "; ".join(lines[:SHOWN]) or f"identical on {len(selection_cases)} cases"
     if explained and not unexplained:
         detail = f"{explained} bits differ, all within rounding of the threshold: {detail}"
     return Measured(unexplained == 0, unexplained, 0, "support bits unexplained", detail)
