@@ -18,16 +18,23 @@ from wise_core.modes import DISCOVER, DISCOVER_UNION, SPARSE
 from wise_core.reference import check_decode_settings
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: int = 0,
                       scale: float | None = None) -> torch.Tensor:
-    """Dense causal attention over whole sequences.
+    """Dense causal attention of a run of queries at positions start.. over keys 0..start+n-1.
 
-    q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim] -> [batch, seq, heads, head_dim].
-    Right padding is harmless: a real token never attends a later (padded) position.
+    q: [batch, n, heads, head_dim]; k, v: [batch, start + n, kv_heads, head_dim]
+    -> [batch, n, heads, head_dim]. With start 0, right padding is harmless: a real token never
+    attends a later (padded) position.
     """
+    n, keys = q.shape[1], k.shape[1]
+    if keys != start + n:
+        raise ValueError(f"{n} queries from position {start} need {start + n} keys, got {keys}")
+    mask = None
+    if start:
+        mask = torch.arange(keys, device=q.device)[None, :] <= start + torch.arange(n, device=q.device)[:, None]
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
-        enable_gqa=q.shape[2] != k.shape[2])
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=not start,
+        scale=scale, enable_gqa=q.shape[2] != k.shape[2])
     return out.transpose(1, 2)
 
 
