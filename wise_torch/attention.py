@@ -7,6 +7,7 @@ docs/DESIGN.md; `decode_attention` dispatches to it or to the Triton kernel
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 from typing import Callable
@@ -148,14 +149,18 @@ def resolve_kernel(kernel: str, device: torch.device | str) -> Callable:
 
 def prepare_decode_attention(kernel: str, *, max_batch: int, heads: int, kv_heads: int, head_dim: int,
                              max_blocks: int, block_size: int, dtype: torch.dtype,
-                             device: torch.device | str) -> Callable:
+                             device: torch.device | str, min_splits: int = 1) -> Callable:
     """`kernel`'s decode attention with its buffers allocated once for calls up to these sizes
-    (Triton: a workspace, so that a call allocates nothing and never syncs)."""
+    (Triton: a workspace, so that a call allocates nothing and never syncs; min_splits: the
+    fewest programs a row is split into, to fill the GPU when batches are small)."""
     fn = resolve_kernel(kernel, device)
     if fn is decode_attention_reference:
         return fn
-    workspace = importlib.import_module(fn.__module__).DecodeWorkspace.allocate(
-        max_batch, heads, kv_heads, head_dim, max_blocks, dtype=dtype, device=device, block_size=block_size)
+    module = importlib.import_module(fn.__module__)
+    config = dataclasses.replace(module.config_for(head_dim, dtype), min_splits=min_splits)
+    workspace = module.DecodeWorkspace.allocate(
+        max_batch, heads, kv_heads, head_dim, max_blocks, dtype=dtype, device=device, block_size=block_size,
+        config=config)
     return functools.partial(fn, workspace=workspace)
 
 

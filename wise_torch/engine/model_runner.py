@@ -31,6 +31,13 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
     return [b for b in sizes if b < max_num_seqs] + [max_num_seqs]
 
 
+def min_splits_for(rows: int, kv_heads: int, programs: int = 256) -> int:
+    """Splits per row (at least) for a decode step of `rows` rows to launch about `programs`
+    programs (a power of two in [1, 16]); 1 once the rows alone fill the GPU."""
+    want = max(programs // (rows * kv_heads), 1)
+    return min(1 << (want.bit_length() - 1), 16)
+
+
 class ModelRunner:
     _META = ("tokens", "positions", "seq_lens", "slot_mapping", "epochs")
 
@@ -49,10 +56,13 @@ class ModelRunner:
         rows = self.buckets[-1]
         self.wise = None if wise_config is None else WiseState(wise_config, config, max_rows=rows,
                                                                 max_blocks=max_blocks, device=self.device)
-        self.attention = prepare_decode_attention(
-            kernel, max_batch=rows, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
-            head_dim=config.head_dim, max_blocks=max_blocks, block_size=block_size, dtype=self.dtype,
-            device=self.device)
+        # Per bucket, a decode attention whose rows split into enough programs to fill the GPU.
+        self.attention = {}
+        for b in self.buckets:
+            self.attention[b] = prepare_decode_attention(
+                kernel, max_batch=b, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
+                head_dim=config.head_dim, max_blocks=max_blocks, block_size=block_size, dtype=self.dtype,
+                device=self.device, min_splits=min_splits_for(b, config.num_key_value_heads))
         # Static decode inputs (graph inputs) and their pinned host staging.
         pin = self.device.type == "cuda"
         self.meta = torch.zeros(len(self._META), rows, dtype=torch.int64, device=self.device)
@@ -81,7 +91,7 @@ class ModelRunner:
     def _forward(self, bucket: int) -> torch.Tensor:
         self.seq_lens[:bucket].copy_(self.meta[2, :bucket])
         tokens, batch = self._batch(bucket)
-        return self.model.decode_step(tokens, batch, self.cache, wise=self.wise, attention=self.attention,
+        return self.model.decode_step(tokens, batch, self.cache, wise=self.wise, attention=self.attention[bucket],
                                       dense_modes=self.dense_modes, unused_support=self.unused_support)
 
     def _stage(self, seqs: list[Sequence], bucket: int) -> None:

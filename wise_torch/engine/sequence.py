@@ -128,7 +128,8 @@ class Sequence:
 @dataclasses.dataclass
 class RequestOutput:
     """What one request has produced so far. text decodes token_ids with the model's tokenizer
-    (None without one); logprobs: log p of each token (SamplingParams.logprobs, teacher forcing)."""
+    (None without one); logprobs: log p of each token (SamplingParams.logprobs, teacher forcing).
+    prompt_token_ids is the engine's own list: read it, do not change it."""
 
     request_id: int
     prompt_token_ids: list[int]
@@ -145,5 +146,5 @@ class RequestOutput:
     @classmethod
     def of(cls, seq: Sequence, tokenizer) -> "RequestOutput":
         want_logprobs = seq.params.logprobs or seq.forced is not None
-        return cls(seq.request_id, list(seq.prompt), seq.output, seq.status is Status.FINISHED, seq.finish_reason,
+        return cls(seq.request_id, seq.prompt, seq.output, seq.status is Status.FINISHED, seq.finish_reason,
                    list(seq.logprobs) if want_logprobs else None, tokenizer)
