@@ -93,7 +93,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, impl: str = "
     (hidden - 1) * 2^-24 of the exact one, the square root halves that; the rest is a few
     roundings). bfloat16 / float16 (hidden < 2^15 / 2^12): those float32 values round to the same
     dtype value or a neighbour, so |y - y_torch| <= 2 ulp; most elements are equal. A row's result
-    does not depend on the other rows (bitwise the same alone or in any batch).
+    does not depend on the other rows or their number (bitwise, for inputs of one row stride).
     """
     _check_rows("x", x)
     _check_weight("weight", weight, x)
