@@ -63,6 +63,7 @@ _ROOT = _HERE.parent
 ARMS = ("dense", "wise", "fa4", "old", "old-wise")
 OLD_COMMIT = "bef25e92fbb27d035f3f9973f69047951c897363"  # the last commit before the engine
 HBM_TBPS = 4.3
+CUDA_GRAPHS = {"auto": "auto", "on": True, "off": False}
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # The issue's targets: WISE / dense decode tok/s per context, dense share of the roofline, batch-1 step time.
 WISE_TARGETS = {1024: 1.30, 4096: 1.45, 8192: 1.50}
@@ -123,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eta", type=float, default=0.95)
     p.add_argument("--page-size", type=int, default=128)
     p.add_argument("--num-pages", type=int, default=0, help="KV pool of the engine arms (default: the cohort's + 1)")
-    p.add_argument("--cuda-graphs", default="auto", help="LLM(cuda_graphs=...) of the engine arms")
+    p.add_argument("--cuda-graphs", default="auto", choices=sorted(CUDA_GRAPHS), help="LLM(cuda_graphs=) of the engine arms")
+    p.add_argument("--max-num-batched-tokens", type=int, default=0,
+                   help="LLM(max_num_batched_tokens=): prompt tokens per step (default: the engine's)")
     p.add_argument("--old-src", type=Path, help="source tree of the pre-engine commit (wise_core, wise_torch)")
     p.add_argument("--old-commit", default=OLD_COMMIT, help="commit to extract with git when --old-src is not given")
     p.add_argument("--hbm-tbps", type=float, default=HBM_TBPS, help="memory bandwidth of the roofline")
@@ -141,8 +144,8 @@ def check_args(parser: argparse.ArgumentParser, args) -> list[float]:
         parser.error("--warmup-tokens and --repeats must be >= 1")
     if not 0 < args.eta <= 1:
         parser.error(f"--eta must be in (0, 1], got {args.eta}")
-    if args.page_size < 1 or args.num_pages < 0 or args.hbm_tbps <= 0:
-        parser.error("--page-size and --hbm-tbps must be positive, --num-pages >= 0")
+    if args.page_size < 1 or args.num_pages < 0 or args.max_num_batched_tokens < 0 or args.hbm_tbps <= 0:
+        parser.error("--page-size and --hbm-tbps must be positive, --num-pages and --max-num-batched-tokens >= 0")
     scales = args.q_scale
     if len(scales) == 1:
         scales = scales * len(args.shapes)
@@ -263,29 +266,42 @@ def _prompts(spec: dict, vocab_size: int) -> list[list[int]]:
     return torch.randint(0, vocab_size, (batch, context), generator=g).tolist()
 
 
+def _reset_wise_counters(llm) -> bool:
+    """Zero the engine's WISE counters (density, fallbacks), which LLM.stats() reports since the
+    engine started, so a cohort's stats are its own; False where the engine has no such hook."""
+    wise = getattr(getattr(llm, "runner", None), "wise", None)
+    if wise is None or not hasattr(wise, "reset_counters"):
+        return False
+    wise.reset_counters()
+    return True
+
+
 def _engine_worker(spec: dict) -> dict:
-    import torch
-    import wise_torch
-    from wise_core.config import WiseConfig
     arm = spec["arm"]
     if arm == "fa4":
         try:
             import flash_attn.cute  # noqa: F401
         except Exception as e:  # not installed, or installed without its CUDA parts
             return dict(status=f"not importable: {type(e).__name__}: {e}"[:300])
+    import torch
+    import wise_torch
+    from wise_core.config import WiseConfig
     model = _load_model(spec)
     wise_config = WiseConfig(eta=spec["eta"], kernel=spec["kernel"]) if arm == "wise" else None
     kernel = "fa4" if arm == "fa4" else spec["kernel"]
+    extra = {"max_num_batched_tokens": spec["max_num_batched_tokens"]} if spec["max_num_batched_tokens"] else {}
     llm = wise_torch.LLM(model, wise_config=wise_config, num_pages=spec["num_pages"], page_size=spec["page_size"],
-                         max_num_seqs=spec["batch"], cuda_graphs=spec["cuda_graphs"], kernel=kernel,
-                         max_model_len=spec["context"] + max(spec["new_tokens"], spec["warmup_tokens"]))
+                         max_num_seqs=spec["batch"], cuda_graphs=CUDA_GRAPHS[spec["cuda_graphs"]], kernel=kernel,
+                         max_model_len=spec["context"] + max(spec["new_tokens"], spec["warmup_tokens"]), **extra)
     prompts = _prompts(spec, model.config.vocab_size)
 
     def cohort(tokens: int) -> dict:
         params = wise_torch.SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        reset = _reset_wise_counters(llm)
         result = run_cohort(llm, prompts, params, tokens)
         stats = stats_dict(llm.stats())
         result.update(stats=stats, density=stats.get("density"), fallbacks=stats.get("fallbacks"),
+                      counters="this cohort" if reset else "since the engine started",
                       preemptions=stats.get("preemptions"),
                       pages_returned=stats.get("free_pages") == stats.get("total_pages"))
         return result
@@ -332,7 +348,8 @@ def worker_main(spec_path: str) -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
         result = (_old_worker if spec["arm"].startswith("old") else _engine_worker)(spec)
-        result["environment"] = _environment()
+        if result["status"] == "ok":
+            result["environment"] = _environment()
     except Exception as e:  # reported in the row; the other arms go on
         traceback.print_exc()
         result = dict(status=f"error: {type(e).__name__}: {e}"[:800])
@@ -408,7 +425,7 @@ def row_of(spec: dict, result: dict, repeat: int | None, config, args) -> dict:
     density = {int(k): v for k, v in (r.get("density") or {}).items() if v is not None} or None
     roof = roofline(config, args.dtype, spec["context"], spec["batch"], args.new_tokens, density, args.hbm_tbps)
     row.update({k: r.get(k) for k in ("decode_tokens_per_s", "ms_per_step", "prefill_s", "decode_tokens",
-                                      "decode_steps", "fallbacks", "preemptions", "pages_returned")})
+                                      "decode_steps", "fallbacks", "preemptions", "pages_returned", "counters")})
     row.update(density=density, roofline_tokens_per_s=roof["tokens_per_s"], roofline_ms_per_step=roof["ms_per_step"],
                roofline_share=r["decode_tokens_per_s"] / roof["tokens_per_s"])
     return row
@@ -563,6 +580,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                 spec = dict(arm=arm, context=context, batch=batch, q_scale=q_scale, checkpoint=checkpoint,
                             dtype=args.dtype, device=args.device, kernel=args.kernel, eta=args.eta,
                             page_size=args.page_size, num_pages=num_pages, cuda_graphs=args.cuda_graphs,
+                            max_num_batched_tokens=args.max_num_batched_tokens,
                             new_tokens=args.new_tokens, warmup_tokens=args.warmup_tokens, repeats=args.repeats,
                             old_src=old_src if arm.startswith("old") else None)
                 if arm.startswith("old") and old_src is None:

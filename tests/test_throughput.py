@@ -164,19 +164,30 @@ def test_old_source_tree_from_git(tmp_path):
     assert (src / "wise_torch" / "generate.py").is_file() and (src / "wise_core" / "config.py").is_file()
 
 
-def test_old_arms_end_to_end_in_fresh_processes(tmp_path, monkeypatch):
-    """The pre-engine arms run `wise_torch.generate` from the source tree given (here this one)."""
+def test_smoke_run_end_to_end_in_fresh_processes(tmp_path, monkeypatch):
+    """Every arm on test-tiny (fp32, reference kernel): the engine's dense and WISE, FA4 (not
+    importable on CPU), the pre-engine generate from the source tree given (here this one)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the workers' torch: tiny shapes, no spinning threads
     report = tp.main(["--preset", "test-tiny", "--dtype", "float32", "--device", "cpu", "--kernel", "reference",
-                      "--shapes", "64x2", "--q-scale", "2", "--new-tokens", "4", "--warmup-tokens", "2",
-                      "--page-size", "32", "--arms", "old,old-wise", "--old-src", str(ROOT), "--out", str(tmp_path)])
+                      "--shapes", "64x3", "--q-scale", "2", "--new-tokens", "5", "--warmup-tokens", "2",
+                      "--page-size", "32", "--arms", "dense,wise,fa4,old", "--old-src", str(ROOT),
+                      "--out", str(tmp_path)])
     rows = report["rows"]
-    assert [(r["context"], r["arm"], r["repeat"], r["q_scale"]) for r in rows] == [
-        (64, "old", 0, 2.0), (64, "old", 1, 2.0), (64, "old-wise", 0, 2.0), (64, "old-wise", 1, 2.0)]
-    for r in rows:
-        assert r["status"] == "ok" and r["decode_tokens"] == 3 * 2 and r["decode_steps"] == 3
-        assert r["decode_tokens_per_s"] > 0 and r["roofline_share"] > 0
-        assert (r["density"] is None) == (r["arm"] == "old")
-    assert all(0 < d <= 1 for r in rows if r["arm"] == "old-wise" for d in r["density"].values())
+    assert [(r["arm"], r["repeat"]) for r in rows] == [
+        ("dense", 0), ("dense", 1), ("wise", 0), ("wise", 1), ("fa4", None), ("old", 0), ("old", 1)]
+    if importlib.util.find_spec("flash_attn") is None:
+        assert rows[4]["status"].startswith("not importable")
+    for r in rows[:4] + rows[5:]:
+        assert r["status"] == "ok" and r["q_scale"] == 2.0, r
+        # 3 requests x 5 tokens; the first token of each is not timed.
+        assert r["decode_tokens"] == 3 * 4 and r["decode_steps"] == 4
+        assert r["decode_tokens_per_s"] > 0 and 0 < r["roofline_share"] < 1
+        assert (r["density"] is None) == (r["arm"] != "wise")
+    for r in rows[:4]:  # the engine arms
+        assert r["pages_returned"] is True and r["preemptions"] == 0
+    for r in rows[2:4]:
+        assert r["fallbacks"] == 0 and r["counters"] == "this cohort"
+        assert set(r["density"]) == {2, 3} and all(0 < d <= 1 for d in r["density"].values())
+    assert {s["arm"] for s in report["summary"]} == {"dense", "wise", "old"}
     assert report["old_src"] == str(ROOT) and report["environment"]["device"] == "cpu"
     assert {"throughput.json", "throughput.md", "throughput.png"} <= {p.name for p in tmp_path.iterdir()}
