@@ -28,7 +28,8 @@ Arms:
   (the cohort's pages exactly).
 
 Workloads: --model DIR (a checkpoint or built-in name) or random weights at a preset's shape
-(--preset, normal(0, --std), seed 0, written once to a temporary checkpoint the workers load),
+(--preset, normal(0, --std), drawn on the device by each worker from generators seeded by the
+HF tensor names, so every arm, the pre-engine layout included, holds the same weights),
 with q_proj multiplied by --q-scale (one value, or one per shape) to give peaked attention.
 
 Per arm and repeat: decode tok/s, ms/step, the roofline tok/s and the share of it reached,
@@ -107,8 +108,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="ouro-1.4b", help="model shape for random weights (wise_core PRESETS)")
     p.add_argument("--layers", type=int, default=0, help="override the preset's num_hidden_layers")
     p.add_argument("--std", type=float, default=0.02, help="std of the random weights")
-    p.add_argument("--weights-dir", type=Path,
-                   help="keep the random checkpoint here and reuse it on later runs (default: a temporary one)")
     p.add_argument("--q-scale", type=parse_floats, default=[1.0],
                    help="q_proj multiplier: one value, or one per shape (e.g. 8,7.3,7)")
     p.add_argument("--shapes", type=parse_shapes, default=parse_shapes("1024x64,4096x20,8192x10"),
@@ -244,11 +243,55 @@ def _environment() -> dict:
                 torch=torch.__version__, triton=triton.__version__, python=platform.python_version())
 
 
+def _hf_tensor(name: str, shape, spec: dict, device):
+    """The random HF tensor `name`: unit norms, a zero gate bias, else normal(0, std) from a
+    generator seeded by the name (so the fused and the pre-engine layouts hold the same values),
+    q_proj multiplied by q_scale."""
+    import zlib
+    import torch
+    if name.endswith("norm.weight") or "layernorm" in name:
+        return torch.ones(shape, device=device)
+    if name.endswith(".bias"):
+        return torch.zeros(shape, device=device)
+    g = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()) + spec["seed"])
+    t = torch.empty(shape, device=device).normal_(0.0, spec["std"], generator=g)
+    return t * spec["q_scale"] if name.endswith("self_attn.q_proj.weight") else t
+
+
+def _random_model(spec: dict, config):
+    """Random weights drawn on the device (seconds, where writing and reading a 1.4B-parameter
+    checkpoint per process takes minutes), for the engine's fused layout or the pre-engine one."""
+    import torch
+    import wise_torch
+    from wise_core.checkpoint import expected_shapes
+    dtype, device = getattr(torch, spec["dtype"]), torch.device(spec["device"])
+    shapes = expected_shapes(config)
+    with torch.device("meta"):
+        model = wise_torch.OuroForCausalLM(config)
+    fused = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                           "self_attn.v_proj.weight"),
+             "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+    weights = {}
+    for name in model.state_dict():
+        prefix, _, leaf = name.rpartition(".layers.")
+        layer, _, rest = leaf.partition(".")
+        parts = fused.get(rest) if prefix else None
+        names = [f"{prefix}.layers.{layer}.{p}" for p in parts] if parts else [name]
+        weights[name] = torch.cat([_hf_tensor(n, shapes[n], spec, device) for n in names]).to(dtype)
+    model.load_state_dict(weights, strict=True, assign=True)
+    if hasattr(model, "build_rope_table"):
+        model.build_rope_table()
+    return model.requires_grad_(False).eval()
+
+
 def _load_model(spec: dict):
-    """The model of the spec: its checkpoint, q_proj scaled in the HF tensors."""
+    """The model of the spec: a checkpoint (q_proj scaled in the HF tensors) or random weights."""
     import torch
     import wise_torch
     from wise_core.checkpoint import load_checkpoint
+    from wise_core.config import ModelConfig
+    if spec.get("random"):
+        return _random_model(spec, ModelConfig(**spec["random"]))
     checkpoint = load_checkpoint(spec["checkpoint"])
     tensors = dict(checkpoint.tensors)
     if spec["q_scale"] != 1.0:
@@ -378,25 +421,19 @@ def run_worker(spec: dict, timeout: float, workdir: Path) -> dict:
 
 
 # -- the run ----------------------------------------------------------------------------------------------------
-def prepare_checkpoint(args, workdir: Path):
-    """(config, checkpoint path or name): --model as given, or random --preset weights written once."""
-    from wise_core.checkpoint import Checkpoint, load_checkpoint, random_tensors, save_checkpoint
+def prepare_model(args) -> tuple:
+    """(config, checkpoint or None, random recipe or None): --model as given, or random --preset
+    weights that each worker draws on its device (`_random_model`)."""
+    from wise_core.checkpoint import load_checkpoint
     from wise_core.config import PRESETS
     if args.model:
-        return load_checkpoint(args.model).config, args.model
+        return load_checkpoint(args.model).config, args.model, None
     if args.preset not in PRESETS:
         raise SystemExit(f"unknown --preset {args.preset!r}; one of {sorted(PRESETS)}")
     config = PRESETS[args.preset]
     if args.layers:
         config = dataclasses.replace(config, num_hidden_layers=args.layers)
-    recipe = dict(config=dataclasses.asdict(config), std=args.std, seed=0, bf16=args.dtype == "bfloat16")
-    path = args.weights_dir or workdir / "random-checkpoint"
-    made = path / "random-recipe.json"
-    if not (made.exists() and json.loads(made.read_text()) == recipe):
-        save_checkpoint(path, Checkpoint(config, random_tensors(config, seed=0, std=args.std), None, args.preset),
-                        bf16=recipe["bf16"])
-        made.write_text(json.dumps(recipe))
-    return config, str(path)
+    return config, None, dataclasses.asdict(config)
 
 
 def prepare_old_src(args, workdir: Path) -> str | None:
@@ -565,7 +602,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     sys.path[:0] = [p for p in (str(_ROOT),) if p not in sys.path]
     workdir = Path(tempfile.mkdtemp(prefix="wise-throughput-"))
     try:
-        config, checkpoint = prepare_checkpoint(args, workdir)
+        config, checkpoint, recipe = prepare_model(args)
         old_src = prepare_old_src(args, workdir) if any(a.startswith("old") for a in args.arms) else None
         report = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), host=platform.node(),
                       model=args.model or f"random {args.preset} (std {args.std}, seed 0)",
@@ -578,6 +615,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             num_pages = args.num_pages or cohort_pages(context, batch, args.new_tokens, args.page_size) + 1
             for arm in args.arms:
                 spec = dict(arm=arm, context=context, batch=batch, q_scale=q_scale, checkpoint=checkpoint,
+                            random=recipe, std=args.std, seed=0,
                             dtype=args.dtype, device=args.device, kernel=args.kernel, eta=args.eta,
                             page_size=args.page_size, num_pages=num_pages, cuda_graphs=args.cuda_graphs,
                             max_num_batched_tokens=args.max_num_batched_tokens,
