@@ -145,17 +145,21 @@ def test_rejections_leave_no_trace(model, spec):
 def test_preemption_and_abort_with_speculation(model, spec):
     prompts = prompts_of([60, 50, 45, 33], model.config.vocab_size, seed=1)
     params = wt.SamplingParams(max_tokens=30, ignore_eos=True)
+    want = dense_tokens(model, prompts, params)
     llm = engine(model, spec, num_pages=8)                 # 8 pages of 32: the four cannot all grow
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    assert check_stats(llm).preemptions > 0
+    llm = engine(model, spec)
     ids = [llm.add_request(p, params) for p in prompts]
-    for _ in range(3):
+    for _ in range(4):
         llm.step()
+    held = llm.stats().free_pages
     out = llm.abort(ids[1])
-    assert out.finish_reason == "abort"
+    assert out.finish_reason == "abort" and 1 < len(out.token_ids) < 30
+    assert llm.stats().free_pages == held + llm.blocks.pages_for(50 + len(out.token_ids) - 1)
     finals = llm.run_until_done([ids[0], ids[2], ids[3]])
-    s = check_stats(llm)
-    assert s.preemptions > 0
-    want = dense_tokens(model, [prompts[0], prompts[2], prompts[3]], params)
-    assert [f.token_ids for f in finals] == want
+    check_stats(llm)
+    assert [f.token_ids for f in finals] == [want[0], want[2], want[3]]
 
 
 def test_stop_tokens_logprobs_and_logits_match_dense(model):

@@ -43,7 +43,7 @@ from wise_core.config import SpeculativeConfig
 from wise_torch.engine.block_manager import BlockManager
 from wise_torch.engine.model_runner import ModelRunner, min_splits_for
 from wise_torch.engine.sampler import scaled_logits, seed_for
-from wise_torch.engine.sequence import Sequence, Status
+from wise_torch.engine.sequence import PENDING, Sequence, Status
 from wise_torch.kv_cache import DecodeBatch
 from wise_torch.model import DecodeContext
 from wise_torch.verification import VerifyBatch, VerifyContext, prepare_verify_attention
@@ -110,6 +110,12 @@ class Speculator:
         """Drafts of the sequence's next round (never more than it may still produce, less one):
         the keys a round writes past its last token."""
         return max(min(self.num_draft, seq.max_length - len(seq.tokens) - 1), 0)
+
+    @staticmethod
+    def ready(seq: Sequence) -> bool:
+        """A round starts from a token the host has read: a first token still in flight from
+        prefill waits for the next step."""
+        return seq.tokens[-1] != PENDING
 
     def check_request(self, seq: Sequence) -> None:
         if seq.forced is not None:
@@ -202,8 +208,9 @@ class Speculator:
         self.page_table[:bucket].copy_(self.host_table[:bucket], non_blocking=True)
 
     def decode(self, seqs: list[Sequence], produced: list[Sequence]) -> int:
-        """One round for `seqs`: append each one's committed tokens (finishing it on a stop token
-        or its budget), roll back the rest; add each to `produced`. Returns the tokens committed."""
+        """One round for `seqs` (each `ready`): append each one's committed tokens (finishing
+        it on a stop token or its budget), roll back the rest; add each to `produced`. Returns
+        the tokens committed."""
         r = self.runner
         ks = [self.drafts_of(seq) for seq in seqs]
         order = sorted(range(len(seqs)), key=lambda i: -ks[i])   # stable: rows of step j are a prefix
@@ -322,7 +329,7 @@ class Speculator:
                     seq.logprobs.append(logprobs[i][n])
                 if seq.keep_logits:
                     seq.logits.append(logits[i, n].cpu())
-                seq.append(token)
+                seq.resolve(seq.expect(), token)
                 committed += 1
                 if seq.status is Status.FINISHED:
                     break
