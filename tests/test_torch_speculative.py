@@ -187,6 +187,20 @@ def test_seeded_sampling_does_not_depend_on_the_batch(model):
     assert together[0].token_ids != other_seed[0].token_ids
 
 
+def test_sampling_in_the_greedy_limits_is_greedy(model):
+    """A nucleus of one token (top_p tiny) or a tiny temperature makes both the draft and the
+    dense distribution one-hot: rejection sampling must then give dense greedy tokens."""
+    prompts = prompts_of([20, 45], model.config.vocab_size, seed=7)
+    want = dense_tokens(model, prompts, wt.SamplingParams(max_tokens=12, ignore_eos=True))
+    for spec in SPECS:
+        for kw in (dict(temperature=1.0, top_p=1e-6), dict(temperature=1e-6)):
+            llm = engine(model, spec)
+            outs = llm.generate(prompts, wt.SamplingParams(max_tokens=12, ignore_eos=True, seed=5, **kw),
+                                use_tqdm=False)
+            assert [o.token_ids for o in outs] == want, (spec, kw)
+            check_stats(llm)
+
+
 def chi_square_bound(dof: int, z: float) -> float:
     """Wilson-Hilferty: the chi-square quantile with `dof` degrees of freedom at normal score z."""
     return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3

@@ -221,7 +221,7 @@ class Speculator:
         sampled = [i for i, seq in enumerate(seqs) if seq.params.temperature > 0]
         draft_probs = None
         if sampled:
-            draft_probs = torch.zeros(len(sampled), max(self.num_draft, 1), self.model.config.vocab_size,
+            draft_probs = torch.zeros(len(sampled), self.num_draft, self.model.config.vocab_size,
                                       device=self.device)
         method_kind = "full" if self.config.method == "wise" else "head"
         for j in range(max(ks) + 1):
