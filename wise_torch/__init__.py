@@ -8,5 +8,5 @@ from wise_torch.model import OuroForCausalLM, from_tensors, load_model, to_check
 from wise_torch.wise_state import WiseState
 
 __all__ = ["LLM", "EngineStats", "RequestOutput", "SamplingParams", "SpeculativeConfig", "ForcedOutput",
-           "GenerationOutput", "GenerationStats", "generate", "teacher_force", "DecodeBatch", "PagedKVCache", "PrefillBatch",
-           "OuroForCausalLM", "from_tensors", "load_model", "to_checkpoint_tensors", "WiseState"]
+           "GenerationOutput", "GenerationStats", "generate", "teacher_force", "DecodeBatch", "PagedKVCache",
+           "PrefillBatch", "OuroForCausalLM", "from_tensors", "load_model", "to_checkpoint_tensors", "WiseState"]
