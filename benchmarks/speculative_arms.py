@@ -5,14 +5,14 @@ the engine with `SpeculativeConfig(method, num_draft=K, draft_loops=D)` (spec-wi
 the run's `WiseConfig(eta, kernel)`), timed like every engine arm. Per repeat it reports the
 acceptance rate and tokens per verification round of that cohort (differences of the engine's
 counters around it), and whether its greedy tokens equal the dense arm's token for token (the
-number of requests that differ, and the first position where each does). The issue's target:
-lossless speculation >= 1.15x dense decode tok/s at 4K and 8K context while equal to dense.
+number of requests that differ). The issue's target: lossless speculation >= 1.15x dense decode
+tok/s at 4K and 8K context while equal to dense.
 """
 
 from __future__ import annotations
 
 SPEC_ARMS = {"spec-wise": "wise", "spec-loops": "loops"}
-SPEC_TARGETS = {4096: 1.15, 8192: 1.15}          # speculative / dense decode tok/s, at equal tokens
+SPEC_TARGETS = {4096: 1.15, 8192: 1.15}          # speculative / dense decode tok/s
 _COUNTERS = ("spec_rounds", "draft_tokens", "accepted_tokens", "decode_tokens")
 
 
@@ -69,14 +69,19 @@ def compare_tokens(dense: list[list[int]], other: list[list[int]]) -> dict:
 
 
 def standing(summary: list[dict]) -> list[dict]:
-    """The speculation target per shape of SPEC_TARGETS where the summary has the arm: its
-    over_dense, met only when its tokens also equal dense decode's (`differ` == 0)."""
+    """Per speculative arm: its speed target at the contexts of SPEC_TARGETS, and at every shape
+    the requests whose greedy tokens differ from the dense arm's (met at 0; in bf16 a near tie
+    that two evaluations of the same math order differently also counts)."""
     out = []
     for s in summary:
-        if s["arm"] in SPEC_ARMS and s["context"] in SPEC_TARGETS and s.get("over_dense") is not None:
+        if s["arm"] not in SPEC_ARMS:
+            continue
+        shape = f"{s['context']}x{s['batch']}"
+        if s["context"] in SPEC_TARGETS and s.get("over_dense") is not None:
             bound = SPEC_TARGETS[s["context"]]
-            equal = s.get("differ") == 0
-            out.append(dict(target=f"{s['arm']} / dense >= {bound:.2f}, tokens equal dense",
-                            shape=f"{s['context']}x{s['batch']}", value=s["over_dense"],
-                            met=s["over_dense"] >= bound and equal))
+            out.append(dict(target=f"{s['arm']} / dense >= {bound:.2f}", shape=shape, value=s["over_dense"],
+                            met=s["over_dense"] >= bound))
+        if s.get("differ") is not None:
+            out.append(dict(target=f"{s['arm']}: requests whose tokens differ from dense", shape=shape,
+                            value=s["differ"], met=s["differ"] == 0))
     return out

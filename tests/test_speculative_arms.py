@@ -51,7 +51,12 @@ def test_cohort_counters_tokens_and_standing():
     summary = [dict(context=4096, batch=20, arm="spec-wise", over_dense=1.2, differ=0),
                dict(context=8192, batch=10, arm="spec-loops", over_dense=1.3, differ=2),
                dict(context=1024, batch=64, arm="spec-wise", over_dense=0.9, differ=0)]
-    assert [(t["shape"], t["met"]) for t in sa.standing(summary)] == [("4096x20", True), ("8192x10", False)]
+    assert [(t["target"], t["shape"], t["met"]) for t in sa.standing(summary)] == [
+        ("spec-wise / dense >= 1.15", "4096x20", True),
+        ("spec-wise: requests whose tokens differ from dense", "4096x20", True),
+        ("spec-loops / dense >= 1.15", "8192x10", True),
+        ("spec-loops: requests whose tokens differ from dense", "8192x10", False),
+        ("spec-wise: requests whose tokens differ from dense", "1024x64", True)]
 
 
 def test_speculative_arms_end_to_end(tmp_path, monkeypatch):
