@@ -31,9 +31,12 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
     return [b for b in sizes if b < max_num_seqs] + [max_num_seqs]
 
 
-def min_splits_for(rows: int, kv_heads: int, programs: int = 256) -> int:
-    """Splits per row (at least) for a decode step of `rows` rows to launch about `programs`
-    programs (a power of two in [1, 16]); 1 once the rows alone fill the GPU."""
+def min_splits_for(rows: int, kv_heads: int, programs: int = 2048) -> int:
+    """The fewest splits per row (a power of two in [1, 16]) for a decode step of `rows` rows to
+    launch about `programs` programs. Only rows listing few blocks -- short rows, and the sparse
+    rows of the reuse loops -- are split further; long dense rows already have more splits
+    than this (one per 512 keys), so their work is unchanged. A step of few rows thus keeps
+    every SM busy, and a sparse row is not one long program."""
     want = max(programs // (rows * kv_heads), 1)
     return min(1 << (want.bit_length() - 1), 16)
 
