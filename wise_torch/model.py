@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wise_core.checkpoint import load_checkpoint, validate_tensors
 from wise_core.config import ModelConfig, WiseConfig
 from wise_core.modes import DENSE
 from wise_torch.attention import prefill_attention, resolve_kernel
@@ -293,25 +292,16 @@ class OuroForCausalLM(nn.Module):
 # -- loading and export -------------------------------------------------------------------------
 def from_tensors(config: ModelConfig, tensors: dict[str, np.ndarray], *, tokenizer=None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> OuroForCausalLM:
-    """An eval-mode model from HF-named numpy tensors (validated against `config`)."""
-    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"dtype must be a floating torch dtype, got {dtype!r}")
-    validate_tensors(config, tensors)
-    with torch.device("meta"):
-        model = OuroForCausalLM(config, tokenizer=tokenizer)
-    names = set(model.state_dict())  # a tied checkpoint may carry lm_head.weight; the model has none
-    weights = {name: torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
-               for name, array in tensors.items() if name in names}
-    model.load_state_dict(weights, strict=True, assign=True)
-    return model.requires_grad_(False).eval()
+    """An eval-mode model from HF-named numpy tensors (validated against `config`); see wise_torch.loading."""
+    from wise_torch import loading
+    return loading.from_tensors(config, tensors, tokenizer=tokenizer, dtype=dtype, device=device)
 
 
 def load_model(path_or_name: str | Path, *, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> OuroForCausalLM:
-    """A checkpoint directory or built-in model name (wise_core.checkpoint) as an eval-mode model."""
-    checkpoint = load_checkpoint(path_or_name)
-    return from_tensors(checkpoint.config, checkpoint.tensors, tokenizer=checkpoint.tokenizer,
-                        dtype=dtype, device=device)
+    """A checkpoint directory or built-in model name as an eval-mode model; see wise_torch.loading."""
+    from wise_torch import loading
+    return loading.load_model(path_or_name, dtype=dtype, device=device)
 
 
 def to_checkpoint_tensors(model: OuroForCausalLM) -> dict[str, np.ndarray]:
