@@ -121,7 +121,7 @@ def test_ouro_shaped_bf16_generate_and_donated_cache():
     for out in (dense, wise):
         assert [len(t) for t in out.tokens] == [4] * 4
         assert all(np.isfinite(x).all() for x in out.logits)
-    assert wise.stats["fallbacks"] == 0 and 0 < wise.stats["density"][2] <= 1
+    assert wise.stats["fallbacks"] == 0
 
     deep = dataclasses.replace(config, num_hidden_layers=8)                # 32 planes; compiled only
     for kernel in ("pallas", "reference"):
