@@ -131,7 +131,8 @@ def markdown(rows: list[Row], size: int, info: dict) -> str:
              f"the CPU ({info['cpu']}, {info['cpu_count']} cores); one fresh process per load, "
              f"{info['repeats']} loads each, page cache warm; 1-minute load average "
              f"{min(info['load_average_1min']):.1f}-{max(info['load_average_1min']):.1f} during the run "
-             f"(other jobs share this machine: times vary by 1.5x between repeats). Targets: peak RSS <= {TARGET_RATIO} x "
+             f"(other jobs share this machine: repeats of one load differ by up to "
+             f"{max(max(r.seconds_all) / min(r.seconds_all) for r in rows):.1f}x). Targets: peak RSS <= {TARGET_RATIO} x "
              f"checkpoint ({TARGET_RATIO * size / 2**20:.0f} MB), <= {TARGET_SECONDS} s.", "",
              "| version | framework | load s (median) | peak RSS MB | after imports MB | peak / checkpoint | "
              "peak once resident MB | time target | memory target |", "|---|---|---|---|---|---|---|---|---|"]
