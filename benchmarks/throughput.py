@@ -278,16 +278,9 @@ def _random_model(spec: dict, config):
     shapes = expected_shapes(config)
     with torch.device("meta"):
         model = wise_torch.OuroForCausalLM(config)
-    fused = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                                           "self_attn.v_proj.weight"),
-             "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
-    weights = {}
-    for name in model.state_dict():
-        prefix, _, leaf = name.rpartition(".layers.")
-        layer, _, rest = leaf.partition(".")
-        parts = fused.get(rest) if prefix else None
-        names = [f"{prefix}.layers.{layer}.{p}" for p in parts] if parts else [name]
-        weights[name] = torch.cat([_hf_tensor(n, shapes[n], spec, device) for n in names]).to(dtype)
+    weights = {n: _hf_tensor(n, shape, spec, device).to(dtype) for n, shape in shapes.items()}
+    fuse = getattr(wise_torch.model, "fused_state_dict", None)  # the pre-engine layout has no fused projections
+    weights = fuse(weights) if fuse is not None else weights
     model.load_state_dict(weights, strict=True, assign=True)
     if hasattr(model, "build_rope_table"):
         model.build_rope_table()

@@ -17,7 +17,7 @@ def test_smoke_run_writes_results(tmp_path):
     assert {"date", "device", "jax", "python"} <= set(results["environment"])
     (run,) = results["runs"]
     assert "error" not in run, run
-    assert run["new_tokens"] == 2 * 3 and run["decode_tokens_per_s"] > 0 and run["recompiles_timed"] == 0
-    assert run["fallbacks"] == 0 and 0 < min(run["density"].values()) <= 1
+    assert run["new_tokens"] == 2 * 3 and run["recompiles_timed"] == 0
+    assert run["fallbacks"] == 0 and set(run["density"]) == {"2", "3"}
     table = (tmp_path / "jax_generate_bench-smoke.md").read_text()
     assert "| test-tiny | wise-reference | 2 | 64 | 3 |" in table

@@ -15,6 +15,9 @@ import numpy as np
 import torch
 
 from wise_core.config import WiseConfig
+from wise_core.generate_args import (MODEL_EOS, check_max_new_tokens, check_sampling, check_seed, check_wise_config,
+                                     resolve_eos)
+from wise_core.tokenizer import encode_text
 from wise_torch.engine.llm import LLM
 from wise_torch.engine.sampler import seed_for
 from wise_torch.engine.sequence import SamplingParams
@@ -59,17 +62,12 @@ class ForcedOutput:
     stats: GenerationStats
 
 
-class _ModelEos:
-    def __repr__(self) -> str:
-        return "<model's eos>"
-
-
-MODEL_EOS = _ModelEos()
 DEFAULT_PAGE_SIZE = 128
 
 
-def _is_token_list(x) -> bool:
-    return (isinstance(x, (np.ndarray, torch.Tensor)) and x.ndim == 1) or (
+def _is_one_sequence(x) -> bool:
+    """A single prompt (a string or a token-id sequence), not a list of them."""
+    return isinstance(x, str) or (isinstance(x, (np.ndarray, torch.Tensor)) and x.ndim == 1) or (
         isinstance(x, (list, tuple)) and bool(x) and all(isinstance(t, numbers.Integral) for t in x))
 
 
@@ -82,7 +80,7 @@ def _token_lists(model: OuroForCausalLM, sequences, what: str) -> list[list[int]
         if isinstance(seq, str):
             if model.tokenizer is None:
                 raise ValueError(f"{what}[{i}] is a string but the model has no tokenizer; pass token ids")
-            seq = model.tokenizer.encode(seq).ids
+            seq = encode_text(model.tokenizer, seq, f"{what}[{i}]")
         elif isinstance(seq, (np.ndarray, torch.Tensor)) and seq.ndim == 1:
             seq = seq.tolist()
         if not isinstance(seq, (list, tuple)) or not all(isinstance(t, numbers.Integral) for t in seq):
@@ -134,18 +132,14 @@ def generate(model: OuroForCausalLM, prompts, *, max_new_tokens: int, temperatur
     never early). With wise_config, decode runs WISE. kernel: the decode attention (default:
     wise_config.kernel, or "auto" for dense decode).
     """
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    max_new_tokens = check_max_new_tokens(max_new_tokens)
+    temperature, top_p = check_sampling(temperature, top_p)
+    seed = check_seed(seed)
+    wise_config = check_wise_config(wise_config, model.config.num_loops)
+    eos = resolve_eos(eos_token_id, model.config.vocab_size, model.config.eos_token_id)
     ids = _token_lists(model, prompts, "prompts")
     _check_length(model, [len(p) for p in ids], [max_new_tokens] * len(ids), "prompts")
-    if eos_token_id is MODEL_EOS:
-        stop = dict(ignore_eos=False)
-    elif eos_token_id is None:
-        stop = dict(ignore_eos=True)
-    elif isinstance(eos_token_id, numbers.Integral) and not isinstance(eos_token_id, bool):
-        stop = dict(ignore_eos=True, stop_token_ids=(int(eos_token_id),))
-    else:
-        raise TypeError(f"eos_token_id must be an integer id, None, or left out, got {eos_token_id!r}")
+    stop = dict(ignore_eos=True, stop_token_ids=() if eos is None else (eos,))
     params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                              seed=None if seed is None else seed_for(seed, i), **stop) for i in range(len(ids))]
     llm = _engine(model, ids, [max_new_tokens] * len(ids), wise_config, page_size, kernel)
@@ -169,7 +163,8 @@ def teacher_force(model: OuroForCausalLM, context_ids, continuation_ids, *,
     context_ids, continuation_ids: one token-id sequence each, or lists of them (one per sequence).
     kernel: as in `generate`.
     """
-    single = _is_token_list(context_ids)
+    wise_config = check_wise_config(wise_config, model.config.num_loops)
+    single = _is_one_sequence(context_ids)
     contexts = _token_lists(model, [context_ids] if single else context_ids, "context_ids")
     continuations = _token_lists(model, [continuation_ids] if single else continuation_ids, "continuation_ids")
     if len(contexts) != len(continuations):

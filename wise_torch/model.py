@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wise_core.checkpoint import load_checkpoint, validate_tensors
 from wise_core.config import ModelConfig, WiseConfig
 from wise_core.modes import DENSE
 from wise_torch.attention import prefill_attention
@@ -314,40 +313,33 @@ _FUSED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_
           "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
 
 
+def fused_state_dict(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF-named weights -> the model's state dict: q/k/v and gate/up concatenated (qkv_proj,
+    gate_up_proj), every other tensor as it is."""
+    out, fused = {}, {part: (leaf, i) for leaf, parts in _FUSED.items() for i, part in enumerate(parts)}
+    for name, t in weights.items():
+        prefix, _, rest = name.partition(".layers.")
+        layer, _, leaf = rest.partition(".")
+        if rest and leaf in fused:
+            target, i = fused[leaf]
+            out.setdefault(f"{prefix}.layers.{layer}.{target}", [None] * len(_FUSED[target]))[i] = t
+        else:
+            out[name] = t
+    return {name: torch.cat(t) if isinstance(t, list) else t for name, t in out.items()}
+
+
 def from_tensors(config: ModelConfig, tensors: dict[str, np.ndarray], *, tokenizer=None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> OuroForCausalLM:
-    """An eval-mode model from HF-named tensors (numpy arrays or torch tensors, validated
-    against `config`); q/k/v and gate/up are fused on the way in."""
-    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"dtype must be a floating torch dtype, got {dtype!r}")
-    validate_tensors(config, tensors)
-    with torch.device("meta"):
-        model = OuroForCausalLM(config, tokenizer=tokenizer)
-
-    def load(name: str) -> torch.Tensor:
-        t = tensors[name]
-        t = t if isinstance(t, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(t))
-        return t.to(device=device, dtype=dtype)
-
-    weights = {}
-    for name in model.state_dict():
-        layer, _, leaf = name.partition(".layers.")[2].partition(".")
-        parts = _FUSED.get(leaf) if name.startswith("model.layers.") else None
-        if parts is None:
-            weights[name] = load(name)
-        else:
-            weights[name] = torch.cat([load(f"model.layers.{layer}.{p}") for p in parts])
-    model.load_state_dict(weights, strict=True, assign=True)
-    model.build_rope_table()
-    return model.requires_grad_(False).eval()
+    """An eval-mode model from HF-named numpy tensors (validated against `config`); see wise_torch.loading."""
+    from wise_torch import loading
+    return loading.from_tensors(config, tensors, tokenizer=tokenizer, dtype=dtype, device=device)
 
 
 def load_model(path_or_name: str | Path, *, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> OuroForCausalLM:
-    """A checkpoint directory or built-in model name (wise_core.checkpoint) as an eval-mode model."""
-    checkpoint = load_checkpoint(path_or_name)
-    return from_tensors(checkpoint.config, checkpoint.tensors, tokenizer=checkpoint.tokenizer,
-                        dtype=dtype, device=device)
+    """A checkpoint directory or built-in model name as an eval-mode model; see wise_torch.loading."""
+    from wise_torch import loading
+    return loading.load_model(path_or_name, dtype=dtype, device=device)
 
 
 def to_checkpoint_tensors(model: OuroForCausalLM) -> dict[str, np.ndarray]:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from wise_core.config import SpeculativeConfig, WiseConfig
+from wise_core.tokenizer import encode_text
 from wise_torch.engine.block_manager import BlockManager
 from wise_torch.engine.model_runner import InFlight, ModelRunner
 from wise_torch.engine.scheduler import Scheduler, Step
@@ -180,10 +181,7 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt is a string but the model has no tokenizer; pass token ids")
-            try:
-                return self.tokenizer.encode(prompt).ids
-            except Exception as e:  # the tokenizer rejects some strings (lone surrogates, ...)
-                raise ValueError(f"the tokenizer cannot encode the prompt: {e}") from None
+            return encode_text(self.tokenizer, prompt)
         if isinstance(prompt, (np.ndarray, torch.Tensor)):
             if prompt.ndim != 1:
                 raise ValueError(f"a prompt of token ids must be 1-D, got shape {tuple(prompt.shape)}")
