@@ -267,6 +267,8 @@ def markdown(report: dict) -> str:
             p = s.get(key)
             if p is not None:
                 lines.append(f"| {name} | {p['mean']:.1f} | {p['p50']:.1f} | {p['p90']:.1f} | {p['p99']:.1f} |")
+    if s.get("engine"):
+        lines += ["", "Engine: " + ", ".join(f"{k} {v}" for k, v in s["engine"].items())]
     if s["errors"]:
         lines += ["", "Errors:", *(f"- {n} x {e}" for e, n in s["errors"].items())]
     if report.get("server"):
@@ -309,6 +311,51 @@ def write(report: dict, results: list[Result] | None, out: Path) -> None:
     if results is not None:
         plot(results, stem.with_suffix(".png"), f"serve_load {report['label']}")
     print(f"wrote {stem}.json/.md" + ("/.png" if results is not None else ""), file=sys.stderr)
+
+
+def summary_table(directory) -> str:
+    """Markdown: per arm, offline and server (concurrency) throughput and latencies, from the
+    serve_load-ARM-{offline,c64,rate}.json files of benchmarks/serve_h200.sh."""
+    d = Path(directory)
+
+    def load(label):
+        p = d / f"serve_load-{label}.json"
+        return json.loads(p.read_text())["summary"] if p.exists() else None
+
+    def pct(s, k):
+        return f"{s[k]['p50']:.0f} / {s[k]['p99']:.0f}" if s and s.get(k) else "-"
+
+    lines = ["| arm | offline out tok/s | server c64 out tok/s | server / offline | c64 TTFT p50/p99 ms | "
+             "c64 TPOT p50/p99 ms | c64 e2e p50/p99 ms | rate: req/s | rate: TTFT p50/p99 ms | "
+             "rate: TPOT p50/p99 ms | failed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for arm in ("dense", "wise"):
+        off, c64, rate = load(f"{arm}-offline"), load(f"{arm}-c64"), load(f"{arm}-rate")
+        if c64 is None:
+            continue
+        cells = [arm, f"{off['output_token_throughput']:.0f}" if off else "-", f"{c64['output_token_throughput']:.0f}",
+                 f"{c64['output_token_throughput'] / off['output_token_throughput']:.3f}" if off else "-",
+                 pct(c64, "ttft_ms"), pct(c64, "tpot_ms"), pct(c64, "e2e_ms"),
+                 f"{rate['request_throughput']:.2f}" if rate else "-", pct(rate, "ttft_ms"), pct(rate, "tpot_ms"),
+                 str(c64["failed"] + (rate["failed"] if rate else 0))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def wait_ready(url: str, timeout: float) -> None:
+    """Poll GET /health until it answers 200 (SystemExit after `timeout` seconds)."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{url} not ready after {timeout} s")
 
 
 # -- offline baseline ----------------------------------------------------------------------------

@@ -18,11 +18,10 @@ import sys
 import time
 from pathlib import Path
 
+import aiohttp
 import pytest
 
-aiohttp = pytest.importorskip("aiohttp")
-
-import wise_torch as wt  # noqa: E402
+import wise_torch as wt
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("serve_load", ROOT / "benchmarks" / "serve_load.py")
@@ -307,13 +306,42 @@ def test_soak_with_disconnects_and_preemption(server, offline):
     # A client hanging up after the server wrote its last token is no disconnect the server sees.
     assert 0 < m["wise_client_disconnects_total"] - m0["wise_client_disconnects_total"] <= summary["disconnected"]
     assert m["wise_engine_healthy"] == 1
-    # Resident memory after warm-up: 1,800 more requests may not grow it by 32 MiB (a leaked
-    # request keeps at least its Python objects; a leaked preempted one its host K/V, 1 MiB a page).
-    assert m["wise_process_resident_memory_bytes"] - rss_warm < 32 << 20
+    # Resident memory after warm-up: 1,800 more requests may not grow it by 16 MiB (a leaked
+    # preempted request alone keeps its host K/V, 1 MiB a page with this model; the growth seen on
+    # CPU is about 2 MiB).
+    assert m["wise_process_resident_memory_bytes"] - rss_warm < 16 << 20
     sample = random.Random(2).sample([r for r in results if r.ok], 60)
     wants = offline([(requests[r.index].prompt, requests[r.index].max_tokens) for r in sample])
     for r, want in zip(sample, wants):
         assert r.text == want.text and r.finish_reason == want.finish_reason
+
+
+def test_serve_load_reports_json_markdown_and_png(server, tmp_path):
+    common = ["--url", server.url, "--num-requests", "12", "--prompt-len", "10", "--prompt-spread", "0.5",
+              "--output-len", "4", "--ignore-eos", "--out", str(tmp_path)]
+    report = serve_load.main([*common, "--concurrency", "4", "--warmup-requests", "2", "--label", "c4"])
+    s = report["summary"]
+    assert (s["completed"], s["failed"], s["output_tokens"]) == (12, 0, 48) and not s["usage_mismatches"]
+    assert s["ttft_ms"]["p50"] <= s["ttft_ms"]["p90"] <= s["ttft_ms"]["p99"] and s["e2e_ms"]["n"] == 12
+    assert report["server"]["wise_generation_tokens_total"] == 48          # the warm-up is not counted
+    for suffix in ("json", "md", "png"):
+        assert (tmp_path / f"serve_load-c4.{suffix}").stat().st_size > 0
+    assert json.loads((tmp_path / "serve_load-c4.json").read_text())["summary"]["completed"] == 12
+    assert "| time to first token |" in (tmp_path / "serve_load-c4.md").read_text()
+    report = serve_load.main([*common, "--rate", "50", "--warmup-requests", "0", "--label", "rate"])
+    assert report["summary"]["completed"] == 12 and report["summary"]["output_tokens"] == 48
+
+
+def test_offline_baseline_on_dummy_weights(tmp_path):
+    report = serve_load.main(["--offline", "--model", "test-tiny", "--load-format", "dummy", "--q-scale", "4",
+                              "--wise", "--device", "cpu", "--kernel", "reference", "--num-pages", "8",
+                              "--page-size", "32", "--max-model-len", "64", "--max-num-seqs", "4",
+                              "--num-requests", "6", "--concurrency", "4", "--warmup-requests", "0",
+                              "--prompt-len", "20", "--output-len", "5", "--ignore-eos", "--out", str(tmp_path),
+                              "--label", "wise-offline"])
+    s = report["summary"]
+    assert (s["completed"], s["output_tokens"]) == (6, 30) and s["engine"]["fallbacks"] == 0
+    assert (tmp_path / "serve_load-wise-offline.md").read_text().count("Engine: ") == 1
 
 
 # -- WISE, the pool limit and SIGTERM --------------------------------------------------------------------

@@ -56,6 +56,12 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _is_floating(dtype) -> bool:
+    """A numpy dtype of kind "f", or a framework dtype that says it is floating (torch)."""
+    floating = getattr(dtype, "is_floating_point", None)
+    return bool(floating) if floating is not None else np.dtype(dtype).kind == "f"
+
+
 def validate_tensors(config: ModelConfig, tensors: dict[str, np.ndarray], source: str = "") -> None:
     """Raise CheckpointError naming every missing, extra or mis-shaped tensor."""
     expected = expected_shapes(config)
@@ -68,7 +74,7 @@ def validate_tensors(config: ModelConfig, tensors: dict[str, np.ndarray], source
     for name in sorted(set(expected) & set(tensors)):
         if tuple(tensors[name].shape) != expected[name]:
             problems.append(f"tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {expected[name]}")
-        elif tensors[name].dtype.kind != "f":
+        elif not _is_floating(tensors[name].dtype):
             problems.append(f"tensor {name!r} has non-floating dtype {tensors[name].dtype}")
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")

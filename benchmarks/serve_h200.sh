@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# `wise serve` under load on one H200, the server and the load client on the same machine:
+#   bash benchmarks/prepare-serve-wheels.sh     # once, with network: aiohttp wheels into .whl-serve/
+#   bash benchmarks/serve_h200.sh OUTDIR        # on the H200, .whl-serve/ carried with the tree
+# Per arm (dense, WISE): Ouro-1.4B shape with random bf16 weights made on the GPU, q_proj x8
+# (reuse-union density about 0.28 at 1K); 1K-token prompts, 128 output tokens (ignore_eos), a
+# pool of 640 pages of 128 tokens (64 requests of 1,152 tokens take 576). First the offline engine
+# on the workload (the baseline: every request queued at once, 64 decoding), then the server with
+# serve_load.py at concurrency 64, then at a fixed rate; each in a fresh process. OUTDIR gets the
+# logs, a serve_load-*.json/.md/.png per run, the server's last /metrics and summary.md.
+# ARMS="dense" (or "wise") runs one arm; REQUESTS, RATE and OUTPUT change the workload.
+set -uo pipefail
+out=$1
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+if ! python3 -c "import aiohttp" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/wise-serve-pkgs .whl-serve/*.whl || exit 3
+  export PYTHONPATH=/tmp/wise-serve-pkgs${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+requests=${REQUESTS:-128}; rate=${RATE:-6}; output=${OUTPUT:-128}
+engine="--model ouro-1.4b --load-format dummy --q-scale 8 --num-pages 640 --max-num-seqs 64 --seed 0"
+load="--prompt-len 1024 --output-len $output --ignore-eos"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import sys,torch,aiohttp;print(sys.version.split()[0],'torch',torch.__version__,'aiohttp',aiohttp.__version__)"
+  date -u +%FT%TZ; } > "$out/machine.txt" 2>&1
+for arm in ${ARMS:-dense wise}; do
+  flags=$engine; [ "$arm" = wise ] && flags="$flags --wise"
+  echo "== $arm: offline engine"
+  timeout 240 python3 benchmarks/serve_load.py --offline $flags --num-requests "$requests" --concurrency 64 $load \
+    --out "$out" --label "$arm-offline" > "$out/$arm-offline.log" 2>&1; tail -n 4 "$out/$arm-offline.log"
+  python3 -m wise_serve $flags --port 8000 --log-level warning > "$out/$arm-server.log" 2>&1 &
+  pid=$!
+  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import serve_load; serve_load.wait_ready('http://127.0.0.1:8000', 180)" \
+    || { echo "server did not start"; tail "$out/$arm-server.log"; kill $pid; continue; }
+  echo "== $arm: server at concurrency 64"
+  timeout 240 python3 benchmarks/serve_load.py --num-requests "$requests" --concurrency 64 $load \
+    --out "$out" --label "$arm-c64" > "$out/$arm-c64.log" 2>&1; tail -n 5 "$out/$arm-c64.log"
+  echo "== $arm: server at $rate req/s"
+  timeout 240 python3 benchmarks/serve_load.py --num-requests "$requests" --rate "$rate" --warmup-requests 0 $load \
+    --out "$out" --label "$arm-rate" > "$out/$arm-rate.log" 2>&1; tail -n 5 "$out/$arm-rate.log"
+  python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/metrics').read().decode())" \
+    > "$out/$arm-metrics.txt"
+  kill -TERM $pid; wait $pid; echo "== $arm: server exit $?"
+done
+python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import serve_load; print(serve_load.summary_table(sys.argv[1]))" \
+  "$out" | tee "$out/summary.md"
