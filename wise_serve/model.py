@@ -9,6 +9,7 @@ which peaks a random model's attention so that WISE has a small support to find.
 from __future__ import annotations
 
 import argparse
+import zlib
 
 import torch
 
@@ -23,23 +24,25 @@ DUMMY_STD = 0.02
 
 def dummy_model(preset: str, *, dtype: torch.dtype, device: torch.device, q_scale: float = 1.0,
                 seed: int = 0) -> OuroForCausalLM:
-    """Random weights of a preset architecture, made on `device`: normal(0, 0.02) matrices,
-    unit norms, zero gate bias; q_proj scaled by q_scale. No tokenizer (prompts are token ids)."""
+    """Random weights of a preset architecture, drawn on `device`: normal(0, 0.02) matrices from
+    a generator seeded by the tensor's name and `seed` (the values benchmarks/throughput.py's
+    random models hold), unit norms, zero gate bias; q_proj scaled by q_scale. No tokenizer
+    (prompts are token ids)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r} for --load-format dummy (presets: {', '.join(sorted(PRESETS))})")
     config = PRESETS[preset]
-    g = torch.Generator(device=device).manual_seed(seed)
     tensors = {}
     for name, shape in expected_shapes(config).items():
         if name.endswith("norm.weight") or "layernorm" in name:
-            t = torch.ones(shape, device=device, dtype=dtype)
+            t = torch.ones(shape, device=device)
         elif name.endswith(".bias"):
-            t = torch.zeros(shape, device=device, dtype=dtype)
+            t = torch.zeros(shape, device=device)
         else:
-            t = (torch.randn(shape, device=device, generator=g) * DUMMY_STD).to(dtype)
-            if name.endswith("q_proj.weight"):
+            g = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()) + seed)
+            t = torch.empty(shape, device=device).normal_(0.0, DUMMY_STD, generator=g)
+            if name.endswith("self_attn.q_proj.weight"):
                 t *= q_scale
-        tensors[name] = t
+        tensors[name] = t.to(dtype)
     return from_tensors(config, tensors, dtype=dtype, device=device)
 
 
