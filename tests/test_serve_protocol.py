@@ -8,7 +8,7 @@ import pytest
 from wise_core.tokenizer import byte_tokenizer
 from wise_serve.metrics import Histogram
 from wise_serve.protocol import BadRequest, parse_completion
-from wise_serve.text import TextStream
+from wise_core.detokenize import TextStream
 
 
 def parse(body, **kw):

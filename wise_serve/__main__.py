@@ -1,7 +1,7 @@
-"""`python -m wise_serve ...`: the same as `wise serve ...`."""
+"""`python -m wise_serve ARGS` is `wise serve ARGS`."""
 
 import sys
 
-from wise_serve.cli import main
+from wise_core.cli import main
 
-sys.exit(main())
+sys.exit(main(["serve", *sys.argv[1:]]))

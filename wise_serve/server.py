@@ -35,7 +35,7 @@ from wise_serve import protocol
 from wise_serve.engine_loop import EngineDead, EngineLoop, RequestHandle
 from wise_serve.metrics import ServerMetrics
 from wise_serve.protocol import BadRequest, CompletionRequest
-from wise_serve.text import TextStream
+from wise_core.detokenize import TextStream
 from wise_torch.engine.llm import LLM
 
 log = logging.getLogger("wise_serve")

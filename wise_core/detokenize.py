@@ -1,4 +1,5 @@
-"""A request's growing token ids as text: incremental detokenization and stop strings.
+"""A request's growing token ids as text: incremental detokenization and stop strings (used by
+`wise serve` and `wise generate --stream`).
 
 Decoding token by token must not emit half a character (a byte-level tokenizer splits UTF-8
 characters across tokens) nor text that a later token changes. `TextStream` decodes a short
