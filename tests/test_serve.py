@@ -36,13 +36,13 @@ PROMPTS = ["def fib(n):", "import os\n", "class Stack:\n    def push(self, x):",
 class Server:
     """`python -m wise_serve ...` on a free port, its log in a file."""
 
-    def __init__(self, tmp: Path, *args: str):
+    def __init__(self, tmp: Path, *args: str, cpu: bool = True):
         self.log_path = tmp / "server.log"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {})}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "wise_serve", "--port", "0", "--device", "cpu",
-                                      "--kernel", "reference", "--seed", "0", *args],
+        device = ["--device", "cpu", "--kernel", "reference"] if cpu else ["--device", "cuda"]
+        self.proc = subprocess.Popen([sys.executable, "-m", "wise_serve", "--port", "0", *device, "--seed", "0", *args],
                                      stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:

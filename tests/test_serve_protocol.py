@@ -18,7 +18,8 @@ def parse(body, **kw):
 
 def test_defaults_and_fields_reach_the_sampling_params():
     r = parse({"prompt": "hi"})
-    assert (r.prompt, r.params.max_tokens, r.params.temperature, r.params.top_p, r.stream) == ("hi", 16, 1.0, 1.0, False)
+    p = r.params
+    assert (r.prompt, p.max_tokens, p.temperature, p.top_p, r.stream) == ("hi", 16, 1.0, 1.0, False)
     r = parse({"model": "m", "prompt": [[3, 4]], "max_tokens": 5, "temperature": 0, "top_p": 0.5, "seed": 7,
                "stop": "\n", "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
                "n": 1, "echo": False, "logprobs": None, "presence_penalty": 0.0, "user": "u"})

@@ -164,7 +164,27 @@ class EngineLoop:
                 if future is not None:
                     future.set_result(result)
 
+    def _fail(self, error: BaseException) -> None:
+        """The engine is dead: every request in flight receives the error."""
+        self.error = error
+        self._deliver([(h, error) for h in self.handles.values()])
+        self.handles.clear()
+
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:             # a bug outside the step: fail loudly, hang nobody
+            log.exception("the engine thread stopped")
+            self._fail(e)
+        while True:                            # commands that came too late
+            try:
+                _, future = self.commands.get_nowait()
+            except queue.Empty:
+                break
+            if future is not None and future.set_running_or_notify_cancel():
+                future.set_exception(EngineDead("the engine thread has stopped"))
+
+    def _serve(self) -> None:
         with torch.inference_mode():
             while not self._stopping:
                 busy = self.error is None and self.llm.has_unfinished()
@@ -175,9 +195,7 @@ class EngineLoop:
                     outputs = self.llm.step()
                 except Exception as e:
                     log.exception("the engine failed in a step; no more completions are served")
-                    self.error = e
-                    self._deliver([(h, e) for h in self.handles.values()])
-                    self.handles.clear()
+                    self._fail(e)
                     continue
                 items = []
                 for out in outputs:
