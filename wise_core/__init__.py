@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from wise_core.config import ModelConfig, WiseConfig, PRESETS
+from wise_core.config import ModelConfig, WiseConfig, SpeculativeConfig, PRESETS
 from wise_core import reference
 
-__all__ = ["ModelConfig", "WiseConfig", "PRESETS", "reference"]
+__all__ = ["ModelConfig", "WiseConfig", "SpeculativeConfig", "PRESETS", "reference"]

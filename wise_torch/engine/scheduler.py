@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from typing import Callable
 
 from wise_torch.engine.block_manager import BlockManager
 from wise_torch.engine.sequence import Sequence, Status
@@ -50,20 +51,37 @@ class Scheduler:
         self.blocks = blocks
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
+        # Speculative decoding: keys a decode step writes past a sequence's last token (its
+        # drafts), and whether the sequence can decode this step.
+        self.lookahead: Callable[[Sequence], int] = lambda seq: 0
+        self.ready: Callable[[Sequence], bool] = lambda seq: True
         self.running: list[Sequence] = []       # arrival order
+        self.free_slots: deque[int] = deque(range(max_num_seqs))
         self.preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
-        """Drop a finished or aborted sequence and free its pages."""
+        """Drop a finished or aborted sequence and free its pages and slot. Pages still written
+        by a step in flight are safe to hand out: later steps run after it, in stream order."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.release(seq)
+        self._release_slot(seq)
         seq.offloaded = None
+
+    def _run(self, seq: Sequence) -> None:
+        seq.status = Status.RUNNING
+        seq.slot = self.free_slots.popleft()    # never empty: running sequences <= max_num_seqs
+        self.running.append(seq)
+
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.slot >= 0:
+            self.free_slots.append(seq.slot)
+            seq.slot = -1
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -78,6 +96,7 @@ class Scheduler:
             step.decode = [s for s in step.decode if s is not victim]
             step.chunks = [c for c in step.chunks if c.seq is not victim]
             self.blocks.release(victim)
+            self._release_slot(victim)
             victim.status = Status.WAITING
             self.waiting.appendleft(victim)
             self.preemptions += 1
@@ -89,7 +108,8 @@ class Scheduler:
         step = Step([], [], [], [])
         # 1. Every prefilled running sequence decodes one token; grow pages, preempting the newest.
         for seq in list(self.running):
-            if seq.status is Status.RUNNING and seq.prefilled and self._grow_or_preempt(seq, len(seq.tokens), step):
+            if seq.status is Status.RUNNING and seq.prefilled and not seq.finishing and self.ready(seq) \
+                    and self._grow_or_preempt(seq, len(seq.tokens) + self.lookahead(seq), step):
                 step.decode.append(seq)
         # 2. Prompt chunks within the token budget: running sequences still prefilling, then waiting ones.
         budget = self.max_num_batched_tokens - len(step.decode)
@@ -104,11 +124,10 @@ class Scheduler:
             if any(seq is victim for victim, _ in step.preempted):
                 break                                   # not back in the step that evicted it
             if seq.offloaded is not None:               # resume: restore its pages, then continue
-                if not self.blocks.grow(seq, seq.num_cached + (1 if seq.prefilled else 0)):
+                if not self.blocks.grow(seq, seq.num_cached + (1 + self.lookahead(seq) if seq.prefilled else 0)):
                     break
                 self.waiting.popleft()
-                seq.status = Status.RUNNING
-                self.running.append(seq)
+                self._run(seq)
                 step.resumed.append(seq)
                 if seq.prefilled:
                     step.decode.append(seq)
@@ -119,8 +138,7 @@ class Scheduler:
                 break
             if seq.offloaded is None:
                 self.waiting.popleft()
-                seq.status = Status.RUNNING
-                self.running.append(seq)
+                self._run(seq)
             step.chunks.append(Chunk(seq, seq.num_cached, length))
             budget -= length
         return step
