@@ -8,7 +8,8 @@
 # on the workload (the baseline: every request queued at once, 64 decoding), then the server with
 # serve_load.py at concurrency 64, then at a fixed rate; each in a fresh process. OUTDIR gets the
 # logs, a serve_load-*.json/.md/.png per run, the server's last /metrics and summary.md.
-# ARMS="dense" (or "wise") runs one arm; REQUESTS, RATE and OUTPUT change the workload.
+# ARMS="dense wise spec" adds lossless speculative decoding (WISE drafts of 4 tokens);
+# REQUESTS, RATE and OUTPUT change the workload.
 set -uo pipefail
 out=$1
 cd "$(dirname "$0")/.."
@@ -25,7 +26,12 @@ load="--prompt-len 1024 --output-len $output --ignore-eos"
   python3 -c "import sys,torch,aiohttp;print(sys.version.split()[0],'torch',torch.__version__,'aiohttp',aiohttp.__version__)"
   date -u +%FT%TZ; } > "$out/machine.txt" 2>&1
 for arm in ${ARMS:-dense wise}; do
-  flags=$engine; [ "$arm" = wise ] && flags="$flags --wise"
+  case $arm in
+    dense) flags=$engine;;
+    wise) flags="$engine --wise";;
+    spec) flags="$engine --speculative wise --num-draft 4";;
+    *) echo "unknown arm $arm (dense|wise|spec)"; continue;;
+  esac
   echo "== $arm: offline engine"
   timeout 240 python3 benchmarks/serve_load.py --offline $flags --num-requests "$requests" --concurrency 64 $load \
     --out "$out" --label "$arm-offline" > "$out/$arm-offline.log" 2>&1; tail -n 4 "$out/$arm-offline.log"

@@ -328,7 +328,7 @@ def summary_table(directory) -> str:
     lines = ["| arm | offline out tok/s | server c64 out tok/s | server / offline | c64 TTFT p50/p99 ms | "
              "c64 TPOT p50/p99 ms | c64 e2e p50/p99 ms | rate: req/s | rate: TTFT p50/p99 ms | "
              "rate: TPOT p50/p99 ms | failed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for arm in ("dense", "wise"):
+    for arm in ("dense", "wise", "spec"):
         off, c64, rate = load(f"{arm}-offline"), load(f"{arm}-c64"), load(f"{arm}-rate")
         if c64 is None:
             continue

@@ -49,3 +49,13 @@ def test_build_llm_follows_the_flags():
 def test_bad_flags_are_named(argv, message):
     with pytest.raises(ValueError, match=message):
         build_llm(args_of(*argv))
+
+
+def test_speculative_flags():
+    llm = build_llm(args_of("--model", "test-tiny", "--load-format", "dummy", "--speculative", "wise",
+                            "--num-draft", "3", "--eta", "0.9", "--kernel", "reference"))
+    assert llm.speculator.config.num_draft == 3 and llm.wise_config.eta == 0.9
+    for argv, message in ((("--speculative", "loops", "--wise"), "--speculative loops decodes densely"),
+                          (("--num-draft", "2"), "--num-draft and --draft-loops need --speculative")):
+        with pytest.raises(ValueError, match=message):
+            build_llm(args_of(*argv))

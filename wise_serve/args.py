@@ -29,6 +29,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"WISE mass fraction kept per head (default: {WiseConfig.eta}); needs --wise")
     parser.add_argument("--kernel", choices=TORCH_KERNELS, default="auto",
                         help="decode-attention kernel (default: auto, Triton on CUDA, the reference on CPU)")
+    parser.add_argument("--speculative", choices=("wise", "loops"), default=None,
+                        help="lossless speculative decoding (the output is dense decode's): drafts by WISE "
+                             "(--eta, --kernel set it) or by the first --draft-loops loops")
+    parser.add_argument("--num-draft", type=int, default=4, help="speculative: tokens drafted per round (default: 4)")
+    parser.add_argument("--draft-loops", type=int, default=None,
+                        help="--speculative loops: loops a draft runs (default: half the model's)")
     parser.add_argument("--num-pages", type=int, default=None,
                         help="KV pages in the pool (default: sized from free device memory; CPU: 1 GiB of K/V)")
     parser.add_argument("--page-size", type=int, default=128, help="tokens per KV page (default: 128)")
@@ -58,8 +64,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_engine_arguments(args: argparse.Namespace) -> None:
     """Combinations argparse cannot check (ValueError naming the flag)."""
-    if args.eta is not None and not args.wise:
-        raise ValueError("--eta needs --wise")
+    if args.eta is not None and not (args.wise or args.speculative == "wise"):
+        raise ValueError("--eta needs --wise (or --speculative wise)")
+    if args.wise and args.speculative == "loops":
+        raise ValueError("--speculative loops decodes densely: drop --wise (--speculative wise drafts with WISE)")
+    if args.speculative is None and (args.num_draft != 4 or args.draft_loops is not None):
+        raise ValueError("--num-draft and --draft-loops need --speculative")
     if args.eta is None:
         args.eta = WiseConfig.eta
     if args.load_format == "dummy" and args.model not in PRESETS:

@@ -105,6 +105,13 @@ class ServerMetrics:
                 metric("wise_support_density", "gauge",
                        "WISE: selected / causal key blocks at each reuse loop since the engine started.",
                        [({"loop": d}, x) for d, x in sorted((s.density or {}).items()) if x is not None])
+            if s.spec_rounds is not None:
+                metric("wise_spec_rounds_total", "counter", "Speculative (sequence, round) pairs.",
+                       [({}, s.spec_rounds)])
+                metric("wise_spec_draft_tokens_total", "counter", "Speculative tokens drafted.",
+                       [({}, s.draft_tokens)])
+                metric("wise_spec_accepted_tokens_total", "counter", "Speculative drafts the dense model accepted.",
+                       [({}, s.accepted_tokens)])
         metric("wise_requests_finished_total", "counter", "Requests finished, by finish reason.",
                [({"finish_reason": r}, n) for r, n in sorted(self.finished.items())])
         metric("wise_requests_rejected_total", "counter", "Requests refused, by HTTP status.",

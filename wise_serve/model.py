@@ -14,7 +14,7 @@ import zlib
 import torch
 
 from wise_core.checkpoint import expected_shapes
-from wise_core.config import PRESETS, WiseConfig
+from wise_core.config import PRESETS, SpeculativeConfig, WiseConfig
 from wise_serve.args import check_engine_arguments
 from wise_torch.engine.llm import LLM
 from wise_torch.model import OuroForCausalLM, from_tensors, load_model
@@ -69,9 +69,12 @@ def build_llm(args: argparse.Namespace) -> LLM:
         model = dummy_model(args.model, dtype=dtype, device=device, q_scale=args.q_scale, seed=args.seed or 0)
     else:
         model = load_model(args.model, dtype=dtype, device=device)
-    wise_config = WiseConfig(eta=args.eta, kernel=args.kernel) if args.wise else None
+    uses_wise = args.wise or args.speculative == "wise"
+    wise_config = WiseConfig(eta=args.eta, kernel=args.kernel) if uses_wise else None
+    speculative = None if args.speculative is None else SpeculativeConfig(
+        args.speculative, num_draft=args.num_draft, draft_loops=args.draft_loops)
     cuda_graphs = {"auto": "auto", "on": True, "off": False}[args.cuda_graphs]
     return LLM(model, wise_config=wise_config, num_pages=args.num_pages, page_size=args.page_size,
                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                max_num_batched_tokens=args.max_num_batched_tokens, cuda_graphs=cuda_graphs,
-               kernel=None if args.wise else args.kernel, seed=args.seed)
+               kernel=None if uses_wise else args.kernel, seed=args.seed, speculative_config=speculative)

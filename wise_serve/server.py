@@ -150,25 +150,33 @@ class CompletionServer:
             if not handle.done:
                 self.engine.abort(handle.request_id)
 
-    async def _next(self, handle: RequestHandle, text: TextStream, timing: _Timing) -> tuple[list[int], str | None]:
-        """Wait for the request's next output -> (its new token ids, finish reason or None)."""
-        out = await handle.next()
-        new = out.token_ids[len(text.ids):]
-        timing.got(len(new))
-        text.add(new)
-        if text.stopped:                               # the engine request is aborted in `completions`
-            return new, "stop"
-        if out.finished:
-            text.finish()
-            return new, "stop" if text.stopped else out.finish_reason
-        return new, None
+    async def _tokens(self, handle: RequestHandle, text: TextStream, timing: _Timing):
+        """The request's tokens one at a time as they come -> (token id or None, finish reason or
+        None); the last has a reason (a finished output without a new token yields None)."""
+        while True:
+            out = await handle.next()
+            new = out.token_ids[len(text.ids):]     # several at once from a speculative round
+            for k, token in enumerate(new):
+                timing.got(1)
+                text.add([token])
+                if text.stopped:                       # the engine request is aborted in `completions`
+                    yield token, "stop"
+                    return
+                if out.finished and k == len(new) - 1:
+                    text.finish()
+                    yield token, "stop" if text.stopped else out.finish_reason
+                    return
+                yield token, None
+            if out.finished and not new:               # aborted (shutdown) without a new token
+                yield None, out.finish_reason
+                return
 
     async def _complete(self, req: CompletionRequest, handle: RequestHandle, timing: _Timing) -> web.Response:
         text = TextStream(self.tokenizer, req.stop)
         reason = None
         try:
-            while reason is None:
-                _, reason = await self._next(handle, text, timing)
+            async for _, reason in self._tokens(handle, text, timing):
+                pass
         except EngineDead as e:
             timing.end("error")
             return self._error(500, str(e), kind="server_error")
@@ -190,20 +198,18 @@ class CompletionServer:
         text = TextStream(self.tokenizer, req.stop)
         reason = None
         try:
-            while reason is None:
-                try:
-                    new, reason = await self._next(handle, text, timing)
-                except EngineDead as e:
-                    timing.end("error")
-                    await response.write(_sse(protocol.error_body(str(e), kind="server_error")))
-                    break
-                chunk = protocol.completion_body(
-                    cid, created, self.model_name,
-                    protocol.choice(text.delta(final=reason is not None), reason,
-                                    new if req.return_token_ids else None), None)
-                if req.include_usage:
-                    chunk["usage"] = None
-                await response.write(_sse(chunk))
+            try:
+                async for token, reason in self._tokens(handle, text, timing):
+                    ids = None if not req.return_token_ids else [] if token is None else [token]
+                    chunk = protocol.completion_body(
+                        cid, created, self.model_name,
+                        protocol.choice(text.delta(final=reason is not None), reason, ids), None)
+                    if req.include_usage:
+                        chunk["usage"] = None
+                    await response.write(_sse(chunk))
+            except EngineDead as e:
+                timing.end("error")
+                await response.write(_sse(protocol.error_body(str(e), kind="server_error")))
             else:
                 timing.end(reason)
                 if req.include_usage:
@@ -238,9 +244,13 @@ async def serve(llm: LLM, *, host: str, port: int, model_name: str, shutdown_tim
     signals: asyncio.Queue[int] = asyncio.Queue()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, signals.put_nowait, sig)
+    if llm.speculator is not None:
+        spec = llm.speculator.config
+        mode = f"dense output, speculative {spec.method} drafts of {spec.num_draft} tokens"
+    else:
+        mode = "dense" if llm.wise_config is None else f"WISE eta {llm.wise_config.eta}"
     log.info("listening on %s (model %r, %d KV pages of %d tokens, max_model_len %d, %s)", url, model_name,
-             llm.blocks.num_pages, llm.page_size, llm.max_model_len,
-             "dense" if llm.wise_config is None else f"WISE eta {llm.wise_config.eta}")
+             llm.blocks.num_pages, llm.page_size, llm.max_model_len, mode)
     if ready is not None:
         ready(url)
     sig = await signals.get()
