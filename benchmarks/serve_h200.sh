@@ -9,7 +9,7 @@
 # serve_load.py at concurrency 64, then at a fixed rate; each in a fresh process. OUTDIR gets the
 # logs, a serve_load-*.json/.md/.png per run, the server's last /metrics and summary.md.
 # ARMS="dense wise spec" adds lossless speculative decoding (WISE drafts of 4 tokens);
-# REQUESTS, RATE and OUTPUT change the workload.
+# REQUESTS, RATE, CONCURRENCY, PROMPT and OUTPUT change the workload, ENGINE the engine flags.
 set -uo pipefail
 out=$1
 cd "$(dirname "$0")/.."
@@ -19,9 +19,9 @@ if ! python3 -c "import aiohttp" 2>/dev/null; then
   export PYTHONPATH=/tmp/wise-serve-pkgs${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-requests=${REQUESTS:-128}; rate=${RATE:-6}; output=${OUTPUT:-128}
-engine="--model ouro-1.4b --load-format dummy --q-scale 8 --num-pages 640 --max-num-seqs 64 --seed 0"
-load="--prompt-len 1024 --output-len $output --ignore-eos"
+port=${PORT:-8000}; url=http://127.0.0.1:$port; requests=${REQUESTS:-128}; rate=${RATE:-6}; c=${CONCURRENCY:-64}
+engine=${ENGINE:-"--model ouro-1.4b --load-format dummy --q-scale 8 --num-pages 640 --max-num-seqs $c --seed 0"}
+load="--prompt-len ${PROMPT:-1024} --output-len ${OUTPUT:-128} --ignore-eos"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import sys,torch,aiohttp;print(sys.version.split()[0],'torch',torch.__version__,'aiohttp',aiohttp.__version__)"
   date -u +%FT%TZ; } > "$out/machine.txt" 2>&1
@@ -33,20 +33,21 @@ for arm in ${ARMS:-dense wise}; do
     *) echo "unknown arm $arm (dense|wise|spec)"; continue;;
   esac
   echo "== $arm: offline engine"
-  timeout 240 python3 benchmarks/serve_load.py --offline $flags --num-requests "$requests" --concurrency 64 $load \
+  timeout 240 python3 benchmarks/serve_load.py --offline $flags --num-requests "$requests" --concurrency "$c" $load \
     --out "$out" --label "$arm-offline" > "$out/$arm-offline.log" 2>&1; tail -n 4 "$out/$arm-offline.log"
-  python3 -m wise_serve $flags --port 8000 --log-level warning > "$out/$arm-server.log" 2>&1 &
+  python3 -m wise_serve $flags --port $port --log-level warning > "$out/$arm-server.log" 2>&1 &
   pid=$!
-  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import serve_load; serve_load.wait_ready('http://127.0.0.1:8000', 180)" \
-    || { echo "server did not start"; tail "$out/$arm-server.log"; kill $pid; continue; }
-  echo "== $arm: server at concurrency 64"
-  timeout 240 python3 benchmarks/serve_load.py --num-requests "$requests" --concurrency 64 $load \
-    --out "$out" --label "$arm-c64" > "$out/$arm-c64.log" 2>&1; tail -n 5 "$out/$arm-c64.log"
+  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import serve_load; serve_load.wait_ready(sys.argv[1], 180)" \
+    "$url" || { echo "server did not start"; tail "$out/$arm-server.log"; kill $pid; continue; }
+  echo "== $arm: server at concurrency $c"
+  timeout 240 python3 benchmarks/serve_load.py --url "$url" --num-requests "$requests" --concurrency "$c" $load \
+    --out "$out" --label "$arm-conc" > "$out/$arm-conc.log" 2>&1; tail -n 5 "$out/$arm-conc.log"
   echo "== $arm: server at $rate req/s"
-  timeout 240 python3 benchmarks/serve_load.py --num-requests "$requests" --rate "$rate" --warmup-requests 0 $load \
+  timeout 240 python3 benchmarks/serve_load.py --url "$url" --num-requests "$requests" --rate "$rate" $load \
+    --warmup-requests 0 \
     --out "$out" --label "$arm-rate" > "$out/$arm-rate.log" 2>&1; tail -n 5 "$out/$arm-rate.log"
-  python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/metrics').read().decode())" \
-    > "$out/$arm-metrics.txt"
+  python3 -c "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())" \
+    "$url/metrics" > "$out/$arm-metrics.txt"
   kill -TERM $pid; wait $pid; echo "== $arm: server exit $?"
 done
 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import serve_load; print(serve_load.summary_table(sys.argv[1]))" \

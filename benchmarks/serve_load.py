@@ -314,8 +314,8 @@ def write(report: dict, results: list[Result] | None, out: Path) -> None:
 
 
 def summary_table(directory) -> str:
-    """Markdown: per arm, offline and server (concurrency) throughput and latencies, from the
-    serve_load-ARM-{offline,c64,rate}.json files of benchmarks/serve_h200.sh."""
+    """Markdown: per arm, offline and server (at a concurrency) throughput and latencies, from
+    the serve_load-ARM-{offline,conc,rate}.json files of benchmarks/serve_h200.sh."""
     d = Path(directory)
 
     def load(label):
@@ -325,18 +325,18 @@ def summary_table(directory) -> str:
     def pct(s, k):
         return f"{s[k]['p50']:.0f} / {s[k]['p99']:.0f}" if s and s.get(k) else "-"
 
-    lines = ["| arm | offline out tok/s | server c64 out tok/s | server / offline | c64 TTFT p50/p99 ms | "
-             "c64 TPOT p50/p99 ms | c64 e2e p50/p99 ms | rate: req/s | rate: TTFT p50/p99 ms | "
+    lines = ["| arm | offline out tok/s | server out tok/s | server / offline | TTFT p50/p99 ms | "
+             "TPOT p50/p99 ms | e2e p50/p99 ms | rate: req/s | rate: TTFT p50/p99 ms | "
              "rate: TPOT p50/p99 ms | failed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm in ("dense", "wise", "spec"):
-        off, c64, rate = load(f"{arm}-offline"), load(f"{arm}-c64"), load(f"{arm}-rate")
-        if c64 is None:
+        off, conc, rate = load(f"{arm}-offline"), load(f"{arm}-conc"), load(f"{arm}-rate")
+        if conc is None:
             continue
-        cells = [arm, f"{off['output_token_throughput']:.0f}" if off else "-", f"{c64['output_token_throughput']:.0f}",
-                 f"{c64['output_token_throughput'] / off['output_token_throughput']:.3f}" if off else "-",
-                 pct(c64, "ttft_ms"), pct(c64, "tpot_ms"), pct(c64, "e2e_ms"),
+        cells = [arm, f"{off['output_token_throughput']:.0f}" if off else "-", f"{conc['output_token_throughput']:.0f}",
+                 f"{conc['output_token_throughput'] / off['output_token_throughput']:.3f}" if off else "-",
+                 pct(conc, "ttft_ms"), pct(conc, "tpot_ms"), pct(conc, "e2e_ms"),
                  f"{rate['request_throughput']:.2f}" if rate else "-", pct(rate, "ttft_ms"), pct(rate, "tpot_ms"),
-                 str(c64["failed"] + (rate["failed"] if rate else 0))]
+                 str(conc["failed"] + (rate["failed"] if rate else 0))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
