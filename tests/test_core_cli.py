@@ -1,5 +1,6 @@
 """The `wise` command line, run as a subprocess on CPU."""
 
+import json
 import os
 import subprocess
 import sys
@@ -7,17 +8,19 @@ from pathlib import Path
 
 import pytest
 
+import wise_core
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def wise(*args, timeout=300, interpret=True):
+def wise(*args, timeout=300, interpret=True, stdin=""):
     """`wise ARGS` in a subprocess; interpret=False leaves TRITON_INTERPRET unset."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     if not interpret:
         env.pop("TRITON_INTERPRET", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, "-m", "wise_core.cli", *args], capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=timeout)
+                          cwd=ROOT, env=env, timeout=timeout, input=stdin)
 
 
 @pytest.mark.parametrize("extra", [(), ("--wise", "--eta", "0.9", "--kernel", "reference")])
@@ -48,8 +51,62 @@ def test_errors_and_help():
     assert wise().returncode == 2  # a command is required
 
 
+def test_batch_json_and_stream_from_stdin_agree(tmp_path):
+    prompts = ["def add(a, b):\n    return", "    def __init__(self"]
+    batch = tmp_path / "prompts.jsonl"
+    batch.write_text("".join(json.dumps({"prompt": p, "id": i}) + "\n" for i, p in enumerate(prompts)))
+    result = wise("generate", "--prompt-file", str(batch), "--max-new-tokens", "8", "--device", "cpu", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["prompt"] for r in rows] == prompts and [r["index"] for r in rows] == [0, 1]
+    for r in rows:
+        assert len(r["token_ids"]) == r["stats"]["completion_tokens"] == 8 and r["finish_reason"] == "length"
+        assert r["text"] == bytes(r["token_ids"]).decode()          # the byte-level tokenizer, no special ids
+        assert r["stats"]["ttft_s"] <= r["stats"]["latency_s"] and r["stats"]["batch"]["prefill_tokens"] == 46
+    assert "[torch] 2 prompts; prefill: 46 tokens in" in result.stderr
+    result = wise("generate", "--prompt", "-", "--max-new-tokens", "8", "--device", "cpu", "--stream",
+                  stdin=prompts[0])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == prompts[0] + rows[0]["text"] + "\n"
+
+
+def test_prompt_file_of_lines_prints_each_completion(tmp_path):
+    batch = tmp_path / "prompts.txt"
+    batch.write_text("import os\n\nclass A:\n")
+    result = wise("generate", "--prompt-file", str(batch), "--max-new-tokens", "2", "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.splitlines()
+    assert out[0] == "### prompt 1 of 2 (length)" and out[1].startswith("import os")
+    assert "### prompt 2 of 2 (length)" in out
+
+
+def test_bad_prompt_sources_are_named(tmp_path):
+    result = wise("generate", "--prompt-file", str(tmp_path / "missing.txt"))
+    assert result.returncode == 1 and "--prompt-file" in result.stderr and "missing.txt" in result.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{"text": "b"}\n')
+    result = wise("generate", "--prompt-file", str(bad))
+    assert result.returncode == 1 and 'line 2: expected an object with a non-empty string "prompt"' in result.stderr
+    result = wise("generate", "--prompt", "-")
+    assert result.returncode == 1 and "the prompt is empty (nothing on standard input)" in result.stderr
+    two = tmp_path / "two.txt"
+    two.write_text("a\nb\n")
+    result = wise("generate", "--prompt-file", str(two), "--stream")
+    assert result.returncode == 1 and "--stream prints one prompt's tokens as they come" in result.stderr
+    assert wise("generate", "--prompt", "a", "--stream", "--json").returncode == 2   # argparse: not both
+
+
+def test_version_and_serve_help():
+    result = wise("--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"wise {wise_core.__version__}"
+    result = wise("serve", "--help")
+    help_text = " ".join(result.stdout.split())
+    assert result.returncode == 0 and "--num-pages" in help_text and "--shutdown-timeout" in help_text
+
+
 def test_cli_module_does_not_import_a_framework():
-    code = "import sys, wise_core.cli; print(sorted({'torch', 'jax'} & set(sys.modules)))"
+    code = ("import sys, wise_core.cli; wise_core.cli.build_parser(); "
+            "print(sorted({'torch', 'jax', 'aiohttp'} & set(sys.modules)))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
 

@@ -1,5 +1,7 @@
 """Framework-free core of wise: configs, checkpoint format, and the numpy specification of WISE."""
 
+__version__ = "0.1.0"
+
 from wise_core.config import ModelConfig, WiseConfig, SpeculativeConfig, PRESETS
 from wise_core import reference
 

@@ -79,9 +79,16 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _is_floating(dtype) -> bool:
+    """A floating numpy dtype (ml_dtypes bfloat16 included), or a framework dtype that says it is
+    floating (torch)."""
+    floating = getattr(dtype, "is_floating_point", None)
+    return bool(floating) if floating is not None else np.dtype(dtype) in FLOAT_DTYPES
+
+
 def validate_tensors(config: ModelConfig, tensors, source: str = "") -> None:
     """Raise CheckpointError naming every missing, extra, mis-shaped or non-floating tensor.
-    tensors: name -> anything with .shape and .dtype (numpy arrays, TensorInfo)."""
+    tensors: name -> anything with .shape and .dtype (numpy arrays, TensorInfo, torch tensors)."""
     expected = expected_shapes(config)
     where = f"{source}: " if source else ""
     missing = sorted(set(expected) - set(tensors))
@@ -92,7 +99,7 @@ def validate_tensors(config: ModelConfig, tensors, source: str = "") -> None:
     for name in sorted(set(expected) & set(tensors)):
         if tuple(tensors[name].shape) != expected[name]:
             problems.append(f"tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {expected[name]}")
-        elif np.dtype(tensors[name].dtype) not in FLOAT_DTYPES:
+        elif not _is_floating(tensors[name].dtype):
             problems.append(f"tensor {name!r} has non-floating dtype {tensors[name].dtype}")
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")

@@ -1,21 +1,30 @@
 """The `wise` command line. Backends (torch, jax) are imported only when a command runs.
 
 Subcommands are listed in `COMMANDS` (name -> (help, add_arguments, run)); `run(args)` returns
-the exit status.
+the exit status. `wise generate` runs the torch engine (`wise_torch.LLM`) or `wise_jax.generate`
+on one prompt (--prompt TEXT, or - for standard input) or a batch (--prompt-file: one prompt a
+line, or JSONL objects with a "prompt" field), printing the text (--stream: as it comes) or one
+JSON object per prompt (--json); `wise serve` is the completions server (wise_serve).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
+from pathlib import Path
 
+from wise_core import __version__
 from wise_core.checkpoint import BUILTIN_MODELS, DEFAULT_MODEL
 from wise_core.config import KERNELS, WiseConfig
 from wise_core.generate_args import check_sampling, check_seed
 from wise_core.tokenizer import encode_text
 
 DTYPES = ("float32", "bfloat16", "float16")
+MAX_NUM_SEQS = 256      # `wise generate`: requests decoding at once
+PAGE_SIZE = 128
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +33,11 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{', '.join(sorted(BUILTIN_MODELS))} (default: {DEFAULT_MODEL!r}; "
                              f"'ouro-py-3m' is a small model trained on Python source, 'random-tiny' "
                              f"has random weights)")
-    parser.add_argument("--prompt", required=True, help="prompt text")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text; '-' reads it from standard input (as is, newlines kept)")
+    source.add_argument("--prompt-file",
+                        help="a batch of prompts: one per line, or JSONL objects with a \"prompt\" field; "
+                             "'-' reads standard input")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default: 32)")
     parser.add_argument("--backend", choices=("torch", "jax"), default="torch", help="framework (default: torch)")
     parser.add_argument("--wise", action="store_true", help="decode with WISE (default: dense decode)")
@@ -39,27 +52,113 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and activations (default: float32)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto: the GPU when there is one (default: auto)")
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--stream", action="store_true",
+                        help="print the text token by token as it is generated (torch, one prompt)")
+    output.add_argument("--json", action="store_true",
+                        help="print one JSON object per prompt: prompt, text, token_ids, finish_reason, stats")
 
 
-def _generate_torch(args, wise_config: WiseConfig | None):
+# -- prompts ----------------------------------------------------------------------------------------
+def read_prompts(args) -> list[str]:
+    """The prompts of --prompt or --prompt-file (ValueError naming what is wrong)."""
+    if args.prompt is not None:
+        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+        if not prompt:
+            raise ValueError("the prompt is empty" + (" (nothing on standard input)" if args.prompt == "-" else ""))
+        return [prompt]
+    name = "standard input" if args.prompt_file == "-" else args.prompt_file
+    try:
+        text = sys.stdin.read() if args.prompt_file == "-" else Path(args.prompt_file).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--prompt-file {name}: {e}") from None
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not lines:
+        raise ValueError(f"--prompt-file {name} holds no prompt")
+    if not lines[0][1].lstrip().startswith("{"):
+        return [line for _, line in lines]
+    prompts = []
+    for n, line in lines:                  # JSONL: every line an object with a string "prompt"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--prompt-file {name} line {n}: invalid JSON ({e})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
+            raise ValueError(f"--prompt-file {name} line {n}: expected an object with a non-empty string "
+                             f"\"prompt\", got {line[:60]!r}")
+        prompts.append(obj["prompt"])
+    return prompts
+
+
+# -- backends -------------------------------------------------------------------------------------------
+def _prompt_name(args, i: int) -> str:
+    return "--prompt" if args.prompt is not None else f"--prompt-file prompt {i + 1}"
+
+
+def _generate_torch(args, wise_config: WiseConfig | None, prompts: list[str], on_text=None) -> tuple[list, dict]:
+    """Run the prompts on the torch engine -> (per prompt: dict of text, token_ids, finish_reason,
+    prompt_tokens, ttft_s, latency_s; the engine's stats as a dict). on_text(delta): called as the
+    (single) prompt's text grows."""
     import torch
 
     import wise_torch
+    from wise_core.detokenize import TextStream
+    from wise_torch.engine.sampler import seed_for
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: torch sees no CUDA device")
     model = wise_torch.load_model(args.model, dtype=args.dtype, device=device)
-    if model.tokenizer is None:
+    tokenizer = model.tokenizer
+    if tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer.json; `wise generate` needs one")
-    ids = encode_text(model.tokenizer, args.prompt, "--prompt")
-    out = wise_torch.generate(model, [ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                              top_p=args.top_p, eos_token_id=model.config.eos_token_id,
-                              wise_config=wise_config, seed=args.seed)
-    return out, len(ids)
+    ids = [encode_text(tokenizer, p, _prompt_name(args, i)) for i, p in enumerate(prompts)]
+    max_num_seqs, page_size = min(len(ids), MAX_NUM_SEQS), PAGE_SIZE
+    lengths = [len(p) + args.max_new_tokens for p in ids]
+    # Every request at once: the pool they need (as wise_torch.generate); a larger batch queues
+    # in a pool sized by the engine's default.
+    num_pages = sum(-(-n // page_size) for n in lengths) if len(ids) <= max_num_seqs else None
+    llm = wise_torch.LLM(model, wise_config=wise_config, num_pages=num_pages, page_size=page_size,
+                         max_num_seqs=max_num_seqs, max_model_len=max(lengths), seed=args.seed)
+    requests = {}
+    for i, prompt in enumerate(ids):
+        params = wise_torch.SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
+                                           top_p=args.top_p, seed=seed_for(args.seed, i))
+        requests[llm.add_request(prompt, params)] = i
+    results: list[dict | None] = [None] * len(ids)
+    text = TextStream(tokenizer) if on_text is not None else None
+    bar = None
+    if len(ids) > 1:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(ids), desc="prompts", unit="prompt", dynamic_ncols=True, file=sys.stderr)
+    start, first = time.perf_counter(), {}
+    with torch.inference_mode():
+        while llm.has_unfinished():
+            for out in llm.step():
+                now = time.perf_counter()
+                first.setdefault(out.request_id, now)
+                if text is not None:
+                    text.add(out.token_ids[len(text.ids):])
+                    if out.finished:
+                        text.finish()
+                    on_text(text.delta(final=out.finished))
+                if out.finished:
+                    i = requests[out.request_id]
+                    results[i] = dict(text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
+                                      prompt_tokens=len(ids[i]), ttft_s=first[out.request_id] - start,
+                                      latency_s=now - start)
+                    if bar is not None:
+                        bar.update(1)
+    if bar is not None:
+        bar.close()
+    s = llm.stats()
+    stats = dict(prefill_s=s.prefill_s, prefill_tokens=s.prompt_tokens, decode_s=s.decode_s,
+                 decode_tokens=s.decode_tokens, decode_tokens_per_s=s.decode_tokens_per_s,
+                 preemptions=s.preemptions, fallbacks=s.fallbacks, density=s.density)
+    return results, stats
 
 
-def _generate_jax(args, wise_config: WiseConfig | None):
+def _generate_jax(args, wise_config: WiseConfig | None, prompts: list[str], on_text=None) -> tuple[list, dict]:
     if args.device == "cpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     try:
@@ -73,16 +172,18 @@ def _generate_jax(args, wise_config: WiseConfig | None):
     config, params, tokenizer = wise_jax.load_model(args.model, dtype=args.dtype, with_tokenizer=True)
     if tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer.json; `wise generate` needs one")
-    ids = encode_text(tokenizer, args.prompt, "--prompt")
-    out = wise_jax.generate(params, config, [ids], max_new_tokens=args.max_new_tokens,
+    ids = [encode_text(tokenizer, p, _prompt_name(args, i)) for i, p in enumerate(prompts)]
+    out = wise_jax.generate(params, config, ids, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, top_p=args.top_p, eos_token_id=config.eos_token_id,
-                            wise_config=wise_config, key=jax.random.PRNGKey(args.seed), tokenizer=tokenizer)
-    return out, len(ids)
-
-
-def _stat(stats, name: str):
-    """A field of GenerationStats (torch) or of the stats dict (jax)."""
-    return stats.get(name) if isinstance(stats, dict) else getattr(stats, name, None)
+                            wise_config=wise_config, key=jax.random.PRNGKey(args.seed))
+    eos = config.eos_token_id
+    results = [dict(text=tokenizer.decode(t), token_ids=list(t), prompt_tokens=len(p),
+                    finish_reason="stop" if eos is not None and t and t[-1] == eos else "length")
+               for p, t in zip(ids, out.tokens)]
+    stats = dict(out.stats)
+    stats["prefill_tokens"] = sum(map(len, ids))
+    stats["decode_tokens"] = stats["new_tokens"] - len(ids)
+    return results, stats
 
 
 def wise_settings(args) -> WiseConfig | None:
@@ -101,21 +202,47 @@ def run_generate(args) -> int:
     wise_config = wise_settings(args)
     check_sampling(args.temperature, args.top_p)
     check_seed(args.seed)
+    prompts = read_prompts(args)
+    if args.stream and (args.backend != "torch" or len(prompts) > 1):
+        raise ValueError("--stream prints one prompt's tokens as they come, with --backend torch")
     backend = _generate_torch if args.backend == "torch" else _generate_jax
-    out, prompt_tokens = backend(args, wise_config)
-    print(args.prompt + out.texts[0])
-    stats = out.stats
-    prefill_s, decode_s = _stat(stats, "prefill_s"), _stat(stats, "decode_s")
-    decode_tokens = _stat(stats, "new_tokens") - 1
-    line = (f"prefill: {prompt_tokens} tokens in {prefill_s:.3f} s ({prompt_tokens / prefill_s:.1f} tokens/s); "
-            f"decode: {decode_tokens} tokens in {decode_s:.3f} s ({_stat(stats, 'decode_tokens_per_s'):.1f} tokens/s)")
+    on_text = None
+    if args.stream:
+        started = []
+
+        def on_text(delta: str) -> None:
+            if not started:                    # the prompt, once the model runs
+                started.append(print(prompts[0], end=""))
+            print(delta, end="", flush=True)
+
+    results, stats = backend(args, wise_config, prompts, on_text)
+    for i, (prompt, r) in enumerate(zip(prompts, results)):
+        if args.json:
+            per = {k: r[k] for k in ("ttft_s", "latency_s") if k in r}
+            print(json.dumps({"index": i, "prompt": prompt, "text": r["text"], "token_ids": r["token_ids"],
+                              "finish_reason": r["finish_reason"],
+                              "stats": dict(prompt_tokens=r["prompt_tokens"], completion_tokens=len(r["token_ids"]),
+                                            **per, batch=stats)}))
+        elif args.stream:
+            print()
+        else:
+            if len(prompts) > 1:
+                print(f"### prompt {i + 1} of {len(prompts)} ({r['finish_reason']})")
+            print(prompt + r["text"])
+    prefill_tokens, prefill_s, decode_s = stats["prefill_tokens"], stats["prefill_s"], stats["decode_s"]
+    line = (f"prefill: {prefill_tokens} tokens in {prefill_s:.3f} s ({prefill_tokens / prefill_s:.1f} tokens/s); "
+            f"decode: {stats['decode_tokens']} tokens in {decode_s:.3f} s "
+            f"({stats['decode_tokens_per_s']:.1f} tokens/s)")
+    if len(prompts) > 1:
+        line = f"{len(prompts)} prompts; " + line
     if wise_config is not None:
-        density = ", ".join(f"loop {d}: {x:.3f}" for d, x in (_stat(stats, "density") or {}).items() if x is not None)
-        line += f"; WISE eta {wise_config.eta}: fallbacks {_stat(stats, 'fallbacks')}, density {density or 'n/a'}"
+        density = ", ".join(f"loop {d}: {x:.3f}" for d, x in (stats.get("density") or {}).items() if x is not None)
+        line += f"; WISE eta {wise_config.eta}: fallbacks {stats.get('fallbacks')}, density {density or 'n/a'}"
     print(f"[{args.backend}] {line}", file=sys.stderr)
     return 0
 
 
+# -- other commands ---------------------------------------------------------------------------------------
 def add_parity_arguments(parser: argparse.ArgumentParser) -> None:
     from parity import add_arguments  # argparse only: no framework is imported here
 
@@ -128,8 +255,23 @@ def run_parity(args) -> int:
     return parity.run(args)
 
 
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from wise_serve.args import add_serve_arguments as add  # argparse only
+
+    add(parser)
+
+
+def run_serve(args) -> int:
+    try:
+        from wise_serve.cli import run
+    except ImportError as e:
+        raise RuntimeError(f"`wise serve` needs the serve extra (pip install 'wise[serve]'): {e}") from None
+    return run(args)
+
+
 COMMANDS = {
-    "generate": ("generate text from a prompt, dense or with WISE", add_generate_arguments, run_generate),
+    "generate": ("generate text from prompts, dense or with WISE", add_generate_arguments, run_generate),
+    "serve": ("serve OpenAI-compatible completions over HTTP (torch engine)", add_serve_arguments, run_serve),
     "parity": ("check that the torch and JAX implementations agree (python -m parity)", add_parity_arguments,
                run_parity),
 }
@@ -138,6 +280,7 @@ COMMANDS = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="wise", description="Working-set (WISE) decode for recurrent-depth language models.")
+    parser.add_argument("--version", action="version", version=f"wise {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (summary, add_arguments, run) in COMMANDS.items():
         sub = commands.add_parser(name, help=summary, description=summary)
@@ -150,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, RuntimeError) as e:  # bad input, unknown model, exhausted pool, missing backend
+    except (ValueError, RuntimeError, OSError) as e:  # bad input, unknown model, exhausted pool, port in use
         print(f"wise {args.command}: error: {e}", file=sys.stderr)
         return 1
 

@@ -1,0 +1,127 @@
+"""wise_serve without a server: request validation, incremental text and stop strings, metrics text."""
+
+import json
+import random
+
+import pytest
+
+from wise_core.tokenizer import byte_tokenizer
+from wise_serve.metrics import Histogram
+from wise_serve.protocol import BadRequest, parse_completion
+from wise_core.detokenize import TextStream
+
+
+def parse(body, **kw):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return parse_completion(raw, model_name="m", **kw)
+
+
+def test_defaults_and_fields_reach_the_sampling_params():
+    r = parse({"prompt": "hi"})
+    p = r.params
+    assert (r.prompt, p.max_tokens, p.temperature, p.top_p, r.stream) == ("hi", 16, 1.0, 1.0, False)
+    r = parse({"model": "m", "prompt": [[3, 4]], "max_tokens": 5, "temperature": 0, "top_p": 0.5, "seed": 7,
+               "stop": "\n", "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+               "n": 1, "echo": False, "logprobs": None, "presence_penalty": 0.0, "user": "u"})
+    assert r.prompt == [3, 4] and r.stop == ("\n",) and r.stream and r.include_usage
+    p = r.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.ignore_eos) == (5, 0.0, 0.5, 7, True)
+    assert parse({"prompt": [1]}, has_tokenizer=False).return_token_ids
+
+
+BAD = [
+    (b"{not json", None, "invalid JSON"),
+    (b"[1, 2]", None, "must be a JSON object"),
+    (b'{"prompt": "a", "max_tokens": NaN}', None, "NaN is not a JSON number"),
+    (b"\xff\xfe", None, "not UTF-8"),
+    ({"prompt": "a", "max_tokns": 3}, "max_tokns", "unknown field 'max_tokns'"),
+    ({"max_tokens": 3}, "prompt", "prompt is required"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens", "max_tokens must be a positive integer, got 0"),
+    ({"prompt": "a", "max_tokens": -3}, "max_tokens", "got -3"),
+    ({"prompt": "a", "max_tokens": 2.5}, "max_tokens", "got 2.5"),
+    ({"prompt": "a", "max_tokens": True}, "max_tokens", "got true"),
+    ({"prompt": "a", "max_tokens": "8"}, "max_tokens", 'got "8"'),
+    ({"prompt": "a", "temperature": -0.1}, "temperature", "temperature must be a number >= 0"),
+    ({"prompt": "a", "temperature": "hot"}, "temperature", "temperature must be a number"),
+    ({"prompt": "a", "top_p": 0}, "top_p", "top_p must be a number in (0, 1], got 0"),
+    ({"prompt": "a", "top_p": 1.5}, "top_p", "got 1.5"),
+    ({"prompt": "a", "seed": -1}, "seed", "seed must be an integer in [0, 2**63)"),
+    ({"prompt": "a", "model": "gpt-4"}, "model", "unknown model 'gpt-4': this server serves 'm'"),
+    ({"prompt": 5}, "prompt", "prompt must be a string or a list of integer token ids, got int"),
+    ({"prompt": [1, "x"]}, "prompt", "it holds 'x'"),
+    ({"prompt": []}, "prompt", "prompt is empty"),
+    ({"prompt": ["a", "b"]}, "prompt", "prompt holds 2 prompts"),
+    ({"prompt": "a", "stop": [""]}, "stop", "stop must be a non-empty string"),
+    ({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+    ({"prompt": "a", "stream": "yes"}, "stream", "stream must be true or false"),
+    ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream"),
+    ({"prompt": "a", "stream": True, "stream_options": {"x": 1}}, "stream_options", "the one key include_usage"),
+    ({"prompt": "a", "n": 2}, "n", "n=2 is not supported"),
+    ({"prompt": "a", "n": True}, "n", "n=true is not supported"),
+    ({"prompt": "a", "echo": True}, "echo", "echo (the prompt in the completion)=true is not supported"),
+    ({"prompt": "a", "logprobs": 1}, "logprobs", "logprobs=1 is not supported"),
+    ({"prompt": "a", "frequency_penalty": 0.5}, "frequency_penalty", "not supported"),
+]
+
+
+@pytest.mark.parametrize("body, param, message", BAD, ids=[m for _, _, m in BAD])
+def test_bad_requests_name_the_problem(body, param, message):
+    with pytest.raises(BadRequest) as e:
+        parse(body)
+    assert message in str(e.value) and e.value.param == param
+
+
+def test_a_model_without_tokenizer_takes_token_ids_only():
+    with pytest.raises(BadRequest, match="no tokenizer: send the prompt as a list of token ids"):
+        parse({"prompt": "text"}, has_tokenizer=False)
+    with pytest.raises(BadRequest, match="stop strings need a tokenizer"):
+        parse({"prompt": [1], "stop": "x"}, has_tokenizer=False)
+
+
+def test_incremental_text_equals_the_full_decode_of_random_bytes():
+    """Random bytes split UTF-8 characters across tokens and hold invalid sequences; every
+    prefix handed out must be a prefix of the final text, which is decode(ids)."""
+    tok = byte_tokenizer()
+    rng = random.Random(0)
+    alphabet = list("aé€😀 \n".encode()) + [0xFF, 0xC3, 0xE2, 0x80, 256]   # 256: eos, skipped by decode
+    for _ in range(200):
+        ids = [rng.choice(alphabet) if rng.random() < 0.7 else rng.randrange(258) for _ in range(rng.randint(1, 30))]
+        stream, pieces = TextStream(tok), []
+        for t in ids:
+            stream.add([t])
+            pieces.append(stream.delta(final=False))
+            assert tok.decode(ids).startswith("".join(pieces))
+        stream.finish()
+        pieces.append(stream.delta(final=True))
+        assert "".join(pieces) == tok.decode(ids)
+
+
+@pytest.mark.parametrize("stop, text, want", [
+    (("\n",), "def f():\n    pass", "def f():"),
+    (("pass", "():"), "def f():\n    pass", "def f"),          # the earliest occurrence wins
+    (("xyz",), "def f():", "def f():"),
+    (("ss",), "pass", "pa"),
+])
+def test_stop_strings_cut_the_text_across_token_boundaries(stop, text, want):
+    tok = byte_tokenizer()
+    stream, pieces = TextStream(tok, stop), []
+    for b in text.encode():
+        stream.add([b])
+        pieces.append(stream.delta(final=False))
+        if stream.stopped:
+            break
+    else:
+        stream.finish()
+    pieces.append(stream.delta(final=True))
+    assert "".join(pieces) == want and stream.stopped == (want != text)
+    assert all(s not in "".join(pieces) for s in stop)
+
+
+def test_histogram_buckets_are_cumulative_and_le_inclusive():
+    h = Histogram("wise_x_seconds", "x.", (0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 2.0):
+        h.observe(v)
+    lines = h.render()
+    assert 'wise_x_seconds_bucket{le="0.1"} 2' in lines and 'wise_x_seconds_bucket{le="1.0"} 3' in lines
+    assert 'wise_x_seconds_bucket{le="+Inf"} 4' in lines and "wise_x_seconds_count 4" in lines
+    assert "wise_x_seconds_sum 2.65" in lines

@@ -1,0 +1,72 @@
+"""A request's growing token ids as text: incremental detokenization and stop strings (used by
+`wise serve` and `wise generate --stream`).
+
+Decoding token by token must not emit half a character (a byte-level tokenizer splits UTF-8
+characters across tokens) nor text that a later token changes. `TextStream` decodes a short
+window of recent tokens against the window without its newest tokens and emits the difference
+only when it does not end in U+FFFD (the replacement of an incomplete character); at the end
+the whole output is decoded once more, so the completed text is exactly
+`tokenizer.decode(token_ids)`, the text `LLM.generate` gives. Stop strings end the text before
+their first occurrence; while streaming, the last `max(len(stop)) - 1` characters are held back
+until they cannot begin a stop string.
+"""
+
+from __future__ import annotations
+
+REPLACEMENT = "\ufffd"
+
+
+class TextStream:
+    """tokenizer: has decode(ids) -> str (or None: no text, token ids only); stop: stop strings."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.ids: list[int] = []
+        self.prefix_offset = self.read_offset = 0
+        self.text = ""            # decoded so far, cut at a stop string
+        self.sent = 0             # characters of text already handed out
+        self.stopped = False      # a stop string was found
+        self.num_tokens = 0       # tokens consumed (up to the one completing a stop string)
+
+    def add(self, ids: list[int]) -> None:
+        """Consume newly generated token ids (ignored once a stop string was found)."""
+        for token in ids:
+            if self.stopped:
+                return
+            self.ids.append(token)
+            self.num_tokens += 1
+            if self.tokenizer is None:
+                continue
+            prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+            window = self.tokenizer.decode(self.ids[self.prefix_offset:])
+            if len(window) > len(prefix) and not window.endswith(REPLACEMENT):
+                self._extend(window[len(prefix):])
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+
+    def finish(self) -> None:
+        """The output is complete: decode it whole (the text is then exactly decode(ids), cut at a stop)."""
+        if self.tokenizer is None or self.stopped:
+            return
+        full = self.tokenizer.decode(self.ids)
+        if not full.startswith(self.text):
+            raise RuntimeError(f"incremental detokenization diverged from the full decode: {self.text!r:.80} "
+                               f"is not a prefix of {full!r:.80}")
+        self._extend(full[len(self.text):])
+
+    def _extend(self, delta: str) -> None:
+        if not delta:
+            return
+        start = max(len(self.text) - self.hold, 0)
+        self.text += delta
+        found = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if found:
+            self.text = self.text[:min(found)]
+            self.stopped = True
+
+    def delta(self, final: bool) -> str:
+        """Text not handed out yet that is safe to hand out (everything when final or stopped)."""
+        end = len(self.text) if final or self.stopped else max(len(self.text) - self.hold, self.sent)
+        out = self.text[self.sent:end]
+        self.sent = end
+        return out

@@ -1,0 +1,79 @@
+"""Command-line arguments of `wise serve` (argparse only: building the parser imports no framework)."""
+
+from __future__ import annotations
+
+import argparse
+
+from wise_core.checkpoint import BUILTIN_MODELS, DEFAULT_MODEL
+from wise_core.config import PRESETS, WiseConfig
+
+TORCH_KERNELS = ("auto", "reference", "triton")   # wise_torch.attention.TORCH_KERNELS
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and engine settings (shared by `wise serve` and the load client's offline run)."""
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"checkpoint directory (HF Ouro layout) or built-in model: "
+                             f"{', '.join(sorted(BUILTIN_MODELS))}; with --load-format dummy a preset: "
+                             f"{', '.join(sorted(PRESETS))} (default: {DEFAULT_MODEL!r})")
+    parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                        help="dummy: random weights of the preset --model, made on the device (benchmarks)")
+    parser.add_argument("--q-scale", type=float, default=1.0,
+                        help="dummy weights: multiply q_proj by this, for peaked attention (default: 1)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                        help="weights and activations (default: auto, bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: the GPU when there is one (default: auto)")
+    parser.add_argument("--wise", action="store_true", help="decode with WISE (default: dense decode)")
+    parser.add_argument("--eta", type=float, default=None,
+                        help=f"WISE mass fraction kept per head (default: {WiseConfig.eta}); needs --wise")
+    parser.add_argument("--kernel", choices=TORCH_KERNELS, default="auto",
+                        help="decode-attention kernel (default: auto, Triton on CUDA, the reference on CPU)")
+    parser.add_argument("--speculative", choices=("wise", "loops"), default=None,
+                        help="lossless speculative decoding (the output is dense decode's): drafts by WISE "
+                             "(--eta, --kernel set it) or by the first --draft-loops loops")
+    parser.add_argument("--num-draft", type=int, default=4, help="speculative: tokens drafted per round (default: 4)")
+    parser.add_argument("--draft-loops", type=int, default=None,
+                        help="--speculative loops: loops a draft runs (default: half the model's)")
+    parser.add_argument("--num-pages", type=int, default=None,
+                        help="KV pages in the pool (default: sized from free device memory; CPU: 1 GiB of K/V)")
+    parser.add_argument("--page-size", type=int, default=128, help="tokens per KV page (default: 128)")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="requests decoding at once (default: 256)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="prompt + output tokens a request may hold (default: the model's limit, at most "
+                             "the pool)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                        help="prompt tokens one step prefills (chunked prefill; default: 8192)")
+    parser.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+                        help="CUDA-graph decode (default: auto, on with CUDA)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="the generator of requests without a seed (default: random)")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name requests give and /v1/models lists (default: --model)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: a free port)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="after SIGTERM, seconds in-flight requests may take to finish before they are "
+                             "aborted (default: 30; a second SIGTERM aborts at once)")
+    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+
+
+def check_engine_arguments(args: argparse.Namespace) -> None:
+    """Combinations argparse cannot check (ValueError naming the flag)."""
+    if args.eta is not None and not (args.wise or args.speculative == "wise"):
+        raise ValueError("--eta needs --wise (or --speculative wise)")
+    if args.wise and args.speculative == "loops":
+        raise ValueError("--speculative loops decodes densely: drop --wise (--speculative wise drafts with WISE)")
+    if args.speculative is None and (args.num_draft != 4 or args.draft_loops is not None):
+        raise ValueError("--num-draft and --draft-loops need --speculative")
+    if args.eta is None:
+        args.eta = WiseConfig.eta
+    if args.load_format == "dummy" and args.model not in PRESETS:
+        raise ValueError(f"--load-format dummy needs --model to be a preset ({', '.join(sorted(PRESETS))}), "
+                         f"got {args.model!r}")
+    if args.q_scale != 1.0 and args.load_format != "dummy":
+        raise ValueError("--q-scale applies to --load-format dummy only")

@@ -1,0 +1,19 @@
+"""`wise serve`: build the engine from the arguments and serve until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiohttp").setLevel(max(logging.WARNING, logging.getLogger().level))
+    from wise_serve.model import build_llm
+    from wise_serve.server import serve
+
+    llm = build_llm(args)
+    asyncio.run(serve(llm, host=args.host, port=args.port, model_name=args.served_model_name or args.model,
+                      shutdown_timeout=args.shutdown_timeout))
+    return 0
