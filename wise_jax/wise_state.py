@@ -78,8 +78,9 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int, layer: 
     """Decode attention of `layer` at `loop` with the row modes WISE assigns, updating the state.
 
     q: [batch, heads, head_dim]; pages / page_table / seq_lens as decode_attention (the token at
-    position seq_lens - 1 is being decoded); request_ids int32[batch]; active bool[batch]: rows
-    whose fallbacks and density are counted. Returns (out [batch, heads, head_dim], state).
+    position seq_lens - 1 is being decoded); request_ids int32[batch]; active bool[batch]: the rows
+    that decode a token. Other rows (empty slots) are masked: their support, tags and counters are
+    left as they were. Returns (out [batch, heads, head_dim], state).
     """
     role = wise_config.depth_role(loop)
     batch = q.shape[0]
@@ -110,12 +111,17 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int, layer: 
     if role == "discover":
         if wise_config.all_blocks:
             new_support = jnp.broadcast_to(causal[:, None, :], new_support.shape)
+
+        def keep(new, old):  # masked rows keep what they held
+            return jnp.where(active.reshape((batch,) + (1,) * (new.ndim - 1)), new, old)
+
         state = dataclasses.replace(
             state,
-            support=state.support.at[:, layer].set(new_support),
-            tag_request=state.tag_request.at[:, layer].set(request_ids),
-            tag_position=state.tag_position.at[:, layer].set(position),
-            depths_run=state.depths_run.at[:, layer].set(jnp.where(fresh, bit, depths_run | bit)))
+            support=state.support.at[:, layer].set(keep(new_support, support)),
+            tag_request=state.tag_request.at[:, layer].set(keep(request_ids, state.tag_request[:, layer])),
+            tag_position=state.tag_position.at[:, layer].set(keep(position, state.tag_position[:, layer])),
+            depths_run=state.depths_run.at[:, layer].set(
+                keep(jnp.where(fresh, bit, depths_run | bit), depths_run)))
     elif role == "reuse":
         depth = wise_config.reuse_depths.index(loop)
         heads = support.shape[1]

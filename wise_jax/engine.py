@@ -1,0 +1,482 @@
+"""A small serving engine over `wise_jax.serving`: requests wait, are admitted into cache rows
+(slots), decode together one token per step, and retire; the names mirror wise_torch's engine.
+
+    llm = LLM(params, config, wise_config=WiseConfig(), max_num_seqs=64, max_model_len=2048)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=64))
+    rid = llm.add_request(prompt, SamplingParams(...)); while llm.has_unfinished(): llm.step()
+
+Scheduling. A step either admits (prefills) every waiting request that fits, oldest first, and
+returns their first tokens, or decodes one token for every running request. A request is
+admitted when a slot is free and the pages of its whole lifetime (prompt + max_tokens) fit
+beside those of the running requests, so a running request never meets a full pool (pages are
+still taken from the pool only as it grows); nothing is preempted. A request that can never fit
+is a ValueError at `add_request`.
+
+The step. One jit-compiled program per cache shape: `model.decode_step` over every row (empty
+rows are masked no-ops), sampling on the device (per row: temperature, top-p, its own PRNG key),
+the stop rule (max_tokens, eos), and the release of finished rows' pages; the sampled tokens
+stay on the device as the next step's input, and the host reads them once per step. The cache
+(`rows = max_num_seqs`) and the WISE state are created once per engine and donated to every step.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import numbers
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tokenizers import Tokenizer
+
+from wise_core.config import ModelConfig, WiseConfig
+from wise_jax import kv_cache as kvc
+from wise_jax import model
+from wise_jax import serving
+from wise_jax import wise_state as ws
+from wise_jax.attention import resolve_kernel
+from wise_jax.params import Params
+from wise_jax.sampling import sample
+from wise_jax.serving import DEFAULT_PAGE_SIZE, TRACES
+
+CPU_POOL_BYTES = 1 << 30       # num_pages=None on a CPU: a pool of at most 1 GiB
+GPU_POOL_FRACTION = 0.85       # num_pages=None on a GPU: this share of the free device memory
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """max_tokens: tokens to generate (the first comes from prefill); temperature 0 is greedy,
+    else sampling with top-p (nucleus); seed: the request's PRNG seed (None: derived from the
+    request id); ignore_eos: do not stop at the model's eos token."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, numbers.Integral) or isinstance(self.max_tokens, bool) \
+                or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and (not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2 ** 32):
+            raise ValueError(f"seed must be None or an integer in [0, 2**32), got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """request_id; prompt_token_ids; token_ids generated so far; text (None without a tokenizer);
+    finished; finish_reason "length", "stop" (eos) or "abort" (None while running)."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Pool and queue state, and counters since the engine was made (or `reset_stats`).
+
+    preemptions is always 0 (admission reserves a request's lifetime; nothing is preempted);
+    fallbacks and density (per reuse depth) are None without WISE; times in seconds."""
+
+    total_pages: int
+    free_pages: int
+    running: int
+    waiting: int
+    preemptions: int
+    fallbacks: int | None
+    density: dict[int, float | None] | None
+    prefill_tokens: int
+    prefill_s: float
+    decode_tokens: int
+    decode_s: float
+    decode_steps: int
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["slots", "tokens", "remaining", "eos", "temperature", "top_p", "keys"],
+                   meta_fields=[])
+@dataclasses.dataclass
+class Batch:
+    """Per cache row, on the device: slots int32 (request id, -1 empty); tokens int32 (the next
+    decode input); remaining int32 (tokens the row may still emit); eos int32 (-1: none);
+    temperature, top_p float32; keys uint32[rows, 2] (raw PRNG keys)."""
+
+    slots: jax.Array
+    tokens: jax.Array
+    remaining: jax.Array
+    eos: jax.Array
+    temperature: jax.Array
+    top_p: jax.Array
+    keys: jax.Array
+
+
+def _empty_batch(rows: int) -> Batch:
+    return Batch(slots=jnp.full((rows,), -1, jnp.int32), tokens=jnp.zeros((rows,), jnp.int32),
+                 remaining=jnp.zeros((rows,), jnp.int32),
+                 eos=jnp.full((rows,), -1, jnp.int32), temperature=jnp.zeros((rows,), jnp.float32),
+                 top_p=jnp.ones((rows,), jnp.float32), keys=jnp.zeros((rows, 2), jnp.uint32))
+
+
+def _choose(logits, keys, temperature, top_p, forced):
+    """Per row: the forced token where forced >= 0, else a sample (greedy where temperature is 0).
+    Returns (token int32[rows], its log-prob float32[rows], the rows' next keys)."""
+    split = jax.vmap(jax.random.split)(keys)                   # [rows, 2, 2]
+    keys, sub = split[:, 0], split[:, 1]
+
+    def stochastic():
+        return jax.vmap(lambda l, k, t, p: sample(l[None], k, t, p)[0])(logits, sub, temperature, top_p)
+
+    sampled = jax.lax.cond(jnp.any(temperature > 0), stochastic,
+                           lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))
+    token = jnp.where(forced >= 0, forced, sampled)
+    logprob = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token[:, None], axis=1)[:, 0]
+    return token, logprob, keys
+
+
+@jax.jit
+def _first_token(logits, key, temperature, top_p, forced):
+    """_choose for one prefilled request: logits float32[vocab] -> (token, logprob, next key)."""
+    TRACES["first_token"] += 1
+    token, logprob, keys = _choose(logits[None], key[None], temperature[None], top_p[None], forced[None])
+    return token[0], logprob[0], keys[0]
+
+
+@functools.partial(jax.jit, donate_argnames=("cache", "batch"))
+def _admit(cache: kvc.PagedKVCache, batch: Batch, kv: serving.RequestKV, slot, row: Batch):
+    """Insert a prefilled request into the empty row `slot` and set its Batch row (`row`: a Batch
+    of scalars)."""
+    TRACES["admit"] += 1
+    cache = kvc.insert(cache, kv.k, kv.v, kv.length, slot)
+    batch = jax.tree.map(lambda whole, one: whole.at[slot].set(one), batch, row)
+    return cache, batch
+
+
+@functools.partial(jax.jit, donate_argnames=("cache", "batch"))
+def _release(cache: kvc.PagedKVCache, batch: Batch, slot):
+    TRACES["release"] += 1
+    rows = jnp.arange(batch.slots.shape[0]) == slot
+    return kvc.release(cache, rows), dataclasses.replace(batch, slots=jnp.where(rows, -1, batch.slots))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "wise_config", "kernel", "unroll", "keep_logits"),
+                   donate_argnames=("cache", "state", "batch"))
+def _step(params: Params, cache: kvc.PagedKVCache, state, batch: Batch, forced, *, config: ModelConfig,
+          wise_config: WiseConfig | None, kernel: str, unroll, keep_logits: bool):
+    """One decode step of every row (module docstring). forced int32[rows]: a token to take
+    instead of sampling (-1: sample). Returns (cache, state, batch, token, logprob, done, logits
+    or None); `cache.overflowed` says the step did nothing."""
+    TRACES["step"] += 1
+    logits, cache, state = model.decode_step(params, config, cache, state, batch.tokens, batch.slots,
+                                             wise_config=wise_config, kernel=kernel, unroll=unroll)
+    live = (batch.slots >= 0) & ~cache.overflowed
+    token, logprob, keys = _choose(logits, batch.keys, batch.temperature, batch.top_p, forced)
+    remaining = batch.remaining - live.astype(jnp.int32)
+    done = live & ((remaining <= 0) | (token == batch.eos))
+    cache = kvc.release(cache, done)
+    batch = dataclasses.replace(
+        batch, slots=jnp.where(done, -1, batch.slots), tokens=jnp.where(live, token, batch.tokens),
+        remaining=jnp.where(live, remaining, batch.remaining), keys=jnp.where(live[:, None], keys, batch.keys))
+    return cache, state, batch, token, logprob, done, logits if keep_logits else None
+
+
+class _Request:
+    """A request's host-side record."""
+
+    def __init__(self, rid: int, prompt: list[int], params: SamplingParams, eos: int, key: np.ndarray,
+                 forced: list[int] | None, keep_logits: bool, page_size: int):
+        self.id, self.prompt, self.params, self.eos, self.key = rid, prompt, params, eos, key
+        self.forced, self.keep_logits = forced, keep_logits
+        self.pages = -(-(len(prompt) + params.max_tokens) // page_size)   # lifetime reservation
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.logits: list[np.ndarray] = []
+        self.slot: int | None = None
+        self.finish_reason: str | None = None
+
+    def add(self, token: int, logprob: float, logits) -> None:
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        if self.keep_logits:
+            self.logits.append(np.asarray(logits))
+        if token == self.eos:
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= self.params.max_tokens:
+            self.finish_reason = "length"
+
+    def next_forced(self) -> int:
+        return self.forced[len(self.tokens)] if self.forced is not None and self.finish_reason is None else -1
+
+
+class LLM:
+    """The engine (module docstring).
+
+    params, config: the model (`wise_jax.load_model`); wise_config: WISE decode (None: dense);
+    num_pages: pages in the pool (None: 85 % of the free device memory on a GPU, at most 1 GiB on
+    a CPU, and never more than max_num_seqs * max_pages); page_size: tokens per page, a multiple
+    of the WISE block size; max_num_seqs: cache rows, the decode step's batch (every step runs
+    them all, empty ones masked); max_model_len: most tokens (prompt + generated) of a request
+    (None: config.max_position_embeddings); it sets the page-table width, which WISE state and
+    decode cost scale with; kernel: decode attention ('auto', 'reference', 'pallas'; default
+    wise_config.kernel or 'auto'); tokenizer: for string prompts and texts; attention: prefill
+    attention (`wise_jax.prefill_attention`); unroll: layers per scan step of the decode step and
+    prefill (True: all).
+    """
+
+    def __init__(self, params: Params, config: ModelConfig, *, wise_config: WiseConfig | None = None,
+                 num_pages: int | None = None, page_size: int = DEFAULT_PAGE_SIZE, max_num_seqs: int = 64,
+                 max_model_len: int | None = None, kernel: str | None = None, tokenizer: Tokenizer | None = None,
+                 attention: str = "auto", unroll: int | bool = 1):
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+        if wise_config is not None:
+            if not isinstance(wise_config, WiseConfig):
+                raise TypeError(f"wise_config must be a WiseConfig or None, got {type(wise_config).__name__}")
+            wise_config.validate_for(config.total_ut_steps)
+        block_size = (wise_config or WiseConfig()).block_size
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0 or page_size % block_size:
+            raise ValueError(f"page_size must be a positive multiple of block_size {block_size}, got {page_size!r}")
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
+                            ("num_pages", num_pages)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.params, self.config, self.wise_config, self.tokenizer = params, config, wise_config, tokenizer
+        self.kernel = resolve_kernel(kernel if kernel is not None else (wise_config.kernel if wise_config else "auto"))
+        self.page_size, self.attention, self.unroll = page_size, attention, unroll
+        self.max_model_len = max_model_len or config.max_position_embeddings
+        self.max_pages = -(-self.max_model_len // page_size)
+        dtype = params.embed_tokens.dtype
+        self.num_pages = num_pages or _default_num_pages(config, page_size, dtype, max_num_seqs * self.max_pages)
+        self.cache = kvc.create(config, batch=max_num_seqs, max_pages=self.max_pages, num_pages=self.num_pages,
+                                page_size=page_size, dtype=dtype)
+        self.state = None if wise_config is None else ws.create(
+            wise_config, slots=max_num_seqs, layers=config.num_hidden_layers, heads=config.num_attention_heads,
+            max_blocks=self.cache.capacity // wise_config.block_size)
+        self.batch = _empty_batch(max_num_seqs)
+        self._sample_only = jnp.full((max_num_seqs,), -1, jnp.int32)
+        self._free_slots = list(range(max_num_seqs))
+        self._committed = 0
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._running: dict[int, _Request] = {}          # slot -> request
+        self._requests: dict[int, _Request] = {}
+        self._next_id = 0
+        self._base_key = jax.random.PRNGKey(0)
+        self.reset_stats()
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt: Sequence[int] | str, params: SamplingParams | None = None) -> int:
+        """Queue a prompt (token ids, or a string with a tokenizer); returns its request id."""
+        params = SamplingParams() if params is None else params
+        eos = -1 if params.ignore_eos or self.config.eos_token_id is None else self.config.eos_token_id
+        return self._add(prompt, params, eos=eos)
+
+    def _add(self, prompt, params: SamplingParams, *, eos: int, key: jax.Array | None = None,
+             forced: list[int] | None = None, keep_logits: bool = False) -> int:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        ids = encode(prompt, self.config, self.tokenizer, "prompt")
+        limit = min(self.max_model_len, self.config.max_position_embeddings)
+        if len(ids) + params.max_tokens > limit:
+            raise ValueError(f"a prompt of {len(ids)} tokens + max_tokens {params.max_tokens} exceed "
+                             f"{'max_model_len' if limit == self.max_model_len else 'max_position_embeddings'} "
+                             f"({limit})")
+        rid = self._next_id
+        self._next_id += 1
+        if key is None:
+            key = jax.random.PRNGKey(params.seed) if params.seed is not None else jax.random.fold_in(self._base_key, rid)
+        request = _Request(rid, ids, params, eos, np.asarray(key, np.uint32), forced, keep_logits, self.page_size)
+        if request.pages > self.num_pages:
+            raise ValueError(f"a request of {len(ids)} + {params.max_tokens} tokens needs {request.pages} pages; "
+                             f"the pool has {self.num_pages}")
+        self._waiting.append(request)
+        self._requests[rid] = request
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def abort(self, request_id: int) -> None:
+        """Stop a waiting or running request (finish_reason 'abort'); its pages return to the pool."""
+        request = self._requests.get(request_id)
+        if request is None:
+            raise ValueError(f"no request {request_id!r}")
+        if request.finish_reason is not None:
+            return
+        if request.slot is None:
+            self._waiting.remove(request)
+        else:
+            self.cache, self.batch = _release(self.cache, self.batch, jnp.asarray(request.slot, jnp.int32))
+        request.finish_reason = "abort"
+        self._retire(request)
+
+    def output(self, request_id: int) -> RequestOutput:
+        """The request's output so far."""
+        request = self._requests[request_id]
+        text = None if self.tokenizer is None else self.tokenizer.decode(request.tokens)
+        return RequestOutput(request.id, list(request.prompt), list(request.tokens), text,
+                             request.finish_reason is not None, request.finish_reason)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Admit what fits, or else decode one token for every running request. Returns the
+        outputs of the requests that got a token in this step."""
+        if self._waiting and self._fits(self._waiting[0]):
+            return [self.output(r.id) for r in self._admit_waiting()]
+        if not self._running:
+            return []
+        start = time.perf_counter()
+        forced = self._sample_only
+        if any(r.forced is not None for r in self._running.values()):
+            host = np.full(self.batch.slots.shape, -1, np.int32)
+            for slot, r in self._running.items():
+                host[slot] = r.next_forced()
+            forced = jnp.asarray(host)
+        keep_logits = any(r.keep_logits for r in self._running.values())
+        self.cache, self.state, self.batch, token, logprob, done, logits = _step(
+            self.params, self.cache, self.state, self.batch, forced, config=self.config,
+            wise_config=self.wise_config, kernel=self.kernel, unroll=self.unroll, keep_logits=keep_logits)
+        token, logprob, done, overflowed, logits = jax.device_get(
+            (token, logprob, done, self.cache.overflowed, logits))
+        if overflowed:  # cannot happen after lifetime admission; a broken invariant, reported at once
+            raise kvc.PoolExhaustedError("a decode step's pages did not fit the pool; the step wrote nothing")
+        outputs = []
+        for slot, request in list(self._running.items()):
+            request.add(int(token[slot]), float(logprob[slot]), None if logits is None else logits[slot])
+            if bool(done[slot]) != (request.finish_reason is not None):
+                raise AssertionError(f"device and host disagree on whether request {request.id} finished")
+            if request.finish_reason is not None:
+                self._retire(request)
+            outputs.append(self.output(request.id))
+        self._decode_s += time.perf_counter() - start
+        self._decode_tokens += len(outputs)
+        self._decode_steps += 1
+        return outputs
+
+    def _fits(self, request: _Request) -> bool:
+        return bool(self._free_slots) and self._committed + request.pages <= self.num_pages
+
+    def _admit_waiting(self) -> list[_Request]:
+        admitted = []
+        while self._waiting and self._fits(self._waiting[0]):
+            request = self._waiting.popleft()
+            start = time.perf_counter()
+            logits, kv = serving.prefill(self.params, self.config, request.prompt, page_size=self.page_size,
+                                         attention=self.attention, unroll=self.unroll)
+            p = request.params
+            token, logprob, key = _first_token(logits, jnp.asarray(request.key), jnp.float32(p.temperature),
+                                               jnp.float32(p.top_p), jnp.int32(request.next_forced()))
+            token, logprob = int(token), float(logprob)
+            request.add(token, logprob, logits if request.keep_logits else None)
+            if request.finish_reason is None:
+                request.slot = self._free_slots.pop(0)
+                self._committed += request.pages
+                self._running[request.slot] = request
+                row = Batch(slots=jnp.int32(request.id), tokens=jnp.int32(token),
+                            remaining=jnp.int32(p.max_tokens - 1), eos=jnp.int32(request.eos),
+                            temperature=jnp.float32(p.temperature), top_p=jnp.float32(p.top_p), keys=key)
+                self.cache, self.batch = _admit(self.cache, self.batch, kv, jnp.int32(request.slot), row)
+                if bool(self.cache.overflowed):  # cannot happen after lifetime admission: reported at once
+                    raise kvc.PoolExhaustedError(f"request {request.id}'s {int(kvc.pages_for(len(request.prompt), self.page_size))} "
+                                                 f"prompt pages did not fit the pool; nothing was written")
+            del kv
+            self._prefill_s += time.perf_counter() - start
+            self._prefill_tokens += len(request.prompt)
+            admitted.append(request)
+        return admitted
+
+    def _retire(self, request: _Request) -> None:
+        if request.slot is not None:
+            del self._running[request.slot]
+            self._free_slots.append(request.slot)
+            self._free_slots.sort()
+            self._committed -= request.pages
+            request.slot = None
+
+    def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts to completion; their outputs in prompt order (a progress bar unless use_tqdm=False)."""
+        if isinstance(prompts, str) or not len(prompts):
+            raise ValueError("prompts must be a non-empty list of token-id lists or strings")
+        if params is None or isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(ids), desc="requests")
+        while self.has_unfinished():
+            finished = sum(o.finished for o in self.step())
+            if bar is not None:
+                bar.update(finished)
+        if bar is not None:
+            bar.close()
+        return [self.output(i) for i in ids]
+
+    # -- stats ------------------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        """Zero the timing and token counters and the WISE counters."""
+        self._prefill_s = self._decode_s = 0.0
+        self._prefill_tokens = self._decode_tokens = self._decode_steps = 0
+        if self.state is not None:
+            self.state = ws.reset_counters(self.state)
+
+    def stats(self) -> EngineStats:
+        """Pool, queue and counters (reads the device)."""
+        return EngineStats(
+            total_pages=self.num_pages, free_pages=int(self.cache.num_free), running=len(self._running),
+            waiting=len(self._waiting), preemptions=0,
+            fallbacks=None if self.state is None else int(self.state.fallbacks),
+            density=None if self.state is None else self.state.density(self.wise_config),
+            prefill_tokens=self._prefill_tokens, prefill_s=self._prefill_s, decode_tokens=self._decode_tokens,
+            decode_s=self._decode_s, decode_steps=self._decode_steps)
+
+
+def encode(prompt, config: ModelConfig, tokenizer: Tokenizer | None, what: str) -> list[int]:
+    """Token ids, or a string through `tokenizer`, -> checked token ids (`serving.check_ids`)."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(f"a string {what} needs a tokenizer: pass tokenizer= (or load the model with "
+                             "wise_jax.load_model from a checkpoint that has one)")
+        prompt = tokenizer.encode(prompt).ids
+    return serving.check_ids(prompt, config, what)
+
+
+def _default_num_pages(config: ModelConfig, page_size: int, dtype, most: int) -> int:
+    per_page = kvc.page_bytes(config, page_size, dtype)
+    device = jax.devices()[0]
+    budget = CPU_POOL_BYTES
+    if device.platform == "gpu":
+        memory = device.memory_stats() or {}
+        if "bytes_limit" in memory:
+            budget = int(GPU_POOL_FRACTION * (memory["bytes_limit"] - memory.get("bytes_in_use", 0)))
+    return max(1, min(most, budget // per_page))
