@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark of the project, in three parts, for one H200:
-#   bash benchmarks/gpu_suite.sh tests|train|bench OUTDIR [MODEL_DIR]
+#   bash benchmarks/gpu_suite.sh tests|train|bench|engine OUTDIR [MODEL_DIR]
 # tests: the `gpu`-marked pytest suite, the parity suite, the JAX generation benchmark;
 # train: trains the built-in model (benchmarks/train_builtin.py) into OUTDIR/model;
+# engine: the torch engine's gpu tests, the fused-ops benchmark and the engine throughput
+#         benchmark (dense and WISE at 1K x 64, 4K x 20, 8K x 10, 1K x 1; ARMS, SHAPES, Q_SCALES override);
 # bench: the kernel benchmark (Triton, Pallas, cuDNN SDPA, FlashAttention-4 when importable) and
 #        the WISE quality run on MODEL_DIR when given.
 # Logs and results go to OUTDIR. The project runs from the source tree (PYTHONPATH).
@@ -35,5 +37,13 @@ case $part in
       run quality 120 python3 benchmarks/quality.py text --model "$model" --out "$out/quality" --quiet
     fi
     ;;
-  *) echo "unknown part $part (tests|train|bench)" >&2; exit 2;;
+  engine)
+    run torch_gpu_tests 240 python3 -m pytest -q -m gpu tests/test_torch_gpu.py tests/test_layers.py \
+        tests/test_fused_compile.py tests/test_triton_decode.py -p no:cacheprovider -rfE
+    run fused_ops 120 python3 benchmarks/fused_ops_bench.py --out "$out/fused_ops"
+    run throughput 540 python3 benchmarks/throughput.py --preset ouro-1.4b --arms "${ARMS:-dense,wise}" \
+        --shapes "${SHAPES:-1024x64,4096x20,8192x10,1024x1}" --q-scale "${Q_SCALES:-8,7.3,7,8}" \
+        --max-num-batched-tokens 81920 ${OLD_SRC:+--old-src "$OLD_SRC"} --out "$out/throughput"
+    ;;
+  *) echo "unknown part $part (tests|train|bench|engine)" >&2; exit 2;;
 esac

@@ -27,17 +27,16 @@ def prompts_of(lengths, vocab, seed=0):
 @pytest.mark.parametrize("kernel", ["reference", "triton"])
 def test_paged_decode_matches_forward(kernel):
     model = gpu_model("test-tiny-gqa")
-    prompt = torch.tensor(prompts_of([150], model.config.vocab_size)[0], device="cuda")
-    cache = wt.PagedKVCache.for_model(model.config, num_pages=4, page_size=64, device="cuda")
-    cache.free_pages.reverse()
+    prompt = prompts_of([150], model.config.vocab_size)[0]
+    llm = wt.LLM(model, num_pages=4, page_size=64, max_num_seqs=1, max_model_len=192, kernel=kernel)
+    llm.blocks.free.reverse()
+    rid = llm.add_request(prompt[:1], wt.SamplingParams(max_tokens=150), forced=prompt[1:] + [0], keep_logits=True)
+    seq = llm.sequences[rid]
     with torch.inference_mode():
-        full = model(prompt[None])[0]
-        rows = []
-        for t in range(len(prompt)):
-            cache.reserve(0, t + 1)
-            batch = cache.decode_batch([0], [t + 1], 3)
-            rows.append(model.decode_step(prompt[t:t + 1], batch, cache, kernel=kernel)[0])
-    torch.testing.assert_close(torch.stack(rows), full, atol=1e-4, rtol=0)  # fp32; SDPA vs paged decode
+        llm.run_until_done([rid])
+        full = model(torch.tensor(prompt, device="cuda")[None])[0]
+    assert llm.runner.use_graphs and llm.runner.graphs
+    torch.testing.assert_close(torch.stack(seq.logits).cuda(), full, atol=1e-4, rtol=0)  # fp32; SDPA vs paged decode
 
 
 def test_generate_triton_against_reference_fp32():
@@ -99,3 +98,53 @@ def test_ouro_width_model_bf16():
     wise = wt.generate(model, prompts, wise_config=WiseConfig(), **args)
     assert wise.stats.fallbacks == 0 and all(0 < d <= 1 for d in wise.stats.density.values())
     assert all(torch.isfinite(x).all() for x in wise.logits)
+
+
+def engine_outputs(model, prompts, wise_config, n, **kw):
+    llm = wt.LLM(model, wise_config=wise_config, page_size=128, max_num_seqs=len(prompts),
+                 max_model_len=max(map(len, prompts)) + n, **kw)
+    ids = [llm.add_request(p, wt.SamplingParams(max_tokens=n, ignore_eos=True), keep_logits=True) for p in prompts]
+    seqs = [llm.sequences[i] for i in ids]
+    with torch.inference_mode():
+        outs = llm.run_until_done(ids)
+    return [o.token_ids for o in outs], [torch.stack(s.logits) for s in seqs], llm
+
+
+@pytest.mark.parametrize("wise", [False, True], ids=["dense", "wise"])
+def test_cuda_graphs_give_the_eager_tokens_bf16(wise):
+    model = wt.load_model("ouro-py-3m", dtype=torch.bfloat16, device="cuda")
+    prompts = [model.tokenizer.encode(t).ids for t in ("def fib(n):", "import os\n" * 40, "class A:\n    def")]
+    wise_config = WiseConfig() if wise else None
+    graphed = engine_outputs(model, prompts, wise_config, 48, cuda_graphs=True)
+    eager = engine_outputs(model, prompts, wise_config, 48, cuda_graphs=False)
+    assert graphed[2].runner.graphs and not eager[2].runner.graphs
+    assert graphed[0] == eager[0]
+    assert all(torch.equal(a, b) for a, b in zip(graphed[1], eager[1]))  # the same padded step: bitwise
+
+
+def test_wise_triton_tokens_equal_reference_tokens_builtin_fp32():
+    model = wt.load_model("ouro-py-3m", dtype=torch.float32, device="cuda")
+    prompts = [model.tokenizer.encode(t).ids for t in ("def fib(n):", "import os\nimport sys\n" * 30,
+                                                      "class Stack:\n    def push(self, x):")]
+    wise_config = WiseConfig(eta=0.95)
+    triton = engine_outputs(model, prompts, wise_config, 64, kernel="triton")
+    reference = engine_outputs(model, prompts, wise_config, 64, kernel="reference")
+    assert triton[0] == reference[0]
+    for a, b in zip(triton[1], reference[1]):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=0)  # fp32, another summation order over <= 2K keys
+    assert triton[2].stats().density[2] < 1.0
+
+
+def test_all_blocks_under_graphs_is_bitwise_dense_and_preemption_keeps_tokens():
+    model = gpu_model("ouro-1.4b", dtype=torch.bfloat16, std=0.02, num_hidden_layers=2)
+    prompts = prompts_of([1000, 700, 1500, 64], model.config.vocab_size, seed=3)
+    dense = engine_outputs(model, prompts, None, 16, num_pages=64)
+    all_blocks = engine_outputs(model, prompts, WiseConfig(all_blocks=True), 16, num_pages=64)
+    assert dense[2].runner.graphs and dense[0] == all_blocks[0]
+    assert all(torch.equal(a, b) for a, b in zip(dense[1], all_blocks[1]))
+    # Prompts just short of page boundaries: all four fit 24 pages after prefill, their growth does not.
+    prompts = prompts_of([1020, 760, 1150, 120], model.config.vocab_size, seed=4)
+    wise = engine_outputs(model, prompts, WiseConfig(), 16, num_pages=64)
+    tight = engine_outputs(model, prompts, WiseConfig(), 16, num_pages=24)
+    assert tight[2].stats().preemptions > 0 and tight[2].stats().free_pages == 24
+    assert tight[0] == wise[0]

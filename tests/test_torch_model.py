@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import wise_torch as wt
+from wise_torch.model import SequenceContext
 from wise_core.checkpoint import CheckpointError, load_checkpoint, random_tensors
 from wise_core.config import PRESETS
 
@@ -80,12 +81,10 @@ def test_exit_probabilities():
         assert exits.shape == (2, 5, 4) and exits.dtype == torch.float32
         torch.testing.assert_close(exits.sum(-1), torch.ones(2, 5), atol=1e-6, rtol=0)
         # Rebuild lambda from the gate on each loop's hidden state and check p_t by hand.
-        h = model.model.embed_tokens(ids)
-        ctx = model._sequence_context(5, "cpu")
-        lams = []
-        for loop in range(4):
-            h = model.run_loop(h, loop, ctx)
-            lams.append(torch.sigmoid(model.model.early_exit_gate(h)[..., 0]))
+        ctx = SequenceContext(model.config, 2, 5, torch.float32, "cpu")
+        gates = []
+        model.run_tokens(ids.flatten(), ctx, gates)
+        lams = [torch.sigmoid(g[:, 0]).view(2, 5) for g in gates]
     remaining = torch.ones(2, 5)
     for t in range(3):
         torch.testing.assert_close(exits[..., t], lams[t] * remaining, atol=1e-6, rtol=0)
@@ -131,62 +130,75 @@ def test_load_errors():
         model(torch.zeros(1, 1025, dtype=torch.int64))
 
 
-def decode_every_position(model, prompts, page_size, seed):
-    """Logits at every position of each prompt, decoded one token per step from an empty cache
-    (pages taken from a shuffled free list, rows leaving the batch as they end)."""
+def test_fused_projections_are_the_checkpoint_tensors_side_by_side():
+    config = PRESETS["test-tiny-gqa"]
+    tensors = random_tensors(config, seed=0, std=0.08)
+    model = wt.from_tensors(config, tensors)
+    layer = model.model.layers[1]
+    w = lambda name: torch.from_numpy(tensors[f"model.layers.1.{name}"])  # noqa: E731
+    assert torch.equal(layer.self_attn.qkv_proj.weight, torch.cat([w("self_attn.q_proj.weight"),
+                                                                  w("self_attn.k_proj.weight"),
+                                                                  w("self_attn.v_proj.weight")]))
+    assert torch.equal(layer.mlp.gate_up_proj.weight, torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
+
+
+def test_bf16_logits_are_float32_and_unrounded():
+    model = wt.load_model("random-tiny", dtype=torch.bfloat16)
+    h = torch.randn(4, model.config.hidden_size).to(torch.bfloat16)
+    logits = model.logits(h)
+    exact = h.double() @ model.head_weight.double().T
+    assert logits.dtype == torch.float32
+    # fp32 accumulation of exact bf16 products: error <= hidden * 2^-24 * sum|products| (far below
+    # bf16's 2^-8 relative rounding, which the old bf16 logits carried)
+    bound = model.config.hidden_size * 2.0 ** -24 * (h.double().abs() @ model.head_weight.double().abs().T)
+    assert bool(((logits.double() - exact).abs() <= bound).all())
+    assert not torch.equal(logits, logits.to(torch.bfloat16).float())
+
+
+def forced_logits(model, prompts, page_size, max_num_batched_tokens=8192, shuffle_seed=None):
+    """Logits at every position of each prompt: a one-token context, then the rest forced
+    through the engine's decode steps (pages taken from a shuffled free list)."""
     lens = [len(p) for p in prompts]
-    cache = wt.PagedKVCache.for_model(model.config, num_pages=sum(-(-n // page_size) for n in lens) + 2,
-                                      page_size=page_size)
-    random.Random(seed).shuffle(cache.free_pages)
-    max_pages = -(-max(lens) // page_size)
-    out = [[] for _ in prompts]
-    for t in range(max(lens)):
-        rows = [i for i, n in enumerate(lens) if n > t]
-        for i in rows:
-            cache.reserve(i, t + 1)
-        batch = cache.decode_batch(rows, [t + 1] * len(rows), max_pages)
-        logits = model.decode_step(torch.stack([prompts[i][t] for i in rows]), batch, cache, kernel="reference")
-        for r, i in enumerate(rows):
-            out[i].append(logits[r])
-    pages_used = [cache.pages[i] for i in range(len(prompts))]
-    return [torch.stack(o) for o in out], pages_used
+    llm = wt.LLM(model, num_pages=sum(-(-n // page_size) for n in lens) + 2, page_size=page_size,
+                 max_num_seqs=len(prompts), max_model_len=max(lens) + 1, kernel="reference",
+                 max_num_batched_tokens=max_num_batched_tokens)
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(llm.blocks.free)
+    ids = [llm.add_request(p[:1], wt.SamplingParams(max_tokens=len(p)), forced=p[1:] + [0], keep_logits=True)
+           for p in prompts]
+    seqs = [llm.sequences[i] for i in ids]
+    llm.run_until_done(ids)
+    return [torch.stack(s.logits) for s in seqs], [s for s in seqs]
 
 
 @pytest.mark.parametrize("name, page_sizes", [("test-tiny", (32, 64, 128)), ("test-tiny-gqa", (32,))])
 def test_paged_decode_matches_full_sequence_forward(name, page_sizes):
     model = make_model(name)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (1, 37, 70)]
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (1, 37, 70)]
     with torch.inference_mode():
-        full = [model(p[None])[0] for p in prompts]
-        runs = [decode_every_position(model, prompts, ps, seed=ps) for ps in page_sizes]
-    for decoded, pages in runs:
-        flat = [page for row in pages for page in row]
-        assert flat != sorted(flat)  # pages came out of order
+        full = [model(torch.tensor(p)[None])[0] for p in prompts]
+        runs = [forced_logits(model, prompts, ps, shuffle_seed=ps)[0] for ps in page_sizes]
+    for decoded in runs:
         for got, want in zip(decoded, full):
             torch.testing.assert_close(got, want, atol=5e-5, rtol=0)  # fp32: SDPA vs paged softmax
-    for decoded, _ in runs[1:]:  # the page layout does not change a bit of the result
-        assert all(torch.equal(a, b) for a, b in zip(decoded, runs[0][0]))
+    for decoded in runs[1:]:  # the page layout does not change a bit of the result
+        assert all(torch.equal(a, b) for a, b in zip(decoded, runs[0]))
 
 
-def test_prefill_writes_cache_and_returns_last_logits():
+def test_chunked_prefill_matches_full_sequence_forward():
     model = make_model("test-tiny-gqa")
     g = torch.Generator().manual_seed(1)
-    lens = [5, 40, 33]
-    ids = torch.randint(0, 384, (3, 40), generator=g)
-    cache = wt.PagedKVCache.for_model(model.config, num_pages=8, page_size=32)
-    random.Random(0).shuffle(cache.free_pages)
-    for i, n in enumerate(lens):
-        cache.reserve(i, n + 1)
-    table = cache.page_table([0, 1, 2], 2)
+    prompts = [torch.randint(0, 384, (n,), generator=g).tolist() for n in (5, 40, 33, 90)]
     with torch.inference_mode():
-        last = model.prefill(ids, torch.tensor(lens), cache, table)
-        for i, n in enumerate(lens):
-            torch.testing.assert_close(last[i], model(ids[i:i + 1, :n])[0, -1], atol=1e-5, rtol=0)
-        # The next token decoded against the prefilled cache continues the sequence.
-        batch = cache.decode_batch([0, 1, 2], [n + 1 for n in lens], 2)
-        nxt = torch.tensor([7, 8, 9])
-        step = model.decode_step(nxt, batch, cache, kernel="reference")
-        for i, n in enumerate(lens):
-            seq = torch.cat([ids[i, :n], nxt[i:i + 1]])[None]
-            torch.testing.assert_close(step[i], model(seq)[0, -1], atol=5e-5, rtol=0)
+        for budget in (7, 32, 8192):  # chunks of at most `budget` prompt tokens per step
+            llm = wt.LLM(model, num_pages=16, page_size=32, max_num_seqs=4, max_model_len=128, kernel="reference",
+                         max_num_batched_tokens=budget)
+            random.Random(budget).shuffle(llm.blocks.free)
+            ids = [llm.add_request(p, wt.SamplingParams(max_tokens=2), forced=[7, 8], keep_logits=True)
+                   for p in prompts]
+            seqs = [llm.sequences[i] for i in ids]
+            llm.run_until_done(ids)
+            for p, seq in zip(prompts, seqs):
+                want = model(torch.tensor(p + [7])[None])[0, -2:]
+                torch.testing.assert_close(torch.stack(seq.logits), want, atol=5e-5, rtol=0)  # fp32, as above

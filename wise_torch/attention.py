@@ -7,6 +7,7 @@ docs/DESIGN.md; `decode_attention` dispatches to it or to the Triton kernel
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 from typing import Callable
@@ -18,16 +19,23 @@ from wise_core.modes import DISCOVER, DISCOVER_UNION, SPARSE
 from wise_core.reference import check_decode_settings
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: int = 0,
                       scale: float | None = None) -> torch.Tensor:
-    """Dense causal attention over whole sequences.
+    """Dense causal attention of a run of queries at positions start.. over keys 0..start+n-1.
 
-    q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim] -> [batch, seq, heads, head_dim].
-    Right padding is harmless: a real token never attends a later (padded) position.
+    q: [batch, n, heads, head_dim]; k, v: [batch, start + n, kv_heads, head_dim]
+    -> [batch, n, heads, head_dim]. With start 0, right padding is harmless: a real token never
+    attends a later (padded) position.
     """
+    n, keys = q.shape[1], k.shape[1]
+    if keys != start + n:
+        raise ValueError(f"{n} queries from position {start} need {start + n} keys, got {keys}")
+    mask = None
+    if start:
+        mask = torch.arange(keys, device=q.device)[None, :] <= start + torch.arange(n, device=q.device)[:, None]
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
-        enable_gqa=q.shape[2] != k.shape[2])
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=not start,
+        scale=scale, enable_gqa=q.shape[2] != k.shape[2])
     return out.transpose(1, 2)
 
 
@@ -141,14 +149,18 @@ def resolve_kernel(kernel: str, device: torch.device | str) -> Callable:
 
 def prepare_decode_attention(kernel: str, *, max_batch: int, heads: int, kv_heads: int, head_dim: int,
                              max_blocks: int, block_size: int, dtype: torch.dtype,
-                             device: torch.device | str) -> Callable:
+                             device: torch.device | str, min_splits: int = 1) -> Callable:
     """`kernel`'s decode attention with its buffers allocated once for calls up to these sizes
-    (Triton: a workspace, so that a call allocates nothing and never syncs)."""
+    (Triton: a workspace, so that a call allocates nothing and never syncs; min_splits: the
+    fewest programs a row is split into, to fill the GPU when batches are small)."""
     fn = resolve_kernel(kernel, device)
     if fn is decode_attention_reference:
         return fn
-    workspace = importlib.import_module(fn.__module__).DecodeWorkspace.allocate(
-        max_batch, heads, kv_heads, head_dim, max_blocks, dtype=dtype, device=device, block_size=block_size)
+    module = importlib.import_module(fn.__module__)
+    config = dataclasses.replace(module.config_for(head_dim, dtype), min_splits=min_splits)
+    workspace = module.DecodeWorkspace.allocate(
+        max_batch, heads, kv_heads, head_dim, max_blocks, dtype=dtype, device=device, block_size=block_size,
+        config=config)
     return functools.partial(fn, workspace=workspace)
 
 

@@ -1,13 +1,18 @@
-"""The Ouro recurrent-depth decoder in plain PyTorch.
+"""The Ouro recurrent-depth decoder in PyTorch, token-major.
 
 `num_hidden_layers` weight-shared layers run `total_ut_steps` times (loops). Each layer uses
 sandwich RMSNorm; after each loop `model.norm` feeds the next loop, the head and the
-early-exit gate. Module and parameter names follow the HF checkpoints, so `state_dict()` keys
-are the checkpoint's tensor names.
+early-exit gate. The q/k/v and gate/up projections are stored fused (`qkv_proj`,
+`gate_up_proj`); `from_tensors` fuses the HF checkpoint tensors and `to_checkpoint_tensors`
+splits them back, so the HF names stay the checkpoint format.
 
-Three entry points share `run_loop`: `forward` (full-sequence logits, the ground truth),
-`prefill` (the same computation, storing every plane's K/V in a paged cache) and `decode_step`
-(one token per row against the paged cache, optionally with WISE).
+Every entry point runs `run_tokens` over flat tokens `[n, hidden]` with an attention context
+that stores each plane's K/V and attends:
+- `forward`: full-sequence logits of `[batch, seq]` ids (the ground truth; no cache),
+- `prefill`: chunks of prompts against the paged cache (chunked prefill, dense),
+- `decode_step`: one token per row against the paged cache, optionally with WISE.
+The junctions (residual + RMSNorm, RoPE + K/V store, SwiGLU) are the fused ops of
+`wise_torch.layers`; logits are float32.
 """
 
 from __future__ import annotations
@@ -24,27 +29,10 @@ from torch import nn
 from wise_core.checkpoint import load_checkpoint, validate_tensors
 from wise_core.config import ModelConfig, WiseConfig
 from wise_core.modes import DENSE
-from wise_torch.attention import prefill_attention, resolve_kernel
-from wise_torch.kv_cache import DecodeBatch, PagedKVCache
+from wise_torch.attention import prefill_attention
+from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch
+from wise_torch.layers import add_rms_norm, rms_norm, rope_store_kv, rope_table, silu_mul
 from wise_torch.wise_state import WiseState
-
-
-# -- building blocks --------------------------------------------------------------------------
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions: int64[...] -> cos, sin: float32[..., head_dim] (split-half layout)."""
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
-    inv_freq = 1.0 / (theta ** exponent)
-    freqs = positions.float()[..., None] * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [..., heads, head_dim]; cos, sin: [..., head_dim] (fp32) -> x rotated, in x's dtype."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (xf * cos[..., None, :] + rotated * sin[..., None, :]).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -54,56 +42,38 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
+                                                    config.head_dim)
+        self.qkv_proj = nn.Linear(config.hidden_size, (self.heads + 2 * self.kv_heads) * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.heads, self.kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
-                                                    config.head_dim)
-        self.q_proj = nn.Linear(config.hidden_size, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor, ctx, loop: int) -> torch.Tensor:
-        """x: [..., hidden] ([batch, seq, hidden] or [batch, hidden]) -> [..., hidden]."""
-        lead = x.shape[:-1]
-        q = apply_rope(self.q_proj(x).view(*lead, self.heads, self.head_dim), ctx.cos, ctx.sin)
-        k = apply_rope(self.k_proj(x).view(*lead, self.kv_heads, self.head_dim), ctx.cos, ctx.sin)
-        v = self.v_proj(x).view(*lead, self.kv_heads, self.head_dim)
-        out = ctx.attend(q, k, v, loop, self.layer_idx)
-        return self.o_proj(out.reshape(*lead, self.heads * self.head_dim))
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int):
+    def __init__(self, config: ModelConfig):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
+        self.self_attn = Attention(config)
         self.mlp = MLP(config)
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.input_layernorm_2 = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm_2 = RMSNorm(config.hidden_size, eps)
-
-    def forward(self, h: torch.Tensor, ctx, loop: int) -> torch.Tensor:
-        h = h + self.input_layernorm_2(self.self_attn(self.input_layernorm(h), ctx, loop))
-        return h + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(h)))
 
 
 class OuroModel(nn.Module):
@@ -112,7 +82,7 @@ class OuroModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.early_exit_gate = nn.Linear(config.hidden_size, 1)
 
@@ -132,71 +102,109 @@ def exit_probabilities(gate_logits: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(probs, dim=-1)
 
 
-# -- attention contexts -------------------------------------------------------------------------
-@dataclasses.dataclass
+def logits_fp32(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """h: [n, hidden] @ weight[vocab, hidden]^T -> float32[n, vocab], accumulated in fp32 and
+    never rounded to a 16-bit dtype."""
+    if h.dtype == torch.float32:
+        return F.linear(h, weight.float())
+    if h.is_cuda:
+        return torch.mm(h, weight.t(), out_dtype=torch.float32)
+    return F.linear(h.float(), weight.float())
+
+
+# -- attention contexts: store a plane's K/V, then attend ---------------------------------------
 class SequenceContext:
-    """Whole-sequence causal attention; with a cache, also stores K/V of the real tokens.
+    """Causal attention over whole `[batch, seq]` sequences without a cache: each plane's K/V
+    goes to one scratch plane, reused by every layer."""
 
-    cos, sin: float32[seq, head_dim]; token_index: int64[n] (flat batch*seq index of each
-    stored token); slots: int64[n] (its flat cache slot).
-    """
+    def __init__(self, config: ModelConfig, batch: int, seq: int, dtype: torch.dtype, device):
+        self.batch, self.seq = batch, seq
+        self.positions = torch.arange(seq, device=device).repeat(batch)
+        self.slot_mapping = torch.arange(batch * seq, device=device)
+        shape = (batch, seq, config.num_key_value_heads, config.head_dim)
+        self.k, self.v = torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
 
-    cos: torch.Tensor
-    sin: torch.Tensor
-    num_layers: int
-    cache: PagedKVCache | None = None
-    token_index: torch.Tensor | None = None
-    slots: torch.Tensor | None = None
+    def planes(self, loop: int, layer: int):
+        return self.k, self.v
 
     def begin_loop(self, loop: int) -> None:
         pass
 
-    def attend(self, q, k, v, loop: int, layer: int) -> torch.Tensor:
-        if self.cache is not None:
-            flat_k, flat_v = k.flatten(0, 1)[self.token_index], v.flatten(0, 1)[self.token_index]
-            self.cache.write(loop * self.num_layers + layer, self.slots, flat_k, flat_v)
-        return prefill_attention(q, k, v)
+    def end_loop(self, loop: int) -> None:
+        pass
+
+    def attend(self, q: torch.Tensor, loop: int, layer: int) -> torch.Tensor:
+        out = prefill_attention(q.view(self.batch, self.seq, *q.shape[1:]), self.k, self.v)
+        return out.reshape(q.shape)
+
+
+class PrefillContext:
+    """Chunks of prompts (`PrefillBatch`): each chunk's K/V is stored in the paged cache, then
+    its queries attend causally to every cached key of their sequence up to themselves."""
+
+    def __init__(self, config: ModelConfig, batch: PrefillBatch, cache: PagedKVCache):
+        self.batch, self.cache, self.num_layers = batch, cache, config.num_hidden_layers
+        self.positions, self.slot_mapping = batch.positions, batch.slot_mapping
+
+    def planes(self, loop: int, layer: int):
+        plane = loop * self.num_layers + layer
+        return self.cache.k[plane], self.cache.v[plane]
+
+    def begin_loop(self, loop: int) -> None:
+        pass
+
+    def end_loop(self, loop: int) -> None:
+        pass
+
+    def attend(self, q: torch.Tensor, loop: int, layer: int) -> torch.Tensor:
+        k_plane, v_plane = self.planes(loop, layer)
+        out = torch.empty_like(q)
+        for group in self.batch.groups:  # chunks of one (start, length): one attention call
+            g, n, keys = group.count, group.length, group.start + group.length
+            k = k_plane[group.pages].flatten(1, 2)[:, :keys]            # [g, keys, kv_heads, head_dim]
+            v = v_plane[group.pages].flatten(1, 2)[:, :keys]
+            out[group.token_index] = prefill_attention(
+                q[group.token_index].view(g, n, *q.shape[1:]), k, v, start=group.start).flatten(0, 1)
+        return out
 
 
 class DecodeContext:
-    """One decode step: writes each plane's K/V for the step's tokens, then runs decode attention
-    with the modes of the loop (all DENSE without WISE)."""
+    """One decode step: writes each plane's K/V for the step's tokens, then runs decode
+    attention with the modes of the loop (all DENSE without WISE). `attention` is a prepared
+    `decode_attention` (validation off: the engine builds its inputs by construction)."""
 
     def __init__(self, config: ModelConfig, batch: DecodeBatch, cache: PagedKVCache,
-                 wise: WiseState | None, kernel: str | Callable):
-        if wise is not None and batch.wise_slots is None:
-            raise ValueError("decoding with WISE needs DecodeBatch.wise_slots")
-        self.batch, self.cache, self.wise = batch, cache, wise
+                 wise: WiseState | None, attention: Callable, dense_modes: torch.Tensor,
+                 unused_support: torch.Tensor):
+        self.batch, self.cache, self.wise, self.attention = batch, cache, wise, attention
         self.num_layers = config.num_hidden_layers
-        self.attention = resolve_kernel(kernel, cache.device) if isinstance(kernel, str) else kernel
+        self.positions, self.slot_mapping = batch.positions, batch.slot_mapping
         wise_config = wise.config if wise is not None else WiseConfig()
         self.block_size, self.eta = wise_config.block_size, wise_config.eta
-        self.cos, self.sin = rope_cos_sin(batch.positions, config.head_dim, config.rope_theta)
-        max_blocks = batch.page_table.shape[1] * cache.page_size // self.block_size
-        if wise is not None and wise.max_blocks != max_blocks:
-            raise ValueError(f"the page table covers {max_blocks} blocks but the WiseState holds {wise.max_blocks}")
-        self.dense_modes = torch.full((batch.size,), DENSE, dtype=torch.int32, device=cache.device)
-        self.unused_support = torch.zeros(batch.size, config.num_attention_heads, max_blocks,
-                                          dtype=torch.bool, device=cache.device)
+        self.dense_modes, self.unused_support = dense_modes, unused_support
         self.role, self.modes = "dense", None
+
+    def planes(self, loop: int, layer: int):
+        plane = loop * self.num_layers + layer
+        return self.cache.k[plane], self.cache.v[plane]
 
     def begin_loop(self, loop: int) -> None:
         if self.wise is not None:
             self.role = self.wise.config.depth_role(loop)
             self.modes = self.wise.begin_loop(loop, self.batch)
 
-    def attend(self, q, k, v, loop: int, layer: int) -> torch.Tensor:
-        plane = loop * self.num_layers + layer
-        self.cache.write(plane, self.batch.slot_mapping, k, v)
+    def end_loop(self, loop: int) -> None:
+        if self.wise is not None:
+            self.wise.end_loop(loop, self.batch)
+
+    def attend(self, q: torch.Tensor, loop: int, layer: int) -> torch.Tensor:
+        k_plane, v_plane = self.planes(loop, layer)
         if self.role == "dense":
             modes, support = self.dense_modes, self.unused_support
         else:
-            modes, support = self.modes[layer], self.wise.gather(layer, self.batch)
-        out, support = self.attention(q, self.cache.k[plane], self.cache.v[plane], self.batch.page_table,
-                                      self.batch.seq_lens, modes, support, block_size=self.block_size,
-                                      eta=self.eta)
-        if self.role == "discover":
-            self.wise.store(layer, self.batch, support)
+            modes, support = self.modes[layer], self.wise.support_of(layer, self.batch.size)
+        out, _ = self.attention(q, k_plane, v_plane, self.batch.page_table, self.batch.seq_lens, modes, support,
+                                block_size=self.block_size, eta=self.eta)
         return out
 
 
@@ -211,18 +219,48 @@ class OuroForCausalLM(nn.Module):
         self.model = OuroModel(config)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+
+    def build_rope_table(self) -> None:
+        """The RoPE table float32[max_position_embeddings, head_dim] on the weights' device."""
+        c = self.config
+        self.cos_sin = rope_table(c.max_position_embeddings, c.head_dim, c.rope_theta,
+                                  device=self.model.embed_tokens.weight.device)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h: [..., hidden] (normed output of a loop) -> [..., vocab]."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight)
+        """h: [n, hidden] (normed output of the last loop) -> float32[n, vocab]."""
+        return logits_fp32(h, self.head_weight)
 
-    def run_loop(self, h: torch.Tensor, loop: int, ctx) -> torch.Tensor:
-        """One pass over the shared layers, then `model.norm`. h: [..., hidden]."""
-        ctx.begin_loop(loop)
-        for layer in self.model.layers:
-            h = layer(h, ctx, loop)
-        return self.model.norm(h)
+    def run_tokens(self, ids: torch.Tensor, ctx, gates: list | None = None) -> torch.Tensor:
+        """Every loop over flat tokens ids int64[n] -> the last loop's normed hidden [n, hidden].
+        With `gates`, appends each loop's early-exit gate logits [n, 1]."""
+        c, layers, norm = self.config, self.model.layers, self.model.norm
+        eps, heads, kv_heads, head_dim = c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        h = self.model.embed_tokens(ids)
+        x = rms_norm(h, layers[0].input_layernorm.weight, eps)
+        for loop in range(c.num_loops):
+            ctx.begin_loop(loop)
+            for i, layer in enumerate(layers):
+                attn, mlp = layer.self_attn, layer.mlp
+                q = rope_store_kv(attn.qkv_proj(x), ctx.positions, self.cos_sin, *ctx.planes(loop, i),
+                                  ctx.slot_mapping, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+                a = attn.o_proj(ctx.attend(q, loop, i).flatten(1))
+                h, x = add_rms_norm(a, h, layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight, eps)
+                last_layer = i == len(layers) - 1
+                if not last_layer:
+                    following = layers[i + 1].input_layernorm.weight
+                else:
+                    following = None if loop == c.num_loops - 1 else layers[0].input_layernorm.weight
+                h, x = add_rms_norm(mlp(x), h, layer.post_attention_layernorm_2.weight, following, eps,
+                                    final_weight=norm.weight if last_layer else None)
+            ctx.end_loop(loop)
+            if gates is not None:
+                gates.append(self.model.early_exit_gate(h))
+        return h
 
     @staticmethod
     def _check_ids(input_ids: torch.Tensor, dims: int) -> None:
@@ -230,79 +268,72 @@ class OuroForCausalLM(nn.Module):
             raise ValueError(f"input_ids must be an integer tensor with {dims} dims, "
                              f"got {input_ids.dtype}{list(input_ids.shape)}")
 
-    def _sequence_context(self, seq: int, device, **cache_args) -> SequenceContext:
+    def forward(self, input_ids: torch.Tensor, *, return_exit_probs: bool = False):
+        """input_ids: int64[batch, seq] -> logits float32[batch, seq, vocab] of the last loop; with
+        return_exit_probs also the per-loop exit probabilities float32[batch, seq, loops]."""
+        self._check_ids(input_ids, 2)
+        batch, seq = input_ids.shape
         if seq > self.config.max_position_embeddings:
             raise ValueError(f"sequence of {seq} tokens exceeds max_position_embeddings "
                              f"({self.config.max_position_embeddings})")
-        positions = torch.arange(seq, device=device)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
-        return SequenceContext(cos, sin, self.config.num_hidden_layers, **cache_args)
+        ctx = SequenceContext(self.config, batch, seq, self.head_weight.dtype, input_ids.device)
+        gates = [] if return_exit_probs else None
+        h = self.run_tokens(input_ids.flatten().long(), ctx, gates)
+        logits = self.logits(h).view(batch, seq, -1)
+        if not return_exit_probs:
+            return logits
+        return logits, exit_probabilities([g.view(batch, seq, 1) for g in gates])
 
-    def forward(self, input_ids: torch.Tensor, *, return_exit_probs: bool = False):
-        """input_ids: int64[batch, seq] -> logits [batch, seq, vocab] of the last loop; with
-        return_exit_probs also the per-loop exit probabilities float32[batch, seq, loops]."""
-        self._check_ids(input_ids, 2)
-        ctx = self._sequence_context(input_ids.shape[1], input_ids.device)
-        h = self.model.embed_tokens(input_ids)
-        gates = []
-        for loop in range(self.config.num_loops):
-            h = self.run_loop(h, loop, ctx)
-            if return_exit_probs:
-                gates.append(self.model.early_exit_gate(h))
-        logits = self.logits(h)
-        return (logits, exit_probabilities(gates)) if return_exit_probs else logits
-
-    def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: PagedKVCache,
-                page_table: torch.Tensor) -> torch.Tensor:
-        """Dense causal pass over right-padded prompts, storing K/V of every plane.
-
-        input_ids: int64[batch, seq]; lengths: int64[batch] (real tokens per row, >= 1);
-        page_table: int32[batch, max_pages] with pages reserved for `lengths` tokens.
-        Returns the logits [batch, vocab] at each row's last real token.
-        """
-        self._check_ids(input_ids, 2)
-        batch, seq = input_ids.shape
-        positions = torch.arange(seq, device=input_ids.device)
-        real = positions[None, :] < lengths[:, None]
-        token_index = real.flatten().nonzero()[:, 0]
-        slots = cache.slots(page_table, positions.expand(batch, seq))
-        ctx = self._sequence_context(seq, input_ids.device, cache=cache, token_index=token_index,
-                                     slots=slots.flatten()[token_index])
-        h = self.model.embed_tokens(input_ids)
-        for loop in range(self.config.num_loops):
-            h = self.run_loop(h, loop, ctx)
-        return self.logits(h[torch.arange(batch, device=h.device), lengths - 1])
-
-    def decode_context(self, batch: DecodeBatch, cache: PagedKVCache, *, wise: WiseState | None = None,
-                       kernel: str | Callable = "auto") -> DecodeContext:
-        return DecodeContext(self.config, batch, cache, wise, kernel)
+    def prefill(self, ids: torch.Tensor, batch: PrefillBatch, cache: PagedKVCache) -> torch.Tensor:
+        """Dense pass over prompt chunks (ids int64[n], flat), storing K/V of every plane.
+        Returns the logits float32[len(batch.logit_index), vocab] at the tokens `logit_index` names."""
+        self._check_ids(ids, 1)
+        h = self.run_tokens(ids, PrefillContext(self.config, batch, cache))
+        return self.logits(h[batch.logit_index])
 
     def decode_step(self, tokens: torch.Tensor, batch: DecodeBatch, cache: PagedKVCache, *,
-                    wise: WiseState | None = None, kernel: str | Callable = "auto") -> torch.Tensor:
-        """tokens: int64[batch], the token at each row's position -> logits [batch, vocab].
-        With `wise`, loops follow its WiseConfig roles; without, every loop is DENSE. kernel: a
-        name ("auto", "reference", "triton") or a `prepare_decode_attention` callable."""
-        self._check_ids(tokens, 1)
-        ctx = self.decode_context(batch, cache, wise=wise, kernel=kernel)
-        h = self.model.embed_tokens(tokens)
-        for loop in range(self.config.num_loops):
-            h = self.run_loop(h, loop, ctx)
-        return self.logits(h)
+                    wise: WiseState | None, attention: Callable, dense_modes: torch.Tensor,
+                    unused_support: torch.Tensor) -> torch.Tensor:
+        """tokens: int64[batch], the token at each row's position -> logits float32[batch, vocab].
+        With `wise`, loops follow its WiseConfig roles; without, every loop is DENSE.
+        dense_modes int32[>= batch] (DENSE) and unused_support bool[>= batch, heads, max_blocks]
+        are the constant inputs of dense calls."""
+        ctx = DecodeContext(self.config, batch, cache, wise, attention, dense_modes[:batch.size],
+                            unused_support[:batch.size])
+        return self.logits(self.run_tokens(tokens, ctx))
 
 
 # -- loading and export -------------------------------------------------------------------------
+_FUSED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                        "self_attn.v_proj.weight"),
+          "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+
+
 def from_tensors(config: ModelConfig, tensors: dict[str, np.ndarray], *, tokenizer=None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> OuroForCausalLM:
-    """An eval-mode model from HF-named numpy tensors (validated against `config`)."""
+    """An eval-mode model from HF-named tensors (numpy arrays or torch tensors, validated
+    against `config`); q/k/v and gate/up are fused on the way in."""
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating torch dtype, got {dtype!r}")
     validate_tensors(config, tensors)
     with torch.device("meta"):
         model = OuroForCausalLM(config, tokenizer=tokenizer)
-    names = set(model.state_dict())  # a tied checkpoint may carry lm_head.weight; the model has none
-    weights = {name: torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
-               for name, array in tensors.items() if name in names}
+
+    def load(name: str) -> torch.Tensor:
+        t = tensors[name]
+        t = t if isinstance(t, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(t))
+        return t.to(device=device, dtype=dtype)
+
+    weights = {}
+    for name in model.state_dict():
+        layer, _, leaf = name.partition(".layers.")[2].partition(".")
+        parts = _FUSED.get(leaf) if name.startswith("model.layers.") else None
+        if parts is None:
+            weights[name] = load(name)
+        else:
+            weights[name] = torch.cat([load(f"model.layers.{layer}.{p}") for p in parts])
     model.load_state_dict(weights, strict=True, assign=True)
+    model.build_rope_table()
     return model.requires_grad_(False).eval()
 
 
@@ -316,4 +347,17 @@ def load_model(path_or_name: str | Path, *, dtype: torch.dtype = torch.float32,
 
 def to_checkpoint_tensors(model: OuroForCausalLM) -> dict[str, np.ndarray]:
     """The model's weights as float32 numpy arrays under the HF checkpoint names."""
-    return {name: t.detach().to("cpu", torch.float32).numpy() for name, t in model.state_dict().items()}
+    c = model.config
+    sizes = {"self_attn.qkv_proj.weight": [c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim,
+                                           c.num_key_value_heads * c.head_dim],
+             "mlp.gate_up_proj.weight": [c.intermediate_size, c.intermediate_size]}
+    out = {}
+    for name, t in model.state_dict().items():
+        t = t.detach().to("cpu", torch.float32)
+        layer, _, leaf = name.partition(".layers.")[2].partition(".")
+        if name.startswith("model.layers.") and leaf in _FUSED:
+            for part, piece in zip(_FUSED[leaf], t.split(sizes[leaf])):
+                out[f"model.layers.{layer}.{part}"] = piece.contiguous().numpy()
+        else:
+            out[name] = t.numpy()
+    return out

@@ -1,11 +1,14 @@
-"""WISE state across a decode step: per-slot supports, their provenance, and counters.
+"""WISE state of a decode step: per-row supports, their provenance tags, and counters.
 
-Each request decoding with WISE holds a slot. For every (slot, layer) the state keeps the
-support `bool[heads, max_blocks]`, the (request id, position) it was discovered for, and the
-bitmask of discovery depths that ran for it. A reuse depth attends sparsely only when the
-support is complete for the token being decoded (same request, same position, every discovery
-depth ran); otherwise that (token, layer) attends densely and `fallbacks` counts it. Modes are
-computed with tensor ops on the state's device (no host sync).
+A decode step runs every loop for each row's token. For every (row, layer) the state keeps the
+support `bool[heads, max_blocks]`, the epoch of the token it was discovered for
+(`DecodeBatch.epochs`: unique per decoded token, so two tokens at the same position of one
+request, or two requests, never share one) and the bitmask of discovery depths that stored it.
+Tags are written when a discovery loop has stored its supports (`end_loop`), never before. A
+reuse depth attends sparsely only where the support is complete for the row's token (same
+epoch, every discovery depth ran); otherwise that (token, layer) attends densely and
+`fallbacks` counts it. Padding rows (epoch -1) are never counted. Everything runs as tensor ops
+on the state's device: no host sync, CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -17,110 +20,95 @@ from wise_core.modes import DENSE, DISCOVER, DISCOVER_UNION, SPARSE
 from wise_torch.kv_cache import DecodeBatch
 
 
-class WiseSlotsExhausted(RuntimeError):
-    """Every WiseState slot is held by a request."""
+def causal_block_mask(seq_lens: torch.Tensor, max_blocks: int, block_size: int) -> torch.Tensor:
+    """bool[batch, max_blocks]: the blocks holding a key < seq_len (seq_lens: int[batch])."""
+    starts = torch.arange(max_blocks, device=seq_lens.device) * block_size
+    return starts[None, :] < seq_lens[:, None]
 
 
 class WiseState:
-    """support: bool[slots, layers, heads, max_blocks]; tag_request, tag_position: int64[slots, layers]
-    (-1: none); depths_run: int32[slots, layers] (bit d set when discovery depth d ran);
-    slot_request: int64[slots] on the host (-1: free). Counters: fallbacks, and per loop the
-    selected and causal (token, layer, head) blocks of reuse-depth calls (density)."""
+    """Supports, tags and counters for decode steps of up to `max_rows` rows."""
 
-    def __init__(self, config: WiseConfig, model_config: ModelConfig, *, max_slots: int,
-                 max_blocks: int, device: torch.device | str = "cpu"):
+    def __init__(self, config: WiseConfig, model_config: ModelConfig, *, max_rows: int, max_blocks: int,
+                 device: torch.device | str = "cpu"):
+        if not isinstance(config, WiseConfig):
+            raise TypeError(f"wise_config must be a WiseConfig, got {type(config).__name__}")
         config.validate_for(model_config.num_loops)
-        if max_slots <= 0 or max_blocks <= 0:
-            raise ValueError(f"WiseState needs max_slots > 0 and max_blocks > 0, got {max_slots}, {max_blocks}")
-        layers, heads = model_config.num_hidden_layers, model_config.num_attention_heads
+        for name, value in (("max_rows", max_rows), ("max_blocks", max_blocks)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"WiseState: {name} must be a positive integer, got {value!r}")
         self.config = config
-        self.support = torch.zeros(max_slots, layers, heads, max_blocks, dtype=torch.bool, device=device)
-        self.tag_request = torch.full((max_slots, layers), -1, dtype=torch.int64, device=device)
-        self.tag_position = torch.full((max_slots, layers), -1, dtype=torch.int64, device=device)
-        self.depths_run = torch.zeros(max_slots, layers, dtype=torch.int32, device=device)
-        self.slot_request = torch.full((max_slots,), -1, dtype=torch.int64)
+        layers, heads = model_config.num_hidden_layers, model_config.num_attention_heads
+        self.support = torch.zeros(layers, max_rows, heads, max_blocks, dtype=torch.bool, device=device)
+        self.tag_epoch = torch.full((max_rows, layers), -1, dtype=torch.int64, device=device)
+        self.depths_run = torch.zeros(max_rows, layers, dtype=torch.int32, device=device)
         self.fallback_count = torch.zeros((), dtype=torch.int64, device=device)
         self.selected_blocks = torch.zeros(model_config.num_loops, dtype=torch.float64, device=device)
         self.causal_blocks = torch.zeros(model_config.num_loops, dtype=torch.float64, device=device)
         self.complete_mask = sum(1 << d for d in config.discover_depths)
+        self.discover_modes = torch.full((layers, max_rows), DISCOVER, dtype=torch.int32, device=device)
 
     @property
     def num_layers(self) -> int:
+        return self.support.shape[0]
+
+    @property
+    def max_rows(self) -> int:
         return self.support.shape[1]
 
     @property
     def max_blocks(self) -> int:
         return self.support.shape[3]
 
-    # -- slots ------------------------------------------------------------------------------
-    def acquire(self, request_id: int) -> int:
-        """A free slot for `request_id` (>= 0), its supports invalidated."""
-        if request_id < 0:
-            raise ValueError(f"request ids must be non-negative, got {request_id}")
-        if bool((self.slot_request == request_id).any()):
-            raise ValueError(f"request {request_id} already holds a WISE slot")
-        free = (self.slot_request < 0).nonzero()
-        if free.numel() == 0:
-            raise WiseSlotsExhausted(f"all {self.slot_request.numel()} WISE slots are in use; "
-                                     f"release one or build the WiseState with more max_slots")
-        slot = int(free[0, 0])
-        self.slot_request[slot] = request_id
-        self.tag_request[slot] = -1
-        return slot
+    def support_of(self, layer: int, rows: int) -> torch.Tensor:
+        """The supports of `layer` for rows [0, rows): bool[rows, heads, max_blocks], a view the
+        decode kernel reads (SPARSE, DISCOVER_UNION) and writes (discovery) in place."""
+        return self.support[layer, :rows]
 
-    def release(self, slot: int) -> None:
-        """Free `slot`; its supports can no longer serve any token."""
-        if not 0 <= slot < self.slot_request.numel() or self.slot_request[slot] < 0:
-            raise ValueError(f"WISE slot {slot} is not held")
-        self.slot_request[slot] = -1
-        self.tag_request[slot] = -1
+    def _matches(self, batch: DecodeBatch) -> torch.Tensor:
+        """bool[rows, layers]: the stored support was discovered for the row's token."""
+        return self.tag_epoch[:batch.size] == batch.epochs[:, None]
 
     # -- one decode step --------------------------------------------------------------------
-    def begin_loop(self, loop: int, batch: DecodeBatch) -> torch.Tensor:
-        """Modes int32[layers, batch] of `loop` for the batch's rows; records discovery provenance
-        and counts fallbacks and density. Call once per loop, before its layers run."""
-        n, layers = batch.size, self.num_layers
+    def begin_loop(self, loop: int, batch: DecodeBatch) -> torch.Tensor | None:
+        """Modes int32[layers, rows] of `loop` (None for a dense loop); a reuse loop also counts
+        fallbacks and density. Call once per loop, before its layers run."""
+        n = batch.size
         role = self.config.depth_role(loop)
         if role == "dense":
-            return torch.full((layers, n), DENSE, dtype=torch.int32, device=self.support.device)
-        slots = batch.wise_slots
-        request = batch.request_ids[:, None].expand(n, layers)
-        position = batch.positions[:, None].expand(n, layers)
-        match = (self.tag_request[slots] == request) & (self.tag_position[slots] == position)
+            return None
         if role == "discover":
             if loop == self.config.discover_depths[0]:
-                match = torch.zeros_like(match)
-            modes = torch.where(match, DISCOVER_UNION, DISCOVER)
-            self.depths_run[slots] = torch.where(match, self.depths_run[slots] | (1 << loop), 1 << loop).int()
-            self.tag_request[slots] = request
-            self.tag_position[slots] = position
-        else:
-            complete = match & (self.depths_run[slots] == self.complete_mask)
-            modes = torch.where(complete, SPARSE, DENSE)
-            self.fallback_count += (~complete).sum()
-            causal = self.causal_mask(batch)                                    # [n, max_blocks]
-            n_causal = causal.sum(-1)                                           # [n]
-            chosen = (self.support[slots] & causal[:, None, None, :]).sum(-1)   # [n, layers, heads]
-            chosen = torch.where(complete[:, :, None], chosen, n_causal[:, None, None])
-            self.selected_blocks[loop] += chosen.sum()
-            self.causal_blocks[loop] += n_causal.sum() * layers * self.support.shape[2]
-        return modes.t().to(torch.int32).contiguous()
+                return self.discover_modes[:, :n]
+            earlier = sum(1 << d for d in self.config.discover_depths if d < loop)
+            union = self._matches(batch) & ((self.depths_run[:n] & earlier) == earlier)
+            return torch.where(union, DISCOVER_UNION, DISCOVER).t().to(torch.int32).contiguous()
+        complete = self._matches(batch) & (self.depths_run[:n] == self.complete_mask)   # [rows, layers]
+        real = batch.epochs >= 0
+        self.fallback_count += (~complete & real[:, None]).sum()
+        causal = causal_block_mask(batch.seq_lens, self.max_blocks, self.config.block_size)  # [rows, blocks]
+        n_causal = causal.sum(-1)                                                              # [rows]
+        chosen = (self.support[:, :n] & causal[None, :, None, :]).sum(-1)                     # [layers, rows, heads]
+        chosen = torch.where(complete.t()[:, :, None], chosen, n_causal[None, :, None])
+        self.selected_blocks[loop] += (chosen * real[None, :, None]).sum()
+        self.causal_blocks[loop] += (n_causal * real).sum() * self.num_layers * self.support.shape[2]
+        return torch.where(complete, SPARSE, DENSE).t().to(torch.int32).contiguous()
 
-    def causal_mask(self, batch: DecodeBatch) -> torch.Tensor:
-        """bool[batch, max_blocks]: blocks holding a key < seq_len."""
-        starts = torch.arange(self.max_blocks, device=self.support.device) * self.config.block_size
-        return starts[None, :] < batch.seq_lens[:, None]
-
-    def gather(self, layer: int, batch: DecodeBatch) -> torch.Tensor:
-        """The rows' supports of `layer`: bool[batch, heads, max_blocks] (a copy)."""
-        return self.support[batch.wise_slots, layer]
-
-    def store(self, layer: int, batch: DecodeBatch, support: torch.Tensor) -> None:
-        """Write back the rows' supports of `layer` after a discovery call (`all_blocks`: every
-        causal block instead)."""
+    def end_loop(self, loop: int, batch: DecodeBatch) -> None:
+        """After a discovery loop's layers stored their supports: tag them with the rows' epochs
+        (`all_blocks`: first replace them by every causal block)."""
+        if self.config.depth_role(loop) != "discover":
+            return
+        n = batch.size
         if self.config.all_blocks:
-            support = self.causal_mask(batch)[:, None, :].expand_as(support)
-        self.support[batch.wise_slots, layer] = support
+            causal = causal_block_mask(batch.seq_lens, self.max_blocks, self.config.block_size)
+            self.support[:, :n] = causal[None, :, None, :]
+        bit = 1 << loop
+        if loop == self.config.discover_depths[0]:
+            self.depths_run[:n] = bit
+        else:
+            self.depths_run[:n] = torch.where(self._matches(batch), self.depths_run[:n] | bit, bit)
+        self.tag_epoch[:n] = batch.epochs[:, None]
 
     # -- counters ---------------------------------------------------------------------------
     @property
@@ -139,8 +127,7 @@ class WiseState:
         self.causal_blocks.zero_()
 
     # -- snapshot ---------------------------------------------------------------------------
-    _TENSORS = ("support", "tag_request", "tag_position", "depths_run", "slot_request",
-                "fallback_count", "selected_blocks", "causal_blocks")
+    _TENSORS = ("support", "tag_epoch", "depths_run", "fallback_count", "selected_blocks", "causal_blocks")
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Copies of every state tensor."""

@@ -1,0 +1,649 @@
+"""Decode throughput of the serving engine (wise_torch.LLM): dense, WISE, FA4 and the pre-engine path.
+
+    python benchmarks/throughput.py --preset ouro-1.4b --shapes 1024x64,4096x20,8192x10 \\
+        --q-scale 8,7.3,7 --old-src .old-src --out benchmarks/results/DIR            # on an H200
+    python benchmarks/throughput.py --preset test-tiny --dtype float32 --device cpu --kernel reference \\
+        --shapes 64x3 --new-tokens 6 --old-src . --out /tmp/tp                         # CPU smoke
+
+Method (the reference system's): a cohort of C concurrent requests of exactly L prompt tokens
+(random ids, seed fixed per shape, the same for every arm), greedy, N output tokens each with
+ignore_eos. The step loop is timed on the host: decode throughput counts only the tokens
+generated after the step in which the whole cohort has its first token, over the time from that
+step to the last; ms/step is that time over those steps; "prefill s" is the time from the first
+add_request to that step. Each (shape, arm) runs in a fresh process (this script with --worker),
+with an identical KV pool for every engine arm (num_pages = the cohort's pages + 1), one untimed
+warm-up cohort (--warmup-tokens new tokens: compiles kernels, captures graphs) and --repeats timed
+cohorts, all printed.
+
+Arms:
+- dense: the engine, Triton dense decode (`kernel=--kernel`, no WISE);
+- wise: the engine with WISE (`WiseConfig(eta, kernel=--kernel)`);
+- fa4: the engine with `kernel="fa4"` when `flash_attn.cute` imports (else a 'not importable' row);
+- old, old-wise: the pre-engine `wise_torch.generate` (dense / WISE), measured by running the old
+  commit's own code, not a copy: a source tree of that commit (--old-src DIR; make one with
+  `git archive OLD_COMMIT wise_core wise_torch | tar -x -C DIR`, or let --old-commit extract it
+  when git history is at hand) goes first on the worker's sys.path. Its timing is generate's
+  own (GenerationStats: decode after the batched prefill that gives every row its first token,
+  tokens after those first ones), after one untimed warm-up call; it sizes its own KV pool
+  (the cohort's pages exactly).
+
+Workloads: --model DIR (a checkpoint or built-in name) or random weights at a preset's shape
+(--preset, normal(0, --std), drawn on the device by each worker from generators seeded by the
+HF tensor names, so every arm, the pre-engine layout included, holds the same weights),
+with q_proj multiplied by --q-scale (one value, or one per shape) to give peaked attention.
+
+Per arm and repeat: decode tok/s, ms/step, the roofline tok/s and the share of it reached,
+the reuse-union density per reuse depth (LLM.stats(); the old path's GenerationStats), fallbacks,
+preemptions, prefill time. Roofline per step = bytes / --hbm-tbps (4.3 TB/s), bytes = the weights
+read once per loop (the layers, final norm and exit gate, from the checkpoint's tensor shapes)
+plus the LM head once, plus every plane's K and V at the cohort's mean context L + N/2 (WISE:
+reuse planes at the measured density). Writes throughput.json, throughput.md (with the
+standing against the issue's targets) and throughput.png to --out, and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+_ROOT = _HERE.parent
+
+ARMS = ("dense", "wise", "fa4", "old", "old-wise")
+OLD_COMMIT = "bef25e92fbb27d035f3f9973f69047951c897363"  # the last commit before the engine
+HBM_TBPS = 4.3
+CUDA_GRAPHS = {"auto": "auto", "on": True, "off": False}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# The issue's targets: WISE / dense decode tok/s per context, dense share of the roofline, batch-1 step time.
+WISE_TARGETS = {1024: 1.30, 4096: 1.45, 8192: 1.50}
+DENSE_SHARE_TARGET = 0.60
+BATCH1_STEP_MS = 5.0
+
+
+# -- arguments ---------------------------------------------------------------------------------------------
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """'1024x64,4096x20' -> [(context, batch), ...], both positive."""
+    shapes = []
+    for item in text.split(","):
+        context, _, batch = item.strip().partition("x")
+        if not (context.isdigit() and batch.isdigit()) or int(context) < 1 or int(batch) < 1:
+            raise argparse.ArgumentTypeError(f"shape {item!r} is not CONTEXTxBATCH with positive integers")
+        shapes.append((int(context), int(batch)))
+    return shapes
+
+
+def parse_floats(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+    if not all(math.isfinite(v) and v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: q scales must be positive and finite")
+    return values
+
+
+def parse_arms(text: str) -> list[str]:
+    arms = [a.strip() for a in text.split(",")]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or len(set(arms)) != len(arms):
+        raise argparse.ArgumentTypeError(f"arms must be distinct names of {ARMS}, got {text!r}")
+    return arms
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="checkpoint directory or built-in name (default: random --preset weights)")
+    p.add_argument("--preset", default="ouro-1.4b", help="model shape for random weights (wise_core PRESETS)")
+    p.add_argument("--layers", type=int, default=0, help="override the preset's num_hidden_layers")
+    p.add_argument("--std", type=float, default=0.02, help="std of the random weights")
+    p.add_argument("--q-scale", type=parse_floats, default=[1.0],
+                   help="q_proj multiplier: one value, or one per shape (e.g. 8,7.3,7)")
+    p.add_argument("--shapes", type=parse_shapes, default=parse_shapes("1024x64,4096x20,8192x10"),
+                   help="CONTEXTxBATCH list: prompt tokens x concurrent requests")
+    p.add_argument("--new-tokens", type=int, default=32, help="output tokens per request (>= 2)")
+    p.add_argument("--warmup-tokens", type=int, default=4, help="output tokens of the untimed warm-up cohort")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--arms", type=parse_arms, default=list(ARMS))
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--kernel", default="triton", choices=("triton", "reference", "auto"),
+                   help="decode attention of the dense and wise arms (and of the old ones)")
+    p.add_argument("--eta", type=float, default=0.95)
+    p.add_argument("--page-size", type=int, default=128)
+    p.add_argument("--num-pages", type=int, default=0, help="KV pool of the engine arms (default: the cohort's + 1)")
+    p.add_argument("--cuda-graphs", default="auto", choices=sorted(CUDA_GRAPHS), help="LLM(cuda_graphs=) of the engine arms")
+    p.add_argument("--max-num-batched-tokens", type=int, default=0,
+                   help="LLM(max_num_batched_tokens=): prompt tokens per step (default: the engine's)")
+    p.add_argument("--old-src", type=Path, help="source tree of the pre-engine commit (wise_core, wise_torch)")
+    p.add_argument("--old-commit", default=OLD_COMMIT, help="commit to extract with git when --old-src is not given")
+    p.add_argument("--hbm-tbps", type=float, default=HBM_TBPS, help="memory bandwidth of the roofline")
+    p.add_argument("--child-timeout", type=float, default=600, help="seconds per (shape, arm) process")
+    p.add_argument("--out", type=Path, default=_HERE / "results")
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one (shape, arm) from a JSON spec file
+    return p
+
+
+def check_args(parser: argparse.ArgumentParser, args) -> list[float]:
+    """Validate the combination; returns the q scale of each shape."""
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be >= 2 (decode is timed after every request's first token)")
+    if args.warmup_tokens < 1 or args.repeats < 1:
+        parser.error("--warmup-tokens and --repeats must be >= 1")
+    if not 0 < args.eta <= 1:
+        parser.error(f"--eta must be in (0, 1], got {args.eta}")
+    if args.page_size < 1 or args.num_pages < 0 or args.max_num_batched_tokens < 0 or args.hbm_tbps <= 0:
+        parser.error("--page-size and --hbm-tbps must be positive, --num-pages and --max-num-batched-tokens >= 0")
+    scales = args.q_scale
+    if len(scales) == 1:
+        scales = scales * len(args.shapes)
+    if len(scales) != len(args.shapes):
+        parser.error(f"--q-scale gives {len(args.q_scale)} values for {len(args.shapes)} shapes (give 1 or one each)")
+    if args.num_pages:
+        short = [(L, C) for L, C in args.shapes
+                 if args.num_pages < cohort_pages(L, C, args.new_tokens, args.page_size)]
+        if short:
+            parser.error(f"--num-pages {args.num_pages} cannot hold the cohort of shapes {short}")
+    return scales
+
+
+# -- roofline arithmetic ------------------------------------------------------------------------------------
+def cohort_pages(context: int, batch: int, new_tokens: int, page_size: int) -> int:
+    """Pages the cohort holds at its end: every request at context + new_tokens keys."""
+    return batch * -(-(context + new_tokens) // page_size)
+
+
+def weight_bytes_per_step(config, dtype: str, batch: int) -> int:
+    """Weight bytes one decode step reads: every layer's weights, the final norm and the exit gate
+    once per loop, the LM head once, the batch's embedding rows (HF checkpoint shapes)."""
+    from wise_core.checkpoint import expected_shapes
+    shapes = expected_shapes(config)
+    per_loop = sum(math.prod(s) for name, s in shapes.items()
+                   if name.startswith(("model.layers.", "model.norm.", "model.early_exit_gate.")))
+    head = math.prod(shapes["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"])
+    return (config.num_loops * per_loop + head + batch * config.hidden_size) * DTYPE_BYTES[dtype]
+
+
+def kv_bytes_per_step(config, dtype: str, batch: int, context: float, density: dict | None) -> float:
+    """K and V bytes one decode step reads at `context` keys per request: every (loop, layer)
+    plane, reuse depths at their support density (density: {loop: fraction} or None = dense)."""
+    per_token = 2 * config.num_key_value_heads * config.head_dim * DTYPE_BYTES[dtype]
+    fractions = [(density or {}).get(loop, 1.0) for loop in range(config.num_loops)]
+    return config.num_hidden_layers * sum(fractions) * batch * context * per_token
+
+
+def roofline(config, dtype: str, context: int, batch: int, new_tokens: int, density: dict | None,
+             hbm_tbps: float) -> dict:
+    """Bandwidth roofline of one decode step of the cohort: ms/step and tok/s."""
+    mean_context = context + new_tokens / 2
+    total = weight_bytes_per_step(config, dtype, batch) + kv_bytes_per_step(config, dtype, batch, mean_context,
+                                                                            density)
+    seconds = total / (hbm_tbps * 1e12)
+    return dict(bytes=total, ms_per_step=1e3 * seconds, tokens_per_s=batch / seconds)
+
+
+# -- the step loop ------------------------------------------------------------------------------------------
+def run_cohort(llm, prompts: list[list[int]], params, max_tokens: int, clock=time.perf_counter) -> dict:
+    """Add the cohort, step until every request finished; time the steps after the one in which
+    the whole cohort has its first token. Checks every request ends with exactly max_tokens."""
+    start = clock()
+    ids = [llm.add_request(p, params) for p in prompts]
+    lengths = dict.fromkeys(ids, 0)
+    started = None
+    tokens_at_start = steps = 0
+    end = start
+    while llm.has_unfinished():
+        outputs = llm.step()
+        end = clock()
+        for out in outputs:
+            if out.request_id in lengths:
+                lengths[out.request_id] = len(out.token_ids)
+        if started is not None:
+            steps += 1
+        elif all(lengths.values()):
+            started, tokens_at_start = end, sum(lengths.values())
+    wrong = {rid: n for rid, n in lengths.items() if n != max_tokens}
+    if wrong:
+        raise RuntimeError(f"requests ended with token counts {wrong}, expected {max_tokens} each (ignore_eos)")
+    if started is None or steps == 0:
+        raise RuntimeError("no decode step ran after the whole cohort had its first token")
+    decode_s = end - started
+    tokens = sum(lengths.values()) - tokens_at_start
+    return dict(prefill_s=started - start, decode_s=decode_s, decode_tokens=tokens, decode_steps=steps,
+                decode_tokens_per_s=tokens / decode_s, ms_per_step=1e3 * decode_s / steps)
+
+
+def stats_dict(stats) -> dict:
+    """LLM.stats() as a JSON-able dict."""
+    if dataclasses.is_dataclass(stats):
+        raw = dataclasses.asdict(stats)
+    elif isinstance(stats, dict):
+        raw = dict(stats)
+    else:
+        raw = {k: v for k, v in vars(stats).items() if not k.startswith("_")}
+    return json.loads(json.dumps(raw, default=str))
+
+
+# -- workers (one process per (shape, arm)) ---------------------------------------------------------------------
+def _environment() -> dict:
+    import torch
+    import triton
+    return dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                torch=torch.__version__, triton=triton.__version__, python=platform.python_version())
+
+
+def _hf_tensor(name: str, shape, spec: dict, device):
+    """The random HF tensor `name`: unit norms, a zero gate bias, else normal(0, std) from a
+    generator seeded by the name (so the fused and the pre-engine layouts hold the same values),
+    q_proj multiplied by q_scale."""
+    import zlib
+    import torch
+    if name.endswith("norm.weight") or "layernorm" in name:
+        return torch.ones(shape, device=device)
+    if name.endswith(".bias"):
+        return torch.zeros(shape, device=device)
+    g = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()) + spec["seed"])
+    t = torch.empty(shape, device=device).normal_(0.0, spec["std"], generator=g)
+    return t * spec["q_scale"] if name.endswith("self_attn.q_proj.weight") else t
+
+
+def _random_model(spec: dict, config):
+    """Random weights drawn on the device (seconds, where writing and reading a 1.4B-parameter
+    checkpoint per process takes minutes), for the engine's fused layout or the pre-engine one."""
+    import torch
+    import wise_torch
+    from wise_core.checkpoint import expected_shapes
+    dtype, device = getattr(torch, spec["dtype"]), torch.device(spec["device"])
+    shapes = expected_shapes(config)
+    with torch.device("meta"):
+        model = wise_torch.OuroForCausalLM(config)
+    fused = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                           "self_attn.v_proj.weight"),
+             "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+    weights = {}
+    for name in model.state_dict():
+        prefix, _, leaf = name.rpartition(".layers.")
+        layer, _, rest = leaf.partition(".")
+        parts = fused.get(rest) if prefix else None
+        names = [f"{prefix}.layers.{layer}.{p}" for p in parts] if parts else [name]
+        weights[name] = torch.cat([_hf_tensor(n, shapes[n], spec, device) for n in names]).to(dtype)
+    model.load_state_dict(weights, strict=True, assign=True)
+    if hasattr(model, "build_rope_table"):
+        model.build_rope_table()
+    return model.requires_grad_(False).eval()
+
+
+def _load_model(spec: dict):
+    """The model of the spec: a checkpoint (q_proj scaled in the HF tensors) or random weights."""
+    import torch
+    import wise_torch
+    from wise_core.checkpoint import load_checkpoint
+    from wise_core.config import ModelConfig
+    if spec.get("random"):
+        return _random_model(spec, ModelConfig(**spec["random"]))
+    checkpoint = load_checkpoint(spec["checkpoint"])
+    tensors = dict(checkpoint.tensors)
+    if spec["q_scale"] != 1.0:
+        for name in tensors:
+            if name.endswith("self_attn.q_proj.weight"):
+                tensors[name] = tensors[name] * spec["q_scale"]
+    return wise_torch.from_tensors(checkpoint.config, tensors, tokenizer=checkpoint.tokenizer,
+                                   dtype=getattr(torch, spec["dtype"]), device=spec["device"])
+
+
+def _prompts(spec: dict, vocab_size: int) -> list[list[int]]:
+    import torch
+    context, batch = spec["context"], spec["batch"]
+    g = torch.Generator().manual_seed(context * 1000 + batch)
+    return torch.randint(0, vocab_size, (batch, context), generator=g).tolist()
+
+
+def _reset_wise_counters(llm) -> bool:
+    """Zero the engine's WISE counters (density, fallbacks), which LLM.stats() reports since the
+    engine started, so a cohort's stats are its own; False where the engine has no such hook."""
+    wise = getattr(getattr(llm, "runner", None), "wise", None)
+    if wise is None or not hasattr(wise, "reset_counters"):
+        return False
+    wise.reset_counters()
+    return True
+
+
+def _engine_worker(spec: dict) -> dict:
+    arm = spec["arm"]
+    if arm == "fa4":
+        try:
+            import flash_attn.cute  # noqa: F401
+        except Exception as e:  # not installed, or installed without its CUDA parts
+            return dict(status=f"not importable: {type(e).__name__}: {e}"[:300])
+    import torch
+    import wise_torch
+    from wise_core.config import WiseConfig
+    model = _load_model(spec)
+    wise_config = WiseConfig(eta=spec["eta"], kernel=spec["kernel"]) if arm == "wise" else None
+    kernel = "fa4" if arm == "fa4" else spec["kernel"]
+    extra = {"max_num_batched_tokens": spec["max_num_batched_tokens"]} if spec["max_num_batched_tokens"] else {}
+    llm = wise_torch.LLM(model, wise_config=wise_config, num_pages=spec["num_pages"], page_size=spec["page_size"],
+                         max_num_seqs=spec["batch"], cuda_graphs=CUDA_GRAPHS[spec["cuda_graphs"]], kernel=kernel,
+                         max_model_len=spec["context"] + max(spec["new_tokens"], spec["warmup_tokens"]), **extra)
+    prompts = _prompts(spec, model.config.vocab_size)
+
+    def cohort(tokens: int) -> dict:
+        params = wise_torch.SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        reset = _reset_wise_counters(llm)
+        result = run_cohort(llm, prompts, params, tokens)
+        stats = stats_dict(llm.stats())
+        result.update(stats=stats, density=stats.get("density"), fallbacks=stats.get("fallbacks"),
+                      counters="this cohort" if reset else "since the engine started",
+                      preemptions=stats.get("preemptions"),
+                      pages_returned=stats.get("free_pages") == stats.get("total_pages"))
+        return result
+
+    with torch.inference_mode():
+        cohort(spec["warmup_tokens"])
+        return dict(status="ok", repeats=[cohort(spec["new_tokens"]) for _ in range(spec["repeats"])])
+
+
+def _old_worker(spec: dict) -> dict:
+    """The pre-engine generate, imported from the old source tree (first on sys.path)."""
+    import torch
+    import wise_torch
+    from wise_core.config import WiseConfig
+    model = _load_model(spec)
+    prompts = _prompts(spec, model.config.vocab_size)
+    wise_config = WiseConfig(eta=spec["eta"], kernel=spec["kernel"]) if spec["arm"] == "old-wise" else None
+
+    def run(tokens: int):
+        return wise_torch.generate(model, prompts, max_new_tokens=tokens, eos_token_id=None, wise_config=wise_config,
+                                   page_size=spec["page_size"], kernel=spec["kernel"])
+
+    with torch.inference_mode():
+        run(spec["warmup_tokens"])
+        repeats = []
+        for _ in range(spec["repeats"]):
+            stats = run(spec["new_tokens"]).stats
+            steps = spec["new_tokens"] - 1
+            repeats.append(dict(prefill_s=stats.prefill_s, decode_s=stats.decode_s,
+                                decode_tokens=stats.new_tokens - len(prompts), decode_steps=steps,
+                                decode_tokens_per_s=stats.decode_tokens_per_s, ms_per_step=1e3 * stats.decode_s / steps,
+                                density=stats.density, fallbacks=stats.fallbacks, preemptions=None,
+                                pages_returned=None))
+    return dict(status="ok", repeats=repeats)
+
+
+def worker_main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    if spec.get("old_src"):
+        sys.path.insert(0, spec["old_src"])
+    elif str(_ROOT) not in sys.path:
+        sys.path.insert(0, str(_ROOT))
+    if spec["device"] == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:
+        result = (_old_worker if spec["arm"].startswith("old") else _engine_worker)(spec)
+        if result["status"] == "ok":
+            result["environment"] = _environment()
+    except Exception as e:  # reported in the row; the other arms go on
+        traceback.print_exc()
+        result = dict(status=f"error: {type(e).__name__}: {e}"[:800])
+    Path(spec["result"]).write_text(json.dumps(result, default=str))
+
+
+def run_worker(spec: dict, timeout: float, workdir: Path) -> dict:
+    """Run one (shape, arm) in a fresh process; its result, or a row saying why there is none."""
+    name = f"{spec['context']}x{spec['batch']}-{spec['arm']}"
+    spec = dict(spec, result=str(workdir / f"{name}.result.json"))
+    spec_path = workdir / f"{name}.spec.json"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    try:
+        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path)],
+                              env=env, timeout=timeout, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        return dict(status=f"error: timed out after {timeout:.0f} s")
+    log = (done.stdout + done.stderr).strip()
+    if done.returncode != 0 or not Path(spec["result"]).exists():
+        return dict(status=f"error: worker exited {done.returncode}: {log[-600:]}")
+    result = json.loads(Path(spec["result"]).read_text())
+    if result["status"] != "ok" and log:
+        result["log_tail"] = log[-1500:]
+    return result
+
+
+# -- the run ----------------------------------------------------------------------------------------------------
+def prepare_model(args) -> tuple:
+    """(config, checkpoint or None, random recipe or None): --model as given, or random --preset
+    weights that each worker draws on its device (`_random_model`)."""
+    from wise_core.checkpoint import load_checkpoint
+    from wise_core.config import PRESETS
+    if args.model:
+        return load_checkpoint(args.model).config, args.model, None
+    if args.preset not in PRESETS:
+        raise SystemExit(f"unknown --preset {args.preset!r}; one of {sorted(PRESETS)}")
+    config = PRESETS[args.preset]
+    if args.layers:
+        config = dataclasses.replace(config, num_hidden_layers=args.layers)
+    return config, None, dataclasses.asdict(config)
+
+
+def prepare_old_src(args, workdir: Path) -> str | None:
+    """The old commit's source tree: --old-src, or extracted with git; None if neither works."""
+    if args.old_src is not None:
+        missing = [d for d in ("wise_core", "wise_torch") if not (args.old_src / d).is_dir()]
+        if missing:
+            raise SystemExit(f"--old-src {args.old_src} lacks {missing}")
+        return str(args.old_src.resolve())
+    target = workdir / "old-src"
+    target.mkdir()
+    archive = subprocess.run(["git", "-C", str(_ROOT), "archive", args.old_commit, "wise_core", "wise_torch"],
+                             capture_output=True)
+    if archive.returncode != 0:
+        return None
+    subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
+    return str(target)
+
+
+def row_of(spec: dict, result: dict, repeat: int | None, config, args) -> dict:
+    row = dict(context=spec["context"], batch=spec["batch"], q_scale=spec["q_scale"], arm=spec["arm"],
+               repeat=repeat, status=result["status"])
+    if repeat is None:
+        return row
+    r = result["repeats"][repeat]
+    density = {int(k): v for k, v in (r.get("density") or {}).items() if v is not None} or None
+    roof = roofline(config, args.dtype, spec["context"], spec["batch"], args.new_tokens, density, args.hbm_tbps)
+    row.update({k: r.get(k) for k in ("decode_tokens_per_s", "ms_per_step", "prefill_s", "decode_tokens",
+                                      "decode_steps", "fallbacks", "preemptions", "pages_returned", "counters")})
+    row.update(density=density, roofline_tokens_per_s=roof["tokens_per_s"], roofline_ms_per_step=roof["ms_per_step"],
+               roofline_share=r["decode_tokens_per_s"] / roof["tokens_per_s"])
+    return row
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Mean over repeats per (shape, arm), with WISE / dense."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["repeat"] is not None:
+            groups.setdefault((r["context"], r["batch"], r["arm"]), []).append(r)
+    out = []
+    for (context, batch, arm), rs in groups.items():
+        mean = sum(r["decode_tokens_per_s"] for r in rs) / len(rs)
+        out.append(dict(context=context, batch=batch, arm=arm, decode_tokens_per_s=mean,
+                        ms_per_step=sum(r["ms_per_step"] for r in rs) / len(rs),
+                        roofline_tokens_per_s=rs[-1]["roofline_tokens_per_s"],
+                        roofline_share=mean / rs[-1]["roofline_tokens_per_s"], density=rs[-1]["density"]))
+    by_key = {(s["context"], s["batch"], s["arm"]): s for s in out}
+    for s in out:
+        dense = by_key.get((s["context"], s["batch"], "old" if s["arm"] == "old-wise" else "dense"))
+        s["over_dense"] = s["decode_tokens_per_s"] / dense["decode_tokens_per_s"] if dense else None
+    return out
+
+
+def standing(summary: list[dict]) -> list[dict]:
+    """The issue's targets, measured where the run has the numbers."""
+    out = []
+    for s in summary:
+        shape = f"{s['context']}x{s['batch']}"
+        if s["arm"] == "dense":
+            out.append(dict(target=f"dense >= {DENSE_SHARE_TARGET:.0%} of the roofline", shape=shape,
+                            value=s["roofline_share"], met=s["roofline_share"] >= DENSE_SHARE_TARGET))
+            if s["batch"] == 1 and s["context"] == 1024:
+                out.append(dict(target=f"batch 1 at 1K <= {BATCH1_STEP_MS} ms/step", shape=shape,
+                                value=s["ms_per_step"], met=s["ms_per_step"] <= BATCH1_STEP_MS))
+        if s["arm"] == "wise" and s["context"] in WISE_TARGETS and s["over_dense"] is not None:
+            bound = WISE_TARGETS[s["context"]]
+            out.append(dict(target=f"WISE / dense >= {bound:.2f}", shape=shape, value=s["over_dense"],
+                            met=s["over_dense"] >= bound))
+    return out
+
+
+def _fmt(value, spec=".1f") -> str:
+    return "" if value is None else format(value, spec)
+
+
+def _density(density) -> str:
+    return ", ".join(f"{d}: {x:.3f}" for d, x in sorted((density or {}).items()))
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| ctx x batch | q-scale | arm | repeat | decode tok/s | ms/step | roofline tok/s | share | "
+             "density | prefill s | fallbacks | preemptions |", "|" + "---|" * 12]
+    for r in rows:
+        head = f"| {r['context']} x {r['batch']} | {r['q_scale']:g} | {r['arm']} |"
+        if r["repeat"] is None:
+            lines.append(f"{head} | {r['status']} |" + " |" * 7)
+            continue
+        lines.append(f"{head} {r['repeat'] + 1} | {r['decode_tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | "
+                     f"{r['roofline_tokens_per_s']:.0f} | {r['roofline_share']:.0%} | {_density(r['density'])} | "
+                     f"{_fmt(r['prefill_s'], '.2f')} | {_fmt(r['fallbacks'], 'd')} | {_fmt(r['preemptions'], 'd')} |")
+    return lines
+
+
+def markdown(report: dict) -> str:
+    env = report.get("environment") or {}
+    a = report["args"]
+    lines = [f"# Decode throughput ({report['date']})", "",
+             f"{env.get('device', '?')}; torch {env.get('torch', '?')}, triton {env.get('triton', '?')}; "
+             f"model {report['model']}; {a['dtype']}; {a['new_tokens']} new tokens per request, "
+             f"{a['repeats']} repeats after a {a['warmup_tokens']}-token warm-up; page size {a['page_size']}; "
+             f"roofline at {a['hbm_tbps']} TB/s.", "", "## Every run", ""]
+    lines += table(report["rows"])
+    flagged = [f"{r['context']} x {r['batch']} {r['arm']} repeat {r['repeat'] + 1}: "
+               + ", ".join(([f"{r['fallbacks']} fallbacks"] if r.get("fallbacks") else [])
+                           + (["pages not all returned to the pool"] if r.get("pages_returned") is False else []))
+               for r in report["rows"] if r["repeat"] is not None
+               and (r.get("fallbacks") or r.get("pages_returned") is False)]
+    if flagged:
+        lines += ["", "Flagged: " + "; ".join(flagged) + "."]
+    lines += ["", "## Mean over repeats", "",
+              "over dense: decode tok/s over the engine dense arm's (old-wise: over old's).", "",
+              "| ctx x batch | arm | decode tok/s | ms/step | share of roofline | over dense | density |",
+              "|---|---|---|---|---|---|---|"]
+    for s in report["summary"]:
+        lines.append(f"| {s['context']} x {s['batch']} | {s['arm']} | {s['decode_tokens_per_s']:.1f} | "
+                     f"{s['ms_per_step']:.2f} | {s['roofline_share']:.0%} | {_fmt(s['over_dense'], '.2f')} | "
+                     f"{_density(s['density'])} |")
+    lines += ["", "## Targets", "", "| target | shape | measured | met |", "|---|---|---|---|"]
+    for t in report["standing"]:
+        lines.append(f"| {t['target']} | {t['shape']} | {t['value']:.2f} | {'yes' if t['met'] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    """tok/s per arm, one panel per shape, each arm's roofline as a dash over its bar."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    shapes = sorted({(s["context"], s["batch"]) for s in report["summary"]})
+    if not shapes:
+        return
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4 * len(shapes), 3.6), squeeze=False)
+    for ax, (context, batch) in zip(axes[0], shapes):
+        here = [s for s in report["summary"] if (s["context"], s["batch"]) == (context, batch)]
+        xs = range(len(here))
+        ax.bar(xs, [s["decode_tokens_per_s"] for s in here], color="tab:blue")
+        for x, s in zip(xs, here):
+            ax.hlines(s["roofline_tokens_per_s"], x - 0.4, x + 0.4, colors="tab:red", linestyles="dashed")
+            ax.text(x, s["decode_tokens_per_s"], f"{s['roofline_share']:.0%}", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(list(xs), [s["arm"] for s in here])
+        ax.set_title(f"{context} x {batch}")
+        ax.set_ylabel("decode tok/s")
+    fig.suptitle("decode tok/s (bars; % of roofline) and bandwidth roofline (dashes)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(report: dict, out: Path) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "throughput.json").write_text(json.dumps(report, indent=2, default=str))
+    text = markdown(report)
+    (out / "throughput.md").write_text(text)
+    plot(report, out / "throughput.png")
+    return text
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker_main(args.worker)
+        return None
+    scales = check_args(parser, args)
+    sys.path[:0] = [p for p in (str(_ROOT),) if p not in sys.path]
+    workdir = Path(tempfile.mkdtemp(prefix="wise-throughput-"))
+    try:
+        config, checkpoint, recipe = prepare_model(args)
+        old_src = prepare_old_src(args, workdir) if any(a.startswith("old") for a in args.arms) else None
+        report = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), host=platform.node(),
+                      model=args.model or f"random {args.preset} (std {args.std}, seed 0)",
+                      config=dataclasses.asdict(config), old_src=old_src,
+                      args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                      environment=None, rows=[])
+        print(f"{'ctx x batch':>13} {'arm':>9} {'rep':>3} {'tok/s':>9} {'ms/step':>8} {'roof tok/s':>10} "
+              f"{'share':>6} density", flush=True)
+        for (context, batch), q_scale in zip(args.shapes, scales):
+            num_pages = args.num_pages or cohort_pages(context, batch, args.new_tokens, args.page_size) + 1
+            for arm in args.arms:
+                spec = dict(arm=arm, context=context, batch=batch, q_scale=q_scale, checkpoint=checkpoint,
+                            random=recipe, std=args.std, seed=0,
+                            dtype=args.dtype, device=args.device, kernel=args.kernel, eta=args.eta,
+                            page_size=args.page_size, num_pages=num_pages, cuda_graphs=args.cuda_graphs,
+                            max_num_batched_tokens=args.max_num_batched_tokens,
+                            new_tokens=args.new_tokens, warmup_tokens=args.warmup_tokens, repeats=args.repeats,
+                            old_src=old_src if arm.startswith("old") else None)
+                if arm.startswith("old") and old_src is None:
+                    result = dict(status=f"error: no old source tree (--old-src, or git history with {args.old_commit})")
+                else:
+                    result = run_worker(spec, args.child_timeout, workdir)
+                report["environment"] = report["environment"] or result.get("environment")
+                if result["status"] != "ok":
+                    report["rows"].append(dict(row_of(spec, result, None, config, args),
+                                               log_tail=result.get("log_tail")))
+                    print(f"{context:>6} x {batch:<4} {arm:>9}   {result['status'][:200]}", flush=True)
+                for i in range(len(result.get("repeats", ()))):
+                    row = row_of(spec, result, i, config, args)
+                    report["rows"].append(row)
+                    print(f"{context:>6} x {batch:<4} {arm:>9} {i + 1:>3} {row['decode_tokens_per_s']:>9.1f} "
+                          f"{row['ms_per_step']:>8.2f} {row['roofline_tokens_per_s']:>10.0f} "
+                          f"{row['roofline_share']:>6.0%} {_density(row['density'])}", flush=True)
+                report["summary"] = summarize(report["rows"])
+                report["standing"] = standing(report["summary"])
+                write_report(report, args.out)  # after every arm: a run cut short still leaves a report
+        print(markdown(report))
+        return report
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""benchmarks/throughput.py on CPU: arguments, the roofline arithmetic, the step-loop timing, the
+report, and the pre-engine arms end to end (fresh worker processes) on a tiny model."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks" / "throughput.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("throughput", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+tp = _load()
+
+
+def test_arguments():
+    assert tp.parse_shapes("1024x64, 4096x20") == [(1024, 64), (4096, 20)]
+    assert tp.parse_floats("8,7.3,7") == [8.0, 7.3, 7.0]
+    assert tp.parse_arms("wise,dense") == ["wise", "dense"]
+    for parse, bad in ((tp.parse_shapes, "1024"), (tp.parse_shapes, "0x4"), (tp.parse_shapes, "1kx4"),
+                       (tp.parse_floats, "8,x"), (tp.parse_floats, "0"), (tp.parse_floats, "nan"),
+                       (tp.parse_arms, "dense,flash"), (tp.parse_arms, "dense,dense")):
+        with pytest.raises(Exception):
+            parse(bad)
+    parser = tp.build_parser()
+    args = parser.parse_args(["--shapes", "1024x64,4096x20,8192x10", "--q-scale", "8,7.3,7"])
+    assert tp.check_args(parser, args) == [8.0, 7.3, 7.0]
+    assert tp.check_args(parser, parser.parse_args(["--q-scale", "7"])) == [7.0] * 3  # one for every shape
+    for bad in (["--q-scale", "8,7"], ["--new-tokens", "1"], ["--repeats", "0"], ["--eta", "1.5"],
+                ["--num-pages", "10"]):
+        with pytest.raises(SystemExit):
+            tp.check_args(parser, parser.parse_args(bad))
+
+
+def test_roofline_reproduces_the_published_numbers():
+    from wise_core.config import PRESETS
+    ouro = PRESETS["ouro-1.4b"]
+    h, i, layers = 2048, 5632, 24
+    per_layer = 4 * h * h + 3 * h * i + 4 * h
+    per_loop = layers * per_layer + h + h + 1  # layers, model.norm, the exit gate
+    assert tp.weight_bytes_per_step(ouro, "bfloat16", 64) == 2 * (4 * per_loop + 49152 * h + 64 * h)
+    # 8 KiB of K and V per token per (loop, layer) plane in bf16, 96 planes.
+    assert tp.kv_bytes_per_step(ouro, "bfloat16", 1, 1, None) == 96 * 8192
+    assert tp.kv_bytes_per_step(ouro, "bfloat16", 2, 10, {2: 0.5, 3: 0.25}) == 24 * (2 + 0.75) * 2 * 10 * 8192
+    # The README's roofline ms/step (shared/gpu/README.md, 32 new tokens): 14.5 / 17.4 / 17.4 / 2.5.
+    for (context, batch), ms in {(1024, 64): 14.5, (4096, 20): 17.4, (8192, 10): 17.4, (1024, 1): 2.5}.items():
+        roof = tp.roofline(ouro, "bfloat16", context, batch, 32, None, 4.3)
+        assert roof["ms_per_step"] == pytest.approx(ms, abs=0.05)
+        assert roof["tokens_per_s"] == pytest.approx(batch / roof["ms_per_step"] * 1e3)
+    sparse = tp.roofline(ouro, "bfloat16", 4096, 20, 32, {2: 0.2, 3: 0.2}, 4.3)
+    assert sparse["ms_per_step"] < 17.4 * 0.75
+    assert tp.cohort_pages(1024, 64, 32, 128) == 64 * 9
+
+
+class FakeLLM:
+    """Chunked prefill: request r gets its first token at step r + 1, then one token per step."""
+
+    def __init__(self, stop_early: int | None = None):
+        self.requests, self.step_no, self.stop_early = {}, 0, stop_early
+
+    def add_request(self, prompt, params):
+        rid = len(self.requests)
+        self.requests[rid] = dict(prompt=prompt, tokens=[], max=params.max_tokens)
+        return rid
+
+    def has_unfinished(self):
+        return any(len(r["tokens"]) < r["max"] for r in self.requests.values())
+
+    def step(self):
+        self.step_no += 1
+        outs = []
+        for rid, r in self.requests.items():
+            if self.step_no > rid and len(r["tokens"]) < r["max"]:
+                r["tokens"].append(7)
+                if rid == self.stop_early and len(r["tokens"]) == 2:
+                    r["max"] = 2
+                outs.append(types.SimpleNamespace(request_id=rid, token_ids=list(r["tokens"]),
+                                                  finished=len(r["tokens"]) == r["max"]))
+        return outs
+
+
+def test_step_loop_times_only_tokens_after_the_cohort_has_its_first():
+    ticks = iter(range(100))
+    result = tp.run_cohort(FakeLLM(), [[1, 2]] * 3, types.SimpleNamespace(max_tokens=5), 5,
+                           clock=lambda: float(next(ticks)))
+    # Steps at t = 1..7; the last request's first token comes at step 3 (t = 3), when 3 + 2 + 1
+    # tokens exist; steps 4..7 give the other 9 in 4 s.
+    assert result["prefill_s"] == 3.0 and result["decode_s"] == 4.0
+    assert result["decode_tokens"] == 9 and result["decode_steps"] == 4
+    assert result["decode_tokens_per_s"] == 9 / 4 and result["ms_per_step"] == 1000.0
+    with pytest.raises(RuntimeError, match="expected 5 each"):
+        tp.run_cohort(FakeLLM(stop_early=1), [[1]] * 3, types.SimpleNamespace(max_tokens=5), 5)
+
+
+def test_stats_dict():
+    @dataclasses.dataclass
+    class Stats:
+        total_pages: int
+        density: dict
+
+    assert tp.stats_dict(Stats(10, {2: 0.5})) == {"total_pages": 10, "density": {"2": 0.5}}
+    assert tp.stats_dict(types.SimpleNamespace(free_pages=3, _private=1)) == {"free_pages": 3}
+
+
+def _rows():
+    from wise_core.config import PRESETS
+    args = tp.build_parser().parse_args([])
+    config = PRESETS["ouro-1.4b"]
+    rows = []
+    for arm, tok_s, density in (("dense", 700.0, None), ("wise", 1000.0, {"2": 0.3, "3": 0.25}), ("old", 650.0, None)):
+        spec = dict(context=1024, batch=64, q_scale=8.0, arm=arm)
+        result = dict(status="ok", repeats=[dict(decode_tokens_per_s=tok_s * f, ms_per_step=64e3 / (tok_s * f),
+                                                 prefill_s=1.0, density=density, fallbacks=0, preemptions=0,
+                                                 pages_returned=True) for f in (0.98, 1.02)])
+        rows += [tp.row_of(spec, result, i, config, args) for i in range(2)]
+    rows.append(tp.row_of(dict(context=1024, batch=64, q_scale=8.0, arm="fa4"),
+                          dict(status="not importable: ModuleNotFoundError"), None, config, args))
+    return args, rows
+
+
+def test_summary_standing_and_report(tmp_path):
+    args, rows = _rows()
+    assert rows[2]["density"] == {2: 0.3, 3: 0.25}
+    assert rows[2]["roofline_tokens_per_s"] > rows[0]["roofline_tokens_per_s"]  # WISE reads fewer bytes
+    summary = tp.summarize(rows)
+    by_arm = {s["arm"]: s for s in summary}
+    assert by_arm["dense"]["decode_tokens_per_s"] == pytest.approx(700.0)
+    assert by_arm["wise"]["over_dense"] == pytest.approx(1000 / 700)
+    assert by_arm["dense"]["roofline_share"] == pytest.approx(700 / rows[0]["roofline_tokens_per_s"])
+    standing = {t["target"]: t for t in tp.standing(summary)}
+    assert standing["WISE / dense >= 1.30"]["met"] and standing["WISE / dense >= 1.30"]["value"] == pytest.approx(1000 / 700)
+    share = standing["dense >= 60% of the roofline"]
+    assert share["met"] == (share["value"] >= 0.6)
+    report = dict(date="today", model="random", args=vars(args) | {"out": "x"}, rows=rows, summary=summary,
+                  standing=list(standing.values()), environment=None)
+    text = tp.write_report(report, tmp_path)
+    assert (tmp_path / "throughput.png").stat().st_size > 0
+    assert json.loads((tmp_path / "throughput.json").read_text())["rows"][0]["arm"] == "dense"
+    assert "not importable: ModuleNotFoundError" in text and "| WISE / dense >= 1.30 | 1024x64 | 1.43 | yes |" in text
+    assert text.count("| 1024 x 64 | 8 | wise |") == 2 and text.count("| 1024 x 64 | wise |") == 1  # repeats, mean
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs git history")
+def test_old_source_tree_from_git(tmp_path):
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    args = tp.build_parser().parse_args(["--old-commit", head])
+    src = Path(tp.prepare_old_src(args, tmp_path))
+    assert (src / "wise_torch" / "generate.py").is_file() and (src / "wise_core" / "config.py").is_file()
+
+
+def test_smoke_run_end_to_end_in_fresh_processes(tmp_path, monkeypatch):
+    """Every arm on test-tiny (fp32, reference kernel): the engine's dense and WISE, FA4 (not
+    importable on CPU), the pre-engine generate from the source tree given (here this one)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the workers' torch: tiny shapes, no spinning threads
+    report = tp.main(["--preset", "test-tiny", "--dtype", "float32", "--device", "cpu", "--kernel", "reference",
+                      "--shapes", "64x3", "--q-scale", "2", "--new-tokens", "5", "--warmup-tokens", "2",
+                      "--page-size", "32", "--arms", "dense,wise,fa4,old", "--old-src", str(ROOT),
+                      "--out", str(tmp_path)])
+    rows = report["rows"]
+    assert [(r["arm"], r["repeat"]) for r in rows] == [
+        ("dense", 0), ("dense", 1), ("wise", 0), ("wise", 1), ("fa4", None), ("old", 0), ("old", 1)]
+    if importlib.util.find_spec("flash_attn") is None:
+        assert rows[4]["status"].startswith("not importable")
+    for r in rows[:4] + rows[5:]:
+        assert r["status"] == "ok" and r["q_scale"] == 2.0, r
+        # 3 requests x 5 tokens; the first token of each is not timed.
+        assert r["decode_tokens"] == 3 * 4 and r["decode_steps"] == 4
+        assert r["decode_tokens_per_s"] > 0 and 0 < r["roofline_share"] < 1
+        assert (r["density"] is None) == (r["arm"] != "wise")
+    for r in rows[:4]:  # the engine arms
+        assert r["pages_returned"] is True and r["preemptions"] == 0
+    for r in rows[2:4]:
+        assert r["fallbacks"] == 0 and r["counters"] == "this cohort"
+        assert set(r["density"]) == {2, 3} and all(0 < d <= 1 for d in r["density"].values())
+    assert {s["arm"] for s in report["summary"]} == {"dense", "wise", "old"}
+    assert report["old_src"] == str(ROOT) and report["environment"]["device"] == "cpu"
+    assert {"throughput.json", "throughput.md", "throughput.png"} <= {p.name for p in tmp_path.iterdir()}

@@ -1,0 +1,41 @@
+"""The page pool: which pages are free, which sequence holds which, growth as sequences grow.
+
+A page holds `page_size` tokens of one sequence in every (loop, layer) plane. Pages are taken
+as a sequence grows (prefill chunks, then one token per decode step), not reserved for its
+whole lifetime, and all return to the pool when it finishes, is aborted or is preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from wise_torch.engine.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_pages: int, page_size: int):
+        self.num_pages, self.page_size = num_pages, page_size
+        self.free: deque[int] = deque(range(num_pages))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def missing(self, seq: Sequence, num_tokens: int) -> int:
+        """Pages `seq` still needs to hold `num_tokens` keys."""
+        return max(self.pages_for(num_tokens) - len(seq.pages), 0)
+
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give `seq` the pages for `num_tokens` keys; False (and nothing taken) if too few are free."""
+        needed = self.missing(seq, num_tokens)
+        if needed > len(self.free):
+            return False
+        seq.pages.extend(self.free.popleft() for _ in range(needed))
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        self.free.extend(seq.pages)
+        seq.pages = []

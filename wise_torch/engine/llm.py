@@ -1,0 +1,317 @@
+"""`LLM`: the serving engine's front door (continuous batching over the paged cache).
+
+    llm = wise_torch.LLM("ouro-py-3m", wise_config=WiseConfig())
+    outs = llm.generate(["def fib(n):"], wise_torch.SamplingParams(max_tokens=32))
+
+or step by step: `add_request`, `step` (the requests that produced a token or finished),
+`has_unfinished`, `abort`, and `stats`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from wise_core.config import WiseConfig
+from wise_torch.engine.block_manager import BlockManager
+from wise_torch.engine.model_runner import ModelRunner
+from wise_torch.engine.scheduler import Scheduler, Step
+from wise_torch.engine.sequence import RequestOutput, SamplingParams, Sequence, Status
+from wise_torch.kv_cache import PagedKVCache
+from wise_torch.model import OuroForCausalLM, load_model
+
+CPU_KV_BYTES = 1 << 30          # default pool on CPU: 1 GiB of K/V
+GPU_MEMORY_FRACTION = 0.9       # default pool on CUDA: this share of free memory ...
+GPU_RESERVE_BYTES = 6 << 30     # ... less this much for activations, graphs and workspaces
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Pool, queue and WISE counters, and throughput since the engine started (seconds are
+    host wall time around the synchronised model calls). density: per reuse depth, None
+    without WISE or before any reuse call."""
+
+    total_pages: int
+    free_pages: int
+    running: int
+    waiting: int
+    preemptions: int
+    fallbacks: int | None
+    density: dict[int, float | None] | None
+    prompt_tokens: int
+    generated_tokens: int
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+    decode_tokens: int
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+
+def _sync(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+class LLM:
+    """Continuous-batching engine over one model.
+
+    model: an OuroForCausalLM, a checkpoint directory or a built-in name (loaded in `dtype`,
+    default bfloat16 on CUDA and float32 on CPU, on `device`, default CUDA when available).
+    wise_config: decode with WISE (None: dense). num_pages: pages in the pool (None: sized from
+    free device memory on CUDA, CPU_KV_BYTES of K/V on CPU); page_size: tokens per page, a
+    multiple of the WISE block size. max_num_seqs: requests decoding at once. max_model_len:
+    prompt + output tokens a request may hold (default: the model's max_position_embeddings, at
+    most the pool); sizes page tables and WISE block tables. max_num_batched_tokens: prompt
+    tokens a step prefills (chunked prefill). cuda_graphs: True, False or "auto" (on CUDA).
+    kernel: the decode attention ("auto", "reference", "triton"; default: wise_config.kernel).
+    seed: the generator of requests without their own seed.
+    """
+
+    def __init__(self, model: OuroForCausalLM | str | Path, *, wise_config: WiseConfig | None = None,
+                 num_pages: int | None = None, page_size: int = 128, max_num_seqs: int = 256,
+                 max_model_len: int | None = None, max_num_batched_tokens: int = 8192,
+                 cuda_graphs: bool | str = "auto", kernel: str | None = None, seed: int | None = None,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+        if isinstance(model, (str, Path)):
+            device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            model = load_model(model, dtype=dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32),
+                               device=device)
+        elif not isinstance(model, OuroForCausalLM):
+            raise TypeError(f"model must be an OuroForCausalLM, a checkpoint directory or a built-in name, "
+                            f"got {type(model).__name__}")
+        elif dtype is not None or device is not None:
+            raise ValueError("dtype and device apply to a model loaded by name; this model is already built")
+        if wise_config is not None and not isinstance(wise_config, WiseConfig):
+            raise TypeError(f"wise_config must be a WiseConfig or None, got {type(wise_config).__name__}")
+        config = model.config
+        if wise_config is not None:
+            wise_config.validate_for(config.num_loops)
+        block_size = (wise_config or WiseConfig()).block_size
+        _positive_int("page_size", page_size)
+        if page_size % block_size:
+            raise ValueError(f"page_size must be a multiple of the block_size {block_size}, got {page_size}")
+        _positive_int("max_num_seqs", max_num_seqs)
+        _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        if cuda_graphs not in (True, False, "auto"):
+            raise ValueError(f"cuda_graphs must be True, False or 'auto', got {cuda_graphs!r}")
+        weight = model.head_weight
+        self.device = weight.device
+        if cuda_graphs is True and self.device.type != "cuda":
+            raise ValueError("cuda_graphs=True needs the model on a CUDA device")
+        page_bytes = PagedKVCache.page_bytes(config, page_size, weight.dtype)
+        if num_pages is None:
+            num_pages = self._default_pages(page_bytes)
+        _positive_int("num_pages", num_pages)
+        limit = config.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = min(limit, num_pages * page_size)
+        _positive_int("max_model_len", max_model_len)
+        if max_model_len > limit:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings ({limit})")
+        kernel = kernel if kernel is not None else (wise_config.kernel if wise_config is not None else "auto")
+        self.model, self.wise_config, self.tokenizer = model, wise_config, model.tokenizer
+        self.page_size, self.max_model_len = page_size, max_model_len
+        self.blocks = BlockManager(num_pages, page_size)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens)
+        self.runner = ModelRunner(
+            model, wise_config=wise_config, num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len, use_graphs=cuda_graphs is True or (
+                cuda_graphs == "auto" and self.device.type == "cuda"),
+            kernel=kernel, seed=random.randrange(2 ** 63) if seed is None else seed)
+        self.sequences: dict[int, Sequence] = {}
+        self.next_id = 0
+        self.counters = dict(prompt_tokens=0, generated_tokens=0, prefill_s=0.0, decode_s=0.0, decode_steps=0,
+                             decode_tokens=0)
+
+    def _default_pages(self, page_bytes: int) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            pages = int((free * GPU_MEMORY_FRACTION - GPU_RESERVE_BYTES) // page_bytes)
+            if pages < 1:
+                raise ValueError(f"too little free device memory for one KV page ({page_bytes} bytes); "
+                                 f"pass num_pages")
+            return pages
+        return max(1, CPU_KV_BYTES // page_bytes)
+
+    # -- requests ---------------------------------------------------------------------------
+    def _token_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is a string but the model has no tokenizer; pass token ids")
+            try:
+                return self.tokenizer.encode(prompt).ids
+            except Exception as e:  # the tokenizer rejects some strings (lone surrogates, ...)
+                raise ValueError(f"the tokenizer cannot encode the prompt: {e}") from None
+        if isinstance(prompt, (np.ndarray, torch.Tensor)):
+            if prompt.ndim != 1:
+                raise ValueError(f"a prompt of token ids must be 1-D, got shape {tuple(prompt.shape)}")
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)) or not all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+            raise TypeError(f"a prompt must be a string or a sequence of integer token ids, got {prompt!r:.80}")
+        return [int(t) for t in prompt]
+
+    def add_request(self, prompt, params: SamplingParams | None = None, *, forced: list[int] | None = None,
+                    keep_logits: bool = False) -> int:
+        """Queue a request (a string, or token ids) -> its request id. A request that can never
+        fit (longer than max_model_len or the whole pool) is a ValueError here.
+        forced: tokens fed instead of sampled ones, each scored (teacher forcing)."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        ids = self._token_ids(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        for name, seq in (("prompt", ids), ("forced continuation", forced or [])):
+            bad = [t for t in seq if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"the {name} holds ids {bad[:5]} outside the vocabulary (size {vocab})")
+        eos = self.model.config.eos_token_id
+        seq = Sequence(self.next_id, ids, params, frozenset(() if eos is None else (eos,)), arrival=self.next_id,
+                       forced=None if forced is None else list(forced), keep_logits=keep_logits)
+        if forced is not None and not forced:
+            raise ValueError("the forced continuation is empty")
+        if seq.max_length > self.max_model_len:
+            raise ValueError(f"the request needs {len(ids)} prompt + {seq.max_length - len(ids)} new tokens, more "
+                             f"than max_model_len ({self.max_model_len})")
+        # The last token generated is never fed back, so max_length - 1 keys are the most held.
+        if self.blocks.pages_for(seq.max_length - 1) > self.blocks.num_pages:
+            raise ValueError(f"the request needs {self.blocks.pages_for(seq.max_length - 1)} pages of "
+                             f"{self.page_size} tokens, more than the pool's {self.blocks.num_pages}")
+        self.next_id += 1
+        self.sequences[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def abort(self, request_id: int) -> RequestOutput:
+        """Stop a request now and free its pages; its output so far, finish_reason "abort"."""
+        seq = self.sequences.pop(request_id, None)
+        if seq is None:
+            raise KeyError(f"no unfinished request {request_id}")
+        self.scheduler.remove(seq)
+        seq.finish("abort")
+        return RequestOutput.of(seq, self.tokenizer)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one step: decode every running request one token, prefill chunks
+        of waiting ones. Returns the requests that produced a token or finished."""
+        plan = self.scheduler.schedule()
+        runner = self.runner
+        for seq, pages in plan.preempted:
+            runner.offload(seq, pages)
+        for seq in plan.resumed:
+            if seq.offloaded is not None:
+                runner.restore(seq)
+        if plan.empty:
+            if self.scheduler.has_work() and not plan.preempted:
+                raise RuntimeError("the scheduler made no progress although requests wait "
+                                   f"({self.blocks.num_free} of {self.blocks.num_pages} pages free)")
+            return []
+        produced: list[Sequence] = []
+        if plan.decode:
+            start = time.perf_counter()
+            logits = runner.decode(plan.decode)
+            self._take(plan.decode, logits, produced)
+            for seq in plan.decode:
+                seq.num_cached = len(seq.tokens) - 1
+            self.counters["decode_s"] += time.perf_counter() - start
+            self.counters["decode_steps"] += 1
+            self.counters["decode_tokens"] += len(plan.decode)
+        if plan.chunks:
+            start = time.perf_counter()
+            logits = runner.prefill(plan.chunks)
+            for chunk in plan.chunks:
+                chunk.seq.num_cached = chunk.start + chunk.length
+            done = [c.seq for c in plan.chunks if c.completes]
+            if done:
+                self._take(done, logits, produced)
+            else:
+                _sync(self.device)
+            self.counters["prefill_s"] += time.perf_counter() - start
+            self.counters["prompt_tokens"] += sum(c.length for c in plan.chunks)
+        outputs = []
+        for seq in produced:
+            if seq.status is Status.FINISHED:
+                self.scheduler.remove(seq)
+                del self.sequences[seq.request_id]
+            outputs.append(RequestOutput.of(seq, self.tokenizer))
+        return outputs
+
+    def _take(self, seqs: list[Sequence], logits: torch.Tensor, produced: list[Sequence]) -> None:
+        tokens, logprobs = self.runner.sample(logits, seqs)
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            if logprobs is not None and (seq.params.logprobs or seq.forced is not None):
+                seq.logprobs.append(logprobs[i])
+            seq.append(token)
+            produced.append(seq)
+        self.counters["generated_tokens"] += len(seqs)
+
+    # -- batch use --------------------------------------------------------------------------
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts (strings or token-id lists) to completion -> RequestOutput per prompt, in
+        prompt order. params: one SamplingParams for all, or one per prompt."""
+        if isinstance(prompts, (str, np.ndarray, torch.Tensor)) or not isinstance(prompts, (list, tuple)) \
+                or not prompts:
+            raise TypeError("prompts must be a non-empty list of strings or token-id lists")
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        else:
+            params = [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        return self.run_until_done(ids, use_tqdm=use_tqdm)
+
+    def run_until_done(self, request_ids: list[int], *, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Step until the given requests finish -> their final outputs, in the order given."""
+        wanted = set(request_ids)
+        final: dict[int, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(wanted), desc="requests", unit="req", dynamic_ncols=True)
+        while len(final) < len(wanted):
+            for out in self.step():
+                if out.finished and out.request_id in wanted:
+                    final[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [final[r] for r in request_ids]
+
+    def stats(self) -> EngineStats:
+        wise = self.runner.wise
+        c = self.counters
+        return EngineStats(
+            total_pages=self.blocks.num_pages, free_pages=self.blocks.num_free,
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            preemptions=self.scheduler.preemptions,
+            fallbacks=None if wise is None else wise.fallbacks, density=None if wise is None else wise.density(),
+            prompt_tokens=c["prompt_tokens"], generated_tokens=c["generated_tokens"], prefill_s=c["prefill_s"],
+            decode_s=c["decode_s"], decode_steps=c["decode_steps"], decode_tokens=c["decode_tokens"])
+
+
+def _positive_int(name: str, value) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,41 @@
+"""Next-token choice on the device: greedy, or sampling in log space with top-p."""
+
+from __future__ import annotations
+
+import torch
+
+from wise_torch.attention import select_blocks
+
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def seed_for(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's sample at `position` (independent of the batch)."""
+    return (seed + (position + 1) * _GOLDEN) % (2 ** 63)
+
+
+def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
+           generators: list[torch.Generator | None]) -> torch.Tensor:
+    """logits: float32[batch, vocab] -> int64[batch] on the logits' device.
+
+    temperature 0: argmax (ties to the lower id). Otherwise Gumbel-max over
+    (logits - max) / temperature: the scaled logits are <= 0, so no temperature overflows them
+    (a tiny temperature is greedy, a huge one near-uniform), restricted to the smallest prefix
+    of tokens ranked by probability that reaches top_p (the WISE selection rule). Row i draws
+    its noise from generators[i]. NaN logits stay NaN (argmax then points at one).
+    """
+    tokens = logits.argmax(-1)
+    rows = [i for i, t in enumerate(temperatures) if t > 0]
+    if not rows:
+        return tokens
+    index = torch.tensor(rows, device=logits.device)
+    z = logits[index]
+    temperature = torch.tensor([temperatures[i] for i in rows], dtype=torch.float32, device=logits.device)
+    z = (z - z.max(-1, keepdim=True).values) / temperature[:, None]
+    for j, i in enumerate(rows):
+        if top_ps[i] < 1.0:
+            kept = select_blocks(torch.softmax(z[j], -1), top_ps[i])
+            z[j] = torch.where(kept, z[j], float("-inf"))
+    u = torch.stack([torch.rand(z.shape[1], generator=generators[i], device=logits.device) for i in rows])
+    tokens[index] = (z - torch.log(-torch.log(u))).argmax(-1)
+    return tokens

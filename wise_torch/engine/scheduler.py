@@ -1,0 +1,126 @@
+"""Continuous batching: which sequences decode, which prefill (chunked) and which are preempted.
+
+Each step every running sequence that has its prompt cached decodes one token (all loops), and
+prompt chunks fill the rest of the step's token budget: first the running sequences still
+prefilling, then waiting ones in arrival order (a preempted sequence first). When a decoding
+sequence needs a page and none is free, the newest running sequence is preempted: its K/V of
+every plane is offloaded to host memory and restored when it resumes, so it continues exactly
+as if it had never stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from wise_torch.engine.block_manager import BlockManager
+from wise_torch.engine.sequence import Sequence, Status
+
+
+@dataclasses.dataclass
+class Chunk:
+    """Prefill of seq's prompt tokens [start, start + length)."""
+
+    seq: Sequence
+    start: int
+    length: int
+
+    @property
+    def completes(self) -> bool:
+        return self.start + self.length == len(self.seq.prompt)
+
+
+@dataclasses.dataclass
+class Step:
+    """One step's plan: offload `preempted` (each with the pages it held, before anything is
+    written), restore `resumed`, decode `decode`, prefill `chunks`."""
+
+    decode: list[Sequence]
+    chunks: list[Chunk]
+    preempted: list[tuple[Sequence, list[int]]]
+    resumed: list[Sequence]
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.chunks
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []       # arrival order
+        self.preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and free its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq)
+        seq.offloaded = None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _grow_or_preempt(self, seq: Sequence, num_tokens: int, step: Step) -> bool:
+        """Grow a running sequence's pages, preempting the newest running sequences (its K/V
+        is offloaded before this step writes anything) until they fit; False if `seq` itself
+        was preempted."""
+        while not self.blocks.grow(seq, num_tokens):
+            victim = self.running.pop()
+            step.preempted.append((victim, victim.pages))
+            step.decode = [s for s in step.decode if s is not victim]
+            step.chunks = [c for c in step.chunks if c.seq is not victim]
+            self.blocks.release(victim)
+            victim.status = Status.WAITING
+            self.waiting.appendleft(victim)
+            self.preemptions += 1
+            if victim is seq:
+                return False
+        return True
+
+    def schedule(self) -> Step:
+        step = Step([], [], [], [])
+        # 1. Every prefilled running sequence decodes one token; grow pages, preempting the newest.
+        for seq in list(self.running):
+            if seq.status is Status.RUNNING and seq.prefilled and self._grow_or_preempt(seq, len(seq.tokens), step):
+                step.decode.append(seq)
+        # 2. Prompt chunks within the token budget: running sequences still prefilling, then waiting ones.
+        budget = self.max_num_batched_tokens - len(step.decode)
+        for seq in list(self.running):
+            if budget > 0 and seq.status is Status.RUNNING and not seq.prefilled:
+                length = min(len(seq.prompt) - seq.num_cached, budget)
+                if self._grow_or_preempt(seq, seq.num_cached + length, step):
+                    step.chunks.append(Chunk(seq, seq.num_cached, length))
+                    budget -= length
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if any(seq is victim for victim, _ in step.preempted):
+                break                                   # not back in the step that evicted it
+            if seq.offloaded is not None:               # resume: restore its pages, then continue
+                if not self.blocks.grow(seq, seq.num_cached + (1 if seq.prefilled else 0)):
+                    break
+                self.waiting.popleft()
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+                step.resumed.append(seq)
+                if seq.prefilled:
+                    step.decode.append(seq)
+                    budget -= 1
+                    continue
+            length = min(len(seq.prompt) - seq.num_cached, budget)
+            if not self.blocks.grow(seq, seq.num_cached + length):
+                break
+            if seq.offloaded is None:
+                self.waiting.popleft()
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+            step.chunks.append(Chunk(seq, seq.num_cached, length))
+            budget -= length
+        return step
