@@ -143,6 +143,20 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 KERNELS = ("auto", "reference", "triton", "pallas")
+"""Every decode-attention kernel name (`WiseConfig.kernel`, `wise generate --kernel`)."""
+FRAMEWORK_KERNELS = {"torch": ("auto", "reference", "triton"), "jax": ("auto", "reference", "pallas")}
+"""The names each framework runs: "auto" (its GPU kernel on a GPU, the reference elsewhere), the
+plain reference, and its kernel."""
+
+
+class _ModelEos:
+    def __repr__(self) -> str:
+        return "<the model's eos_token_id>"
+
+
+MODEL_EOS = _ModelEos()
+"""Default of `generate(eos_token_id=...)` in both frameworks: stop at the model config's
+eos_token_id (None never stops early)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,21 +43,6 @@ def select_blocks(mass: np.ndarray, eta: float) -> np.ndarray:
     return keep
 
 
-def check_decode_settings(block_size: int, page_size: int, eta: float) -> None:
-    """Raise ValueError naming a block_size, page_size or eta that decode attention cannot take:
-    block_size a positive power of two dividing page_size, eta in (0, 1]."""
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
-        raise ValueError(f"block_size must be a positive power of two, got {block_size!r}")
-    power_of_two = not block_size & (block_size - 1)
-    if page_size % block_size:
-        raise ValueError(f"page_size {page_size} is not a multiple of block_size {block_size}"
-                         + ("" if power_of_two else ", and block_size must be a positive power of two"))
-    if not power_of_two:
-        raise ValueError(f"block_size must be a positive power of two, got {block_size!r}")
-    if not 0.0 < eta <= 1.0:
-        raise ValueError(f"eta must be in (0, 1], got {eta!r}")
-
-
 def num_blocks(seq_len: int, block_size: int) -> int:
     """Blocks covering `seq_len` keys."""
     return -(-seq_len // block_size)

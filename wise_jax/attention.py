@@ -5,19 +5,22 @@ Modes (`wise_core.modes`, per row): DENSE attends every key < seq_len; DISCOVER 
 records block mass and returns support' = select_blocks(mass); DISCOVER_UNION ORs that selection
 into the support held; SPARSE attends only the keys of supported blocks. Every mode runs the
 same masked code path, so a SPARSE row whose support holds every causal block, and a DISCOVER
-row, are bitwise equal to DENSE.
+row, are bitwise equal to DENSE. `check_call` is the contract's check at the public entry of
+both implementations (docs/DESIGN.md).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from wise_core import decode_contract
 from wise_core import modes as M
-from wise_core.reference import check_decode_settings
+from wise_core.config import FRAMEWORK_KERNELS
 
-KERNELS = ("auto", "reference", "pallas")
+KERNELS = FRAMEWORK_KERNELS["jax"]
 
 
 def select_blocks(mass: jax.Array, eta: float) -> jax.Array:
@@ -39,28 +42,45 @@ def causal_blocks(seq_lens: jax.Array, block_size: int, n_blocks: int) -> jax.Ar
     return jnp.arange(n_blocks, dtype=jnp.int32)[None, :] * block_size < seq_lens[:, None]
 
 
-def _check_shapes(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size, eta) -> None:
-    if q.ndim != 3 or k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
-        raise ValueError(f"expected q [batch, heads, head_dim] and k/v pages [num_pages, page_size, "
-                         f"kv_heads, head_dim], got q {q.shape}, k {k_pages.shape}, v {v_pages.shape}")
-    batch, heads, head_dim = q.shape
-    _, page_size, kv_heads, k_dim = k_pages.shape
-    if k_dim != head_dim or heads % kv_heads:
-        raise ValueError(f"q {q.shape} does not fit k pages {k_pages.shape}: head_dim must match and "
-                         f"heads must be a multiple of kv_heads")
-    check_decode_settings(block_size, page_size, eta)
-    if page_table.ndim != 2 or page_table.shape[0] != batch:
-        raise ValueError(f"page_table must be [batch={batch}, max_pages], got {page_table.shape}")
-    max_blocks = page_table.shape[1] * page_size // block_size
-    for name, x, shape in (("seq_lens", seq_lens, (batch,)), ("modes", modes, (batch,)),
-                           ("support", support, (batch, heads, max_blocks))):
-        if x.shape != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
+def _described(arrays: dict) -> tuple[dict, dict]:
+    return ({name: tuple(x.shape) for name, x in arrays.items()},
+            {name: jnp.dtype(x.dtype).name for name, x in arrays.items()})
+
+
+def check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size, eta,
+               validate: bool) -> jax.Array:
+    """The decode contract (`wise_core.decode_contract`) at a public entry; returns seq_lens.
+
+    Shapes, dtypes and settings are always checked (at trace time under jit). With `validate`
+    the values are checked too: concrete arrays directly; traced ones (under jit) by a host
+    callback that the returned seq_lens depends on, so the attention runs only after the check
+    passed, and a failure raises (as a JaxRuntimeError carrying the ValueError's message) when
+    the result is read. The callback is a device-host round trip per call: callers that build
+    the inputs by construction pass validate=False."""
+    arrays = dict(q=q, k_pages=k_pages, v_pages=v_pages, page_table=page_table, seq_lens=seq_lens,
+                  modes=modes, support=support)
+    shapes, dtypes = _described(arrays)
+    decode_contract.check_inputs(shapes, dtypes, block_size=block_size, eta=eta)
+    if not validate:
+        return seq_lens
+    num_pages, page_size = k_pages.shape[:2]
+
+    def check(page_table, seq_lens, modes, support):
+        decode_contract.check_values(page_table, seq_lens, modes, support, num_pages=num_pages,
+                                     page_size=page_size, block_size=block_size)
+        return np.bool_(True)
+
+    values = (page_table, seq_lens, modes, support)
+    if not any(isinstance(x, jax.core.Tracer) for x in values):
+        check(*map(np.asarray, values))
+        return seq_lens
+    passed = jax.pure_callback(check, jax.ShapeDtypeStruct((), jnp.bool_), *values)
+    return jnp.where(passed, seq_lens, 0)
 
 
 def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,
                                block_size: int, eta: float, scale: float | None = None,
-                               return_mass: bool = False):
+                               return_mass: bool = False, validate: bool = True):
     """One query token per row over a paged cache, every mode (see the module docstring).
 
     q: [batch, heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim];
@@ -68,9 +88,10 @@ def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes,
     support bool[batch, heads, max_blocks] with max_blocks = max_pages * page_size // block_size.
     Returns out [batch, heads, head_dim] (q's dtype), support' and, with return_mass, the block
     mass float32[batch, heads, max_blocks] (zeros past seq_len; that of the attended keys).
-    Scores and softmax are float32.
+    Scores and softmax are float32. validate: also check the values (`check_call`).
     """
-    _check_shapes(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size, eta)
+    seq_lens = check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support,
+                          block_size=block_size, eta=eta, validate=validate)
     batch, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     n_keys = page_table.shape[1] * page_size
@@ -126,7 +147,8 @@ def attention_impl(kernel: str):
 
 def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size: int,
                      eta: float, scale: float | None = None, return_mass: bool = False,
-                     kernel: str = "auto"):
+                     kernel: str = "auto", validate: bool = True):
     """decode_attention_reference's contract, run by `kernel` ('reference', 'pallas' or 'auto')."""
     return attention_impl(kernel)(q, k_pages, v_pages, page_table, seq_lens, modes, support,
-                                  block_size=block_size, eta=eta, scale=scale, return_mass=return_mass)
+                                  block_size=block_size, eta=eta, scale=scale, return_mass=return_mass,
+                                  validate=validate)

@@ -14,15 +14,17 @@ def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax
 
     temperature == 0: argmax (ties to the lower id). Otherwise sample softmax(logits / temperature)
     restricted to the smallest prefix of tokens ranked by probability that reaches top_p (the WISE
-    selection rule, as wise_torch). temperature and top_p are traced scalars: changing them does
-    not recompile.
+    selection rule, as wise_torch). Works in log space: (logits - max) / temperature is <= 0 and
+    never overflows, so any positive temperature (1e-30 included) is well defined; as it goes to
+    0 the choice becomes greedy. temperature and top_p are traced scalars: changing them does not
+    recompile.
     """
     def greedy():
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def stochastic():
-        probs = jax.nn.softmax(logits / temperature, axis=-1)
-        kept = select_blocks(probs, top_p)
-        return jax.random.categorical(key, jnp.where(kept, jnp.log(probs), -jnp.inf), axis=-1).astype(jnp.int32)
+        scaled = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature  # <= 0, -inf at most
+        kept = select_blocks(jnp.exp(jax.nn.log_softmax(scaled, axis=-1)), top_p)
+        return jax.random.categorical(key, jnp.where(kept, scaled, -jnp.inf), axis=-1).astype(jnp.int32)
 
     return lax.cond(temperature > 0, stochastic, greedy)

@@ -10,13 +10,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import os
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from wise_core import decode_contract
+from wise_core.config import FRAMEWORK_KERNELS
 from wise_core.modes import DISCOVER, DISCOVER_UNION, SPARSE
-from wise_core.reference import check_decode_settings
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: int = 0,
@@ -59,34 +61,29 @@ def select_blocks(mass: torch.Tensor, eta: float) -> torch.Tensor:
     return torch.zeros_like(keep_ranked).scatter_(-1, order, keep_ranked)
 
 
-def check_decode_args(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size, eta) -> None:
-    """Raise ValueError naming the first shape/dtype/setting inconsistency of a decode_attention call."""
-    if q.dim() != 3:
-        raise ValueError(f"q must be [batch, heads, head_dim], got shape {tuple(q.shape)}")
-    batch, heads, head_dim = q.shape
-    if k_pages.dim() != 4 or k_pages.shape != v_pages.shape:
-        raise ValueError(f"k_pages and v_pages must both be [num_pages, page_size, kv_heads, head_dim], "
-                         f"got {tuple(k_pages.shape)} and {tuple(v_pages.shape)}")
-    _, page_size, kv_heads, kv_dim = k_pages.shape
-    if kv_dim != head_dim:
-        raise ValueError(f"q has head_dim {head_dim} but the cache has {kv_dim}")
-    if heads % kv_heads:
-        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
-    check_decode_settings(block_size, page_size, eta)
-    if page_table.dim() != 2 or page_table.shape[0] != batch:
-        raise ValueError(f"page_table must be [batch={batch}, max_pages], got {tuple(page_table.shape)}")
-    for name, t in (("seq_lens", seq_lens), ("modes", modes)):
-        if tuple(t.shape) != (batch,):
-            raise ValueError(f"{name} must be [batch={batch}], got {tuple(t.shape)}")
-    max_blocks = page_table.shape[1] * page_size // block_size
-    if tuple(support.shape) != (batch, heads, max_blocks) or support.dtype != torch.bool:
-        raise ValueError(f"support must be bool[{batch}, {heads}, {max_blocks}], "
-                         f"got {support.dtype}{list(support.shape)}")
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size, eta,
+               validate: bool) -> None:
+    """The decode contract (`wise_core.decode_contract`) at a public entry: shapes, dtypes and
+    settings always (no device sync); with `validate` also the values, read on the host (a
+    device sync: callers that build the inputs by construction pass validate=False)."""
+    arrays = dict(q=q, k_pages=k_pages, v_pages=v_pages, page_table=page_table, seq_lens=seq_lens,
+                  modes=modes, support=support)
+    decode_contract.check_inputs({name: tuple(t.shape) for name, t in arrays.items()},
+                                 {name: _dtype_name(t) for name, t in arrays.items()},
+                                 block_size=block_size, eta=eta)
+    if validate:
+        decode_contract.check_values(*(t.cpu().numpy() for t in (page_table, seq_lens, modes, support)),
+                                     num_pages=k_pages.shape[0], page_size=k_pages.shape[1],
+                                     block_size=block_size)
 
 
 def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,
                                block_size: int, eta: float, scale: float | None = None,
-                               return_mass: bool = False):
+                               return_mass: bool = False, validate: bool = True):
     """One query token per row against its paged keys, per row mode (docs/DESIGN.md).
 
     q: [batch, heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim];
@@ -95,9 +92,10 @@ def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes,
     Returns (out [batch, heads, head_dim] in q's dtype, support) and, with return_mass,
     mass float32[batch, heads, max_blocks] (the block mass of the probabilities attended).
     Every mode runs the same masked softmax, so DENSE, DISCOVER and a SPARSE row with every
-    causal block selected are bitwise equal. A SPARSE row must select a causal block.
+    causal block selected are bitwise equal. validate: also check the values (`check_call`).
     """
-    check_decode_args(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size, eta)
+    check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size, eta=eta,
+               validate=validate)
     batch, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     max_keys = page_table.shape[1] * page_size
@@ -128,17 +126,23 @@ def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes,
     return (out, support, mass) if return_mass else (out, support)
 
 
-TORCH_KERNELS = ("auto", "reference", "triton")
+TORCH_KERNELS = FRAMEWORK_KERNELS["torch"]
 
 
 def resolve_kernel(kernel: str, device: torch.device | str) -> Callable:
-    """The decode_attention implementation for `kernel` on `device` ("auto": triton on CUDA)."""
+    """The decode_attention implementation for `kernel` on `device` ("auto": triton on CUDA).
+    Triton runs on a CUDA device, or anywhere in its interpreter (TRITON_INTERPRET=1)."""
     if kernel not in TORCH_KERNELS:
         raise ValueError(f"kernel {kernel!r} is not available in wise_torch (choose from {TORCH_KERNELS})")
+    on_cuda = torch.device(device).type == "cuda"
     if kernel == "auto":
-        kernel = "triton" if torch.device(device).type == "cuda" else "reference"
+        kernel = "triton" if on_cuda else "reference"
     if kernel == "reference":
         return decode_attention_reference
+    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"the Triton kernel needs a CUDA device or TRITON_INTERPRET=1 (set before "
+                           f"triton is imported); the tensors are on {torch.device(device)}. Use "
+                           f"kernel='reference' on CPU")
     try:
         module = importlib.import_module("wise_torch.kernels.triton_decode")
     except ImportError as e:
@@ -150,24 +154,25 @@ def resolve_kernel(kernel: str, device: torch.device | str) -> Callable:
 def prepare_decode_attention(kernel: str, *, max_batch: int, heads: int, kv_heads: int, head_dim: int,
                              max_blocks: int, block_size: int, dtype: torch.dtype,
                              device: torch.device | str, min_splits: int = 1) -> Callable:
-    """`kernel`'s decode attention with its buffers allocated once for calls up to these sizes
-    (Triton: a workspace, so that a call allocates nothing and never syncs; min_splits: the
+    """`kernel`'s decode attention for a decode loop that builds its inputs by construction:
+    values not validated (validate=False), and buffers allocated once for calls up to these
+    sizes (Triton: a workspace, so that a call allocates nothing and never syncs; min_splits: the
     fewest programs a row is split into, to fill the GPU when batches are small)."""
     fn = resolve_kernel(kernel, device)
     if fn is decode_attention_reference:
-        return fn
+        return functools.partial(fn, validate=False)
     module = importlib.import_module(fn.__module__)
     config = dataclasses.replace(module.config_for(head_dim, dtype), min_splits=min_splits)
     workspace = module.DecodeWorkspace.allocate(
         max_batch, heads, kv_heads, head_dim, max_blocks, dtype=dtype, device=device, block_size=block_size,
         config=config)
-    return functools.partial(fn, workspace=workspace)
+    return functools.partial(fn, workspace=workspace, validate=False)
 
 
 def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,
                      block_size: int, eta: float, scale: float | None = None,
-                     return_mass: bool = False, kernel: str = "auto"):
+                     return_mass: bool = False, kernel: str = "auto", validate: bool = True):
     """`decode_attention_reference`'s contract, run by `kernel` ("auto", "reference", "triton")."""
     fn = resolve_kernel(kernel, q.device)
     return fn(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size,
-              eta=eta, scale=scale, return_mass=return_mass)
+              eta=eta, scale=scale, return_mass=return_mass, validate=validate)

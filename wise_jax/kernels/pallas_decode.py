@@ -21,6 +21,11 @@ Bitwise by construction: DISCOVER and DISCOVER_UNION run exactly the DENSE path 
 is a by-product), and a SPARSE row whose support holds every causal block gets the same list,
 hence the same split boundaries and accumulation order, as DENSE.
 
+NaN and empty rows. NaN in q, k or v reaches the output (and the mass) as NaN, and a
+discovery row keeps causal blocks only, whatever its mass. A SPARSE head that selects no
+causal block (outside the contract: `validate` rejects it) outputs 0 / 0 = NaN, as every
+implementation does.
+
 Selection. Pallas has no sort on GPU, so the finish ranks blocks by pairwise
 comparison (mass descending, ties to the lower index) in [64 x 32] tiles: block i is kept iff
 nothing ranks ahead of it, or its mass is positive and the mass ranked ahead of it is below
@@ -50,16 +55,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from wise_core import modes as wise_modes
-from wise_core.reference import check_decode_settings
+from wise_jax.attention import check_call
 
 _SELECT_ROWS = 64  # ranking tile of the selection: [rows, cols] block pairs per step
 _SELECT_COLS = 32
-_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +225,7 @@ def _finish(b, h, seq_lens_ref, modes_ref, support_ref, acc_ref, m_ref, l_ref, b
     weight = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - m_max))
     total = jnp.sum(weight * load(l_ref.at[b, h, :]))
     acc = jnp.sum(weight[:, None] * load(acc_ref.at[b, h, :, :]), axis=0)
-    out_ref[b, h, :] = jnp.where(total > 0, acc / total, 0.0).astype(out_ref.dtype)
+    out_ref[b, h, :] = (acc / total).astype(out_ref.dtype)  # NaN stays NaN; no keys: 0 / 0
 
     def block_mass(first, size):  # [size]: mass of blocks [first, first + size) (0 if none)
         index = first + jnp.arange(size, dtype=jnp.int32)
@@ -263,7 +266,7 @@ def _finish(b, h, seq_lens_ref, modes_ref, support_ref, acc_ref, m_ref, l_ref, b
         def row_tile(ti, carry):
             i0 = ti * rows
             ii = i0 + jnp.arange(rows, dtype=jnp.int32)
-            keep = ii < n_causal if all_blocks else rank_tile(i0)
+            keep = ii < n_causal if all_blocks else rank_tile(i0) & (ii < n_causal)  # NaN mass too
             held = pl_triton.load(support_ref.at[b, h, ii], mask=ii < n_blocks, other=False)
             keep = keep | (held & (mode == wise_modes.DISCOVER_UNION))
             pl_triton.store(support_out_ref.at[b, h, ii], keep, mask=ii < n_blocks)
@@ -367,7 +370,7 @@ def _decode(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_
 
 def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size,
                      eta, scale=None, return_mass=False, interpret=None, all_blocks=False,
-                     config: KernelConfig | None = None):
+                     config: KernelConfig | None = None, validate: bool = True):
     """Decode attention over a paged KV cache with per-row WISE modes (docs/DESIGN.md).
 
     q: [batch, heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim];
@@ -378,10 +381,14 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
     and, with return_mass, mass float32[batch, heads, max_blocks] (zeros for rows that do not
     discover). all_blocks: discovery rows select every causal block. interpret: run the
     kernels in the Pallas interpreter (default: when the default backend is not a GPU).
-    config: launch parameters (default: `default_config` for these shapes).
+    config: launch parameters (default: `default_config` for these shapes). validate: also
+    check the values (`wise_jax.attention.check_call`; under jit a host callback per call).
+    NaN in q, k or v gives NaN outputs; a SPARSE head that selects no causal block (outside
+    the contract) gives NaN outputs when not validated.
     """
-    _check_inputs(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size, eta)
-    _check_values(k_pages, page_table, seq_lens, modes, block_size)
+    seq_lens = check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support,
+                          block_size=block_size, eta=eta, validate=validate)
+    _check_kernel_inputs(q, k_pages)
     batch, heads, head_dim = q.shape
     if scale is None:
         scale = head_dim ** -0.5
@@ -396,54 +403,8 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
     return (out, new_support, mass) if return_mass else (out, new_support)
 
 
-def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size, eta):
-    """Raise ValueError naming the first shape, dtype or setting that does not fit."""
-    if q.ndim != 3:
-        raise ValueError(f"q must be [batch, heads, head_dim], got shape {q.shape}")
-    if k_pages.ndim != 4:
-        raise ValueError(f"k_pages must be [num_pages, page_size, kv_heads, head_dim], "
-                         f"got shape {k_pages.shape}")
-    if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
-        raise ValueError(f"v_pages {v_pages.shape} {v_pages.dtype} must match k_pages "
-                         f"{k_pages.shape} {k_pages.dtype}")
-    batch, heads, head_dim = q.shape
-    num_pages, page_size, kv_heads, kv_dim = k_pages.shape
-    for name, dtype in (("q", q.dtype), ("k_pages", k_pages.dtype)):
-        if jnp.dtype(dtype) not in _DTYPES:
-            raise ValueError(f"{name} dtype must be float32, bfloat16 or float16, got {dtype}")
-    if kv_dim != head_dim:
-        raise ValueError(f"head_dim of q ({head_dim}) and of the KV pages ({kv_dim}) differ")
+def _check_kernel_inputs(q, k_pages):
+    """What this kernel needs beyond the shared contract: a power-of-two head_dim."""
+    head_dim = q.shape[-1]
     if head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two for the Pallas kernel, got {head_dim}")
-    if heads % kv_heads:
-        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
-    check_decode_settings(block_size, page_size, eta)
-    if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.dtype != jnp.int32:
-        raise ValueError(f"page_table must be int32[{batch}, max_pages], got "
-                         f"{page_table.dtype}{list(page_table.shape)}")
-    for name, x in (("seq_lens", seq_lens), ("modes", modes)):
-        if x.shape != (batch,) or x.dtype != jnp.int32:
-            raise ValueError(f"{name} must be int32[{batch}], got {x.dtype}{list(x.shape)}")
-    max_blocks = page_table.shape[1] * page_size // block_size
-    if support.shape != (batch, heads, max_blocks) or support.dtype != jnp.bool_:
-        raise ValueError(f"support must be bool[{batch}, {heads}, {max_blocks}] "
-                         f"(max_pages * page_size // block_size blocks), got "
-                         f"{support.dtype}{list(support.shape)}")
-
-
-def _check_values(k_pages, page_table, seq_lens, modes, block_size):
-    """Check seq_lens, modes and the used page-table entries when they are concrete."""
-    try:
-        lens, row_modes, table = np.asarray(seq_lens), np.asarray(modes), np.asarray(page_table)
-    except jax.errors.TracerArrayConversionError:
-        return  # traced under jit: values are the caller's contract
-    num_pages, page_size = k_pages.shape[:2]
-    capacity = table.shape[1] * page_size
-    if np.any(lens < 1) or np.any(lens > capacity):
-        raise ValueError(f"seq_lens must be in [1, {capacity}] (max_pages * page_size), got {lens}")
-    if not np.all(np.isin(row_modes, list(wise_modes.NAMES))):
-        raise ValueError(f"modes must be in {sorted(wise_modes.NAMES)}, got {row_modes}")
-    for b, n in enumerate(lens):
-        used = table[b, :-(-int(n) // page_size)]
-        if np.any(used < 0) or np.any(used >= num_pages):
-            raise ValueError(f"row {b}: page_table entries {used} are outside [0, {num_pages})")

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from wise_core import modes as M
-from wise_torch.attention import check_decode_args
+from wise_torch.attention import check_call
 
 _DISCOVER = tl.constexpr(M.DISCOVER)
 _DISCOVER_UNION = tl.constexpr(M.DISCOVER_UNION)
@@ -407,21 +407,12 @@ def _finish_kernel(
                  ws_blocks, ws_splits, HEAD_DIM, S_CHUNK, NB_PAD, RETURN_MASS)
 
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _check_kernel_inputs(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size, eta):
-    """Kernel-specific checks on top of the shared `check_decode_args` (no host sync)."""
-    check_decode_args(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size, eta)
-    if q.dtype not in _DTYPES or k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
-        raise ValueError(f"q, k_pages and v_pages must share one dtype of {_DTYPES}, got "
-                         f"{q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+def _check_kernel_inputs(q, k_pages, v_pages, page_table, seq_lens, modes, support) -> None:
+    """What this kernel needs beyond the shared contract (no host sync): a power-of-two
+    head_dim >= 16, one device, unit strides where the kernel indexes densely."""
     head_dim = q.shape[2]
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
-    for name, t in (("page_table", page_table), ("seq_lens", seq_lens), ("modes", modes)):
-        if t.dtype != torch.int32:
-            raise ValueError(f"{name} must be int32, got {t.dtype}")
     tensors = {"q": q, "k_pages": k_pages, "v_pages": v_pages, "page_table": page_table,
                "seq_lens": seq_lens, "modes": modes, "support": support}
     devices = {name: t.device for name, t in tensors.items()}
@@ -437,30 +428,10 @@ def _check_kernel_inputs(q, k_pages, v_pages, page_table, seq_lens, modes, suppo
         raise ValueError("support, seq_lens and modes must be contiguous, page_table contiguous in pages")
 
 
-def _check_values(k_pages, page_table, seq_lens, modes, support, block_size) -> None:
-    """Value checks of the convenience path (no workspace): these read the tensors on the host."""
-    page_size = k_pages.shape[1]
-    max_keys = page_table.shape[1] * page_size
-    lens, row_modes = seq_lens.cpu().long(), modes.cpu()
-    if lens.numel() and (lens.min() < 1 or lens.max() > max_keys):
-        raise ValueError(f"seq_lens must be in [1, {max_keys}] (the page table's capacity), got {lens.tolist()}")
-    known = torch.tensor(sorted(M.NAMES))
-    if not torch.isin(row_modes, known).all():
-        raise ValueError(f"modes must be one of {M.NAMES}, got {row_modes.tolist()}")
-    used = torch.arange(page_table.shape[1]) < -(-lens[:, None] // page_size)
-    pages = page_table.cpu()
-    if (used & ((pages < 0) | (pages >= k_pages.shape[0]))).any():
-        raise ValueError(f"page_table holds a page outside [0, {k_pages.shape[0]}) for a used page")
-    causal = torch.arange(support.shape[2]) * block_size < lens[:, None]
-    empty = ~(support.cpu() & causal[:, None, :]).any(-1) & (row_modes == M.SPARSE)[:, None]
-    if empty.any():
-        rows, heads = torch.nonzero(empty, as_tuple=True)
-        raise ValueError(f"sparse rows {rows.tolist()} (heads {heads.tolist()}) select no causal block")
-
-
 def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,
                      block_size: int, eta: float, scale: float | None = None,
-                     return_mass: bool = False, workspace: DecodeWorkspace | None = None):
+                     return_mass: bool = False, workspace: DecodeWorkspace | None = None,
+                     validate: bool = True):
     """One query token per row against its paged keys, per-row WISE mode (docs/DESIGN.md).
 
     q: [batch, heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim]
@@ -468,16 +439,19 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
     support: bool[batch, heads, max_blocks], written in place for discovery rows.
     Returns (out [batch, heads, head_dim] in q's dtype, support) and, with return_mass, mass
     float32[batch, heads, max_blocks] (discovery rows; zeros elsewhere).
-    With a `workspace` the call allocates nothing and does not sync (CUDA-graph capturable);
-    out and mass are then views of the workspace. Without one, a workspace is allocated and the
-    values (seq_lens, modes, used pages, sparse supports) are checked on the host first.
+    With a `workspace` and validate=False the call allocates nothing and does not sync
+    (CUDA-graph capturable); out and mass are then views of the workspace. validate: check the
+    values on the host first (`wise_torch.attention.check_call`). NaN in q, k or v gives NaN
+    outputs; a SPARSE head that selects no causal block (outside the contract) gives NaN
+    outputs when not validated.
     """
-    _check_kernel_inputs(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size, eta)
+    check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size, eta=eta,
+               validate=validate)
+    _check_kernel_inputs(q, k_pages, v_pages, page_table, seq_lens, modes, support)
     batch, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     max_blocks = support.shape[2]
     if workspace is None:
-        _check_values(k_pages, page_table, seq_lens, modes, support, block_size)
         workspace = DecodeWorkspace.allocate(max(batch, 1), heads, kv_heads, head_dim, max_blocks,
                                              dtype=q.dtype, device=q.device, block_size=block_size)
     else:
