@@ -73,14 +73,16 @@ def discovery_mask(wise_config: WiseConfig) -> int:
 
 
 def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int, layer: jax.Array, q, k_pages,
-                   v_pages, page_table, seq_lens, request_ids, active, *, kernel: str
+                   v_pages, page_table, seq_lens, request_ids, active, *, kernel: str, validate: bool = True
                    ) -> tuple[jax.Array, WiseState]:
     """Decode attention of `layer` at `loop` with the row modes WISE assigns, updating the state.
 
     q: [batch, heads, head_dim]; pages / page_table / seq_lens as decode_attention (the token at
     position seq_lens - 1 is being decoded); request_ids int32[batch]; active bool[batch]: the rows
     that decode a token. Other rows (empty slots) are masked: their support, tags and counters are
-    left as they were. Returns (out [batch, heads, head_dim], state).
+    left as they were. validate: check the attention's input values (`attention.check_call`; the
+    decode step, which builds them by construction, passes False). Returns (out [batch, heads,
+    head_dim], state).
     """
     role = wise_config.depth_role(loop)
     batch = q.shape[0]
@@ -105,7 +107,8 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int, layer: 
         modes = jnp.full((batch,), M.DENSE, jnp.int32)
 
     out, new_support = decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support,
-                                        block_size=wise_config.block_size, eta=wise_config.eta, kernel=kernel)
+                                        block_size=wise_config.block_size, eta=wise_config.eta, kernel=kernel,
+                                        validate=validate)
     causal = causal_blocks(seq_lens, wise_config.block_size, n_blocks)       # [batch, n_blocks]
 
     if role == "discover":
