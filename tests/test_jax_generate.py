@@ -95,7 +95,7 @@ def decode_memory(config, *, rows, max_pages, page_size, kernel, dtype):
                                              max_blocks=max_pages * page_size // wise_config.block_size))
     compiled = engine._step.lower(
         params, cache, state, jax.eval_shape(lambda: engine._empty_batch(rows)), jnp.zeros((rows,), jnp.int32),
-        config=config, wise_config=wise_config, kernel=kernel, unroll=1, keep_logits=False).compile()
+        config=config, wise_config=wise_config, kernel=kernel, unroll=1, sampling=False, keep_logits=False).compile()
     memory = compiled.memory_analysis()
     return 2 * cache.k.dtype.itemsize * int(np.prod(cache.k.shape)), memory.alias_size_in_bytes, memory.temp_size_in_bytes
 
@@ -113,7 +113,8 @@ def test_decode_step_updates_the_donated_cache_in_place():
 
 def test_one_compilation_per_bucket(params):
     """Prompts prefill at whole pages (one compilation per page count); the decode step compiles
-    once per engine shape (rows, pages), whatever the lengths, limits or sampling settings in it."""
+    once per engine shape (rows, pages), and greedy or sampling, whatever the lengths, limits,
+    eos or sampling values in it."""
     rng = np.random.default_rng(1)
     before = wise_jax.trace_counts()
     wise_jax.generate(params, CONFIG, [rng.integers(0, 256, n).tolist() for n in (130, 145, 160)],
@@ -121,8 +122,15 @@ def test_one_compilation_per_bucket(params):
     assert _delta(before) == {"prefill": 1, "admit": 1, "step": 1}
     before = wise_jax.trace_counts()
     wise_jax.generate(params, CONFIG, [rng.integers(0, 256, n).tolist() for n in (131, 140, 155)],
-                      max_new_tokens=20, temperature=0.7, top_p=0.9, eos_token_id=3, key=jax.random.PRNGKey(3),
-                      page_size=PAGE)
+                      max_new_tokens=20, eos_token_id=3, page_size=PAGE)
+    assert _delta(before) == {}
+    before = wise_jax.trace_counts()                                    # sampling: the step's other variant
+    wise_jax.generate(params, CONFIG, [rng.integers(0, 256, n).tolist() for n in (131, 140, 155)],
+                      max_new_tokens=20, temperature=0.7, top_p=0.9, page_size=PAGE)
+    assert _delta(before) == {"step": 1}
+    before = wise_jax.trace_counts()
+    wise_jax.generate(params, CONFIG, [rng.integers(0, 256, n).tolist() for n in (150, 140, 133)],
+                      max_new_tokens=12, temperature=1.3, top_p=0.5, key=jax.random.PRNGKey(3), page_size=PAGE)
     assert _delta(before) == {}
     before = wise_jax.trace_counts()
     wise_jax.generate(params, CONFIG, [rng.integers(0, 256, n).tolist() for n in (200, 135)], max_new_tokens=5,

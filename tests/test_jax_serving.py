@@ -53,10 +53,12 @@ def test_staggered_admissions_match_generate_alone(params, prompts, wise_config)
     ids.append(llm.add_request(prompts[3][0], greedy[3]))
     llm.step()
     aborted = llm.add_request(prompts[3][0], greedy[3])           # waits, then leaves
-    llm.abort(aborted)
+    assert llm.abort(aborted).finish_reason == "abort"
     while llm.has_unfinished():
         llm.step()
     assert llm.output(aborted).finish_reason == "abort" and llm.output(aborted).token_ids == []
+    with pytest.raises(KeyError, match="no unfinished request"):
+        llm.abort(aborted)
     assert wise_jax.trace_counts()["step"] - before.get("step", 0) == 1   # one compiled step, every step
 
     for rid, (prompt, new) in zip(ids, prompts):
@@ -68,6 +70,8 @@ def test_staggered_admissions_match_generate_alone(params, prompts, wise_config)
     stats = llm.stats()
     assert (stats.free_pages, stats.total_pages, stats.running, stats.waiting) == (6, 6, 0, 0)
     assert stats.decode_tokens == sum(new for _, new in prompts) - len(prompts)
+    assert stats.generated_tokens == sum(new for _, new in prompts)
+    assert stats.prompt_tokens == sum(len(p) for p, _ in prompts)
     if wise_config is not None:
         assert stats.fallbacks == 0 and all(0 < d < 1 for d in stats.density.values()), stats.density
 
@@ -107,19 +111,22 @@ def test_engine_reports_an_overflow_at_once(params, prompts):
 def test_bad_requests_are_named_errors(params, prompts):
     llm = LLM(params, CONFIG, page_size=PAGE, max_num_seqs=2, max_model_len=3 * PAGE, num_pages=2)
     prompt = prompts[0][0]
-    with pytest.raises(ValueError, match=r"exceed max_model_len \(96\)"):
+    with pytest.raises(ValueError, match=r"70 prompt \+ 40 new tokens, more than max_model_len \(96\)"):
         llm.add_request(prompt, SamplingParams(max_tokens=40))
-    with pytest.raises(ValueError, match="needs 3 pages; the pool has 2"):
+    with pytest.raises(ValueError, match="needs 3 pages of 32 tokens, more than the pool's 2"):
         llm.add_request(prompt, SamplingParams(max_tokens=10))
-    with pytest.raises(ValueError, match="no request 7"):
+    with pytest.raises(KeyError, match="no unfinished request 7"):
         llm.abort(7)
+    with pytest.raises(ValueError, match="forced continuation holds token ids"):
+        llm.add_request(prompt, forced=[1, CONFIG.vocab_size])
     with pytest.raises(TypeError, match="integer token ids"):
         llm.add_request([1.5, 2])
     with pytest.raises(ValueError, match="needs a tokenizer"):
         llm.add_request("text")
     for kwargs, match in (({"max_tokens": 0}, "max_tokens"), ({"temperature": "0.5"}, "temperature"),
                           ({"temperature": float("nan")}, "temperature"), ({"top_p": 0.0}, "top_p"),
-                          ({"seed": 2 ** 70}, "seed"), ({"ignore_eos": "no"}, "ignore_eos")):
+                          ({"seed": 2 ** 70}, "seed"), ({"ignore_eos": "no"}, "ignore_eos"),
+                          ({"stop_token_ids": [1.5]}, "stop_token_ids")):
         with pytest.raises(ValueError, match=match):
             SamplingParams(**kwargs)
     with pytest.raises(ValueError, match="page_size must be a positive multiple of block_size 32"):

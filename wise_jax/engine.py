@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import math
 import numbers
+import random
 import time
 from typing import Sequence
 
@@ -48,56 +49,86 @@ CPU_POOL_BYTES = 1 << 30       # num_pages=None on a CPU: a pool of at most 1 Gi
 GPU_POOL_FRACTION = 0.85       # num_pages=None on a GPU: this share of the free device memory
 
 
+MAX_SEED = 2 ** 63
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """max_tokens: tokens to generate (the first comes from prefill); temperature 0 is greedy,
-    else sampling with top-p (nucleus); seed: the request's PRNG seed (None: derived from the
-    request id); ignore_eos: do not stop at the model's eos token."""
+    """How one request decodes (wise_torch's fields).
+
+    max_tokens: tokens to generate (>= 1; the first comes from prefill); temperature 0 is
+    greedy, > 0 samples softmax(logits / temperature) restricted to top_p (the smallest prefix
+    of tokens ranked by probability reaching top_p, in (0, 1]); seed: an int in [0, 2**63) makes
+    the request's samples reproducible whatever else runs beside it (None: from the engine's
+    seed and the request id); ignore_eos: keep going past the model's eos; stop_token_ids: more
+    ids that end the request; logprobs: report log p of each generated token.
+    """
 
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, numbers.Integral) or isinstance(self.max_tokens, bool) \
                 or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+            raise ValueError(f"SamplingParams.max_tokens must be a positive integer, got {self.max_tokens!r}")
         for name in ("temperature", "top_p"):
             value = getattr(self, name)
             if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
+                raise ValueError(f"SamplingParams.{name} must be a finite number, got {value!r}")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and (not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool)
-                                      or not 0 <= self.seed < 2 ** 32):
-            raise ValueError(f"seed must be None or an integer in [0, 2**32), got {self.seed!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+                                      or not 0 <= self.seed < MAX_SEED):
+            raise ValueError(f"SamplingParams.seed must be None or an integer in [0, 2**63), got {self.seed!r}")
+        for name in ("ignore_eos", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
+        stops = self.stop_token_ids
+        if not isinstance(stops, (tuple, list)) or any(
+                not isinstance(t, numbers.Integral) or isinstance(t, bool) for t in stops):
+            raise ValueError(f"SamplingParams.stop_token_ids must be a sequence of integer ids, got {stops!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+
+
+def seed_key(seed: int) -> jax.Array:
+    """A raw PRNG key for a seed in [0, 2**63) (jax.random.PRNGKey keeps only the low 32 bits)."""
+    return jax.random.fold_in(jax.random.PRNGKey(seed & 0xFFFFFFFF), seed >> 32)
 
 
 @dataclasses.dataclass
 class RequestOutput:
-    """request_id; prompt_token_ids; token_ids generated so far; text (None without a tokenizer);
-    finished; finish_reason "length", "stop" (eos) or "abort" (None while running)."""
+    """What one request has produced so far (wise_torch's fields). text decodes token_ids with
+    the engine's tokenizer (None without one); logprobs: log p of each token (SamplingParams.logprobs,
+    teacher forcing), else None. finish_reason: "length", "stop" (eos or a stop id), "abort", or
+    None while running. prompt_token_ids is the engine's own list: read it, do not change it."""
 
     request_id: int
     prompt_token_ids: list[int]
     token_ids: list[int]
-    text: str | None
     finished: bool
     finish_reason: str | None
+    logprobs: list[float] | None = None
+    tokenizer: object = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def text(self) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(self.token_ids)
 
 
 @dataclasses.dataclass
 class EngineStats:
-    """Pool and queue state, and counters since the engine was made (or `reset_stats`).
+    """Pool, queue and WISE counters, and throughput since the engine started or `reset_stats`
+    (wise_torch's fields; seconds are host wall time around the synchronised steps).
 
     preemptions is always 0 (admission reserves a request's lifetime; nothing is preempted);
-    fallbacks and density (per reuse depth) are None without WISE; times in seconds."""
+    fallbacks and density (per reuse depth; None before any reuse call) are None without WISE."""
 
     total_pages: int
     free_pages: int
@@ -106,19 +137,20 @@ class EngineStats:
     preemptions: int
     fallbacks: int | None
     density: dict[int, float | None] | None
-    prefill_tokens: int
+    prompt_tokens: int
+    generated_tokens: int
     prefill_s: float
-    decode_tokens: int
     decode_s: float
     decode_steps: int
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+    decode_tokens: int
 
     @property
     def decode_tokens_per_s(self) -> float:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -146,27 +178,27 @@ def _empty_batch(rows: int) -> Batch:
                  top_p=jnp.ones((rows,), jnp.float32), keys=jnp.zeros((rows, 2), jnp.uint32))
 
 
-def _choose(logits, keys, temperature, top_p, forced):
-    """Per row: the forced token where forced >= 0, else a sample (greedy where temperature is 0).
-    Returns (token int32[rows], its log-prob float32[rows], the rows' next keys)."""
+def _choose(logits, keys, temperature, top_p, forced, *, sampling: bool):
+    """Per row: the forced token where forced >= 0, else a sample (greedy where temperature is 0;
+    with sampling=False every row is greedy and no sampling code runs). Returns (token int32[rows],
+    its log-prob float32[rows], the rows' next keys)."""
     split = jax.vmap(jax.random.split)(keys)                   # [rows, 2, 2]
     keys, sub = split[:, 0], split[:, 1]
-
-    def stochastic():
-        return jax.vmap(lambda l, k, t, p: sample(l[None], k, t, p)[0])(logits, sub, temperature, top_p)
-
-    sampled = jax.lax.cond(jnp.any(temperature > 0), stochastic,
-                           lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))
+    if sampling:
+        sampled = jax.vmap(lambda l, k, t, p: sample(l[None], k, t, p)[0])(logits, sub, temperature, top_p)
+    else:
+        sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     token = jnp.where(forced >= 0, forced, sampled)
     logprob = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token[:, None], axis=1)[:, 0]
     return token, logprob, keys
 
 
-@jax.jit
-def _first_token(logits, key, temperature, top_p, forced):
+@functools.partial(jax.jit, static_argnames=("sampling",))
+def _first_token(logits, key, temperature, top_p, forced, *, sampling: bool):
     """_choose for one prefilled request: logits float32[vocab] -> (token, logprob, next key)."""
     TRACES["first_token"] += 1
-    token, logprob, keys = _choose(logits[None], key[None], temperature[None], top_p[None], forced[None])
+    token, logprob, keys = _choose(logits[None], key[None], temperature[None], top_p[None], forced[None],
+                                   sampling=sampling)
     return token[0], logprob[0], keys[0]
 
 
@@ -182,15 +214,16 @@ def _admit(cache: kvc.PagedKVCache, batch: Batch, kv: serving.RequestKV, slot, r
 
 @functools.partial(jax.jit, donate_argnames=("cache", "batch"))
 def _release(cache: kvc.PagedKVCache, batch: Batch, slot):
+    """Empty row `slot` (an abort, or a stop token the device does not watch for)."""
     TRACES["release"] += 1
     rows = jnp.arange(batch.slots.shape[0]) == slot
     return kvc.release(cache, rows), dataclasses.replace(batch, slots=jnp.where(rows, -1, batch.slots))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "wise_config", "kernel", "unroll", "keep_logits"),
+@functools.partial(jax.jit, static_argnames=("config", "wise_config", "kernel", "unroll", "sampling", "keep_logits"),
                    donate_argnames=("cache", "state", "batch"))
 def _step(params: Params, cache: kvc.PagedKVCache, state, batch: Batch, forced, *, config: ModelConfig,
-          wise_config: WiseConfig | None, kernel: str, unroll, keep_logits: bool):
+          wise_config: WiseConfig | None, kernel: str, unroll, sampling: bool, keep_logits: bool):
     """One decode step of every row (module docstring). forced int32[rows]: a token to take
     instead of sampling (-1: sample). Returns (cache, state, batch, token, logprob, done, logits
     or None); `cache.overflowed` says the step did nothing."""
@@ -198,7 +231,7 @@ def _step(params: Params, cache: kvc.PagedKVCache, state, batch: Batch, forced, 
     logits, cache, state = model.decode_step(params, config, cache, state, batch.tokens, batch.slots,
                                              wise_config=wise_config, kernel=kernel, unroll=unroll)
     live = (batch.slots >= 0) & ~cache.overflowed
-    token, logprob, keys = _choose(logits, batch.keys, batch.temperature, batch.top_p, forced)
+    token, logprob, keys = _choose(logits, batch.keys, batch.temperature, batch.top_p, forced, sampling=sampling)
     remaining = batch.remaining - live.astype(jnp.int32)
     done = live & ((remaining <= 0) | (token == batch.eos))
     cache = kvc.release(cache, done)
@@ -209,31 +242,42 @@ def _step(params: Params, cache: kvc.PagedKVCache, state, batch: Batch, forced, 
 
 
 class _Request:
-    """A request's host-side record."""
+    """A request's host-side record. Its lifetime reservation: the keys it holds at most, prompt
+    + max_tokens - 1 (the last token is never fed back)."""
 
     def __init__(self, rid: int, prompt: list[int], params: SamplingParams, eos: int, key: np.ndarray,
                  forced: list[int] | None, keep_logits: bool, page_size: int):
         self.id, self.prompt, self.params, self.eos, self.key = rid, prompt, params, eos, key
         self.forced, self.keep_logits = forced, keep_logits
-        self.pages = -(-(len(prompt) + params.max_tokens) // page_size)   # lifetime reservation
+        self.max_tokens = len(forced) if forced is not None else params.max_tokens
+        self.pages = -(-(len(prompt) + self.max_tokens - 1) // page_size)
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.logits: list[np.ndarray] = []
         self.slot: int | None = None
         self.finish_reason: str | None = None
 
+    @property
+    def sampling(self) -> bool:
+        return self.forced is None and self.params.temperature > 0
+
     def add(self, token: int, logprob: float, logits) -> None:
         self.tokens.append(token)
         self.logprobs.append(logprob)
         if self.keep_logits:
             self.logits.append(np.asarray(logits))
-        if token == self.eos:
+        if self.forced is None and (token == self.eos or token in self.params.stop_token_ids):
             self.finish_reason = "stop"
-        elif len(self.tokens) >= self.params.max_tokens:
+        elif len(self.tokens) >= self.max_tokens:
             self.finish_reason = "length"
 
     def next_forced(self) -> int:
         return self.forced[len(self.tokens)] if self.forced is not None and self.finish_reason is None else -1
+
+    def output(self, tokenizer) -> RequestOutput:
+        logprobs = list(self.logprobs) if self.params.logprobs or self.forced is not None else None
+        return RequestOutput(self.id, self.prompt, list(self.tokens), self.finish_reason is not None,
+                             self.finish_reason, logprobs, tokenizer)
 
 
 class LLM:
@@ -243,18 +287,19 @@ class LLM:
     num_pages: pages in the pool (None: 85 % of the free device memory on a GPU, at most 1 GiB on
     a CPU, and never more than max_num_seqs * max_pages); page_size: tokens per page, a multiple
     of the WISE block size; max_num_seqs: cache rows, the decode step's batch (every step runs
-    them all, empty ones masked); max_model_len: most tokens (prompt + generated) of a request
-    (None: config.max_position_embeddings); it sets the page-table width, which WISE state and
-    decode cost scale with; kernel: decode attention ('auto', 'reference', 'pallas'; default
-    wise_config.kernel or 'auto'); tokenizer: for string prompts and texts; attention: prefill
-    attention (`wise_jax.prefill_attention`); unroll: layers per scan step of the decode step and
-    prefill (True: all).
+    them all, empty ones masked); max_model_len: prompt + output tokens a request may hold (None:
+    config.max_position_embeddings); it sets the page-table width, which the WISE state and the
+    Pallas kernel's selection scale with; kernel: decode attention ('auto', 'reference',
+    'pallas'; default wise_config.kernel or 'auto'); tokenizer: for string prompts and texts;
+    attention: prefill attention (`wise_jax.prefill_attention`); unroll: layers per scan step of
+    the decode step and prefill (True: all); seed: the key of requests without their own seed
+    (None: a random one).
     """
 
     def __init__(self, params: Params, config: ModelConfig, *, wise_config: WiseConfig | None = None,
                  num_pages: int | None = None, page_size: int = DEFAULT_PAGE_SIZE, max_num_seqs: int = 64,
                  max_model_len: int | None = None, kernel: str | None = None, tokenizer: Tokenizer | None = None,
-                 attention: str = "auto", unroll: int | bool = 1):
+                 attention: str = "auto", unroll: int | bool = 1, seed: int | None = None):
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
         if wise_config is not None:
@@ -268,6 +313,8 @@ class LLM:
                             ("num_pages", num_pages)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < MAX_SEED):
+            raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed!r}")
         self.params, self.config, self.wise_config, self.tokenizer = params, config, wise_config, tokenizer
         self.kernel = resolve_kernel(kernel if kernel is not None else (wise_config.kernel if wise_config else "auto"))
         self.page_size, self.attention, self.unroll = page_size, attention, unroll
@@ -288,34 +335,41 @@ class LLM:
         self._running: dict[int, _Request] = {}          # slot -> request
         self._requests: dict[int, _Request] = {}
         self._next_id = 0
-        self._base_key = jax.random.PRNGKey(0)
+        self._seed = random.randrange(MAX_SEED) if seed is None else seed
         self.reset_stats()
 
     # -- requests ---------------------------------------------------------------------------
-    def add_request(self, prompt: Sequence[int] | str, params: SamplingParams | None = None) -> int:
-        """Queue a prompt (token ids, or a string with a tokenizer); returns its request id."""
-        params = SamplingParams() if params is None else params
-        eos = -1 if params.ignore_eos or self.config.eos_token_id is None else self.config.eos_token_id
-        return self._add(prompt, params, eos=eos)
+    def add_request(self, prompt: Sequence[int] | str, params: SamplingParams | None = None, *,
+                    forced: list[int] | None = None, keep_logits: bool = False) -> int:
+        """Queue a request (token ids, or a string with a tokenizer) -> its request id. A request
+        that can never fit (longer than max_model_len or the whole pool) is a ValueError here.
+        forced: tokens fed instead of sampled ones, each scored (teacher forcing); keep_logits:
+        keep each step's float32 logits."""
+        return self._add(prompt, params, forced=forced, keep_logits=keep_logits)
 
-    def _add(self, prompt, params: SamplingParams, *, eos: int, key: jax.Array | None = None,
-             forced: list[int] | None = None, keep_logits: bool = False) -> int:
+    def _add(self, prompt, params: SamplingParams | None, *, forced=None, keep_logits=False,
+             key: jax.Array | None = None) -> int:
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         ids = encode(prompt, self.config, self.tokenizer, "prompt")
+        if forced is not None:
+            forced = serving.check_ids(forced, self.config, "the forced continuation")
+        rid = self._next_id
+        if key is None:
+            key = seed_key(params.seed) if params.seed is not None else jax.random.fold_in(seed_key(self._seed), rid)
+        eos = -1 if params.ignore_eos or forced is not None or self.config.eos_token_id is None \
+            else self.config.eos_token_id
+        request = _Request(rid, ids, params, eos, np.asarray(key, np.uint32), forced, keep_logits, self.page_size)
         limit = min(self.max_model_len, self.config.max_position_embeddings)
-        if len(ids) + params.max_tokens > limit:
-            raise ValueError(f"a prompt of {len(ids)} tokens + max_tokens {params.max_tokens} exceed "
+        if len(ids) + request.max_tokens > limit:
+            raise ValueError(f"the request needs {len(ids)} prompt + {request.max_tokens} new tokens, more than "
                              f"{'max_model_len' if limit == self.max_model_len else 'max_position_embeddings'} "
                              f"({limit})")
-        rid = self._next_id
-        self._next_id += 1
-        if key is None:
-            key = jax.random.PRNGKey(params.seed) if params.seed is not None else jax.random.fold_in(self._base_key, rid)
-        request = _Request(rid, ids, params, eos, np.asarray(key, np.uint32), forced, keep_logits, self.page_size)
         if request.pages > self.num_pages:
-            raise ValueError(f"a request of {len(ids)} + {params.max_tokens} tokens needs {request.pages} pages; "
-                             f"the pool has {self.num_pages}")
+            raise ValueError(f"the request needs {request.pages} pages of {self.page_size} tokens, more than the "
+                             f"pool's {self.num_pages}")
+        self._next_id += 1
         self._waiting.append(request)
         self._requests[rid] = request
         return rid
@@ -323,33 +377,29 @@ class LLM:
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
 
-    def abort(self, request_id: int) -> None:
-        """Stop a waiting or running request (finish_reason 'abort'); its pages return to the pool."""
+    def abort(self, request_id: int) -> RequestOutput:
+        """Stop a request now and free its pages; its output so far, finish_reason 'abort'."""
         request = self._requests.get(request_id)
-        if request is None:
-            raise ValueError(f"no request {request_id!r}")
-        if request.finish_reason is not None:
-            return
+        if request is None or request.finish_reason is not None:
+            raise KeyError(f"no unfinished request {request_id}")
         if request.slot is None:
             self._waiting.remove(request)
         else:
-            self.cache, self.batch = _release(self.cache, self.batch, jnp.asarray(request.slot, jnp.int32))
+            self._free_row(request)
         request.finish_reason = "abort"
         self._retire(request)
+        return request.output(self.tokenizer)
 
     def output(self, request_id: int) -> RequestOutput:
-        """The request's output so far."""
-        request = self._requests[request_id]
-        text = None if self.tokenizer is None else self.tokenizer.decode(request.tokens)
-        return RequestOutput(request.id, list(request.prompt), list(request.tokens), text,
-                             request.finish_reason is not None, request.finish_reason)
+        """A request's output so far (finished ones stay readable)."""
+        return self._requests[request_id].output(self.tokenizer)
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Admit what fits, or else decode one token for every running request. Returns the
-        outputs of the requests that got a token in this step."""
+        requests that produced a token or finished."""
         if self._waiting and self._fits(self._waiting[0]):
-            return [self.output(r.id) for r in self._admit_waiting()]
+            return [r.output(self.tokenizer) for r in self._admit_waiting()]
         if not self._running:
             return []
         start = time.perf_counter()
@@ -359,26 +409,29 @@ class LLM:
             for slot, r in self._running.items():
                 host[slot] = r.next_forced()
             forced = jnp.asarray(host)
-        keep_logits = any(r.keep_logits for r in self._running.values())
+        running = self._running.values()
         self.cache, self.state, self.batch, token, logprob, done, logits = _step(
             self.params, self.cache, self.state, self.batch, forced, config=self.config,
-            wise_config=self.wise_config, kernel=self.kernel, unroll=self.unroll, keep_logits=keep_logits)
+            wise_config=self.wise_config, kernel=self.kernel, unroll=self.unroll,
+            sampling=any(r.sampling for r in running), keep_logits=any(r.keep_logits for r in running))
         token, logprob, done, overflowed, logits = jax.device_get(
             (token, logprob, done, self.cache.overflowed, logits))
         if overflowed:  # cannot happen after lifetime admission; a broken invariant, reported at once
             raise kvc.PoolExhaustedError("a decode step's pages did not fit the pool; the step wrote nothing")
-        outputs = []
-        for slot, request in list(self._running.items()):
+        produced = list(self._running.items())
+        for slot, request in produced:
             request.add(int(token[slot]), float(logprob[slot]), None if logits is None else logits[slot])
-            if bool(done[slot]) != (request.finish_reason is not None):
-                raise AssertionError(f"device and host disagree on whether request {request.id} finished")
             if request.finish_reason is not None:
+                if not done[slot]:           # a stop id the device does not watch for
+                    self._free_row(request)
                 self._retire(request)
-            outputs.append(self.output(request.id))
+            elif done[slot]:
+                raise AssertionError(f"the device finished request {request.id}, the host did not")
         self._decode_s += time.perf_counter() - start
-        self._decode_tokens += len(outputs)
         self._decode_steps += 1
-        return outputs
+        self._decode_tokens += len(produced)
+        self._generated_tokens += len(produced)
+        return [request.output(self.tokenizer) for _, request in produced]
 
     def _fits(self, request: _Request) -> bool:
         return bool(self._free_slots) and self._committed + request.pages <= self.num_pages
@@ -392,25 +445,30 @@ class LLM:
                                          attention=self.attention, unroll=self.unroll)
             p = request.params
             token, logprob, key = _first_token(logits, jnp.asarray(request.key), jnp.float32(p.temperature),
-                                               jnp.float32(p.top_p), jnp.int32(request.next_forced()))
-            token, logprob = int(token), float(logprob)
-            request.add(token, logprob, logits if request.keep_logits else None)
+                                               jnp.float32(p.top_p), jnp.int32(request.next_forced()),
+                                               sampling=request.sampling)
+            request.add(int(token), float(logprob), logits if request.keep_logits else None)
             if request.finish_reason is None:
                 request.slot = self._free_slots.pop(0)
                 self._committed += request.pages
                 self._running[request.slot] = request
-                row = Batch(slots=jnp.int32(request.id), tokens=jnp.int32(token),
-                            remaining=jnp.int32(p.max_tokens - 1), eos=jnp.int32(request.eos),
+                row = Batch(slots=jnp.int32(request.id), tokens=jnp.int32(request.tokens[-1]),
+                            remaining=jnp.int32(request.max_tokens - 1), eos=jnp.int32(request.eos),
                             temperature=jnp.float32(p.temperature), top_p=jnp.float32(p.top_p), keys=key)
                 self.cache, self.batch = _admit(self.cache, self.batch, kv, jnp.int32(request.slot), row)
                 if bool(self.cache.overflowed):  # cannot happen after lifetime admission: reported at once
-                    raise kvc.PoolExhaustedError(f"request {request.id}'s {int(kvc.pages_for(len(request.prompt), self.page_size))} "
-                                                 f"prompt pages did not fit the pool; nothing was written")
+                    raise kvc.PoolExhaustedError(
+                        f"request {request.id}'s {int(kvc.pages_for(len(request.prompt), self.page_size))} prompt "
+                        f"pages did not fit the pool; nothing was written")
             del kv
             self._prefill_s += time.perf_counter() - start
-            self._prefill_tokens += len(request.prompt)
+            self._prompt_tokens += len(request.prompt)
+            self._generated_tokens += 1
             admitted.append(request)
         return admitted
+
+    def _free_row(self, request: _Request) -> None:
+        self.cache, self.batch = _release(self.cache, self.batch, jnp.asarray(request.slot, jnp.int32))
 
     def _retire(self, request: _Request) -> None:
         if request.slot is not None:
@@ -420,33 +478,41 @@ class LLM:
             self._committed -= request.pages
             request.slot = None
 
-    def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+    # -- batch use --------------------------------------------------------------------------
+    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run prompts to completion; their outputs in prompt order (a progress bar unless use_tqdm=False)."""
-        if isinstance(prompts, str) or not len(prompts):
-            raise ValueError("prompts must be a non-empty list of token-id lists or strings")
-        if params is None or isinstance(params, SamplingParams):
+        """Run prompts (strings or token-id lists) to completion -> RequestOutput per prompt, in
+        prompt order. params: one SamplingParams for all, or one per prompt."""
+        if isinstance(prompts, (str, np.ndarray, jax.Array)) or not isinstance(prompts, (list, tuple)) or not prompts:
+            raise TypeError("prompts must be a non-empty list of strings or token-id lists")
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        else:
             params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        return self.run_until_done(ids, use_tqdm=use_tqdm)
+
+    def run_until_done(self, request_ids: list[int], *, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Step until the given requests finish -> their final outputs, in the order given."""
+        wanted = [self._requests[i] for i in request_ids]
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
-            bar = tqdm(total=len(ids), desc="requests")
-        while self.has_unfinished():
-            finished = sum(o.finished for o in self.step())
+            bar = tqdm(total=len(wanted), desc="requests", unit="req", dynamic_ncols=True)
+        while any(r.finish_reason is None for r in wanted):
+            finished = sum(o.finished for o in self.step() if o.request_id in request_ids)
             if bar is not None:
                 bar.update(finished)
         if bar is not None:
             bar.close()
-        return [self.output(i) for i in ids]
+        return [r.output(self.tokenizer) for r in wanted]
 
     # -- stats ------------------------------------------------------------------------------
     def reset_stats(self) -> None:
         """Zero the timing and token counters and the WISE counters."""
         self._prefill_s = self._decode_s = 0.0
-        self._prefill_tokens = self._decode_tokens = self._decode_steps = 0
+        self._prompt_tokens = self._generated_tokens = self._decode_tokens = self._decode_steps = 0
         if self.state is not None:
             self.state = ws.reset_counters(self.state)
 
@@ -457,8 +523,8 @@ class LLM:
             waiting=len(self._waiting), preemptions=0,
             fallbacks=None if self.state is None else int(self.state.fallbacks),
             density=None if self.state is None else self.state.density(self.wise_config),
-            prefill_tokens=self._prefill_tokens, prefill_s=self._prefill_s, decode_tokens=self._decode_tokens,
-            decode_s=self._decode_s, decode_steps=self._decode_steps)
+            prompt_tokens=self._prompt_tokens, generated_tokens=self._generated_tokens, prefill_s=self._prefill_s,
+            decode_s=self._decode_s, decode_steps=self._decode_steps, decode_tokens=self._decode_tokens)
 
 
 def encode(prompt, config: ModelConfig, tokenizer: Tokenizer | None, what: str) -> list[int]:
@@ -467,7 +533,10 @@ def encode(prompt, config: ModelConfig, tokenizer: Tokenizer | None, what: str) 
         if tokenizer is None:
             raise ValueError(f"a string {what} needs a tokenizer: pass tokenizer= (or load the model with "
                              "wise_jax.load_model from a checkpoint that has one)")
-        prompt = tokenizer.encode(prompt).ids
+        try:
+            prompt = tokenizer.encode(prompt).ids
+        except Exception as e:  # the tokenizer rejects some strings (lone surrogates, ...)
+            raise ValueError(f"the tokenizer cannot encode the {what}: {e}") from None
     return serving.check_ids(prompt, config, what)
 
 

@@ -11,6 +11,7 @@ never recompile. `trace_counts()` counts the traces (= compilations) of each pro
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Sequence
 
 import jax
@@ -94,7 +95,7 @@ def _engine(params: Params, config: ModelConfig, lengths: list[int], *, wise_con
 
 def _stats(llm: LLM, new_tokens: int) -> GenerationStats:
     s = llm.stats()
-    return GenerationStats(prefill_s=s.prefill_s, prefill_tokens=s.prefill_tokens, decode_s=s.decode_s,
+    return GenerationStats(prefill_s=s.prefill_s, prefill_tokens=s.prompt_tokens, decode_s=s.decode_s,
                            decode_tokens_per_s=s.decode_tokens_per_s, new_tokens=new_tokens,
                            fallbacks=s.fallbacks, density=s.density)
 
@@ -124,9 +125,12 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
     prompts = _prompt_list(prompts, "prompts")
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    sampling = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     eos = config.eos_token_id if eos_token_id is CONFIG_EOS else eos_token_id
-    eos = -1 if eos is None else int(eos)
+    if eos is not None and (not isinstance(eos, numbers.Integral) or isinstance(eos, bool)):
+        raise ValueError(f"eos_token_id must be an integer token id or None, got {eos!r}")
+    stops = () if eos is None or eos == config.eos_token_id else (int(eos),)
+    sampling = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                              ignore_eos=eos != config.eos_token_id, stop_token_ids=stops)
     key = jax.random.PRNGKey(0) if key is None else key
 
     encoded = [encode(p, config, tokenizer, f"prompts[{n}]") for n, p in enumerate(prompts)]
@@ -136,7 +140,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
                              f"exceed max_position_embeddings {config.max_position_embeddings}")
     llm = _engine(params, config, [len(ids) + max_new_tokens for ids in encoded], wise_config=wise_config,
                   page_size=page_size, kernel=kernel, tokenizer=tokenizer)
-    ids = [llm._add(p, sampling, eos=eos, key=jax.random.fold_in(key, n), keep_logits=return_logits)
+    ids = [llm._add(p, sampling, key=jax.random.fold_in(key, n), keep_logits=return_logits)
            for n, p in enumerate(encoded)]
     while llm.has_unfinished():
         llm.step()
@@ -170,7 +174,7 @@ def teacher_force(params: Params, config: ModelConfig, context_ids, continuation
                              f"max_position_embeddings {config.max_position_embeddings}")
     llm = _engine(params, config, [len(a) + len(b) for a, b in zip(contexts, continuations)],
                   wise_config=wise_config, page_size=page_size, kernel=kernel, tokenizer=tokenizer)
-    ids = [llm._add(a, SamplingParams(max_tokens=len(b)), eos=-1, forced=b) for a, b in zip(contexts, continuations)]
+    ids = [llm.add_request(a, forced=b) for a, b in zip(contexts, continuations)]
     while llm.has_unfinished():
         llm.step()
     logprobs = [np.asarray(llm._requests[i].logprobs, np.float32) for i in ids]
