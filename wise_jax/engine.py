@@ -7,16 +7,20 @@
 
 Scheduling. A step either admits (prefills) every waiting request that fits, oldest first, and
 returns their first tokens, or decodes one token for every running request. A request is
-admitted when a slot is free and the pages of its whole lifetime (prompt + max_tokens) fit
-beside those of the running requests, so a running request never meets a full pool (pages are
-still taken from the pool only as it grows); nothing is preempted. A request that can never fit
-is a ValueError at `add_request`.
+admitted when a slot is free and the pages of its whole lifetime (prompt + max_tokens - 1 keys)
+fit beside those of the running requests, so a running request never meets a full pool (pages
+are still taken from the pool only as it grows); nothing is preempted (wise_torch's engine
+preempts instead). A request that can never fit is a ValueError at `add_request`. A prompt is
+prefilled whole (no chunking) in the step that admits it.
 
-The step. One jit-compiled program per cache shape: `model.decode_step` over every row (empty
-rows are masked no-ops), sampling on the device (per row: temperature, top-p, its own PRNG key),
-the stop rule (max_tokens, eos), and the release of finished rows' pages; the sampled tokens
-stay on the device as the next step's input, and the host reads them once per step. The cache
-(`rows = max_num_seqs`) and the WISE state are created once per engine and donated to every step.
+The step. One jit-compiled program per cache shape (and greedy / sampling): `model.decode_step`
+over every row (empty rows are masked no-ops), sampling on the device (per row: temperature,
+top-p, its own PRNG key), the stop rule (max_tokens, eos), and the release of finished rows'
+pages; the sampled tokens stay on the device as the next step's input, and the host reads them
+once per step (stop_token_ids are the host's: such a row is released before the next step).
+The cache (`rows = max_num_seqs`) and the WISE state are created once per engine and donated to
+every step. A pool that runs out anyway (a broken invariant) raises PoolExhaustedError in the
+step that met it, which wrote nothing.
 """
 
 from __future__ import annotations
@@ -47,8 +51,6 @@ from wise_jax.serving import DEFAULT_PAGE_SIZE, TRACES
 
 CPU_POOL_BYTES = 1 << 30       # num_pages=None on a CPU: a pool of at most 1 GiB
 GPU_POOL_FRACTION = 0.85       # num_pages=None on a GPU: this share of the free device memory
-
-
 MAX_SEED = 2 ** 63
 
 
