@@ -20,7 +20,7 @@ import torch
 
 from wise_core.config import WiseConfig
 from wise_torch.engine.block_manager import BlockManager
-from wise_torch.engine.model_runner import ModelRunner
+from wise_torch.engine.model_runner import InFlight, ModelRunner
 from wise_torch.engine.scheduler import Scheduler, Step
 from wise_torch.engine.sequence import RequestOutput, SamplingParams, Sequence, Status
 from wise_torch.kv_cache import PagedKVCache
@@ -58,12 +58,6 @@ class EngineStats:
     @property
     def prefill_tokens_per_s(self) -> float:
         return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
-
-
-def _sync(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 class LLM:
@@ -134,6 +128,8 @@ class LLM:
                 cuda_graphs == "auto" and self.device.type == "cuda"),
             kernel=kernel, seed=random.randrange(2 ** 63) if seed is None else seed)
         self.sequences: dict[int, Sequence] = {}
+        self.inflight: list[InFlight] = []      # the step launched last, not read yet
+        self.inflight_kind = self.previous_kind = None
         self.next_id = 0
         self.counters = dict(prompt_tokens=0, generated_tokens=0, prefill_s=0.0, decode_s=0.0, decode_steps=0,
                              decode_tokens=0)
@@ -209,12 +205,16 @@ class LLM:
         return RequestOutput.of(seq, self.tokenizer)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.inflight)
 
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule and run one step: decode every running request one token, prefill chunks
-        of waiting ones. Returns the requests that produced a token or finished."""
+        """Schedule and launch one step (decode every running request one token, prefill chunks
+        of waiting ones), then read the tokens of the step before it, which the device ran while
+        this one was scheduled: returns the requests that produced a token or finished there.
+        The host thus trails the device by one step: a request that stops on a stop token has
+        run one more step, whose token is dropped."""
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
         runner = self.runner
         for seq, pages in plan.preempted:
@@ -222,49 +222,59 @@ class LLM:
         for seq in plan.resumed:
             if seq.offloaded is not None:
                 runner.restore(seq)
-        if plan.empty:
-            if self.scheduler.has_work() and not plan.preempted:
-                raise RuntimeError("the scheduler made no progress although requests wait "
-                                   f"({self.blocks.num_free} of {self.blocks.num_pages} pages free)")
-            return []
-        produced: list[Sequence] = []
+        launched: list[InFlight] = []
         if plan.decode:
-            start = time.perf_counter()
             logits = runner.decode(plan.decode)
-            self._take(plan.decode, logits, produced)
+            launched.append(runner.sample(logits, plan.decode))
             for seq in plan.decode:
                 seq.num_cached = len(seq.tokens) - 1
-            self.counters["decode_s"] += time.perf_counter() - start
-            self.counters["decode_steps"] += 1
-            self.counters["decode_tokens"] += len(plan.decode)
         if plan.chunks:
-            start = time.perf_counter()
             logits = runner.prefill(plan.chunks)
             for chunk in plan.chunks:
                 chunk.seq.num_cached = chunk.start + chunk.length
-            done = [c.seq for c in plan.chunks if c.completes]
-            if done:
-                self._take(done, logits, produced)
-            else:
-                _sync(self.device)
-            self.counters["prefill_s"] += time.perf_counter() - start
+            launched.append(runner.sample(logits, [c.seq for c in plan.chunks if c.completes]))
             self.counters["prompt_tokens"] += sum(c.length for c in plan.chunks)
+        if not launched and not self.inflight and self.scheduler.has_work() and not plan.preempted:
+            raise RuntimeError("the scheduler made no progress although requests wait "
+                               f"({self.blocks.num_free} of {self.blocks.num_pages} pages free)")
+        previous, self.inflight = self.inflight, launched
+        self.inflight_kind = ("prefill" if plan.chunks else "decode") if launched else None
+        outputs = self._read(previous) if previous else []
+        # A step's host time is spent waiting for the device to finish the step before it.
+        kind = self.previous_kind if previous else self.inflight_kind
+        if kind == "decode":
+            self.counters["decode_s"] += time.perf_counter() - start
+            self.counters["decode_steps"] += 1
+            self.counters["decode_tokens"] += sum(len(f.rows) for f in previous or launched)
+        elif kind == "prefill":
+            self.counters["prefill_s"] += time.perf_counter() - start
+        self.previous_kind = self.inflight_kind
+        return outputs
+
+    def _read(self, records: list[InFlight]) -> list[RequestOutput]:
+        """Read a finished step's tokens into their sequences; finished ones leave."""
+        produced: dict[int, Sequence] = {}
+        for record in records:
+            tokens, nan, logprobs = record.read()
+            for i, (seq, index) in enumerate(record.rows):
+                if seq.status is Status.FINISHED:          # stopped or aborted meanwhile: the row ran for nothing
+                    continue
+                if nan[i]:
+                    raise FloatingPointError(f"the model's logits are NaN for request {seq.request_id}")
+                if logprobs is not None and (seq.params.logprobs or seq.forced is not None):
+                    seq.logprobs.append(logprobs[i])
+                if i in record.logits:
+                    seq.logits.append(record.logits[i])
+                seq.resolve(index, tokens[i])
+                produced[seq.request_id] = seq
+                self.counters["generated_tokens"] += 1
         outputs = []
-        for seq in produced:
+        for seq in produced.values():
             if seq.status is Status.FINISHED:
                 self.scheduler.remove(seq)
                 del self.sequences[seq.request_id]
             outputs.append(RequestOutput.of(seq, self.tokenizer))
         return outputs
-
-    def _take(self, seqs: list[Sequence], logits: torch.Tensor, produced: list[Sequence]) -> None:
-        tokens, logprobs = self.runner.sample(logits, seqs)
-        for i, (seq, token) in enumerate(zip(seqs, tokens)):
-            if logprobs is not None and (seq.params.logprobs or seq.forced is not None):
-                seq.logprobs.append(logprobs[i])
-            seq.append(token)
-            produced.append(seq)
-        self.counters["generated_tokens"] += len(seqs)
 
     # -- batch use --------------------------------------------------------------------------
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, *,

@@ -31,15 +31,43 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
     return [b for b in sizes if b < max_num_seqs] + [max_num_seqs]
 
 
-def min_splits_for(rows: int, kv_heads: int, programs: int = 256) -> int:
-    """Splits per row (at least) for a decode step of `rows` rows to launch about `programs`
-    programs (a power of two in [1, 16]); 1 once the rows alone fill the GPU."""
+def min_splits_for(rows: int, kv_heads: int, programs: int = 2048) -> int:
+    """The fewest splits per row (a power of two in [1, 16]) for a decode step of `rows` rows to
+    launch about `programs` programs. Only rows listing few blocks -- short rows, and the sparse
+    rows of the reuse loops -- are split further; long dense rows already have more splits
+    than this (one per 512 keys), so their work is unchanged. A step of few rows thus keeps
+    every SM busy, and a sparse row is not one long program."""
     want = max(programs // (rows * kv_heads), 1)
     return min(1 << (want.bit_length() - 1), 16)
 
 
+class InFlight:
+    """What a step sampled, on its way to the host: the rows' (sequence, token index), and
+    pinned host copies of the tokens (a NaN flag each), their log p (when asked) and kept
+    logits, enqueued after the sampling kernels; `read` waits for just those copies."""
+
+    def __init__(self, rows: list, tokens: torch.Tensor, nan: torch.Tensor, logprobs: torch.Tensor | None,
+                 logits: dict[int, torch.Tensor]):
+        pin = tokens.device.type == "cuda"
+        self.rows = rows
+        self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t, non_blocking=pin)
+                      for t in (tokens, nan, logprobs) if t is not None]
+        self.logits = {i: torch.empty(row.shape, dtype=row.dtype, pin_memory=pin).copy_(row, non_blocking=pin)
+                       for i, row in logits.items()}
+        self.event = None
+        if pin:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def read(self) -> tuple[list[int], list[bool], list[float] | None]:
+        if self.event is not None:
+            self.event.synchronize()
+        host = [t.tolist() for t in self._host]
+        return host[0], host[1], host[2] if len(host) > 2 else None
+
+
 class ModelRunner:
-    _META = ("tokens", "positions", "seq_lens", "slot_mapping", "epochs")
+    _META = ("tokens", "positions", "seq_lens", "slot_mapping", "epochs", "slots")
 
     def __init__(self, model: OuroForCausalLM, *, wise_config: WiseConfig | None, num_pages: int, page_size: int,
                  max_num_seqs: int, max_model_len: int, use_graphs: bool, kernel: str, seed: int):
@@ -65,11 +93,17 @@ class ModelRunner:
                 device=self.device, min_splits=min_splits_for(b, config.num_key_value_heads))
         # Static decode inputs (graph inputs) and their pinned host staging.
         pin = self.device.type == "cuda"
+        # Two host stagings, used in turn: a step's copy may still be queued when the next step is
+        # staged, never when the one after it is (the host has read that step's tokens by then).
         self.meta = torch.zeros(len(self._META), rows, dtype=torch.int64, device=self.device)
-        self.host_meta = torch.zeros(len(self._META), rows, dtype=torch.int64, pin_memory=pin)
         self.page_table = torch.zeros(rows, self.max_pages, dtype=torch.int32, device=self.device)
-        self.host_table = torch.zeros(rows, self.max_pages, dtype=torch.int32, pin_memory=pin)
+        self.host_meta = [torch.zeros(len(self._META), rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.host_table = [torch.zeros(rows, self.max_pages, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self.staged = 0
         self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=self.device)
+        # The last token sampled for each sequence slot: a decode row whose token is still in
+        # flight (staged as -1) reads it here, so a step never waits for the host to see tokens.
+        self.next_token = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
         self.dense_modes = torch.full((rows,), DENSE, dtype=torch.int32, device=self.device)
         self.unused_support = torch.zeros(rows, config.num_attention_heads, max_blocks, dtype=torch.bool,
                                           device=self.device)
@@ -83,30 +117,30 @@ class ModelRunner:
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def _batch(self, bucket: int) -> tuple[torch.Tensor, DecodeBatch]:
-        m = self.meta[:, :bucket]
-        return m[0], DecodeBatch(positions=m[1], seq_lens=self.seq_lens[:bucket], page_table=self.page_table[:bucket],
-                                 slot_mapping=m[3], epochs=m[4])
-
     def _forward(self, bucket: int) -> torch.Tensor:
-        self.seq_lens[:bucket].copy_(self.meta[2, :bucket])
-        tokens, batch = self._batch(bucket)
+        m = self.meta[:, :bucket]
+        self.seq_lens[:bucket].copy_(m[2])
+        tokens = torch.where(m[0] >= 0, m[0], self.next_token[m[5]])
+        batch = DecodeBatch(positions=m[1], seq_lens=self.seq_lens[:bucket], page_table=self.page_table[:bucket],
+                            slot_mapping=m[3], epochs=m[4])
         return self.model.decode_step(tokens, batch, self.cache, wise=self.wise, attention=self.attention[bucket],
                                       dense_modes=self.dense_modes, unused_support=self.unused_support)
 
     def _stage(self, seqs: list[Sequence], bucket: int) -> None:
         """Fill the host staging for `bucket` rows (padding rows: the scratch page) and copy it in."""
         scratch = self.cache.scratch_page
-        meta, table = self.host_meta.numpy(), self.host_table.numpy()
-        meta[:, :bucket] = np.array([[0], [0], [1], [scratch * self.page_size], [-1]])
+        self.staged += 1
+        host_meta, host_table = self.host_meta[self.staged % 2], self.host_table[self.staged % 2]
+        meta, table = host_meta.numpy(), host_table.numpy()
+        meta[:, :bucket] = np.array([[0], [0], [1], [scratch * self.page_size], [-1], [0]])
         table[:bucket] = scratch
         for row, seq in enumerate(seqs):
-            pos = len(seq.tokens) - 1
-            meta[:, row] = (seq.tokens[-1], pos, pos + 1, self.cache.slot(seq.pages, pos), self.next_epoch)
+            pos = len(seq.tokens) - 1   # its last token, PENDING (-1) while in flight
+            meta[:, row] = (seq.tokens[-1], pos, pos + 1, self.cache.slot(seq.pages, pos), self.next_epoch, seq.slot)
             self.next_epoch += 1
             table[row, :len(seq.pages)] = seq.pages
-        self.meta[:, :bucket].copy_(self.host_meta[:, :bucket], non_blocking=True)
-        self.page_table[:bucket].copy_(self.host_table[:bucket], non_blocking=True)
+        self.meta[:, :bucket].copy_(host_meta[:, :bucket], non_blocking=True)
+        self.page_table[:bucket].copy_(host_table[:bucket], non_blocking=True)
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One decode step (every loop) of each sequence's last token -> logits float32[len(seqs), vocab]."""
@@ -186,9 +220,13 @@ class ModelRunner:
         seq.offloaded = None
 
     # -- sampling ---------------------------------------------------------------------------
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float] | None]:
-        """Next token of each sequence (its forced token when teacher-forced) and, when any
-        sequence asks, log p of it. Keeps logits of sequences that ask. One host read."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> InFlight:
+        """Sample each sequence's next token on the device (its forced token when
+        teacher-forced), note it in the sequence slots' `next_token` and hold its place in the
+        sequence; log p of it and the logits where asked. Nothing waits for the host."""
+        if not seqs:   # a step that samples nothing still marks when it is done
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            return InFlight([], empty, empty.bool(), None, {})
         temperatures, top_ps, generators = [], [], []
         for seq in seqs:
             p = seq.params
@@ -203,18 +241,12 @@ class ModelRunner:
         forced = [i for i, s in enumerate(seqs) if s.forced is not None]
         if forced:
             tokens[torch.tensor(forced, device=self.device)] = torch.tensor(
-                [seqs[i].forced[len(seqs[i].output)] for i in forced], device=self.device)
-        nan = torch.isnan(logits).any(-1)
-        want = [s.params.logprobs or s.forced is not None for s in seqs]
-        rows = [tokens, nan.long()]
+                [seqs[i].forced[seqs[i].num_generated] for i in forced], device=self.device)
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        self.next_token.index_copy_(0, slots, tokens)
         logprobs = None
-        if any(want):
+        if any(s.params.logprobs or s.forced is not None for s in seqs):
             logprobs = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
-        for seq, row in zip(seqs, logits):
-            if seq.keep_logits:
-                seq.logits.append(row.cpu())
-        host = torch.stack(rows).tolist()
-        bad = [seqs[i].request_id for i, x in enumerate(host[1]) if x]
-        if bad:
-            raise FloatingPointError(f"the model's logits are NaN for request(s) {bad}")
-        return host[0], None if logprobs is None else logprobs.tolist()
+        kept = {i: logits[i] for i, s in enumerate(seqs) if s.keep_logits}
+        rows = [(seq, seq.expect()) for seq in seqs]
+        return InFlight(rows, tokens, torch.isnan(logits).any(-1), logprobs, kept)

@@ -51,19 +51,32 @@ class Scheduler:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []       # arrival order
+        self.free_slots: deque[int] = deque(range(max_num_seqs))
         self.preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
-        """Drop a finished or aborted sequence and free its pages."""
+        """Drop a finished or aborted sequence and free its pages and slot. Pages still written
+        by a step in flight are safe to hand out: later steps run after it, in stream order."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.release(seq)
+        self._release_slot(seq)
         seq.offloaded = None
+
+    def _run(self, seq: Sequence) -> None:
+        seq.status = Status.RUNNING
+        seq.slot = self.free_slots.popleft()    # never empty: running sequences <= max_num_seqs
+        self.running.append(seq)
+
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.slot >= 0:
+            self.free_slots.append(seq.slot)
+            seq.slot = -1
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -78,6 +91,7 @@ class Scheduler:
             step.decode = [s for s in step.decode if s is not victim]
             step.chunks = [c for c in step.chunks if c.seq is not victim]
             self.blocks.release(victim)
+            self._release_slot(victim)
             victim.status = Status.WAITING
             self.waiting.appendleft(victim)
             self.preemptions += 1
@@ -89,7 +103,8 @@ class Scheduler:
         step = Step([], [], [], [])
         # 1. Every prefilled running sequence decodes one token; grow pages, preempting the newest.
         for seq in list(self.running):
-            if seq.status is Status.RUNNING and seq.prefilled and self._grow_or_preempt(seq, len(seq.tokens), step):
+            if seq.status is Status.RUNNING and seq.prefilled and not seq.finishing \
+                    and self._grow_or_preempt(seq, len(seq.tokens), step):
                 step.decode.append(seq)
         # 2. Prompt chunks within the token budget: running sequences still prefilling, then waiting ones.
         budget = self.max_num_batched_tokens - len(step.decode)
@@ -107,8 +122,7 @@ class Scheduler:
                 if not self.blocks.grow(seq, seq.num_cached + (1 if seq.prefilled else 0)):
                     break
                 self.waiting.popleft()
-                seq.status = Status.RUNNING
-                self.running.append(seq)
+                self._run(seq)
                 step.resumed.append(seq)
                 if seq.prefilled:
                     step.decode.append(seq)
@@ -119,8 +133,7 @@ class Scheduler:
                 break
             if seq.offloaded is None:
                 self.waiting.popleft()
-                seq.status = Status.RUNNING
-                self.running.append(seq)
+                self._run(seq)
             step.chunks.append(Chunk(seq, seq.num_cached, length))
             budget -= length
         return step

@@ -63,14 +63,20 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+PENDING = -1   # a token sampled on the device whose value the host has not read yet
+
+
 @dataclasses.dataclass(eq=False)
 class Sequence:
     """One request: its tokens (prompt then generated), pages and progress.
 
-    num_cached: tokens whose K/V is in the cache (prefill progress, then all but the last
-    token while decoding); offloaded: the host copy of its K/V while preempted.
-    forced: tokens to feed instead of sampling (teacher forcing); keep_logits: keep each
-    step's float32 logits.
+    tokens ends with PENDING entries for tokens sampled in steps still in flight (at most two:
+    the engine reads a step's tokens while the next one runs). num_cached: tokens whose K/V is
+    in the cache (prefill progress, then all but the last token while decoding); slot: the
+    sequence's row in the engine's per-sequence device buffers while it runs; finishing: its
+    last token is in flight (token budget reached); offloaded: the host copy of its K/V while
+    preempted. forced: tokens to feed instead of sampling (teacher forcing); keep_logits: keep
+    each step's float32 logits.
     """
 
     request_id: int
@@ -81,7 +87,9 @@ class Sequence:
     tokens: list[int] = dataclasses.field(default_factory=list)
     pages: list[int] = dataclasses.field(default_factory=list)
     num_cached: int = 0
+    slot: int = -1
     status: Status = Status.WAITING
+    finishing: bool = False
     finish_reason: str | None = None
     offloaded: tuple[torch.Tensor, torch.Tensor] | None = None
     forced: list[int] | None = None
@@ -94,8 +102,17 @@ class Sequence:
         self.tokens = list(self.prompt)
 
     @property
+    def num_generated(self) -> int:
+        """Generated tokens, those in flight included."""
+        return len(self.tokens) - len(self.prompt)
+
+    @property
     def output(self) -> list[int]:
-        return self.tokens[len(self.prompt):]
+        """The generated tokens the host has read."""
+        out = self.tokens[len(self.prompt):]
+        while out and out[-1] == PENDING:
+            out.pop()
+        return out
 
     @property
     def prefilled(self) -> bool:
@@ -108,18 +125,24 @@ class Sequence:
         extra = len(self.forced) if self.forced is not None else self.params.max_tokens
         return len(self.prompt) + extra
 
-    def append(self, token: int) -> None:
-        """Add a generated token; finish on a stop token or the token budget."""
-        self.tokens.append(token)
-        if self.forced is not None:
-            done = len(self.output) >= len(self.forced)
-            reason = "length"
-        else:
-            stop = not self.params.ignore_eos and token in self.eos_token_ids or token in self.params.stop_token_ids
-            done = stop or len(self.output) >= self.params.max_tokens
-            reason = "stop" if stop else "length"
-        if done:
-            self.finish(reason)
+    def expect(self) -> int:
+        """A token of this sequence was sampled on the device: hold its place -> its index."""
+        self.tokens.append(PENDING)
+        if len(self.tokens) >= self.max_length:
+            self.finishing = True
+        return len(self.tokens) - 1
+
+    def resolve(self, index: int, token: int) -> None:
+        """The host read the token at `index`: finish on a stop token (dropping any later
+        token in flight) or on the token budget."""
+        self.tokens[index] = token
+        stop = self.forced is None and (not self.params.ignore_eos and token in self.eos_token_ids
+                                        or token in self.params.stop_token_ids)
+        if stop:
+            del self.tokens[index + 1:]
+            self.finish("stop")
+        elif self.finishing and index == len(self.tokens) - 1:
+            self.finish("length")
 
     def finish(self, reason: str) -> None:
         self.status, self.finish_reason = Status.FINISHED, reason
