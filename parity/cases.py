@@ -10,12 +10,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import ml_dtypes
 import numpy as np
 
 from wise_core import modes as M
 from wise_core import reference as ref
 from wise_core.config import PRESETS, ModelConfig
-from wise_core.safetensors_io import float32_to_bf16_bits
 
 DTYPES = ("float32", "bfloat16")
 
@@ -26,7 +26,7 @@ def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "float32":
         return x
     if dtype == "bfloat16":
-        return (float32_to_bf16_bits(x).astype(np.uint32) << 16).view(np.float32)
+        return x.astype(ml_dtypes.bfloat16).astype(np.float32)
     raise ValueError(f"unsupported dtype {dtype!r} (choose from {DTYPES})")
 
 

@@ -2,21 +2,17 @@
 with the measured difference and the bound it was held to. `CHECKS` is the registry that
 `python -m parity` and the pytest tests both run.
 
-Bounds. Bitwise claims have bound 0 and count the values whose bits differ. Tolerances are in
-units of the float32 / output-dtype epsilon (`EPS`, the spacing at 1.0):
-- attention output vs the float64 spec: `scale * (OUT_ULPS * eps(dtype) + ACC_ULPS * eps32 *
-  sqrt(n))` with `scale` = max |v| of the row and `n` its attended keys: the final rounding to
-  the output dtype (and bf16 probabilities in tensor-core dots), plus float32 rounding of
-  scores, exponentials and sums, accumulating like a random walk over the keys;
-  two implementations: the sum of their bounds;
-- block mass vs the spec: `MASS_ULPS * eps32 * sqrt(n)` (masses are <= 1);
+Bounds. Bitwise claims have bound 0 and count the values whose bits differ. Tolerances follow
+the one basis of `wise_core.rounding` (unit roundoff, reduction length, LAMBDA):
+- attention output vs the float64 spec: `rounding.attention_bound` of each row (its largest |v|,
+  its largest scale * |q| * |k|, head_dim, the keys it attends; bf16 runs add the rounding of
+  probabilities and output); two implementations: the sum of their bounds;
+- block mass vs the spec: `rounding.mass_bound` of the row;
 - a support bit may differ only where the selection is decided within rounding: the mass ranked
-  before the block is within `2 * n_blocks * (delta + eps32 * total)` of eta * total, or the
-  block's mass is within `2 * delta` of another's (delta: the mass bound, 0 for given masses);
-- end to end, float32: logits within `LOGIT_ULPS * eps32 * max |logit| * sqrt(layers * loops)`
-  (every layer of every loop adds rounding of the same relative size); low precision
-  (teacher-forced log-probs): `FORCED_ULPS * eps(dtype) * max |log-prob| * sqrt(layers * loops)`,
-  the frameworks rounding each op's output to the dtype at different points.
+  before the block is within `rounding.selection_margin` of eta * total, or the block's mass is
+  within 2 * delta of another's (delta: the mass bound, 0 for given masses);
+- end to end: logits (log-probs when teacher-forced in low precision) within
+  `rounding.network_bound` of the model's depth (layers * loops), width (hidden size) and dtype.
 """
 
 from __future__ import annotations
@@ -37,14 +33,9 @@ from parity.convert import bits, jax_to_torch, jax_weights, params_differences, 
 from parity.suite import Suite
 from wise_core import modes as M
 from wise_core import reference as ref
+from wise_core import rounding
 from wise_core.checkpoint import DEFAULT_MODEL
 
-EPS = {"float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
-OUT_ULPS = 2.0
-ACC_ULPS = 8.0
-MASS_ULPS = 8.0
-LOGIT_ULPS = 64.0
-FORCED_ULPS = 2.0
 SHOWN = 4  # differences spelled out per result
 
 
@@ -186,7 +177,7 @@ def support_differences(mass: np.ndarray, eta: float, got: np.ndarray, want: np.
         before = np.concatenate([[0.0], np.cumsum(ranked)[:-1]])
         rank = np.argsort(order)
         total = float(ranked.sum())
-        tolerance = 2 * n * (delta + EPS["float32"] * total)
+        tolerance = rounding.selection_margin(n, total, delta)
         for block in np.flatnonzero(got[row] != want[row]):
             others = np.delete(m, block)
             tie = float(np.min(np.abs(others - m[block]))) if n > 1 else math.inf
@@ -275,18 +266,10 @@ def check_selection_spec(suite: Suite):
 
 
 # -- decode calls: all-blocks WISE is dense, bitwise ---------------------------------------------
-def _attention_task(label: str, impls, case, dtype, measure) -> Task:
-    """A task on an attention case, or a skip when an implementation cannot run it here."""
-    reasons = [r for r in (i.limitation(case.heads, case.kv_heads, dtype) for i in impls) if r]
-    if reasons:
-        return Task(label, case.name, dtype, functools.partial(Measured, None, detail=reasons[0]))
-    return Task(label, case.name, dtype, measure)
-
-
 def _attention_tasks(suite: Suite, measure):
     for impl, case, dtype in itertools.product(suite.impls, suite.settings.attention_cases,
                                                suite.settings.attention_dtypes):
-        yield _attention_task(impl.name, [impl], case, dtype, functools.partial(measure, suite, impl, case, dtype))
+        yield Task(impl.name, case.name, dtype, functools.partial(measure, suite, impl, case, dtype))
 
 
 def _all_blocks_call(suite: Suite, impl, case, dtype) -> Measured:
@@ -305,20 +288,17 @@ def check_all_blocks_call(suite: Suite):
 
 
 # -- decode calls: masked attention and selection across frameworks -----------------------------
-def attention_bound(dtype: str, scale: float, n_keys: int) -> float:
-    """Allowed |out - spec| for one row (see the module docstring)."""
-    return scale * (OUT_ULPS * EPS[dtype] + ACC_ULPS * EPS["float32"] * math.sqrt(n_keys))
-
-
 def row_bounds(suite: Suite, case: cases.AttentionCase, dtype: str, call: str) -> np.ndarray:
-    """float64[batch]: `attention_bound` of each row of a call (scale: max |v| of the row's keys)."""
+    """float64[batch]: `rounding.attention_bound` of each row of a call (SPARSE rows: the keys of
+    the largest support among the heads)."""
     modes, support = suite.call_inputs(case, dtype, call)
+    low = None if dtype == "float32" else dtype  # bf16: probabilities may enter bf16 dots
     bounds = np.zeros(case.batch)
     for b, n in enumerate(case.seq_lens):
-        _, v = case.row_keys(dtype, b)
         if modes[b] == M.SPARSE:
             n = min(n, int(support[b].sum(-1).max()) * case.block_size)
-        bounds[b] = attention_bound(dtype, float(np.abs(v).max()), n)
+        bounds[b] = rounding.attention_bound_of(case.inputs(dtype)["q"][b], *case.row_keys(dtype, b), n_keys=n,
+                                                out_dtype=dtype, p_dtype=low)
     return bounds
 
 
@@ -351,18 +331,18 @@ def check_masked_attention(suite: Suite):
                               [i for i in suite.impls if i.framework == "jax"])
     for (a, b), case, dtype in itertools.product(pairs, suite.settings.attention_cases,
                                                  suite.settings.attention_dtypes):
-        yield _attention_task(f"{a.name}|{b.name}", [a, b], case, dtype,
-                              functools.partial(_masked_pair, suite, a, b, case, dtype))
+        yield Task(f"{a.name}|{b.name}", case.name, dtype, functools.partial(_masked_pair, suite, a, b, case, dtype))
 
 
-def mass_bound(n_keys: int) -> float:
-    return MASS_ULPS * EPS["float32"] * math.sqrt(n_keys)
+def mass_bounds(case: cases.AttentionCase, dtype: str) -> np.ndarray:
+    """float64[batch]: `rounding.mass_bound` of each row (dense: every causal key)."""
+    return np.array([rounding.mass_bound_of(case.inputs(dtype)["q"][b], case.row_keys(dtype, b)[0])
+                     for b in range(case.batch)])
 
 
 def _discover_mass(suite: Suite, impl, case, dtype) -> Measured:
-    bounds = np.array([mass_bound(n) for n in case.seq_lens])
     return worst_row(case, suite.decode(impl, case, dtype, "discover").mass, suite.spec(case, dtype, "discover")[1],
-                     bounds)
+                     mass_bounds(case, dtype))
 
 
 @check("discover-mass", "DISCOVER block mass within its bound of the float64 spec")
@@ -375,9 +355,9 @@ def _discover_support(suite: Suite, impl, case, dtype) -> Measured:
     spec_mass = suite.spec(case, dtype, "discover")[1]
     want = ref.select_blocks(spec_mass.astype(np.float32), case.eta)
     diffs = []
-    for b, n in enumerate(case.seq_lens):
+    for b, delta in enumerate(mass_bounds(case, dtype)):
         diffs += [dataclasses.replace(d, row=(b,) + d.row) for d in support_differences(
-            spec_mass[b], case.eta, found[b], want[b], mass_bound(n))]
+            spec_mass[b], case.eta, found[b], want[b], float(delta))]
     measured = support_measured(diffs)
     prior = suite.call_inputs(case, dtype, "union")[1]
     union_wrong = int((suite.decode(impl, case, dtype, "union").support != (prior | found)).sum())
@@ -413,11 +393,13 @@ def check_all_blocks_generate(suite: Suite):
 
 
 # -- end to end ------------------------------------------------------------------------------------
-def logit_bound(dtype: str, ulps: float, scale: float, config) -> float:
-    return ulps * EPS[dtype] * scale * math.sqrt(config.num_hidden_layers * config.total_ut_steps)
+def logit_bound(dtype: str, scale: float, config) -> float:
+    """`rounding.network_bound` of a model config."""
+    return rounding.network_bound(scale=scale, depth=config.num_hidden_layers * config.total_ut_steps,
+                                  width=config.hidden_size, dtype=dtype)
 
 
-def compare_runs(config, torch_run, jax_run, dtype: str, ulps: float, forced: bool) -> Measured:
+def compare_runs(config, torch_run, jax_run, dtype: str, forced: bool) -> Measured:
     """Logits (log-probs when forced) within `logit_bound`, compared up to and including each
     prompt's first divergent token, and the same greedy tokens, except where the two runs part
     on a near-tie: torch's top-2 logit gap there within twice the bound (either order is then
@@ -429,7 +411,7 @@ def compare_runs(config, torch_run, jax_run, dtype: str, ulps: float, forced: bo
         errs.append(float(np.abs(tl[:n].astype(np.float64) - jl[:n]).max()))
         scale = max(scale, float(np.abs(tl[:n]).max()))
         spans.append(split if split is not None or len(tt) == len(jt) else min(len(tt), len(jt)))
-    bound = logit_bound(dtype, ulps, scale, config)
+    bound = logit_bound(dtype, scale, config)
     lines, passed = [], bool(max(errs) <= bound)
     for i, at in enumerate(spans):
         if at is None:
@@ -462,10 +444,10 @@ def _end_to_end(suite: Suite, run) -> Measured:
     if run.dtype == "float32":
         out = [suite.generate(framework, run.model, kernel, run.mode, run.workload)
                for framework, kernel in (("torch", run.torch_kernel), ("jax", run.jax_kernel))]
-        return compare_runs(config, *out, run.dtype, LOGIT_ULPS, False)
+        return compare_runs(config, *out, run.dtype, False)
     out = [suite.teacher_force(framework, run.model, kernel, run.mode, run.workload, run.dtype)
            for framework, kernel in (("torch", run.torch_kernel), ("jax", run.jax_kernel))]
-    return compare_runs(config, *out, run.dtype, FORCED_ULPS, True)
+    return compare_runs(config, *out, run.dtype, True)
 
 
 @check("end-to-end", "torch and JAX give the same greedy tokens, dense and WISE, logits within the bound "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from parity import environment  # noqa: F401  (before triton and jax are imported)
+from parity import environment  # (before triton and jax are imported)
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,9 @@ import torch
 from wise_core import reference as ref
 from wise_jax import attention as jax_attention
 from wise_torch import attention as torch_attention
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    environment.widen_interpreted_bf16_dots()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,14 +57,6 @@ class Impl:
                 jax_attention.attention_impl(self.kernel)
         except (ImportError, RuntimeError, ValueError) as e:
             return f"{type(e).__name__}: {e}"
-        return None
-
-    def limitation(self, heads: int, kv_heads: int, dtype: str) -> str | None:
-        """Why these shapes cannot be checked here (None: they can)."""
-        if (self.kernel == "triton" and os.environ.get("TRITON_INTERPRET") == "1" and dtype == "bfloat16"
-                and heads != kv_heads):
-            return ("Triton's interpreter multiplies bf16 tl.dot operands as their raw uint16 storage, "
-                    "so GQA bf16 (tensor-core dots) is checked on a GPU only")
         return None
 
     def to_device(self, inputs: dict[str, np.ndarray], dtype: str) -> dict:

@@ -85,12 +85,13 @@ class Settings:
         if gpu and jax_backend() not in ("gpu", "cuda", "rocm"):
             raise RuntimeError(f"torch runs on CUDA but JAX on {jax_backend()!r}: install jax with CUDA, "
                                f"or run on CPU with CUDA_VISIBLE_DEVICES=")
-        kernels = ("triton", "pallas") if gpu else ("reference", "reference")
-        if quick:  # GQA and the default model (MHA); interpreted kernels decode 2 steps on CPU
-            work = cases.Workload((70, 133), 8)
-            pairs = {("reference", "reference"), kernels}
-            e2e = tuple(EndToEnd(m, *k, mode, "float32", work) for k in sorted(pairs)
-                        for m in ("test-tiny-gqa", DEFAULT_MODEL) for mode in ("dense", "wise"))
+        kernels = ("triton", "pallas")  # interpreted without a GPU
+        if quick:  # GQA and the default model (MHA); on CPU the interpreted kernels run GQA, 3 tokens
+            work, models = cases.Workload((70, 133), 8), ("test-tiny-gqa", DEFAULT_MODEL)
+            runs = [(m, ("reference", "reference"), work) for m in models]
+            runs += [(m, kernels, work) for m in models] if gpu else [
+                ("test-tiny-gqa", kernels, cases.Workload((70,), 3))]
+            e2e = tuple(EndToEnd(m, *k, mode, "float32", w) for m, k, w in runs for mode in ("dense", "wise"))
             return cls(quick, device, cases.attention_cases(True), cases.DTYPES, "test-tiny-gqa",
                        cases.Workload((40,), 3), e2e)
         # Full shapes: one workload for the medium model, so the all-blocks check and the dense

@@ -10,7 +10,7 @@ import pytest
 from wise_core.checkpoint import (BUILTIN_MODELS, DEFAULT_MODEL, Checkpoint, CheckpointError,
                                   expected_shapes, load_checkpoint, random_tensors, save_checkpoint)
 from wise_core.config import PRESETS
-from wise_core.safetensors_io import float32_to_bf16_bits
+from wise_core.safetensors_io import read_tensors, write_tensors
 from wise_core.tokenizer import byte_tokenizer
 
 CONFIG = dataclasses.replace(PRESETS["test-tiny-gqa"], num_hidden_layers=1)
@@ -26,6 +26,14 @@ def assert_same_tensors(a, b):
     for name in a:
         assert a[name].dtype == b[name].dtype == np.float32, name
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def bf16_nearest_even(x: np.ndarray) -> np.ndarray:
+    """float32 -> the nearest bfloat16 (ties to even), as float32: the bit formula, an oracle
+    independent of ml_dtypes (finite inputs)."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint32) << 16
+    return rounded.view(np.float32)
 
 
 def test_round_trip(tmp_path, checkpoint):
@@ -46,8 +54,10 @@ def test_bf16_round_trip_rounds_to_nearest_even(tmp_path, checkpoint):
     save_checkpoint(tmp_path, checkpoint, bf16=True)
     loaded = load_checkpoint(tmp_path).tensors
     for name, array in checkpoint.tensors.items():
-        expected = (float32_to_bf16_bits(array).astype(np.uint32) << 16).view(np.float32)
-        np.testing.assert_array_equal(loaded[name], expected, err_msg=name)
+        assert loaded[name].dtype.name == "bfloat16", name  # as stored, not widened
+        np.testing.assert_array_equal(loaded[name].astype(np.float32), bf16_nearest_even(array), err_msg=name)
+    halfway = np.array([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8)], np.float32)  # ties: to even
+    np.testing.assert_array_equal(bf16_nearest_even(halfway), [1.0, 1 + 2 ** -6, -1.0])
 
 
 def test_tied_checkpoint_drops_lm_head(tmp_path):
@@ -78,10 +88,9 @@ def test_save_rejects_mismatched_tensors(tmp_path, checkpoint, edit, message):
 
 
 def _rewrite_weights(directory, edit):
-    from wise_core.safetensors_io import read_safetensors, write_safetensors
-    tensors = read_safetensors(directory / "model.safetensors")
+    tensors = read_tensors(directory / "model.safetensors")
     edit(tensors)
-    write_safetensors(directory / "model.safetensors", tensors)
+    write_tensors(directory / "model.safetensors", tensors)
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -137,16 +146,45 @@ def test_truncated_safetensors(tmp_path, checkpoint, keep):
         load_checkpoint(tmp_path)
 
 
+def _entry(dtype="F32", shape=(4,), offsets=(0, 16)):
+    return {"dtype": dtype, "shape": list(shape) if isinstance(shape, tuple) else shape,
+            "data_offsets": list(offsets) if isinstance(offsets, tuple) else offsets}
+
+
+NORM = "model.norm.weight"
+
+
 @pytest.mark.parametrize("header, message", [
-    (b"[1, 2]", "header must be a JSON object"),
-    (b'{"model.norm.weight": {"shape": [4], "data_offsets": [0, 16]}}', "malformed header entry"),
-    (b'{"model.norm.weight": {"dtype": "F32", "shape": [4], "data_offsets": [0]}}', "malformed header entry"),
+    ([1, 2], "header must be a JSON object"),
+    ({NORM: {"shape": [4], "data_offsets": [0, 16]}}, f"tensor '{NORM}' has a malformed header entry"),
+    ({NORM: _entry(offsets=[0])}, rf"tensor '{NORM}' has data_offsets \[0\]"),
+    ({NORM: _entry(offsets=[0.0, 16.0])}, rf"tensor '{NORM}' has data_offsets \[0.0, 16.0\]"),
+    ({NORM: _entry(offsets=["0", "16"])}, rf"tensor '{NORM}' has data_offsets \['0', '16'\]"),
+    ({NORM: _entry(offsets=[16, 0])}, "0 <= start <= end"),
+    ({NORM: _entry(shape="4")}, rf"tensor '{NORM}' has shape '4'; a shape is a list of non-negative integers"),
+    ({NORM: _entry(shape=[-4])}, rf"tensor '{NORM}' has shape \[-4\]"),
+    ({NORM: _entry(shape=[True])}, rf"tensor '{NORM}' has shape \[True\]"),
+    ({NORM: _entry(dtype="F33")}, "unsupported dtype 'F33'"),
+    ({NORM: _entry(shape=(5,))}, rf"tensor '{NORM}' holds 16 bytes, its shape \[5\] of F32 needs 20"),
+    ({NORM: _entry(offsets=(0, 16)), "b": _entry(shape=(2,), offsets=(8, 16))}, f"tensor 'b' .* overlaps tensor '{NORM}'"),
+    ({"b": _entry(shape=(2,), offsets=(8, 16))}, "8 unused bytes before tensor 'b'"),
+    ({"b": _entry(shape=(2,), offsets=(0, 8))}, "8 bytes after the last tensor"),
 ])
 def test_malformed_safetensors_header(tmp_path, checkpoint, header, message):
+    """Each is a CheckpointError naming the file and the tensor (no TypeError, no guess)."""
     save_checkpoint(tmp_path, checkpoint)
-    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
-    with pytest.raises(CheckpointError, match=message):
+    raw = json.dumps(header).encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(16))
+    with pytest.raises(CheckpointError, match=message) as error:
         load_checkpoint(tmp_path)
+    assert str(path) in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["", "   ", 3, None])
+def test_no_model_name(name):
+    with pytest.raises(CheckpointError, match="unknown model|a model is a checkpoint directory"):
+        load_checkpoint(name)
 
 
 def test_sharded_errors(tmp_path, checkpoint):

@@ -10,8 +10,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def wise(*args, timeout=300):
+def wise(*args, timeout=300, interpret=True):
+    """`wise ARGS` in a subprocess; interpret=False leaves TRITON_INTERPRET unset."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+    if not interpret:
+        env.pop("TRITON_INTERPRET", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, "-m", "wise_core.cli", *args], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=timeout)
@@ -49,3 +52,29 @@ def test_cli_module_does_not_import_a_framework():
     code = "import sys, wise_core.cli; print(sorted({'torch', 'jax'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--eta", "0.5"), "--eta set WISE decode; add --wise"),
+    (("--kernel", "reference"), "--kernel set WISE decode; add --wise"),
+    (("--eta", "0.5", "--kernel", "triton"), "--eta and --kernel set WISE decode; add --wise"),
+    (("--seed", str(2 ** 70)), r"seed must be in [0, 2**63), got 1180591620717411303424"),
+    (("--temperature", "nan"), "temperature must be finite and >= 0"),
+    (("--top-p", "0"), "top_p must be in (0, 1], got 0.0"),
+    (("--wise", "--eta", "1.5"), "WiseConfig.eta must be in (0, 1], got 1.5"),
+])
+def test_generate_argument_errors_before_any_framework_loads(args, message):
+    """Named errors, exit status 1; dense decode never silently ignores WISE settings."""
+    result = wise("generate", "--prompt", "x", "--device", "cpu", *args)
+    assert result.returncode == 1 and message in result.stderr, result.stderr
+
+
+def test_generate_errors_that_need_the_model():
+    """A lone surrogate (undecodable bytes in argv) and Triton without CUDA: named errors."""
+    result = wise("generate", "--prompt", "ab\udcff", "--device", "cpu", "--max-new-tokens", "1")
+    assert result.returncode == 1 and "--prompt holds a lone surrogate '\\udcff' at index 2" in result.stderr, \
+        result.stderr
+    env_free = wise("generate", "--prompt", "x", "--device", "cpu", "--wise", "--kernel", "triton",
+                    "--max-new-tokens", "1", interpret=False)
+    assert env_free.returncode == 1, env_free.stderr
+    assert "the Triton kernel needs a CUDA device or TRITON_INTERPRET=1" in env_free.stderr

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from wise_core.config import PRESETS, ConfigError, ModelConfig, WiseConfig
@@ -34,10 +35,42 @@ def test_model_config_from_dict():
     assert config.head_dim == TINY.hidden_size // TINY.num_attention_heads
     assert config.num_key_value_heads == TINY.num_attention_heads
     assert ModelConfig.from_dict({**raw, "eos_token_id": [5]}).eos_token_id == 5
-    with pytest.raises(ConfigError, match="lists several ids"):
+    with pytest.raises(ConfigError, match="eos_token_id lists \\[5, 6\\]; wise takes exactly one id"):
         ModelConfig.from_dict({**raw, "eos_token_id": [5, 6]})
     with pytest.raises(ConfigError, match="missing the required field 'vocab_size'"):
         ModelConfig.from_dict({k: v for k, v in raw.items() if k != "vocab_size"})
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("tie_word_embeddings", "false", r"tie_word_embeddings must be a boolean \(JSON true or false\), got 'false'"),
+    ("tie_word_embeddings", 0, "tie_word_embeddings must be a boolean"),
+    ("rope_theta", [10000], r"rope_theta must be a finite number, got \[10000\]"),
+    ("rope_theta", "1e4", "rope_theta must be a finite number, got '1e4'"),
+    ("rms_norm_eps", float("inf"), "rms_norm_eps must be a finite number, got inf"),
+    ("early_exit_threshold", True, "early_exit_threshold must be a finite number, got True"),
+    ("eos_token_id", "256", "eos_token_id must be an integer token id or null, got '256'"),
+    ("eos_token_id", ["256"], "eos_token_id must be an integer token id or null, got '256'"),
+    ("bos_token_id", 1.5, "bos_token_id must be an integer token id or null, got 1.5"),
+    ("pad_token_id", True, "pad_token_id must be an integer token id or null, got True"),
+    ("eos_token_id", [], r"eos_token_id lists \[\]; wise takes exactly one id"),
+    ("hidden_size", "128", "hidden_size must be a positive integer, got '128'"),
+    ("vocab_size", 384.0, "vocab_size must be a positive integer, got 384.0"),
+    ("num_attention_heads", [2], r"num_attention_heads must be a positive integer, got \[2\]"),
+])
+def test_every_json_field_is_type_checked(field, value, message):
+    """config.json values of the wrong JSON type are errors naming the field (a string "false"
+    for tie_word_embeddings used to read as true and drop lm_head)."""
+    raw = {**TINY.to_dict(), field: value}
+    if field in ("hidden_size", "num_attention_heads"):
+        del raw["head_dim"]  # derived from them
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_dict(raw)
+
+
+def test_json_numbers_become_floats():
+    config = ModelConfig.from_dict({**TINY.to_dict(), "rope_theta": 10000, "early_exit_threshold": 1})
+    assert config.rope_theta == 10000.0 and isinstance(config.rope_theta, float)
+    assert isinstance(config.early_exit_threshold, float) and config == TINY
 
 
 def test_model_config_from_json_errors(tmp_path):
@@ -64,8 +97,15 @@ def test_model_config_from_json_errors(tmp_path):
     ({"discover_depths": (0, 3), "reuse_depths": (2,)}, "comes before the last discovery depth"),
     ({"kernel": "cuda"}, "kernel must be one of"),
     ({"eta": "0.9"}, "eta must be a number"),
-    ({"discover_depths": 0}, "sequence of non-negative loop indices"),
-    ({"discover_depths": (True,)}, "sequence of non-negative loop indices"),
+    ({"discover_depths": 0}, "tuple or list of non-negative loop indices"),
+    ({"discover_depths": (True,)}, "tuple or list of non-negative loop indices"),
+    ({"discover_depths": (np.int64(0), np.int64(1))}, r"discover_depths must be .*Python ints.*np.int64\(0\)"),
+    ({"block_size": np.int64(32)}, r"block_size must be a positive power of two \(a Python int\), got np.int64\(32\)"),
+    ({"block_size": 32.0}, r"block_size must be a positive power of two \(a Python int\), got 32.0"),
+    ({"all_blocks": "no"}, "all_blocks must be True or False, got 'no'"),
+    ({"all_blocks": 1}, "all_blocks must be True or False, got 1"),
+    ({"kernel": ["triton"]}, "kernel must be one of"),
+    ({"eta": float("nan")}, r"eta must be in \(0, 1\], got nan"),
 ])
 def test_wise_config_errors(kwargs, message):
     with pytest.raises(ConfigError, match=message):

@@ -193,7 +193,7 @@ def test_teacher_force_takes_strings_through_the_tokenizer(params):
 
 
 def test_load_model_rejects_a_non_floating_dtype():
-    with pytest.raises(ValueError, match="dtype must be a floating type"):
+    with pytest.raises(ValueError, match="dtype must be a floating dtype"):
         wise_jax.load_model("random-tiny", dtype=jnp.int8)
 
 

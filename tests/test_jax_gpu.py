@@ -149,7 +149,7 @@ def test_ouro_shaped_bf16_generate_long_prefill_and_donated_cache():
     for out in (dense, wise):
         assert [len(t) for t in out.tokens] == [4] * 4
         assert all(np.isfinite(x).all() for x in out.logits)
-    assert wise.stats.fallbacks == 0 and 0 < wise.stats.density[2] <= 1
+    assert wise.stats.fallbacks == 0
 
     # A 32K-token prefill: cuDNN attention, no [seq, seq] scores (those alone would be 64 GiB here).
     seq = 32768

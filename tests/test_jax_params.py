@@ -87,10 +87,11 @@ def test_load_model_and_tokenizer(tensors, tmp_path):
     directory = save_checkpoint(tmp_path / "ckpt", Checkpoint(CONFIG, tensors, byte_tokenizer()))
     config, params = wise_jax.load_model(directory, dtype=jnp.bfloat16)
     assert config == CONFIG and params.embed_tokens.dtype == jnp.bfloat16
-    assert wise_jax.tokenizer_for(config) is not None
+    config, params, tokenizer = wise_jax.load_model(directory, with_tokenizer=True)
+    assert tokenizer.encode("hi").ids == [104, 105]
     assert wise_jax.load_tokenizer(directory).encode("hi").ids == [104, 105]
-    config, params = wise_jax.load_model("random-tiny")
-    assert wise_jax.tokenizer_for(config).decode([104, 105]) == "hi"
+    config, params, tokenizer = wise_jax.load_model("random-tiny", with_tokenizer=True)
+    assert tokenizer.decode([104, 105]) == "hi"
     with pytest.raises(CheckpointError, match="unknown model 'no-such-model'"):
         wise_jax.load_model("no-such-model")
     (directory / "model.safetensors").write_bytes(b"\x00" * 4)

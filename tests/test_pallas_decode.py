@@ -1,9 +1,10 @@
 """The Pallas paged decode kernel (wise_jax.kernels.pallas_decode) in interpret mode on CPU.
 
 Small shapes (a few rows, 2-4 heads, 6-8 blocks). References: wise_core.reference (numpy,
-float64) and wise_jax.attention.decode_attention_reference (jnp). Tolerances: float32 outputs
-2e-5 absolute; bfloat16 outputs 1.5e-2 absolute (one bf16 rounding of values of magnitude < 2);
-block mass 1e-5 absolute. Bitwise claims compare the raw bits.
+float64) and wise_jax.attention.decode_attention_reference (jnp). Tolerances are
+`wise_core.rounding`'s bounds of each row (attention output, block mass, selection margin);
+against the jnp reference, twice the output bound (both round). Bitwise claims compare the raw
+bits.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 
 from wise_core import modes as M
 from wise_core import reference as ref
+from wise_core import rounding
 from wise_jax.kernels.pallas_decode import KernelConfig, decode_attention, default_config
 
 BLOCK = 32
@@ -48,20 +50,40 @@ def make_case(seed, *, page_size, heads, kv_heads, head_dim, dtype, max_pages, s
                 seq_lens=jnp.asarray(seq_lens, jnp.int32), support=jnp.asarray(support))
 
 
-def row_reference(case, b, support=None):
-    """(out float64 [heads, head_dim], mass [heads, n_blocks]) of row b from wise_core.reference."""
+def _row_keys(case, b):
+    """Row b's q [heads, head_dim] and keys, values [seq_len, kv_heads, head_dim], float64."""
     k, v = (np.asarray(case[name].astype(jnp.float32), np.float64) for name in ("k", "v"))
     pages = np.asarray(case["page_table"][b])
     n = int(case["seq_lens"][b])
-    keys = k[pages].reshape(-1, *k.shape[2:])[:n]
-    values = v[pages].reshape(-1, *v.shape[2:])[:n]
-    n_causal = ref.num_blocks(n, BLOCK)
-    out, mass = ref.attention(np.asarray(case["q"][b].astype(jnp.float32), np.float64), keys, values,
-                              block_size=BLOCK,
+    q = np.asarray(case["q"][b].astype(jnp.float32), np.float64)
+    return q, k[pages].reshape(-1, *k.shape[2:])[:n], v[pages].reshape(-1, *v.shape[2:])[:n]
+
+
+def row_reference(case, b, support=None):
+    """(out float64 [heads, head_dim], mass [heads, n_blocks]) of row b from wise_core.reference."""
+    q, keys, values = _row_keys(case, b)
+    n_causal = ref.num_blocks(len(keys), BLOCK)
+    out, mass = ref.attention(q, keys, values, block_size=BLOCK,
                               support=None if support is None else support[:, :n_causal])
     padded = np.zeros((mass.shape[0], case["support"].shape[-1]))
     padded[:, :n_causal] = mass
     return out, padded
+
+
+def out_bound(case, b):
+    """`rounding.attention_bound_of` row b, dense (bounds its sparse subsets too): float32
+    probabilities, the output rounded to the case's dtype."""
+    return rounding.attention_bound_of(*_row_keys(case, b), out_dtype=jnp.dtype(case["q"].dtype).name)
+
+
+def mass_bound(case, b):
+    q, keys, _ = _row_keys(case, b)
+    return rounding.mass_bound_of(q, keys)
+
+
+def assert_within(got, want, bound, what=""):
+    err = np.abs(np.asarray(got, np.float64) - want)
+    assert np.all(err <= bound), f"{what}: max |diff| {err.max():.3g} > bound {bound:.3g}"
 
 
 def run(case, modes, support=None, **kw):
@@ -85,7 +107,7 @@ COMBOS = {
 def assert_selection(got, mass, held, *, exact):
     """got == select_blocks(mass, ETA) | held, per head. exact=False allows what the spec does
     (wise_core.reference): a block may differ only where the mass ranked before it lies within
-    float32 rounding (n_blocks * eps * total) of the threshold."""
+    `rounding.selection_margin` of the threshold."""
     expected = ref.select_blocks(mass, ETA) | held
     if exact:
         assert np.array_equal(got, expected)
@@ -94,12 +116,12 @@ def assert_selection(got, mass, held, *, exact):
         m = mass[head].astype(np.float64)
         order = np.argsort(-mass[head], kind="stable")
         before = np.concatenate([[0.0], np.cumsum(m[order])[:-1]])
-        margin = len(m) * np.finfo(np.float32).eps * m.sum()
+        margin = rounding.selection_margin(len(m), m.sum())
         for rank in np.flatnonzero(got[head][order] != expected[head][order]):
             assert abs(before[rank] - ETA * m.sum()) <= margin, (head, order[rank])
 
 
-def check_modes(spec, *, config, atol, exact=True):
+def check_modes(spec, *, config, exact=True):
     """Rows cycle DISCOVER, DISCOVER_UNION, SPARSE with every causal block, SPARSE at random.
 
     Dense = reference; discover/union bitwise dense; sparse-all bitwise dense; sparse = masked
@@ -121,15 +143,15 @@ def check_modes(spec, *, config, atol, exact=True):
     mass, held = np.asarray(mass), np.asarray(support)
     for b in range(batch):
         expected, expected_mass = row_reference(case, b)
-        np.testing.assert_allclose(np.asarray(dense_out[b].astype(jnp.float32)), expected, atol=atol)
+        bound = out_bound(case, b)
+        assert_within(np.asarray(dense_out[b].astype(jnp.float32)), expected, bound, f"dense row {b}")
         if roles[b] < 3:  # discover, union, sparse-all
             assert np.array_equal(bits(out[b]), bits(dense_out[b])), f"row {b}"
         else:
             sparse_expected, _ = row_reference(case, b, held[b])
-            np.testing.assert_allclose(np.asarray(out[b].astype(jnp.float32)), sparse_expected,
-                                       atol=atol)
+            assert_within(np.asarray(out[b].astype(jnp.float32)), sparse_expected, bound, f"sparse row {b}")
         if roles[b] < 2:
-            np.testing.assert_allclose(mass[b], expected_mass, atol=1e-5)
+            assert_within(mass[b], expected_mass, mass_bound(case, b), f"mass row {b}")
             assert_selection(np.asarray(new_support[b]), mass[b], held[b] & (roles[b] == 1),
                              exact=exact)
             selected = ref.select_blocks(mass[b], ETA)
@@ -142,7 +164,7 @@ def check_modes(spec, *, config, atol, exact=True):
 @pytest.mark.parametrize("name", list(COMBOS))
 def test_modes_against_references_and_dense(name):
     spec = COMBOS[name]
-    check_modes(spec, config=SPLIT, atol=2e-5 if spec["dtype"] == jnp.float32 else 1.5e-2)
+    check_modes(spec, config=SPLIT)
 
 
 def test_fused_finish_equals_finish_launch():
@@ -165,8 +187,10 @@ def test_matches_jnp_reference():
     out, support, mass = decode_attention(*args, block_size=BLOCK, eta=ETA, return_mass=True)
     ref_out, ref_support, ref_mass = decode_attention_reference(*args, block_size=BLOCK, eta=ETA,
                                                                 return_mass=True)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=2e-5)
-    np.testing.assert_allclose(np.asarray(mass[:2]), np.asarray(ref_mass[:2]), atol=1e-5)
+    for b in range(4):  # both implementations round: twice each bound
+        assert_within(np.asarray(out[b]), np.asarray(ref_out[b]), 2 * out_bound(case, b), f"row {b}")
+    for b in range(2):
+        assert_within(np.asarray(mass[b]), np.asarray(ref_mass[b]), 2 * mass_bound(case, b), f"mass row {b}")
     assert np.array_equal(np.asarray(support), np.asarray(ref_support))
 
 
@@ -290,8 +314,7 @@ def test_gpu_modes_against_references_and_dense(name, fused_finish):
     config = dataclasses.replace(
         default_config(len(spec["seq_lens"]), spec["heads"], n_blocks, spec["head_dim"], BLOCK),
         fused_finish=fused_finish)
-    check_modes(spec, config=config, atol=5e-5 if spec["dtype"] == jnp.float32 else 1.5e-2,
-                exact=False)
+    check_modes(spec, config=config, exact=False)
 
 
 @on_gpu
@@ -317,8 +340,8 @@ def test_gpu_mixed_batch_rows_equal_rows_alone_and_jnp_reference():
     ref_out, _, ref_mass = decode_attention_reference(
         case["q"], case["k"], case["v"], case["page_table"], case["seq_lens"],
         jnp.asarray(modes, jnp.int32), case["support"], block_size=BLOCK, eta=ETA, return_mass=True)
-    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)),
-                               np.asarray(ref_out.astype(jnp.float32)), atol=1.5e-2)
-    discovering = np.isin(modes, [M.DISCOVER, M.DISCOVER_UNION])
-    np.testing.assert_allclose(np.asarray(mass)[discovering], np.asarray(ref_mass)[discovering],
-                               atol=1e-5)
+    for b, mode in enumerate(modes):  # both implementations round: twice each bound
+        assert_within(np.asarray(out[b].astype(jnp.float32)), np.asarray(ref_out[b].astype(jnp.float32)),
+                      2 * out_bound(case, b), f"row {b}")
+        if mode in (M.DISCOVER, M.DISCOVER_UNION):
+            assert_within(np.asarray(mass[b]), np.asarray(ref_mass[b]), 2 * mass_bound(case, b), f"mass row {b}")

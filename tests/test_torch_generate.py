@@ -39,7 +39,7 @@ def test_batch_gives_each_prompt_its_tokens_alone(model):
     assert both.logits[1].shape == (12, model.config.vocab_size) and both.logits[1].dtype == torch.float32
     assert both.texts is None and both.stats.fallbacks is None and both.stats.density is None
     assert both.stats.prefill_tokens == 60 and both.stats.new_tokens == 36
-    assert both.stats.decode_tokens_per_s > 0
+    assert both.stats.decode_tokens_per_s == (36 - 3) / both.stats.decode_s  # decode steps only
 
 
 def test_all_blocks_wise_is_bitwise_dense(model):

@@ -79,7 +79,6 @@ def test_bf16_wise_generation_and_scoring():
     out = wt.generate(model, prompts, max_new_tokens=20, eos_token_id=None,
                       wise_config=WiseConfig(kernel="triton"))
     assert [len(t) for t in out.tokens] == [20, 20] and out.stats.fallbacks == 0
-    assert all(0 < d <= 1 for d in out.stats.density.values())
     context, continuation = prompts[0][:400], prompts[0][400:]
     dense = wt.teacher_force(model, context, continuation)
     all_blocks = wt.teacher_force(model, context, continuation, wise_config=WiseConfig(all_blocks=True))
@@ -96,7 +95,7 @@ def test_ouro_width_model_bf16():
     all_blocks = wt.generate(model, prompts, wise_config=WiseConfig(all_blocks=True), **args)
     assert all(torch.equal(a, b) for a, b in zip(all_blocks.logits, dense.logits))
     wise = wt.generate(model, prompts, wise_config=WiseConfig(), **args)
-    assert wise.stats.fallbacks == 0 and all(0 < d <= 1 for d in wise.stats.density.values())
+    assert wise.stats.fallbacks == 0
     assert all(torch.isfinite(x).all() for x in wise.logits)
 
 

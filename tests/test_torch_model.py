@@ -116,7 +116,7 @@ def test_tied_embeddings_use_the_embedding_as_head():
 def test_load_errors():
     with pytest.raises(CheckpointError, match="unknown model 'nope'"):
         wt.load_model("nope")
-    with pytest.raises(ValueError, match="floating torch dtype"):
+    with pytest.raises(ValueError, match="dtype must be a floating dtype of"):
         wt.load_model("random-tiny", dtype=torch.int32)
     config = PRESETS["test-tiny"]
     tensors = random_tensors(config)

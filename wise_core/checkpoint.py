@@ -1,12 +1,16 @@
 """Checkpoints in the HF Ouro layout: a directory with config.json, model.safetensors (or a
 sharded `model.safetensors.index.json`) and optionally tokenizer.json.
 
-Tensors are numpy arrays named as in the released checkpoints (see `expected_shapes`).
+Tensors are named as in the released checkpoints (see `expected_shapes`). `open_checkpoint`
+reads a directory as far as its headers and checks every tensor's name, shape and dtype against
+the config, reading no data (the frameworks' loaders then read the data straight into their
+dtype and device); `load_checkpoint` reads the tensors into numpy arrays as stored.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -14,7 +18,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from wise_core.config import ModelConfig, PRESETS
-from wise_core.safetensors_io import read_safetensors, write_safetensors
+from wise_core.safetensors_io import FLOAT_DTYPES, TensorInfo, read_header, read_tensors, write_tensors
 from wise_core.tokenizer import byte_tokenizer, load_tokenizer
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -27,12 +31,31 @@ class CheckpointError(ValueError):
 
 @dataclasses.dataclass
 class Checkpoint:
-    """config, tensors (name -> float32/other numpy array) and the tokenizer (or None)."""
+    """config, tensors (name -> numpy array, in memory) and the tokenizer (or None)."""
 
     config: ModelConfig
     tensors: dict[str, np.ndarray]
     tokenizer: Tokenizer | None = None
     source: str = ""
+
+
+@dataclasses.dataclass
+class CheckpointFiles:
+    """A checkpoint directory read as far as its headers, checked against its config: tensors
+    maps each name to its TensorInfo (file, dtype, shape); no tensor data is read. The
+    frameworks' loaders read the data straight into their dtype and device."""
+
+    config: ModelConfig
+    tensors: dict[str, TensorInfo]
+    tokenizer: Tokenizer | None = None
+    source: str = ""
+
+    def by_file(self) -> dict[Path, list[str]]:
+        """file -> the names of the tensors it holds."""
+        out: dict[Path, list[str]] = {}
+        for name, info in self.tensors.items():
+            out.setdefault(info.path, []).append(name)
+        return out
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -56,8 +79,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def validate_tensors(config: ModelConfig, tensors: dict[str, np.ndarray], source: str = "") -> None:
-    """Raise CheckpointError naming every missing, extra or mis-shaped tensor."""
+def validate_tensors(config: ModelConfig, tensors, source: str = "") -> None:
+    """Raise CheckpointError naming every missing, extra, mis-shaped or non-floating tensor.
+    tensors: name -> anything with .shape and .dtype (numpy arrays, TensorInfo)."""
     expected = expected_shapes(config)
     where = f"{source}: " if source else ""
     missing = sorted(set(expected) - set(tensors))
@@ -68,64 +92,93 @@ def validate_tensors(config: ModelConfig, tensors: dict[str, np.ndarray], source
     for name in sorted(set(expected) & set(tensors)):
         if tuple(tensors[name].shape) != expected[name]:
             problems.append(f"tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {expected[name]}")
-        elif tensors[name].dtype.kind != "f":
+        elif np.dtype(tensors[name].dtype) not in FLOAT_DTYPES:
             problems.append(f"tensor {name!r} has non-floating dtype {tensors[name].dtype}")
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise CheckpointError(f"{where}checkpoint does not match its config: {shown}")
 
 
-def read_weights(directory: Path) -> dict[str, np.ndarray]:
-    """Tensors from model.safetensors or a sharded index."""
+def index_weights(directory: Path) -> dict[str, TensorInfo]:
+    """Where each tensor of model.safetensors or a sharded index lies, from the headers alone."""
     index = directory / INDEX_FILE
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: malformed index ({e!r})") from None
-        if not isinstance(weight_map, dict):
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index}: malformed index (weight_map must map tensor names to files)")
-        tensors: dict[str, np.ndarray] = {}
+        tensors: dict[str, TensorInfo] = {}
         for shard in sorted(set(weight_map.values())):
-            if not (directory / shard).exists():
+            if not (directory / shard).is_file():
                 raise CheckpointError(f"{index}: shard {shard!r} is missing")
-            for name, array in _read_file(directory / shard).items():
+            held = _read_header(directory / shard)
+            for name in held:
                 if weight_map.get(name) != shard:
                     raise CheckpointError(f"{directory / shard}: tensor {name!r} is not listed for this shard in the index")
-                tensors[name] = array
+            absent = sorted(n for n, f in weight_map.items() if f == shard and n not in held)
+            if absent:
+                raise CheckpointError(f"{index}: lists tensors {absent[:4]} in shard {shard!r}, which lacks them")
+            tensors.update(held)
         return tensors
     single = directory / WEIGHTS_FILE
     if not single.exists():
         raise CheckpointError(f"{directory}: no {WEIGHTS_FILE} or {INDEX_FILE}")
-    return _read_file(single)
+    return _read_header(single)
 
 
-def _read_file(path: Path) -> dict[str, np.ndarray]:
+def _read_header(path: Path) -> dict[str, TensorInfo]:
     try:
-        return read_safetensors(path)
+        return read_header(path)
     except ValueError as e:
         raise CheckpointError(str(e)) from None
 
 
-def load_checkpoint(path_or_name: str | Path) -> Checkpoint:
-    """Read a checkpoint directory, or build a built-in model by name (see `BUILTIN_MODELS`)."""
+def _directory(path_or_name) -> Path:
+    if not isinstance(path_or_name, (str, Path)):
+        raise CheckpointError(f"a model is a checkpoint directory or a built-in model name, got "
+                              f"{type(path_or_name).__name__} {path_or_name!r:.80}")
     name = str(path_or_name)
-    if name in BUILTIN_MODELS:
-        return BUILTIN_MODELS[name]()
     directory = Path(path_or_name)
-    if not directory.is_dir():
+    if not name or not directory.is_dir():
         raise CheckpointError(
             f"unknown model {name!r}: not a checkpoint directory and not a built-in model "
             f"(built-in: {', '.join(sorted(BUILTIN_MODELS))})")
+    return directory
+
+
+def open_checkpoint(path_or_name: str | Path) -> Checkpoint | CheckpointFiles:
+    """A built-in model in memory (see `BUILTIN_MODELS`: random ones are built, packaged ones are
+    directories), or a checkpoint directory read as far as its headers and checked against its
+    config (CheckpointFiles)."""
+    if isinstance(path_or_name, str) and path_or_name in BUILTIN_MODELS:
+        return BUILTIN_MODELS[path_or_name]()
+    directory = _directory(path_or_name)
     try:
         config = ModelConfig.from_json(directory / "config.json")
     except ValueError as e:
         raise CheckpointError(f"{directory}: {e}") from None
-    tensors = read_weights(directory)
+    tensors = index_weights(directory)
     validate_tensors(config, tensors, str(directory))
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    return Checkpoint(config, tensors, load_tokenizer(directory), str(directory))
+    return CheckpointFiles(config, tensors, load_tokenizer(directory), str(directory))
+
+
+def load_checkpoint(path_or_name: str | Path) -> Checkpoint:
+    """A checkpoint with its tensors read into numpy arrays, in their stored dtypes (BF16 as
+    ml_dtypes.bfloat16). The frameworks' load_model read the files directly instead."""
+    found = open_checkpoint(path_or_name)
+    if isinstance(found, Checkpoint):
+        return found
+    tensors: dict[str, np.ndarray] = {}
+    for path, names in found.by_file().items():
+        try:
+            tensors.update(read_tensors(path, names))
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+    return Checkpoint(found.config, tensors, found.tokenizer, found.source)
 
 
 def save_checkpoint(path: str | Path, checkpoint: Checkpoint, *, bf16: bool = False,
@@ -135,14 +188,14 @@ def save_checkpoint(path: str | Path, checkpoint: Checkpoint, *, bf16: bool = Fa
     validate_tensors(checkpoint.config, checkpoint.tensors)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(checkpoint.config.to_dict(), indent=2) + "\n")
-    tensors = {k: np.asarray(v, np.float32) for k, v in checkpoint.tensors.items()}
+    tensors = {k: np.asarray(v) for k, v in checkpoint.tensors.items()}
     if max_shard_bytes is None:
-        write_safetensors(directory / WEIGHTS_FILE, tensors, bf16=bf16)
+        write_tensors(directory / WEIGHTS_FILE, tensors, bf16=bf16)
     else:
         shards: list[dict[str, np.ndarray]] = [{}]
         size = 0
         for name in sorted(tensors):
-            nbytes = tensors[name].size * (2 if bf16 else 4)
+            nbytes = tensors[name].size * (2 if bf16 else tensors[name].itemsize)
             if shards[-1] and size + nbytes > max_shard_bytes:
                 shards.append({})
                 size = 0
@@ -151,7 +204,7 @@ def save_checkpoint(path: str | Path, checkpoint: Checkpoint, *, bf16: bool = Fa
         weight_map = {}
         for i, shard in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            write_safetensors(directory / fname, shard, bf16=bf16)
+            write_tensors(directory / fname, shard, bf16=bf16)
             weight_map.update({name: fname for name in shard})
         (directory / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
     if checkpoint.tokenizer is not None:
@@ -190,11 +243,8 @@ PACKAGED_MODELS_DIR = Path(__file__).resolve().parent / "models"
 TRAINED_MODEL = "ouro-py-3m"  # trained on the stdlib's source by benchmarks/train_builtin.py
 
 
-def _packaged(directory: Path):
-    return lambda: load_checkpoint(directory)
-
-
 BUILTIN_MODELS = {"random-tiny": _random_tiny}
-BUILTIN_MODELS.update({config.parent.name: _packaged(config.parent)
+"""name -> () -> Checkpoint (random models, built in memory) or CheckpointFiles (packaged ones)."""
+BUILTIN_MODELS.update({config.parent.name: functools.partial(open_checkpoint, config.parent)
                        for config in sorted(PACKAGED_MODELS_DIR.glob("*/config.json"))})
 DEFAULT_MODEL = TRAINED_MODEL if TRAINED_MODEL in BUILTIN_MODELS else "random-tiny"

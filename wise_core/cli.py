@@ -12,6 +12,8 @@ import sys
 
 from wise_core.checkpoint import BUILTIN_MODELS, DEFAULT_MODEL
 from wise_core.config import KERNELS, WiseConfig
+from wise_core.generate_args import check_sampling, check_seed
+from wise_core.tokenizer import encode_text
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -26,11 +28,11 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default: 32)")
     parser.add_argument("--backend", choices=("torch", "jax"), default="torch", help="framework (default: torch)")
     parser.add_argument("--wise", action="store_true", help="decode with WISE (default: dense decode)")
-    parser.add_argument("--eta", type=float, default=WiseConfig.eta,
-                        help=f"WISE mass fraction kept per head (default: {WiseConfig.eta})")
-    parser.add_argument("--kernel", choices=KERNELS, default="auto",
-                        help="WISE decode-attention kernel (default: auto, the framework's GPU kernel on "
-                             "GPU, the reference on CPU)")
+    parser.add_argument("--eta", type=float, default=None,
+                        help=f"WISE mass fraction kept per head (needs --wise; default: {WiseConfig.eta})")
+    parser.add_argument("--kernel", choices=KERNELS, default=None,
+                        help="WISE decode-attention kernel (needs --wise; default: auto, the framework's GPU "
+                             "kernel on GPU, the reference on CPU)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
@@ -47,10 +49,10 @@ def _generate_torch(args, wise_config: WiseConfig | None):
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: torch sees no CUDA device")
-    model = wise_torch.load_model(args.model, dtype=getattr(torch, args.dtype), device=device)
+    model = wise_torch.load_model(args.model, dtype=args.dtype, device=device)
     if model.tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer.json; `wise generate` needs one")
-    ids = model.tokenizer.encode(args.prompt).ids
+    ids = encode_text(model.tokenizer, args.prompt, "--prompt")
     out = wise_torch.generate(model, [ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p, eos_token_id=model.config.eos_token_id,
                               wise_config=wise_config, seed=args.seed)
@@ -62,26 +64,38 @@ def _generate_jax(args, wise_config: WiseConfig | None):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     try:
         import jax
-        import jax.numpy as jnp
 
         import wise_jax
     except ImportError as e:
         raise RuntimeError(f"--backend jax needs jax and the wise_jax package: {e}") from e
     if args.device == "cuda" and jax.default_backend() != "gpu":
         raise RuntimeError(f"--device cuda: jax runs on {jax.default_backend()!r}, not a GPU")
-    config, params = wise_jax.load_model(args.model, dtype=getattr(jnp, args.dtype))
-    tokenizer = wise_jax.tokenizer_for(config)
+    config, params, tokenizer = wise_jax.load_model(args.model, dtype=args.dtype, with_tokenizer=True)
     if tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer.json; `wise generate` needs one")
-    ids = tokenizer.encode(args.prompt).ids
+    ids = encode_text(tokenizer, args.prompt, "--prompt")
     out = wise_jax.generate(params, config, [ids], max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, top_p=args.top_p, eos_token_id=config.eos_token_id,
-                            wise_config=wise_config, key=jax.random.PRNGKey(args.seed))
+                            wise_config=wise_config, key=jax.random.PRNGKey(args.seed), tokenizer=tokenizer)
     return out, len(ids)
 
 
+def wise_settings(args) -> WiseConfig | None:
+    """The WiseConfig of --wise, --eta and --kernel; --eta or --kernel without --wise is an error
+    (dense decode would ignore them)."""
+    given = [name for name, value in (("--eta", args.eta), ("--kernel", args.kernel)) if value is not None]
+    if not args.wise:
+        if given:
+            raise ValueError(f"{' and '.join(given)} set WISE decode; add --wise (dense decode does not use them)")
+        return None
+    settings = {"eta": args.eta, "kernel": args.kernel}
+    return WiseConfig(**{name: value for name, value in settings.items() if value is not None})
+
+
 def run_generate(args) -> int:
-    wise_config = WiseConfig(eta=args.eta, kernel=args.kernel) if args.wise else None
+    wise_config = wise_settings(args)
+    check_sampling(args.temperature, args.top_p)
+    check_seed(args.seed)
     backend = _generate_torch if args.backend == "torch" else _generate_jax
     out, prompt_tokens = backend(args, wise_config)
     print(args.prompt + out.texts[0])

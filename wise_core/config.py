@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import numbers
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,23 @@ from typing import Any
 
 class ConfigError(ValueError):
     """An invalid or inconsistent configuration."""
+
+
+def _is_int(x) -> bool:
+    """A Python int that is not a bool (JSON integers; numpy integers are not accepted)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    """A Python int or float that is not a bool (JSON numbers)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                       "num_attention_heads", "num_key_value_heads", "head_dim",
+                       "max_position_embeddings", "total_ut_steps")
+FLOAT_FIELDS = ("rope_theta", "rms_norm_eps", "early_exit_threshold")
+TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,12 +57,24 @@ class ModelConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "max_position_embeddings", "total_ut_steps"):
+        for name in POSITIVE_INT_FIELDS:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not _is_int(value) or value <= 0:
                 raise ConfigError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        for name in FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not _is_real(value) or not math.isfinite(value):
+                raise ConfigError(f"ModelConfig.{name} must be a finite number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ConfigError(f"ModelConfig.tie_word_embeddings must be a boolean (JSON true or false), "
+                              f"got {self.tie_word_embeddings!r}")
+        for name in TOKEN_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise ConfigError(f"ModelConfig.{name} must be an integer token id or null, got {value!r}")
+            if value is not None and not 0 <= value < self.vocab_size:
+                raise ConfigError(f"{name}={value} is outside the vocabulary (size {self.vocab_size})")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -58,10 +88,6 @@ class ModelConfig:
         if not 0.0 <= self.early_exit_threshold <= 1.0:
             raise ConfigError(
                 f"early_exit_threshold must be in [0, 1], got {self.early_exit_threshold}")
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value < self.vocab_size:
-                raise ConfigError(f"{name}={value} is outside the vocabulary (size {self.vocab_size})")
 
     @property
     def num_loops(self) -> int:
@@ -75,26 +101,26 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        """Build from an HF Ouro config dict; unknown keys are ignored, missing required ones named."""
+        """Build from an HF Ouro config dict; unknown keys are ignored, missing required ones named,
+        every field's JSON type checked (see `__post_init__`). head_dim defaults to
+        hidden_size // num_attention_heads, num_key_value_heads to num_attention_heads; an eos,
+        bos or pad id given as a list must list exactly one id."""
         fields = {f.name: f for f in dataclasses.fields(cls)}
-        values: dict[str, Any] = {}
-        for name, field in fields.items():
-            if name in raw and raw[name] is not None:
-                values[name] = raw[name]
-            elif name == "head_dim" and "hidden_size" in raw and "num_attention_heads" in raw:
-                values[name] = raw["hidden_size"] // raw["num_attention_heads"]
-            elif name == "num_key_value_heads" and "num_attention_heads" in raw:
-                values[name] = raw["num_attention_heads"]
-            elif field.default is dataclasses.MISSING:
-                raise ConfigError(f"config is missing the required field {name!r}")
-        for name in ("eos_token_id", "bos_token_id", "pad_token_id"):
-            if isinstance(values.get(name), list):  # HF allows a list of eos ids; keep the first
+        values: dict[str, Any] = {name: raw[name] for name in fields if raw.get(name) is not None}
+        for name in TOKEN_FIELDS:
+            if isinstance(values.get(name), list):  # HF allows a list of eos ids; wise takes one
                 if len(values[name]) != 1:
-                    raise ConfigError(f"{name} lists several ids {values[name]}; wise takes one")
+                    raise ConfigError(f"{name} lists {values[name]!r:.80}; wise takes exactly one id")
                 values[name] = values[name][0]
-        for name in ("rope_theta", "rms_norm_eps", "early_exit_threshold"):
-            if name in values:
-                values[name] = float(values[name])
+        if "head_dim" not in values and "hidden_size" in values and "num_attention_heads" in values:
+            hidden, heads = values["hidden_size"], values["num_attention_heads"]
+            # None when they are invalid: __post_init__ then names the one that is
+            values["head_dim"] = hidden // heads if _is_int(hidden) and _is_int(heads) and heads > 0 else None
+        if "num_key_value_heads" not in values and "num_attention_heads" in values:
+            values["num_key_value_heads"] = values["num_attention_heads"]
+        missing = [name for name, f in fields.items() if name not in values and f.default is dataclasses.MISSING]
+        if missing:
+            raise ConfigError(f"config is missing the required field {missing[0]!r}")
         return cls(**values)
 
     @classmethod
@@ -149,16 +175,6 @@ FRAMEWORK_KERNELS = {"torch": ("auto", "reference", "triton"), "jax": ("auto", "
 plain reference, and its kernel."""
 
 
-class _ModelEos:
-    def __repr__(self) -> str:
-        return "<the model's eos_token_id>"
-
-
-MODEL_EOS = _ModelEos()
-"""Default of `generate(eos_token_id=...)` in both frameworks: stop at the model config's
-eos_token_id (None never stops early)."""
-
-
 @dataclasses.dataclass(frozen=True)
 class WiseConfig:
     """WISE decode settings.
@@ -181,20 +197,20 @@ class WiseConfig:
     def __post_init__(self) -> None:
         for name in ("discover_depths", "reuse_depths"):
             depths = getattr(self, name)
-            if not isinstance(depths, (tuple, list)) or any(
-                    not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in depths):
-                raise ConfigError(f"WiseConfig.{name} must be a sequence of non-negative loop indices, "
-                                  f"got {depths!r}")
+            if not isinstance(depths, (tuple, list)) or any(not _is_int(d) or d < 0 for d in depths):
+                raise ConfigError(f"WiseConfig.{name} must be a tuple or list of non-negative loop indices "
+                                  f"(Python ints), got {depths!r}")
             if len(set(depths)) != len(depths):
                 raise ConfigError(f"WiseConfig.{name} repeats a loop: {depths}")
             object.__setattr__(self, name, tuple(sorted(depths)))  # loop order, whatever the input order
         bs = self.block_size
-        if not isinstance(bs, int) or isinstance(bs, bool) or bs <= 0 or bs & (bs - 1):
-            raise ConfigError(f"WiseConfig.block_size must be a power of two, got {bs!r}")
+        if not _is_int(bs) or bs <= 0 or bs & (bs - 1):
+            raise ConfigError(f"WiseConfig.block_size must be a positive power of two (a Python int), got {bs!r}")
         if not isinstance(self.eta, numbers.Real) or isinstance(self.eta, bool):
             raise ConfigError(f"WiseConfig.eta must be a number, got {self.eta!r}")
         if not 0.0 < self.eta <= 1.0:
             raise ConfigError(f"WiseConfig.eta must be in (0, 1], got {self.eta!r}")
+        object.__setattr__(self, "eta", float(self.eta))
         if not self.discover_depths:
             raise ConfigError("WiseConfig.discover_depths must name at least one loop")
         overlap = set(self.discover_depths) & set(self.reuse_depths)
@@ -204,8 +220,10 @@ class WiseConfig:
             raise ConfigError(
                 f"reuse depth {min(self.reuse_depths)} comes before the last discovery depth "
                 f"{max(self.discover_depths)}")
-        if self.kernel not in KERNELS:
+        if not isinstance(self.kernel, str) or self.kernel not in KERNELS:
             raise ConfigError(f"WiseConfig.kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if not isinstance(self.all_blocks, bool):
+            raise ConfigError(f"WiseConfig.all_blocks must be True or False, got {self.all_blocks!r}")
 
     def validate_for(self, num_loops: int) -> None:
         """Check the depths against a model's loop count."""

@@ -47,3 +47,16 @@ def load_tokenizer(directory: str | Path) -> Tokenizer | None:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # the library raises a bare Exception on malformed files
         raise ValueError(f"{path}: not a readable tokenizer.json: {e}") from None
+
+
+def encode_text(tokenizer: Tokenizer, text: str, what: str = "prompt") -> list[int]:
+    """`tokenizer.encode(text).ids`, with text that is not valid Unicode (a lone surrogate, as
+    undecodable bytes in sys.argv become) a ValueError naming `what` and the position."""
+    if not isinstance(text, str):
+        raise TypeError(f"{what} must be a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} holds a lone surrogate {text[e.start]!r} at index {e.start}: not valid "
+                         f"Unicode text (decode its bytes with errors='replace' first)") from None
+    return tokenizer.encode(text).ids

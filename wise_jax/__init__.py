@@ -1,7 +1,8 @@
 """Functional JAX implementation of the Ouro recurrent-depth decoder with WISE decode.
 
-    config, params = wise_jax.load_model("random-tiny")
-    out = wise_jax.generate(params, config, ["Hello"], max_new_tokens=16, wise_config=WiseConfig())
+    config, params, tokenizer = wise_jax.load_model("ouro-py-3m", with_tokenizer=True)
+    out = wise_jax.generate(params, config, ["def f("], max_new_tokens=16, wise_config=WiseConfig(),
+                            tokenizer=tokenizer)
 
 Serving: `prefill`, `insert`, `decode_step` (wise_jax.serving) and the engine around them,
 `LLM` with `SamplingParams` / `RequestOutput` (wise_jax.engine), on which `generate` runs.
@@ -11,7 +12,7 @@ from wise_jax.checkpoint import restore_params, save_params
 from wise_jax.engine import LLM, EngineStats, RequestOutput, SamplingParams
 from wise_jax.generation import (ForcedOutput, GenerationOutput, GenerationStats, generate, teacher_force,
                                  trace_counts)
-from wise_jax.loading import load_model, load_tokenizer, register_tokenizer, tokenizer_for
+from wise_jax.loading import load_model, load_tokenizer
 from wise_jax.model import forward, forward_with_exits
 from wise_jax.params import (LayerParams, Params, abstract_params, from_checkpoint_tensors, init_params,
                              to_checkpoint_tensors)
@@ -21,6 +22,6 @@ __all__ = [
     "EngineStats", "ForcedOutput", "GenerationOutput", "GenerationStats", "LLM", "LayerParams", "Params",
     "RequestKV", "RequestOutput", "SamplingParams", "abstract_params", "decode_step", "forward",
     "forward_with_exits", "from_checkpoint_tensors", "generate", "init_params", "insert", "load_model",
-    "load_tokenizer", "prefill", "register_tokenizer", "restore_params", "save_params", "teacher_force",
-    "to_checkpoint_tensors", "tokenizer_for", "trace_counts",
+    "load_tokenizer", "prefill", "restore_params", "save_params", "teacher_force", "to_checkpoint_tensors",
+    "trace_counts",
 ]

@@ -40,6 +40,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from wise_core.config import ModelConfig, WiseConfig
+from wise_core.tokenizer import encode_text
 from wise_jax import kv_cache as kvc
 from wise_jax import model
 from wise_jax import serving
@@ -533,12 +534,9 @@ def encode(prompt, config: ModelConfig, tokenizer: Tokenizer | None, what: str) 
     """Token ids, or a string through `tokenizer`, -> checked token ids (`serving.check_ids`)."""
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise ValueError(f"a string {what} needs a tokenizer: pass tokenizer= (or load the model with "
-                             "wise_jax.load_model from a checkpoint that has one)")
-        try:
-            prompt = tokenizer.encode(prompt).ids
-        except Exception as e:  # the tokenizer rejects some strings (lone surrogates, ...)
-            raise ValueError(f"the tokenizer cannot encode the {what}: {e}") from None
+            raise ValueError(f"a string {what} needs a tokenizer: pass tokenizer= (a checkpoint's comes from "
+                             "wise_jax.load_model(..., with_tokenizer=True))")
+        prompt = encode_text(tokenizer, prompt, what)
     return serving.check_ids(prompt, config, what)
 
 

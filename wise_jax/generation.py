@@ -11,7 +11,6 @@ never recompile. `trace_counts()` counts the traces (= compilations) of each pro
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import Sequence
 
 import jax
@@ -19,12 +18,13 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from wise_core.config import ModelConfig, WiseConfig
+from wise_core.generate_args import (MODEL_EOS, check_max_new_tokens, check_sampling, check_wise_config,
+                                     resolve_eos)
 from wise_jax.engine import LLM, SamplingParams, encode
-from wise_jax.loading import tokenizer_for
 from wise_jax.params import Params
 from wise_jax.serving import DEFAULT_PAGE_SIZE, trace_counts
 
-__all__ = ["CONFIG_EOS", "ForcedOutput", "GenerationOutput", "GenerationStats", "generate", "pool_bucket",
+__all__ = ["ForcedOutput", "GenerationOutput", "GenerationStats", "generate", "pool_bucket",
            "teacher_force", "trace_counts"]
 
 
@@ -68,14 +68,6 @@ class ForcedOutput:
     stats: GenerationStats
 
 
-class _ConfigEos:
-    def __repr__(self) -> str:
-        return "<config's eos>"
-
-
-CONFIG_EOS = _ConfigEos()
-
-
 def pool_bucket(n: int) -> int:
     """n rounded up to a multiple of 2**(bit_length(n - 1) - 4) (n itself up to 16): less than
     1/8 above n, 8 values per power of two."""
@@ -108,27 +100,26 @@ def _prompt_list(prompts, what: str) -> list:
 
 def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int] | str], *,
              max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-             eos_token_id: int | None | _ConfigEos = CONFIG_EOS, wise_config: WiseConfig | None = None,
+             eos_token_id=MODEL_EOS, wise_config: WiseConfig | None = None,
              key: jax.Array | None = None, return_logits: bool = False,
              tokenizer: Tokenizer | None = None, page_size: int = DEFAULT_PAGE_SIZE,
              kernel: str | None = None) -> GenerationOutput:
     """Generate up to `max_new_tokens` per prompt; dense decode, or WISE with `wise_config`.
 
-    prompts: token-id lists, or strings when a tokenizer is given or registered for `config`
-    (`load_model` registers the checkpoint's; strings are encoded with `tokenizer.encode(s).ids`).
-    A row stops after emitting eos_token_id (default: config.eos_token_id; None: never early).
+    prompts: token-id lists, or strings with `tokenizer` (`load_model(..., with_tokenizer=True)`
+    returns a checkpoint's; strings are encoded with `tokenizer.encode(s).ids`).
+    A row stops after emitting eos_token_id (default MODEL_EOS: config.eos_token_id; None: never
+    early). Bad arguments are errors naming them (`wise_core.generate_args`).
     temperature 0 is greedy; otherwise sampling with top-p; prompt i samples with the key
     fold_in(key, i) (key default PRNGKey(0)), so its tokens do not depend on the other prompts.
     kernel: decode-attention kernel (default: wise_config.kernel, or 'auto' when dense).
     """
-    tokenizer = tokenizer if tokenizer is not None else tokenizer_for(config)
     prompts = _prompt_list(prompts, "prompts")
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    eos = config.eos_token_id if eos_token_id is CONFIG_EOS else eos_token_id
-    if eos is not None and (not isinstance(eos, numbers.Integral) or isinstance(eos, bool)):
-        raise ValueError(f"eos_token_id must be an integer token id or None, got {eos!r}")
-    stops = () if eos is None or eos == config.eos_token_id else (int(eos),)
+    max_new_tokens = check_max_new_tokens(max_new_tokens)
+    temperature, top_p = check_sampling(temperature, top_p)
+    wise_config = check_wise_config(wise_config, config.total_ut_steps)
+    eos = resolve_eos(eos_token_id, config.vocab_size, config.eos_token_id)
+    stops = () if eos is None or eos == config.eos_token_id else (eos,)
     sampling = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               ignore_eos=eos != config.eos_token_id, stop_token_ids=stops)
     key = jax.random.PRNGKey(0) if key is None else key
@@ -158,14 +149,14 @@ def teacher_force(params: Params, config: ModelConfig, context_ids, continuation
     the continuation instead of samples).
 
     context_ids, continuation_ids: one token-id list (or string) each, or lists of them (one per
-    sequence); strings use `tokenizer`, or the one registered for `config` by `load_model`.
+    sequence); strings need `tokenizer`.
     Returns per-sequence log-probs float32[len(continuation)] and stats."""
-    tokenizer = tokenizer if tokenizer is not None else tokenizer_for(config)
     single = isinstance(context_ids, str) or (len(context_ids) > 0 and np.ndim(context_ids[0]) == 0)
     contexts = _prompt_list([context_ids] if single else context_ids, "context_ids")
     continuations = _prompt_list([continuation_ids] if single else continuation_ids, "continuation_ids")
     if len(contexts) != len(continuations):
         raise ValueError(f"{len(contexts)} contexts but {len(continuations)} continuations")
+    wise_config = check_wise_config(wise_config, config.total_ut_steps)
     contexts = [encode(c, config, tokenizer, f"context_ids[{n}]") for n, c in enumerate(contexts)]
     continuations = [encode(c, config, tokenizer, f"continuation_ids[{n}]") for n, c in enumerate(continuations)]
     for n, (a, b) in enumerate(zip(contexts, continuations)):

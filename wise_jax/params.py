@@ -76,37 +76,12 @@ def _layer_shape(hf: dict, field: str, layers: int) -> tuple[int, ...]:
 
 def from_checkpoint_tensors(config: ModelConfig, tensors: dict[str, np.ndarray],
                             dtype=jnp.float32) -> Params:
-    """HF-named numpy tensors (validated against `config`) -> Params of `dtype`. Each stacked
-    field is filled in place in one host array of `dtype` (no float32 widening of the whole
-    checkpoint), then moved to the device."""
+    """HF-named numpy tensors (validated against `config`) -> Params of `dtype`, assembled as
+    `wise_jax.loading` assembles a checkpoint's (each leaf filled in place on the host in
+    `dtype`, no float32 widening)."""
+    from wise_jax import loading  # loading builds on this module
     validate_tensors(config, tensors)
-    hf = expected_shapes(config)
-    host_dtype = jnp.dtype(dtype)
-
-    def put(array: np.ndarray) -> jax.Array:
-        return jnp.asarray(np.asarray(array).astype(host_dtype, copy=False))
-
-    def stacked(field: str) -> jax.Array:
-        out = np.empty(_layer_shape(hf, field, config.num_hidden_layers), host_dtype)
-        for n in range(config.num_hidden_layers):
-            start = 0
-            for name in LAYER_NAMES[field]:
-                w = np.asarray(tensors[f"model.layers.{n}.{name}"])
-                if field in LINEAR_FIELDS:
-                    out[n, :, start:start + w.shape[0]] = w.T
-                    start += w.shape[0]
-                else:
-                    out[n] = w
-        return jnp.asarray(out)
-
-    return Params(
-        embed_tokens=put(tensors["model.embed_tokens.weight"]),
-        layers=LayerParams(**{field: stacked(field) for field in LAYER_NAMES}),
-        norm=put(tensors["model.norm.weight"]),
-        early_exit_gate=put(np.asarray(tensors["model.early_exit_gate.weight"]).T),
-        early_exit_gate_bias=put(tensors["model.early_exit_gate.bias"]),
-        lm_head=None if config.tie_word_embeddings else put(np.asarray(tensors["lm_head.weight"]).T),
-    )
+    return loading.params_from_tensors(config, loading._in_memory(tensors), dtype)
 
 
 def to_checkpoint_tensors(config: ModelConfig, params: Params) -> dict[str, np.ndarray]:

@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wise_core.checkpoint import load_checkpoint, validate_tensors
 from wise_core.config import ModelConfig, WiseConfig
 from wise_core.modes import DENSE
 from wise_torch.attention import prefill_attention
@@ -304,45 +303,25 @@ class OuroForCausalLM(nn.Module):
 
 
 # -- loading and export -------------------------------------------------------------------------
-_FUSED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                                        "self_attn.v_proj.weight"),
-          "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+# The model's fused weights -> the HF tensors they concatenate (along the output axis).
+FUSED_WEIGHTS = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                               "self_attn.v_proj.weight"),
+                 "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
 
 
 def from_tensors(config: ModelConfig, tensors: dict[str, np.ndarray], *, tokenizer=None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> OuroForCausalLM:
-    """An eval-mode model from HF-named tensors (numpy arrays or torch tensors, validated
-    against `config`); q/k/v and gate/up are fused on the way in."""
-    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"dtype must be a floating torch dtype, got {dtype!r}")
-    validate_tensors(config, tensors)
-    with torch.device("meta"):
-        model = OuroForCausalLM(config, tokenizer=tokenizer)
-
-    def load(name: str) -> torch.Tensor:
-        t = tensors[name]
-        t = t if isinstance(t, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(t))
-        return t.to(device=device, dtype=dtype)
-
-    weights = {}
-    for name in model.state_dict():
-        layer, _, leaf = name.partition(".layers.")[2].partition(".")
-        parts = _FUSED.get(leaf) if name.startswith("model.layers.") else None
-        if parts is None:
-            weights[name] = load(name)
-        else:
-            weights[name] = torch.cat([load(f"model.layers.{layer}.{p}") for p in parts])
-    model.load_state_dict(weights, strict=True, assign=True)
-    model.build_rope_table()
-    return model.requires_grad_(False).eval()
+    """An eval-mode model from HF-named numpy tensors (validated against `config`; q/k/v and
+    gate/up fused on the way in); see wise_torch.loading."""
+    from wise_torch import loading
+    return loading.from_tensors(config, tensors, tokenizer=tokenizer, dtype=dtype, device=device)
 
 
 def load_model(path_or_name: str | Path, *, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> OuroForCausalLM:
-    """A checkpoint directory or built-in model name (wise_core.checkpoint) as an eval-mode model."""
-    checkpoint = load_checkpoint(path_or_name)
-    return from_tensors(checkpoint.config, checkpoint.tensors, tokenizer=checkpoint.tokenizer,
-                        dtype=dtype, device=device)
+    """A checkpoint directory or built-in model name as an eval-mode model; see wise_torch.loading."""
+    from wise_torch import loading
+    return loading.load_model(path_or_name, dtype=dtype, device=device)
 
 
 def to_checkpoint_tensors(model: OuroForCausalLM) -> dict[str, np.ndarray]:
@@ -355,8 +334,8 @@ def to_checkpoint_tensors(model: OuroForCausalLM) -> dict[str, np.ndarray]:
     for name, t in model.state_dict().items():
         t = t.detach().to("cpu", torch.float32)
         layer, _, leaf = name.partition(".layers.")[2].partition(".")
-        if name.startswith("model.layers.") and leaf in _FUSED:
-            for part, piece in zip(_FUSED[leaf], t.split(sizes[leaf])):
+        if name.startswith("model.layers.") and leaf in FUSED_WEIGHTS:
+            for part, piece in zip(FUSED_WEIGHTS[leaf], t.split(sizes[leaf])):
                 out[f"model.layers.{layer}.{part}"] = piece.contiguous().numpy()
         else:
             out[name] = t.numpy()

@@ -1,0 +1,92 @@
+"""Building an eval-mode OuroForCausalLM from a checkpoint directory, a built-in model or numpy
+tensors. A directory is checked from its headers first (`wise_core.checkpoint.open_checkpoint`),
+then each tensor is read memory-mapped by `safetensors.safe_open` onto the device and cast to
+the model's dtype there, one tensor at a time: host memory peaks near the checkpoint's size.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import safetensors
+import torch
+
+from wise_core.checkpoint import Checkpoint, CheckpointError, expected_shapes, open_checkpoint, validate_tensors
+from wise_core.config import ModelConfig
+from wise_torch.model import FUSED_WEIGHTS, OuroForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_dtype(dtype) -> torch.dtype:
+    """float32, bfloat16 or float16: as a torch dtype or by name (wise_jax.loading takes the
+    same names)."""
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    raise ValueError(f"dtype must be a floating dtype of {tuple(DTYPES)} (a torch dtype or its name), "
+                     f"got {dtype!r}")
+
+
+def _assemble(config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer) -> OuroForCausalLM:
+    """The model from `weights` (every HF-named tensor, already on its device and dtype; taken out
+    of the dict as they are used): q/k/v and gate/up concatenated into the model's fused
+    projections, one layer at a time, so the parts are freed as each fused weight is made."""
+    with torch.device("meta"):
+        model = OuroForCausalLM(config, tokenizer=tokenizer)
+    state = {}
+    for name in model.state_dict():
+        layer, _, leaf = name.partition(".layers.")[2].partition(".")
+        parts = FUSED_WEIGHTS.get(leaf) if name.startswith("model.layers.") else None
+        state[name] = weights.pop(name) if parts is None else torch.cat(
+            [weights.pop(f"model.layers.{layer}.{p}") for p in parts])
+    model.load_state_dict(state, strict=True, assign=True)
+    model.build_rope_table()
+    return model.requires_grad_(False).eval()
+
+
+def _state_names(config: ModelConfig) -> set[str]:
+    """The model's state-dict names: the checkpoint's (module names follow the HF layout)."""
+    return set(expected_shapes(config))
+
+
+def _from_numpy(array: np.ndarray) -> torch.Tensor:
+    """A torch view of a numpy array (ml_dtypes bfloat16 through its bits)."""
+    array = np.ascontiguousarray(array)
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def from_tensors(config: ModelConfig, tensors: dict[str, np.ndarray], *, tokenizer=None,
+                 dtype=torch.float32, device: torch.device | str = "cpu") -> OuroForCausalLM:
+    """An eval-mode model from HF-named numpy tensors (validated against `config`)."""
+    dtype = model_dtype(dtype)
+    validate_tensors(config, tensors)
+    names = _state_names(config)  # a tied checkpoint may carry lm_head.weight; the model has none
+    weights = {name: _from_numpy(array).to(device=device, dtype=dtype)
+               for name, array in tensors.items() if name in names}
+    return _assemble(config, weights, tokenizer)
+
+
+def load_model(path_or_name: str | Path, *, dtype=torch.float32,
+               device: torch.device | str = "cpu") -> OuroForCausalLM:
+    """A checkpoint directory or built-in model name (wise_core.checkpoint) as an eval-mode model."""
+    dtype = model_dtype(dtype)
+    device = torch.device(device)
+    found = open_checkpoint(path_or_name)
+    if isinstance(found, Checkpoint):
+        return from_tensors(found.config, found.tensors, tokenizer=found.tokenizer, dtype=dtype, device=device)
+    names = _state_names(found.config)
+    weights: dict[str, torch.Tensor] = {}
+    for path, held in found.by_file().items():
+        try:
+            with safetensors.safe_open(str(path), framework="pt", device=str(device)) as f:
+                for name in held:
+                    if name in names:
+                        weights[name] = f.get_tensor(name).to(dtype=dtype)
+        except safetensors.SafetensorError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+    return _assemble(found.config, weights, found.tokenizer)
