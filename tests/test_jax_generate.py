@@ -132,11 +132,6 @@ def test_one_compilation_per_bucket(params):
     wise_jax.generate(params, CONFIG, [rng.integers(0, 256, n).tolist() for n in (150, 140, 133)],
                       max_new_tokens=12, temperature=1.3, top_p=0.5, key=jax.random.PRNGKey(3), page_size=PAGE)
     assert _delta(before) == {}
-    before = wise_jax.trace_counts()
-    wise_jax.generate(params, CONFIG, [rng.integers(0, 256, n).tolist() for n in (200, 135)], max_new_tokens=5,
-                      page_size=PAGE)
-    # a 7-page prompt (the 5-page one is compiled); a new engine shape: its step, and an insert per prompt bucket
-    assert _delta(before) == {"prefill": 1, "admit": 2, "step": 1}
 
 
 def _delta(before: dict) -> dict:

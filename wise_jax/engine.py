@@ -228,8 +228,9 @@ def _release(cache: kvc.PagedKVCache, batch: Batch, slot):
 def _step(params: Params, cache: kvc.PagedKVCache, state, batch: Batch, forced, *, config: ModelConfig,
           wise_config: WiseConfig | None, kernel: str, unroll, sampling: bool, keep_logits: bool):
     """One decode step of every row (module docstring). forced int32[rows]: a token to take
-    instead of sampling (-1: sample). Returns (cache, state, batch, token, logprob, done, logits
-    or None); `cache.overflowed` says the step did nothing."""
+    instead of sampling (-1: sample). Returns (cache, state, batch, (token, logprob, done,
+    overflowed, logits or None)); overflowed: the pool ran out (in this step or before), and
+    this step wrote nothing."""
     TRACES["step"] += 1
     logits, cache, state = model.decode_step(params, config, cache, state, batch.tokens, batch.slots,
                                              wise_config=wise_config, kernel=kernel, unroll=unroll)
@@ -241,7 +242,7 @@ def _step(params: Params, cache: kvc.PagedKVCache, state, batch: Batch, forced, 
     batch = dataclasses.replace(
         batch, slots=jnp.where(done, -1, batch.slots), tokens=jnp.where(live, token, batch.tokens),
         remaining=jnp.where(live, remaining, batch.remaining), keys=jnp.where(live[:, None], keys, batch.keys))
-    return cache, state, batch, token, logprob, done, logits if keep_logits else None
+    return cache, state, batch, (token, logprob, done, cache.overflowed, logits if keep_logits else None)
 
 
 class _Request:
@@ -255,6 +256,7 @@ class _Request:
         self.max_tokens = len(forced) if forced is not None else params.max_tokens
         self.pages = -(-(len(prompt) + self.max_tokens - 1) // page_size)
         self.tokens: list[int] = []
+        self.dispatched = 0                      # tokens asked of the device (read or in flight)
         self.logprobs: list[float] = []
         self.logits: list[np.ndarray] = []
         self.slot: int | None = None
@@ -275,7 +277,8 @@ class _Request:
             self.finish_reason = "length"
 
     def next_forced(self) -> int:
-        return self.forced[len(self.tokens)] if self.forced is not None and self.finish_reason is None else -1
+        """The forced token of the next token asked of the device (-1: none)."""
+        return self.forced[self.dispatched] if self.forced is not None and self.finish_reason is None else -1
 
     def output(self, tokenizer) -> RequestOutput:
         logprobs = list(self.logprobs) if self.params.logprobs or self.forced is not None else None
@@ -337,6 +340,7 @@ class LLM:
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: dict[int, _Request] = {}          # slot -> request
         self._requests: dict[int, _Request] = {}
+        self._inflight = None                            # (outputs, rows) of the step launched last
         self._next_id = 0
         self._seed = random.randrange(MAX_SEED) if seed is None else seed
         self.reset_stats()
@@ -377,9 +381,6 @@ class LLM:
         self._requests[rid] = request
         return rid
 
-    def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running)
-
     def abort(self, request_id: int) -> RequestOutput:
         """Stop a request now and free its pages; its output so far, finish_reason 'abort'."""
         request = self._requests.get(request_id)
@@ -398,31 +399,70 @@ class LLM:
         return self._requests[request_id].output(self.tokenizer)
 
     # -- the loop ---------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running or self._inflight)
+
     def step(self) -> list[RequestOutput]:
         """Admit what fits, or else decode one token for every running request. Returns the
-        requests that produced a token or finished."""
+        requests that produced a token or finished.
+
+        The host trails the device by one step: a decode step is launched before the previous
+        one's tokens are read, so the host's bookkeeping runs while the device decodes. Rows the
+        device finished (max_tokens, eos) are masked in the step already launched; a request
+        that stops on a stop id, or is aborted, computes one more token there, which is dropped.
+        Admission first reads the step in flight, and launches the next decode step when nothing
+        more can be admitted."""
+        produced = []
+        if self._waiting and self._inflight is not None:
+            produced = self._read(self._inflight)      # free slots and pages as the device has them
+            self._inflight = None
         if self._waiting and self._fits(self._waiting[0]):
-            return [r.output(self.tokenizer) for r in self._admit_waiting()]
-        if not self._running:
-            return []
+            produced += [r.output(self.tokenizer) for r in self._admit_waiting()]
+            if not (self._waiting and self._fits(self._waiting[0])):
+                self._inflight = self._launch()        # the running requests' next token, under way
+            return produced
         start = time.perf_counter()
+        launched = self._launch()
+        previous, self._inflight = self._inflight, launched
+        if previous is not None:
+            produced += self._read(previous)
+        if launched is not None or previous is not None:
+            self._decode_s += time.perf_counter() - start
+        return produced
+
+    def _launch(self):
+        """Dispatch a decode step for the rows that may still produce a token; (outputs, rows)
+        or None when none may."""
+        rows = [(slot, r) for slot, r in self._running.items()
+                if r.finish_reason is None and r.dispatched < r.max_tokens]
+        if not rows:
+            return None
         forced = self._sample_only
-        if any(r.forced is not None for r in self._running.values()):
+        if any(r.forced is not None for _, r in rows):
             host = np.full(self.batch.slots.shape, -1, np.int32)
-            for slot, r in self._running.items():
+            for slot, r in rows:
                 host[slot] = r.next_forced()
             forced = jnp.asarray(host)
-        running = self._running.values()
-        self.cache, self.state, self.batch, token, logprob, done, logits = _step(
+        for _, r in rows:
+            r.dispatched += 1
+        self.cache, self.state, self.batch, outputs = _step(
             self.params, self.cache, self.state, self.batch, forced, config=self.config,
             wise_config=self.wise_config, kernel=self.kernel, unroll=self.unroll,
-            sampling=any(r.sampling for r in running), keep_logits=any(r.keep_logits for r in running))
-        token, logprob, done, overflowed, logits = jax.device_get(
-            (token, logprob, done, self.cache.overflowed, logits))
-        if overflowed:  # cannot happen after lifetime admission; a broken invariant, reported at once
-            raise kvc.PoolExhaustedError("a decode step's pages did not fit the pool; the step wrote nothing")
-        produced = list(self._running.items())
-        for slot, request in produced:
+            sampling=any(r.sampling for _, r in rows), keep_logits=any(r.keep_logits for _, r in rows))
+        self._decode_steps += 1
+        return outputs, rows
+
+    def _read(self, launched) -> list[RequestOutput]:
+        """Read a launched step's tokens (waits for it) and retire the requests it finished."""
+        outputs, rows = launched
+        token, logprob, done, overflowed, logits = jax.device_get(outputs)
+        if overflowed:  # cannot happen after lifetime admission: reported in the first step that reads it
+            raise kvc.PoolExhaustedError("a decode step's pages did not fit the pool; it wrote nothing, nor "
+                                         "any step after it")
+        produced = []
+        for slot, request in rows:
+            if request.finish_reason is not None:   # stopped on a stop id, or aborted: the token is dropped
+                continue
             request.add(int(token[slot]), float(logprob[slot]), None if logits is None else logits[slot])
             if request.finish_reason is not None:
                 if not done[slot]:           # a stop id the device does not watch for
@@ -430,11 +470,10 @@ class LLM:
                 self._retire(request)
             elif done[slot]:
                 raise AssertionError(f"the device finished request {request.id}, the host did not")
-        self._decode_s += time.perf_counter() - start
-        self._decode_steps += 1
+            produced.append(request.output(self.tokenizer))
         self._decode_tokens += len(produced)
         self._generated_tokens += len(produced)
-        return [request.output(self.tokenizer) for _, request in produced]
+        return produced
 
     def _fits(self, request: _Request) -> bool:
         return bool(self._free_slots) and self._committed + request.pages <= self.num_pages
@@ -450,6 +489,7 @@ class LLM:
             token, logprob, key = _first_token(logits, jnp.asarray(request.key), jnp.float32(p.temperature),
                                                jnp.float32(p.top_p), jnp.int32(request.next_forced()),
                                                sampling=request.sampling)
+            request.dispatched = 1
             request.add(int(token), float(logprob), logits if request.keep_logits else None)
             if request.finish_reason is None:
                 request.slot = self._free_slots.pop(0)

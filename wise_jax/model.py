@@ -222,14 +222,16 @@ def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, st
     request each row serves (the WISE tag), -1 for an empty row. An empty row is a masked
     no-op: it reserves nothing, writes only the scratch page, attends one scratch key and leaves
     its WISE state alone. When the pool cannot hold the step's new pages nothing is written, no
-    row advances, and `cache.overflowed` is set (the caller reports it). The attention inputs are
-    built here by construction, so their values are not validated (no host callback per call).
+    row advances, and `cache.overflowed` is set (the caller reports it); a cache whose flag is
+    already set is written no more. The attention inputs are built here by construction, so
+    their values are not validated (no host callback per call).
     Returns (logits float32[batch, vocab] (garbage for masked rows), cache, state)."""
     batch = tokens.shape[0]
     active = slots >= 0
     positions = cache.seq_lens
-    cache, fits = kvc.try_reserve(cache, jnp.where(active, positions + 1, positions))
-    live = active & fits
+    grow = active & ~cache.overflowed                 # a cache that overflowed once takes no more
+    cache, fits = kvc.try_reserve(cache, jnp.where(grow, positions + 1, positions))
+    live = grow & fits
     seq_lens = jnp.where(live, cache.seq_lens, 1)    # a masked row attends its first key (scratch)
     h = embed(params, tokens)[:, None]
     cos, sin = rope(positions[:, None], config.head_dim, config.rope_theta)
