@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Every GPU test and benchmark of the project, in three parts, for one H200:
+# Every GPU test and benchmark of the project, in parts, for one H200:
 #   bash benchmarks/gpu_suite.sh tests|train|bench|engine|jax OUTDIR [MODEL_DIR]
 # tests: the `gpu`-marked pytest suite, the parity suite;
 # train: trains the built-in model (benchmarks/train_builtin.py) into OUTDIR/model;
 # engine: the torch engine's gpu tests, the fused-ops benchmark and the engine throughput
-#         benchmark (dense and WISE at 1K x 64, 4K x 20, 8K x 10, 1K x 1; ARMS, SHAPES, Q_SCALES override);
+#         benchmark (dense and WISE at 1K x 64, 4K x 20, 8K x 10, 1K x 1; ARMS, SHAPES, Q_SCALES override;
+#         SPEC adds speculative arms, e.g. SPEC="--spec wise --spec loops --num-draft 4");
 # jax: the JAX engine's gpu tests and its throughput benchmark (dense and WISE at 1K x 64, 4K x 20,
 #      8K x 10, 1K x 1; a 32K x 2 prefill; JAX_ARMS, SHAPES, Q_SCALES override), about 6 minutes;
 # bench: the kernel benchmark (Triton, Pallas, cuDNN SDPA, FlashAttention-4 when importable) and
@@ -39,12 +40,13 @@ case $part in
     fi
     ;;
   engine)
-    run torch_gpu_tests 240 python3 -m pytest -q -m gpu tests/test_torch_gpu.py tests/test_layers.py \
-        tests/test_fused_compile.py tests/test_triton_decode.py -p no:cacheprovider -rfE
+    run torch_gpu_tests 420 python3 -m pytest -q -m gpu tests/test_torch_gpu.py tests/test_layers.py \
+        tests/test_fused_compile.py tests/test_triton_decode.py tests/test_torch_speculative_gpu.py \
+        -p no:cacheprovider -rfE -s
     run fused_ops 120 python3 benchmarks/fused_ops_bench.py --out "$out/fused_ops"
     run throughput 540 python3 benchmarks/throughput.py --preset ouro-1.4b --arms "${ARMS:-dense,wise}" \
         --shapes "${SHAPES:-1024x64,4096x20,8192x10,1024x1}" --q-scale "${Q_SCALES:-8,7.3,7,8}" \
-        --max-num-batched-tokens 81920 ${OLD_SRC:+--old-src "$OLD_SRC"} --out "$out/throughput"
+        --max-num-batched-tokens 81920 ${OLD_SRC:+--old-src "$OLD_SRC"} ${SPEC:-} --out "$out/throughput"
     ;;
   jax)
     run jax_throughput 250 python3 benchmarks/jax_generate_bench.py --preset ouro-1.4b --arms "${JAX_ARMS:-dense,wise}" \

@@ -19,6 +19,9 @@ Arms:
 - dense: the engine, Triton dense decode (`kernel=--kernel`, no WISE);
 - wise: the engine with WISE (`WiseConfig(eta, kernel=--kernel)`);
 - fa4: the engine with `kernel="fa4"` when `flash_attn.cute` imports (else a 'not importable' row);
+- spec-wise, spec-loops (`--spec wise|loops --num-draft K`): the engine with lossless speculative
+  decoding (`speculative_arms`); also reported: acceptance, tokens per round, and how many
+  requests' greedy tokens differ from the dense arm's (every engine arm is compared);
 - old, old-wise: the pre-engine `wise_torch.generate` (dense / WISE), measured by running the old
   commit's own code, not a copy: a source tree of that commit (--old-src DIR; make one with
   `git archive OLD_COMMIT wise_core wise_torch | tar -x -C DIR`, or let --old-commit extract it
@@ -60,6 +63,8 @@ from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
 _ROOT = _HERE.parent
+sys.path[:0] = [p for p in (str(_HERE),) if p not in sys.path]
+import speculative_arms  # noqa: E402
 
 ARMS = ("dense", "wise", "fa4", "old", "old-wise")
 OLD_COMMIT = "bef25e92fbb27d035f3f9973f69047951c897363"  # the last commit before the engine
@@ -131,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hbm-tbps", type=float, default=HBM_TBPS, help="memory bandwidth of the roofline")
     p.add_argument("--child-timeout", type=float, default=600, help="seconds per (shape, arm) process")
     p.add_argument("--out", type=Path, default=_HERE / "results")
+    speculative_arms.add_arguments(p)
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one (shape, arm) from a JSON spec file
     return p
 
@@ -196,10 +202,12 @@ def roofline(config, dtype: str, context: int, batch: int, new_tokens: int, dens
 # -- the step loop ------------------------------------------------------------------------------------------
 def run_cohort(llm, prompts: list[list[int]], params, max_tokens: int, clock=time.perf_counter) -> dict:
     """Add the cohort, step until every request finished; time the steps after the one in which
-    the whole cohort has its first token. Checks every request ends with exactly max_tokens."""
+    the whole cohort has its first token. Checks every request ends with exactly max_tokens;
+    returns the requests' tokens too."""
     start = clock()
     ids = [llm.add_request(p, params) for p in prompts]
     lengths = dict.fromkeys(ids, 0)
+    tokens_of = dict.fromkeys(ids)
     started = None
     tokens_at_start = steps = 0
     end = start
@@ -209,6 +217,7 @@ def run_cohort(llm, prompts: list[list[int]], params, max_tokens: int, clock=tim
         for out in outputs:
             if out.request_id in lengths:
                 lengths[out.request_id] = len(out.token_ids)
+                tokens_of[out.request_id] = list(out.token_ids)
         if started is not None:
             steps += 1
         elif all(lengths.values()):
@@ -221,7 +230,8 @@ def run_cohort(llm, prompts: list[list[int]], params, max_tokens: int, clock=tim
     decode_s = end - started
     tokens = sum(lengths.values()) - tokens_at_start
     return dict(prefill_s=started - start, decode_s=decode_s, decode_tokens=tokens, decode_steps=steps,
-                decode_tokens_per_s=tokens / decode_s, ms_per_step=1e3 * decode_s / steps)
+                decode_tokens_per_s=tokens / decode_s, ms_per_step=1e3 * decode_s / steps,
+                tokens=[tokens_of[rid] for rid in ids])
 
 
 def stats_dict(stats) -> dict:
@@ -330,10 +340,14 @@ def _engine_worker(spec: dict) -> dict:
     import wise_torch
     from wise_core.config import WiseConfig
     model = _load_model(spec)
-    wise_config = WiseConfig(eta=spec["eta"], kernel=spec["kernel"]) if arm == "wise" else None
+    speculating = arm in speculative_arms.SPEC_ARMS
+    if speculating:
+        configs = speculative_arms.engine_kwargs(arm, spec)
+    else:
+        configs = dict(wise_config=WiseConfig(eta=spec["eta"], kernel=spec["kernel"]) if arm == "wise" else None)
     kernel = "fa4" if arm == "fa4" else spec["kernel"]
     extra = {"max_num_batched_tokens": spec["max_num_batched_tokens"]} if spec["max_num_batched_tokens"] else {}
-    llm = wise_torch.LLM(model, wise_config=wise_config, num_pages=spec["num_pages"], page_size=spec["page_size"],
+    llm = wise_torch.LLM(model, **configs, num_pages=spec["num_pages"], page_size=spec["page_size"],
                          max_num_seqs=spec["batch"], cuda_graphs=CUDA_GRAPHS[spec["cuda_graphs"]], kernel=kernel,
                          max_model_len=spec["context"] + max(spec["new_tokens"], spec["warmup_tokens"]), **extra)
     prompts = _prompts(spec, model.config.vocab_size)
@@ -341,7 +355,10 @@ def _engine_worker(spec: dict) -> dict:
     def cohort(tokens: int) -> dict:
         params = wise_torch.SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
         reset = _reset_wise_counters(llm)
+        before = speculative_arms.counters(llm.stats()) if speculating else None
         result = run_cohort(llm, prompts, params, tokens)
+        if speculating:
+            result.update(speculative_arms.cohort_fields(before, speculative_arms.counters(llm.stats())))
         stats = stats_dict(llm.stats())
         result.update(stats=stats, density=stats.get("density"), fallbacks=stats.get("fallbacks"),
                       counters="this cohort" if reset else "since the engine started",
@@ -460,16 +477,20 @@ def row_of(spec: dict, result: dict, repeat: int | None, config, args) -> dict:
         return row
     r = result["repeats"][repeat]
     density = {int(k): v for k, v in (r.get("density") or {}).items() if v is not None} or None
-    roof = roofline(config, args.dtype, spec["context"], spec["batch"], args.new_tokens, density, args.hbm_tbps)
+    # A speculative arm's roofline is dense decode's (its output is), whatever its draft reads.
+    roof = roofline(config, args.dtype, spec["context"], spec["batch"], args.new_tokens,
+                    None if spec["arm"] in speculative_arms.SPEC_ARMS else density, args.hbm_tbps)
     row.update({k: r.get(k) for k in ("decode_tokens_per_s", "ms_per_step", "prefill_s", "decode_tokens",
-                                      "decode_steps", "fallbacks", "preemptions", "pages_returned", "counters")})
+                                      "decode_steps", "fallbacks", "preemptions", "pages_returned", "counters",
+                                      "acceptance_rate", "tokens_per_round", "tokens")})
     row.update(density=density, roofline_tokens_per_s=roof["tokens_per_s"], roofline_ms_per_step=roof["ms_per_step"],
                roofline_share=r["decode_tokens_per_s"] / roof["tokens_per_s"])
     return row
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Mean over repeats per (shape, arm), with WISE / dense."""
+    """Mean over repeats per (shape, arm), with WISE / dense, and per engine arm the requests whose
+    greedy tokens (first repeat) differ from the dense arm's."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         if r["repeat"] is not None:
@@ -477,14 +498,21 @@ def summarize(rows: list[dict]) -> list[dict]:
     out = []
     for (context, batch, arm), rs in groups.items():
         mean = sum(r["decode_tokens_per_s"] for r in rs) / len(rs)
+        spec = [r for r in rs if r.get("acceptance_rate") is not None]
         out.append(dict(context=context, batch=batch, arm=arm, decode_tokens_per_s=mean,
                         ms_per_step=sum(r["ms_per_step"] for r in rs) / len(rs),
                         roofline_tokens_per_s=rs[-1]["roofline_tokens_per_s"],
-                        roofline_share=mean / rs[-1]["roofline_tokens_per_s"], density=rs[-1]["density"]))
+                        roofline_share=mean / rs[-1]["roofline_tokens_per_s"], density=rs[-1]["density"],
+                        acceptance_rate=sum(r["acceptance_rate"] for r in spec) / len(spec) if spec else None,
+                        tokens_per_round=sum(r["tokens_per_round"] for r in spec) / len(spec) if spec else None))
     by_key = {(s["context"], s["batch"], s["arm"]): s for s in out}
+    tokens = {key: rs[0].get("tokens") for key, rs in groups.items()}
     for s in out:
         dense = by_key.get((s["context"], s["batch"], "old" if s["arm"] == "old-wise" else "dense"))
         s["over_dense"] = s["decode_tokens_per_s"] / dense["decode_tokens_per_s"] if dense else None
+        mine, reference = (tokens.get((s["context"], s["batch"], arm)) for arm in (s["arm"], "dense"))
+        s["differ"] = None if mine is None or reference is None else \
+            speculative_arms.compare_tokens(reference, mine)["differ"]
     return out
 
 
@@ -503,7 +531,7 @@ def standing(summary: list[dict]) -> list[dict]:
             bound = WISE_TARGETS[s["context"]]
             out.append(dict(target=f"WISE / dense >= {bound:.2f}", shape=shape, value=s["over_dense"],
                             met=s["over_dense"] >= bound))
-    return out
+    return out + speculative_arms.standing(summary)
 
 
 def _fmt(value, spec=".1f") -> str:
@@ -545,13 +573,16 @@ def markdown(report: dict) -> str:
     if flagged:
         lines += ["", "Flagged: " + "; ".join(flagged) + "."]
     lines += ["", "## Mean over repeats", "",
-              "over dense: decode tok/s over the engine dense arm's (old-wise: over old's).", "",
-              "| ctx x batch | arm | decode tok/s | ms/step | share of roofline | over dense | density |",
-              "|---|---|---|---|---|---|---|"]
+              "over dense: decode tok/s over the engine dense arm's (old-wise: over old's). differ: requests "
+              "whose greedy tokens differ from the dense arm's. Speculative arms: ms/step is per round, "
+              "acceptance the drafts accepted, tok/round the tokens a request commits per round.", "",
+              "| ctx x batch | arm | decode tok/s | ms/step | share of roofline | over dense | density | differ | "
+              "acceptance | tok/round |", "|" + "---|" * 10]
     for s in report["summary"]:
         lines.append(f"| {s['context']} x {s['batch']} | {s['arm']} | {s['decode_tokens_per_s']:.1f} | "
                      f"{s['ms_per_step']:.2f} | {s['roofline_share']:.0%} | {_fmt(s['over_dense'], '.2f')} | "
-                     f"{_density(s['density'])} |")
+                     f"{_density(s['density'])} | {_fmt(s.get('differ'), 'd')} | "
+                     f"{_fmt(s.get('acceptance_rate'), '.3f')} | {_fmt(s.get('tokens_per_round'), '.2f')} |")
     lines += ["", "## Targets", "", "| target | shape | measured | met |", "|---|---|---|---|"]
     for t in report["standing"]:
         lines.append(f"| {t['target']} | {t['shape']} | {t['value']:.2f} | {'yes' if t['met'] else 'no'} |")
@@ -613,13 +644,14 @@ def main(argv: list[str] | None = None) -> dict | None:
               f"{'share':>6} density", flush=True)
         for (context, batch), q_scale in zip(args.shapes, scales):
             num_pages = args.num_pages or cohort_pages(context, batch, args.new_tokens, args.page_size) + 1
-            for arm in args.arms:
+            for arm in args.arms + speculative_arms.arms_of(args):
                 spec = dict(arm=arm, context=context, batch=batch, q_scale=q_scale, checkpoint=checkpoint,
                             random=recipe, std=args.std, seed=0,
                             dtype=args.dtype, device=args.device, kernel=args.kernel, eta=args.eta,
                             page_size=args.page_size, num_pages=num_pages, cuda_graphs=args.cuda_graphs,
                             max_num_batched_tokens=args.max_num_batched_tokens,
                             new_tokens=args.new_tokens, warmup_tokens=args.warmup_tokens, repeats=args.repeats,
+                            num_draft=args.num_draft, draft_loops=args.draft_loops,
                             old_src=old_src if arm.startswith("old") else None)
                 if arm.startswith("old") and old_src is None:
                     result = dict(status=f"error: no old source tree (--old-src, or git history with {args.old_commit})")
@@ -635,7 +667,9 @@ def main(argv: list[str] | None = None) -> dict | None:
                     report["rows"].append(row)
                     print(f"{context:>6} x {batch:<4} {arm:>9} {i + 1:>3} {row['decode_tokens_per_s']:>9.1f} "
                           f"{row['ms_per_step']:>8.2f} {row['roofline_tokens_per_s']:>10.0f} "
-                          f"{row['roofline_share']:>6.0%} {_density(row['density'])}", flush=True)
+                          f"{row['roofline_share']:>6.0%} {_density(row['density'])}"
+                          + (f" acceptance {row['acceptance_rate']:.3f}, {row['tokens_per_round']:.2f} tok/round"
+                             if row.get("acceptance_rate") is not None else ""), flush=True)
                 report["summary"] = summarize(report["rows"])
                 report["standing"] = standing(report["summary"])
                 write_report(report, args.out)  # after every arm: a run cut short still leaves a report

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from wise_core.config import PRESETS, ConfigError, ModelConfig, WiseConfig
+from wise_core.config import PRESETS, ConfigError, ModelConfig, SpeculativeConfig, WiseConfig
 
 TINY = PRESETS["test-tiny"]
 
@@ -125,3 +125,30 @@ def test_wise_config_roles_and_range():
 def test_wise_config_depths_in_loop_order():
     """Depths given out of order mean the same loops: the first discovery loop is the lowest."""
     assert WiseConfig(discover_depths=(1, 0), reuse_depths=(3, 2)) == WiseConfig()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(method="medusa"), "method must be one of"),
+    (dict(num_draft=0), "num_draft must be a positive integer"),
+    (dict(num_draft=True), "num_draft must be a positive integer"),
+    (dict(draft_loops=0), "draft_loops must be None or a positive integer"),
+])
+def test_speculative_config_errors(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        SpeculativeConfig(**kwargs)
+
+
+def test_speculative_config_verify_depth():
+    wise = WiseConfig()
+    assert SpeculativeConfig("wise").verify_depth(4, wise) == 2
+    assert SpeculativeConfig("wise").verify_depth(4, WiseConfig(discover_depths=(0,), reuse_depths=(1, 3))) == 1
+    assert SpeculativeConfig("loops").verify_depth(4, None) == 2
+    assert SpeculativeConfig("loops", draft_loops=3).verify_depth(4, None) == 3
+    with pytest.raises(ConfigError, match="needs a WiseConfig with a reuse depth"):
+        SpeculativeConfig("wise").verify_depth(4, WiseConfig(reuse_depths=()))
+    with pytest.raises(ConfigError, match="draft_loops=1 does not apply"):
+        SpeculativeConfig("wise", draft_loops=1).verify_depth(4, wise)
+    with pytest.raises(ConfigError, match="pass no wise_config"):
+        SpeculativeConfig("loops").verify_depth(4, wise)
+    with pytest.raises(ConfigError, match=r"draft_loops must be in \[1, 3\]"):
+        SpeculativeConfig("loops", draft_loops=4).verify_depth(4, None)

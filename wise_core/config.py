@@ -1,7 +1,8 @@
 """Model and WISE configuration.
 
 `ModelConfig` holds the fields of an Ouro `config.json`; `WiseConfig` holds the WISE decode
-settings. Both are frozen dataclasses, hashable, so they can be static arguments under jit.
+settings; `SpeculativeConfig` the lossless speculative decoding settings. All are frozen
+dataclasses, hashable, so they can be static arguments under jit.
 """
 
 from __future__ import annotations
@@ -238,3 +239,56 @@ class WiseConfig:
         if loop in self.reuse_depths:
             return "reuse"
         return "dense"
+
+
+SPECULATIVE_METHODS = ("wise", "loops")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Lossless speculative decoding: draft `num_draft` tokens cheaply, verify them densely.
+
+    method "wise": a draft token runs the discovery loops densely (their K/V is exact and kept)
+    and the reuse loops sparsely (the WiseConfig's); "loops": a draft token runs loops
+    0..draft_loops-1 densely, then the LM head. Verification recomputes the loops from the
+    verify depth on (the first reuse depth for "wise", draft_loops for "loops") densely for the
+    num_draft + 1 positions of a round, and accepts the longest prefix the dense model agrees
+    with (rejection sampling when sampling), so the output is the dense model's.
+    draft_loops: "loops" only (None: half the model's loops); "wise" leaves it None or equal to
+    the first reuse depth.
+    """
+
+    method: str = "wise"
+    num_draft: int = 4
+    draft_loops: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"SpeculativeConfig.method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        k = self.num_draft
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ConfigError(f"SpeculativeConfig.num_draft must be a positive integer, got {k!r}")
+        d = self.draft_loops
+        if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
+            raise ConfigError(f"SpeculativeConfig.draft_loops must be None or a positive integer, got {d!r}")
+
+    def verify_depth(self, num_loops: int, wise_config: WiseConfig | None) -> int:
+        """The first loop verification recomputes (every loop before it is exact in the draft),
+        checked against a model of `num_loops` loops and the engine's WiseConfig ("wise" needs
+        one with a reuse depth, "loops" none)."""
+        if self.method == "wise":
+            if wise_config is None or not wise_config.reuse_depths:
+                raise ConfigError("speculative method 'wise' needs a WiseConfig with a reuse depth")
+            depth = wise_config.reuse_depths[0]
+            if self.draft_loops is not None and self.draft_loops != depth:
+                raise ConfigError(f"speculative method 'wise' verifies from the first reuse depth {depth}; "
+                                  f"draft_loops={self.draft_loops} does not apply (leave it None)")
+            return depth
+        if wise_config is not None:
+            raise ConfigError("speculative method 'loops' drafts with dense loops; pass no wise_config "
+                              "(method 'wise' drafts with WISE)")
+        depth = max(num_loops // 2, 1) if self.draft_loops is None else self.draft_loops
+        if not 1 <= depth < num_loops:
+            raise ConfigError(f"SpeculativeConfig.draft_loops must be in [1, {num_loops - 1}] for a model with "
+                              f"{num_loops} loops, got {depth}")
+        return depth

@@ -237,11 +237,16 @@ class OuroForCausalLM(nn.Module):
     def run_tokens(self, ids: torch.Tensor, ctx, gates: list | None = None) -> torch.Tensor:
         """Every loop over flat tokens ids int64[n] -> the last loop's normed hidden [n, hidden].
         With `gates`, appends each loop's early-exit gate logits [n, 1]."""
+        return self.run_loops(self.model.embed_tokens(ids), ctx, range(self.config.num_loops), gates)
+
+    def run_loops(self, h: torch.Tensor, ctx, loops: range, gates: list | None = None) -> torch.Tensor:
+        """The consecutive loops `loops` over flat hidden states h [n, hidden] (the embeddings
+        before loop 0, else the normed output of loop loops.start - 1) -> the normed output of
+        the range's last loop. Speculative decoding runs a decode step's loops in two ranges."""
         c, layers, norm = self.config, self.model.layers, self.model.norm
         eps, heads, kv_heads, head_dim = c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        h = self.model.embed_tokens(ids)
         x = rms_norm(h, layers[0].input_layernorm.weight, eps)
-        for loop in range(c.num_loops):
+        for loop in loops:
             ctx.begin_loop(loop)
             for i, layer in enumerate(layers):
                 attn, mlp = layer.self_attn, layer.mlp
@@ -253,7 +258,7 @@ class OuroForCausalLM(nn.Module):
                 if not last_layer:
                     following = layers[i + 1].input_layernorm.weight
                 else:
-                    following = None if loop == c.num_loops - 1 else layers[0].input_layernorm.weight
+                    following = None if loop == loops[-1] else layers[0].input_layernorm.weight
                 h, x = add_rms_norm(mlp(x), h, layer.post_attention_layernorm_2.weight, following, eps,
                                     final_weight=norm.weight if last_layer else None)
             ctx.end_loop(loop)

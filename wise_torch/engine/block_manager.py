@@ -36,6 +36,13 @@ class BlockManager:
         seq.pages.extend(self.free.popleft() for _ in range(needed))
         return True
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Return the pages `seq` holds past those of its first `num_tokens` keys (speculative
+        decoding rolls back the pages of rejected drafts)."""
+        keep = self.pages_for(num_tokens)
+        self.free.extend(seq.pages[keep:])
+        del seq.pages[keep:]
+
     def release(self, seq: Sequence) -> None:
         self.free.extend(seq.pages)
         seq.pages = []

@@ -18,11 +18,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from wise_core.config import WiseConfig
+from wise_core.config import SpeculativeConfig, WiseConfig
 from wise_torch.engine.block_manager import BlockManager
 from wise_torch.engine.model_runner import InFlight, ModelRunner
 from wise_torch.engine.scheduler import Scheduler, Step
 from wise_torch.engine.sequence import RequestOutput, SamplingParams, Sequence, Status
+from wise_torch.engine.speculative import Speculator
 from wise_torch.kv_cache import PagedKVCache
 from wise_torch.model import OuroForCausalLM, load_model
 
@@ -50,6 +51,20 @@ class EngineStats:
     decode_s: float
     decode_steps: int
     decode_tokens: int
+    # Speculative decoding (None without): (sequence, round) pairs, drafts proposed, drafts accepted.
+    spec_rounds: int | None = None
+    draft_tokens: int | None = None
+    accepted_tokens: int | None = None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Drafts the dense model accepted / drafts proposed (None without speculation or drafts)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def tokens_per_round(self) -> float | None:
+        """Tokens a sequence commits per speculative round (None without speculation or rounds)."""
+        return self.decode_tokens / self.spec_rounds if self.spec_rounds else None
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -73,13 +88,17 @@ class LLM:
     tokens a step prefills (chunked prefill). cuda_graphs: True, False or "auto" (on CUDA).
     kernel: the decode attention ("auto", "reference", "triton"; default: wise_config.kernel).
     seed: the generator of requests without their own seed.
+    speculative_config: lossless speculative decoding (`SpeculativeConfig`; method "wise" drafts
+    with wise_config, default WiseConfig()): the output is dense decode's, the stats count
+    acceptance. Forced continuations are not speculated.
     """
 
     def __init__(self, model: OuroForCausalLM | str | Path, *, wise_config: WiseConfig | None = None,
                  num_pages: int | None = None, page_size: int = 128, max_num_seqs: int = 256,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 8192,
                  cuda_graphs: bool | str = "auto", kernel: str | None = None, seed: int | None = None,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 speculative_config: SpeculativeConfig | None = None):
         if isinstance(model, (str, Path)):
             device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
             model = load_model(model, dtype=dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32),
@@ -91,6 +110,13 @@ class LLM:
             raise ValueError("dtype and device apply to a model loaded by name; this model is already built")
         if wise_config is not None and not isinstance(wise_config, WiseConfig):
             raise TypeError(f"wise_config must be a WiseConfig or None, got {type(wise_config).__name__}")
+        if speculative_config is not None:
+            if not isinstance(speculative_config, SpeculativeConfig):
+                raise TypeError(f"speculative_config must be a SpeculativeConfig or None, "
+                                f"got {type(speculative_config).__name__}")
+            if speculative_config.method == "wise" and wise_config is None:
+                wise_config = WiseConfig()
+            speculative_config.verify_depth(model.config.num_loops, wise_config)
         config = model.config
         if wise_config is not None:
             wise_config.validate_for(config.num_loops)
@@ -127,6 +153,11 @@ class LLM:
             max_model_len=max_model_len, use_graphs=cuda_graphs is True or (
                 cuda_graphs == "auto" and self.device.type == "cuda"),
             kernel=kernel, seed=random.randrange(2 ** 63) if seed is None else seed)
+        self.speculator = None
+        if speculative_config is not None:
+            self.speculator = Speculator(self.runner, self.blocks, speculative_config, kernel=kernel)
+            self.scheduler.lookahead = self.speculator.drafts_of
+            self.scheduler.ready = self.speculator.ready
         self.sequences: dict[int, Sequence] = {}
         self.inflight: list[InFlight] = []      # the step launched last, not read yet
         self.inflight_kind = self.previous_kind = None
@@ -183,6 +214,8 @@ class LLM:
                        forced=None if forced is None else list(forced), keep_logits=keep_logits)
         if forced is not None and not forced:
             raise ValueError("the forced continuation is empty")
+        if self.speculator is not None:
+            self.speculator.check_request(seq)
         if seq.max_length > self.max_model_len:
             raise ValueError(f"the request needs {len(ids)} prompt + {seq.max_length - len(ids)} new tokens, more "
                              f"than max_model_len ({self.max_model_len})")
@@ -223,37 +256,46 @@ class LLM:
             if seq.offloaded is not None:
                 runner.restore(seq)
         launched: list[InFlight] = []
+        spoken: list[Sequence] = []     # the sequences of a speculative round, their tokens read already
+        made = None
         if plan.decode:
-            logits = runner.decode(plan.decode)
-            launched.append(runner.sample(logits, plan.decode))
-            for seq in plan.decode:
-                seq.num_cached = len(seq.tokens) - 1
+            if self.speculator is not None:       # a speculative round: drafts, verification, rollback, read
+                made = self.speculator.decode(plan.decode, spoken)
+                self.counters["generated_tokens"] += made
+            else:
+                logits = runner.decode(plan.decode)
+                launched.append(runner.sample(logits, plan.decode))
+                for seq in plan.decode:
+                    seq.num_cached = len(seq.tokens) - 1
         if plan.chunks:
             logits = runner.prefill(plan.chunks)
             for chunk in plan.chunks:
                 chunk.seq.num_cached = chunk.start + chunk.length
             launched.append(runner.sample(logits, [c.seq for c in plan.chunks if c.completes]))
             self.counters["prompt_tokens"] += sum(c.length for c in plan.chunks)
-        if not launched and not self.inflight and self.scheduler.has_work() and not plan.preempted:
+        if not launched and made is None and not self.inflight and self.scheduler.has_work() and not plan.preempted:
             raise RuntimeError("the scheduler made no progress although requests wait "
                                f"({self.blocks.num_free} of {self.blocks.num_pages} pages free)")
         previous, self.inflight = self.inflight, launched
         self.inflight_kind = ("prefill" if plan.chunks else "decode") if launched else None
-        outputs = self._read(previous) if previous else []
-        # A step's host time is spent waiting for the device to finish the step before it.
-        kind = self.previous_kind if previous else self.inflight_kind
+        outputs = self._read(previous, spoken)
+        # A step's host time is spent waiting for the device to finish the step before it (or
+        # on this step's speculative round, which it reads).
+        kind = "decode" if made is not None else self.previous_kind if previous else self.inflight_kind
         if kind == "decode":
             self.counters["decode_s"] += time.perf_counter() - start
             self.counters["decode_steps"] += 1
-            self.counters["decode_tokens"] += sum(len(f.rows) for f in previous or launched)
+            self.counters["decode_tokens"] += made if made is not None else sum(
+                len(f.rows) for f in previous or launched)
         elif kind == "prefill":
             self.counters["prefill_s"] += time.perf_counter() - start
         self.previous_kind = self.inflight_kind
         return outputs
 
-    def _read(self, records: list[InFlight]) -> list[RequestOutput]:
-        """Read a finished step's tokens into their sequences; finished ones leave."""
-        produced: dict[int, Sequence] = {}
+    def _read(self, records: list[InFlight], spoken: list[Sequence]) -> list[RequestOutput]:
+        """Read a finished step's tokens into their sequences; finished ones leave. `spoken`:
+        sequences that produced tokens already (a speculative round reads its own)."""
+        produced: dict[int, Sequence] = {seq.request_id: seq for seq in spoken}
         for record in records:
             tokens, nan, logprobs = record.read()
             for i, (seq, index) in enumerate(record.rows):
@@ -319,7 +361,8 @@ class LLM:
             preemptions=self.scheduler.preemptions,
             fallbacks=None if wise is None else wise.fallbacks, density=None if wise is None else wise.density(),
             prompt_tokens=c["prompt_tokens"], generated_tokens=c["generated_tokens"], prefill_s=c["prefill_s"],
-            decode_s=c["decode_s"], decode_steps=c["decode_steps"], decode_tokens=c["decode_tokens"])
+            decode_s=c["decode_s"], decode_steps=c["decode_steps"], decode_tokens=c["decode_tokens"],
+            **({} if self.speculator is None else self.speculator.stats()))
 
 
 def _positive_int(name: str, value) -> None:

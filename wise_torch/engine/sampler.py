@@ -29,13 +29,19 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
     if not rows:
         return tokens
     index = torch.tensor(rows, device=logits.device)
-    z = logits[index]
     temperature = torch.tensor([temperatures[i] for i in rows], dtype=torch.float32, device=logits.device)
-    z = (z - z.max(-1, keepdim=True).values) / temperature[:, None]
-    for j, i in enumerate(rows):
-        if top_ps[i] < 1.0:
-            kept = select_blocks(torch.softmax(z[j], -1), top_ps[i])
-            z[j] = torch.where(kept, z[j], float("-inf"))
+    z = scaled_logits(logits[index], temperature, [top_ps[i] for i in rows])
     u = torch.stack([torch.rand(z.shape[1], generator=generators[i], device=logits.device) for i in rows])
     tokens[index] = (z - torch.log(-torch.log(u))).argmax(-1)
     return tokens
+
+
+def scaled_logits(logits: torch.Tensor, temperature: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
+    """logits float32[rows, vocab], temperature float32[rows] (> 0) -> (logits - max) / temperature,
+    -inf outside each row's top_p prefix: the distribution `sample` draws from is their softmax."""
+    z = (logits - logits.max(-1, keepdim=True).values) / temperature[:, None]
+    for j, top_p in enumerate(top_ps):
+        if top_p < 1.0:
+            kept = select_blocks(torch.softmax(z[j], -1), top_p)
+            z[j] = torch.where(kept, z[j], float("-inf"))
+    return z

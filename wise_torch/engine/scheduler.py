@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from typing import Callable
 
 from wise_torch.engine.block_manager import BlockManager
 from wise_torch.engine.sequence import Sequence, Status
@@ -50,6 +51,10 @@ class Scheduler:
         self.blocks = blocks
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
+        # Speculative decoding: keys a decode step writes past a sequence's last token (its
+        # drafts), and whether the sequence can decode this step.
+        self.lookahead: Callable[[Sequence], int] = lambda seq: 0
+        self.ready: Callable[[Sequence], bool] = lambda seq: True
         self.running: list[Sequence] = []       # arrival order
         self.free_slots: deque[int] = deque(range(max_num_seqs))
         self.preemptions = 0
@@ -103,8 +108,8 @@ class Scheduler:
         step = Step([], [], [], [])
         # 1. Every prefilled running sequence decodes one token; grow pages, preempting the newest.
         for seq in list(self.running):
-            if seq.status is Status.RUNNING and seq.prefilled and not seq.finishing \
-                    and self._grow_or_preempt(seq, len(seq.tokens), step):
+            if seq.status is Status.RUNNING and seq.prefilled and not seq.finishing and self.ready(seq) \
+                    and self._grow_or_preempt(seq, len(seq.tokens) + self.lookahead(seq), step):
                 step.decode.append(seq)
         # 2. Prompt chunks within the token budget: running sequences still prefilling, then waiting ones.
         budget = self.max_num_batched_tokens - len(step.decode)
@@ -119,7 +124,7 @@ class Scheduler:
             if any(seq is victim for victim, _ in step.preempted):
                 break                                   # not back in the step that evicted it
             if seq.offloaded is not None:               # resume: restore its pages, then continue
-                if not self.blocks.grow(seq, seq.num_cached + (1 if seq.prefilled else 0)):
+                if not self.blocks.grow(seq, seq.num_cached + (1 + self.lookahead(seq) if seq.prefilled else 0)):
                     break
                 self.waiting.popleft()
                 self._run(seq)

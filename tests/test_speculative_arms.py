@@ -1,0 +1,78 @@
+"""The speculative arms of benchmarks/throughput.py on CPU: their pure parts, and spec-wise and
+spec-loops end to end (fresh worker processes) on a tiny model against the dense arm."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+tp = _load("throughput")
+sa = sys.modules["speculative_arms"]
+
+
+def test_flags_and_engine_arguments():
+    parser = tp.build_parser()
+    args = parser.parse_args(["--spec", "wise", "--spec", "loops", "--spec", "wise", "--num-draft", "3"])
+    assert sa.arms_of(args) == ["spec-wise", "spec-loops"]
+    for bad in (["--spec", "wise", "--num-draft", "0"], ["--spec", "wise", "--draft-loops", "2"]):
+        with pytest.raises(SystemExit):
+            sa.arms_of(parser.parse_args(bad))
+    kw = sa.engine_kwargs("spec-loops", dict(num_draft=3, draft_loops=1, eta=0.9, kernel="reference"))
+    assert kw["wise_config"] is None and (kw["speculative_config"].method, kw["speculative_config"].draft_loops) == (
+        "loops", 1)
+    kw = sa.engine_kwargs("spec-wise", dict(num_draft=5, eta=0.9, kernel="reference"))
+    assert kw["wise_config"].eta == 0.9 and kw["speculative_config"].num_draft == 5
+
+
+def test_cohort_counters_tokens_and_standing():
+    stats = types.SimpleNamespace(spec_rounds=10, draft_tokens=40, accepted_tokens=30, decode_tokens=40)
+    later = types.SimpleNamespace(spec_rounds=30, draft_tokens=120, accepted_tokens=60, decode_tokens=90)
+    fields = sa.cohort_fields(sa.counters(stats), sa.counters(later))
+    assert fields["acceptance_rate"] == 30 / 80 and fields["tokens_per_round"] == 50 / 20
+    assert sa.compare_tokens([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]]) == dict(
+        requests=2, differ=1, first_difference={1: 1})
+    with pytest.raises(ValueError, match="1 requests against the dense arm's 2"):
+        sa.compare_tokens([[1], [2]], [[1]])
+    summary = [dict(context=4096, batch=20, arm="spec-wise", over_dense=1.2, differ=0),
+               dict(context=8192, batch=10, arm="spec-loops", over_dense=1.3, differ=2),
+               dict(context=1024, batch=64, arm="spec-wise", over_dense=0.9, differ=0)]
+    assert [(t["target"], t["shape"], t["met"]) for t in sa.standing(summary)] == [
+        ("spec-wise / dense >= 1.15", "4096x20", True),
+        ("spec-wise: requests whose tokens differ from dense", "4096x20", True),
+        ("spec-loops / dense >= 1.15", "8192x10", True),
+        ("spec-loops: requests whose tokens differ from dense", "8192x10", False),
+        ("spec-wise: requests whose tokens differ from dense", "1024x64", True)]
+
+
+def test_speculative_arms_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    report = tp.main(["--preset", "test-tiny", "--dtype", "float32", "--device", "cpu", "--kernel", "reference",
+                      "--shapes", "64x3", "--q-scale", "2", "--new-tokens", "6", "--warmup-tokens", "2",
+                      "--page-size", "32", "--arms", "dense", "--spec", "wise", "--spec", "loops",
+                      "--num-draft", "2", "--repeats", "1", "--out", str(tmp_path)])
+    rows = {r["arm"]: r for r in report["rows"]}
+    assert list(rows) == ["dense", "spec-wise", "spec-loops"]
+    for arm in ("spec-wise", "spec-loops"):
+        r = rows[arm]
+        assert r["status"] == "ok" and r["pages_returned"] is True and r["decode_tokens"] == 3 * 5
+        assert r["tokens"] == rows["dense"]["tokens"]                 # lossless: the dense arm's tokens
+        assert 0 <= r["acceptance_rate"] <= 1 and 1 <= r["tokens_per_round"] <= 3
+    summary = {s["arm"]: s for s in report["summary"]}
+    assert summary["spec-wise"]["differ"] == summary["spec-loops"]["differ"] == 0
+    text = (tmp_path / "throughput.md").read_text()
+    assert "| 64 x 3 | spec-loops |" in text and "tok/round" in text

@@ -1,0 +1,83 @@
+"""wise_torch.verification: a run of queries per row against the paged cache, causally; the
+reference against prefill attention over the gathered keys, the Triton kernel against the
+reference (on CUDA when there is one, else in the Triton interpreter; fp32 here: the
+interpreter's bf16 dots are not the GPU's, bf16 is checked by the gpu tests)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from wise_torch.attention import prefill_attention
+from wise_torch.kernels.triton_verify import KernelConfig, VerifyWorkspace, verify_attention
+from wise_torch.verification import prepare_verify_attention, verify_attention_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def paged_problem(heads, kv_heads, head_dim, page, n, starts, max_pages=4, num_pages=12, seed=0,
+                  dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(num_pages, page, kv_heads, head_dim, generator=g, dtype=dtype) for _ in range(2))
+    table = torch.stack([torch.randperm(num_pages, generator=g)[:max_pages] for _ in starts]).int()
+    q = torch.randn(len(starts), n, heads, head_dim, generator=g, dtype=dtype)
+    return tuple(t.to(DEVICE) for t in (q, k, v, table, torch.tensor(starts, dtype=torch.int32)))
+
+
+def test_reference_is_causal_prefill_over_the_rows_keys():
+    q, k, v, table, starts = paged_problem(4, 2, 16, 32, 5, [0, 37, 90])
+    out = verify_attention_reference(q, k, v, table, starts)
+    for b, start in enumerate(starts.tolist()):
+        keys = k[table[b].long()].flatten(0, 1)[:start + 5][None]
+        values = v[table[b].long()].flatten(0, 1)[:start + 5][None]
+        want = prefill_attention(q[b:b + 1], keys, values, start=start)[0]
+        torch.testing.assert_close(out[b], want, atol=1e-5, rtol=0)   # fp32, another summation order
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,page,n,min_splits", [
+    (4, 2, 32, 32, 5, 1),      # GQA, one split per 32 keys
+    (2, 2, 64, 64, 3, 4),      # MHA, splits shrunk to fill the grid
+    (4, 1, 16, 32, 2, 2),      # 4 query heads per KV head
+])
+def test_triton_matches_reference(heads, kv_heads, head_dim, page, n, min_splits):
+    max_keys = 4 * page
+    # A row from 0, one across pages, one whose last queries pass the table's capacity.
+    q, k, v, table, starts = paged_problem(heads, kv_heads, head_dim, page, n, [0, page + 7, max_keys - n + 1])
+    config = KernelConfig(tile_n=16, split_keys=32, min_splits=min_splits)
+    workspace = VerifyWorkspace.allocate(3, n, heads, head_dim, max_keys, dtype=q.dtype, device=DEVICE,
+                                         config=config)
+    out = verify_attention(q, k, v, table, starts, workspace=workspace)
+    want = verify_attention_reference(q, k, v, table, starts)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=0)   # fp32, another summation order over <= 256 keys
+
+
+def test_prepared_per_batch_share_one_workspace():
+    prepared = prepare_verify_attention("triton", batches=[1, 2, 4], queries=3, heads=2, kv_heads=2, head_dim=16,
+                                        max_keys=128, dtype=torch.float32, device=DEVICE, min_splits=lambda b: 8 // b)
+    spaces = {b: fn.keywords["workspace"] for b, fn in prepared.items()}
+    assert len({id(ws.out) for ws in spaces.values()}) == 1
+    assert [spaces[b].config.min_splits for b in (1, 2, 4)] == [8, 4, 2]
+    q, k, v, table, starts = paged_problem(2, 2, 16, 32, 3, [5, 60])
+    torch.testing.assert_close(prepared[2](q, k, v, table, starts), verify_attention_reference(q, k, v, table, starts),
+                               atol=1e-5, rtol=0)  # fp32, another summation order over <= 256 keys
+    assert prepare_verify_attention("reference", batches=[1, 2], queries=3, heads=2, kv_heads=2, head_dim=16,
+                                    max_keys=128, dtype=torch.float32, device=DEVICE) == {
+        1: verify_attention_reference, 2: verify_attention_reference}
+
+
+def test_bad_arguments_are_named():
+    q, k, v, table, starts = paged_problem(4, 2, 16, 32, 3, [0, 5])
+    with pytest.raises(ValueError, match=r"q must be \[batch, n, heads, head_dim\]"):
+        verify_attention_reference(q[0], k, v, table, starts)
+    with pytest.raises(ValueError, match="starts must be int32"):
+        verify_attention_reference(q, k, v, table, starts.long())
+    with pytest.raises(ValueError, match="page_table must be int32"):
+        verify_attention_reference(q, k, v, table[:1], starts)
+    with pytest.raises(ValueError, match="not a multiple of 2 KV heads"):
+        verify_attention_reference(q[:, :, :3], k, v, table, starts)
+    workspace = VerifyWorkspace.allocate(2, 4, 4, 16, 128, dtype=torch.float32, device=DEVICE)
+    with pytest.raises(ValueError, match="allocated for queries=4, the call has 3"):
+        verify_attention(q, k, v, table, starts, workspace=workspace)
+    small = dataclasses.replace(workspace, out=workspace.out[:1, :3])
+    with pytest.raises(ValueError, match="batch 2 exceeds the workspace's max_batch 1"):
+        verify_attention(q, k, v, table, starts, workspace=small)

@@ -1,0 +1,161 @@
+"""Verification attention: a run of queries per row against the paged cache, causally.
+
+A speculative round (`wise_torch.engine.speculative`) verifies `n = num_draft + 1` positions of
+each row in one pass: query i of row b sits at position `starts[b] + i` and attends the keys
+0..starts[b] + i of its row, that is the committed cache and the round's positions up to its
+own, whose K/V the pass stored first (as a prefill chunk does). Every query attends densely.
+
+    verify_attention(q, k_pages, v_pages, page_table, starts, *, scale=None)
+      q:        [batch, n, heads, head_dim]
+      k_pages:  [num_pages, page_size, kv_heads, head_dim]   (v_pages the same)
+      page_table int32[batch, max_pages]; starts int32[batch]
+      -> out [batch, n, heads, head_dim] (q's dtype)
+
+Keys past the page table's capacity do not exist: a query's keys are capped at
+max_pages * page_size. Implementations: `verify_attention_reference` (each query is a DENSE
+row of `decode_attention_reference`, so a verified position attends exactly as a dense decode
+step of that position does) and the Triton kernel `wise_torch.kernels.triton_verify`, which
+reads each key once for all the queries of a row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from typing import Callable
+
+import torch
+
+from wise_core.modes import DENSE
+from wise_torch.attention import TORCH_KERNELS, decode_attention_reference
+from wise_torch.kv_cache import PagedKVCache
+
+
+@dataclasses.dataclass
+class VerifyBatch:
+    """Per-round metadata of a verification pass over `rows` rows of `queries` positions each,
+    flat row-major (position i of row b is token b * queries + i).
+
+    positions, slot_mapping: int64[rows * queries] (padding positions: any position the RoPE
+    table holds, the scratch slot); page_table: int32[rows, max_pages]; starts: int32[rows],
+    the position of each row's first query.
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    page_table: torch.Tensor
+    starts: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.starts.shape[0]
+
+    @property
+    def queries(self) -> int:
+        return self.positions.shape[0] // self.rows
+
+
+class VerifyContext:
+    """A verification pass (`VerifyBatch`) for `OuroForCausalLM.run_loops`: each plane's K/V of
+    the round's positions is stored in the paged cache, then every position attends causally
+    over its row's cache. `attention` is a prepared `verify_attention`."""
+
+    def __init__(self, num_layers: int, batch: VerifyBatch, cache: PagedKVCache, attention: Callable):
+        self.batch, self.cache, self.attention, self.num_layers = batch, cache, attention, num_layers
+        self.positions, self.slot_mapping = batch.positions, batch.slot_mapping
+
+    def planes(self, loop: int, layer: int):
+        plane = loop * self.num_layers + layer
+        return self.cache.k[plane], self.cache.v[plane]
+
+    def begin_loop(self, loop: int) -> None:
+        pass
+
+    def end_loop(self, loop: int) -> None:
+        pass
+
+    def attend(self, q: torch.Tensor, loop: int, layer: int) -> torch.Tensor:
+        b = self.batch
+        out = self.attention(q.view(b.rows, b.queries, *q.shape[1:]), *self.planes(loop, layer), b.page_table,
+                             b.starts)
+        return out.view(q.shape)
+
+
+def check_verify_args(q, k_pages, v_pages, page_table, starts) -> None:
+    """Raise ValueError naming the first shape/dtype inconsistency of a verify_attention call."""
+    if q.dim() != 4:
+        raise ValueError(f"q must be [batch, n, heads, head_dim], got shape {tuple(q.shape)}")
+    batch, _, heads, head_dim = q.shape
+    if k_pages.dim() != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages and v_pages must both be [num_pages, page_size, kv_heads, head_dim], "
+                         f"got {tuple(k_pages.shape)} and {tuple(v_pages.shape)}")
+    kv_heads, kv_dim = k_pages.shape[2:]
+    if kv_dim != head_dim:
+        raise ValueError(f"q has head_dim {head_dim} but the cache has {kv_dim}")
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+    if page_table.dim() != 2 or page_table.shape[0] != batch or page_table.dtype != torch.int32:
+        raise ValueError(f"page_table must be int32[batch={batch}, max_pages], got "
+                         f"{page_table.dtype}{list(page_table.shape)}")
+    if tuple(starts.shape) != (batch,) or starts.dtype != torch.int32:
+        raise ValueError(f"starts must be int32[batch={batch}], got {starts.dtype}{list(starts.shape)}")
+
+
+def verify_attention_reference(q, k_pages, v_pages, page_table, starts, *, scale: float | None = None):
+    """The module's contract in plain torch: query i of row b is a DENSE row of
+    `decode_attention_reference` with the row's page table and starts[b] + i + 1 keys."""
+    check_verify_args(q, k_pages, v_pages, page_table, starts)
+    batch, n, heads, head_dim = q.shape
+    page_size = k_pages.shape[1]
+    max_keys = page_table.shape[1] * page_size
+    seq_lens = (starts[:, None] + torch.arange(1, n + 1, device=q.device, dtype=torch.int32)).clamp(max=max_keys)
+    block_size = page_size & -page_size  # any power of two dividing the page: DENSE rows select nothing
+    rows = batch * n
+    support = torch.zeros(rows, heads, max_keys // block_size, dtype=torch.bool, device=q.device)
+    out, _ = decode_attention_reference(
+        q.reshape(rows, heads, head_dim), k_pages, v_pages, page_table.repeat_interleave(n, 0),
+        seq_lens.flatten(), torch.full((rows,), DENSE, dtype=torch.int32, device=q.device), support,
+        block_size=block_size, eta=1.0, scale=scale)
+    return out.view(q.shape)
+
+
+def resolve_verify_kernel(kernel: str, device: torch.device | str) -> Callable:
+    """The verify_attention implementation for `kernel` on `device` ("auto": triton on CUDA)."""
+    if kernel not in TORCH_KERNELS:
+        raise ValueError(f"kernel {kernel!r} is not available in wise_torch (choose from {TORCH_KERNELS})")
+    if kernel == "auto":
+        kernel = "triton" if torch.device(device).type == "cuda" else "reference"
+    if kernel == "reference":
+        return verify_attention_reference
+    try:
+        module = importlib.import_module("wise_torch.kernels.triton_verify")
+    except ImportError as e:
+        raise RuntimeError(f"the Triton verification kernel (wise_torch.kernels.triton_verify) cannot be "
+                           f"imported: {e}; use kernel='reference'") from e
+    return module.verify_attention
+
+
+def prepare_verify_attention(kernel: str, *, batches: list[int], queries: int, heads: int, kv_heads: int,
+                             head_dim: int, max_keys: int, dtype: torch.dtype, device: torch.device | str,
+                             min_splits: Callable[[int], int] = lambda batch: 1) -> dict[int, Callable]:
+    """Per batch size of `batches`, `kernel`'s verify attention for calls of up to that many rows
+    of `queries` queries and `max_keys` keys (Triton: one workspace shared by all, so that a call
+    allocates nothing and never syncs, and `min_splits(batch)` splits per row at least)."""
+    fn = resolve_verify_kernel(kernel, device)
+    if fn is verify_attention_reference:
+        return dict.fromkeys(batches, fn)
+    module = importlib.import_module(fn.__module__)
+    configs = {b: dataclasses.replace(module.config_for(head_dim, dtype), min_splits=min_splits(b)) for b in batches}
+    widest = max(configs.values(), key=lambda c: c.min_splits)
+    workspace = module.VerifyWorkspace.allocate(max(batches), queries, heads, head_dim, max_keys, dtype=dtype,
+                                                device=device, config=widest)
+    return {b: functools.partial(fn, workspace=dataclasses.replace(workspace, config=config))
+            for b, config in configs.items()}
+
+
+def verify_attention(q, k_pages, v_pages, page_table, starts, *, scale: float | None = None,
+                     kernel: str = "auto"):
+    """`verify_attention_reference`'s contract, run by `kernel` ("auto", "reference", "triton")."""
+    fn = resolve_verify_kernel(kernel, q.device)
+    return fn(q, k_pages, v_pages, page_table, starts, scale=scale)
