@@ -129,7 +129,10 @@ def markdown(rows: list[Row], size: int, info: dict) -> str:
     lines = [f"# Checkpoint loading, {info['date']}", "",
              f"{info['checkpoint']}: {size / 1e9:.2f} GB of bf16 weights in two shards, loaded into bf16 on "
              f"the CPU ({info['cpu']}, {info['cpu_count']} cores); one fresh process per load, "
-             f"{info['repeats']} loads each, page cache warm. Targets: peak RSS <= {TARGET_RATIO} x "
+             f"{info['repeats']} loads each, page cache warm; 1-minute load average "
+             f"{min(info['load_average_1min']):.1f}-{max(info['load_average_1min']):.1f} during the run "
+             f"(other jobs share this machine: repeats of one load differ by up to "
+             f"{max(max(r.seconds_all) / min(r.seconds_all) for r in rows):.1f}x). Targets: peak RSS <= {TARGET_RATIO} x "
              f"checkpoint ({TARGET_RATIO * size / 2**20:.0f} MB), <= {TARGET_SECONDS} s.", "",
              "| version | framework | load s (median) | peak RSS MB | after imports MB | peak / checkpoint | "
              "peak once resident MB | time target | memory target |", "|---|---|---|---|---|---|---|---|---|"]
@@ -164,7 +167,7 @@ def main(argv=None) -> int:
             while f.read(1 << 26):
                 pass
     sources = [("this", ROOT)] + ([("baseline", args.baseline.resolve())] if args.baseline else [])
-    rows = []
+    rows, load = [], [os.getloadavg()[0]]
     for version, source in sources:
         for framework in ("torch", "jax"):
             runs = [measure(source, framework, args.dir) for _ in range(args.repeats)]
@@ -174,12 +177,13 @@ def main(argv=None) -> int:
                             max(r["resident_peak_mb"] for r in runs),
                             statistics.median(r["baseline_mb"] for r in runs), peak * 2**20 / size,
                             runs[0]["param_bytes"], runs[0]["dtypes"]))
+            load.append(os.getloadavg()[0])
             print(f"{version} {framework}: {rows[-1].seconds:.2f} s, peak {peak:.0f} MB "
                   f"({rows[-1].ratio:.2f} x checkpoint)", file=sys.stderr)
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "checkpoint": "smoke" if args.smoke else "Ouro-1.4B shapes", "checkpoint_bytes": size,
             "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-            "repeats": args.repeats, "versions": versions(),
+            "repeats": args.repeats, "versions": versions(), "load_average_1min": [round(x, 2) for x in load],
             "baseline": str(args.baseline) if args.baseline else None,
             "targets": {"peak_over_checkpoint": TARGET_RATIO, "seconds": TARGET_SECONDS}}
     args.out.mkdir(parents=True, exist_ok=True)

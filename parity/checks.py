@@ -12,7 +12,7 @@ the one basis of `wise_core.rounding` (unit roundoff, reduction length, LAMBDA):
   before the block is within `rounding.selection_margin` of eta * total, or the block's mass is
   within 2 * delta of another's (delta: the mass bound, 0 for given masses);
 - end to end: logits (log-probs when teacher-forced in low precision) within
-  `rounding.network_bound` of the model's depth (layers * loops), width (hidden size) and dtype.
+  `rounding.model_bound` of the model's depth (layers * loops), longest reduction and dtype.
 """
 
 from __future__ import annotations
@@ -393,10 +393,9 @@ def check_all_blocks_generate(suite: Suite):
 
 
 # -- end to end ------------------------------------------------------------------------------------
-def logit_bound(dtype: str, scale: float, config) -> float:
-    """`rounding.network_bound` of a model config."""
-    return rounding.network_bound(scale=scale, depth=config.num_hidden_layers * config.total_ut_steps,
-                                  width=config.hidden_size, dtype=dtype)
+def logit_bound(dtype: str, scale: float, config, keys: int = 0) -> float:
+    """`rounding.model_bound` of a model config (keys: the longest context attended)."""
+    return rounding.model_bound(config, scale=scale, keys=keys, dtype=dtype)
 
 
 def compare_runs(config, torch_run, jax_run, dtype: str, forced: bool) -> Measured:

@@ -81,8 +81,8 @@ def selection_margin(n_blocks: int, total: float, mass_error: float = 0.0) -> fl
 
 def network_bound(*, scale: float, depth: int, width: int, dtype="float32") -> float:
     """|logit difference| of two implementations of the model that round at different points:
-    each of `depth` (layers * loops) sublayers accumulates float32 reductions of about `width`
-    terms (the hidden size) and rounds its output once to the activation dtype, and these
+    each of `depth` (layers * loops) sublayers accumulates float32 reductions of up to `width`
+    terms and rounds its output once to the activation dtype, and these
     roundings, of independent sign, add up over the depth * width float32 ones and the depth
     output ones. A model of error growth on the basis above, not a worst-case bound (the
     network's gain is taken as 1: norms re-scale every sublayer). scale: the largest |logit|
@@ -113,3 +113,19 @@ def mass_bound_of(q, k, *, scale=None) -> float:
     """`mass_bound` of one dense row from its arrays: q [heads, head_dim], k [n, kv_heads, head_dim]."""
     _, qk_max, head_dim = _scales(q, k, k, scale)
     return mass_bound(qk_max=qk_max, head_dim=head_dim, n_keys=len(k))
+
+
+def model_bound(config, *, scale: float, keys: int = 0, dtype="float32") -> float:
+    """`network_bound` of a ModelConfig: depth layers * loops, width its longest reduction (hidden
+    size, MLP width, or the `keys` attended)."""
+    width = max(config.hidden_size, config.intermediate_size, keys)
+    return network_bound(scale=scale, depth=config.num_hidden_layers * config.total_ut_steps, width=width,
+                         dtype=dtype)
+
+
+def model_difference(got, want, config, *, keys: int = 0, dtype="float32") -> tuple[float, float]:
+    """(max |got - want|, `model_bound` at scale max |want|) of two runs' logits or log-probs
+    (numpy arrays or CPU tensors): a test asserts the first <= the second."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    bound = model_bound(config, scale=float(np.abs(want).max()), keys=keys, dtype=dtype)
+    return float(np.abs(got - want).max()), bound

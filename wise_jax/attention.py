@@ -71,11 +71,13 @@ def check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, blo
         return np.bool_(True)
 
     values = (page_table, seq_lens, modes, support)
-    if not any(isinstance(x, jax.core.Tracer) for x in values):
-        check(*map(np.asarray, values))
-        return seq_lens
-    passed = jax.pure_callback(check, jax.ShapeDtypeStruct((), jnp.bool_), *values)
-    return jnp.where(passed, seq_lens, 0)
+    try:
+        concrete = [np.asarray(x) for x in values]
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        passed = jax.pure_callback(check, jax.ShapeDtypeStruct((), jnp.bool_), *values)
+        return jnp.where(passed, seq_lens, 0)
+    check(*concrete)
+    return seq_lens
 
 
 def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,
