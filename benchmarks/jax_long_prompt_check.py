@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.worker:
         print(json.dumps(worker(args)))
         return {}
-    runs = {}
+    runs, load = {}, [os.getloadavg()[0]]
     for framework in args.frameworks.split(","):
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", framework, "--new-tokens",
                str(args.new_tokens), "--lengths", ",".join(map(str, args.lengths))]
@@ -85,11 +85,13 @@ def main(argv: list[str] | None = None) -> dict:
         if done.returncode != 0:
             raise SystemExit(f"{framework} worker failed:\n{done.stderr[-3000:]}")
         runs[framework] = json.loads(done.stdout.strip().splitlines()[-1])
+        load.append(os.getloadavg()[0])
         r = runs[framework]
         print(f"{framework}: {r['wall_s']:.1f} s (prefill {r['prefill_s']:.1f} s, decode {r['decode_s']:.1f} s), "
               f"peak RSS {r['peak_rss_gb']:.2f} GB", flush=True)
     report = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), host=platform.node(),
-                  python=platform.python_version(), lengths=args.lengths, new_tokens=args.new_tokens, runs=runs)
+                  python=platform.python_version(), cpus=os.cpu_count(), load_average=load, lengths=args.lengths,
+                  new_tokens=args.new_tokens, runs=runs)
     if "jax" in runs:
         report["jax_within_rss_limit"] = runs["jax"]["peak_rss_gb"] <= args.rss_limit_gb
     if {"jax", "torch"} <= set(runs):
@@ -98,7 +100,9 @@ def main(argv: list[str] | None = None) -> dict:
     (args.out / f"{STEM}.json").write_text(json.dumps(report, indent=1) + "\n")
     lines = [f"# Long prompts on a CPU ({report['date']}, {report['host']}, python {report['python']})", "",
              f"test-tiny (2 layers x 4 loops, fp32, random weights), prompts of {args.lengths} tokens, "
-             f"{args.new_tokens} greedy new tokens; each framework in its own process.", "",
+             f"{args.new_tokens} greedy new tokens; each framework in its own process. {os.cpu_count()} CPUs; "
+             f"1-minute load average before, between and after the runs: {', '.join(f'{x:.1f}' for x in load)} "
+             f"(other jobs share the machine).", "",
              "| framework | versions | wall s | prefill s | decode s | peak RSS GB |", "|---|---|---|---|---|---|"]
     for r in runs.values():
         lines.append(f"| {r['framework']} | {', '.join(f'{k} {v}' for k, v in r['versions'].items())} | "
