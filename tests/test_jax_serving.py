@@ -43,26 +43,34 @@ def test_staggered_admissions_match_generate_alone(params, prompts, wise_config)
               num_pages=6)
     greedy = [SamplingParams(max_tokens=new, ignore_eos=True) for _, new in prompts]
     before = wise_jax.trace_counts()
+    final = {}
+
+    def step():
+        for out in llm.step():
+            if out.finished:
+                final[out.request_id] = out
+
     ids = [llm.add_request(prompts[0][0], greedy[0]), llm.add_request(prompts[1][0], greedy[1])]
     first = llm.step()                                           # admits both: their first tokens
     assert [(o.request_id, len(o.token_ids)) for o in first] == [(ids[0], 1), (ids[1], 1)]
-    llm.step()
+    step()
     ids.append(llm.add_request(prompts[2][0], greedy[2]))
     for _ in range(3):
-        llm.step()                                               # request 1 (4 tokens) ends; 2 joins
+        step()                                                   # request 1 (4 tokens) ends; 2 joins its slot
     ids.append(llm.add_request(prompts[3][0], greedy[3]))
-    llm.step()
+    step()
     aborted = llm.add_request(prompts[3][0], greedy[3])           # waits, then leaves
-    assert llm.abort(aborted).finish_reason == "abort"
+    out = llm.abort(aborted)
+    assert out.finish_reason == "abort" and out.finished and out.token_ids == []
     while llm.has_unfinished():
-        llm.step()
-    assert llm.output(aborted).finish_reason == "abort" and llm.output(aborted).token_ids == []
-    with pytest.raises(KeyError, match="no unfinished request"):
-        llm.abort(aborted)
+        step()
+    for call in (llm.abort, llm.output):                         # finished requests leave the engine
+        with pytest.raises(KeyError, match="no unfinished request"):
+            call(aborted)
     assert wise_jax.trace_counts()["step"] - before.get("step", 0) == 1   # one compiled step, every step
 
     for rid, (prompt, new) in zip(ids, prompts):
-        out = llm.output(rid)
+        out = final[rid]
         alone = wise_jax.generate(params, CONFIG, [prompt], max_new_tokens=new, eos_token_id=None,
                                   wise_config=wise_config, page_size=PAGE)
         assert out.token_ids == alone.tokens[0], rid

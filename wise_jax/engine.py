@@ -395,8 +395,11 @@ class LLM:
         return request.output(self.tokenizer)
 
     def output(self, request_id: int) -> RequestOutput:
-        """A request's output so far (finished ones stay readable)."""
-        return self._requests[request_id].output(self.tokenizer)
+        """An unfinished request's output so far (a finished one's final output came from `step`)."""
+        request = self._requests.get(request_id)
+        if request is None:
+            raise KeyError(f"no unfinished request {request_id}")
+        return request.output(self.tokenizer)
 
     # -- the loop ---------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -491,7 +494,9 @@ class LLM:
                                                sampling=request.sampling)
             request.dispatched = 1
             request.add(int(token), float(logprob), logits if request.keep_logits else None)
-            if request.finish_reason is None:
+            if request.finish_reason is not None:
+                self._retire(request)
+            else:
                 request.slot = self._free_slots.pop(0)
                 self._committed += request.pages
                 self._running[request.slot] = request
@@ -514,12 +519,14 @@ class LLM:
         self.cache, self.batch = _release(self.cache, self.batch, jnp.asarray(request.slot, jnp.int32))
 
     def _retire(self, request: _Request) -> None:
+        """A finished request leaves the engine: its slot and page budget come back."""
         if request.slot is not None:
             del self._running[request.slot]
             self._free_slots.append(request.slot)
             self._free_slots.sort()
             self._committed -= request.pages
             request.slot = None
+        self._requests.pop(request.id, None)
 
     # -- batch use --------------------------------------------------------------------------
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -537,7 +544,7 @@ class LLM:
         return self.run_until_done(ids, use_tqdm=use_tqdm)
 
     def run_until_done(self, request_ids: list[int], *, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Step until the given requests finish -> their final outputs, in the order given."""
+        """Step until the given (unfinished) requests finish -> their final outputs, in the order given."""
         wanted = [self._requests[i] for i in request_ids]
         bar = None
         if use_tqdm:

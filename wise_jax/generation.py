@@ -131,11 +131,10 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
                              f"exceed max_position_embeddings {config.max_position_embeddings}")
     llm = _engine(params, config, [len(ids) + max_new_tokens for ids in encoded], wise_config=wise_config,
                   page_size=page_size, kernel=kernel, tokenizer=tokenizer)
-    ids = [llm._add(p, sampling, key=jax.random.fold_in(key, n), keep_logits=return_logits)
-           for n, p in enumerate(encoded)]
+    requests = [llm._requests[llm._add(p, sampling, key=jax.random.fold_in(key, n), keep_logits=return_logits)]
+                for n, p in enumerate(encoded)]
     while llm.has_unfinished():
         llm.step()
-    requests = [llm._requests[i] for i in ids]
     tokens = [r.tokens for r in requests]
     logits = [np.stack(r.logits).astype(np.float32) for r in requests] if return_logits else None
     texts = None if tokenizer is None else [tokenizer.decode(t) for t in tokens]
@@ -165,8 +164,8 @@ def teacher_force(params: Params, config: ModelConfig, context_ids, continuation
                              f"max_position_embeddings {config.max_position_embeddings}")
     llm = _engine(params, config, [len(a) + len(b) for a, b in zip(contexts, continuations)],
                   wise_config=wise_config, page_size=page_size, kernel=kernel, tokenizer=tokenizer)
-    ids = [llm.add_request(a, forced=b) for a, b in zip(contexts, continuations)]
+    requests = [llm._requests[llm.add_request(a, forced=b)] for a, b in zip(contexts, continuations)]
     while llm.has_unfinished():
         llm.step()
-    logprobs = [np.asarray(llm._requests[i].logprobs, np.float32) for i in ids]
+    logprobs = [np.asarray(r.logprobs, np.float32) for r in requests]
     return ForcedOutput(logprobs, _stats(llm, sum(map(len, continuations))))
