@@ -418,7 +418,8 @@ def main(argv: list[str] | None = None) -> dict | None:
             prefill_only = index >= len(runs) - len(args.prefill_shapes)
             spec = dict(arm=arm, context=context, batch=batch, q_scale=q_scale, config=dataclasses.asdict(config),
                         std=args.std, seed=0, dtype=args.dtype, kernel=args.kernel, eta=args.eta,
-                        page_size=args.page_size, num_pages=cohort_pages(context, batch, new_tokens, args.page_size) + 1,
+                        page_size=args.page_size,
+                        num_pages=cohort_pages(context, batch, new_tokens, args.page_size) + 1,
                         new_tokens=new_tokens, warmup_tokens=args.warmup_tokens,
                         repeats=1 if prefill_only else args.repeats, old_src=old_src if arm.startswith("old") else None)
             if arm.startswith("old") and old_src is None:

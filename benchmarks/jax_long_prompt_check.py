@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
     if "same_tokens" in report:
         lines.append(f"Same greedy tokens: {'yes' if report['same_tokens'] else 'NO'}.")
     if "jax_within_rss_limit" in report:
-        lines.append(f"JAX peak RSS within {args.rss_limit_gb} GB: {'yes' if report['jax_within_rss_limit'] else 'NO'}.")
+        within = "yes" if report["jax_within_rss_limit"] else "NO"
+        lines.append(f"JAX peak RSS within {args.rss_limit_gb} GB: {within}.")
     (args.out / f"{STEM}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return report

@@ -100,7 +100,8 @@ def decode_memory(config, *, rows, max_pages, page_size, kernel, dtype):
         params, cache, state, jax.eval_shape(lambda: engine._empty_batch(rows)), jnp.zeros((rows,), jnp.int32),
         config=config, wise_config=wise_config, kernel=kernel, unroll=1, sampling=False, keep_logits=False).compile()
     memory = compiled.memory_analysis()
-    return 2 * cache.k.dtype.itemsize * int(np.prod(cache.k.shape)), memory.alias_size_in_bytes, memory.temp_size_in_bytes
+    cache_bytes = 2 * cache.k.dtype.itemsize * int(np.prod(cache.k.shape))
+    return cache_bytes, memory.alias_size_in_bytes, memory.temp_size_in_bytes
 
 
 def test_decode_step_updates_the_donated_cache_in_place():

@@ -90,7 +90,8 @@ def test_insert_and_token_writes_land_in_the_rows_pages():
     for b, pos in enumerate([40, 3]):
         np.testing.assert_array_equal(np.asarray(cache.v[7, table[b, pos // 32], pos % 32]), token[b])
     changed = np.argwhere(np.any(np.asarray(cache.k) != before, axis=(2, 3, 4)))
-    assert sorted(map(tuple, changed.tolist())) == sorted([(7, table[0, 1]), (7, table[1, 0]), (7, 8)])  # row 2: scratch
+    # rows 0 and 1 in their pages; row 2 (not written) on the scratch page 8
+    assert sorted(map(tuple, changed.tolist())) == sorted([(7, table[0, 1]), (7, table[1, 0]), (7, 8)])
     k_pages, _, shifted = kvc.plane_pages(cache, 7)
     assert k_pages.shape == (8 * 9, 32, 2, 64)
     np.testing.assert_array_equal(np.asarray(k_pages[shifted[0, 1], 40 % 32]), token[0])
