@@ -49,10 +49,11 @@ case $part in
         --max-num-batched-tokens 81920 ${OLD_SRC:+--old-src "$OLD_SRC"} ${SPEC:-} --out "$out/throughput"
     ;;
   jax)
-    run jax_throughput 250 python3 benchmarks/jax_generate_bench.py --preset ouro-1.4b --arms "${JAX_ARMS:-dense,wise}" \
+    run jax_throughput 240 python3 benchmarks/jax_generate_bench.py --preset ouro-1.4b --arms "${JAX_ARMS:-dense,wise}" \
         --shapes "${SHAPES:-1024x64,4096x20,8192x10,1024x1}" --q-scale "${Q_SCALES:-8,7.3,7,8}" \
         --prefill-shapes 32768x2 --child-timeout 100 --out "$out/jax_throughput"
-    run jax_gpu_tests 110 python3 -m pytest -q -m gpu tests/test_jax_gpu.py -p no:cacheprovider -rfE --durations=10
+    run jax_gpu_tests 120 python3 -m pytest -q -m gpu tests/test_jax_gpu.py tests/test_jax_selection_in_generate.py \
+        -p no:cacheprovider -rfE --durations=10
     ;;
   *) echo "unknown part $part (tests|train|bench|engine|jax)" >&2; exit 2;;
 esac
