@@ -10,6 +10,7 @@ JSON object per prompt (--json); `wise serve` is the completions server (wise_se
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -180,7 +181,7 @@ def _generate_jax(args, wise_config: WiseConfig | None, prompts: list[str], on_t
     results = [dict(text=tokenizer.decode(t), token_ids=list(t), prompt_tokens=len(p),
                     finish_reason="stop" if eos is not None and t and t[-1] == eos else "length")
                for p, t in zip(ids, out.tokens)]
-    stats = dict(out.stats)
+    stats = dataclasses.asdict(out.stats)
     stats["prefill_tokens"] = sum(map(len, ids))
     stats["decode_tokens"] = stats["new_tokens"] - len(ids)
     return results, stats

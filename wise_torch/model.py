@@ -315,17 +315,22 @@ _FUSED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_
 
 def fused_state_dict(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF-named weights -> the model's state dict: q/k/v and gate/up concatenated (qkv_proj,
-    gate_up_proj), every other tensor as it is."""
-    out, fused = {}, {part: (leaf, i) for leaf, parts in _FUSED.items() for i, part in enumerate(parts)}
-    for name, t in weights.items():
+    gate_up_proj), every other tensor as it is. Consumes `weights`, so the parts are freed as
+    each fused weight is made (host memory stays near one copy of the model)."""
+    part_of = {part: fused for fused, parts in _FUSED.items() for part in parts}
+    out = {}
+    for name in list(weights):
+        if name not in weights:            # a part already taken into its fused weight
+            continue
         prefix, _, rest = name.partition(".layers.")
         layer, _, leaf = rest.partition(".")
-        if rest and leaf in fused:
-            target, i = fused[leaf]
-            out.setdefault(f"{prefix}.layers.{layer}.{target}", [None] * len(_FUSED[target]))[i] = t
+        fused = part_of.get(leaf) if rest else None
+        if fused is None:
+            out[name] = weights.pop(name)
         else:
-            out[name] = t
-    return {name: torch.cat(t) if isinstance(t, list) else t for name, t in out.items()}
+            out[f"{prefix}.layers.{layer}.{fused}"] = torch.cat(
+                [weights.pop(f"{prefix}.layers.{layer}.{part}") for part in _FUSED[fused]])
+    return out
 
 
 def from_tensors(config: ModelConfig, tensors: dict[str, np.ndarray], *, tokenizer=None,
