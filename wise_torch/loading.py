@@ -45,8 +45,11 @@ def _state_names(config: ModelConfig) -> set[str]:
     return set(expected_shapes(config))
 
 
-def _from_numpy(array: np.ndarray) -> torch.Tensor:
-    """A torch view of a numpy array (ml_dtypes bfloat16 through its bits)."""
+def _as_tensor(array) -> torch.Tensor:
+    """A torch tensor as it is (on any device), or a torch view of a numpy array (ml_dtypes
+    bfloat16 through its bits)."""
+    if isinstance(array, torch.Tensor):
+        return array
     array = np.ascontiguousarray(array)
     if array.dtype.name == "bfloat16":
         return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
@@ -55,11 +58,11 @@ def _from_numpy(array: np.ndarray) -> torch.Tensor:
 
 def from_tensors(config: ModelConfig, tensors: dict[str, np.ndarray], *, tokenizer=None,
                  dtype=torch.float32, device: torch.device | str = "cpu") -> OuroForCausalLM:
-    """An eval-mode model from HF-named numpy tensors (validated against `config`)."""
+    """An eval-mode model from HF-named numpy arrays or torch tensors (validated against `config`)."""
     dtype = model_dtype(dtype)
     validate_tensors(config, tensors)
     names = _state_names(config)  # a tied checkpoint may carry lm_head.weight; the model has none
-    weights = {name: _from_numpy(array).to(device=device, dtype=dtype)
+    weights = {name: _as_tensor(array).to(device=device, dtype=dtype)
                for name, array in tensors.items() if name in names}
     return _assemble(config, weights, tokenizer)
 
