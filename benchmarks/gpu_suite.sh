@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Every GPU test and benchmark of the project, in three parts, for one H200:
-#   bash benchmarks/gpu_suite.sh tests|train|bench|engine OUTDIR [MODEL_DIR]
+# Every GPU test and benchmark of the project, in parts, for one H200 (tp: two):
+#   bash benchmarks/gpu_suite.sh tests|train|bench|engine|tp OUTDIR [MODEL_DIR]
 # tests: the `gpu`-marked pytest suite, the parity suite, the JAX generation benchmark;
 # train: trains the built-in model (benchmarks/train_builtin.py) into OUTDIR/model;
 # engine: the torch engine's gpu tests, the fused-ops benchmark and the engine throughput
 #         benchmark (dense and WISE at 1K x 64, 4K x 20, 8K x 10, 1K x 1; ARMS, SHAPES, Q_SCALES override;
 #         SPEC adds speculative arms, e.g. SPEC="--spec wise --spec loops --num-draft 4");
+# tp: on a host with two GPUs, the tensor-parallel gpu tests and the scaling benchmark (1 and 2 GPUs,
+#     dense and WISE, Ouro-1.4B shape at 1K x 64 then 8K x 20); NCCL_NVLS_ENABLE=0 (NVLink multicast off);
 # bench: the kernel benchmark (Triton, Pallas, cuDNN SDPA, FlashAttention-4 when importable) and
 #        the WISE quality run on MODEL_DIR when given.
 # Logs and results go to OUTDIR. The project runs from the source tree (PYTHONPATH).
@@ -47,5 +49,13 @@ case $part in
         --shapes "${SHAPES:-1024x64,4096x20,8192x10,1024x1}" --q-scale "${Q_SCALES:-8,7.3,7,8}" \
         --max-num-batched-tokens 81920 ${OLD_SRC:+--old-src "$OLD_SRC"} ${SPEC:-} --out "$out/throughput"
     ;;
-  *) echo "unknown part $part (tests|train|bench|engine)" >&2; exit 2;;
+  tp)
+    export NCCL_NVLS_ENABLE=0
+    run tp_gpu_tests 540 python3 -m pytest -q -m gpu tests/test_torch_tensor_parallel_gpu.py -p no:cacheprovider -rfE -s
+    run tp_scaling_1k 540 python3 benchmarks/tp_scaling.py --preset ouro-1.4b --shapes 1024x64 --q-scale 8 \
+        --child-timeout 240 --out "$out/tp_scaling_1k"
+    run tp_scaling_8k 540 python3 benchmarks/tp_scaling.py --preset ouro-1.4b --shapes 8192x20 --q-scale 7 \
+        --child-timeout 240 --out "$out/tp_scaling_8k"
+    ;;
+  *) echo "unknown part $part (tests|train|bench|engine|tp)" >&2; exit 2;;
 esac

@@ -195,13 +195,17 @@ class ModelRunner:
 
     def _capture(self, bucket: int) -> None:
         """Capture the decode step at `bucket` rows as a CUDA graph (after a warm-up that compiles
-        the kernels; the WISE counters it touches are restored). Inputs are the staged rows."""
+        the kernels; the WISE counters it touches are restored). Inputs are the staged rows.
+        Under tensor parallelism every rank captures the same bucket in the same call: the
+        warm-up's collectives pair up, and the captured ones run at each replay."""
         saved = None if self.wise is None else self.wise.snapshot()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self._forward(bucket)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self.tp is not None:
+            torch.cuda.synchronize(self.device)   # no collective of the warm-up is pending during the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
             logits = self._forward(bucket)
