@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark of the project, in parts, for one H200 (tp: two):
-#   bash benchmarks/gpu_suite.sh tests|train|bench|engine|tp OUTDIR [MODEL_DIR]
-# tests: the `gpu`-marked pytest suite, the parity suite, the JAX generation benchmark;
+#   bash benchmarks/gpu_suite.sh tests|train|bench|engine|jax|tp OUTDIR [MODEL_DIR]
+# tests: the `gpu`-marked pytest suite, the parity suite;
 # train: trains the built-in model (benchmarks/train_builtin.py) into OUTDIR/model;
 # engine: the torch engine's gpu tests, the fused-ops benchmark and the engine throughput
 #         benchmark (dense and WISE at 1K x 64, 4K x 20, 8K x 10, 1K x 1; ARMS, SHAPES, Q_SCALES override;
 #         SPEC adds speculative arms, e.g. SPEC="--spec wise --spec loops --num-draft 4");
+# jax: the JAX engine's gpu tests and its throughput benchmark (dense and WISE at 1K x 64, 4K x 20,
+#      8K x 10, 1K x 1; a 32K x 2 prefill; JAX_ARMS, SHAPES, Q_SCALES override), about 6 minutes;
 # tp: on a host with two GPUs, the tensor-parallel gpu tests and the scaling benchmark (1 and 2 GPUs,
 #     dense and WISE, Ouro-1.4B shape at 1K x 64 then 8K x 20); NCCL_NVLS_ENABLE=0 (NVLink multicast off);
 # bench: the kernel benchmark (Triton, Pallas, cuDNN SDPA, FlashAttention-4 when importable) and
@@ -29,7 +31,6 @@ case $part in
   tests)
     run gpu_tests 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider --continue-on-collection-errors -rfE
     run parity 150 python3 -m parity --json "$out/parity_h200.json" --details failures
-    run jax_generate 200 python3 benchmarks/jax_generate_bench.py --variants dense-reference,dense-pallas,wise-pallas --out "$out"
     ;;
   train)
     run train 540 python3 benchmarks/train_builtin.py --minutes "${TRAIN_MINUTES:-5}" --out "$out/model"
@@ -49,6 +50,12 @@ case $part in
         --shapes "${SHAPES:-1024x64,4096x20,8192x10,1024x1}" --q-scale "${Q_SCALES:-8,7.3,7,8}" \
         --max-num-batched-tokens 81920 ${OLD_SRC:+--old-src "$OLD_SRC"} ${SPEC:-} --out "$out/throughput"
     ;;
+  jax)
+    run jax_throughput 250 python3 benchmarks/jax_generate_bench.py --preset ouro-1.4b --arms "${JAX_ARMS:-dense,wise}" \
+        --shapes "${SHAPES:-1024x64,4096x20,8192x10,1024x1}" --q-scale "${Q_SCALES:-8,7.3,7,8}" \
+        --prefill-shapes 32768x2 --child-timeout 100 --out "$out/jax_throughput"
+    run jax_gpu_tests 110 python3 -m pytest -q -m gpu tests/test_jax_gpu.py -p no:cacheprovider -rfE --durations=10
+    ;;
   tp)
     export NCCL_NVLS_ENABLE=0
     run tp_gpu_tests 540 python3 -m pytest -q -m gpu tests/test_torch_tensor_parallel_gpu.py -p no:cacheprovider -rfE -s
@@ -57,5 +64,5 @@ case $part in
     run tp_scaling_8k 540 python3 benchmarks/tp_scaling.py --preset ouro-1.4b --shapes 8192x20 --q-scale 7 \
         --child-timeout 240 --out "$out/tp_scaling_8k"
     ;;
-  *) echo "unknown part $part (tests|train|bench|engine|tp)" >&2; exit 2;;
+  *) echo "unknown part $part (tests|train|bench|engine|jax|tp)" >&2; exit 2;;
 esac

@@ -1,15 +1,37 @@
-"""Decode throughput of wise_jax's jit-compiled generate: dense and WISE, per kernel.
+"""Decode throughput of the JAX serving engine (wise_jax.LLM): dense, WISE, their variants, and prefill.
 
-Models get random weights made on the device (`wise_jax.init_params`), in bf16: the small
-built-in `random-tiny` shape and the Ouro-1.4B shape. Each variant runs generate once to
-compile, then once timed (same bucket, no recompilation); every row decodes `--new-tokens`
-tokens (no eos). Random weights give near-uniform attention, so WISE densities here say little
-about real models; the timings measure the decode path.
+    python benchmarks/jax_generate_bench.py --shapes 1024x64,4096x20,8192x10,1024x1 --q-scale 8,7.3,7,8 \\
+        --prefill-shapes 32768x2 --out benchmarks/results/DIR                           # on an H200
+    python benchmarks/jax_generate_bench.py --preset test-tiny --dtype float32 --kernel reference \\
+        --shapes 64x3 --new-tokens 6 --arms dense,wise --out /tmp/jb                    # CPU smoke
 
-    python benchmarks/jax_generate_bench.py                    # H200: 1K context x batch 64
-    python benchmarks/jax_generate_bench.py --smoke            # tiny shapes, CPU
+Method: benchmarks/throughput.py's (the reference system's), and its code where the job is the
+same (`run_cohort`, the roofline, the targets): a cohort of C concurrent requests of exactly L
+prompt tokens (random ids, seed fixed per shape), greedy, N output tokens each with ignore_eos;
+decode throughput counts the tokens generated after the step in which the whole cohort has its
+first token, over the time from that step to the last. Each (shape, arm) runs in a fresh process
+(this script with --worker) with the same KV pool (the cohort's pages + 1), after one untimed
+warm-up request (every program of the cohort has a fixed shape, the decode step running all C
+rows, so one request compiles them all), then --repeats timed cohorts, all printed. Compiled
+programs go to a persistent compilation cache shared by the run's workers (--compile-cache), so
+arms that share a program (the prefill of a context) compile it once; `recompiles` counts
+traces during the timed cohorts (0 expected).
 
-Writes <out>/jax_generate_bench[-<tag>].json and .md (machine, versions, date), after every run.
+Arms: MODE[+OPTION...], MODE dense or wise (WiseConfig(eta, kernel)); options, to measure what
+each part of the decode step costs:
+- unroll: the layer scan fully unrolled (LLM(unroll=True)) instead of a while loop per loop;
+- unfused: q/k/v and gate/up as separate GEMMs (params.split_projections) instead of fused;
+- nocb: XLA_FLAGS --xla_gpu_enable_command_buffer= (no CUDA-graph command buffers);
+- cbloops: XLA_FLAGS --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL (loops in command buffers).
+Arms old, old-wise: the pre-engine `wise_jax.generate` (dense / WISE) of --old-commit, run from a
+source tree of it (--old-src DIR holding its wise_core and wise_jax, e.g. `git archive COMMIT
+wise_core wise_jax | tar -x -C DIR`); timed by its own stats after a warm-up call.
+--prefill-shapes LxC: the cohort's prefill alone (C requests of L tokens, dense, 2 new tokens).
+
+Workloads: random weights at a preset's shape (wise_jax.init_params, normal(0, --std), bf16 by
+default, drawn on the device), q_proj multiplied by --q-scale (one value or one per shape) to give
+peaked attention; the measured reuse-union density per reuse depth is reported. Writes
+jax_generate_bench.json, .md (with the standing against the targets) and .png to --out.
 """
 
 from __future__ import annotations
@@ -20,136 +42,410 @@ import datetime
 import json
 import os
 import platform
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")  # the 1.4B cache is ~58 GB
-ROOT = Path(__file__).resolve().parent
-if str(ROOT.parent) not in sys.path:  # run from a checkout without installing
-    sys.path.insert(0, str(ROOT.parent))
+_HERE = Path(__file__).resolve().parent
+_ROOT = _HERE.parent
+if str(_HERE) not in sys.path:
+    sys.path.insert(0, str(_HERE))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import jaxlib  # noqa: E402
-import numpy as np  # noqa: E402
+from throughput import (BATCH1_STEP_MS, DENSE_SHARE_TARGET, WISE_TARGETS, _density, _fmt,  # noqa: E402
+                        cohort_pages, parse_floats, parse_shapes, plot, roofline, run_cohort, table)
 
-import wise_jax  # noqa: E402
-from wise_core.checkpoint import BUILTIN_MODELS  # noqa: E402
-from wise_core.config import PRESETS, WiseConfig  # noqa: E402
-from wise_jax.attention import resolve_kernel  # noqa: E402
-
-VARIANTS = ("dense-reference", "dense-pallas", "wise-reference", "wise-pallas")
+MODES = ("dense", "wise", "old", "old-wise")
+OPTIONS = ("unroll", "unfused", "nocb", "cbloops")
+XLA_FLAGS = {"nocb": "--xla_gpu_enable_command_buffer=",
+             "cbloops": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"}
+OLD_COMMIT = "bef25e92fbb27d035f3f9973f69047951c897363"  # the last commit before the serving engine
+STEM = "jax_generate_bench"
 
 
-def model_config(name: str):
-    if name in PRESETS:
-        return PRESETS[name]
-    if name in BUILTIN_MODELS:
-        return BUILTIN_MODELS[name]().config
-    raise SystemExit(f"unknown model {name!r}: choose from {sorted(PRESETS) + sorted(BUILTIN_MODELS)}")
+def parse_arm(text: str) -> tuple[str, tuple[str, ...]]:
+    mode, *options = text.strip().split("+")
+    if mode not in MODES or any(o not in OPTIONS for o in options) or len(set(options)) != len(options):
+        raise argparse.ArgumentTypeError(f"arm {text!r} is not MODE[+OPTION...] with MODE in {MODES} and "
+                                         f"OPTIONs from {OPTIONS}")
+    if mode.startswith("old") and options:
+        raise argparse.ArgumentTypeError(f"arm {text!r}: the old path takes no options")
+    return mode, tuple(options)
 
 
-def environment() -> dict:
+def parse_arms(text: str) -> list[str]:
+    arms = [a.strip() for a in text.split(",") if a.strip()]
+    for arm in arms:
+        parse_arm(arm)
+    if len(set(arms)) != len(arms):
+        raise argparse.ArgumentTypeError(f"arms repeat: {text!r}")
+    return arms
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="ouro-1.4b", help="model shape for random weights (wise_core PRESETS)")
+    p.add_argument("--layers", type=int, default=0, help="override the preset's num_hidden_layers")
+    p.add_argument("--std", type=float, default=0.02, help="std of the random weights")
+    p.add_argument("--q-scale", type=parse_floats, default=[1.0],
+                   help="q_proj multiplier: one value, or one per shape (e.g. 8,7.3,7,8)")
+    p.add_argument("--shapes", type=parse_shapes, default=parse_shapes("1024x64,4096x20,8192x10,1024x1"),
+                   help="CONTEXTxBATCH list: prompt tokens x concurrent requests")
+    p.add_argument("--prefill-shapes", type=parse_shapes, default=[], help="CONTEXTxBATCH cohorts to prefill")
+    p.add_argument("--new-tokens", type=int, default=32, help="output tokens per request (>= 2)")
+    p.add_argument("--warmup-tokens", type=int, default=4, help="output tokens of the untimed warm-up request")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--arms", type=parse_arms, default=["dense", "wise"])
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--kernel", default="auto", choices=("auto", "pallas", "reference"),
+                   help="decode attention of every arm")
+    p.add_argument("--eta", type=float, default=0.95)
+    p.add_argument("--page-size", type=int, default=128)
+    p.add_argument("--old-src", type=Path, help="source tree of --old-commit (wise_core, wise_jax)")
+    p.add_argument("--old-commit", default=OLD_COMMIT, help="commit to extract with git when --old-src is not given")
+    p.add_argument("--hbm-tbps", type=float, default=4.3, help="memory bandwidth of the roofline")
+    p.add_argument("--child-timeout", type=float, default=600, help="seconds per (shape, arm) process")
+    p.add_argument("--compile-cache", type=Path, help="persistent compilation cache (default: one per run)")
+    p.add_argument("--out", type=Path, default=_HERE / "results")
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one (shape, arm) from a JSON spec file
+    return p
+
+
+def check_args(parser: argparse.ArgumentParser, args) -> list[float]:
+    """Validate the combination; returns the q scale of each shape."""
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be >= 2 (decode is timed after every request's first token)")
+    if args.warmup_tokens < 1 or args.repeats < 1:
+        parser.error("--warmup-tokens and --repeats must be >= 1")
+    if not 0 < args.eta <= 1:
+        parser.error(f"--eta must be in (0, 1], got {args.eta}")
+    if args.page_size < 1 or args.hbm_tbps <= 0:
+        parser.error("--page-size and --hbm-tbps must be positive")
+    scales = args.q_scale * len(args.shapes) if len(args.q_scale) == 1 else args.q_scale
+    if len(scales) != len(args.shapes):
+        parser.error(f"--q-scale gives {len(args.q_scale)} values for {len(args.shapes)} shapes (give 1 or one each)")
+    return scales
+
+
+# -- workers (one process per (shape, arm)) ---------------------------------------------------------------------
+def _environment() -> dict:
+    import jax
+    import jaxlib
     device = jax.devices()[0]
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": platform.node(), "device": f"{device.platform}: {device.device_kind}",
-            "python": platform.python_version(), "jax": jax.__version__,
-            "jaxlib": jaxlib.__version__, "numpy": np.__version__}
+    return dict(device=f"{device.platform}: {device.device_kind}", jax=jax.__version__, jaxlib=jaxlib.__version__,
+                python=platform.python_version(), xla_flags=os.environ.get("XLA_FLAGS", ""))
 
 
-def run_variant(params, config, prompts, variant: str, args) -> dict:
-    mode, kernel = variant.split("-")
-    wise_config = WiseConfig(kernel=kernel) if mode == "wise" else None
-    kw = dict(max_new_tokens=args.new_tokens, eos_token_id=None, wise_config=wise_config,
-              page_size=args.page_size, kernel=kernel)
+def _setup(spec: dict):
+    """(config, params, prompts) of the spec: random weights drawn on the device."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import wise_jax
+    from wise_core.config import ModelConfig
+    config = ModelConfig(**spec["config"])
+    params = wise_jax.init_params(config, jax.random.PRNGKey(spec["seed"]), dtype=jnp.dtype(spec["dtype"]),
+                                  std=spec["std"])
+    if spec["q_scale"] != 1.0:
+        if hasattr(params.layers, "qkv_proj"):
+            from wise_jax.params import scale_queries
+            params = scale_queries(config, params, spec["q_scale"])
+        else:  # the pre-engine layout
+            layers = dataclasses.replace(params.layers, q_proj=params.layers.q_proj * spec["q_scale"])
+            params = dataclasses.replace(params, layers=layers)
+    rng = np.random.default_rng(spec["context"] * 1000 + spec["batch"])
+    prompts = rng.integers(0, config.vocab_size, (spec["batch"], spec["context"])).tolist()
+    return config, params, prompts
+
+
+def _engine_worker(spec: dict) -> dict:
+    import wise_jax
+    from wise_core.config import WiseConfig
+    from wise_jax.params import split_projections
+    config, params, prompts = _setup(spec)
+    mode, options = parse_arm(spec["arm"])
+    if "unfused" in options:
+        params = split_projections(config, params)
+    wise_config = WiseConfig(eta=spec["eta"], kernel=spec["kernel"]) if mode == "wise" else None
+    llm = wise_jax.LLM(params, config, wise_config=wise_config, num_pages=spec["num_pages"],
+                       page_size=spec["page_size"], max_num_seqs=spec["batch"], kernel=spec["kernel"],
+                       max_model_len=spec["context"] + max(spec["new_tokens"], spec["warmup_tokens"]),
+                       unroll=True if "unroll" in options else 1)
+
+    def cohort(requests: list, tokens: int) -> dict:
+        llm.reset_stats()
+        before = wise_jax.trace_counts()
+        result = run_cohort(llm, requests, wise_jax.SamplingParams(max_tokens=tokens, ignore_eos=True), tokens)
+        after = wise_jax.trace_counts()
+        stats = llm.stats()
+        result.update(density=stats.density, fallbacks=stats.fallbacks, preemptions=stats.preemptions,
+                      pages_returned=stats.free_pages == stats.total_pages, counters="this cohort",
+                      recompiles=sum(after.values()) - sum(before.values()),
+                      prefill_tokens_per_s=sum(map(len, requests)) / result["prefill_s"])
+        return result
+
     start = time.perf_counter()
-    first = wise_jax.generate(params, config, prompts, **kw)
-    first_s = time.perf_counter() - start
-    timed = wise_jax.generate(params, config, prompts, **kw)
-    stats = timed.stats
-    steps = args.new_tokens - 1
-    return {"mode": mode, "kernel": resolve_kernel(kernel),
-            "first_call_s": round(first_s, 3), "compiles": first.stats["compiles"],
-            "recompiles_timed": stats["compiles"], "prefill_s": round(stats["prefill_s"], 4),
-            "decode_s": round(stats["decode_s"], 4),
-            "decode_tokens_per_s": round(stats["decode_tokens_per_s"], 1),
-            "ms_per_step": round(1e3 * stats["decode_s"] / max(steps, 1), 3),
-            "new_tokens": stats["new_tokens"], "fallbacks": stats["fallbacks"], "density": stats["density"]}
+    cohort(prompts[:1], spec["warmup_tokens"])
+    warmup_s = time.perf_counter() - start
+    return dict(status="ok", warmup_s=warmup_s, repeats=[cohort(prompts, spec["new_tokens"])
+                                                         for _ in range(spec["repeats"])])
 
 
-def write(results: dict, out: Path, tag: str) -> None:
+def _old_worker(spec: dict) -> dict:
+    """The pre-engine generate, imported from the old source tree (first on sys.path)."""
+    import wise_jax
+    from wise_core.config import WiseConfig
+    config, params, prompts = _setup(spec)
+    wise_config = WiseConfig(eta=spec["eta"], kernel=spec["kernel"]) if spec["arm"] == "old-wise" else None
+
+    def run(tokens: int) -> dict:
+        return wise_jax.generate(params, config, prompts, max_new_tokens=tokens, eos_token_id=None,
+                                 wise_config=wise_config, page_size=spec["page_size"], kernel=spec["kernel"]).stats
+
+    start = time.perf_counter()
+    run(spec["warmup_tokens"])
+    warmup_s = time.perf_counter() - start
+    repeats = []
+    for _ in range(spec["repeats"]):
+        stats = run(spec["new_tokens"])
+        steps = spec["new_tokens"] - 1
+        repeats.append(dict(prefill_s=stats["prefill_s"], decode_s=stats["decode_s"],
+                            decode_tokens=stats["new_tokens"] - len(prompts), decode_steps=steps,
+                            decode_tokens_per_s=stats["decode_tokens_per_s"],
+                            ms_per_step=1e3 * stats["decode_s"] / steps, density=stats["density"],
+                            fallbacks=stats["fallbacks"], preemptions=None, pages_returned=None,
+                            recompiles=stats["compiles"]))
+    return dict(status="ok", warmup_s=warmup_s, repeats=repeats)
+
+
+def worker_main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    sys.path.insert(0, spec["old_src"] or str(_ROOT))
+    try:
+        result = (_old_worker if spec["arm"].startswith("old") else _engine_worker)(spec)
+        result["environment"] = _environment()
+    except Exception as e:  # reported in the row; the other arms go on
+        traceback.print_exc()
+        result = dict(status=f"error: {type(e).__name__}: {e}"[:800])
+    Path(spec["result"]).write_text(json.dumps(result, default=str))
+
+
+def run_worker(spec: dict, timeout: float, workdir: Path, compile_cache: Path) -> dict:
+    """Run one (shape, arm) in a fresh process (its XLA flags set); its result, or why there is none."""
+    name = f"{spec['context']}x{spec['batch']}-{spec['arm']}"
+    spec = dict(spec, result=str(workdir / f"{name}.result.json"))
+    spec_path = workdir / f"{name}.spec.json"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_COMPILATION_CACHE_DIR=str(compile_cache),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+    flags = [XLA_FLAGS[o] for o in parse_arm(spec["arm"])[1] if o in XLA_FLAGS]
+    if flags:
+        env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", "")] + flags).strip()
+    try:
+        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path)],
+                              env=env, timeout=timeout, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        return dict(status=f"error: timed out after {timeout:.0f} s")
+    log = (done.stdout + done.stderr).strip()
+    if done.returncode != 0 or not Path(spec["result"]).exists():
+        return dict(status=f"error: worker exited {done.returncode}: {log[-600:]}")
+    result = json.loads(Path(spec["result"]).read_text())
+    if result["status"] != "ok" and log:
+        result["log_tail"] = log[-1500:]
+    return result
+
+
+# -- the report ------------------------------------------------------------------------------------------------
+def row_of(spec: dict, result: dict, repeat: int | None, config, args) -> dict:
+    row = dict(context=spec["context"], batch=spec["batch"], q_scale=spec["q_scale"], arm=spec["arm"],
+               repeat=repeat, status=result["status"], warmup_s=result.get("warmup_s"))
+    if repeat is None:
+        return row
+    r = result["repeats"][repeat]
+    density = {int(k): v for k, v in (r.get("density") or {}).items() if v is not None} or None
+    roof = roofline(config, args.dtype, spec["context"], spec["batch"], spec["new_tokens"], density, args.hbm_tbps)
+    row.update({k: r.get(k) for k in ("decode_tokens_per_s", "ms_per_step", "prefill_s", "prefill_tokens_per_s",
+                                      "decode_tokens", "decode_steps", "fallbacks", "preemptions",
+                                      "pages_returned", "recompiles")})
+    row.update(density=density, roofline_tokens_per_s=roof["tokens_per_s"], roofline_ms_per_step=roof["ms_per_step"],
+               roofline_share=r["decode_tokens_per_s"] / roof["tokens_per_s"])
+    return row
+
+
+def dense_of(arm: str) -> str:
+    """The arm a WISE arm is compared with: the same options, dense (old-wise: old)."""
+    mode, options = parse_arm(arm)
+    return "+".join((("old" if mode == "old-wise" else "dense"),) + options)
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Mean over repeats per (shape, arm); WISE arms over their dense arm, variants over the base arm."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["repeat"] is not None and not r.get("prefill_only"):
+            groups.setdefault((r["context"], r["batch"], r["arm"]), []).append(r)
+    out = []
+    for (context, batch, arm), rs in groups.items():
+        mean = sum(r["decode_tokens_per_s"] for r in rs) / len(rs)
+        out.append(dict(context=context, batch=batch, arm=arm, decode_tokens_per_s=mean,
+                        ms_per_step=sum(r["ms_per_step"] for r in rs) / len(rs),
+                        roofline_tokens_per_s=rs[-1]["roofline_tokens_per_s"],
+                        roofline_share=mean / rs[-1]["roofline_tokens_per_s"], density=rs[-1]["density"]))
+    by_key = {(s["context"], s["batch"], s["arm"]): s for s in out}
+    for s in out:
+        mode = parse_arm(s["arm"])[0]
+        base = by_key.get((s["context"], s["batch"], mode))
+        dense = by_key.get((s["context"], s["batch"], dense_of(s["arm"]))) if "wise" in mode else None
+        s["over_dense"] = s["decode_tokens_per_s"] / dense["decode_tokens_per_s"] if dense else None
+        s["over_base"] = s["decode_tokens_per_s"] / base["decode_tokens_per_s"] if base and base is not s else None
+    return out
+
+
+def standing(summary: list[dict]) -> list[dict]:
+    """The issue's targets (the base dense and wise arms), measured where the run has the numbers."""
+    out = []
+    for s in summary:
+        shape = f"{s['context']}x{s['batch']}"
+        if s["arm"] == "dense":
+            out.append(dict(target=f"dense >= {DENSE_SHARE_TARGET:.0%} of the roofline", shape=shape,
+                            value=s["roofline_share"], met=s["roofline_share"] >= DENSE_SHARE_TARGET))
+            if s["batch"] == 1 and s["context"] == 1024:
+                out.append(dict(target=f"batch 1 at 1K <= {BATCH1_STEP_MS} ms/step", shape=shape,
+                                value=s["ms_per_step"], met=s["ms_per_step"] <= BATCH1_STEP_MS))
+        if s["arm"] == "wise" and s["context"] in WISE_TARGETS and s["batch"] > 1 and s["over_dense"] is not None:
+            bound = WISE_TARGETS[s["context"]]
+            out.append(dict(target=f"WISE / dense >= {bound:.2f}", shape=shape, value=s["over_dense"],
+                            met=s["over_dense"] >= bound))
+    return out
+
+
+def markdown(report: dict) -> str:
+    env = report.get("environment") or {}
+    a = report["args"]
+    lines = [f"# JAX decode throughput ({report['date']})", "",
+             f"{env.get('device', '?')}; jax {env.get('jax', '?')}, jaxlib {env.get('jaxlib', '?')}, python "
+             f"{env.get('python', '?')}; model {report['model']}; {a['dtype']}; kernel {a['kernel']}; "
+             f"{a['new_tokens']} new tokens per request, {a['repeats']} repeats after a one-request warm-up; "
+             f"page size {a['page_size']}; roofline at {a['hbm_tbps']} TB/s.", "", "## Every run", ""]
+    lines += table([r for r in report["rows"] if not r.get("prefill_only")])
+    flagged = [f"{r['context']} x {r['batch']} {r['arm']} repeat {r['repeat'] + 1}: "
+               + ", ".join(([f"{r['fallbacks']} fallbacks"] if r.get("fallbacks") else [])
+                           + ([f"{r['recompiles']} recompiles"] if r.get("recompiles") else [])
+                           + (["pages not all returned to the pool"] if r.get("pages_returned") is False else []))
+               for r in report["rows"] if r["repeat"] is not None
+               and (r.get("fallbacks") or r.get("recompiles") or r.get("pages_returned") is False)]
+    if flagged:
+        lines += ["", "Flagged: " + "; ".join(flagged) + "."]
+    lines += ["", "## Mean over repeats", "",
+              "over dense: a WISE arm's tok/s over its dense arm (same options); over base: a variant's tok/s "
+              "over the arm without options.", "",
+              "| ctx x batch | arm | decode tok/s | ms/step | share of roofline | over dense | over base | density |",
+              "|---|---|---|---|---|---|---|---|"]
+    for s in report["summary"]:
+        lines.append(f"| {s['context']} x {s['batch']} | {s['arm']} | {s['decode_tokens_per_s']:.1f} | "
+                     f"{s['ms_per_step']:.2f} | {s['roofline_share']:.0%} | {_fmt(s['over_dense'], '.2f')} | "
+                     f"{_fmt(s['over_base'], '.2f')} | {_density(s['density'])} |")
+    prefill = [r for r in report["rows"] if r.get("prefill_only")]
+    if prefill:
+        lines += ["", "## Prefill", "", "| ctx x batch | repeat | prefill s | prompt tok/s | status |",
+                  "|---|---|---|---|---|"]
+        for r in prefill:
+            lines.append(f"| {r['context']} x {r['batch']} | {'' if r['repeat'] is None else r['repeat'] + 1} | "
+                         f"{_fmt(r.get('prefill_s'), '.2f')} | {_fmt(r.get('prefill_tokens_per_s'), '.0f')} | "
+                         f"{r['status']} |")
+    lines += ["", "## Targets", "", "| target | shape | measured | met |", "|---|---|---|---|"]
+    for t in report["standing"]:
+        lines.append(f"| {t['target']} | {t['shape']} | {t['value']:.2f} | {'yes' if t['met'] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    stem = "jax_generate_bench" + (f"-{tag}" if tag else "")
-    (out / f"{stem}.json").write_text(json.dumps(results, indent=1) + "\n")
-    env = results["environment"]
-    lines = [f"# wise_jax generate: decode throughput ({env['date']})", "",
-             f"{env['device']} on {env['machine']}; python {env['python']}, jax {env['jax']}, "
-             f"jaxlib {env['jaxlib']}. Random bf16 weights made on the device; one compile call, then "
-             f"one timed call per variant. {results['settings']}", "",
-             "| model | variant | batch | context | new | decode tok/s | ms/step | prefill s | first call s "
-             "| density (reuse) | fallbacks | error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results["runs"]:
-        density = ", ".join(f"{d}: {x:.3f}" for d, x in (r.get("density") or {}).items() if x is not None)
-        lines.append(f"| {r['model']} | {r['variant']} | {r['batch']} | {r['context']} | {r['new']} | "
-                     f"{r.get('decode_tokens_per_s', '')} | {r.get('ms_per_step', '')} | {r.get('prefill_s', '')} | "
-                     f"{r.get('first_call_s', '')} | {density} | {'' if r.get('fallbacks') is None else r['fallbacks']} | "
-                     f"{r.get('error', '')} |")
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{STEM}.json").write_text(json.dumps(report, indent=2, default=str))
+    (out / f"{STEM}.md").write_text(markdown(report))
+    plot(report, out / f"{STEM}.png")
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes that run on a CPU")
-    parser.add_argument("--models", default=None, help="comma list (default: random-tiny,ouro-1.4b)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS}")
-    parser.add_argument("--batch", type=int, default=None)
-    parser.add_argument("--context", type=int, default=None, help="prompt tokens per row")
-    parser.add_argument("--new-tokens", type=int, default=None)
-    parser.add_argument("--page-size", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--out", type=Path, default=ROOT / "results")
-    parser.add_argument("--tag", default="", help="suffix of the output file names")
+def prepare_old_src(args, workdir: Path) -> str | None:
+    """The old commit's source tree: --old-src, or extracted with git; None if neither works."""
+    if args.old_src is not None:
+        missing = [d for d in ("wise_core", "wise_jax") if not (args.old_src / d).is_dir()]
+        if missing:
+            raise SystemExit(f"--old-src {args.old_src} lacks {missing}")
+        return str(args.old_src.resolve())
+    target = workdir / "old-src"
+    target.mkdir()
+    archive = subprocess.run(["git", "-C", str(_ROOT), "archive", args.old_commit, "wise_core", "wise_jax"],
+                             capture_output=True)
+    if archive.returncode != 0:
+        return None
+    subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
+    return str(target)
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    defaults = (("random-tiny", 2, 64, 4) if args.smoke else ("random-tiny,ouro-1.4b", 64, 1024, 64))
-    args.models = args.models or defaults[0]
-    args.batch = args.batch or defaults[1]
-    args.context = args.context or defaults[2]
-    args.new_tokens = args.new_tokens or defaults[3]
-    variants = [v for v in args.variants.split(",") if v]
-    unknown = sorted(set(variants) - set(VARIANTS))
-    if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {VARIANTS}")
-    if args.smoke and args.tag == "":
-        args.tag = "smoke"
-
-    results = {"environment": environment(), "runs": [],
-               "settings": f"page size {args.page_size}, dtype {args.dtype}, greedy, WISE eta "
-                           f"{WiseConfig().eta} (discover {WiseConfig().discover_depths}, reuse "
-                           f"{WiseConfig().reuse_depths})."}
-    dtype = jnp.dtype(args.dtype)
-    rng = np.random.default_rng(0)
-    for name in args.models.split(","):
-        config = dataclasses.replace(model_config(name), eos_token_id=None)
-        params = wise_jax.init_params(config, jax.random.PRNGKey(0), dtype=dtype)
-        prompts = rng.integers(0, config.vocab_size, (args.batch, args.context)).tolist()
-        for variant in variants:
-            row = {"model": name, "variant": variant, "batch": args.batch, "context": args.context,
-                   "new": args.new_tokens, "dtype": args.dtype}
-            try:
-                row.update(run_variant(params, config, prompts, variant, args))
-            except Exception as e:  # one failing variant must not lose the others
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-                traceback.print_exc()
-            results["runs"].append(row)
-            print(json.dumps(row), flush=True)
-            write(results, args.out, args.tag)
-        del params
-    return results
+    if args.worker:
+        worker_main(args.worker)
+        return None
+    scales = check_args(parser, args)
+    if str(_ROOT) not in sys.path:
+        sys.path.insert(0, str(_ROOT))
+    from wise_core.config import PRESETS
+    if args.preset not in PRESETS:
+        raise SystemExit(f"unknown --preset {args.preset!r}; one of {sorted(PRESETS)}")
+    config = dataclasses.replace(PRESETS[args.preset], eos_token_id=None)
+    if args.layers:
+        config = dataclasses.replace(config, num_hidden_layers=args.layers)
+    workdir = Path(tempfile.mkdtemp(prefix="wise-jax-bench-"))
+    compile_cache = args.compile_cache or workdir / "compile-cache"
+    try:
+        old_src = prepare_old_src(args, workdir) if any(a.startswith("old") for a in args.arms) else None
+        report = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), host=platform.node(),
+                      model=f"random {args.preset} (std {args.std}, seed 0)", config=dataclasses.asdict(config),
+                      old_src=old_src, args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                      environment=None, rows=[], summary=[], standing=[])
+        print(f"{'ctx x batch':>13} {'arm':>16} {'rep':>3} {'tok/s':>9} {'ms/step':>8} {'roof tok/s':>10} "
+              f"{'share':>6} density", flush=True)
+        runs = [((c, b), s, arm, args.new_tokens) for (c, b), s in zip(args.shapes, scales) for arm in args.arms]
+        runs += [((c, b), 1.0, "dense", 2) for c, b in args.prefill_shapes]
+        for index, ((context, batch), q_scale, arm, new_tokens) in enumerate(runs):
+            prefill_only = index >= len(runs) - len(args.prefill_shapes)
+            spec = dict(arm=arm, context=context, batch=batch, q_scale=q_scale, config=dataclasses.asdict(config),
+                        std=args.std, seed=0, dtype=args.dtype, kernel=args.kernel, eta=args.eta,
+                        page_size=args.page_size, num_pages=cohort_pages(context, batch, new_tokens, args.page_size) + 1,
+                        new_tokens=new_tokens, warmup_tokens=args.warmup_tokens,
+                        repeats=1 if prefill_only else args.repeats, old_src=old_src if arm.startswith("old") else None)
+            if arm.startswith("old") and old_src is None:
+                result = dict(status=f"error: no old source tree (--old-src, or git history with {args.old_commit})")
+            else:
+                result = run_worker(spec, args.child_timeout, workdir, compile_cache)
+            report["environment"] = report["environment"] or result.get("environment")
+            label = "prefill" if prefill_only else arm
+            if result["status"] != "ok":
+                report["rows"].append(dict(row_of(spec, result, None, config, args), prefill_only=prefill_only,
+                                           log_tail=result.get("log_tail")))
+                print(f"{context:>6} x {batch:<4} {label:>16}   {result['status'][:300]}", flush=True)
+            for i in range(len(result.get("repeats", ()))):
+                row = dict(row_of(spec, result, i, config, args), prefill_only=prefill_only)
+                report["rows"].append(row)
+                print(f"{context:>6} x {batch:<4} {label:>16} {i + 1:>3} {row['decode_tokens_per_s']:>9.1f} "
+                      f"{row['ms_per_step']:>8.2f} {row['roofline_tokens_per_s']:>10.0f} "
+                      f"{row['roofline_share']:>6.0%} {_density(row['density'])}  prefill "
+                      f"{_fmt(row['prefill_s'], '.2f')} s", flush=True)
+            report["summary"] = summarize(report["rows"])
+            report["standing"] = standing(report["summary"])
+            write_report(report, args.out)  # after every arm: a run cut short still leaves a report
+        print(markdown(report))
+        return report
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":
     main()
-    sys.exit(0)

@@ -52,6 +52,7 @@ from wise_core.checkpoint import Checkpoint, save_checkpoint  # noqa: E402
 from wise_core.config import ModelConfig  # noqa: E402
 from wise_core.tokenizer import byte_tokenizer  # noqa: E402
 from wise_jax import model as wm  # noqa: E402
+from wise_jax.prefill_attention import causal_attention_reference  # noqa: E402
 
 MODEL = ModelConfig(
     vocab_size=258, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
@@ -65,8 +66,8 @@ N_BYTES = 256  # ids below are bytes
 
 # -- model ------------------------------------------------------------------------------------
 def dense_attend(q, k, v, layer, carry):
-    """wise_jax's causal attention (XLA), as a `run_loop` attend function."""
-    return wm.causal_attention(q, k, v), carry
+    """wise_jax's full-matrix causal attention (plain XLA), as a `run_loop` attend function."""
+    return causal_attention_reference(q, k, v), carry
 
 
 def cudnn_attend(q, k, v, layer, carry):

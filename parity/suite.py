@@ -208,7 +208,7 @@ class Suite:
                     out = wise_jax.generate(params, config, workload.prompts(config.vocab_size),
                                             max_new_tokens=workload.max_new_tokens, eos_token_id=None,
                                             wise_config=wise_config, return_logits=True, kernel=kernel)
-                logits, density = [np.asarray(x, np.float32) for x in out.logits], out.stats["density"]
+                logits, density = [np.asarray(x, np.float32) for x in out.logits], out.stats.density
             return Generated(out.tokens, logits, density if mode == "wise" else None)
         return self._once(("generate", framework, model, kernel, mode, workload, dtype), run)
 

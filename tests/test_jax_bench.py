@@ -1,23 +1,47 @@
-"""benchmarks/jax_generate_bench.py --smoke runs on CPU and writes its JSON and markdown."""
+"""benchmarks/jax_generate_bench.py on CPU: one arm end to end in its worker process (JSON, markdown,
+PNG), and the arm grammar."""
 
+import argparse
 import importlib.util
 import json
+import sys
 from pathlib import Path
+
+import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "jax_generate_bench.py"
 
 
-def test_smoke_run_writes_results(tmp_path):
+@pytest.fixture(scope="module")
+def bench():
     spec = importlib.util.spec_from_file_location("jax_generate_bench", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    bench.main(["--smoke", "--models", "test-tiny", "--variants", "wise-reference", "--new-tokens", "3",
-                "--dtype", "float32", "--out", str(tmp_path)])
-    results = json.loads((tmp_path / "jax_generate_bench-smoke.json").read_text())
-    assert {"date", "device", "jax", "python"} <= set(results["environment"])
-    (run,) = results["runs"]
-    assert "error" not in run, run
-    assert run["new_tokens"] == 2 * 3 and run["recompiles_timed"] == 0
-    assert run["fallbacks"] == 0 and set(run["density"]) == {"2", "3"}
-    table = (tmp_path / "jax_generate_bench-smoke.md").read_text()
-    assert "| test-tiny | wise-reference | 2 | 64 | 3 |" in table
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["jax_generate_bench"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_wise_arm_end_to_end(bench, tmp_path):
+    bench.main(["--preset", "test-tiny", "--dtype", "float32", "--kernel", "reference", "--shapes", "64x3",
+                "--new-tokens", "5", "--arms", "wise", "--q-scale", "4", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "jax_generate_bench.json").read_text())
+    assert {"device", "jax", "python"} <= set(report["environment"])
+    rows = report["rows"]
+    assert [(r["arm"], r["repeat"], r["status"]) for r in rows] == [("wise", 0, "ok"), ("wise", 1, "ok")]
+    for r in rows:
+        assert r["decode_tokens"] == 3 * 4 and r["decode_steps"] == 4     # tokens after every first token
+        assert r["recompiles"] == 0 and r["pages_returned"] and r["fallbacks"] == 0
+        assert set(r["density"]) == {"2", "3"} and all(0 < d < 1 for d in r["density"].values())
+    (summary,) = report["summary"]
+    assert summary["arm"] == "wise" and summary["over_dense"] is None    # no dense arm in this run
+    table = (tmp_path / "jax_generate_bench.md").read_text()
+    assert "| 64 x 3 | 4 | wise | 1 |" in table
+    assert (tmp_path / "jax_generate_bench.png").stat().st_size > 0
+
+
+def test_arm_grammar(bench):
+    assert bench.parse_arm("wise+unroll+nocb") == ("wise", ("unroll", "nocb"))
+    assert bench.dense_of("wise+unfused") == "dense+unfused" and bench.dense_of("old-wise") == "old"
+    for bad in ("sparse", "dense+fast", "dense+unroll+unroll", "old+unroll"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_arm(bad)

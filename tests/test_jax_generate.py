@@ -1,4 +1,5 @@
-"""wise_jax.generate: batching, WISE against dense, compilation per bucket, eos, sampling, errors.
+"""wise_jax.generate: batching, WISE against dense, compilation per bucket, eos, sampling, errors,
+and the stats dataclass (the fields of wise_torch's).
 
 One model and one set of buckets for the whole module, so the compiled programs are shared."""
 
@@ -14,8 +15,9 @@ from wise_core import rounding
 from wise_core.checkpoint import random_tensors
 from wise_core.config import ConfigError, PRESETS, WiseConfig
 from wise_core.tokenizer import byte_tokenizer
-from wise_jax import generation
+from wise_jax import engine
 from wise_jax import kv_cache as kvc
+from wise_jax import wise_state as ws
 
 CONFIG = PRESETS["test-tiny"]
 NEW = 6
@@ -45,7 +47,6 @@ def dense(params, prompts):
 
 def test_batch_gives_each_prompt_its_tokens_alone(params, prompts, dense):
     assert [len(t) for t in dense.tokens] == [NEW] * 3
-    assert dense.stats["bucket"] == {"batch": 4, "prompt": 128, "new_tokens": 16, "page_size": PAGE}
     for prompt, tokens, logits in zip(prompts, dense.tokens, dense.logits):
         alone = _run(params, [prompt])
         assert alone.tokens[0] == tokens
@@ -59,8 +60,8 @@ def test_all_blocks_wise_is_bitwise_dense(params, prompts, dense):
     assert wise.tokens == dense.tokens
     for a, b in zip(wise.logits, dense.logits):
         assert np.array_equal(a, b)
-    assert wise.stats["fallbacks"] == 0 and wise.stats["density"] == {2: 1.0, 3: 1.0}
-    assert dense.stats["fallbacks"] is None and dense.stats["density"] is None
+    assert wise.stats.fallbacks == 0 and wise.stats.density == {2: 1.0, 3: 1.0}
+    assert dense.stats.fallbacks is None and dense.stats.density is None
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +70,8 @@ def wise(params, prompts):
 
 
 def test_wise_selects_sparse_support(wise, dense):
-    assert wise.stats["fallbacks"] == 0
-    density = wise.stats["density"]
+    assert wise.stats.fallbacks == 0
+    density = wise.stats.density
     assert set(density) == {2, 3} and all(0 < d < 1 for d in density.values()), density
     assert [t[0] for t in wise.tokens] == [t[0] for t in dense.tokens]         # first token: prefill
     np.testing.assert_array_equal(np.stack([x[0] for x in wise.logits]), np.stack([x[0] for x in dense.logits]))
@@ -78,49 +79,78 @@ def test_wise_selects_sparse_support(wise, dense):
 
 def test_pallas_kernel_in_generate_matches_reference(params, prompts, wise):
     pallas = _run(params, prompts, wise_config=WiseConfig(eta=0.5, kernel="pallas"))  # interpreted on CPU
-    assert pallas.stats["kernel"] == "pallas" and pallas.tokens == wise.tokens
+    assert pallas.tokens == wise.tokens
     for a, b in zip(pallas.logits, wise.logits):
         diff, bound = rounding.model_difference(a, b, CONFIG, keys=128)   # fp32, other summation order
         assert diff <= bound, (diff, bound)
-    assert pallas.stats["fallbacks"] == 0
-    assert pallas.stats["density"] == pytest.approx(wise.stats["density"], abs=0.01)
+    assert pallas.stats.fallbacks == 0
+    assert pallas.stats.density == pytest.approx(wise.stats.density, abs=0.01)
 
 
-def decode_memory(config, *, batch, max_pages, page_size, kernel, dtype):
-    """(cache bytes, aliased bytes, temporary bytes) of the compiled decode loop for one bucket."""
+def decode_memory(config, *, rows, max_pages, page_size, kernel, dtype):
+    """(cache bytes, aliased bytes, temporary bytes) of the engine's compiled decode step."""
     params = jax.eval_shape(lambda: wise_jax.init_params(config, jax.random.PRNGKey(0), dtype=dtype))
-    cache = jax.eval_shape(lambda: kvc.create(config, batch=batch, max_pages=max_pages, num_pages=batch * max_pages,
+    wise_config = WiseConfig(kernel=kernel)
+    cache = jax.eval_shape(lambda: kvc.create(config, batch=rows, max_pages=max_pages, num_pages=rows * max_pages,
                                               page_size=page_size, dtype=dtype))
-    compiled = generation._decode_loop.lower(
-        params, cache, jax.ShapeDtypeStruct((batch, config.vocab_size), jnp.float32), jnp.arange(batch),
-        jnp.int32(4), jnp.int32(-1), jnp.float32(0), jnp.float32(1), jax.random.PRNGKey(0), config=config,
-        wise_config=WiseConfig(kernel=kernel), kernel=kernel, max_new=16, return_logits=False).compile()
+    state = jax.eval_shape(lambda: ws.create(wise_config, slots=rows, layers=config.num_hidden_layers,
+                                             heads=config.num_attention_heads,
+                                             max_blocks=max_pages * page_size // wise_config.block_size))
+    compiled = engine._step.lower(
+        params, cache, state, jax.eval_shape(lambda: engine._empty_batch(rows)), jnp.zeros((rows,), jnp.int32),
+        config=config, wise_config=wise_config, kernel=kernel, unroll=1, sampling=False, keep_logits=False).compile()
     memory = compiled.memory_analysis()
     return 2 * cache.k.dtype.itemsize * int(np.prod(cache.k.shape)), memory.alias_size_in_bytes, memory.temp_size_in_bytes
 
 
-def test_decode_loop_updates_the_donated_cache_in_place():
+def test_decode_step_updates_the_donated_cache_in_place():
     """The cache is aliased to the output and never copied whole: temporaries stay far below it
     (they hold one plane's gathered keys and values per loop; 32 planes here).
     fp32 only: XLA on CPU converts a bf16 scatter's whole operand to fp32 (a GPU scatters bf16
     natively; tests/test_jax_gpu.py checks bf16 there)."""
     config = dataclasses.replace(CONFIG, num_hidden_layers=8)
-    cache_bytes, aliased, temporary = decode_memory(config, batch=4, max_pages=20, page_size=PAGE,
+    cache_bytes, aliased, temporary = decode_memory(config, rows=4, max_pages=20, page_size=PAGE,
                                                     kernel="reference", dtype=jnp.float32)
     assert aliased >= cache_bytes and temporary < cache_bytes / 4
 
 
 def test_one_compilation_per_bucket(params):
+    """Prompts prefill at whole pages (one compilation per page count); the decode step compiles
+    once per engine shape (rows, pages), and greedy or sampling, whatever the lengths, limits,
+    eos or sampling values in it."""
     rng = np.random.default_rng(1)
-    before = wise_jax.trace_counts().get("decode", 0)
-    first = wise_jax.generate(params, CONFIG, [rng.integers(0, 256, n).tolist() for n in (65, 80)],
-                              max_new_tokens=5, page_size=PAGE)
-    assert first.stats["compiles"] == 2                                   # prefill + decode loop
-    assert wise_jax.trace_counts()["decode"] == before + 1                # 4 decode steps, one trace
-    same_bucket = wise_jax.generate(params, CONFIG, [rng.integers(0, 256, n).tolist() for n in (127, 100)],
-                                    max_new_tokens=9, temperature=0.7, top_p=0.9, eos_token_id=3,
-                                    key=jax.random.PRNGKey(3), page_size=PAGE)
-    assert same_bucket.stats["compiles"] == 0 and same_bucket.stats["bucket"] == first.stats["bucket"]
+    before = wise_jax.trace_counts()
+    wise_jax.generate(params, CONFIG, [rng.integers(0, 256, n).tolist() for n in (130, 145, 160)],
+                      max_new_tokens=5, page_size=PAGE)                  # 5 pages each; 4 decode steps
+    assert _delta(before) == {"prefill": 1, "admit": 1, "step": 1}
+    before = wise_jax.trace_counts()
+    wise_jax.generate(params, CONFIG, [rng.integers(0, 256, n).tolist() for n in (131, 140, 155)],
+                      max_new_tokens=20, eos_token_id=3, page_size=PAGE)
+    assert _delta(before) == {}
+    before = wise_jax.trace_counts()                                    # sampling: the step's other variant
+    wise_jax.generate(params, CONFIG, [rng.integers(0, 256, n).tolist() for n in (131, 140, 155)],
+                      max_new_tokens=20, temperature=0.7, top_p=0.9, page_size=PAGE)
+    assert _delta(before) == {"step": 1}
+    before = wise_jax.trace_counts()
+    wise_jax.generate(params, CONFIG, [rng.integers(0, 256, n).tolist() for n in (150, 140, 133)],
+                      max_new_tokens=12, temperature=1.3, top_p=0.5, key=jax.random.PRNGKey(3), page_size=PAGE)
+    assert _delta(before) == {}
+
+
+def _delta(before: dict) -> dict:
+    """New traces of the per-bucket programs since `before`."""
+    after = wise_jax.trace_counts()
+    return {k: after[k] - before.get(k, 0) for k in ("prefill", "admit", "step") if after.get(k, 0) != before.get(k, 0)}
+
+
+def test_stats_are_the_dataclass_of_wise_torch(dense):
+    from wise_torch import GenerationStats
+
+    assert isinstance(dense.stats, wise_jax.GenerationStats)
+    names = [f.name for f in dataclasses.fields(wise_jax.GenerationStats)]
+    assert names == [f.name for f in dataclasses.fields(GenerationStats)]
+    assert dense.stats.new_tokens == 3 * NEW and dense.stats.prefill_tokens == 260
+    assert dense.stats.decode_tokens_per_s == pytest.approx(3 * (NEW - 1) / dense.stats.decode_s)
 
 
 def test_eos_stops_each_row(params, prompts, dense):
@@ -129,8 +159,8 @@ def test_eos_stops_each_row(params, prompts, dense):
     for full, stopped in zip(dense.tokens, out.tokens):
         cut = full.index(eos) + 1 if eos in full else len(full)
         assert stopped == full[:cut]
-    assert len(out.tokens[0]) <= 3 and out.stats["compiles"] == 0
-    assert out.stats["new_tokens"] == sum(map(len, out.tokens))
+    assert len(out.tokens[0]) <= 3
+    assert out.stats.new_tokens == sum(map(len, out.tokens))
 
 
 def test_sampling_is_keyed_and_top_p_narrows(params, prompts, dense):
@@ -169,10 +199,11 @@ def test_load_model_rejects_a_non_floating_dtype():
     ({"prompts": []}, ValueError, "non-empty list"),
     ({"prompts": [[]]}, ValueError, r"prompts\[0\] is empty"),
     ({"prompts": [[1, 384]]}, ValueError, "outside the vocabulary"),
-    ({"prompts": ["text"]}, ValueError, "need a tokenizer"),
+    ({"prompts": ["text"]}, ValueError, "needs a tokenizer"),
     ({"prompts": [[1.7, 2.2]]}, TypeError, "integer token ids"),
     ({"prompts": [["1", "2"]]}, TypeError, "integer token ids"),
     ({"prompts": [[1] * 1020]}, ValueError, "too long"),
+    ({"prompts": [[True, 2]]}, TypeError, "integer token ids"),
     ({"max_new_tokens": 0}, ValueError, "max_new_tokens"),
     ({"top_p": 0.0}, ValueError, "top_p"),
     ({"page_size": 48}, ValueError, "multiple of block_size"),

@@ -1,4 +1,4 @@
-"""wise_jax.kv_cache: page allocation and release under jit and eagerly, and the writes."""
+"""wise_jax.kv_cache: page allocation and release under jit and eagerly, the scratch page, and the writes."""
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +30,9 @@ def _check_consistent(cache):
 
 def test_layout_and_errors():
     cache = _cache()
-    assert cache.k.shape == (4 * 2, 8, 32, 2, 64)  # planes = loops * layers
-    assert (cache.page_size, cache.max_pages, cache.capacity) == (32, 4, 128)
+    assert cache.k.shape == (4 * 2, 8 + 1, 32, 2, 64)  # planes = loops * layers; + the scratch page
+    assert (cache.page_size, cache.max_pages, cache.capacity, cache.num_pages) == (32, 4, 128, 8)
+    assert cache.scratch_page == 8 and np.all(np.asarray(cache.page_table) == 8)
     with pytest.raises(ValueError, match="page_size must be a positive integer"):
         _cache(page_size=0)
 
@@ -51,6 +52,7 @@ def test_reserve_allocates_at_page_boundaries_and_release_returns_pages():
 
     cache = jax.jit(kvc.release)(cache, jnp.array([False, True, False]))
     assert np.asarray(cache.seq_lens).tolist() == [2, 0, 33] and int(cache.num_free) == 5
+    assert np.all(np.asarray(cache.page_table)[1] == cache.scratch_page)     # never another request's page
     _check_consistent(cache)
     cache = reserve(cache, jnp.array([2, 128, 33], jnp.int32))  # the released pages serve again
     assert int(cache.num_free) == 1 and not bool(cache.overflowed)
@@ -68,24 +70,35 @@ def test_exhaustion_raises_eagerly_and_flags_under_jit():
     assert int(over.num_free) == 3 and np.asarray(over.seq_lens).tolist() == [0, 0, 0]   # nothing granted
 
 
-def test_writes_land_in_the_rows_pages():
-    cache = kvc.reserve(_cache(), jnp.array([40, 3, 0], jnp.int32))
+def test_insert_and_token_writes_land_in_the_rows_pages():
     rng = np.random.default_rng(0)
-    k = rng.standard_normal((3, 48, 2, 64)).astype(np.float32)
-    cache = jax.jit(kvc.write_prompt)(cache, 5, jnp.asarray(k), jnp.asarray(-k))
-    stored = np.asarray(cache.k[5])
+    cache = kvc.reserve(_cache(), jnp.array([0, 3, 0], jnp.int32))
+    k = rng.standard_normal((8, 64, 2, 64)).astype(np.float32)                # 2 pages of one request
+    cache = jax.jit(kvc.insert)(cache, jnp.asarray(k), jnp.asarray(-k), jnp.int32(40), jnp.int32(0))
     table = np.asarray(cache.page_table)
-    for b, n in enumerate([40, 3]):
-        rows = stored[table[b, :2]].reshape(64, 2, 64)[:n]
-        np.testing.assert_array_equal(rows, k[b, :n])
-    assert np.count_nonzero(stored) == (40 + 3) * 2 * 64          # padding positions dropped
+    assert np.asarray(cache.seq_lens).tolist() == [40, 3, 0] and int(cache.num_free) == 5
+    for plane in (0, 5):
+        np.testing.assert_array_equal(np.asarray(cache.k[plane])[table[0, :2]].reshape(64, 2, 64), k[plane])
+        np.testing.assert_array_equal(np.asarray(cache.v[plane])[table[0, :2]].reshape(64, 2, 64), -k[plane])
+    _check_consistent(cache)
 
-    cache = kvc.reserve(cache, jnp.array([41, 4, 1], jnp.int32))
+    before = np.asarray(cache.k).copy()
+    cache = kvc.reserve(cache, jnp.array([41, 4, 0], jnp.int32))
     token = rng.standard_normal((3, 2, 64)).astype(np.float32)
-    cache = jax.jit(kvc.write_token)(cache, 7, jnp.asarray(token), jnp.asarray(token))
+    cache = jax.jit(kvc.write_token)(cache, 7, jnp.asarray(token), jnp.asarray(token), jnp.array([True, True, False]))
     table = np.asarray(cache.page_table)
-    for b, pos in enumerate([40, 3, 0]):
+    for b, pos in enumerate([40, 3]):
         np.testing.assert_array_equal(np.asarray(cache.v[7, table[b, pos // 32], pos % 32]), token[b])
+    changed = np.argwhere(np.any(np.asarray(cache.k) != before, axis=(2, 3, 4)))
+    assert sorted(map(tuple, changed.tolist())) == sorted([(7, table[0, 1]), (7, table[1, 0]), (7, 8)])  # row 2: scratch
     k_pages, _, shifted = kvc.plane_pages(cache, 7)
-    assert k_pages.shape == (8 * 8, 32, 2, 64)
+    assert k_pages.shape == (8 * 9, 32, 2, 64)
     np.testing.assert_array_equal(np.asarray(k_pages[shifted[0, 1], 40 % 32]), token[0])
+
+
+def test_insert_that_does_not_fit_writes_nothing():
+    cache = kvc.reserve(_cache(num_pages=3), jnp.array([0, 64, 0], jnp.int32))        # 1 page left
+    k = jnp.ones((8, 64, 2, 64), jnp.float32)
+    over = jax.jit(kvc.insert)(cache, k, k, jnp.int32(40), jnp.int32(0))
+    assert bool(over.overflowed) and np.asarray(over.seq_lens).tolist() == [0, 64, 0]
+    assert int(over.num_free) == 1 and not np.asarray(over.k[:, :3]).any()      # only the scratch page written

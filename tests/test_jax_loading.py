@@ -45,7 +45,7 @@ def test_each_model_keeps_its_own_tokenizer(tmp_path, tensors):
     _, _, tok_b = wise_jax.load_model(b, with_tokenizer=True)
     _, _, tok_c = wise_jax.load_model(c, with_tokenizer=True)
     assert tok_a.encode("hi").ids == [104, 105] and tok_b.encode("hi").ids == [105, 106] and tok_c is None
-    with pytest.raises(ValueError, match="need a tokenizer"):  # no tokenizer is looked up by config
+    with pytest.raises(ValueError, match="needs a tokenizer"):  # no tokenizer is looked up by config
         wise_jax.generate(params_a, config_a, ["hi"], max_new_tokens=2, page_size=32)
 
 

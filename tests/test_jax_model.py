@@ -1,5 +1,6 @@
-"""wise_jax.model: the forward against a float64 numpy transcription of the Ouro equations, prefill
-and paged decode against the forward, teacher_force, gradients. fp32; tolerances per assertion."""
+"""wise_jax.model: the forward against a float64 numpy transcription of the Ouro equations, its
+input checks, prefill / insert / paged decode against the forward, teacher_force, gradients. fp32;
+tolerances per assertion."""
 
 import dataclasses
 import functools
@@ -14,7 +15,6 @@ from wise_core import rounding
 from wise_core.checkpoint import random_tensors
 from wise_core.config import PRESETS
 from wise_jax import kv_cache as kvc
-from wise_jax import model
 
 
 def _setup(name):
@@ -89,42 +89,63 @@ def test_forward_matches_numpy_equations(gqa):
     assert np.abs(np.asarray(exits.sum(0)) - 1.0).max() <= rounding.gamma(3 * loops)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def _prefill(params, cache, tokens, lengths, *, config):
-    return model.prefill(params, config, cache, tokens, lengths)
-
-
-@functools.partial(jax.jit, static_argnames=("config",))
-def _dense_step(params, cache, tokens, *, config):
-    batch = tokens.shape[0]
-    logits, cache, _ = model.decode_step(params, config, cache, None, tokens, jnp.arange(batch), jnp.ones(batch, bool),
-                                         wise_config=None, kernel="reference")
-    return logits, cache
-
-
 @pytest.mark.parametrize("preset,page_size", [("test-tiny", 32), ("test-tiny-gqa", 64), ("test-tiny", 128)])
-def test_prefill_and_paged_decode_match_forward(preset, page_size, tiny, gqa):
+def test_prefill_insert_and_paged_decode_match_forward(preset, page_size, tiny, gqa):
+    """Each row prefilled alone and inserted, then decoded together; a row past its length is an
+    empty slot (-1): a masked no-op whose cache stays as it was."""
     config, _, params = tiny if preset == "test-tiny" else gqa
     rng = np.random.default_rng(page_size)
     lengths, prefix = np.array([80, 47, 9]), np.array([37, 1, 4])     # mixed lengths and positions
     tokens = rng.integers(0, config.vocab_size, (3, 80)).astype(np.int32)
     full = np.asarray(jax.jit(wise_jax.forward, static_argnums=1)(params, config, jnp.asarray(tokens)))
     max_pages = -(-96 // page_size)
-    cache = kvc.create(config, batch=3, max_pages=max_pages, num_pages=3 * max_pages, page_size=page_size)
-    logits, cache = _prefill(params, cache, jnp.asarray(tokens[:, :40]), jnp.asarray(prefix, jnp.int32), config=config)
-    # fp32, different summation orders
-    diff, bound = rounding.model_difference(logits, full[np.arange(3), prefix - 1], config, keys=80)
-    assert diff <= bound, (diff, bound)
+    cache = kvc.create(config, batch=4, max_pages=max_pages, num_pages=3 * max_pages, page_size=page_size)
+    for b in range(3):
+        logits, kv = wise_jax.prefill(params, config, tokens[b, :prefix[b]], page_size=page_size)
+        # fp32, different summation orders
+        diff, bound = rounding.model_difference(logits, full[b, prefix[b] - 1], config, keys=80)
+        assert diff <= bound, (diff, bound)
+        cache = wise_jax.insert(cache, kv, b)
     for step in range(int((lengths - prefix).max())):
         position = prefix + step
-        fed = np.where(position < lengths, tokens[np.arange(3), np.minimum(position, 79)], 0)
-        logits, cache = _dense_step(params, cache, jnp.asarray(fed, jnp.int32), config=config)
         live = position < lengths
-        diff, bound = rounding.model_difference(np.asarray(logits)[live], full[np.arange(3)[live], position[live]],
+        fed = np.append(np.where(live, tokens[np.arange(3), np.minimum(position, 79)], 0), 0).astype(np.int32)
+        slots = np.append(np.where(live, np.arange(3), -1), -1).astype(np.int32)
+        if step == 10:
+            held = np.asarray(cache.k).copy()
+        logits, cache, _ = wise_jax.decode_step(params, config, cache, None, jnp.asarray(fed), jnp.asarray(slots),
+                                                kernel="reference")
+        diff, bound = rounding.model_difference(np.asarray(logits)[:3][live], full[np.arange(3)[live], position[live]],
                                                 config, keys=80)
         assert diff <= bound, (step, diff, bound)
     assert not bool(cache.overflowed)
-    assert np.asarray(cache.seq_lens).tolist() == (prefix + step + 1).tolist()
+    assert np.asarray(cache.seq_lens).tolist() == lengths.tolist() + [0]
+    pages = np.asarray(cache.page_table)[2, :1]       # row 2 finished at step 5: untouched since
+    np.testing.assert_array_equal(np.asarray(cache.k)[:, pages], held[:, pages])
+
+
+@pytest.mark.parametrize("ids,match", [
+    ([[1, 384]], r"ids \[384\] outside the vocabulary \(size 384\)"),
+    ([[-1, 2]], r"ids \[-1\] outside the vocabulary"),
+    ([[0.5, 1.0]], "integer tensor with 2 dims"),
+    ([1, 2], "integer tensor with 2 dims"),
+])
+def test_forward_rejects_bad_ids(tiny, ids, match):
+    config, _, params = tiny
+    ids = np.asarray(ids)
+    with pytest.raises(ValueError, match=match):
+        wise_jax.forward(params, config, jnp.asarray(ids, jnp.int32 if ids.dtype.kind == "i" else jnp.float32))
+
+
+def test_forward_checks_the_length_and_traced_bad_ids_give_nan(tiny):
+    config, _, params = tiny
+    with pytest.raises(ValueError, match=r"sequence of 1025 tokens exceeds max_position_embeddings \(1024\)"):
+        jax.jit(wise_jax.forward, static_argnums=1)(params, config, jnp.zeros((1, 1025), jnp.int32))
+    forward = jax.jit(wise_jax.forward, static_argnums=1)
+    for bad in (9000, -3):                                                   # not checkable under jit
+        logits = np.asarray(forward(params, config, jnp.asarray([[5, 6, 7, bad, 8], [5, 6, 7, 8, 9]], jnp.int32)))
+        assert np.isnan(logits[0, 3:]).all()                                # never a clamped id's logits
+        assert np.isfinite(logits[1]).all()                                 # other rows unaffected
 
 
 def test_teacher_force_matches_forward(tiny):
@@ -139,7 +160,7 @@ def test_teacher_force_matches_forward(tiny):
     for b, (s, c, logprobs) in enumerate(zip(seqs, split, out.logprobs)):
         diff, bound = rounding.model_difference(logprobs, ref[b, np.arange(c - 1, len(s) - 1), s[c:]], config, keys=50)
         assert diff <= bound, (diff, bound)
-    assert out.stats["new_tokens"] == 28 and out.stats["fallbacks"] is None
+    assert out.stats.new_tokens == 28 and out.stats.fallbacks is None
     single = wise_jax.teacher_force(params, config, seqs[1][:12], seqs[1][12:], page_size=32)
     diff, bound = rounding.model_difference(single.logprobs[0], out.logprobs[1], config, keys=50)  # other batch
     assert diff <= bound, (diff, bound)
@@ -161,6 +182,6 @@ def test_gradients_with_and_without_remat(tiny):
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_remat)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-4)
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
-    assert float(jnp.abs(grads.layers.q_proj).max()) > 0
+    assert float(jnp.abs(grads.layers.qkv_proj).max()) > 0
     stepped = jax.tree.map(lambda p, g: p - 0.05 * g, params, grads)
     assert float(jax.jit(loss, static_argnums=1)(stepped, False)) < float(value)     # a descent direction

@@ -23,9 +23,13 @@ def tensors():
 
 def test_checkpoint_tensors_round_trip(tensors):
     params = wise_jax.from_checkpoint_tensors(CONFIG, tensors)
-    assert params.layers.q_proj.shape == (2, 128, 4 * 32)            # [layers, in, out]
-    assert params.layers.k_proj.shape == (2, 128, 2 * 32)
+    assert params.layers.qkv_proj.shape == (2, 128, (4 + 2 + 2) * 32)  # [layers, in, q | k | v]
+    assert params.layers.gate_up_proj.shape == (2, 128, 2 * 256)
     np.testing.assert_array_equal(np.asarray(params.layers.o_proj[1]), tensors["model.layers.1.self_attn.o_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(params.layers.qkv_proj[1, :, 128 + 64:]),
+                                  tensors["model.layers.1.self_attn.v_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(params.layers.gate_up_proj[0, :, 256:]),
+                                  tensors["model.layers.0.mlp.up_proj.weight"].T)
     back = wise_jax.to_checkpoint_tensors(CONFIG, params)
     assert back.keys() == tensors.keys()
     for name in tensors:
@@ -56,7 +60,7 @@ def test_orbax_save_restore_identical(tensors, tmp_path):
 def test_restore_reports_mismatch_and_damage(tensors, tmp_path):
     path = wise_jax.save_params(tmp_path / "p", wise_jax.from_checkpoint_tensors(CONFIG, tensors))
     wider = dataclasses.replace(CONFIG, intermediate_size=512)
-    with pytest.raises(CheckpointError, match=r"'layers.gate_proj' has shape \(2, 128, 256\), config needs \(2, 128, 512\)"):
+    with pytest.raises(CheckpointError, match=r"'layers.gate_up_proj' has shape \(2, 128, 512\), config needs \(2, 128, 1024\)"):
         wise_jax.restore_params(path, wider)
     tied = dataclasses.replace(CONFIG, tie_word_embeddings=True)
     tied_path = wise_jax.save_params(tmp_path / "tied", wise_jax.from_checkpoint_tensors(

@@ -32,12 +32,14 @@ from wise_jax import attention
 def recorded_discoveries():
     """Yields a list that fills with one (modes, held, support', mass) per decode-attention call
     of the programs traced inside the block (compiled programs are dropped before and after, so
-    that the wrapper is traced in and does not outlive the block)."""
-    calls = []
+    that the wrapper is traced in and does not outlive the block), and a set of the kernels
+    (resolved names) those calls ran."""
+    calls, kernels = [], set()
     real = attention.attention_impl
 
     def wrapped_impl(kernel):
         impl = real(kernel)
+        kernels.add(attention.resolve_kernel(kernel))
 
         def call(*args, return_mass=False, **kwargs):
             out, support, mass = impl(*args, return_mass=True, **kwargs)
@@ -49,7 +51,7 @@ def recorded_discoveries():
     jax.clear_caches()
     attention.attention_impl = wrapped_impl
     try:
-        yield calls
+        yield calls, kernels
     finally:
         attention.attention_impl = real
         jax.clear_caches()
@@ -83,10 +85,10 @@ def test_generate_selects_by_the_rule_on_cpu(kernel):
     config = PRESETS["test-tiny"]
     params = wise_jax.from_checkpoint_tensors(config, random_tensors(config, seed=4, std=0.08))
     wise = WiseConfig(eta=0.5, kernel=kernel)
-    with recorded_discoveries() as calls:
+    with recorded_discoveries() as (calls, kernels):
         out = wise_jax.generate(params, config, _prompts(config.vocab_size, (70, 100, 90)), max_new_tokens=4,
                                 page_size=32, wise_config=wise, eos_token_id=None)
-    assert out.stats["kernel"] == kernel and out.stats["fallbacks"] == 0
+    assert kernels == {kernel} and out.stats.fallbacks == 0
     rows, strict = check_selections(calls, wise.eta)
     # 3 decode steps x 2 layers x 2 discovery loops, 4 rows (the batch bucket) each
     assert rows == 3 * 2 * 2 * 4 and strict > rows // 4, (rows, strict)
@@ -108,10 +110,10 @@ def test_generate_selects_by_the_rule_on_gpu(kernel, dtype):
     config, params = wise_jax.load_model(DEFAULT_MODEL, dtype=dtype)
     wise = WiseConfig(eta=0.9, kernel=kernel)
     lengths = (300, 1100, 1900, 640)
-    with recorded_discoveries() as calls:
+    with recorded_discoveries() as (calls, kernels):
         out = wise_jax.generate(params, config, _prompts(config.vocab_size, lengths, seed=1), max_new_tokens=9,
                                 wise_config=wise, eos_token_id=None)
-    assert out.stats["fallbacks"] == 0
+    assert kernels == {kernel} and out.stats.fallbacks == 0
     rows, strict = check_selections(calls, wise.eta)
     planes = config.num_hidden_layers * len(wise.discover_depths)
     assert rows == 8 * planes * len(lengths) and strict > rows // 4, (rows, strict)

@@ -55,7 +55,7 @@ def test_learning_rate_schedule():
 
 def test_weight_decay_skips_norms_and_biases():
     flags = tb.decays(wise_jax.abstract_params(TINY))
-    assert flags.layers.q_proj and flags.embed_tokens and flags.lm_head
+    assert flags.layers.qkv_proj and flags.embed_tokens and flags.lm_head
     assert not flags.layers.input_layernorm and not flags.norm and not flags.early_exit_gate_bias
 
 

@@ -80,11 +80,6 @@ def _generate_jax(args, wise_config: WiseConfig | None):
     return out, len(ids)
 
 
-def _stat(stats, name: str):
-    """A field of GenerationStats (torch) or of the stats dict (jax)."""
-    return stats.get(name) if isinstance(stats, dict) else getattr(stats, name, None)
-
-
 def wise_settings(args) -> WiseConfig | None:
     """The WiseConfig of --wise, --eta and --kernel; --eta or --kernel without --wise is an error
     (dense decode would ignore them)."""
@@ -104,14 +99,13 @@ def run_generate(args) -> int:
     backend = _generate_torch if args.backend == "torch" else _generate_jax
     out, prompt_tokens = backend(args, wise_config)
     print(args.prompt + out.texts[0])
-    stats = out.stats
-    prefill_s, decode_s = _stat(stats, "prefill_s"), _stat(stats, "decode_s")
-    decode_tokens = _stat(stats, "new_tokens") - 1
-    line = (f"prefill: {prompt_tokens} tokens in {prefill_s:.3f} s ({prompt_tokens / prefill_s:.1f} tokens/s); "
-            f"decode: {decode_tokens} tokens in {decode_s:.3f} s ({_stat(stats, 'decode_tokens_per_s'):.1f} tokens/s)")
+    stats = out.stats  # GenerationStats, the same fields in both frameworks
+    line = (f"prefill: {prompt_tokens} tokens in {stats.prefill_s:.3f} s ({prompt_tokens / stats.prefill_s:.1f} "
+            f"tokens/s); decode: {stats.new_tokens - 1} tokens in {stats.decode_s:.3f} s "
+            f"({stats.decode_tokens_per_s:.1f} tokens/s)")
     if wise_config is not None:
-        density = ", ".join(f"loop {d}: {x:.3f}" for d, x in (_stat(stats, "density") or {}).items() if x is not None)
-        line += f"; WISE eta {wise_config.eta}: fallbacks {_stat(stats, 'fallbacks')}, density {density or 'n/a'}"
+        density = ", ".join(f"loop {d}: {x:.3f}" for d, x in (stats.density or {}).items() if x is not None)
+        line += f"; WISE eta {wise_config.eta}: fallbacks {stats.fallbacks}, density {density or 'n/a'}"
     print(f"[{args.backend}] {line}", file=sys.stderr)
     return 0
 

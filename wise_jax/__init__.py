@@ -3,18 +3,25 @@
     config, params, tokenizer = wise_jax.load_model("ouro-py-3m", with_tokenizer=True)
     out = wise_jax.generate(params, config, ["def f("], max_new_tokens=16, wise_config=WiseConfig(),
                             tokenizer=tokenizer)
+
+Serving: `prefill`, `insert`, `decode_step` (wise_jax.serving) and the engine around them,
+`LLM` with `SamplingParams` / `RequestOutput` (wise_jax.engine), on which `generate` runs.
 """
 
 from wise_jax.checkpoint import restore_params, save_params
-from wise_jax.generation import ForcedOutput, GenerationOutput, generate, teacher_force, trace_counts
+from wise_jax.engine import LLM, EngineStats, RequestOutput, SamplingParams
+from wise_jax.generation import (ForcedOutput, GenerationOutput, GenerationStats, generate, teacher_force,
+                                 trace_counts)
 from wise_jax.loading import load_model, load_tokenizer
-from wise_jax.model import decode_step, forward, forward_with_exits, prefill
+from wise_jax.model import forward, forward_with_exits
 from wise_jax.params import (LayerParams, Params, abstract_params, from_checkpoint_tensors, init_params,
                              to_checkpoint_tensors)
+from wise_jax.serving import RequestKV, decode_step, insert, prefill
 
 __all__ = [
-    "ForcedOutput", "GenerationOutput", "LayerParams", "Params", "abstract_params", "decode_step",
-    "forward", "forward_with_exits", "from_checkpoint_tensors", "generate", "init_params",
-    "load_model", "load_tokenizer", "prefill", "restore_params", "save_params",
-    "teacher_force", "to_checkpoint_tensors", "trace_counts",
+    "EngineStats", "ForcedOutput", "GenerationOutput", "GenerationStats", "LLM", "LayerParams", "Params",
+    "RequestKV", "RequestOutput", "SamplingParams", "abstract_params", "decode_step", "forward",
+    "forward_with_exits", "from_checkpoint_tensors", "generate", "init_params", "insert", "load_model",
+    "load_tokenizer", "prefill", "restore_params", "save_params", "teacher_force", "to_checkpoint_tensors",
+    "trace_counts",
 ]

@@ -1,14 +1,15 @@
 """Paged KV cache as a pytree, with page allocation that runs under jit.
 
-Storage `k, v: [planes, num_pages, page_size, kv_heads, head_dim]`, plane = loop * layers + layer.
-One page table serves every plane: page p of row b is storage index `page_table[b, p]` in each
-plane. Free pages live on a stack (`free_pages[:num_free]`, top at `num_free - 1`).
+Storage `k, v: [planes, num_pages + 1, page_size, kv_heads, head_dim]`, plane = loop * layers +
+layer. One page table serves every plane: page p of row b is storage index `page_table[b, p]`
+in each plane. Free pages live on a stack (`free_pages[:num_free]`, top at `num_free - 1`).
+The last storage page (`scratch_page`) belongs to no request: page-table entries of empty rows
+and past a row's pages point at it, and writes of rows that must not write (empty rows, a
+reservation that did not fit) go there, so no padding ever reads or writes a request's page.
 
 Allocation (`reserve`) and release are pure functions. Outside jit a request the pool cannot hold
-raises PoolExhaustedError. Inside jit nothing can raise: a reservation that does not fit is not
-made and `overflowed` is set instead. `generate` makes that impossible by sizing each bucket's
-pool to `batch * max_pages` pages (every row can reach its full length), and still checks the
-flag after each call.
+raises PoolExhaustedError. Inside jit nothing can raise: `try_reserve` grants all of a
+reservation or none of it and returns whether it fitted; `overflowed` is set when one did not.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ class PoolExhaustedError(RuntimeError):
                    meta_fields=[])
 @dataclasses.dataclass
 class PagedKVCache:
-    """k, v: [planes, num_pages, page_size, kv_heads, head_dim]; page_table int32[batch, max_pages];
-    seq_lens int32[batch]; free_pages int32[num_pages] (a stack of num_free int32[] entries);
-    overflowed bool[] (a reservation inside jit did not fit)."""
+    """k, v: [planes, num_pages + 1, page_size, kv_heads, head_dim] (the last page is scratch);
+    page_table int32[batch, max_pages]; seq_lens int32[batch]; free_pages int32[num_pages] (a
+    stack of num_free int32[] entries); overflowed bool[] (a reservation inside jit did not fit)."""
 
     k: jax.Array
     v: jax.Array
@@ -46,7 +47,12 @@ class PagedKVCache:
 
     @property
     def num_pages(self) -> int:
-        return self.k.shape[1]
+        """Pages requests can hold (the scratch page not counted)."""
+        return self.k.shape[1] - 1
+
+    @property
+    def scratch_page(self) -> int:
+        return self.k.shape[1] - 1
 
     @property
     def page_size(self) -> int:
@@ -62,18 +68,25 @@ class PagedKVCache:
         return self.max_pages * self.page_size
 
 
+def page_bytes(config: ModelConfig, page_size: int, dtype) -> int:
+    """Bytes one page takes in every plane, K and V."""
+    planes = config.total_ut_steps * config.num_hidden_layers
+    return 2 * planes * page_size * config.num_key_value_heads * config.head_dim * jnp.dtype(dtype).itemsize
+
+
 def create(config: ModelConfig, *, batch: int, max_pages: int, num_pages: int, page_size: int,
            dtype=jnp.float32) -> PagedKVCache:
-    """An empty cache: zeroed storage (so unused pages hold finite values), every page free."""
+    """An empty cache: zeroed storage (so unused pages hold finite values), every page free,
+    every page-table entry on the scratch page."""
     for name, value in (("batch", batch), ("max_pages", max_pages), ("num_pages", num_pages),
                         ("page_size", page_size)):
-        if not isinstance(value, int) or value <= 0:
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"PagedKVCache {name} must be a positive integer, got {value!r}")
     planes = config.total_ut_steps * config.num_hidden_layers
-    shape = (planes, num_pages, page_size, config.num_key_value_heads, config.head_dim)
+    shape = (planes, num_pages + 1, page_size, config.num_key_value_heads, config.head_dim)
     return PagedKVCache(
         k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-        page_table=jnp.zeros((batch, max_pages), jnp.int32),
+        page_table=jnp.full((batch, max_pages), num_pages, jnp.int32),
         seq_lens=jnp.zeros((batch,), jnp.int32),
         free_pages=jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32),  # page 0 on top
         num_free=jnp.asarray(num_pages, jnp.int32),
@@ -93,9 +106,10 @@ def pages_for(lengths: jax.Array, page_size: int) -> jax.Array:
     return (lengths + page_size - 1) // page_size
 
 
-def reserve(cache: PagedKVCache, lengths: jax.Array) -> PagedKVCache:
+def try_reserve(cache: PagedKVCache, lengths: jax.Array) -> tuple[PagedKVCache, jax.Array]:
     """Grow rows to `lengths: int32[batch]` keys (never shrinks): pages are taken from the free
-    stack for the page-boundary crossings, and seq_lens becomes max(seq_lens, lengths)."""
+    stack for the page-boundary crossings, and seq_lens becomes max(seq_lens, lengths). All or
+    nothing: returns (cache, fits bool[]); when it does not fit nothing changes but `overflowed`."""
     lengths = jnp.maximum(jnp.asarray(lengths, jnp.int32), cache.seq_lens)
     old = pages_for(cache.seq_lens, cache.page_size)
     new = pages_for(lengths, cache.page_size)
@@ -103,31 +117,39 @@ def reserve(cache: PagedKVCache, lengths: jax.Array) -> PagedKVCache:
     need = (page >= old[:, None]) & (page < new[:, None])            # [batch, max_pages]
     total = need.sum(dtype=jnp.int32)
     fits = (total <= cache.num_free) & jnp.all(new <= cache.max_pages)
-
-    known = [_concrete(x) for x in (lengths, cache.num_free, total)]
-    if all(x is not None for x in known):
-        too_long = np.flatnonzero(known[0] > cache.capacity)
-        if too_long.size:
-            raise PoolExhaustedError(
-                f"rows {too_long.tolist()} need {known[0][too_long].tolist()} keys, more than the "
-                f"{cache.capacity} a row can hold ({cache.max_pages} pages of {cache.page_size})")
-        if known[2] > known[1]:
-            raise PoolExhaustedError(f"the request needs {int(known[2])} pages but only {int(known[1])} "
-                                     f"of {cache.num_pages} are free")
-
     rank = jnp.cumsum(need.reshape(-1), dtype=jnp.int32).reshape(need.shape) - 1
     taken = cache.free_pages[jnp.clip(cache.num_free - 1 - rank, 0, cache.num_pages - 1)]
     grant = need & fits
-    return dataclasses.replace(
+    cache = dataclasses.replace(
         cache,
         page_table=jnp.where(grant, taken, cache.page_table),
         seq_lens=jnp.where(fits, lengths, cache.seq_lens),
         num_free=jnp.where(fits, cache.num_free - total, cache.num_free),
         overflowed=cache.overflowed | ~fits)
+    return cache, fits
+
+
+def reserve(cache: PagedKVCache, lengths: jax.Array) -> PagedKVCache:
+    """`try_reserve`, raising PoolExhaustedError when the values are concrete and do not fit."""
+    lengths = jnp.maximum(jnp.asarray(lengths, jnp.int32), cache.seq_lens)
+    known = [_concrete(x) for x in (lengths, cache.seq_lens, cache.num_free)]
+    if all(x is not None for x in known):
+        lengths_np, seq_lens, num_free = known
+        too_long = np.flatnonzero(lengths_np > cache.capacity)
+        if too_long.size:
+            raise PoolExhaustedError(
+                f"rows {too_long.tolist()} need {lengths_np[too_long].tolist()} keys, more than the "
+                f"{cache.capacity} a row can hold ({cache.max_pages} pages of {cache.page_size})")
+        total = int((pages_for(lengths_np, cache.page_size) - pages_for(seq_lens, cache.page_size)).sum())
+        if total > num_free:
+            raise PoolExhaustedError(f"the request needs {total} pages but only {int(num_free)} "
+                                     f"of {cache.num_pages} are free")
+    return try_reserve(cache, lengths)[0]
 
 
 def release(cache: PagedKVCache, rows: jax.Array) -> PagedKVCache:
-    """Return the pages of `rows: bool[batch]` to the free stack and empty those rows."""
+    """Return the pages of `rows: bool[batch]` to the free stack and empty those rows (their
+    page-table entries back on the scratch page)."""
     rows = jnp.asarray(rows, bool)
     page = jnp.arange(cache.max_pages, dtype=jnp.int32)
     held = rows[:, None] & (page < pages_for(cache.seq_lens, cache.page_size)[:, None])
@@ -139,38 +161,46 @@ def release(cache: PagedKVCache, rows: jax.Array) -> PagedKVCache:
         free_pages=cache.free_pages.at[slot].set(cache.page_table.reshape(-1), mode="drop"),
         num_free=cache.num_free + flat.sum(dtype=jnp.int32),
         seq_lens=jnp.where(rows, 0, cache.seq_lens),
-        page_table=jnp.where(rows[:, None], 0, cache.page_table))
+        page_table=jnp.where(rows[:, None], cache.scratch_page, cache.page_table))
 
 
 def plane_pages(cache: PagedKVCache, plane: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One plane as decode_attention reads it, without slicing the storage: every plane's pages
-    viewed as one pool [planes * num_pages, page_size, kv_heads, head_dim] (a free reshape), and
-    the page table shifted to the plane: (k_pages, v_pages, page_table int32[batch, max_pages])."""
+    viewed as one pool [planes * (num_pages + 1), page_size, kv_heads, head_dim] (a free reshape),
+    and the page table shifted to the plane: (k_pages, v_pages, page_table int32[batch, max_pages])."""
     flat = (-1,) + cache.k.shape[2:]
     return (cache.k.reshape(flat), cache.v.reshape(flat),
-            cache.page_table + plane * cache.num_pages)
+            cache.page_table + plane * cache.k.shape[1])
 
 
-def write_token(cache: PagedKVCache, plane: jax.Array, k: jax.Array, v: jax.Array) -> PagedKVCache:
-    """Store the newest key/value of every row (position seq_lens - 1) in `plane`.
-    k, v: [batch, kv_heads, head_dim]."""
-    position = cache.seq_lens - 1
+def write_token(cache: PagedKVCache, plane: jax.Array, k: jax.Array, v: jax.Array,
+                rows: jax.Array) -> PagedKVCache:
+    """Store the newest key/value (position seq_lens - 1) of every row in `rows: bool[batch]` in
+    `plane`; other rows write to the scratch page. k, v: [batch, kv_heads, head_dim]."""
+    position = jnp.maximum(cache.seq_lens - 1, 0)
     page = jnp.take_along_axis(cache.page_table, (position // cache.page_size)[:, None], axis=1)[:, 0]
+    page = jnp.where(rows, page, cache.scratch_page)
     offset = position % cache.page_size
     return dataclasses.replace(
-        cache, k=cache.k.at[plane, page, offset].set(k.astype(cache.k.dtype), mode="drop"),
-        v=cache.v.at[plane, page, offset].set(v.astype(cache.v.dtype), mode="drop"))
+        cache, k=cache.k.at[plane, page, offset].set(k.astype(cache.k.dtype)),
+        v=cache.v.at[plane, page, offset].set(v.astype(cache.v.dtype)))
 
 
-def write_prompt(cache: PagedKVCache, plane: jax.Array, k: jax.Array, v: jax.Array) -> PagedKVCache:
-    """Store keys/values of positions [0, seq_lens) in `plane`; positions past a row's length
-    (padding) are dropped. k, v: [batch, seq, kv_heads, head_dim]."""
-    batch, seq = k.shape[:2]
-    position = jnp.arange(seq, dtype=jnp.int32)[None, :]
-    page_index = jnp.minimum(position // cache.page_size, cache.max_pages - 1)
-    page = jnp.take_along_axis(cache.page_table, jnp.broadcast_to(page_index, (batch, seq)), axis=1)
-    page = jnp.where(position < cache.seq_lens[:, None], page, cache.num_pages)  # out of range: dropped
-    offset = jnp.broadcast_to(position % cache.page_size, (batch, seq))
+def insert(cache: PagedKVCache, k: jax.Array, v: jax.Array, length: jax.Array, slot: jax.Array) -> PagedKVCache:
+    """Store one request's K/V of every plane in the empty row `slot`, reserving its pages.
+
+    k, v: [planes, n * page_size, kv_heads, head_dim], valid up to `length` (int32[], with
+    pages_for(length) == n); the pages are written whole. When the pages do not fit the pool,
+    nothing is written and `overflowed` is set."""
+    planes, span, kv_heads, dim = k.shape
+    if span % cache.page_size or span // cache.page_size > cache.max_pages:
+        raise ValueError(f"K/V of {span} positions is not a whole number of pages of {cache.page_size} "
+                         f"within the {cache.max_pages} a row holds")
+    n = span // cache.page_size
+    cache, fits = try_reserve(cache, cache.seq_lens.at[slot].set(length))
+    pages = jax.lax.dynamic_index_in_dim(cache.page_table, slot, 0, keepdims=False)[:n]
+    pages = jnp.where(fits, pages, cache.scratch_page)
+    shape = (planes, n, cache.page_size, kv_heads, dim)
     return dataclasses.replace(
-        cache, k=cache.k.at[plane, page, offset].set(k.astype(cache.k.dtype), mode="drop"),
-        v=cache.v.at[plane, page, offset].set(v.astype(cache.v.dtype), mode="drop"))
+        cache, k=cache.k.at[:, pages].set(k.reshape(shape).astype(cache.k.dtype)),
+        v=cache.v.at[:, pages].set(v.reshape(shape).astype(cache.v.dtype)))

@@ -25,7 +25,8 @@ import safetensors
 from tokenizers import Tokenizer
 
 from wise_core import tokenizer as core_tokenizer
-from wise_core.checkpoint import BUILTIN_MODELS, Checkpoint, CheckpointError, CheckpointFiles, open_checkpoint
+from wise_core.checkpoint import (BUILTIN_MODELS, Checkpoint, CheckpointError, CheckpointFiles, expected_shapes,
+                                  open_checkpoint)
 from wise_core.config import ModelConfig
 from wise_jax.params import LAYER_NAMES, LINEAR_FIELDS, LayerParams, Params, param_shapes
 
@@ -86,7 +87,7 @@ def params_from_tensors(config: ModelConfig, opened: Callable[[str], ContextMana
     (linear weights transposed to [in, out], layers stacked), a block of rows at a time, then
     put on the device."""
     dtype = np.dtype(dtype)
-    shapes = param_shapes(config)
+    shapes, hf_shapes = param_shapes(config), expected_shapes(config)
 
     def fill(out: np.ndarray, name: str, transpose: bool) -> None:
         with opened(name) as tensor:
@@ -100,7 +101,15 @@ def params_from_tensors(config: ModelConfig, opened: Callable[[str], ContextMana
     def stacked(field: str) -> jax.Array:
         out = _host_array(getattr(shapes.layers, field), dtype)
         for n in range(config.num_hidden_layers):
-            fill(out[n], f"model.layers.{n}.{LAYER_NAMES[field]}", field in LINEAR_FIELDS)
+            start = 0
+            for name in LAYER_NAMES[field]:  # a fused linear field: its parts side by side in [in, out]
+                name = f"model.layers.{n}.{name}"
+                if field in LINEAR_FIELDS:
+                    width = hf_shapes[name][0]
+                    fill(out[n, :, start:start + width], name, True)
+                    start += width
+                else:
+                    fill(out[n], name, False)
         return jax.device_put(out)
 
     return Params(
@@ -151,9 +160,3 @@ def load_tokenizer(path_or_name: str | Path) -> Tokenizer | None:
     if name in BUILTIN_MODELS:
         return BUILTIN_MODELS[name]().tokenizer
     return core_tokenizer.load_tokenizer(Path(path_or_name))
-
-
-def tokenizer_for(config: ModelConfig) -> None:
-    """None: a tokenizer is never looked up by config (see the module docstring). Kept only for
-    `wise_jax.generation`'s fallback until it takes its tokenizer from the caller alone."""
-    return None

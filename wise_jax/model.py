@@ -4,9 +4,10 @@ Structure (docs/DESIGN.md "Model"): embed; `total_ut_steps` loops, each a `lax.s
 sandwich-norm `decoder_layer` over the stacked layers followed by `model.norm`; the early-exit
 gate on each loop's normed state; the head on the last loop. Every loop runs
 (`early_exit_threshold` is not applied; `forward_with_exits` returns the exit probabilities).
-Three callers share `run_loop` and differ only in how a layer attends: `forward` (dense causal,
-differentiable), `prefill` (dense causal, writing the paged cache) and `decode_step` (one token
-per row against the paged cache, dense or WISE).
+Three callers share `run_loop` and differ only in how a layer attends: `forward` (causal,
+differentiable), `prefill` (causal, one request, returning the K/V of every plane) and
+`decode_step` (one token per cache row against the paged cache, dense or WISE). Whole-sequence
+attention is `wise_jax.prefill_attention.causal_attention` (never a [seq, seq] score matrix).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from wise_core import modes as M
@@ -23,6 +25,7 @@ from wise_jax import kv_cache as kvc
 from wise_jax import wise_state as ws
 from wise_jax.attention import decode_attention
 from wise_jax.params import LayerParams, Params
+from wise_jax.prefill_attention import causal_attention
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -49,9 +52,17 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x32 * cos[:, :, None] + rotated * sin[:, :, None]).astype(x.dtype)
 
 
+def linear(x: jax.Array, w: jax.Array | tuple[jax.Array, ...]) -> jax.Array:
+    """x @ w; a tuple w (see `params.split_projections`) runs one GEMM per part and concatenates."""
+    if isinstance(w, tuple):
+        return jnp.concatenate([x @ part for part in w], axis=-1)
+    return x @ w
+
+
 def mlp(lp: LayerParams, x: jax.Array) -> jax.Array:
-    """SwiGLU: down(silu(gate(x)) * up(x)). x: [batch, seq, hidden]."""
-    return (jax.nn.silu(x @ lp.gate_proj) * (x @ lp.up_proj)) @ lp.down_proj
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up from one GEMM. x: [batch, seq, hidden]."""
+    gate, up = jnp.split(linear(x, lp.gate_up_proj), 2, axis=-1)
+    return (jax.nn.silu(gate) * up) @ lp.down_proj
 
 
 # attend(q [batch, seq, heads, head_dim], k, v [batch, seq, kv_heads, head_dim], layer, carry)
@@ -67,9 +78,10 @@ def decoder_layer(lp: LayerParams, config: ModelConfig, h: jax.Array, cos: jax.A
     heads, kv_heads, dim, eps = (config.num_attention_heads, config.num_key_value_heads,
                                  config.head_dim, config.rms_norm_eps)
     x = rms_norm(h, lp.input_layernorm, eps)
-    q = apply_rope((x @ lp.q_proj).reshape(batch, seq, heads, dim), cos, sin)
-    k = apply_rope((x @ lp.k_proj).reshape(batch, seq, kv_heads, dim), cos, sin)
-    v = (x @ lp.v_proj).reshape(batch, seq, kv_heads, dim)
+    q, k, v = jnp.split(linear(x, lp.qkv_proj), [heads * dim, (heads + kv_heads) * dim], axis=-1)
+    q = apply_rope(q.reshape(batch, seq, heads, dim), cos, sin)
+    k = apply_rope(k.reshape(batch, seq, kv_heads, dim), cos, sin)
+    v = v.reshape(batch, seq, kv_heads, dim)
     a, aux = attend(q, k, v)
     h = h + rms_norm(a.reshape(batch, seq, heads * dim) @ lp.o_proj, lp.input_layernorm_2, eps)
     x = rms_norm(h, lp.post_attention_layernorm, eps)
@@ -78,9 +90,11 @@ def decoder_layer(lp: LayerParams, config: ModelConfig, h: jax.Array, cos: jax.A
 
 
 def run_loop(params: Params, config: ModelConfig, h: jax.Array, cos: jax.Array, sin: jax.Array,
-             attend: Attend, carry: Any = None, *, remat: bool = False) -> tuple[jax.Array, Any]:
-    """One pass over the shared layers (a scan), then model.norm. h: [batch, seq, hidden].
-    `carry` threads through every layer's `attend`. Returns (normed h, carry)."""
+             attend: Attend, carry: Any = None, *, remat: bool = False,
+             unroll: int | bool = 1) -> tuple[jax.Array, Any]:
+    """One pass over the shared layers (a scan, `unroll` layers per scan step; True unrolls all),
+    then model.norm. h: [batch, seq, hidden]. `carry` threads through every layer's `attend`.
+    Returns (normed h, carry)."""
     def body(state, xs):
         h, carry = state
         lp, layer = xs
@@ -90,26 +104,35 @@ def run_loop(params: Params, config: ModelConfig, h: jax.Array, cos: jax.Array, 
     if remat:
         body = jax.checkpoint(body)
     layers = jnp.arange(config.num_hidden_layers, dtype=jnp.int32)
-    (h, carry), _ = lax.scan(body, (h, carry), (params.layers, layers))
+    (h, carry), _ = lax.scan(body, (h, carry), (params.layers, layers), unroll=unroll)
     return rms_norm(h, params.norm, config.rms_norm_eps), carry
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Dense causal attention, float32 softmax. q: [batch, seq, heads, dim]; k, v: [batch, seq,
-    kv_heads, dim] -> [batch, seq, heads, dim]. Query head h reads KV head h // group."""
-    batch, seq, heads, dim = q.shape
-    kv_heads = k.shape[2]
-    qg = q.reshape(batch, seq, kv_heads, heads // kv_heads, dim)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32) * dim ** -0.5
-    causal = jnp.tril(jnp.ones((seq, seq), bool))
-    probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v)
-    return out.reshape(batch, seq, heads, dim)
+def check_input_ids(config: ModelConfig, input_ids, dims: int) -> None:
+    """Raise ValueError (the messages of wise_torch's model) unless input_ids is an integer array
+    of `dims` dims with at most max_position_embeddings positions and, when its values are
+    concrete (not traced), every id in [0, vocab_size)."""
+    dtype = getattr(input_ids, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer) or input_ids.ndim != dims:
+        raise ValueError(f"input_ids must be an integer tensor with {dims} dims, got "
+                         f"{dtype}{list(getattr(input_ids, 'shape', ()))}")
+    if dims == 2 and input_ids.shape[1] > config.max_position_embeddings:
+        raise ValueError(f"sequence of {input_ids.shape[1]} tokens exceeds max_position_embeddings "
+                         f"({config.max_position_embeddings})")
+    try:
+        ids = np.asarray(input_ids)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return  # traced: out-of-range ids embed as NaN (see `embed`)
+    bad = ids[(ids < 0) | (ids >= config.vocab_size)]
+    if bad.size:
+        raise ValueError(f"input_ids hold ids {sorted(set(bad.tolist()))[:5]} outside the vocabulary "
+                         f"(size {config.vocab_size})")
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
-    """tokens int32[...] -> [..., hidden]."""
-    return params.embed_tokens[tokens]
+    """tokens int32[...] -> [..., hidden]; an id outside the vocabulary embeds as NaN (never
+    clamped), so a traced bad id shows in the logits."""
+    return params.embed_tokens.at[tokens].get(mode="fill", fill_value=jnp.nan, wrap_negative_indices=False)
 
 
 def head(params: Params, h: jax.Array) -> jax.Array:
@@ -135,83 +158,101 @@ def exit_probabilities(lambdas: jax.Array) -> jax.Array:
     return jnp.stack(probs + [remaining])
 
 
-def _dense_attend(q, k, v, layer, carry):
-    return causal_attention(q, k, v), carry
-
-
 def forward_with_exits(params: Params, config: ModelConfig, input_ids: jax.Array, *,
-                       remat: bool = False) -> tuple[jax.Array, jax.Array]:
+                       remat: bool = False, attention: str = "auto") -> tuple[jax.Array, jax.Array]:
     """input_ids int32[batch, seq] -> (logits float32[batch, seq, vocab] of the last loop,
     exit probabilities float32[loops, batch, seq]). Differentiable; `remat` recomputes each
-    layer in the backward pass (only layer inputs are kept)."""
+    layer in the backward pass (only layer inputs are kept). attention: see
+    `prefill_attention.causal_attention`. Bad ids and too-long sequences raise ValueError
+    (`check_input_ids`)."""
+    check_input_ids(config, input_ids, 2)
     batch, seq = input_ids.shape
     h = embed(params, input_ids)
     cos, sin = rope(jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq)),
                     config.head_dim, config.rope_theta)
+
+    def attend(q, k, v, layer, carry):
+        return causal_attention(q, k, v, implementation=attention), carry
+
     lambdas = []
     for _ in range(config.total_ut_steps):
-        h, _ = run_loop(params, config, h, cos, sin, _dense_attend, remat=remat)
+        h, _ = run_loop(params, config, h, cos, sin, attend, remat=remat)
         lambdas.append(exit_gate(params, h))
     return head(params, h), exit_probabilities(jnp.stack(lambdas))
 
 
-def forward(params: Params, config: ModelConfig, input_ids: jax.Array, *, remat: bool = False) -> jax.Array:
+def forward(params: Params, config: ModelConfig, input_ids: jax.Array, *, remat: bool = False,
+            attention: str = "auto") -> jax.Array:
     """input_ids int32[batch, seq] -> logits float32[batch, seq, vocab] of the last loop."""
-    return forward_with_exits(params, config, input_ids, remat=remat)[0]
+    return forward_with_exits(params, config, input_ids, remat=remat, attention=attention)[0]
 
 
-def prefill(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, tokens: jax.Array,
-            lengths: jax.Array) -> tuple[jax.Array, kvc.PagedKVCache]:
-    """Dense causal prefill of right-padded prompts into empty cache rows.
+def prefill(params: Params, config: ModelConfig, tokens: jax.Array, length: jax.Array, *,
+            attention: str = "auto", unroll: int | bool = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Causal pass over one right-padded prompt, keeping the K/V of every plane.
 
-    tokens int32[batch, seq] (row b valid up to lengths[b]); lengths int32[batch] >= 1.
-    Returns (logits float32[batch, vocab] at each row's last prompt token, cache)."""
-    batch, seq = tokens.shape
-    cache = kvc.reserve(cache, lengths)
-    h = embed(params, tokens)
-    cos, sin = rope(jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq)),
-                    config.head_dim, config.rope_theta)
+    tokens int32[seq] (valid up to `length`, int32[] >= 1). Returns (logits float32[vocab] at
+    position length - 1, k, v [planes, seq, kv_heads, head_dim] in the params' dtype). The K/V
+    buffers are written in place layer by layer (no per-loop copies)."""
+    seq = tokens.shape[0]
+    planes = config.total_ut_steps * config.num_hidden_layers
+    h = embed(params, tokens[None])
+    cos, sin = rope(jnp.arange(seq, dtype=jnp.int32)[None], config.head_dim, config.rope_theta)
+    shape = (planes, seq, config.num_key_value_heads, config.head_dim)
+    dtype = params.embed_tokens.dtype
+    buffers = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
     for loop in range(config.total_ut_steps):
-        def attend(q, k, v, layer, cache, loop=loop):
+        def attend(q, k, v, layer, buffers, loop=loop):
             plane = loop * config.num_hidden_layers + layer
-            return causal_attention(q, k, v), kvc.write_prompt(cache, plane, k, v)
-        h, cache = run_loop(params, config, h, cos, sin, attend, cache)
-    last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    return head(params, last), cache
+            buffers = tuple(lax.dynamic_update_index_in_dim(b, x[0].astype(dtype), plane, 0)
+                            for b, x in zip(buffers, (k, v)))
+            return causal_attention(q, k, v, implementation=attention), buffers
+        h, buffers = run_loop(params, config, h, cos, sin, attend, buffers, unroll=unroll)
+    last = lax.dynamic_index_in_dim(h[0], length - 1, 0, keepdims=False)
+    return head(params, last), buffers[0], buffers[1]
 
 
 def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, state: ws.WiseState | None,
-                tokens: jax.Array, request_ids: jax.Array, active: jax.Array, *,
-                wise_config: WiseConfig | None, kernel: str) -> tuple[jax.Array, kvc.PagedKVCache, Any]:
-    """Decode one token per row: append it to the cache (allocating a page at a page boundary)
-    and run every loop; dense when wise_config is None, else WISE (state required).
+                tokens: jax.Array, slots: jax.Array, *, wise_config: WiseConfig | None, kernel: str,
+                unroll: int | bool = 1) -> tuple[jax.Array, kvc.PagedKVCache, Any]:
+    """Decode one token per cache row: append it (allocating a page at a page boundary) and run
+    every loop; dense when wise_config is None, else WISE (state required).
 
-    tokens, request_ids int32[batch]; active bool[batch] (rows WISE counters count).
-    Returns (logits float32[batch, vocab], cache, state)."""
+    tokens int32[batch]: the token at each row's position seq_lens; slots int32[batch]: the
+    request each row serves (the WISE tag), -1 for an empty row. An empty row is a masked
+    no-op: it reserves nothing, writes only the scratch page, attends one scratch key and leaves
+    its WISE state alone. When the pool cannot hold the step's new pages nothing is written, no
+    row advances, and `cache.overflowed` is set (the caller reports it); a cache whose flag is
+    already set is written no more. The attention inputs are built here by construction, so
+    their values are not validated (no host callback per call).
+    Returns (logits float32[batch, vocab] (garbage for masked rows), cache, state)."""
     batch = tokens.shape[0]
+    active = slots >= 0
     positions = cache.seq_lens
-    cache = kvc.reserve(cache, positions + 1)
+    grow = active & ~cache.overflowed                 # a cache that overflowed once takes no more
+    cache, fits = kvc.try_reserve(cache, jnp.where(grow, positions + 1, positions))
+    live = grow & fits
+    seq_lens = jnp.where(live, cache.seq_lens, 1)    # a masked row attends its first key (scratch)
     h = embed(params, tokens)[:, None]
     cos, sin = rope(positions[:, None], config.head_dim, config.rope_theta)
     if wise_config is None:  # every row DENSE; the block size only shapes the unused support
         dense = WiseConfig()
         dense_modes = jnp.full((batch,), M.DENSE, jnp.int32)
-        no_support = jnp.zeros((batch, config.num_attention_heads,
-                                cache.capacity // dense.block_size), bool)
+        no_support = jnp.zeros((batch, config.num_attention_heads, cache.capacity // dense.block_size), bool)
 
     for loop in range(config.total_ut_steps):
         def attend(q, k, v, layer, carry, loop=loop):
             cache, state = carry
             plane = loop * config.num_hidden_layers + layer
-            cache = kvc.write_token(cache, plane, k[:, 0], v[:, 0])
+            cache = kvc.write_token(cache, plane, k[:, 0], v[:, 0], live)
             k_pages, v_pages, page_table = kvc.plane_pages(cache, plane)
             if wise_config is None:
-                out, _ = decode_attention(q[:, 0], k_pages, v_pages, page_table, cache.seq_lens, dense_modes,
+                out, _ = decode_attention(q[:, 0], k_pages, v_pages, page_table, seq_lens, dense_modes,
                                           no_support, block_size=dense.block_size, eta=dense.eta,
-                                          kernel=kernel)
+                                          kernel=kernel, validate=False)
             else:
                 out, state = ws.wise_attention(state, wise_config, loop, layer, q[:, 0], k_pages, v_pages,
-                                               page_table, cache.seq_lens, request_ids, active, kernel=kernel)
+                                               page_table, seq_lens, slots, live, kernel=kernel, validate=False)
             return out[:, None], (cache, state)
-        h, (cache, state) = run_loop(params, config, h, cos, sin, attend, (cache, state))
+        h, (cache, state) = run_loop(params, config, h, cos, sin, attend, (cache, state), unroll=unroll)
     return head(params, h[:, 0]), cache, state

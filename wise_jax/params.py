@@ -1,7 +1,11 @@
 """Ouro parameters as pytrees, converted from and to the HF checkpoint layout.
 
 Per-layer weights are stacked along a leading layer axis (the same weights serve every loop).
-Linear weights are stored [in, out] (HF stores [out, in]) so the model computes `x @ w`.
+Linear weights are stored [in, out] (HF stores [out, in]) so the model computes `x @ w`, and the
+projections that read the same input are fused: `qkv_proj` holds q_proj | k_proj | v_proj and
+`gate_up_proj` holds gate_proj | up_proj along the output axis, so a layer runs one GEMM for
+each (the checkpoint keeps the HF names; `from_checkpoint_tensors` / `to_checkpoint_tensors`
+concatenate and split).
 """
 
 from __future__ import annotations
@@ -16,30 +20,29 @@ import numpy as np
 from wise_core.checkpoint import expected_shapes, validate_tensors
 from wise_core.config import ModelConfig
 
-# LayerParams field -> HF tensor name under `model.layers.{n}.`
+# LayerParams field -> the HF tensors under `model.layers.{n}.` it holds, in output-axis order
 LAYER_NAMES = {
-    "q_proj": "self_attn.q_proj.weight", "k_proj": "self_attn.k_proj.weight",
-    "v_proj": "self_attn.v_proj.weight", "o_proj": "self_attn.o_proj.weight",
-    "gate_proj": "mlp.gate_proj.weight", "up_proj": "mlp.up_proj.weight",
-    "down_proj": "mlp.down_proj.weight",
-    "input_layernorm": "input_layernorm.weight", "input_layernorm_2": "input_layernorm_2.weight",
-    "post_attention_layernorm": "post_attention_layernorm.weight",
-    "post_attention_layernorm_2": "post_attention_layernorm_2.weight",
+    "qkv_proj": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "o_proj": ("self_attn.o_proj.weight",),
+    "gate_up_proj": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "down_proj": ("mlp.down_proj.weight",),
+    "input_layernorm": ("input_layernorm.weight",), "input_layernorm_2": ("input_layernorm_2.weight",),
+    "post_attention_layernorm": ("post_attention_layernorm.weight",),
+    "post_attention_layernorm_2": ("post_attention_layernorm_2.weight",),
 }
-LINEAR_FIELDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEAR_FIELDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=list(LAYER_NAMES), meta_fields=[])
 @dataclasses.dataclass
 class LayerParams:
-    """Weights of all layers, stacked: linear [layers, in, out], norms [layers, hidden]."""
+    """Weights of all layers, stacked: qkv_proj [layers, hidden, (heads + 2 * kv_heads) * head_dim],
+    o_proj [layers, heads * head_dim, hidden], gate_up_proj [layers, hidden, 2 * intermediate],
+    down_proj [layers, intermediate, hidden], norms [layers, hidden]."""
 
-    q_proj: jax.Array
-    k_proj: jax.Array
-    v_proj: jax.Array
+    qkv_proj: jax.Array
     o_proj: jax.Array
-    gate_proj: jax.Array
-    up_proj: jax.Array
+    gate_up_proj: jax.Array
     down_proj: jax.Array
     input_layernorm: jax.Array
     input_layernorm_2: jax.Array
@@ -63,29 +66,22 @@ class Params:
     lm_head: jax.Array | None
 
 
+def _layer_shape(hf: dict, field: str, layers: int) -> tuple[int, ...]:
+    """[layers, in, sum of outs] for a linear field (HF shapes are [out, in]), [layers, hidden] for a norm."""
+    shapes = [hf[f"model.layers.0.{name}"] for name in LAYER_NAMES[field]]
+    if field in LINEAR_FIELDS:
+        return (layers, shapes[0][1], sum(s[0] for s in shapes))
+    return (layers,) + shapes[0]
+
+
 def from_checkpoint_tensors(config: ModelConfig, tensors: dict[str, np.ndarray],
                             dtype=jnp.float32) -> Params:
-    """HF-named numpy tensors (validated against `config`) -> Params of `dtype`."""
+    """HF-named numpy tensors (validated against `config`) -> Params of `dtype`, assembled as
+    `wise_jax.loading` assembles a checkpoint's (each leaf filled in place on the host in
+    `dtype`, no float32 widening)."""
+    from wise_jax import loading  # loading builds on this module
     validate_tensors(config, tensors)
-
-    def put(array: np.ndarray) -> jax.Array:
-        return jnp.asarray(np.asarray(array, np.float32)).astype(dtype)
-
-    def stacked(field: str) -> jax.Array:
-        per_layer = [tensors[f"model.layers.{n}.{LAYER_NAMES[field]}"]
-                     for n in range(config.num_hidden_layers)]
-        if field in LINEAR_FIELDS:
-            per_layer = [w.T for w in per_layer]
-        return put(np.stack(per_layer))
-
-    return Params(
-        embed_tokens=put(tensors["model.embed_tokens.weight"]),
-        layers=LayerParams(**{field: stacked(field) for field in LAYER_NAMES}),
-        norm=put(tensors["model.norm.weight"]),
-        early_exit_gate=put(tensors["model.early_exit_gate.weight"].T),
-        early_exit_gate_bias=put(tensors["model.early_exit_gate.bias"]),
-        lm_head=None if config.tie_word_embeddings else put(tensors["lm_head.weight"].T),
-    )
+    return loading.params_from_tensors(config, loading._in_memory(tensors), dtype)
 
 
 def to_checkpoint_tensors(config: ModelConfig, params: Params) -> dict[str, np.ndarray]:
@@ -93,17 +89,24 @@ def to_checkpoint_tensors(config: ModelConfig, params: Params) -> dict[str, np.n
     def get(array: jax.Array) -> np.ndarray:
         return np.asarray(jnp.asarray(array, jnp.float32))
 
+    hf = expected_shapes(config)
     tensors = {
         "model.embed_tokens.weight": get(params.embed_tokens),
         "model.norm.weight": get(params.norm),
         "model.early_exit_gate.weight": get(params.early_exit_gate).T.copy(),
         "model.early_exit_gate.bias": get(params.early_exit_gate_bias),
     }
-    for field, name in LAYER_NAMES.items():
+    for field, names in LAYER_NAMES.items():
         stacked = get(getattr(params.layers, field))
         for n in range(stacked.shape[0]):
-            w = stacked[n]
-            tensors[f"model.layers.{n}.{name}"] = w.T.copy() if field in LINEAR_FIELDS else w.copy()
+            start = 0
+            for name in names:
+                if field in LINEAR_FIELDS:
+                    width = hf[f"model.layers.{n}.{name}"][0]
+                    tensors[f"model.layers.{n}.{name}"] = stacked[n, :, start:start + width].T.copy()
+                    start += width
+                else:
+                    tensors[f"model.layers.{n}.{name}"] = stacked[n].copy()
     if params.lm_head is not None:
         tensors["lm_head.weight"] = get(params.lm_head).T.copy()
     validate_tensors(config, tensors)
@@ -113,15 +116,9 @@ def to_checkpoint_tensors(config: ModelConfig, params: Params) -> dict[str, np.n
 def param_shapes(config: ModelConfig) -> Params:
     """The Params structure for `config` with shape tuples as leaves (the layout, not the values)."""
     hf = expected_shapes(config)
-    layers = config.num_hidden_layers
-
-    def layer_shape(field: str) -> tuple[int, ...]:
-        shape = hf[f"model.layers.0.{LAYER_NAMES[field]}"]
-        return (layers,) + (shape[::-1] if field in LINEAR_FIELDS else shape)
-
     return Params(
         embed_tokens=hf["model.embed_tokens.weight"],
-        layers=LayerParams(**{field: layer_shape(field) for field in LAYER_NAMES}),
+        layers=LayerParams(**{field: _layer_shape(hf, field, config.num_hidden_layers) for field in LAYER_NAMES}),
         norm=hf["model.norm.weight"],
         early_exit_gate=hf["model.early_exit_gate.weight"][::-1],
         early_exit_gate_bias=hf["model.early_exit_gate.bias"],
@@ -161,3 +158,26 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, std: flo
         return jax.tree.unflatten(treedef, out)
 
     return make(key)
+
+
+def split_projections(config: ModelConfig, params: Params) -> Params:
+    """The same weights with the fused projections split again: qkv_proj becomes the tuple
+    (q, k, v) and gate_up_proj (gate, up), each [layers, in, out]. The model runs one GEMM per
+    part for such params; this exists to measure what the fusion saves
+    (benchmarks/jax_generate_bench.py)."""
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    qkv, gate_up = params.layers.qkv_proj, params.layers.gate_up_proj
+    layers = dataclasses.replace(
+        params.layers,
+        qkv_proj=(qkv[..., :q], qkv[..., q:q + kv], qkv[..., q + kv:]),
+        gate_up_proj=(gate_up[..., :config.intermediate_size], gate_up[..., config.intermediate_size:]))
+    return dataclasses.replace(params, layers=layers)
+
+
+def scale_queries(config: ModelConfig, params: Params, factor: float) -> Params:
+    """params with q_proj multiplied by `factor` (random weights with peaked attention, for
+    benchmarks: a larger factor concentrates each query's softmax on fewer keys)."""
+    q = config.num_attention_heads * config.head_dim
+    qkv = params.layers.qkv_proj
+    qkv = qkv.at[..., :q].multiply(jnp.asarray(factor, qkv.dtype))
+    return dataclasses.replace(params, layers=dataclasses.replace(params.layers, qkv_proj=qkv))

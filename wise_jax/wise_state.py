@@ -73,13 +73,16 @@ def discovery_mask(wise_config: WiseConfig) -> int:
 
 
 def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int, layer: jax.Array, q, k_pages,
-                   v_pages, page_table, seq_lens, request_ids, active, *, kernel: str
+                   v_pages, page_table, seq_lens, request_ids, active, *, kernel: str, validate: bool = True
                    ) -> tuple[jax.Array, WiseState]:
     """Decode attention of `layer` at `loop` with the row modes WISE assigns, updating the state.
 
     q: [batch, heads, head_dim]; pages / page_table / seq_lens as decode_attention (the token at
-    position seq_lens - 1 is being decoded); request_ids int32[batch]; active bool[batch]: rows
-    whose fallbacks and density are counted. Returns (out [batch, heads, head_dim], state).
+    position seq_lens - 1 is being decoded); request_ids int32[batch]; active bool[batch]: the rows
+    that decode a token. Other rows (empty slots) are masked: their support, tags and counters are
+    left as they were. validate: check the attention's input values (`attention.check_call`; the
+    decode step, which builds them by construction, passes False). Returns (out [batch, heads,
+    head_dim], state).
     """
     role = wise_config.depth_role(loop)
     batch = q.shape[0]
@@ -104,18 +107,24 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int, layer: 
         modes = jnp.full((batch,), M.DENSE, jnp.int32)
 
     out, new_support = decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support,
-                                        block_size=wise_config.block_size, eta=wise_config.eta, kernel=kernel)
+                                        block_size=wise_config.block_size, eta=wise_config.eta, kernel=kernel,
+                                        validate=validate)
     causal = causal_blocks(seq_lens, wise_config.block_size, n_blocks)       # [batch, n_blocks]
 
     if role == "discover":
         if wise_config.all_blocks:
             new_support = jnp.broadcast_to(causal[:, None, :], new_support.shape)
+
+        def keep(new, old):  # masked rows keep what they held
+            return jnp.where(active.reshape((batch,) + (1,) * (new.ndim - 1)), new, old)
+
         state = dataclasses.replace(
             state,
-            support=state.support.at[:, layer].set(new_support),
-            tag_request=state.tag_request.at[:, layer].set(request_ids),
-            tag_position=state.tag_position.at[:, layer].set(position),
-            depths_run=state.depths_run.at[:, layer].set(jnp.where(fresh, bit, depths_run | bit)))
+            support=state.support.at[:, layer].set(keep(new_support, support)),
+            tag_request=state.tag_request.at[:, layer].set(keep(request_ids, state.tag_request[:, layer])),
+            tag_position=state.tag_position.at[:, layer].set(keep(position, state.tag_position[:, layer])),
+            depths_run=state.depths_run.at[:, layer].set(
+                keep(jnp.where(fresh, bit, depths_run | bit), depths_run)))
     elif role == "reuse":
         depth = wise_config.reuse_depths.index(loop)
         heads = support.shape[1]

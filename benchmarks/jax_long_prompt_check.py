@@ -1,0 +1,121 @@
+"""Long prompts on a CPU: wise_jax.generate against wise_torch.generate, time and peak memory.
+
+    python benchmarks/jax_long_prompt_check.py --out benchmarks/results/DIR
+
+The case of issue 12: a tiny random model (test-tiny: 2 layers x 4 loops, hidden 128, fp32, with
+max_position_embeddings raised to 16384) prefills prompts of 12,000 and 6,000 tokens and decodes
+--new-tokens greedy tokens (no eos). Each framework runs in its own process (its peak RSS is that
+process's `ru_maxrss`); both get the same weights (`random_tensors`, seed 0) and prompts. The
+check: the same tokens, and JAX's peak RSS within --rss-limit-gb (3 GB). Writes
+jax_long_prompt_check.json and .md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+_ROOT = _HERE.parent
+STEM = "jax_long_prompt_check"
+
+
+def _case(args):
+    import dataclasses
+
+    import numpy as np
+
+    from wise_core.checkpoint import random_tensors
+    from wise_core.config import PRESETS
+    config = dataclasses.replace(PRESETS["test-tiny"], max_position_embeddings=16384)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in args.lengths]
+    return config, random_tensors(config, seed=0, std=0.02), prompts
+
+
+def worker(args) -> dict:
+    sys.path.insert(0, str(_ROOT))
+    config, tensors, prompts = _case(args)
+    start = time.perf_counter()
+    if args.worker == "jax":
+        import jax
+        import wise_jax
+        params = wise_jax.from_checkpoint_tensors(config, tensors)
+        del tensors
+        out = wise_jax.generate(params, config, prompts, max_new_tokens=args.new_tokens, eos_token_id=None)
+        versions = {"jax": jax.__version__}
+    else:
+        import torch
+        import wise_torch
+        model = wise_torch.from_tensors(config, tensors)
+        del tensors
+        out = wise_torch.generate(model, prompts, max_new_tokens=args.new_tokens, eos_token_id=None)
+        versions = {"torch": torch.__version__}
+    wall = time.perf_counter() - start
+    return dict(framework=args.worker, tokens=out.tokens, wall_s=wall, prefill_s=out.stats.prefill_s,
+                decode_s=out.stats.decode_s, peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+                versions=versions)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[12000, 6000])
+    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--frameworks", default="jax,torch")
+    p.add_argument("--rss-limit-gb", type=float, default=3.0)
+    p.add_argument("--out", type=Path, default=_HERE / "results")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return {}
+    runs, load = {}, [os.getloadavg()[0]]
+    for framework in args.frameworks.split(","):
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", framework, "--new-tokens",
+               str(args.new_tokens), "--lengths", ",".join(map(str, args.lengths))]
+        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        if done.returncode != 0:
+            raise SystemExit(f"{framework} worker failed:\n{done.stderr[-3000:]}")
+        runs[framework] = json.loads(done.stdout.strip().splitlines()[-1])
+        load.append(os.getloadavg()[0])
+        r = runs[framework]
+        print(f"{framework}: {r['wall_s']:.1f} s (prefill {r['prefill_s']:.1f} s, decode {r['decode_s']:.1f} s), "
+              f"peak RSS {r['peak_rss_gb']:.2f} GB", flush=True)
+    report = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), host=platform.node(),
+                  python=platform.python_version(), cpus=os.cpu_count(), load_average=load, lengths=args.lengths,
+                  new_tokens=args.new_tokens, runs=runs)
+    if "jax" in runs:
+        report["jax_within_rss_limit"] = runs["jax"]["peak_rss_gb"] <= args.rss_limit_gb
+    if {"jax", "torch"} <= set(runs):
+        report["same_tokens"] = runs["jax"]["tokens"] == runs["torch"]["tokens"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{STEM}.json").write_text(json.dumps(report, indent=1) + "\n")
+    lines = [f"# Long prompts on a CPU ({report['date']}, {report['host']}, python {report['python']})", "",
+             f"test-tiny (2 layers x 4 loops, fp32, random weights), prompts of {args.lengths} tokens, "
+             f"{args.new_tokens} greedy new tokens; each framework in its own process. {os.cpu_count()} CPUs; "
+             f"1-minute load average before, between and after the runs: {', '.join(f'{x:.1f}' for x in load)} "
+             f"(other jobs share the machine).", "",
+             "| framework | versions | wall s | prefill s | decode s | peak RSS GB |", "|---|---|---|---|---|---|"]
+    for r in runs.values():
+        lines.append(f"| {r['framework']} | {', '.join(f'{k} {v}' for k, v in r['versions'].items())} | "
+                     f"{r['wall_s']:.1f} | {r['prefill_s']:.1f} | {r['decode_s']:.1f} | {r['peak_rss_gb']:.2f} |")
+    lines.append("")
+    if "same_tokens" in report:
+        lines.append(f"Same greedy tokens: {'yes' if report['same_tokens'] else 'NO'}.")
+    if "jax_within_rss_limit" in report:
+        lines.append(f"JAX peak RSS within {args.rss_limit_gb} GB: {'yes' if report['jax_within_rss_limit'] else 'NO'}.")
+    (args.out / f"{STEM}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return report
+
+
+if __name__ == "__main__":
+    main()

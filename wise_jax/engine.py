@@ -1,0 +1,598 @@
+"""A small serving engine over `wise_jax.serving`: requests wait, are admitted into cache rows
+(slots), decode together one token per step, and retire; the names mirror wise_torch's engine.
+
+    llm = LLM(params, config, wise_config=WiseConfig(), max_num_seqs=64, max_model_len=2048)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=64))
+    rid = llm.add_request(prompt, SamplingParams(...)); while llm.has_unfinished(): llm.step()
+
+Scheduling. A step either admits (prefills) every waiting request that fits, oldest first, and
+returns their first tokens, or decodes one token for every running request. A request is
+admitted when a slot is free and the pages of its whole lifetime (prompt + max_tokens - 1 keys)
+fit beside those of the running requests, so a running request never meets a full pool (pages
+are still taken from the pool only as it grows); nothing is preempted (wise_torch's engine
+preempts instead). A request that can never fit is a ValueError at `add_request`. A prompt is
+prefilled whole (no chunking) in the step that admits it.
+
+The step. One jit-compiled program per cache shape (and greedy / sampling): `model.decode_step`
+over every row (empty rows are masked no-ops), sampling on the device (per row: temperature,
+top-p, its own PRNG key), the stop rule (max_tokens, eos), and the release of finished rows'
+pages; the sampled tokens stay on the device as the next step's input, and the host reads them
+once per step (stop_token_ids are the host's: such a row is released before the next step).
+The cache (`rows = max_num_seqs`) and the WISE state are created once per engine and donated to
+every step. A pool that runs out anyway (a broken invariant) raises PoolExhaustedError in the
+step that met it, which wrote nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import numbers
+import random
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tokenizers import Tokenizer
+
+from wise_core.config import ModelConfig, WiseConfig
+from wise_core.tokenizer import encode_text
+from wise_jax import kv_cache as kvc
+from wise_jax import model
+from wise_jax import serving
+from wise_jax import wise_state as ws
+from wise_jax.attention import resolve_kernel
+from wise_jax.params import Params
+from wise_jax.sampling import sample
+from wise_jax.serving import DEFAULT_PAGE_SIZE, TRACES
+
+CPU_POOL_BYTES = 1 << 30       # num_pages=None on a CPU: a pool of at most 1 GiB
+GPU_POOL_FRACTION = 0.85       # num_pages=None on a GPU: this share of the free device memory
+MAX_SEED = 2 ** 63
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request decodes (wise_torch's fields).
+
+    max_tokens: tokens to generate (>= 1; the first comes from prefill); temperature 0 is
+    greedy, > 0 samples softmax(logits / temperature) restricted to top_p (the smallest prefix
+    of tokens ranked by probability reaching top_p, in (0, 1]); seed: an int in [0, 2**63) makes
+    the request's samples reproducible whatever else runs beside it (None: from the engine's
+    seed and the request id); ignore_eos: keep going past the model's eos; stop_token_ids: more
+    ids that end the request; logprobs: report log p of each generated token.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, numbers.Integral) or isinstance(self.max_tokens, bool) \
+                or self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be a positive integer, got {self.max_tokens!r}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"SamplingParams.{name} must be a finite number, got {value!r}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and (not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < MAX_SEED):
+            raise ValueError(f"SamplingParams.seed must be None or an integer in [0, 2**63), got {self.seed!r}")
+        for name in ("ignore_eos", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
+        stops = self.stop_token_ids
+        if not isinstance(stops, (tuple, list)) or any(
+                not isinstance(t, numbers.Integral) or isinstance(t, bool) for t in stops):
+            raise ValueError(f"SamplingParams.stop_token_ids must be a sequence of integer ids, got {stops!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+
+
+def seed_key(seed: int) -> jax.Array:
+    """A raw PRNG key for a seed in [0, 2**63) (jax.random.PRNGKey keeps only the low 32 bits)."""
+    return jax.random.fold_in(jax.random.PRNGKey(seed & 0xFFFFFFFF), seed >> 32)
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one request has produced so far (wise_torch's fields). text decodes token_ids with
+    the engine's tokenizer (None without one); logprobs: log p of each token (SamplingParams.logprobs,
+    teacher forcing), else None. finish_reason: "length", "stop" (eos or a stop id), "abort", or
+    None while running. prompt_token_ids is the engine's own list: read it, do not change it."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    logprobs: list[float] | None = None
+    tokenizer: object = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def text(self) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(self.token_ids)
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Pool, queue and WISE counters, and throughput since the engine started or `reset_stats`
+    (wise_torch's fields; seconds are host wall time around the synchronised steps).
+
+    preemptions is always 0 (admission reserves a request's lifetime; nothing is preempted);
+    fallbacks and density (per reuse depth; None before any reuse call) are None without WISE."""
+
+    total_pages: int
+    free_pages: int
+    running: int
+    waiting: int
+    preemptions: int
+    fallbacks: int | None
+    density: dict[int, float | None] | None
+    prompt_tokens: int
+    generated_tokens: int
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+    decode_tokens: int
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["slots", "tokens", "remaining", "eos", "temperature", "top_p", "keys"],
+                   meta_fields=[])
+@dataclasses.dataclass
+class Batch:
+    """Per cache row, on the device: slots int32 (request id, -1 empty); tokens int32 (the next
+    decode input); remaining int32 (tokens the row may still emit); eos int32 (-1: none);
+    temperature, top_p float32; keys uint32[rows, 2] (raw PRNG keys)."""
+
+    slots: jax.Array
+    tokens: jax.Array
+    remaining: jax.Array
+    eos: jax.Array
+    temperature: jax.Array
+    top_p: jax.Array
+    keys: jax.Array
+
+
+def _empty_batch(rows: int) -> Batch:
+    return Batch(slots=jnp.full((rows,), -1, jnp.int32), tokens=jnp.zeros((rows,), jnp.int32),
+                 remaining=jnp.zeros((rows,), jnp.int32),
+                 eos=jnp.full((rows,), -1, jnp.int32), temperature=jnp.zeros((rows,), jnp.float32),
+                 top_p=jnp.ones((rows,), jnp.float32), keys=jnp.zeros((rows, 2), jnp.uint32))
+
+
+def _choose(logits, keys, temperature, top_p, forced, *, sampling: bool):
+    """Per row: the forced token where forced >= 0, else a sample (greedy where temperature is 0;
+    with sampling=False every row is greedy and no sampling code runs). Returns (token int32[rows],
+    its log-prob float32[rows], the rows' next keys)."""
+    split = jax.vmap(jax.random.split)(keys)                   # [rows, 2, 2]
+    keys, sub = split[:, 0], split[:, 1]
+    if sampling:
+        sampled = jax.vmap(lambda l, k, t, p: sample(l[None], k, t, p)[0])(logits, sub, temperature, top_p)
+    else:
+        sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    token = jnp.where(forced >= 0, forced, sampled)
+    logprob = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token[:, None], axis=1)[:, 0]
+    return token, logprob, keys
+
+
+@functools.partial(jax.jit, static_argnames=("sampling",))
+def _first_token(logits, key, temperature, top_p, forced, *, sampling: bool):
+    """_choose for one prefilled request: logits float32[vocab] -> (token, logprob, next key)."""
+    TRACES["first_token"] += 1
+    token, logprob, keys = _choose(logits[None], key[None], temperature[None], top_p[None], forced[None],
+                                   sampling=sampling)
+    return token[0], logprob[0], keys[0]
+
+
+@functools.partial(jax.jit, donate_argnames=("cache", "batch"))
+def _admit(cache: kvc.PagedKVCache, batch: Batch, kv: serving.RequestKV, slot, row: Batch):
+    """Insert a prefilled request into the empty row `slot` and set its Batch row (`row`: a Batch
+    of scalars)."""
+    TRACES["admit"] += 1
+    cache = kvc.insert(cache, kv.k, kv.v, kv.length, slot)
+    batch = jax.tree.map(lambda whole, one: whole.at[slot].set(one), batch, row)
+    return cache, batch
+
+
+@functools.partial(jax.jit, donate_argnames=("cache", "batch"))
+def _release(cache: kvc.PagedKVCache, batch: Batch, slot):
+    """Empty row `slot` (an abort, or a stop token the device does not watch for)."""
+    TRACES["release"] += 1
+    rows = jnp.arange(batch.slots.shape[0]) == slot
+    return kvc.release(cache, rows), dataclasses.replace(batch, slots=jnp.where(rows, -1, batch.slots))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "wise_config", "kernel", "unroll", "sampling", "keep_logits"),
+                   donate_argnames=("cache", "state", "batch"))
+def _step(params: Params, cache: kvc.PagedKVCache, state, batch: Batch, forced, *, config: ModelConfig,
+          wise_config: WiseConfig | None, kernel: str, unroll, sampling: bool, keep_logits: bool):
+    """One decode step of every row (module docstring). forced int32[rows]: a token to take
+    instead of sampling (-1: sample). Returns (cache, state, batch, (token, logprob, done,
+    overflowed, logits or None)); overflowed: the pool ran out (in this step or before), and
+    this step wrote nothing."""
+    TRACES["step"] += 1
+    logits, cache, state = model.decode_step(params, config, cache, state, batch.tokens, batch.slots,
+                                             wise_config=wise_config, kernel=kernel, unroll=unroll)
+    live = (batch.slots >= 0) & ~cache.overflowed
+    token, logprob, keys = _choose(logits, batch.keys, batch.temperature, batch.top_p, forced, sampling=sampling)
+    remaining = batch.remaining - live.astype(jnp.int32)
+    done = live & ((remaining <= 0) | (token == batch.eos))
+    cache = kvc.release(cache, done)
+    batch = dataclasses.replace(
+        batch, slots=jnp.where(done, -1, batch.slots), tokens=jnp.where(live, token, batch.tokens),
+        remaining=jnp.where(live, remaining, batch.remaining), keys=jnp.where(live[:, None], keys, batch.keys))
+    return cache, state, batch, (token, logprob, done, cache.overflowed, logits if keep_logits else None)
+
+
+class _Request:
+    """A request's host-side record. Its lifetime reservation: the keys it holds at most, prompt
+    + max_tokens - 1 (the last token is never fed back)."""
+
+    def __init__(self, rid: int, prompt: list[int], params: SamplingParams, eos: int, key: np.ndarray,
+                 forced: list[int] | None, keep_logits: bool, page_size: int):
+        self.id, self.prompt, self.params, self.eos, self.key = rid, prompt, params, eos, key
+        self.forced, self.keep_logits = forced, keep_logits
+        self.max_tokens = len(forced) if forced is not None else params.max_tokens
+        self.pages = -(-(len(prompt) + self.max_tokens - 1) // page_size)
+        self.tokens: list[int] = []
+        self.dispatched = 0                      # tokens asked of the device (read or in flight)
+        self.logprobs: list[float] = []
+        self.logits: list[np.ndarray] = []
+        self.slot: int | None = None
+        self.finish_reason: str | None = None
+
+    @property
+    def sampling(self) -> bool:
+        return self.forced is None and self.params.temperature > 0
+
+    def add(self, token: int, logprob: float, logits) -> None:
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        if self.keep_logits:
+            self.logits.append(np.asarray(logits))
+        if self.forced is None and (token == self.eos or token in self.params.stop_token_ids):
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= self.max_tokens:
+            self.finish_reason = "length"
+
+    def next_forced(self) -> int:
+        """The forced token of the next token asked of the device (-1: none)."""
+        return self.forced[self.dispatched] if self.forced is not None and self.finish_reason is None else -1
+
+    def output(self, tokenizer) -> RequestOutput:
+        logprobs = list(self.logprobs) if self.params.logprobs or self.forced is not None else None
+        return RequestOutput(self.id, self.prompt, list(self.tokens), self.finish_reason is not None,
+                             self.finish_reason, logprobs, tokenizer)
+
+
+class LLM:
+    """The engine (module docstring).
+
+    params, config: the model (`wise_jax.load_model`); wise_config: WISE decode (None: dense);
+    num_pages: pages in the pool (None: 85 % of the free device memory on a GPU, at most 1 GiB on
+    a CPU, and never more than max_num_seqs * max_pages); page_size: tokens per page, a multiple
+    of the WISE block size; max_num_seqs: cache rows, the decode step's batch (every step runs
+    them all, empty ones masked); max_model_len: prompt + output tokens a request may hold (None:
+    config.max_position_embeddings); it sets the page-table width, which the WISE state and the
+    Pallas kernel's selection scale with; kernel: decode attention ('auto', 'reference',
+    'pallas'; default wise_config.kernel or 'auto'); tokenizer: for string prompts and texts;
+    attention: prefill attention (`wise_jax.prefill_attention`); unroll: layers per scan step of
+    the decode step and prefill (True: all); seed: the key of requests without their own seed
+    (None: a random one).
+    """
+
+    def __init__(self, params: Params, config: ModelConfig, *, wise_config: WiseConfig | None = None,
+                 num_pages: int | None = None, page_size: int = DEFAULT_PAGE_SIZE, max_num_seqs: int = 64,
+                 max_model_len: int | None = None, kernel: str | None = None, tokenizer: Tokenizer | None = None,
+                 attention: str = "auto", unroll: int | bool = 1, seed: int | None = None):
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+        if wise_config is not None:
+            if not isinstance(wise_config, WiseConfig):
+                raise TypeError(f"wise_config must be a WiseConfig or None, got {type(wise_config).__name__}")
+            wise_config.validate_for(config.total_ut_steps)
+        block_size = (wise_config or WiseConfig()).block_size
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0 or page_size % block_size:
+            raise ValueError(f"page_size must be a positive multiple of block_size {block_size}, got {page_size!r}")
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
+                            ("num_pages", num_pages)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < MAX_SEED):
+            raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed!r}")
+        self.params, self.config, self.wise_config, self.tokenizer = params, config, wise_config, tokenizer
+        self.kernel = resolve_kernel(kernel if kernel is not None else (wise_config.kernel if wise_config else "auto"))
+        self.page_size, self.attention, self.unroll = page_size, attention, unroll
+        self.max_model_len = max_model_len or config.max_position_embeddings
+        self.max_pages = -(-self.max_model_len // page_size)
+        dtype = params.embed_tokens.dtype
+        self.num_pages = num_pages or _default_num_pages(config, page_size, dtype, max_num_seqs * self.max_pages)
+        self.cache = kvc.create(config, batch=max_num_seqs, max_pages=self.max_pages, num_pages=self.num_pages,
+                                page_size=page_size, dtype=dtype)
+        self.state = None if wise_config is None else ws.create(
+            wise_config, slots=max_num_seqs, layers=config.num_hidden_layers, heads=config.num_attention_heads,
+            max_blocks=self.cache.capacity // wise_config.block_size)
+        self.batch = _empty_batch(max_num_seqs)
+        self._sample_only = jnp.full((max_num_seqs,), -1, jnp.int32)
+        self._free_slots = list(range(max_num_seqs))
+        self._committed = 0
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._running: dict[int, _Request] = {}          # slot -> request
+        self._requests: dict[int, _Request] = {}
+        self._inflight = None                            # (outputs, rows) of the step launched last
+        self._next_id = 0
+        self._seed = random.randrange(MAX_SEED) if seed is None else seed
+        self.reset_stats()
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt: Sequence[int] | str, params: SamplingParams | None = None, *,
+                    forced: list[int] | None = None, keep_logits: bool = False) -> int:
+        """Queue a request (token ids, or a string with a tokenizer) -> its request id. A request
+        that can never fit (longer than max_model_len or the whole pool) is a ValueError here.
+        forced: tokens fed instead of sampled ones, each scored (teacher forcing); keep_logits:
+        keep each step's float32 logits."""
+        return self._add(prompt, params, forced=forced, keep_logits=keep_logits)
+
+    def _add(self, prompt, params: SamplingParams | None, *, forced=None, keep_logits=False,
+             key: jax.Array | None = None) -> int:
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        ids = encode(prompt, self.config, self.tokenizer, "prompt")
+        if forced is not None:
+            forced = serving.check_ids(forced, self.config, "the forced continuation")
+        rid = self._next_id
+        if key is None:
+            key = seed_key(params.seed) if params.seed is not None else jax.random.fold_in(seed_key(self._seed), rid)
+        eos = -1 if params.ignore_eos or forced is not None or self.config.eos_token_id is None \
+            else self.config.eos_token_id
+        request = _Request(rid, ids, params, eos, np.asarray(key, np.uint32), forced, keep_logits, self.page_size)
+        limit = min(self.max_model_len, self.config.max_position_embeddings)
+        if len(ids) + request.max_tokens > limit:
+            raise ValueError(f"the request needs {len(ids)} prompt + {request.max_tokens} new tokens, more than "
+                             f"{'max_model_len' if limit == self.max_model_len else 'max_position_embeddings'} "
+                             f"({limit})")
+        if request.pages > self.num_pages:
+            raise ValueError(f"the request needs {request.pages} pages of {self.page_size} tokens, more than the "
+                             f"pool's {self.num_pages}")
+        self._next_id += 1
+        self._waiting.append(request)
+        self._requests[rid] = request
+        return rid
+
+    def abort(self, request_id: int) -> RequestOutput:
+        """Stop a request now and free its pages; its output so far, finish_reason 'abort'."""
+        request = self._requests.get(request_id)
+        if request is None or request.finish_reason is not None:
+            raise KeyError(f"no unfinished request {request_id}")
+        if request.slot is None:
+            self._waiting.remove(request)
+        else:
+            self._free_row(request)
+        request.finish_reason = "abort"
+        self._retire(request)
+        return request.output(self.tokenizer)
+
+    def output(self, request_id: int) -> RequestOutput:
+        """An unfinished request's output so far (a finished one's final output came from `step`)."""
+        request = self._requests.get(request_id)
+        if request is None:
+            raise KeyError(f"no unfinished request {request_id}")
+        return request.output(self.tokenizer)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running or self._inflight)
+
+    def step(self) -> list[RequestOutput]:
+        """Admit what fits, or else decode one token for every running request. Returns the
+        requests that produced a token or finished.
+
+        The host trails the device by one step: a decode step is launched before the previous
+        one's tokens are read, so the host's bookkeeping runs while the device decodes. Rows the
+        device finished (max_tokens, eos) are masked in the step already launched; a request
+        that stops on a stop id, or is aborted, computes one more token there, which is dropped.
+        Admission first reads the step in flight, and launches the next decode step when nothing
+        more can be admitted."""
+        produced = []
+        if self._waiting and self._inflight is not None:
+            produced = self._read(self._inflight)      # free slots and pages as the device has them
+            self._inflight = None
+        if self._waiting and self._fits(self._waiting[0]):
+            produced += [r.output(self.tokenizer) for r in self._admit_waiting()]
+            if not (self._waiting and self._fits(self._waiting[0])):
+                self._inflight = self._launch()        # the running requests' next token, under way
+            return produced
+        start = time.perf_counter()
+        launched = self._launch()
+        previous, self._inflight = self._inflight, launched
+        if previous is not None:
+            produced += self._read(previous)
+        if launched is not None or previous is not None:
+            self._decode_s += time.perf_counter() - start
+        return produced
+
+    def _launch(self):
+        """Dispatch a decode step for the rows that may still produce a token; (outputs, rows)
+        or None when none may."""
+        rows = [(slot, r) for slot, r in self._running.items()
+                if r.finish_reason is None and r.dispatched < r.max_tokens]
+        if not rows:
+            return None
+        forced = self._sample_only
+        if any(r.forced is not None for _, r in rows):
+            host = np.full(self.batch.slots.shape, -1, np.int32)
+            for slot, r in rows:
+                host[slot] = r.next_forced()
+            forced = jnp.asarray(host)
+        for _, r in rows:
+            r.dispatched += 1
+        self.cache, self.state, self.batch, outputs = _step(
+            self.params, self.cache, self.state, self.batch, forced, config=self.config,
+            wise_config=self.wise_config, kernel=self.kernel, unroll=self.unroll,
+            sampling=any(r.sampling for _, r in rows), keep_logits=any(r.keep_logits for _, r in rows))
+        self._decode_steps += 1
+        return outputs, rows
+
+    def _read(self, launched) -> list[RequestOutput]:
+        """Read a launched step's tokens (waits for it) and retire the requests it finished."""
+        outputs, rows = launched
+        token, logprob, done, overflowed, logits = jax.device_get(outputs)
+        if overflowed:  # cannot happen after lifetime admission: reported in the first step that reads it
+            raise kvc.PoolExhaustedError("a decode step's pages did not fit the pool; it wrote nothing, nor "
+                                         "any step after it")
+        produced = []
+        for slot, request in rows:
+            if request.finish_reason is not None:   # stopped on a stop id, or aborted: the token is dropped
+                continue
+            request.add(int(token[slot]), float(logprob[slot]), None if logits is None else logits[slot])
+            if request.finish_reason is not None:
+                if not done[slot]:           # a stop id the device does not watch for
+                    self._free_row(request)
+                self._retire(request)
+            elif done[slot]:
+                raise AssertionError(f"the device finished request {request.id}, the host did not")
+            produced.append(request.output(self.tokenizer))
+        self._decode_tokens += len(produced)
+        self._generated_tokens += len(produced)
+        return produced
+
+    def _fits(self, request: _Request) -> bool:
+        return bool(self._free_slots) and self._committed + request.pages <= self.num_pages
+
+    def _admit_waiting(self) -> list[_Request]:
+        admitted = []
+        while self._waiting and self._fits(self._waiting[0]):
+            request = self._waiting.popleft()
+            start = time.perf_counter()
+            logits, kv = serving.prefill(self.params, self.config, request.prompt, page_size=self.page_size,
+                                         attention=self.attention, unroll=self.unroll)
+            p = request.params
+            token, logprob, key = _first_token(logits, jnp.asarray(request.key), jnp.float32(p.temperature),
+                                               jnp.float32(p.top_p), jnp.int32(request.next_forced()),
+                                               sampling=request.sampling)
+            request.dispatched = 1
+            request.add(int(token), float(logprob), logits if request.keep_logits else None)
+            if request.finish_reason is not None:
+                self._retire(request)
+            else:
+                request.slot = self._free_slots.pop(0)
+                self._committed += request.pages
+                self._running[request.slot] = request
+                row = Batch(slots=jnp.int32(request.id), tokens=jnp.int32(request.tokens[-1]),
+                            remaining=jnp.int32(request.max_tokens - 1), eos=jnp.int32(request.eos),
+                            temperature=jnp.float32(p.temperature), top_p=jnp.float32(p.top_p), keys=key)
+                self.cache, self.batch = _admit(self.cache, self.batch, kv, jnp.int32(request.slot), row)
+                if bool(self.cache.overflowed):  # cannot happen after lifetime admission: reported at once
+                    raise kvc.PoolExhaustedError(
+                        f"request {request.id}'s {int(kvc.pages_for(len(request.prompt), self.page_size))} prompt "
+                        f"pages did not fit the pool; nothing was written")
+            del kv
+            self._prefill_s += time.perf_counter() - start
+            self._prompt_tokens += len(request.prompt)
+            self._generated_tokens += 1
+            admitted.append(request)
+        return admitted
+
+    def _free_row(self, request: _Request) -> None:
+        self.cache, self.batch = _release(self.cache, self.batch, jnp.asarray(request.slot, jnp.int32))
+
+    def _retire(self, request: _Request) -> None:
+        """A finished request leaves the engine: its slot and page budget come back."""
+        if request.slot is not None:
+            del self._running[request.slot]
+            self._free_slots.append(request.slot)
+            self._free_slots.sort()
+            self._committed -= request.pages
+            request.slot = None
+        self._requests.pop(request.id, None)
+
+    # -- batch use --------------------------------------------------------------------------
+    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts (strings or token-id lists) to completion -> RequestOutput per prompt, in
+        prompt order. params: one SamplingParams for all, or one per prompt."""
+        if isinstance(prompts, (str, np.ndarray, jax.Array)) or not isinstance(prompts, (list, tuple)) or not prompts:
+            raise TypeError("prompts must be a non-empty list of strings or token-id lists")
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        else:
+            params = [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        return self.run_until_done(ids, use_tqdm=use_tqdm)
+
+    def run_until_done(self, request_ids: list[int], *, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Step until the given (unfinished) requests finish -> their final outputs, in the order given."""
+        wanted = [self._requests[i] for i in request_ids]
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(wanted), desc="requests", unit="req", dynamic_ncols=True)
+        while any(r.finish_reason is None for r in wanted):
+            finished = sum(o.finished for o in self.step() if o.request_id in request_ids)
+            if bar is not None:
+                bar.update(finished)
+        if bar is not None:
+            bar.close()
+        return [r.output(self.tokenizer) for r in wanted]
+
+    # -- stats ------------------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        """Zero the timing and token counters and the WISE counters."""
+        self._prefill_s = self._decode_s = 0.0
+        self._prompt_tokens = self._generated_tokens = self._decode_tokens = self._decode_steps = 0
+        if self.state is not None:
+            self.state = ws.reset_counters(self.state)
+
+    def stats(self) -> EngineStats:
+        """Pool, queue and counters (reads the device)."""
+        return EngineStats(
+            total_pages=self.num_pages, free_pages=int(self.cache.num_free), running=len(self._running),
+            waiting=len(self._waiting), preemptions=0,
+            fallbacks=None if self.state is None else int(self.state.fallbacks),
+            density=None if self.state is None else self.state.density(self.wise_config),
+            prompt_tokens=self._prompt_tokens, generated_tokens=self._generated_tokens, prefill_s=self._prefill_s,
+            decode_s=self._decode_s, decode_steps=self._decode_steps, decode_tokens=self._decode_tokens)
+
+
+def encode(prompt, config: ModelConfig, tokenizer: Tokenizer | None, what: str) -> list[int]:
+    """Token ids, or a string through `tokenizer`, -> checked token ids (`serving.check_ids`)."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(f"a string {what} needs a tokenizer: pass tokenizer= (a checkpoint's comes from "
+                             "wise_jax.load_model(..., with_tokenizer=True))")
+        prompt = encode_text(tokenizer, prompt, what)
+    return serving.check_ids(prompt, config, what)
+
+
+def _default_num_pages(config: ModelConfig, page_size: int, dtype, most: int) -> int:
+    per_page = kvc.page_bytes(config, page_size, dtype)
+    device = jax.devices()[0]
+    budget = CPU_POOL_BYTES
+    if device.platform == "gpu":
+        memory = device.memory_stats() or {}
+        if "bytes_limit" in memory:
+            budget = int(GPU_POOL_FRACTION * (memory["bytes_limit"] - memory.get("bytes_in_use", 0)))
+    return max(1, min(most, budget // per_page))

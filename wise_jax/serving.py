@@ -1,0 +1,134 @@
+"""Serving in the pure-function style: prefill one request, insert its K/V into a cache row,
+decode every row one token.
+
+    logits, kv = prefill(params, config, prompt_ids)          # one request, its own bucket
+    cache = insert(cache, kv, slot)                             # into an empty row
+    logits, cache, state = decode_step(params, config, cache, state, tokens, slots,
+                                       wise_config=wise_config, kernel="auto")
+
+`decode_step` is jit-compiled and donates the cache and the WISE state (updated in place). The
+host loop that admits and retires requests around these is `wise_jax.engine.LLM`, on which
+`generate` and `teacher_force` run.
+
+Buckets. A prompt of n tokens is prefilled padded to `pages_for(n) * page_size` positions: one
+compilation per page count, at most page_size - 1 padding positions per prompt (< one page). A
+decode step compiles once per cache shape (rows, max_pages, num_pages) and settings. `TRACES`
+counts the traces (= compilations) of each program.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import numbers
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from wise_core.config import ModelConfig, WiseConfig
+from wise_jax import kv_cache as kvc
+from wise_jax import model
+from wise_jax import wise_state as ws
+from wise_jax.params import Params
+
+DEFAULT_PAGE_SIZE = 128
+TRACES: collections.Counter = collections.Counter()
+
+
+def trace_counts() -> dict[str, int]:
+    """Traces (= compilations) so far of each jit-compiled serving program."""
+    return dict(TRACES)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "length"], meta_fields=[])
+@dataclasses.dataclass
+class RequestKV:
+    """One prefilled request: k, v [planes, n_pages * page_size, kv_heads, head_dim], valid up to
+    length (int32[])."""
+
+    k: jax.Array
+    v: jax.Array
+    length: jax.Array
+
+
+def check_ids(ids, config: ModelConfig, what: str) -> list[int]:
+    """A non-empty sequence of integer token ids in the vocabulary -> list[int], else a named error."""
+    if isinstance(ids, (np.ndarray, jax.Array)):
+        ids = np.asarray(ids).tolist()
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+        raise TypeError(f"{what} must be a string or a sequence of integer token ids, got {ids!r:.80}")
+    ids = [int(t) for t in ids]
+    if not ids:
+        raise ValueError(f"{what} is empty")
+    bad = [t for t in ids if not 0 <= t < config.vocab_size]
+    if bad:
+        raise ValueError(f"{what} holds token ids {bad[:5]} outside the vocabulary (size {config.vocab_size})")
+    return ids
+
+
+def prefill_bucket(length: int, page_size: int) -> int:
+    """Positions a prompt of `length` tokens is prefilled at: whole pages."""
+    return -(-length // page_size) * page_size
+
+
+@functools.partial(jax.jit, static_argnames=("config", "attention", "unroll"))
+def _prefill(params: Params, tokens, length, *, config: ModelConfig, attention: str, unroll):
+    TRACES["prefill"] += 1
+    logits, k, v = model.prefill(params, config, tokens, length, attention=attention, unroll=unroll)
+    return logits, RequestKV(k, v, length)
+
+
+def prefill(params: Params, config: ModelConfig, tokens: Sequence[int], *, page_size: int = DEFAULT_PAGE_SIZE,
+            attention: str = "auto", unroll: int | bool = 1) -> tuple[jax.Array, RequestKV]:
+    """Prefill one prompt (token ids) -> (logits float32[vocab] after its last token, its K/V).
+
+    The prompt is padded to whole pages of `page_size` (pad id: config.pad_token_id or 0);
+    attention: see `wise_jax.prefill_attention`; unroll: layers per scan step."""
+    ids = check_ids(tokens, config, "tokens")
+    if len(ids) > config.max_position_embeddings:
+        raise ValueError(f"a prompt of {len(ids)} tokens exceeds max_position_embeddings "
+                         f"({config.max_position_embeddings})")
+    if not isinstance(page_size, int) or page_size <= 0:
+        raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
+    padded = np.full((prefill_bucket(len(ids), page_size),), config.pad_token_id or 0, np.int32)
+    padded[:len(ids)] = ids
+    return _prefill(params, jnp.asarray(padded), jnp.asarray(len(ids), jnp.int32), config=config,
+                    attention=attention, unroll=unroll)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _insert(cache: kvc.PagedKVCache, kv: RequestKV, slot) -> kvc.PagedKVCache:
+    TRACES["insert"] += 1
+    return kvc.insert(cache, kv.k, kv.v, kv.length, slot)
+
+
+def insert(cache: kvc.PagedKVCache, kv: RequestKV, slot: int) -> kvc.PagedKVCache:
+    """Store a prefilled request in the empty cache row `slot` (donates `cache`). Raises
+    ValueError for a slot out of range or in use, PoolExhaustedError when its pages do not fit."""
+    rows = cache.seq_lens.shape[0]
+    if not isinstance(slot, numbers.Integral) or not 0 <= slot < rows:
+        raise ValueError(f"slot must be an integer in [0, {rows}), got {slot!r}")
+    if int(cache.seq_lens[slot]):
+        raise ValueError(f"slot {slot} holds a request ({int(cache.seq_lens[slot])} keys); release it first")
+    need = int(kvc.pages_for(kv.length, cache.page_size))
+    if need > int(cache.num_free):
+        raise kvc.PoolExhaustedError(f"the request needs {need} pages but only {int(cache.num_free)} "
+                                     f"of {cache.num_pages} are free")
+    return _insert(cache, kv, jnp.asarray(slot, jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "wise_config", "kernel", "unroll"),
+                   donate_argnames=("cache", "state"))
+def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, state: ws.WiseState | None,
+                tokens: jax.Array, slots: jax.Array, *, wise_config: WiseConfig | None = None,
+                kernel: str = "auto", unroll: int | bool = 1):
+    """`wise_jax.model.decode_step`, jit-compiled, donating cache and state: tokens int32[rows]
+    (each row's next input), slots int32[rows] (request per row, -1 empty) ->
+    (logits float32[rows, vocab], cache, state). Check `cache.overflowed` after it."""
+    TRACES["decode_step"] += 1
+    return model.decode_step(params, config, cache, state, tokens, slots, wise_config=wise_config,
+                             kernel=kernel, unroll=unroll)
