@@ -122,7 +122,7 @@ def test_shards_hold_their_heads_parts():
         layer = name.split(".")[2] if name.startswith("model.layers.") else None
         hf_of = lambda leaf: torch.from_numpy(hf[f"model.layers.{layer}.{leaf}"])  # noqa: E731
         if name.endswith("qkv_proj.weight"):
-            q, k, v = hf_of("self_attn.q_proj.weight"), hf_of("self_attn.k_proj.weight"), hf_of("self_attn.v_proj.weight")
+            q, k, v = (hf_of(f"self_attn.{p}_proj.weight") for p in "qkv")
             for r, part in enumerate(parts):
                 assert torch.equal(part, torch.cat([q[r * 2 * d:(r + 1) * 2 * d], k[r * d:(r + 1) * d],
                                                     v[r * d:(r + 1) * d]]))
@@ -139,7 +139,8 @@ def test_shards_hold_their_heads_parts():
 
 
 def test_bad_tensor_parallel_settings_are_named(model):
-    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide the model's num_key_value_heads \(2\)"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide the model's "
+                                         r"num_key_value_heads \(2\)"):
         engine(model, None, 3)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         engine(model, None, 0)

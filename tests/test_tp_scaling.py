@@ -39,8 +39,9 @@ def test_arguments_and_per_gpu_roofline():
 
 
 def test_summary_speedup_and_efficiency():
+    tokens = {1: [[1, 2]] * 3, 2: [[1, 2], [1, 3], [1, 2]]}     # one request differs on 2 GPUs
     rows = [dict(context=1024, batch=64, arm=arm, size=size, repeat=i, decode_tokens_per_s=tok_s, ms_per_step=1.0,
-                 density=None, roofline_tokens_per_s=2000.0, tokens=[[1, 2]] * 3 if size == 1 else [[1, 2], [1, 3], [1, 2]])
+                 density=None, roofline_tokens_per_s=2000.0, tokens=tokens[size])
             for arm, size, tok_s in (("dense", 1, 700.0), ("dense", 2, 1260.0)) for i in range(2)]
     by_size = {s["size"]: s for s in ts.summarize(rows)}
     assert by_size[2]["speedup"] == pytest.approx(1.8) and by_size[2]["efficiency"] == pytest.approx(0.9)
@@ -50,8 +51,8 @@ def test_summary_speedup_and_efficiency():
 def test_one_arm_on_one_and_two_ranks_end_to_end(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     report = ts.main(["--preset", "test-tiny", "--dtype", "float32", "--device", "cpu", "--kernel", "reference",
-                      "--shapes", "64x3", "--q-scale", "2", "--new-tokens", "4", "--warmup-tokens", "2", "--repeats", "1",
-                      "--page-size", "32", "--arms", "wise", "--out", str(tmp_path)])
+                      "--shapes", "64x3", "--q-scale", "2", "--new-tokens", "4", "--warmup-tokens", "2",
+                      "--repeats", "1", "--page-size", "32", "--arms", "wise", "--out", str(tmp_path)])
     assert [(r["size"], r["status"]) for r in report["rows"]] == [(1, "ok"), (2, "ok")]
     for r in report["rows"]:
         assert r["fallbacks"] == 0 and r["pages_returned"] and set(r["density"]) == {2, 3}
