@@ -76,7 +76,7 @@ def test_engine_on_the_mesh_gives_the_single_device_tokens(tiny, mesh, mode):
     assert llm.cache.k.sharding.is_equivalent_to(NamedSharding(mesh, sharding.KV_SPEC), 5)
     assert local == [llm.cache.k.shape[:3] + (1, 32)] * 2
     assert llm.cache.page_table.sharding.is_fully_replicated
-    assert [s.data.shape[1] for s in llm.params.layers.o_proj.addressable_shards] == [64, 64]
+    assert [s.data.shape[1] for s in llm.params.params.layers.o_proj.addressable_shards] == [64, 64]
     if mode == "wise":
         assert [s.data.shape[2] for s in llm.state.support.addressable_shards] == [2, 2]
 
@@ -84,7 +84,7 @@ def test_engine_on_the_mesh_gives_the_single_device_tokens(tiny, mesh, mode):
 def test_mesh_layout_of_the_fused_projections(tiny, mesh):
     """Device r's block of qkv_proj is q_r | k_r | v_r, of gate_up_proj gate_r | up_r."""
     config, params = tiny
-    placed = sharding.shard_params(config, params, mesh)
+    placed = sharding.shard_params(config, params, mesh).params
     d, heads, kv, inter = config.head_dim, 4, 2, config.intermediate_size
     qkv = np.asarray(params.layers.qkv_proj)
     q, k, v = qkv[..., :heads * d], qkv[..., heads * d:(heads + kv) * d], qkv[..., (heads + kv) * d:]
@@ -141,8 +141,17 @@ def test_serving_functions_take_the_mesh(tiny, mesh):
     assert np.array_equal(runs[1].argmax(-1), runs[0].argmax(-1))
 
 
-def test_bad_meshes_are_named(tiny):
+def test_bad_meshes_and_layouts_are_named(tiny, mesh):
     config, params = tiny
+    placed = sharding.shard_params(config, params, mesh)
+    assert sharding.shard_params(config, placed, mesh) is placed      # already in this mesh's layout
+    cache = sharding.create_cache(config, mesh, batch=1, max_pages=2, num_pages=2, page_size=32)
+    with pytest.raises(TypeError, match="with a mesh, params must be in its layout"):
+        serving.decode_step(params, config, cache, None, np.zeros(1, np.int32), np.zeros(1, np.int32), mesh=mesh)
+    with pytest.raises(ValueError, match="in the layout of a 2-device mesh; pass that mesh"):
+        serving.prefill(placed, config, [1, 2, 3])
+    with pytest.raises(ValueError, match="the layout of a 2-device mesh, the mesh has 1 along 'tp'"):
+        sharding.shard_params(config, placed, sharding.make_mesh(1))
     with pytest.raises(ValueError, match=r"does not divide the model's num_key_value_heads \(2\)"):
         sharding.local_config(config, 3)
     with pytest.raises(ValueError, match="an axis named 'tp'"):

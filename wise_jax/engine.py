@@ -303,7 +303,7 @@ class LLM:
     the decode step and prefill (True: all); seed: the key of requests without their own seed
     (None: a random one); mesh: a jax.sharding.Mesh with axis "tp" to shard the heads, the K/V
     pages and the WISE supports over (`wise_jax.sharding`; every device holds num_pages pages of
-    its KV heads; `params` is then kept in the mesh layout).
+    its KV heads; `params` is then kept in the mesh layout, a `sharding.MeshParams`).
     """
 
     def __init__(self, params: Params, config: ModelConfig, *, wise_config: WiseConfig | None = None,
@@ -326,6 +326,7 @@ class LLM:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < MAX_SEED):
             raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed!r}")
+        dtype = (params.params if isinstance(params, sharding.MeshParams) else params).embed_tokens.dtype
         if mesh is not None:
             params = sharding.shard_params(config, params, mesh)
         self.params, self.config, self.wise_config, self.tokenizer = params, config, wise_config, tokenizer
@@ -334,7 +335,6 @@ class LLM:
         self.page_size, self.attention, self.unroll = page_size, attention, unroll
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.max_pages = -(-self.max_model_len // page_size)
-        dtype = params.embed_tokens.dtype
         self.num_pages = num_pages or _default_num_pages(per_device, page_size, dtype, max_num_seqs * self.max_pages)
         self.cache = sharding.create_cache(config, mesh, batch=max_num_seqs, max_pages=self.max_pages,
                                            num_pages=self.num_pages, page_size=page_size, dtype=dtype)

@@ -3,7 +3,7 @@ sharded over the mesh axis "tp" (other axes of the mesh replicate).
 
 Device r of the axis's N holds query heads [r H/N, (r+1) H/N), KV heads [r KV/N, (r+1) KV/N) and
 MLP columns [r I/N, (r+1) I/N), as `wise_torch.parallel`'s ranks do:
-- params (`shard_params`): qkv_proj's columns reordered rank-major (device r's block is
+- params (`shard_params` -> `MeshParams`): qkv_proj's columns reordered rank-major (device r's block is
   q_r | k_r | v_r) and gate_up_proj's likewise (gate_r | up_r), both sharded on the output
   axis; o_proj and down_proj sharded on their input axis; embeddings, norms, the exit gate and
   the LM head replicated;
@@ -23,6 +23,7 @@ device's heads' and are psum'd once per step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,17 @@ CACHE_SPECS = kvc.PagedKVCache(k=KV_SPEC, v=KV_SPEC, page_table=P(), seq_lens=P(
 STATE_SPECS = ws.WiseState(support=P(None, None, AXIS, None), tag_request=P(), tag_position=P(), depths_run=P(),
                            fallbacks=P(), selected_blocks=P(), causal_blocks=P())
 REQUEST_KV_SPEC = P(None, None, AXIS, None)        # a prefill's k, v [planes, seq, kv_heads, head_dim]
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["params"], meta_fields=["size"])
+@dataclasses.dataclass
+class MeshParams:
+    """Params in the mesh layout of `size` devices along "tp" (`shard_params`): what the serving
+    functions take with a mesh. A type of its own, so that params of one layout are never read as
+    the other's."""
+
+    params: Params
+    size: int
 
 
 def make_mesh(size: int | None = None, devices=None) -> Mesh:
@@ -101,11 +113,15 @@ def _named(mesh: Mesh, specs):
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def shard_params(config: ModelConfig, params: Params, mesh: Mesh) -> Params:
+def shard_params(config: ModelConfig, params: Params | MeshParams, mesh: Mesh) -> MeshParams:
     """Params (the standard layout of `wise_jax.params`) -> the mesh layout, placed on the mesh
-    (module docstring). A whole parameter is moved at a time."""
+    (module docstring); MeshParams of this mesh's size are returned as they are."""
     size = tp_size(mesh)
     local_config(config, size)
+    if isinstance(params, MeshParams):
+        return _layout_of(params, mesh)
+    if not isinstance(params, Params):
+        raise TypeError(f"params must be wise_jax Params, got {type(params).__name__}")
     specs = param_specs(params)
     d, inter = config.head_dim, config.intermediate_size
     layers = params.layers
@@ -114,7 +130,22 @@ def shard_params(config: ModelConfig, params: Params, mesh: Mesh) -> Params:
         qkv_proj=_rank_major(layers.qkv_proj, [config.num_attention_heads * d, config.num_key_value_heads * d,
                                                config.num_key_value_heads * d], size),
         gate_up_proj=_rank_major(layers.gate_up_proj, [inter, inter], size))
-    return jax.device_put(dataclasses.replace(params, layers=layers), _named(mesh, specs))
+    return MeshParams(jax.device_put(dataclasses.replace(params, layers=layers), _named(mesh, specs)), size)
+
+
+def _layout_of(params, mesh: Mesh | None):
+    """The Params to run: plain params without a mesh, MeshParams of the mesh's size with one."""
+    if mesh is None:
+        if isinstance(params, MeshParams):
+            raise ValueError(f"these params are in the layout of a {params.size}-device mesh; pass that mesh")
+        return params
+    if not isinstance(params, MeshParams):
+        raise TypeError("with a mesh, params must be in its layout: wise_jax.sharding.shard_params(config, "
+                        f"params, mesh), got {type(params).__name__}")
+    if params.size != tp_size(mesh):
+        raise ValueError(f"these params are in the layout of a {params.size}-device mesh, the mesh has "
+                         f"{tp_size(mesh)} along {AXIS!r}")
+    return params
 
 
 def create_cache(config: ModelConfig, mesh: Mesh | None, **kw) -> kvc.PagedKVCache:
@@ -132,14 +163,15 @@ def create_state(wise_config, mesh: Mesh | None, **kw) -> ws.WiseState:
     return jax.jit(lambda: ws.create(wise_config, **kw), out_shardings=_named(mesh, STATE_SPECS))()
 
 
-def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, state: ws.WiseState | None,
+def decode_step(params: Params | MeshParams, config: ModelConfig, cache: kvc.PagedKVCache, state: ws.WiseState | None,
                 tokens: jax.Array, slots: jax.Array, *, wise_config, kernel: str, unroll: int | bool = 1,
                 mesh: Mesh | None = None):
-    """`wise_jax.model.decode_step`; over the mesh (mesh-layout params, sharded cache and state)
-    one shard_map'd step at the local config. Returns (logits float32[rows, vocab], cache, state)."""
+    """`wise_jax.model.decode_step`; over the mesh (MeshParams, sharded cache and state) one
+    shard_map'd step at the local config. Returns (logits float32[rows, vocab], cache, state)."""
     if mesh is None:
-        return model.decode_step(params, config, cache, state, tokens, slots, wise_config=wise_config,
-                                 kernel=kernel, unroll=unroll)
+        return model.decode_step(_layout_of(params, None), config, cache, state, tokens, slots,
+                                 wise_config=wise_config, kernel=kernel, unroll=unroll)
+    params = _layout_of(params, mesh).params
     local = local_config(config, tp_size(mesh))
 
     def step(params, cache, state, tokens, slots):
@@ -160,12 +192,13 @@ def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, st
         params, cache, state, tokens, slots)
 
 
-def prefill(params: Params, config: ModelConfig, tokens: jax.Array, length: jax.Array, *, attention: str = "auto",
+def prefill(params: Params | MeshParams, config: ModelConfig, tokens: jax.Array, length: jax.Array, *, attention: str = "auto",
             unroll: int | bool = 1, mesh: Mesh | None = None):
     """`wise_jax.model.prefill`; over the mesh, shard_map'd at the local config: the K/V come
     back sharded on kv_heads. Returns (logits float32[vocab], k, v)."""
     if mesh is None:
-        return model.prefill(params, config, tokens, length, attention=attention, unroll=unroll)
+        return model.prefill(_layout_of(params, None), config, tokens, length, attention=attention, unroll=unroll)
+    params = _layout_of(params, mesh).params
     local = local_config(config, tp_size(mesh))
 
     def run(params, tokens, length):
