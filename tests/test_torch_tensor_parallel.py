@@ -75,6 +75,12 @@ def test_two_ranks_give_the_single_device_tokens(model, wise_config):
         assert llm.runner.cache.k.shape[3] == 1 and llm.model.config.num_attention_heads == 2  # rank 0's heads
         got, got_logits, got_aborted = run(llm, prompts, news, join_every=2, abort_preempted=abort)
         stats = llm.stats()
+        if wise_config is None:      # a rank that dies stops the engine with a named error, not a hang
+            llm.workers.processes[0].kill()
+            llm.workers.processes[0].join()
+            llm.add_request(prompts[0], wt.SamplingParams(max_tokens=2))
+            with pytest.raises(RuntimeError, match="tensor-parallel rank 1 has exited"):
+                llm.step()
     assert want_stats.preemptions > 0 and stats.preemptions == want_stats.preemptions
     assert aborted == got_aborted and (aborted is not None) == abort
     assert sorted(got) == sorted(want) and len(want) == len(prompts) - abort

@@ -59,6 +59,11 @@ class Workers:
                                    f"the engine cannot go on")
             pipe.send((name, args))
 
+    def wait_ready(self) -> None:
+        """Wait until every worker reports its runner built (after `send("settings", ...)`)."""
+        for rank, (process, pipe) in enumerate(zip(self.processes, self.pipes), 1):
+            _wait_ready(rank, process, pipe)
+
     def close(self) -> None:
         """Stop the workers (each finishes the calls sent, leaves the process group and exits),
         then leave the process group here."""
@@ -106,7 +111,8 @@ def rank_devices(device: torch.device, size: int) -> list[torch.device]:
 def start(model, size: int) -> tuple[Workers, object]:
     """Spawn ranks 1..size-1 of a tensor-parallel engine over `model` (rank 0's whole
     OuroForCausalLM, on rank 0's device) -> (the workers, rank 0's shard). The workers then
-    wait for their runner's settings (`Workers.send("settings", ...)` first) and calls."""
+    wait for their runner's settings (`Workers.send("settings", ...)` first, then
+    `Workers.wait_ready`) and calls."""
     check_divisible(model.config, size)
     if dist.is_initialized():
         raise RuntimeError("tensor_parallel_size > 1 starts its own torch.distributed process group, but this "
@@ -179,6 +185,7 @@ def _worker(rank: int, size: int, init_method: str, backend: str, device: str, c
                 name, args = message
                 if name == "settings":
                     runner = ModelRunner(model, **args[0])
+                    pipe.send("ready")
                 else:
                     getattr(runner, name)(*args)
         if device.type == "cuda":

@@ -190,6 +190,8 @@ class LLM:
         if self.workers is not None:
             self.workers.send("settings", settings)
         self.runner = ModelRunner(model, **settings, workers=self.workers)
+        if self.workers is not None:
+            self.workers.wait_ready()
         self.speculator = None
         if speculative_config is not None:
             self.speculator = Speculator(self.runner, self.blocks, speculative_config, kernel=kernel)
