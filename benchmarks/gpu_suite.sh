@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Every GPU test and benchmark of the project, in parts, for one H200:
-#   bash benchmarks/gpu_suite.sh tests|train|bench|engine|jax OUTDIR [MODEL_DIR]
+# Every GPU test and benchmark of the project, in parts, for one H200 (tp: two):
+#   bash benchmarks/gpu_suite.sh tests|train|bench|engine|jax|tp OUTDIR [MODEL_DIR]
 # tests: the `gpu`-marked pytest suite, the parity suite;
 # train: trains the built-in model (benchmarks/train_builtin.py) into OUTDIR/model;
 # engine: the torch engine's gpu tests, the fused-ops benchmark and the engine throughput
@@ -8,6 +8,9 @@
 #         SPEC adds speculative arms, e.g. SPEC="--spec wise --spec loops --num-draft 4");
 # jax: the JAX engine's gpu tests and its throughput benchmark (dense and WISE at 1K x 64, 4K x 20,
 #      8K x 10, 1K x 1; a 32K x 2 prefill; JAX_ARMS, SHAPES, Q_SCALES override), about 6 minutes;
+# tp: on a host with two GPUs, the tensor-parallel gpu tests (torch and JAX) and the scaling benchmarks
+#     (1 and 2 GPUs, dense and WISE, Ouro-1.4B shape at 1K x 64 and 8K x 20: torch's tp_scaling.py, JAX's
+#     +tp2 arms); NCCL_NVLS_ENABLE=0 (NVLink multicast off); each `run` fits a 10-minute slot;
 # bench: the kernel benchmark (Triton, Pallas, cuDNN SDPA, FlashAttention-4 when importable) and
 #        the WISE quality run on MODEL_DIR when given.
 # Logs and results go to OUTDIR. The project runs from the source tree (PYTHONPATH).
@@ -55,5 +58,16 @@ case $part in
     run jax_gpu_tests 120 python3 -m pytest -q -m gpu tests/test_jax_gpu.py tests/test_jax_selection_in_generate.py \
         -p no:cacheprovider -rfE --durations=10
     ;;
-  *) echo "unknown part $part (tests|train|bench|engine|jax)" >&2; exit 2;;
+  tp)
+    export NCCL_NVLS_ENABLE=0
+    run tp_gpu_tests 540 python3 -m pytest -q -m gpu tests/test_torch_tensor_parallel_gpu.py tests/test_jax_sharding_gpu.py \
+        -p no:cacheprovider -rfE -s
+    run tp_scaling_1k 540 python3 benchmarks/tp_scaling.py --preset ouro-1.4b --shapes 1024x64 --q-scale 8 \
+        --child-timeout 240 --out "$out/tp_scaling_1k"
+    run tp_scaling_8k 540 python3 benchmarks/tp_scaling.py --preset ouro-1.4b --shapes 8192x20 --q-scale 7 \
+        --child-timeout 240 --out "$out/tp_scaling_8k"
+    run tp_jax 540 python3 benchmarks/jax_generate_bench.py --preset ouro-1.4b --arms dense,dense+tp2,wise,wise+tp2 \
+        --shapes 1024x64,8192x20 --q-scale 8,7 --child-timeout 120 --out "$out/tp_jax"
+    ;;
+  *) echo "unknown part $part (tests|train|bench|engine|jax|tp)" >&2; exit 2;;
 esac

@@ -22,7 +22,9 @@ each part of the decode step costs:
 - unroll: the layer scan fully unrolled (LLM(unroll=True)) instead of a while loop per loop;
 - unfused: q/k/v and gate/up as separate GEMMs (params.split_projections) instead of fused;
 - nocb: XLA_FLAGS --xla_gpu_enable_command_buffer= (no CUDA-graph command buffers);
-- cbloops: XLA_FLAGS --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL (loops in command buffers).
+- cbloops: XLA_FLAGS --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL (loops in command buffers);
+- tp2: the heads split over two devices (LLM(mesh=wise_jax.make_mesh(2))); its "over base" is
+  the speedup over one device.
 Arms old, old-wise: the pre-engine `wise_jax.generate` (dense / WISE) of --old-commit, run from a
 source tree of it (--old-src DIR holding its wise_core and wise_jax, e.g. `git archive COMMIT
 wise_core wise_jax | tar -x -C DIR`); timed by its own stats after a warm-up call.
@@ -59,7 +61,7 @@ from throughput import (BATCH1_STEP_MS, DENSE_SHARE_TARGET, WISE_TARGETS, _densi
                         cohort_pages, parse_floats, parse_shapes, plot, roofline, run_cohort, table)
 
 MODES = ("dense", "wise", "old", "old-wise")
-OPTIONS = ("unroll", "unfused", "nocb", "cbloops")
+OPTIONS = ("unroll", "unfused", "nocb", "cbloops", "tp2")
 XLA_FLAGS = {"nocb": "--xla_gpu_enable_command_buffer=",
              "cbloops": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"}
 OLD_COMMIT = "bef25e92fbb27d035f3f9973f69047951c897363"  # the last commit before the serving engine
@@ -173,7 +175,8 @@ def _engine_worker(spec: dict) -> dict:
     llm = wise_jax.LLM(params, config, wise_config=wise_config, num_pages=spec["num_pages"],
                        page_size=spec["page_size"], max_num_seqs=spec["batch"], kernel=spec["kernel"],
                        max_model_len=spec["context"] + max(spec["new_tokens"], spec["warmup_tokens"]),
-                       unroll=True if "unroll" in options else 1)
+                       unroll=True if "unroll" in options else 1,
+                       **({"mesh": wise_jax.make_mesh(2)} if "tp2" in options else {}))
 
     def cohort(requests: list, tokens: int) -> dict:
         llm.reset_stats()

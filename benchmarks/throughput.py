@@ -314,11 +314,13 @@ def _prompts(spec: dict, vocab_size: int) -> list[list[int]]:
 
 def _reset_wise_counters(llm) -> bool:
     """Zero the engine's WISE counters (density, fallbacks), which LLM.stats() reports since the
-    engine started, so a cohort's stats are its own; False where the engine has no such hook."""
-    wise = getattr(getattr(llm, "runner", None), "wise", None)
+    engine started, so a cohort's stats are its own; False where the engine has no such hook.
+    The runner's reset_wise_counters resets every tensor-parallel rank's."""
+    runner = getattr(llm, "runner", None)
+    wise = getattr(runner, "wise", None)
     if wise is None or not hasattr(wise, "reset_counters"):
         return False
-    wise.reset_counters()
+    (runner.reset_wise_counters if hasattr(runner, "reset_wise_counters") else wise.reset_counters)()
     return True
 
 
@@ -340,10 +342,13 @@ def _engine_worker(spec: dict) -> dict:
         configs = dict(wise_config=WiseConfig(eta=spec["eta"], kernel=spec["kernel"]) if arm == "wise" else None)
     kernel = "fa4" if arm == "fa4" else spec["kernel"]
     extra = {"max_num_batched_tokens": spec["max_num_batched_tokens"]} if spec["max_num_batched_tokens"] else {}
+    if spec.get("tensor_parallel_size", 1) > 1:   # benchmarks/tp_scaling.py
+        extra["tensor_parallel_size"] = spec["tensor_parallel_size"]
+    prompts = _prompts(spec, model.config.vocab_size)
     llm = wise_torch.LLM(model, **configs, num_pages=spec["num_pages"], page_size=spec["page_size"],
                          max_num_seqs=spec["batch"], cuda_graphs=CUDA_GRAPHS[spec["cuda_graphs"]], kernel=kernel,
                          max_model_len=spec["context"] + max(spec["new_tokens"], spec["warmup_tokens"]), **extra)
-    prompts = _prompts(spec, model.config.vocab_size)
+    del model   # under tensor parallelism the engine holds rank 0's shard, not the whole model
 
     def cohort(tokens: int) -> dict:
         params = wise_torch.SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
@@ -361,7 +366,10 @@ def _engine_worker(spec: dict) -> dict:
 
     with torch.inference_mode():
         cohort(spec["warmup_tokens"])
-        return dict(status="ok", repeats=[cohort(spec["new_tokens"]) for _ in range(spec["repeats"])])
+        repeats = [cohort(spec["new_tokens"]) for _ in range(spec["repeats"])]
+    if hasattr(llm, "close"):
+        llm.close()
+    return dict(status="ok", repeats=repeats)
 
 
 def _old_worker(spec: dict) -> dict:

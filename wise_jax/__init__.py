@@ -6,6 +6,8 @@
 
 Serving: `prefill`, `insert`, `decode_step` (wise_jax.serving) and the engine around them,
 `LLM` with `SamplingParams` / `RequestOutput` (wise_jax.engine), on which `generate` runs.
+Several devices: `mesh=make_mesh(n)` (wise_jax.sharding) to LLM, generate, teacher_force and the
+serving functions shards the heads, the paged K/V and the WISE supports over them.
 """
 
 from wise_jax.checkpoint import restore_params, save_params
@@ -17,11 +19,12 @@ from wise_jax.model import forward, forward_with_exits
 from wise_jax.params import (LayerParams, Params, abstract_params, from_checkpoint_tensors, init_params,
                              to_checkpoint_tensors)
 from wise_jax.serving import RequestKV, decode_step, insert, prefill
+from wise_jax.sharding import make_mesh
 
 __all__ = [
     "EngineStats", "ForcedOutput", "GenerationOutput", "GenerationStats", "LLM", "LayerParams", "Params",
     "RequestKV", "RequestOutput", "SamplingParams", "abstract_params", "decode_step", "forward",
-    "forward_with_exits", "from_checkpoint_tensors", "generate", "init_params", "insert", "load_model",
+    "forward_with_exits", "from_checkpoint_tensors", "generate", "init_params", "insert", "load_model", "make_mesh",
     "load_tokenizer", "prefill", "restore_params", "save_params", "teacher_force", "to_checkpoint_tensors",
     "trace_counts",
 ]

@@ -14,6 +14,7 @@ preempts instead). A request that can never fit is a ValueError at `add_request`
 prefilled whole (no chunking) in the step that admits it.
 
 The step. One jit-compiled program per cache shape (and greedy / sampling): `model.decode_step`
+(over a mesh, `sharding.decode_step`: the heads split over its "tp" axis)
 over every row (empty rows are masked no-ops), sampling on the device (per row: temperature,
 top-p, its own PRNG key), the stop rule (max_tokens, eos), and the release of finished rows'
 pages; the sampled tokens stay on the device as the next step's input, and the host reads them
@@ -42,8 +43,8 @@ from tokenizers import Tokenizer
 from wise_core.config import ModelConfig, WiseConfig
 from wise_core.tokenizer import encode_text
 from wise_jax import kv_cache as kvc
-from wise_jax import model
 from wise_jax import serving
+from wise_jax import sharding
 from wise_jax import wise_state as ws
 from wise_jax.attention import resolve_kernel
 from wise_jax.params import Params
@@ -223,17 +224,18 @@ def _release(cache: kvc.PagedKVCache, batch: Batch, slot):
     return kvc.release(cache, rows), dataclasses.replace(batch, slots=jnp.where(rows, -1, batch.slots))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "wise_config", "kernel", "unroll", "sampling", "keep_logits"),
+@functools.partial(jax.jit, static_argnames=("config", "wise_config", "kernel", "unroll", "sampling", "keep_logits",
+                                             "mesh"),
                    donate_argnames=("cache", "state", "batch"))
 def _step(params: Params, cache: kvc.PagedKVCache, state, batch: Batch, forced, *, config: ModelConfig,
-          wise_config: WiseConfig | None, kernel: str, unroll, sampling: bool, keep_logits: bool):
+          wise_config: WiseConfig | None, kernel: str, unroll, sampling: bool, keep_logits: bool, mesh=None):
     """One decode step of every row (module docstring). forced int32[rows]: a token to take
     instead of sampling (-1: sample). Returns (cache, state, batch, (token, logprob, done,
     overflowed, logits or None)); overflowed: the pool ran out (in this step or before), and
     this step wrote nothing."""
     TRACES["step"] += 1
-    logits, cache, state = model.decode_step(params, config, cache, state, batch.tokens, batch.slots,
-                                             wise_config=wise_config, kernel=kernel, unroll=unroll)
+    logits, cache, state = sharding.decode_step(params, config, cache, state, batch.tokens, batch.slots,
+                                                wise_config=wise_config, kernel=kernel, unroll=unroll, mesh=mesh)
     live = (batch.slots >= 0) & ~cache.overflowed
     token, logprob, keys = _choose(logits, batch.keys, batch.temperature, batch.top_p, forced, sampling=sampling)
     remaining = batch.remaining - live.astype(jnp.int32)
@@ -299,15 +301,18 @@ class LLM:
     'pallas'; default wise_config.kernel or 'auto'); tokenizer: for string prompts and texts;
     attention: prefill attention (`wise_jax.prefill_attention`); unroll: layers per scan step of
     the decode step and prefill (True: all); seed: the key of requests without their own seed
-    (None: a random one).
+    (None: a random one); mesh: a jax.sharding.Mesh with axis "tp" to shard the heads, the K/V
+    pages and the WISE supports over (`wise_jax.sharding`; every device holds num_pages pages of
+    its KV heads; `params` is then kept in the mesh layout, a `sharding.MeshParams`).
     """
 
     def __init__(self, params: Params, config: ModelConfig, *, wise_config: WiseConfig | None = None,
                  num_pages: int | None = None, page_size: int = DEFAULT_PAGE_SIZE, max_num_seqs: int = 64,
                  max_model_len: int | None = None, kernel: str | None = None, tokenizer: Tokenizer | None = None,
-                 attention: str = "auto", unroll: int | bool = 1, seed: int | None = None):
+                 attention: str = "auto", unroll: int | bool = 1, seed: int | None = None, mesh=None):
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+        per_device = config if mesh is None else sharding.local_config(config, sharding.tp_size(mesh))
         if wise_config is not None:
             if not isinstance(wise_config, WiseConfig):
                 raise TypeError(f"wise_config must be a WiseConfig or None, got {type(wise_config).__name__}")
@@ -321,17 +326,20 @@ class LLM:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < MAX_SEED):
             raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed!r}")
+        dtype = (params.params if isinstance(params, sharding.MeshParams) else params).embed_tokens.dtype
+        if mesh is not None:
+            params = sharding.shard_params(config, params, mesh)
         self.params, self.config, self.wise_config, self.tokenizer = params, config, wise_config, tokenizer
+        self.mesh = mesh
         self.kernel = resolve_kernel(kernel if kernel is not None else (wise_config.kernel if wise_config else "auto"))
         self.page_size, self.attention, self.unroll = page_size, attention, unroll
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.max_pages = -(-self.max_model_len // page_size)
-        dtype = params.embed_tokens.dtype
-        self.num_pages = num_pages or _default_num_pages(config, page_size, dtype, max_num_seqs * self.max_pages)
-        self.cache = kvc.create(config, batch=max_num_seqs, max_pages=self.max_pages, num_pages=self.num_pages,
-                                page_size=page_size, dtype=dtype)
-        self.state = None if wise_config is None else ws.create(
-            wise_config, slots=max_num_seqs, layers=config.num_hidden_layers, heads=config.num_attention_heads,
+        self.num_pages = num_pages or _default_num_pages(per_device, page_size, dtype, max_num_seqs * self.max_pages)
+        self.cache = sharding.create_cache(config, mesh, batch=max_num_seqs, max_pages=self.max_pages,
+                                           num_pages=self.num_pages, page_size=page_size, dtype=dtype)
+        self.state = None if wise_config is None else sharding.create_state(
+            wise_config, mesh, slots=max_num_seqs, layers=config.num_hidden_layers, heads=config.num_attention_heads,
             max_blocks=self.cache.capacity // wise_config.block_size)
         self.batch = _empty_batch(max_num_seqs)
         self._sample_only = jnp.full((max_num_seqs,), -1, jnp.int32)
@@ -451,7 +459,7 @@ class LLM:
         self.cache, self.state, self.batch, outputs = _step(
             self.params, self.cache, self.state, self.batch, forced, config=self.config,
             wise_config=self.wise_config, kernel=self.kernel, unroll=self.unroll,
-            sampling=any(r.sampling for _, r in rows), keep_logits=any(r.keep_logits for _, r in rows))
+            sampling=any(r.sampling for _, r in rows), keep_logits=any(r.keep_logits for _, r in rows), mesh=self.mesh)
         self._decode_steps += 1
         return outputs, rows
 
@@ -487,7 +495,7 @@ class LLM:
             request = self._waiting.popleft()
             start = time.perf_counter()
             logits, kv = serving.prefill(self.params, self.config, request.prompt, page_size=self.page_size,
-                                         attention=self.attention, unroll=self.unroll)
+                                         attention=self.attention, unroll=self.unroll, mesh=self.mesh)
             p = request.params
             token, logprob, key = _first_token(logits, jnp.asarray(request.key), jnp.float32(p.temperature),
                                                jnp.float32(p.top_p), jnp.int32(request.next_forced()),

@@ -76,13 +76,13 @@ def pool_bucket(n: int) -> int:
 
 
 def _engine(params: Params, config: ModelConfig, lengths: list[int], *, wise_config, page_size, kernel,
-            tokenizer) -> LLM:
+            tokenizer, mesh) -> LLM:
     """An engine that holds every request at once (`lengths`: prompt + new tokens of each)."""
     pages = [-(-n // page_size) for n in lengths]
     rows = 1 << (len(lengths) - 1).bit_length()
     return LLM(params, config, wise_config=wise_config, page_size=page_size, max_num_seqs=rows,
                max_model_len=pool_bucket(max(pages)) * page_size, num_pages=pool_bucket(sum(pages)),
-               kernel=kernel, tokenizer=tokenizer)
+               kernel=kernel, tokenizer=tokenizer, mesh=mesh)
 
 
 def _stats(llm: LLM, new_tokens: int) -> GenerationStats:
@@ -103,7 +103,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
              eos_token_id=MODEL_EOS, wise_config: WiseConfig | None = None,
              key: jax.Array | None = None, return_logits: bool = False,
              tokenizer: Tokenizer | None = None, page_size: int = DEFAULT_PAGE_SIZE,
-             kernel: str | None = None) -> GenerationOutput:
+             kernel: str | None = None, mesh=None) -> GenerationOutput:
     """Generate up to `max_new_tokens` per prompt; dense decode, or WISE with `wise_config`.
 
     prompts: token-id lists, or strings with `tokenizer` (`load_model(..., with_tokenizer=True)`
@@ -113,6 +113,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
     temperature 0 is greedy; otherwise sampling with top-p; prompt i samples with the key
     fold_in(key, i) (key default PRNGKey(0)), so its tokens do not depend on the other prompts.
     kernel: decode-attention kernel (default: wise_config.kernel, or 'auto' when dense).
+    mesh: a jax.sharding.Mesh with axis "tp" to split the heads over (`wise_jax.sharding`).
     """
     prompts = _prompt_list(prompts, "prompts")
     max_new_tokens = check_max_new_tokens(max_new_tokens)
@@ -130,7 +131,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
             raise ValueError(f"prompts[{n}] is too long: {len(ids)} tokens + max_new_tokens {max_new_tokens} "
                              f"exceed max_position_embeddings {config.max_position_embeddings}")
     llm = _engine(params, config, [len(ids) + max_new_tokens for ids in encoded], wise_config=wise_config,
-                  page_size=page_size, kernel=kernel, tokenizer=tokenizer)
+                  page_size=page_size, kernel=kernel, tokenizer=tokenizer, mesh=mesh)
     requests = [llm._requests[llm._add(p, sampling, key=jax.random.fold_in(key, n), keep_logits=return_logits)]
                 for n, p in enumerate(encoded)]
     while llm.has_unfinished():
@@ -143,12 +144,12 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
 
 def teacher_force(params: Params, config: ModelConfig, context_ids, continuation_ids, *,
                   wise_config: WiseConfig | None = None, page_size: int = DEFAULT_PAGE_SIZE,
-                  kernel: str | None = None, tokenizer: Tokenizer | None = None) -> ForcedOutput:
+                  kernel: str | None = None, tokenizer: Tokenizer | None = None, mesh=None) -> ForcedOutput:
     """Prefill each context, then decode its continuation forced (the engine's decode step, fed
     the continuation instead of samples).
 
     context_ids, continuation_ids: one token-id list (or string) each, or lists of them (one per
-    sequence); strings need `tokenizer`.
+    sequence); strings need `tokenizer`; mesh: as in `generate`.
     Returns per-sequence log-probs float32[len(continuation)] and stats."""
     single = isinstance(context_ids, str) or (len(context_ids) > 0 and np.ndim(context_ids[0]) == 0)
     contexts = _prompt_list([context_ids] if single else context_ids, "context_ids")
@@ -163,7 +164,7 @@ def teacher_force(params: Params, config: ModelConfig, context_ids, continuation
             raise ValueError(f"context_ids[{n}] ({len(a)} tokens) + continuation ({len(b)}) exceed "
                              f"max_position_embeddings {config.max_position_embeddings}")
     llm = _engine(params, config, [len(a) + len(b) for a, b in zip(contexts, continuations)],
-                  wise_config=wise_config, page_size=page_size, kernel=kernel, tokenizer=tokenizer)
+                  wise_config=wise_config, page_size=page_size, kernel=kernel, tokenizer=tokenizer, mesh=mesh)
     requests = [llm._requests[llm.add_request(a, forced=b)] for a, b in zip(contexts, continuations)]
     while llm.has_unfinished():
         llm.step()

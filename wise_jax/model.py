@@ -8,6 +8,8 @@ Three callers share `run_loop` and differ only in how a layer attends: `forward`
 differentiable), `prefill` (causal, one request, returning the K/V of every plane) and
 `decode_step` (one token per cache row against the paged cache, dense or WISE). Whole-sequence
 attention is `wise_jax.prefill_attention.causal_attention` (never a [seq, seq] score matrix).
+Under tensor parallelism (`wise_jax.sharding`) these run per device at the local heads, and
+`axis_name` names the mesh axis over which the o_proj and down_proj outputs are summed.
 """
 
 from __future__ import annotations
@@ -71,9 +73,10 @@ Attend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.A
 
 
 def decoder_layer(lp: LayerParams, config: ModelConfig, h: jax.Array, cos: jax.Array, sin: jax.Array,
-                  attend: Callable) -> tuple[jax.Array, Any]:
+                  attend: Callable, axis_name: str | None = None) -> tuple[jax.Array, Any]:
     """One sandwich-norm layer. lp: one layer's weights; h: [batch, seq, hidden];
-    attend(q, k, v) -> (out, aux). Returns (h, aux)."""
+    attend(q, k, v) -> (out, aux). axis_name: psum the o_proj and down_proj outputs over this
+    mesh axis (a device's heads and MLP columns give partial sums). Returns (h, aux)."""
     batch, seq, _ = h.shape
     heads, kv_heads, dim, eps = (config.num_attention_heads, config.num_key_value_heads,
                                  config.head_dim, config.rms_norm_eps)
@@ -83,22 +86,29 @@ def decoder_layer(lp: LayerParams, config: ModelConfig, h: jax.Array, cos: jax.A
     k = apply_rope(k.reshape(batch, seq, kv_heads, dim), cos, sin)
     v = v.reshape(batch, seq, kv_heads, dim)
     a, aux = attend(q, k, v)
-    h = h + rms_norm(a.reshape(batch, seq, heads * dim) @ lp.o_proj, lp.input_layernorm_2, eps)
+    o = a.reshape(batch, seq, heads * dim) @ lp.o_proj
+    if axis_name is not None:
+        o = lax.psum(o, axis_name)
+    h = h + rms_norm(o, lp.input_layernorm_2, eps)
     x = rms_norm(h, lp.post_attention_layernorm, eps)
-    h = h + rms_norm(mlp(lp, x), lp.post_attention_layernorm_2, eps)
+    m = mlp(lp, x)
+    if axis_name is not None:
+        m = lax.psum(m, axis_name)
+    h = h + rms_norm(m, lp.post_attention_layernorm_2, eps)
     return h, aux
 
 
 def run_loop(params: Params, config: ModelConfig, h: jax.Array, cos: jax.Array, sin: jax.Array,
              attend: Attend, carry: Any = None, *, remat: bool = False,
-             unroll: int | bool = 1) -> tuple[jax.Array, Any]:
+             unroll: int | bool = 1, axis_name: str | None = None) -> tuple[jax.Array, Any]:
     """One pass over the shared layers (a scan, `unroll` layers per scan step; True unrolls all),
-    then model.norm. h: [batch, seq, hidden]. `carry` threads through every layer's `attend`.
-    Returns (normed h, carry)."""
+    then model.norm. h: [batch, seq, hidden]. `carry` threads through every layer's `attend`;
+    axis_name: see `decoder_layer`. Returns (normed h, carry)."""
     def body(state, xs):
         h, carry = state
         lp, layer = xs
-        h, carry = decoder_layer(lp, config, h, cos, sin, lambda q, k, v: attend(q, k, v, layer, carry))
+        h, carry = decoder_layer(lp, config, h, cos, sin, lambda q, k, v: attend(q, k, v, layer, carry),
+                                 axis_name)
         return (h, carry), None
 
     if remat:
@@ -188,7 +198,8 @@ def forward(params: Params, config: ModelConfig, input_ids: jax.Array, *, remat:
 
 
 def prefill(params: Params, config: ModelConfig, tokens: jax.Array, length: jax.Array, *,
-            attention: str = "auto", unroll: int | bool = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
+            attention: str = "auto", unroll: int | bool = 1,
+            axis_name: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Causal pass over one right-padded prompt, keeping the K/V of every plane.
 
     tokens int32[seq] (valid up to `length`, int32[] >= 1). Returns (logits float32[vocab] at
@@ -207,14 +218,14 @@ def prefill(params: Params, config: ModelConfig, tokens: jax.Array, length: jax.
             buffers = tuple(lax.dynamic_update_index_in_dim(b, x[0].astype(dtype), plane, 0)
                             for b, x in zip(buffers, (k, v)))
             return causal_attention(q, k, v, implementation=attention), buffers
-        h, buffers = run_loop(params, config, h, cos, sin, attend, buffers, unroll=unroll)
+        h, buffers = run_loop(params, config, h, cos, sin, attend, buffers, unroll=unroll, axis_name=axis_name)
     last = lax.dynamic_index_in_dim(h[0], length - 1, 0, keepdims=False)
     return head(params, last), buffers[0], buffers[1]
 
 
 def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, state: ws.WiseState | None,
                 tokens: jax.Array, slots: jax.Array, *, wise_config: WiseConfig | None, kernel: str,
-                unroll: int | bool = 1) -> tuple[jax.Array, kvc.PagedKVCache, Any]:
+                unroll: int | bool = 1, axis_name: str | None = None) -> tuple[jax.Array, kvc.PagedKVCache, Any]:
     """Decode one token per cache row: append it (allocating a page at a page boundary) and run
     every loop; dense when wise_config is None, else WISE (state required).
 
@@ -254,5 +265,6 @@ def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, st
                 out, state = ws.wise_attention(state, wise_config, loop, layer, q[:, 0], k_pages, v_pages,
                                                page_table, seq_lens, slots, live, kernel=kernel, validate=False)
             return out[:, None], (cache, state)
-        h, (cache, state) = run_loop(params, config, h, cos, sin, attend, (cache, state), unroll=unroll)
+        h, (cache, state) = run_loop(params, config, h, cos, sin, attend, (cache, state), unroll=unroll,
+                                     axis_name=axis_name)
     return head(params, h[:, 0]), cache, state

@@ -14,6 +14,10 @@ Buckets. A prompt of n tokens is prefilled padded to `pages_for(n) * page_size` 
 compilation per page count, at most page_size - 1 padding positions per prompt (< one page). A
 decode step compiles once per cache shape (rows, max_pages, num_pages) and settings. `TRACES`
 counts the traces (= compilations) of each program.
+
+Several devices: `mesh` (a jax.sharding.Mesh with axis "tp", `wise_jax.sharding`) runs prefill
+and the decode step with the heads sharded over it; params, cache and state must then be in the
+mesh layout (`sharding.shard_params`, `sharding.create_cache`, `sharding.create_state`).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import numpy as np
 
 from wise_core.config import ModelConfig, WiseConfig
 from wise_jax import kv_cache as kvc
-from wise_jax import model
+from wise_jax import sharding
 from wise_jax import wise_state as ws
 from wise_jax.params import Params
 
@@ -75,19 +79,20 @@ def prefill_bucket(length: int, page_size: int) -> int:
     return -(-length // page_size) * page_size
 
 
-@functools.partial(jax.jit, static_argnames=("config", "attention", "unroll"))
-def _prefill(params: Params, tokens, length, *, config: ModelConfig, attention: str, unroll):
+@functools.partial(jax.jit, static_argnames=("config", "attention", "unroll", "mesh"))
+def _prefill(params: Params, tokens, length, *, config: ModelConfig, attention: str, unroll, mesh=None):
     TRACES["prefill"] += 1
-    logits, k, v = model.prefill(params, config, tokens, length, attention=attention, unroll=unroll)
+    logits, k, v = sharding.prefill(params, config, tokens, length, attention=attention, unroll=unroll, mesh=mesh)
     return logits, RequestKV(k, v, length)
 
 
 def prefill(params: Params, config: ModelConfig, tokens: Sequence[int], *, page_size: int = DEFAULT_PAGE_SIZE,
-            attention: str = "auto", unroll: int | bool = 1) -> tuple[jax.Array, RequestKV]:
+            attention: str = "auto", unroll: int | bool = 1, mesh=None) -> tuple[jax.Array, RequestKV]:
     """Prefill one prompt (token ids) -> (logits float32[vocab] after its last token, its K/V).
 
     The prompt is padded to whole pages of `page_size` (pad id: config.pad_token_id or 0);
-    attention: see `wise_jax.prefill_attention`; unroll: layers per scan step."""
+    attention: see `wise_jax.prefill_attention`; unroll: layers per scan step; mesh: see the
+    module docstring (the K/V come back sharded on kv_heads)."""
     ids = check_ids(tokens, config, "tokens")
     if len(ids) > config.max_position_embeddings:
         raise ValueError(f"a prompt of {len(ids)} tokens exceeds max_position_embeddings "
@@ -97,7 +102,7 @@ def prefill(params: Params, config: ModelConfig, tokens: Sequence[int], *, page_
     padded = np.full((prefill_bucket(len(ids), page_size),), config.pad_token_id or 0, np.int32)
     padded[:len(ids)] = ids
     return _prefill(params, jnp.asarray(padded), jnp.asarray(len(ids), jnp.int32), config=config,
-                    attention=attention, unroll=unroll)
+                    attention=attention, unroll=unroll, mesh=mesh)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -121,14 +126,15 @@ def insert(cache: kvc.PagedKVCache, kv: RequestKV, slot: int) -> kvc.PagedKVCach
     return _insert(cache, kv, jnp.asarray(slot, jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "wise_config", "kernel", "unroll"),
+@functools.partial(jax.jit, static_argnames=("config", "wise_config", "kernel", "unroll", "mesh"),
                    donate_argnames=("cache", "state"))
 def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, state: ws.WiseState | None,
                 tokens: jax.Array, slots: jax.Array, *, wise_config: WiseConfig | None = None,
-                kernel: str = "auto", unroll: int | bool = 1):
+                kernel: str = "auto", unroll: int | bool = 1, mesh=None):
     """`wise_jax.model.decode_step`, jit-compiled, donating cache and state: tokens int32[rows]
     (each row's next input), slots int32[rows] (request per row, -1 empty) ->
-    (logits float32[rows, vocab], cache, state). Check `cache.overflowed` after it."""
+    (logits float32[rows, vocab], cache, state). Check `cache.overflowed` after it. mesh: see
+    the module docstring."""
     TRACES["decode_step"] += 1
-    return model.decode_step(params, config, cache, state, tokens, slots, wise_config=wise_config,
-                             kernel=kernel, unroll=unroll)
+    return sharding.decode_step(params, config, cache, state, tokens, slots, wise_config=wise_config,
+                                kernel=kernel, unroll=unroll, mesh=mesh)

@@ -12,7 +12,9 @@ that stores each plane's K/V and attends:
 - `prefill`: chunks of prompts against the paged cache (chunked prefill, dense),
 - `decode_step`: one token per row against the paged cache, optionally with WISE.
 The junctions (residual + RMSNorm, RoPE + K/V store, SwiGLU) are the fused ops of
-`wise_torch.layers`; logits are float32.
+`wise_torch.layers`; logits are float32. One rank's shard of a tensor-parallel model
+(`wise_torch.parallel`) runs the same code at its local heads and all-reduces the o_proj and
+down_proj outputs.
 """
 
 from __future__ import annotations
@@ -219,6 +221,9 @@ class OuroForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+        # One rank's shard of a tensor-parallel model (wise_torch.parallel): config holds the
+        # local heads and o_proj / down_proj outputs are all-reduced. None: the whole model.
+        self.tp = None
 
     def build_rope_table(self) -> None:
         """The RoPE table float32[max_position_embeddings, head_dim] on the weights' device."""
@@ -243,7 +248,7 @@ class OuroForCausalLM(nn.Module):
         """The consecutive loops `loops` over flat hidden states h [n, hidden] (the embeddings
         before loop 0, else the normed output of loop loops.start - 1) -> the normed output of
         the range's last loop. Speculative decoding runs a decode step's loops in two ranges."""
-        c, layers, norm = self.config, self.model.layers, self.model.norm
+        c, layers, norm, tp = self.config, self.model.layers, self.model.norm, self.tp
         eps, heads, kv_heads, head_dim = c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, c.head_dim
         x = rms_norm(h, layers[0].input_layernorm.weight, eps)
         for loop in loops:
@@ -253,13 +258,18 @@ class OuroForCausalLM(nn.Module):
                 q = rope_store_kv(attn.qkv_proj(x), ctx.positions, self.cos_sin, *ctx.planes(loop, i),
                                   ctx.slot_mapping, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
                 a = attn.o_proj(ctx.attend(q, loop, i).flatten(1))
+                if tp is not None:
+                    tp.all_reduce(a)          # the partial sums of the ranks' heads
                 h, x = add_rms_norm(a, h, layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight, eps)
                 last_layer = i == len(layers) - 1
                 if not last_layer:
                     following = layers[i + 1].input_layernorm.weight
                 else:
                     following = None if loop == loops[-1] else layers[0].input_layernorm.weight
-                h, x = add_rms_norm(mlp(x), h, layer.post_attention_layernorm_2.weight, following, eps,
+                m = mlp(x)
+                if tp is not None:
+                    tp.all_reduce(m)          # the partial sums of the ranks' MLP columns
+                h, x = add_rms_norm(m, h, layer.post_attention_layernorm_2.weight, following, eps,
                                     final_weight=norm.weight if last_layer else None)
             ctx.end_loop(loop)
             if gates is not None:
@@ -276,6 +286,9 @@ class OuroForCausalLM(nn.Module):
         """input_ids: int64[batch, seq] -> logits float32[batch, seq, vocab] of the last loop; with
         return_exit_probs also the per-loop exit probabilities float32[batch, seq, loops]."""
         self._check_ids(input_ids, 2)
+        if self.tp is not None:
+            raise RuntimeError("this model is one rank's shard of a tensor-parallel LLM: it runs only inside "
+                               "that engine's steps (the other ranks must join every call)")
         batch, seq = input_ids.shape
         if seq > self.config.max_position_embeddings:
             raise ValueError(f"sequence of {seq} tokens exceeds max_position_embeddings "
@@ -349,6 +362,8 @@ def load_model(path_or_name: str | Path, *, dtype: torch.dtype = torch.float32,
 
 def to_checkpoint_tensors(model: OuroForCausalLM) -> dict[str, np.ndarray]:
     """The model's weights as float32 numpy arrays under the HF checkpoint names."""
+    if model.tp is not None:
+        raise ValueError("this model is one rank's shard of a tensor-parallel LLM, not the whole model")
     c = model.config
     sizes = {"self_attn.qkv_proj.weight": [c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim,
                                            c.num_key_value_heads * c.head_dim],

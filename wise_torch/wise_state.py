@@ -13,6 +13,8 @@ on the state's device: no host sync, CUDA-graph capturable.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from wise_core.config import ModelConfig, WiseConfig
@@ -116,9 +118,13 @@ class WiseState:
         """(token, layer) pairs that attended densely at a reuse depth for want of a complete support."""
         return int(self.fallback_count)
 
-    def density(self) -> dict[int, float | None]:
-        """Per reuse depth: selected causal blocks / causal blocks over its calls (None before any)."""
-        selected, causal = self.selected_blocks.tolist(), self.causal_blocks.tolist()
+    def density(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[int, float | None]:
+        """Per reuse depth: selected causal blocks / causal blocks over its calls (None before any).
+        reduce: sums the counts over tensor-parallel ranks in place (each rank counts its heads)."""
+        if reduce is None:
+            selected, causal = self.selected_blocks.tolist(), self.causal_blocks.tolist()
+        else:
+            selected, causal = reduce(torch.stack([self.selected_blocks, self.causal_blocks])).tolist()
         return {d: (selected[d] / causal[d] if causal[d] else None) for d in self.config.reuse_depths}
 
     def reset_counters(self) -> None:

@@ -4,7 +4,9 @@
     outs = llm.generate(["def fib(n):"], wise_torch.SamplingParams(max_tokens=32))
 
 or step by step: `add_request`, `step` (the requests that produced a token or finished),
-`has_unfinished`, `abort`, and `stats`.
+`has_unfinished`, `abort`, and `stats`. With `tensor_parallel_size=N` the model's heads are split
+over N devices, one process each (`wise_torch.engine.distributed`); `close` (or a `with` block)
+stops those processes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import dataclasses
 import numbers
 import random
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +23,7 @@ import torch
 
 from wise_core.config import SpeculativeConfig, WiseConfig
 from wise_core.tokenizer import encode_text
+from wise_torch.engine import distributed
 from wise_torch.engine.block_manager import BlockManager
 from wise_torch.engine.model_runner import InFlight, ModelRunner
 from wise_torch.engine.scheduler import Scheduler, Step
@@ -92,6 +96,13 @@ class LLM:
     speculative_config: lossless speculative decoding (`SpeculativeConfig`; method "wise" drafts
     with wise_config, default WiseConfig()): the output is dense decode's, the stats count
     acceptance. Forced continuations are not speculated.
+    tensor_parallel_size: split the attention and KV heads and the MLP over this many devices
+    (CUDA devices from the model's onward, NCCL; or CPU processes, gloo): the process that makes
+    the LLM is rank 0 and spawns the others, each holding its heads' K/V pages and WISE supports
+    and num_pages pages of them (`wise_torch.parallel`, `wise_torch.engine.distributed`). `model`
+    is then rank 0's shard (its config holds the local heads); a model passed in stays whole.
+    Not with speculative_config. The tokens are the single device's up to rounding: each
+    all-reduce adds partial sums rounded to the model's dtype.
     """
 
     def __init__(self, model: OuroForCausalLM | str | Path, *, wise_config: WiseConfig | None = None,
@@ -99,7 +110,10 @@ class LLM:
                  max_model_len: int | None = None, max_num_batched_tokens: int = 8192,
                  cuda_graphs: bool | str = "auto", kernel: str | None = None, seed: int | None = None,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 speculative_config: SpeculativeConfig | None = None):
+                 speculative_config: SpeculativeConfig | None = None, tensor_parallel_size: int = 1):
+        _positive_int("tensor_parallel_size", tensor_parallel_size)
+        if tensor_parallel_size > 1 and speculative_config is not None:
+            raise ValueError("speculative decoding does not run with tensor_parallel_size > 1")
         if isinstance(model, (str, Path)):
             device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
             model = load_model(model, dtype=dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32),
@@ -133,6 +147,26 @@ class LLM:
         self.device = weight.device
         if cuda_graphs is True and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")
+        self.tensor_parallel_size, self.workers = tensor_parallel_size, None
+        if tensor_parallel_size > 1:
+            self.workers, model = distributed.start(model, tensor_parallel_size)
+            self._finalizer = weakref.finalize(self, self.workers.close)
+        try:
+            self._build(model, wise_config=wise_config, num_pages=num_pages, page_size=page_size,
+                        max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                        max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=cuda_graphs, kernel=kernel,
+                        seed=seed, speculative_config=speculative_config)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, model: OuroForCausalLM, *, wise_config, num_pages, page_size, max_num_seqs, max_model_len,
+               max_num_batched_tokens, cuda_graphs, kernel, seed, speculative_config) -> None:
+        """The pool, scheduler and runner over `model` (under tensor parallelism rank 0's shard,
+        the workers following); the arguments are __init__'s, checked."""
+        config, weight = model.config, model.head_weight
+        if self.workers is not None and self.device.type == "cuda":
+            torch.cuda.empty_cache()     # a whole model loaded by name is gone: its memory is free
         page_bytes = PagedKVCache.page_bytes(config, page_size, weight.dtype)
         if num_pages is None:
             num_pages = self._default_pages(page_bytes)
@@ -149,11 +183,15 @@ class LLM:
         self.blocks = BlockManager(num_pages, page_size)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens)
-        self.runner = ModelRunner(
-            model, wise_config=wise_config, num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len, use_graphs=cuda_graphs is True or (
-                cuda_graphs == "auto" and self.device.type == "cuda"),
-            kernel=kernel, seed=random.randrange(2 ** 63) if seed is None else seed)
+        settings = dict(wise_config=wise_config, num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
+                        max_model_len=max_model_len, use_graphs=cuda_graphs is True or (
+                            cuda_graphs == "auto" and self.device.type == "cuda"),
+                        kernel=kernel, seed=random.randrange(2 ** 63) if seed is None else seed)
+        if self.workers is not None:
+            self.workers.send("settings", settings)
+        self.runner = ModelRunner(model, **settings, workers=self.workers)
+        if self.workers is not None:
+            self.workers.wait_ready()
         self.speculator = None
         if speculative_config is not None:
             self.speculator = Speculator(self.runner, self.blocks, speculative_config, kernel=kernel)
@@ -165,6 +203,18 @@ class LLM:
         self.next_id = 0
         self.counters = dict(prompt_tokens=0, generated_tokens=0, prefill_s=0.0, decode_s=0.0, decode_steps=0,
                              decode_tokens=0)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do on one device); the engine cannot step
+        afterwards. Also run when the LLM is garbage-collected or the program exits."""
+        if self.workers is not None:
+            self._finalizer()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _default_pages(self, page_bytes: int) -> int:
         if self.device.type == "cuda":
@@ -231,9 +281,13 @@ class LLM:
         seq = self.sequences.pop(request_id, None)
         if seq is None:
             raise KeyError(f"no unfinished request {request_id}")
-        self.scheduler.remove(seq)
+        self._remove(seq)
         seq.finish("abort")
         return RequestOutput.of(seq, self.tokenizer)
+
+    def _remove(self, seq: Sequence) -> None:
+        self.runner.forget(seq)
+        self.scheduler.remove(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self.inflight)
@@ -311,7 +365,7 @@ class LLM:
         outputs = []
         for seq in produced.values():
             if seq.status is Status.FINISHED:
-                self.scheduler.remove(seq)
+                self._remove(seq)
                 del self.sequences[seq.request_id]
             outputs.append(RequestOutput.of(seq, self.tokenizer))
         return outputs
@@ -357,7 +411,8 @@ class LLM:
             total_pages=self.blocks.num_pages, free_pages=self.blocks.num_free,
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             preemptions=self.scheduler.preemptions,
-            fallbacks=None if wise is None else wise.fallbacks, density=None if wise is None else wise.density(),
+            fallbacks=None if wise is None else wise.fallbacks,
+            density=None if wise is None else self.runner.wise_density(),
             prompt_tokens=c["prompt_tokens"], generated_tokens=c["generated_tokens"], prefill_s=c["prefill_s"],
             decode_s=c["decode_s"], decode_steps=c["decode_steps"], decode_tokens=c["decode_tokens"],
             **({} if self.speculator is None else self.speculator.stats()))

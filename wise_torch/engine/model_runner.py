@@ -7,6 +7,13 @@ pinned host memory with one asynchronous copy per step; on CUDA each bucket's de
 (every loop, dense or WISE) is captured once as a CUDA graph and replayed. Eager mode runs the
 very same padded step, so it gives the same tokens. Sampling runs on the device and one
 device-to-host read per phase brings back the tokens.
+
+Tensor parallelism (`wise_torch.engine.distributed`): every rank has a runner over its shard
+(its heads' K/V pages and WISE supports, the same pool layout). Rank 0's runner, which alone
+samples, sends each device-side call with its host inputs to the other ranks (`workers`)
+before running it; theirs run the same calls (`follow_decode`, `run_prefill`, ...). A decode
+step broadcasts rank 0's input tokens to every rank first, so a token still in flight never
+passes through a host.
 """
 
 from __future__ import annotations
@@ -70,8 +77,13 @@ class ModelRunner:
     _META = ("tokens", "positions", "seq_lens", "slot_mapping", "epochs", "slots")
 
     def __init__(self, model: OuroForCausalLM, *, wise_config: WiseConfig | None, num_pages: int, page_size: int,
-                 max_num_seqs: int, max_model_len: int, use_graphs: bool, kernel: str, seed: int):
+                 max_num_seqs: int, max_model_len: int, use_graphs: bool, kernel: str, seed: int,
+                 workers=None):
         config = model.config
+        # Tensor parallelism: the model's `tp` on every rank (None: one device); `workers` on rank
+        # 0 (distributed.Workers), which follow its device-side calls.
+        self.tp, self.workers = model.tp, workers
+        self.offloaded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # a worker's, by request id
         weight = model.head_weight
         self.model, self.config, self.device, self.dtype = model, config, weight.device, weight.dtype
         block_size = (wise_config or WiseConfig()).block_size
@@ -121,17 +133,24 @@ class ModelRunner:
         m = self.meta[:, :bucket]
         self.seq_lens[:bucket].copy_(m[2])
         tokens = torch.where(m[0] >= 0, m[0], self.next_token[m[5]])
+        if self.tp is not None:
+            self.tp.broadcast(tokens)   # rank 0 samples: its tokens are every rank's
         batch = DecodeBatch(positions=m[1], seq_lens=self.seq_lens[:bucket], page_table=self.page_table[:bucket],
                             slot_mapping=m[3], epochs=m[4])
         return self.model.decode_step(tokens, batch, self.cache, wise=self.wise, attention=self.attention[bucket],
                                       dense_modes=self.dense_modes, unused_support=self.unused_support)
 
-    def _stage(self, seqs: list[Sequence], bucket: int) -> None:
-        """Fill the host staging for `bucket` rows (padding rows: the scratch page) and copy it in."""
-        scratch = self.cache.scratch_page
+    def _next_staging(self) -> tuple[np.ndarray, np.ndarray]:
+        """The host staging (meta, page table) of the next step, as numpy views."""
         self.staged += 1
-        host_meta, host_table = self.host_meta[self.staged % 2], self.host_table[self.staged % 2]
-        meta, table = host_meta.numpy(), host_table.numpy()
+        return self.host_meta[self.staged % 2].numpy(), self.host_table[self.staged % 2].numpy()
+
+    def _stage(self, seqs: list[Sequence], bucket: int) -> tuple[np.ndarray, np.ndarray]:
+        """Fill the host staging for `bucket` rows (padding rows: the scratch page) -> its views
+        meta int64[6, bucket] and table int32[bucket, pages of the longest row] (the columns
+        past those hold the scratch page)."""
+        scratch = self.cache.scratch_page
+        meta, table = self._next_staging()
         meta[:, :bucket] = np.array([[0], [0], [1], [scratch * self.page_size], [-1], [0]])
         table[:bucket] = scratch
         for row, seq in enumerate(seqs):
@@ -139,30 +158,54 @@ class ModelRunner:
             meta[:, row] = (seq.tokens[-1], pos, pos + 1, self.cache.slot(seq.pages, pos), self.next_epoch, seq.slot)
             self.next_epoch += 1
             table[row, :len(seq.pages)] = seq.pages
-        self.meta[:, :bucket].copy_(host_meta[:, :bucket], non_blocking=True)
-        self.page_table[:bucket].copy_(host_table[:bucket], non_blocking=True)
+        return meta[:, :bucket], table[:bucket, :max(len(seq.pages) for seq in seqs)]
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One decode step (every loop) of each sequence's last token -> logits float32[len(seqs), vocab]."""
         bucket = self.bucket(len(seqs))
-        self._stage(seqs, bucket)
+        meta, table = self._stage(seqs, bucket)
+        if self.workers is not None:
+            self.workers.send("follow_decode", bucket, meta, table)
+        return self._decode_staged(bucket)[:len(seqs)]
+
+    def follow_decode(self, bucket: int, meta: np.ndarray, table: np.ndarray) -> None:
+        """A worker's decode step of rank 0's staged rows (`_stage`'s views). Its staging
+        buffers alternate as rank 0's do: rank 0 stages a step only once it has read the tokens
+        of the step two before, which needed every rank's collectives of that step, each after
+        that rank's copy of its inputs; so no copy of a worker is still queued when its buffer is
+        refilled."""
+        host_meta, host_table = self._next_staging()
+        host_meta[:, :bucket] = meta
+        host_table[:bucket] = self.cache.scratch_page
+        host_table[:bucket, :table.shape[1]] = table
+        self._decode_staged(bucket)
+
+    def _decode_staged(self, bucket: int) -> torch.Tensor:
+        """Copy the staged inputs in and run the decode step at `bucket` rows -> logits float32[bucket, vocab]."""
+        host_meta, host_table = self.host_meta[self.staged % 2], self.host_table[self.staged % 2]
+        self.meta[:, :bucket].copy_(host_meta[:, :bucket], non_blocking=True)
+        self.page_table[:bucket].copy_(host_table[:bucket], non_blocking=True)
         if not self.use_graphs:
-            return self._forward(bucket)[:len(seqs)]
+            return self._forward(bucket)
         if bucket not in self.graphs:
             self._capture(bucket)
         graph, logits = self.graphs[bucket]
         graph.replay()
-        return logits[:len(seqs)]
+        return logits
 
     def _capture(self, bucket: int) -> None:
         """Capture the decode step at `bucket` rows as a CUDA graph (after a warm-up that compiles
-        the kernels; the WISE counters it touches are restored). Inputs are the staged rows."""
+        the kernels; the WISE counters it touches are restored). Inputs are the staged rows.
+        Under tensor parallelism every rank captures the same bucket in the same call: the
+        warm-up's collectives pair up, and the captured ones run at each replay."""
         saved = None if self.wise is None else self.wise.snapshot()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self._forward(bucket)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self.tp is not None:
+            torch.cuda.synchronize(self.device)   # no collective of the warm-up is pending during the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
             logits = self._forward(bucket)
@@ -175,6 +218,13 @@ class ModelRunner:
     def prefill(self, chunks: list[Chunk]) -> torch.Tensor:
         """Run prompt chunks (dense, every plane stored) -> logits float32[completing chunks, vocab],
         in the order of `chunks` among those that complete their prompt."""
+        inputs = self._prefill_inputs(chunks)
+        if self.workers is not None:
+            self.workers.send("run_prefill", *inputs)
+        return self.run_prefill(*inputs)
+
+    def _prefill_inputs(self, chunks: list[Chunk]) -> tuple:
+        """The host inputs of `run_prefill` for `chunks` (lists of ints)."""
         groups: dict[tuple[int, int], list[int]] = {}
         for i, c in enumerate(chunks):
             groups.setdefault((c.start, c.length), []).append(i)
@@ -193,31 +243,78 @@ class ModelRunner:
             n_pages = -(-(start + length) // self.page_size)
             pages = [chunks[i].seq.pages[:n_pages] for i in members]
             meta.append((start, length, len(members), index, pages))
+        return ids, positions, slots, meta, [first_token[i] + c.length - 1 for i, c in enumerate(chunks) if c.completes]
+
+    def run_prefill(self, ids: list[int], positions: list[int], slots: list[int], groups: list[tuple],
+                    logit_index: list[int]) -> torch.Tensor:
+        """Every rank: the prefill of flat prompt tokens `ids` at `positions` into cache `slots`,
+        in groups (start, length, count, token index, pages) -> logits at `logit_index`."""
         as_long = lambda xs: torch.tensor(xs, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
         batch = PrefillBatch(
             positions=as_long(positions), slot_mapping=as_long(slots),
             groups=[PrefillGroup(start, length, count, as_long(index), as_long(pages))
-                    for start, length, count, index, pages in meta],
-            logit_index=as_long([first_token[i] + c.length - 1 for i, c in enumerate(chunks) if c.completes]))
+                    for start, length, count, index, pages in groups],
+            logit_index=as_long(logit_index))
         return self.model.prefill(as_long(ids), batch, self.cache)
 
     # -- preemption -------------------------------------------------------------------------
     def offload(self, seq: Sequence, pages: list[int]) -> None:
-        """Copy the K/V of seq's cached tokens (every plane) to host memory."""
+        """Copy the K/V of seq's cached tokens (every plane; every rank its heads') to host memory."""
         n = -(-seq.num_cached // self.page_size)
         if n == 0:
             seq.offloaded = None
             return
-        index = torch.tensor(pages[:n], device=self.device)
-        seq.offloaded = (self.cache.k[:, index].cpu(), self.cache.v[:, index].cpu())
+        if self.workers is not None:
+            self.workers.send("offload_pages", seq.request_id, pages[:n])
+        seq.offloaded = self.offload_pages(seq.request_id, pages[:n])
+
+    def offload_pages(self, request_id: int, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host copies of `pages` of every plane -> (k, v) [planes, len(pages), page_size, kv_heads,
+        head_dim]; a worker keeps them under the request's id."""
+        index = torch.tensor(pages, device=self.device)
+        saved = (self.cache.k[:, index].cpu(), self.cache.v[:, index].cpu())
+        if self.tp is not None and self.tp.rank > 0:
+            self.offloaded[request_id] = saved
+        return saved
 
     def restore(self, seq: Sequence) -> None:
         """Copy an offloaded sequence's K/V back into its (new) pages."""
         k, v = seq.offloaded
-        index = torch.tensor(seq.pages[:k.shape[1]], device=self.device)
+        pages = seq.pages[:k.shape[1]]
+        if self.workers is not None:
+            self.workers.send("restore_pages", seq.request_id, pages)
+        self._copy_in(pages, k, v)
+        seq.offloaded = None
+
+    def restore_pages(self, request_id: int, pages: list[int]) -> None:
+        """A worker's part of `restore`: its copies of the request's K/V into `pages`."""
+        self._copy_in(pages, *self.offloaded.pop(request_id))
+
+    def _copy_in(self, pages: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        index = torch.tensor(pages, device=self.device)
         self.cache.k[:, index] = k.to(self.device)
         self.cache.v[:, index] = v.to(self.device)
-        seq.offloaded = None
+
+    def forget(self, seq: Sequence) -> None:
+        """A sequence leaves the engine: the workers drop their copies of its K/V if it is offloaded."""
+        if self.workers is not None and seq.offloaded is not None:
+            self.workers.send("drop_offloaded", seq.request_id)
+
+    def drop_offloaded(self, request_id: int) -> None:
+        del self.offloaded[request_id]
+
+    # -- WISE counters ----------------------------------------------------------------------
+    def wise_density(self) -> dict[int, float | None]:
+        """WiseState.density over every rank's heads (each rank counts its own)."""
+        if self.workers is not None:
+            self.workers.send("wise_density")
+        return self.wise.density(None if self.tp is None else self.tp.all_reduce)
+
+    def reset_wise_counters(self) -> None:
+        """WiseState.reset_counters on every rank."""
+        if self.workers is not None:
+            self.workers.send("reset_wise_counters")
+        self.wise.reset_counters()
 
     # -- sampling ---------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> InFlight:
