@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from wise_core import modes as M
-from wise_jax.kernels.pallas_decode import KernelConfig, decode_attention, default_config
+from wise_jax.kernels.pallas_decode import KernelConfig, config_for, decode_attention
 
 OURO_SHAPES = ((1024, 64), (4096, 20), (8192, 10))  # (ctx, batch)
 DENSITIES = (0.05, 0.13, 0.25, 0.5)
@@ -209,14 +209,27 @@ def _bench_jax_paged_shape(ctx, batch, *, heads, head_dim, page_size, dtype, int
     return rows
 
 
-def sweep_configs(batch, heads, n_blocks, head_dim):
-    """The default launch first, then a few alternatives around it."""
-    base = default_config(batch, heads, n_blocks, head_dim, BLOCK)
-    alternatives = [KernelConfig(tile_blocks=t, num_splits=base.num_splits, num_warps=w)
-                    for t in (1, 2, 4) for w in (4, 8)]
-    alternatives += [KernelConfig(tile_blocks=base.tile_blocks, num_splits=s)
-                     for s in (max(1, base.num_splits // 2), base.num_splits * 2)]
-    alternatives.append(dataclasses.replace(base, fused_finish=False))
+def sweep_configs(head_dim, dtype):
+    """The table's launch first, then alternatives, most promising first (the sweep stops at
+    its time budget): the Triton kernel's sweep in this kernel's terms (keys per step and per
+    program, warps, stages, dots or reductions, min_splits, the fused finish)."""
+    base = config_for(head_dim, dtype)
+    C = KernelConfig
+    alternatives = [
+        dataclasses.replace(base, fused_finish=not base.fused_finish),
+        C(tile_n=64, split_keys=512, num_stages=3, dots=True, min_splits=4),
+        C(tile_n=64, split_keys=512, num_stages=2),
+        C(tile_n=64, split_keys=512, num_stages=2, min_splits=4),
+        C(tile_n=64, split_keys=256, num_stages=3, dots=True),
+        C(tile_n=64, split_keys=1024, num_stages=3, dots=True),
+        C(tile_n=64, split_keys=512, num_stages=2, dots=True),
+        C(tile_n=64, split_keys=512, num_stages=4, dots=True),
+        C(tile_n=128, split_keys=1024, num_stages=3, dots=True),
+        C(tile_n=128, split_keys=1024, num_warps=8, num_stages=3, dots=True),
+        C(tile_n=64, split_keys=512, num_warps=8, num_stages=2),
+        C(tile_n=128, split_keys=1024, num_warps=8, num_stages=2),
+        C(tile_n=32, split_keys=256, num_stages=3, dots=True),
+    ]
     return [base] + [c for c in dict.fromkeys(alternatives) if c != base]
 
 
@@ -231,9 +244,7 @@ def bench_pallas(shapes=OURO_SHAPES, densities=DENSITIES, *, heads=16, head_dim=
         interpret = jax.default_backend() != "gpu"
     rows: list[dict] = []
     for ctx, batch in shapes:
-        n_blocks = ctx // BLOCK
-        configs = (sweep_configs(batch, heads, n_blocks, head_dim) if sweep
-                   else [default_config(batch, heads, n_blocks, head_dim, BLOCK)])
+        configs = sweep_configs(head_dim, dtype) if sweep else [config_for(head_dim, dtype)]
         common = dict(heads=heads, head_dim=head_dim, page_size=page_size, dtype=dtype,
                       interpret=interpret, chain=chain, repeats=repeats)
         _bench_pallas_shape(rows, ctx, batch, densities, configs=configs, **common)
