@@ -76,7 +76,7 @@ def out_bound(case, b, config=None):
     probabilities (rounded to the case's dtype for a 16-bit dot when config.dots), the output
     rounded to the case's dtype."""
     dtype = jnp.dtype(case["q"].dtype).name
-    p_dtype = dtype if config is not None and config.dots and dtype != "float32" else None
+    p_dtype = dtype if getattr(config, "dots", False) and dtype != "float32" else None
     return rounding.attention_bound_of(*_row_keys(case, b), out_dtype=dtype, p_dtype=p_dtype)
 
 
@@ -90,12 +90,12 @@ def assert_within(got, want, bound, what=""):
     assert np.all(err <= bound), f"{what}: max |diff| {err.max():.3g} > bound {bound:.3g}"
 
 
-def run(case, modes, support=None, **kw):
+def run(case, modes, support=None, *, impl=decode_attention, **kw):
+    """impl (default this kernel's decode_attention) on the case, with return_mass."""
     kw.setdefault("config", SPLIT)
-    return decode_attention(case["q"], case["k"], case["v"], case["page_table"], case["seq_lens"],
-                            jnp.asarray(modes, jnp.int32),
-                            case["support"] if support is None else support,
-                            block_size=BLOCK, eta=kw.pop("eta", ETA), return_mass=True, **kw)
+    return impl(case["q"], case["k"], case["v"], case["page_table"], case["seq_lens"],
+                jnp.asarray(modes, jnp.int32), case["support"] if support is None else support,
+                block_size=BLOCK, eta=kw.pop("eta", ETA), return_mass=True, **kw)
 
 
 COMBOS = {
@@ -125,7 +125,7 @@ def assert_selection(got, mass, held, *, exact):
             assert abs(before[rank] - ETA * m.sum()) <= margin, (head, order[rank])
 
 
-def check_modes(spec, *, config, exact=True):
+def check_modes(spec, *, config, exact=True, impl=decode_attention):
     """Rows cycle DISCOVER, DISCOVER_UNION, SPARSE with every causal block, SPARSE at random.
 
     Dense = reference; discover/union bitwise dense; sparse-all bitwise dense; sparse = masked
@@ -140,8 +140,8 @@ def check_modes(spec, *, config, exact=True):
     support = jnp.asarray(support)
     modes = np.array([M.DISCOVER, M.DISCOVER_UNION, M.SPARSE, M.SPARSE])[roles]
 
-    dense_out, dense_support, _ = run(case, [M.DENSE] * batch, support, config=config)
-    out, new_support, mass = run(case, modes, support, config=config)
+    dense_out, dense_support, _ = run(case, [M.DENSE] * batch, support, config=config, impl=impl)
+    out, new_support, mass = run(case, modes, support, config=config, impl=impl)
     assert out.dtype == spec["dtype"] and out.shape == case["q"].shape
     assert np.array_equal(np.asarray(dense_support), np.asarray(support))
     mass, held = np.asarray(mass), np.asarray(support)
