@@ -24,9 +24,11 @@ kernel (`plgpu`, Hopper: TMA copies into a multi-stage shared-memory ring, mbarr
    sum, support'), reading this kernel's partials in the same layout.
 
 Routes tried (jax 0.10.2 on a CPU machine, no GPU):
-- q.K as `wgmma` (q padded to 64 rows, K^T through `plgpu.transpose_ref`), p.V as `wgmma`
-  with p in registers: lowers, but jax's GPU interpreter runs wgmma only on untransposed
-  shared-memory operands, so it could not be checked here; not used.
+- q.K as `wgmma` (a 64-row window of q in shared memory, K^T through `plgpu.transpose_ref`),
+  p.V as `wgmma` with p in registers: lowers, but jax's GPU interpreter takes wgmma operands
+  only as plainly sliced shared-memory refs (no transposed view, no registers), so it could
+  not be run here; not used. A decode tile is memory-bound either way (one query row per
+  head: ~2 FMAs per K/V element loaded).
 - Layout-hinted reductions (above): lower to Mosaic GPU for sm90 (`jax.jit(...).lower(
   lowering_platforms=("cuda",))` builds the Mosaic GPU module: layouts, TMA and barrier
   lowering are checked then; PTX generation happens in the CUDA plugin at compile time, not

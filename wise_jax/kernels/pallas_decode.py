@@ -44,7 +44,9 @@ that selects no causal block (outside the contract: `validate` rejects it) outpu
 Backend. This module is the Pallas Triton lowering (`_compiler_params`), deprecated in jax
 0.11 but supported there, and the path CI checks: the tests run the kernels with
 `interpret=True`, lower them for CUDA to Triton IR and compile that IR for sm90 with the
-Triton compiler. The backend is one choice per call, for every row: a SPARSE row with every block selected must be bitwise DENSE, which two backends'
+Triton compiler. `wise_jax.kernels.mosaic_decode` runs the split kernel on Mosaic GPU with
+this module's split rule and finish; `wise_jax.kernels.choice` picks between the two. The
+backend is one choice per call, for every row: a SPARSE row with every block selected must be bitwise DENSE, which two backends'
 arithmetic would not give.
 
 GQA: each program serves one query head (supports are per query head), reading its KV head.
