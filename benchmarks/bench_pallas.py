@@ -255,7 +255,7 @@ def mosaic_sweep_configs():
     base = MosaicConfig()
     C = MosaicConfig
     alternatives = [C(num_stages=2), C(num_stages=4), C(num_stages=2, min_splits=4),
-                    C(num_stages=3, min_splits=4), C(split_keys=256), C(split_keys=1024),
+                    C(min_splits=4), C(split_keys=256), C(split_keys=1024),
                     C(tile_n=128, split_keys=1024, num_stages=2),
                     C(tile_n=128, split_keys=512, num_stages=3)]
     return [base] + [c for c in dict.fromkeys(alternatives) if c != base]

@@ -71,7 +71,7 @@ class MosaicConfig:
     tile_n: int = 64
     split_keys: int = 512
     min_splits: int = 1
-    num_stages: int = 4
+    num_stages: int = 3
 
     def __post_init__(self) -> None:
         for name in ("tile_n", "split_keys"):
