@@ -1,20 +1,23 @@
-"""Timing of the Pallas WISE decode kernel, and of jax's Pallas paged attention, per mode.
+"""Timing of the Pallas WISE decode kernels, and of jax's Pallas paged attention, per mode.
 
     python benchmarks/bench_pallas.py --out DIR            # on a GPU: Ouro-1.4B attention shapes
-    python benchmarks/bench_pallas.py --out DIR --sweep    # also a few launch configurations
-    python benchmarks/bench_pallas.py --out DIR --smoke    # CPU, interpret mode, tiny shapes
+    python benchmarks/bench_pallas.py --out DIR --sweep    # also other launch configurations
+    python benchmarks/bench_pallas.py --out DIR --smoke    # CPU, interpreters, tiny shapes
 
 `bench_pallas(shapes, densities)` returns rows keyed impl, mode, ctx, batch, density, us, tbps
 (plus config, and error where a case failed); `benchmarks/kernel_bench.py` merges them with the
 Triton kernel's rows of the same run. Shapes are (ctx, batch) at 16 heads x head_dim 128,
 bf16, pages of 128 keys scattered over the pool, every row at seq_len = ctx.
 
-- impl "pallas" (wise_jax.kernels.pallas_decode, default launch): modes dense, discover,
-  sparse (random blocks, `density` of each row's blocks per head) and discover+sparse (half
-  the rows each); with --sweep, impl "pallas-config": dense and sparse under other launches;
+- impl "pallas" (wise_jax.kernels.pallas_decode, the Triton lowering, its table's launch) and
+  impl "mosaic" (wise_jax.kernels.mosaic_decode, the split kernel on Mosaic GPU, MosaicConfig()):
+  modes dense, discover, sparse (random blocks, `density` of each row's blocks per head) and
+  discover+sparse (half the rows each); with --sweep, impls "pallas-config" and
+  "mosaic-config": dense and sparse under other launches, most promising first, until
+  --sweep-seconds is spent;
 - impl "jax-paged" (jax.experimental.pallas.ops.gpu.paged_attention, the best of the tile
   settings `JAX_PAGED_SETTINGS` that fit): mode dense, and mode contiguous: lengths of 13%
-  of ctx, the floor a sparse kernel at that density can hope for.
+  of ctx, the floor a sparse kernel at that density can hope for (--no-jax-paged skips it).
 Time per call: two jitted chains of `chain` calls (each call's output is the next call's
 query), after warm-up, blocked until ready; the difference of their median times over the
 difference of their lengths removes dispatch. tbps counts the K and V bytes attended.
@@ -30,6 +33,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import sys
 import time
 import traceback
@@ -43,11 +47,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from wise_core import modes as M
-from wise_jax.kernels.pallas_decode import KernelConfig, decode_attention, default_config
+from wise_jax.kernels import mosaic_decode, pallas_decode
+from wise_jax.kernels.mosaic_decode import MosaicConfig
+from wise_jax.kernels.pallas_decode import KernelConfig, config_for
 
 OURO_SHAPES = ((1024, 64), (4096, 20), (8192, 10))  # (ctx, batch)
 DENSITIES = (0.05, 0.13, 0.25, 0.5)
 CONTIGUOUS = 0.13
+SWEEP_DENSITY = 0.13
 BLOCK = 32
 JAX_PAGED_SETTINGS = ((4, 2), (8, 1), (8, 2), (16, 1))  # (k_splits, pages_per_compute_block)
 
@@ -133,23 +140,33 @@ def _pallas_cases(densities, batch):
     return cases
 
 
-def _bench_pallas_shape(rows, ctx, batch, densities, *, heads, head_dim, page_size, dtype,
-                        interpret, chain, repeats, configs):
+def _bench_kernel_shape(rows, impl, ctx, batch, densities, *, heads, head_dim, page_size, dtype,
+                        interpret, chain, repeats, configs, sweep_seconds=math.inf):
+    """Rows of one kernel (impl "pallas" or "mosaic") at one shape: every mode under
+    configs[0], dense and sparse under the others while the sweep's time lasts."""
+    decode = {"pallas": pallas_decode, "mosaic": mosaic_decode}[impl].decode_attention
     q, k, v, page_table, seq_lens = _cache(jax.random.key(ctx + batch), ctx, batch, heads,
                                            head_dim, page_size, dtype)
     n_blocks = ctx // BLOCK
     block_bytes = 2 * BLOCK * head_dim * jnp.dtype(dtype).itemsize  # K and V of one block, one head
-    for config in configs:
+    sweep_start = time.perf_counter()
+    for index, config in enumerate(configs):
+        if index and time.perf_counter() - sweep_start > sweep_seconds:
+            print(f"{impl} {ctx} x {batch}: sweep budget spent, {len(configs) - index} "
+                  f"configurations not tried", flush=True)
+            break
+        if index == 1:
+            sweep_start = time.perf_counter()
+
         def step(q, k, v, page_table, seq_lens, modes, support, config=config):
-            return decode_attention(q, k, v, page_table, seq_lens, modes, support,
-                                    block_size=BLOCK, eta=0.95, interpret=interpret,
-                                    config=config)[0]
+            return decode(q, k, v, page_table, seq_lens, modes, support, block_size=BLOCK,
+                          eta=0.95, interpret=interpret, config=config, validate=False)[0]
 
         chains = _chains(step, chain)  # compiled once, run for every mode
-
+        name = impl if index == 0 else f"{impl}-config"
         for mode, density, row_modes, support_density in _pallas_cases(densities, batch):
-            if config is not configs[0] and mode not in ("dense", "sparse"):
-                continue  # other launch configurations: dense and sparse only
+            if index and (mode, density) not in (("dense", 1.0), ("sparse", SWEEP_DENSITY)):
+                continue  # other launch configurations: dense and sparse @0.13 only
             if support_density is None:
                 support = jnp.ones((batch, heads, n_blocks), bool)
             else:
@@ -158,9 +175,8 @@ def _bench_pallas_shape(rows, ctx, batch, densities, *, heads, head_dim, page_si
             attended = np.where(row_modes == M.SPARSE, np.asarray(support.sum((1, 2))),
                                 heads * n_blocks)
             modes = jnp.asarray(row_modes, jnp.int32)
-            name = "pallas" if config is configs[0] else "pallas-config"
 
-            def measure():
+            def measure(modes=modes, support=support, attended=attended, mode=mode, density=density):
                 us = _time_us(chains, (q, k, v, page_table, seq_lens, modes, support),
                               repeats=repeats)
                 return [_row(name, mode, ctx, batch, density, us,
@@ -209,34 +225,67 @@ def _bench_jax_paged_shape(ctx, batch, *, heads, head_dim, page_size, dtype, int
     return rows
 
 
-def sweep_configs(batch, heads, n_blocks, head_dim):
-    """The default launch first, then a few alternatives around it."""
-    base = default_config(batch, heads, n_blocks, head_dim, BLOCK)
-    alternatives = [KernelConfig(tile_blocks=t, num_splits=base.num_splits, num_warps=w)
-                    for t in (1, 2, 4) for w in (4, 8)]
-    alternatives += [KernelConfig(tile_blocks=base.tile_blocks, num_splits=s)
-                     for s in (max(1, base.num_splits // 2), base.num_splits * 2)]
-    alternatives.append(dataclasses.replace(base, fused_finish=False))
+def sweep_configs(head_dim, dtype):
+    """The table's launch first, then alternatives, most promising first (the sweep stops at
+    its time budget): the Triton kernel's sweep in this kernel's terms (keys per step and per
+    program, warps, stages, dots or reductions, min_splits, the fused finish)."""
+    base = config_for(head_dim, dtype)
+    C = KernelConfig
+    alternatives = [
+        dataclasses.replace(base, fused_finish=not base.fused_finish),
+        C(tile_n=64, split_keys=512, num_stages=3, dots=True, min_splits=4),
+        C(tile_n=64, split_keys=512, num_stages=2),
+        C(tile_n=64, split_keys=512, num_stages=2, min_splits=4),
+        C(tile_n=64, split_keys=256, num_stages=3, dots=True),
+        C(tile_n=64, split_keys=1024, num_stages=3, dots=True),
+        C(tile_n=64, split_keys=512, num_stages=2, dots=True),
+        C(tile_n=64, split_keys=512, num_stages=4, dots=True),
+        C(tile_n=128, split_keys=1024, num_stages=3, dots=True),
+        C(tile_n=128, split_keys=1024, num_warps=8, num_stages=3, dots=True),
+        C(tile_n=64, split_keys=512, num_warps=8, num_stages=2),
+        C(tile_n=128, split_keys=1024, num_warps=8, num_stages=2),
+        C(tile_n=32, split_keys=256, num_stages=3, dots=True),
+    ]
+    return [base] + [c for c in dict.fromkeys(alternatives) if c != base]
+
+
+def mosaic_sweep_configs():
+    """MosaicConfig() first, then alternatives (shared memory per program: 2 x num_stages x
+    tile_n x head_dim x 2 bytes, at most ~200 KB on an H200 for head_dim 128)."""
+    base = MosaicConfig()
+    C = MosaicConfig
+    alternatives = [C(num_stages=2), C(num_stages=4), C(num_stages=2, min_splits=4),
+                    C(min_splits=4), C(split_keys=256), C(split_keys=1024),
+                    C(tile_n=128, split_keys=1024, num_stages=2),
+                    C(tile_n=128, split_keys=512, num_stages=3)]
     return [base] + [c for c in dict.fromkeys(alternatives) if c != base]
 
 
 def bench_pallas(shapes=OURO_SHAPES, densities=DENSITIES, *, heads=16, head_dim=128,
                  page_size=128, dtype=jnp.bfloat16, interpret=None, chain=(4, 16), repeats=7,
-                 sweep=False, jax_paged=True) -> list[dict]:
+                 impls=("pallas", "mosaic"), sweep=False, sweep_seconds=math.inf,
+                 jax_paged=True) -> list[dict]:
     """Rows keyed impl, mode, ctx, batch, density, us, tbps, config (and error if it failed).
 
-    shapes: iterable of (ctx, batch); densities: support densities of the sparse modes.
+    shapes: iterable of (ctx, batch); densities: support densities of the sparse modes; impls:
+    the WISE kernels timed ("pallas", "mosaic"; mosaic only where it takes head_dim and
+    dtype); sweep_seconds: per kernel and shape.
     """
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     rows: list[dict] = []
     for ctx, batch in shapes:
-        n_blocks = ctx // BLOCK
-        configs = (sweep_configs(batch, heads, n_blocks, head_dim) if sweep
-                   else [default_config(batch, heads, n_blocks, head_dim, BLOCK)])
         common = dict(heads=heads, head_dim=head_dim, page_size=page_size, dtype=dtype,
                       interpret=interpret, chain=chain, repeats=repeats)
-        _bench_pallas_shape(rows, ctx, batch, densities, configs=configs, **common)
+        for impl in impls:
+            if impl == "mosaic":
+                if not mosaic_decode.supports(head_dim, dtype):
+                    continue
+                configs = mosaic_sweep_configs() if sweep else [MosaicConfig()]
+            else:
+                configs = sweep_configs(head_dim, dtype) if sweep else [config_for(head_dim, dtype)]
+            _bench_kernel_shape(rows, impl, ctx, batch, densities, configs=configs,
+                                sweep_seconds=sweep_seconds, **common)
         if jax_paged:
             _attempt(rows, ("jax-paged", "dense", ctx, batch, 1.0, ""),
                      lambda: _bench_jax_paged_shape(ctx, batch, **common))
@@ -258,14 +307,27 @@ def main(argv=None) -> None:
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes in interpret mode (checks the code paths on a CPU)")
     parser.add_argument("--sweep", action="store_true", help="also time other launch configurations")
+    parser.add_argument("--sweep-seconds", type=float, default=math.inf,
+                        help="time budget of the sweep per kernel and shape")
+    parser.add_argument("--impls", default="pallas,mosaic", help="WISE kernels to time (pallas, mosaic)")
+    parser.add_argument("--shapes", default=",".join(f"{c}x{b}" for c, b in OURO_SHAPES),
+                        help="CTXxBATCH,... (default the Ouro shapes)")
+    parser.add_argument("--densities", default=",".join(map(str, DENSITIES)),
+                        help="support densities of the sparse modes")
+    parser.add_argument("--no-jax-paged", action="store_true", help="skip jax's paged attention")
     args = parser.parse_args(argv)
+    impls = tuple(args.impls.split(","))
     if args.smoke:
-        rows = bench_pallas(((256, 2),), (0.25,), heads=2, head_dim=64, page_size=32,
-                            interpret=True, chain=(1, 2), repeats=1, sweep=args.sweep)
+        rows = bench_pallas(((128, 2),), (0.5,), heads=2, head_dim=64, page_size=32,
+                            interpret=True, chain=(1, 2), repeats=1, impls=impls, sweep=args.sweep,
+                            sweep_seconds=args.sweep_seconds, jax_paged=not args.no_jax_paged)
     else:
         if jax.default_backend() != "gpu":
             raise SystemExit("bench_pallas needs a GPU (use --smoke for a CPU check of the code paths)")
-        rows = bench_pallas(sweep=args.sweep)
+        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+        rows = bench_pallas(shapes, tuple(float(d) for d in args.densities.split(",")),
+                            impls=impls, sweep=args.sweep, sweep_seconds=args.sweep_seconds,
+                            jax_paged=not args.no_jax_paged)
     args.out.mkdir(parents=True, exist_ok=True)
     device = jax.devices()[0]
     report = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),

@@ -17,9 +17,13 @@ attended / time:
 - impl "sdpa-cudnn" (torch SDPA, cuDNN backend, contiguous K/V): dense, and mode contiguous: the
   first density * ctx keys, the floor of a sparse kernel at that density;
 - impl "fa4" (flash_attn.cute paged decode, same pages), dense and contiguous, when importable;
-- the rows of benchmarks/bench_pallas.py's `bench_pallas(shapes, densities)` when JAX has a GPU.
-Writes kernel_bench.json, kernel_bench.md (the standing against each target) and
-kernel_bench.png (time against density per shape) to --out.
+- the rows of benchmarks/bench_pallas.py's `bench_pallas` when JAX has a GPU: impl "pallas"
+  (the Triton-lowered Pallas kernel) and impl "mosaic" (its split kernel on Mosaic GPU), modes
+  dense, discover, sparse, discover+sparse, and jax's paged attention; impl "pallas-best" is
+  the faster of the two Pallas kernels per shape, mode and density (derived, for the targets).
+Writes kernel_bench.json, kernel_bench.md (the standing against each target, the Pallas kernels
+against Triton per mode and shape) and kernel_bench.png (time against density per shape) to
+--out, rewritten after each shape.
 """
 
 from __future__ import annotations
@@ -62,7 +66,17 @@ TARGETS = (
      ("sdpa-cudnn", "dense", 1.0), 0.25),
     ("discover+sparse @0.13 <= 0.7x dense", ("triton", "discover+sparse", TARGET_DENSITY),
      ("triton", "dense", 1.0), 0.70),
+) + tuple(
+    (f"better Pallas {mode}{at} <= 1.00x Triton", ("pallas-best", mode, d), ("triton", mode, d), 1.00)
+    for mode, d, at in (("dense", 1.0, ""), ("discover", 1.0, ""),
+                        ("sparse", TARGET_DENSITY, " @0.13"),
+                        ("discover+sparse", TARGET_DENSITY, " @0.13"))) + (
+    ("better Pallas dense <= 1.05x cuDNN SDPA dense", ("pallas-best", "dense", 1.0),
+     ("sdpa-cudnn", "dense", 1.0), 1.05),
+    ("better Pallas sparse @0.13 <= 1.10x cuDNN SDPA @0.13 contiguous",
+     ("pallas-best", "sparse", TARGET_DENSITY), ("sdpa-cudnn", "contiguous", TARGET_DENSITY), 1.10),
 )
+PALLAS_IMPLS = ("pallas", "mosaic")
 
 
 def sweep_configs():
@@ -318,22 +332,32 @@ def bench_baselines(rows, p: Problem, densities, timer: Timer, notes) -> None:
         _attempt(rows, ("fa4", mode, p.ctx, p.batch, density, ""), measure)
 
 
-def bench_pallas_rows(shapes, densities, notes) -> list[dict]:
-    """benchmarks/bench_pallas.py's rows, when the module exists and JAX has a GPU."""
-    if not (_HERE / "bench_pallas.py").exists():
-        notes.append("Pallas skipped: benchmarks/bench_pallas.py is absent")
-        return []
+def bench_pallas_rows(shapes, densities, notes, **kwargs) -> list[dict]:
+    """benchmarks/bench_pallas.py's rows (kwargs: bench_pallas's), when JAX has a GPU."""
     try:
         import jax
         if jax.default_backend() != "gpu":
-            notes.append(f"Pallas skipped: JAX runs on {jax.default_backend()}, not a GPU")
+            note = f"Pallas skipped: JAX runs on {jax.default_backend()}, not a GPU"
+            notes.extend([note] if note not in notes else [])
             return []
         from bench_pallas import bench_pallas
-        return bench_pallas(shapes, densities)
+        return bench_pallas(shapes, densities, **kwargs)
     except Exception as e:  # the Pallas rows are optional
         traceback.print_exc()
         notes.append(f"Pallas failed: {type(e).__name__}: {e}"[:500])
         return []
+
+
+def best_pallas_rows(rows) -> list[dict]:
+    """Per (shape, mode, density), the faster of the Pallas kernels' rows as impl "pallas-best"
+    (its config names the kernel)."""
+    best = {}
+    for r in rows:
+        if r["impl"] in PALLAS_IMPLS and r["us"] == r["us"]:
+            key = (r["ctx"], r["batch"], r["mode"], r["density"])
+            if key not in best or r["us"] < best[key]["us"]:
+                best[key] = r
+    return [dict(r, impl="pallas-best", config=f"{r['impl']}: {r['config']}") for r in best.values()]
 
 
 def _lookup(rows, ctx, batch, impl, mode, density):
@@ -356,22 +380,23 @@ def standing(rows, shapes) -> list[dict]:
     return out
 
 
-def best_configs(rows) -> dict:
-    """The sweep's verdict: per (shape, mode) the fastest configuration, and per mode the
+def best_configs(rows, kernel="triton") -> dict:
+    """The sweep's verdict for `kernel` ("triton", "pallas", "mosaic": its table's rows and its
+    "-config" rows): per (shape, mode) the fastest configuration, and per mode the
     configurations that do best on every shape at once (geometric mean of time / fastest)."""
     tried = {}  # (ctx, batch, mode) -> {config: us}
     for r in rows:
         density = {"dense": 1.0, "sparse": TARGET_DENSITY}.get(r["mode"])
-        if r["impl"] in ("triton", "triton-config") and density is not None and r["us"] == r["us"] \
+        if r["impl"] in (kernel, f"{kernel}-config") and density is not None and r["us"] == r["us"] \
                 and math.isclose(r["density"], density):
-            config = r["config"].rsplit(" ", 1)[0]  # without the timing method
+            config = r["config"].rsplit(" ", 1)[0] if kernel == "triton" else r["config"]  # without the timing
             tried.setdefault((r["ctx"], r["batch"], r["mode"]), {})[config] = r["us"]
     per_shape = []
     for (ctx, batch, mode), times in sorted(tried.items()):
         config, us = min(times.items(), key=lambda item: item[1])
         cudnn = _lookup(rows, ctx, batch, "sdpa-cudnn", "dense", 1.0)
         per_shape.append(dict(ctx=ctx, batch=batch, mode=mode, config=config, us=us,
-                              table_us=_lookup(rows, ctx, batch, "triton", mode, 1.0 if mode == "dense" else TARGET_DENSITY),
+                              table_us=_lookup(rows, ctx, batch, kernel, mode, 1.0 if mode == "dense" else TARGET_DENSITY),
                               vs_cudnn_dense=us / cudnn if cudnn else None))
     overall = []
     for mode in ("dense", "sparse"):
@@ -380,6 +405,23 @@ def best_configs(rows) -> dict:
         scores = {c: math.exp(sum(math.log(t[c] / min(t.values())) for t in shapes) / len(shapes)) for c in everywhere}
         overall += [dict(mode=mode, config=c, geomean_slowdown=g) for c, g in sorted(scores.items(), key=lambda x: x[1])[:3]]
     return dict(per_shape=per_shape, overall=overall)
+
+
+def pallas_against_triton(rows, shapes) -> list[dict]:
+    """Per shape and mode (the Pallas rows' densities), Triton's time and each Pallas kernel's,
+    with their ratios to Triton."""
+    out = []
+    cases = sorted({(r["mode"], r["density"]) for r in rows if r["impl"] in PALLAS_IMPLS})
+    for ctx, batch in shapes:
+        for mode, density in cases:
+            triton_us = _lookup(rows, ctx, batch, "triton", mode, density)
+            entry = dict(ctx=ctx, batch=batch, mode=mode, density=density, triton_us=triton_us)
+            for impl in PALLAS_IMPLS:
+                us = _lookup(rows, ctx, batch, impl, mode, density)
+                entry[f"{impl}_us"] = us
+                entry[f"{impl}_vs_triton"] = us / triton_us if us is not None and triton_us else None
+            out.append(entry)
+    return out
 
 
 def _fmt(x, spec=".1f"):
@@ -398,19 +440,32 @@ def markdown(report) -> str:
         result = "n/a" if t["passed"] is None else ("pass" if t["passed"] else "FAIL")
         lines.append(f"| {t['target']} | {t['ctx']} x {t['batch']} | {_fmt(t['ratio'], '.3f')} | "
                      f"{t['bound']} | {result} |")
-    best = report["best_configs"]
-    lines += ["", "## Launch configurations", "",
-              "Fastest configuration per shape and mode (the table's and the sweep's); ratio: its time "
-              "over cuDNN SDPA dense.", "",
-              "| ctx x batch | mode | table's us | fastest us | ratio | fastest config |", "|---|---|---|---|---|---|"]
-    for b in best["per_shape"]:
-        lines.append(f"| {b['ctx']} x {b['batch']} | {b['mode']} | {_fmt(b['table_us'])} | {_fmt(b['us'])} | "
-                     f"{_fmt(b['vs_cudnn_dense'], '.3f')} | {b['config']} |")
-    if best["overall"]:
-        lines += ["", "One configuration for every shape (tried at all of them), per mode: the three with the "
-                  "smallest geometric mean of time over the shape's fastest.", "",
-                  "| mode | geomean slowdown | config |", "|---|---|---|"]
-        lines += [f"| {o['mode']} | {o['geomean_slowdown']:.3f} | {o['config']} |" for o in best["overall"]]
+    if report.get("pallas_vs_triton"):
+        lines += ["", "## Pallas kernels against Triton", "",
+                  "Triton times are CUDA-graph replays, the Pallas kernels' the difference of two jitted "
+                  "chains of calls (bench_pallas.py), same run.", "",
+                  "| ctx x batch | mode | density | triton us | pallas us | mosaic us | pallas / triton "
+                  "| mosaic / triton |", "|---|---|---|---|---|---|---|---|"]
+        for e in report["pallas_vs_triton"]:
+            lines.append(f"| {e['ctx']} x {e['batch']} | {e['mode']} | {e['density']:.2f} | "
+                         f"{_fmt(e['triton_us'])} | {_fmt(e['pallas_us'])} | {_fmt(e['mosaic_us'])} | "
+                         f"{_fmt(e['pallas_vs_triton'], '.3f')} | {_fmt(e['mosaic_vs_triton'], '.3f')} |")
+    for kernel, best in [("triton", report["best_configs"])] + sorted(report.get("pallas_best_configs", {}).items()):
+        if kernel != "triton" and not best["per_shape"]:
+            continue
+        title = "Launch configurations" if kernel == "triton" else f"Launch configurations: {kernel}"
+        lines += ["", f"## {title}", "",
+                  "Fastest configuration per shape and mode (the table's and the sweep's); ratio: its time "
+                  "over cuDNN SDPA dense.", "",
+                  "| ctx x batch | mode | table's us | fastest us | ratio | fastest config |", "|---|---|---|---|---|---|"]
+        for b in best["per_shape"]:
+            lines.append(f"| {b['ctx']} x {b['batch']} | {b['mode']} | {_fmt(b['table_us'])} | {_fmt(b['us'])} | "
+                         f"{_fmt(b['vs_cudnn_dense'], '.3f')} | {b['config']} |")
+        if best["overall"]:
+            lines += ["", "One configuration for every shape (tried at all of them), per mode: the three with the "
+                      "smallest geometric mean of time over the shape's fastest.", "",
+                      "| mode | geomean slowdown | config |", "|---|---|---|"]
+            lines += [f"| {o['mode']} | {o['geomean_slowdown']:.3f} | {o['config']} |" for o in best["overall"]]
     lines += ["", "## Checks", "", "```", json.dumps(report["checks"], indent=1), "```", ""]
     if report["notes"]:
         lines += ["## Notes", ""] + [f"- {n}" for n in report["notes"]] + [""]
@@ -431,9 +486,10 @@ def plot(rows, shapes, path: Path) -> None:
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
     curves = [("triton", "sparse"), ("triton", "sparse-contiguous"), ("triton", "discover+sparse"),
               ("sdpa-cudnn", "contiguous"), ("sdpa-cpu", "contiguous"), ("fa4", "contiguous"),
-              ("pallas", "sparse"), ("pallas", "discover+sparse")]
+              ("pallas", "sparse"), ("pallas", "discover+sparse"), ("mosaic", "sparse"),
+              ("mosaic", "discover+sparse")]
     levels = [("triton", "dense"), ("triton", "discover"), ("sdpa-cudnn", "dense"), ("sdpa-cpu", "dense"),
-              ("fa4", "dense"), ("pallas", "dense")]
+              ("fa4", "dense"), ("pallas", "dense"), ("mosaic", "dense")]
     for ax, (ctx, batch) in zip(axes[0], shapes):
         for impl, mode in curves:
             pts = sorted((r["density"], r["us"]) for r in rows if (r["impl"], r["mode"], r["ctx"], r["batch"])
@@ -467,6 +523,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--sweep-seconds", type=float, default=150.0,
                         help="time budget of the launch-configuration sweep, all shapes together")
     parser.add_argument("--no-pallas", action="store_true", help="skip benchmarks/bench_pallas.py's rows")
+    parser.add_argument("--pallas-sweep-seconds", type=float, default=0.0,
+                        help="time budget of each Pallas kernel's launch sweep per shape (0: none)")
+    parser.add_argument("--pallas-chain", default="4,16",
+                        help="lengths of the two jitted chains that time a Pallas call (bench_pallas)")
+    parser.add_argument("--no-jax-paged", action="store_true", help="skip jax's paged attention rows")
+    parser.add_argument("--densities", default=",".join(map(str, DENSITIES)),
+                        help="support densities of the sparse modes (1.0 is the dense baselines')")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if device == "cpu":
@@ -477,7 +540,8 @@ def main(argv=None) -> dict:
 
     import triton
     setup = SMOKE if args.smoke else FULL
-    shapes, densities = setup["shapes"], DENSITIES
+    shapes = setup["shapes"]
+    densities = tuple(sorted({float(d) for d in args.densities.split(",")} | {1.0}))
     timer = Timer(device)
     table_config = config_for(setup["head_dim"], torch.bfloat16)
     configs = [table_config] + ([] if args.no_sweep else
@@ -494,6 +558,15 @@ def main(argv=None) -> dict:
                                    if device == "cuda" else "one eager call (smoke)"),
                   table_config=str(table_config), rows=[], checks={}, notes=[], standing=[], best_configs={})
     rows = report["rows"]
+
+    def pallas_rows(impl, ctx, batch):  # one Pallas kernel at one shape, then the report
+        rows.extend(bench_pallas_rows(
+            [(ctx, batch)], tuple(d for d in densities if d < 1.0), report["notes"], impls=(impl,),
+            sweep=args.pallas_sweep_seconds > 0, sweep_seconds=args.pallas_sweep_seconds,
+            chain=tuple(int(n) for n in args.pallas_chain.split(",")),
+            jax_paged=impl == "pallas" and not args.no_jax_paged))
+        write_report(report, shapes, args.out)
+
     for ctx, batch in shapes:
         started = time.perf_counter()
         problem = Problem(ctx, batch, setup["heads"], setup["head_dim"], setup["page_size"], device)
@@ -504,17 +577,24 @@ def main(argv=None) -> dict:
         if device == "cuda":
             torch.cuda.empty_cache()
         write_report(report, shapes, args.out)  # a run cut short still leaves a report
+        if device == "cuda" and not args.no_pallas:
+            pallas_rows("pallas", ctx, batch)
         print(f"{ctx} x {batch} done in {time.perf_counter() - started:.0f} s", flush=True)
-    if device == "cuda" and not args.no_pallas:
-        rows.extend(bench_pallas_rows(shapes, [d for d in densities if d < 1.0], report["notes"]))
+    if device == "cuda" and not args.no_pallas:  # the newest kernel last: what it does cannot cost the rest
+        for ctx, batch in shapes:
+            pallas_rows("mosaic", ctx, batch)
     print(write_report(report, shapes, args.out))
     return report
 
 
 def write_report(report, shapes, out: Path) -> str:
     """kernel_bench.{json,md,png} in `out`; returns the markdown."""
-    report["standing"] = standing(report["rows"], shapes)
+    report["pallas_best_rows"] = best_pallas_rows(report["rows"])
+    rows = report["rows"] + report["pallas_best_rows"]
+    report["standing"] = standing(rows, shapes)
     report["best_configs"] = best_configs(report["rows"])
+    report["pallas_vs_triton"] = pallas_against_triton(rows, shapes)
+    report["pallas_best_configs"] = {k: best_configs(report["rows"], k) for k in PALLAS_IMPLS}
     (out / "kernel_bench.json").write_text(json.dumps(report, indent=1))
     text = markdown(report)
     (out / "kernel_bench.md").write_text(text)

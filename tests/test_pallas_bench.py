@@ -1,4 +1,5 @@
-"""benchmarks/bench_pallas.py runs every case at a tiny shape in interpret mode (CPU)."""
+"""benchmarks/bench_pallas.py runs every case of both Pallas kernels at a tiny shape in the
+interpreters (CPU)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ def test_bench_pallas_rows():
     keys = {"impl", "mode", "ctx", "batch", "density", "us", "tbps", "config"}
     assert all(keys <= set(r) for r in rows)
     assert [(r["impl"], r["mode"], r["density"]) for r in rows] == [
-        ("pallas", "dense", 1.0), ("pallas", "discover", 1.0), ("pallas", "sparse", 0.5),
-        ("pallas", "discover+sparse", 0.5), ("jax-paged", "dense", 1.0),
-        ("jax-paged", "contiguous", 0.13)]
+        (impl, mode, density) for impl in ("pallas", "mosaic")
+        for mode, density in (("dense", 1.0), ("discover", 1.0), ("sparse", 0.5),
+                              ("discover+sparse", 0.5))] + [
+        ("jax-paged", "dense", 1.0), ("jax-paged", "contiguous", 0.13)]
+    assert rows[4]["config"].startswith("MosaicConfig(")
     assert all(r["ctx"] == 128 and r["batch"] == 2 and math.isfinite(r["us"]) for r in rows)
     assert rows[-1]["config"].startswith("k_splits=")

@@ -20,12 +20,13 @@ import pytest
 from wise_core import modes as M
 from wise_core import reference as ref
 from wise_core import rounding
-from wise_jax.kernels.pallas_decode import KernelConfig, decode_attention, default_config
+from wise_jax.kernels.pallas_decode import KernelConfig, config_for, decode_attention
 
 BLOCK = 32
 ETA = 0.95
-SPLIT = KernelConfig(tile_blocks=2, num_splits=2, fused_finish=False)  # two splits, two launches
-FUSED = KernelConfig(tile_blocks=2, num_splits=4, fused_finish=True)  # the last split finishes
+SPLIT = KernelConfig(tile_n=64, split_keys=128)  # 2 blocks a step, 4 a split, two launches
+FUSED = KernelConfig(tile_n=32, split_keys=64, fused_finish=True)  # 2 blocks a split; the last finishes
+DOTS = KernelConfig(tile_n=32, split_keys=256, min_splits=3, dots=True)  # 6 blocks: 3 splits of 2
 
 
 def bits(x) -> np.ndarray:
@@ -70,10 +71,13 @@ def row_reference(case, b, support=None):
     return out, padded
 
 
-def out_bound(case, b):
+def out_bound(case, b, config=None):
     """`rounding.attention_bound_of` row b, dense (bounds its sparse subsets too): float32
-    probabilities, the output rounded to the case's dtype."""
-    return rounding.attention_bound_of(*_row_keys(case, b), out_dtype=jnp.dtype(case["q"].dtype).name)
+    probabilities (rounded to the case's dtype for a 16-bit dot when config.dots), the output
+    rounded to the case's dtype."""
+    dtype = jnp.dtype(case["q"].dtype).name
+    p_dtype = dtype if getattr(config, "dots", False) and dtype != "float32" else None
+    return rounding.attention_bound_of(*_row_keys(case, b), out_dtype=dtype, p_dtype=p_dtype)
 
 
 def mass_bound(case, b):
@@ -86,12 +90,12 @@ def assert_within(got, want, bound, what=""):
     assert np.all(err <= bound), f"{what}: max |diff| {err.max():.3g} > bound {bound:.3g}"
 
 
-def run(case, modes, support=None, **kw):
+def run(case, modes, support=None, *, impl=decode_attention, **kw):
+    """impl (default this kernel's decode_attention) on the case, with return_mass."""
     kw.setdefault("config", SPLIT)
-    return decode_attention(case["q"], case["k"], case["v"], case["page_table"], case["seq_lens"],
-                            jnp.asarray(modes, jnp.int32),
-                            case["support"] if support is None else support,
-                            block_size=BLOCK, eta=kw.pop("eta", ETA), return_mass=True, **kw)
+    return impl(case["q"], case["k"], case["v"], case["page_table"], case["seq_lens"],
+                jnp.asarray(modes, jnp.int32), case["support"] if support is None else support,
+                block_size=BLOCK, eta=kw.pop("eta", ETA), return_mass=True, **kw)
 
 
 COMBOS = {
@@ -121,7 +125,7 @@ def assert_selection(got, mass, held, *, exact):
             assert abs(before[rank] - ETA * m.sum()) <= margin, (head, order[rank])
 
 
-def check_modes(spec, *, config, exact=True):
+def check_modes(spec, *, config, exact=True, impl=decode_attention):
     """Rows cycle DISCOVER, DISCOVER_UNION, SPARSE with every causal block, SPARSE at random.
 
     Dense = reference; discover/union bitwise dense; sparse-all bitwise dense; sparse = masked
@@ -136,14 +140,14 @@ def check_modes(spec, *, config, exact=True):
     support = jnp.asarray(support)
     modes = np.array([M.DISCOVER, M.DISCOVER_UNION, M.SPARSE, M.SPARSE])[roles]
 
-    dense_out, dense_support, _ = run(case, [M.DENSE] * batch, support, config=config)
-    out, new_support, mass = run(case, modes, support, config=config)
+    dense_out, dense_support, _ = run(case, [M.DENSE] * batch, support, config=config, impl=impl)
+    out, new_support, mass = run(case, modes, support, config=config, impl=impl)
     assert out.dtype == spec["dtype"] and out.shape == case["q"].shape
     assert np.array_equal(np.asarray(dense_support), np.asarray(support))
     mass, held = np.asarray(mass), np.asarray(support)
     for b in range(batch):
         expected, expected_mass = row_reference(case, b)
-        bound = out_bound(case, b)
+        bound = out_bound(case, b, config)
         assert_within(np.asarray(dense_out[b].astype(jnp.float32)), expected, bound, f"dense row {b}")
         if roles[b] < 3:  # discover, union, sparse-all
             assert np.array_equal(bits(out[b]), bits(dense_out[b])), f"row {b}"
@@ -165,6 +169,31 @@ def check_modes(spec, *, config, exact=True):
 def test_modes_against_references_and_dense(name):
     spec = COMBOS[name]
     check_modes(spec, config=SPLIT)
+
+
+def test_modes_with_dots_and_min_splits():
+    """Tensor-core dots (q padded to 16 rows) and rows split into up to 3 programs of whole
+    tiles: the same equivalences (bitwise ones too)."""
+    check_modes(COMBOS["page64-gqa-d128-bf16"], config=DOTS)
+
+
+@pytest.mark.parametrize("n", [1, 8, 256])
+def test_sorted_selection_is_select_blocks(n):
+    """The finish's selection (bitonic sort of (mass, index), prefix sum, count below the
+    threshold; plain jnp here) is exactly `wise_core.reference.select_blocks` on masses whose
+    every partial sum is exact (multiples of 2**-12, many ties and zeros, some subnormal), so
+    no summation order can tell them apart."""
+    from wise_jax.kernels.pallas_decode import _select_ranked
+    rng = np.random.default_rng(n)
+    mass = (rng.integers(0, 6, (64, n)) * rng.integers(0, 2, (64, n))).astype(np.float32) * 2.0 ** -12
+    mass[::7, :] = 2.0 ** -12  # all tied
+    mass[3, :] = 0.0  # all zero: rank 0 (block 0) only
+    mass[5, : n // 2] = np.float32(1e-40)  # subnormals count as 0
+    for eta in (0.5, 0.95, 1.0):
+        order, kept = jax.vmap(lambda m: _select_ranked(m, eta))(jnp.asarray(mass))
+        got = np.zeros(mass.shape, bool)
+        np.put_along_axis(got, np.asarray(order), np.asarray(kept), axis=-1)
+        assert np.array_equal(got, ref.select_blocks(mass, eta)), eta
 
 
 def test_fused_finish_equals_finish_launch():
@@ -278,6 +307,19 @@ BAD = {
 }
 
 
+@pytest.mark.parametrize("change", [dict(tile_n=48), dict(split_keys=32), dict(num_warps=3),
+                                    dict(min_splits=0), dict(num_stages=0), dict(tile_n=True)])
+def test_kernel_config_rejects_bad_settings(change):
+    with pytest.raises(ValueError, match="KernelConfig"):
+        KernelConfig(**change)
+
+
+def test_dots_need_head_dim_16():
+    case = make_case(6, **dict(COMBOS["page32-mha-d64-f32"], head_dim=8))
+    with pytest.raises(ValueError, match="dots needs head_dim >= 16"):
+        run(case, [M.DENSE] * 4, config=DOTS)
+
+
 @pytest.mark.parametrize("name", list(BAD))
 def test_bad_inputs_raise(name):
     change, message = BAD[name]
@@ -304,16 +346,13 @@ GPU_COMBOS = {
 }
 
 
-@pytest.mark.parametrize("fused_finish", [True, False])
+@pytest.mark.parametrize("fused_finish", [False, True])
 @pytest.mark.parametrize("name", list(GPU_COMBOS))
 @on_gpu
 def test_gpu_modes_against_references_and_dense(name, fused_finish):
-    """Default launch (fused finish) and the finish as a second launch."""
+    """The table's launch (two launches) and with the fused finish."""
     spec = GPU_COMBOS[name]
-    n_blocks = spec["max_pages"] * spec["page_size"] // BLOCK
-    config = dataclasses.replace(
-        default_config(len(spec["seq_lens"]), spec["heads"], n_blocks, spec["head_dim"], BLOCK),
-        fused_finish=fused_finish)
+    config = dataclasses.replace(config_for(spec["head_dim"], spec["dtype"]), fused_finish=fused_finish)
     check_modes(spec, config=config, exact=False)
 
 
@@ -322,7 +361,8 @@ def test_gpu_mixed_batch_rows_equal_rows_alone_and_jnp_reference():
     from wise_jax.attention import decode_attention_reference
     case = make_case(7, **GPU_COMBOS["ouro-page128-d128-bf16"])
     modes = [M.SPARSE, M.DISCOVER, M.DENSE, M.DISCOVER_UNION] * 2
-    config = KernelConfig(tile_blocks=2, num_splits=4)
+    config = KernelConfig(tile_n=64, split_keys=256, min_splits=4, num_stages=3, dots=True,
+                          fused_finish=True)
     out, support, mass = run(case, modes, config=config)
     # The fused finish reads other programs' partials: repeated runs and the separate finish
     # launch must agree bitwise.
@@ -342,6 +382,6 @@ def test_gpu_mixed_batch_rows_equal_rows_alone_and_jnp_reference():
         jnp.asarray(modes, jnp.int32), case["support"], block_size=BLOCK, eta=ETA, return_mass=True)
     for b, mode in enumerate(modes):  # both implementations round: twice each bound
         assert_within(np.asarray(out[b].astype(jnp.float32)), np.asarray(ref_out[b].astype(jnp.float32)),
-                      2 * out_bound(case, b), f"row {b}")
+                      2 * out_bound(case, b, config), f"row {b}")
         if mode in (M.DISCOVER, M.DISCOVER_UNION):
             assert_within(np.asarray(mass[b]), np.asarray(ref_mass[b]), 2 * mass_bound(case, b), f"mass row {b}")

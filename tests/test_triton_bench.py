@@ -70,3 +70,30 @@ def test_smoke_run_writes_a_complete_report(tmp_path):
     assert all(o["geomean_slowdown"] >= 1.0 for o in best["overall"])
     text = (tmp_path / "kernel_bench.md").read_text()
     assert "## Targets" in text and "FA4 skipped" in text and "## Launch configurations" in text
+
+
+def test_pallas_rows_best_kernel_and_comparison():
+    """The faster Pallas kernel per (shape, mode, density) is 'pallas-best'; the comparison with
+    Triton and the Pallas targets read it (rows of the shape bench_pallas returns)."""
+    bench = _load()
+
+    def row(impl, mode, density, us):
+        return dict(impl=impl, mode=mode, ctx=1024, batch=64, density=density, us=us, tbps=1.0, config=impl)
+
+    rows = [row("triton", "dense", 1.0, 100.0), row("pallas", "dense", 1.0, 110.0),
+            row("mosaic", "dense", 1.0, 90.0), row("triton", "sparse", 0.13, 30.0),
+            row("pallas", "sparse", 0.13, 29.0), row("mosaic", "sparse", 0.13, float("nan")),
+            row("sdpa-cudnn", "dense", 1.0, 95.0), row("sdpa-cudnn", "contiguous", 0.13, 25.0)]
+    best = {(r["mode"], r["density"]): r for r in bench.best_pallas_rows(rows)}
+    assert best["dense", 1.0]["us"] == 90.0 and best["dense", 1.0]["config"].startswith("mosaic")
+    assert best["sparse", 0.13]["us"] == 29.0 and best["sparse", 0.13]["config"].startswith("pallas")
+    rows += list(best.values())
+    compared = {(e["mode"], e["density"]): e for e in bench.pallas_against_triton(rows, [(1024, 64)])}
+    assert compared["dense", 1.0]["pallas_vs_triton"] == pytest.approx(1.1)
+    assert compared["dense", 1.0]["mosaic_vs_triton"] == pytest.approx(0.9)
+    assert compared["sparse", 0.13]["mosaic_vs_triton"] is None  # a failed case has no ratio
+    standing = {t["target"]: t for t in bench.standing(rows, [(1024, 64)])}
+    assert standing["better Pallas dense <= 1.00x Triton"]["passed"] is True
+    assert standing["better Pallas sparse @0.13 <= 1.10x cuDNN SDPA @0.13 contiguous"]["ratio"] == pytest.approx(29 / 25)
+    assert standing["better Pallas sparse @0.13 <= 1.10x cuDNN SDPA @0.13 contiguous"]["passed"] is False
+    assert standing["better Pallas discover <= 1.00x Triton"]["passed"] is None  # not measured

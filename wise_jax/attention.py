@@ -1,5 +1,5 @@
 """Decode attention over a paged cache: the jnp reference of every mode, the selection rule,
-and the dispatcher to the Pallas kernel (`wise_jax.kernels.pallas_decode`).
+and the dispatcher to the Pallas kernels (`wise_jax.kernels.choice` picks which).
 
 Modes (`wise_core.modes`, per row): DENSE attends every key < seq_len; DISCOVER attends densely,
 records block mass and returns support' = select_blocks(mass); DISCOVER_UNION ORs that selection
@@ -140,10 +140,11 @@ def attention_impl(kernel: str):
     if resolve_kernel(kernel) == "reference":
         return decode_attention_reference
     try:
-        from wise_jax.kernels.pallas_decode import decode_attention as pallas_decode_attention
+        from wise_jax.kernels.pallas_decode import decode_attention as _  # noqa: F401
     except ImportError as e:
         raise ImportError(f"kernel='pallas' needs wise_jax.kernels.pallas_decode.decode_attention, which "
                           f"cannot be imported ({e}); use kernel='reference'") from e
+    from wise_jax.kernels.choice import decode_attention as pallas_decode_attention  # which Pallas kernel
     return pallas_decode_attention
 
 

@@ -1,1 +1,2 @@
-"""Pallas kernels of the JAX path; `pallas_decode.decode_attention` is the paged WISE decode."""
+"""Pallas kernels of the JAX path, paged WISE decode: `pallas_decode` (Triton lowering) and
+`mosaic_decode` (its split kernel on Mosaic GPU); `choice` picks the one kernel="pallas" runs."""

@@ -1,49 +1,53 @@
-"""Paged split-KV decode attention with per-row WISE modes, as Pallas kernels.
+"""Paged split-KV decode attention with per-row WISE modes, as Pallas kernels (Triton lowering).
 
 One call serves a batch whose rows may each be DENSE, DISCOVER, DISCOVER_UNION or SPARSE
-(`wise_core.modes`), in one kernel launch and no other device work (besides zeroing a
-counter):
+(`wise_core.modes`). The design is the Triton kernel's (`wise_torch.kernels.triton_decode`):
+two launches by default, a split kernel over the grid (batch, heads, max_splits) and a finish
+kernel over (batch, heads); nothing else runs on the device (no memset, no other op).
 
-1. Split phase, grid (batch, heads, splits). A row's block list is every causal block
-   (DENSE, DISCOVER, DISCOVER_UNION) or the causal blocks of its support (SPARSE), ascending,
-   numbered by a prefix sum over the row's bits in registers. Split `s` walks its contiguous
-   share of the list, `tile_blocks` blocks per step: the pos-th listed block is found by
-   counting, its `block_size` keys are gathered from its page, and an online softmax
-   accumulates them. The loop never branches on the mode. It writes the unnormalised partial
-   output, its running max and sum, and the log-sum-exp of every block it visited.
-2. Finish, per (row, head), run by the last split to arrive (an atomic counter; or, with
-   `KernelConfig.fused_finish=False`, by a second launch): merges the splits by log-sum-exp,
-   writes the output, the block mass `exp(lse_block - max) / sum` of discovery rows (zeros
-   for other rows), and support': the selection for discovery rows (OR-ed into the held
-   support for DISCOVER_UNION), the held support otherwise.
+1. List. A row's attended blocks are every causal block (DENSE, DISCOVER, DISCOVER_UNION) or
+   the causal blocks of the head's support (SPARSE), numbered by a prefix sum over the bits
+   (one pass over the row's blocks per program). Split `s` owns list entries
+   [s * split_size, (s + 1) * split_size) and scatters their first-key cache rows (page-table
+   entry * page_size + offset) to a compacted list; every step of its loop then reads the next
+   `tile_n` keys' rows from that list: no step scans the blocks. A dense row's list is
+   0, 1, 2, ...; a sparse row selecting every causal block has the very same list, hence the
+   same splits and accumulation order: the two are bitwise equal by construction. Splits past
+   a row's list do nothing (a short or sparse row costs few programs); `split_size` depends on
+   the row's list length only (`min_splits` gives rows listing few blocks more, smaller splits).
+2. Attend. Online softmax in base 2 over the split's entries, `tile_n` keys per step, either
+   as reductions or (`KernelConfig.dots`) as tensor-core dots with q padded to 16 rows, the
+   Triton kernel's `mha_dots`. Discovery rows also store, per block, its sum of exponentials
+   and the running max it is relative to; the output math is the dense path's, so DISCOVER and
+   DISCOVER_UNION outputs are bitwise DENSE. Each split stores (acc, max, sum).
+3. Finish, per (row, head): merge the splits by their maxima, write the output, the block mass
+   of discovery rows (with return_mass; zeros for other rows) and support': for discovery rows
+   `wise_core.reference.select_blocks` by sort + prefix sum (below), OR-ed into the held
+   support for DISCOVER_UNION; the held support otherwise. With `KernelConfig.fused_finish` the
+   last split of each (row, head) to arrive finishes instead (an atomic counter): one launch,
+   but the counter must be zeroed per call (one small XLA op) -- a launch setting to sweep.
 
-Bitwise by construction: DISCOVER and DISCOVER_UNION run exactly the DENSE path (the mass
-is a by-product), and a SPARSE row whose support holds every causal block gets the same list,
-hence the same split boundaries and accumulation order, as DENSE.
+Selection. Pallas has no sort primitive on GPU; the finish sorts (mass bits, block index)
+pairs by a bitonic network written with reshapes and reductions, which the Triton lowering
+takes (the network `tl.sort` builds): mass descending, ties to the lower index,
+O(blocks log^2 blocks) compare-exchanges over the row's blocks in registers. Then, as the
+Triton kernel's `_select_ranked`: running = prefix sum of the ranked masses, and rank r is
+kept iff r == 0 or running[r - 1] < eta * running[-1], i.e. r <= #{running < eta * total}.
+Subnormal masses count as 0 (as the reference). The prefix sum's order may differ from the
+reference's in the last bits: the two agree except where a running sum lies within float32
+rounding of the threshold (the spec allows this). A discovery row keeps causal blocks only.
 
-NaN and empty rows. NaN in q, k or v reaches the output (and the mass) as NaN, and a
-discovery row keeps causal blocks only, whatever its mass. A SPARSE head that selects no
-causal block (outside the contract: `validate` rejects it) outputs 0 / 0 = NaN, as every
-implementation does.
+NaN and empty rows. NaN in q, k or v reaches the output (and the mass) as NaN. A SPARSE head
+that selects no causal block (outside the contract: `validate` rejects it) outputs
+0 / 0 = NaN, as every implementation does.
 
-Selection. Pallas has no sort on GPU, so the finish ranks blocks by pairwise
-comparison (mass descending, ties to the lower index) in [64 x 32] tiles: block i is kept iff
-nothing ranks ahead of it, or its mass is positive and the mass ranked ahead of it is below
-`eta * total`. That is `wise_core.reference.select_blocks` summed in another order: the two
-agree except where a running sum lies within float32 rounding of the threshold (the spec
-allows this). The O(max_blocks^2) ranking runs only for discovery rows (`pl.when`).
-
-Backend. Every mode runs through the Pallas Triton lowering (`_compiler_params`, the one
-place that picks it), deprecated in jax 0.11 but supported there, and the one path that can be
-checked on a CPU machine: the tests run the kernels with `interpret=True`, lower them for CUDA
-to Triton IR and compile that IR for sm90 with the Triton compiler. Mosaic GPU is not used
-for any mode: decode is a matrix-vector product per (row, head) (Ouro is MHA: one query row
-per KV head), below the 64-row minimum of wgmma, so the Hopper fast path does not apply; the
-paged, per-row compacted gathers need per-block async copies with data-dependent addresses;
-and a Mosaic GPU kernel cannot be compiled or lowered without a GPU, so none could be
-verified before its first run. The backend is also one choice for all
-modes by necessity: one launch serves every mode of a mixed batch, and a SPARSE row with every
-block selected must be bitwise DENSE, which two backends' arithmetic would not give.
+Backend. This module is the Pallas Triton lowering (`_compiler_params`), deprecated in jax
+0.11 but supported there, and the path CI checks: the tests run the kernels with
+`interpret=True`, lower them for CUDA to Triton IR and compile that IR for sm90 with the
+Triton compiler. `wise_jax.kernels.mosaic_decode` runs the split kernel on Mosaic GPU with
+this module's split rule and finish; `wise_jax.kernels.choice` picks between the two. The
+backend is one choice per call, for every row: a SPARSE row with every block selected must be bitwise DENSE, which two backends'
+arithmetic would not give.
 
 GQA: each program serves one query head (supports are per query head), reading its KV head.
 """
@@ -52,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -61,51 +66,70 @@ from jax.experimental.pallas import triton as pl_triton
 from wise_core import modes as wise_modes
 from wise_jax.attention import check_call
 
-_SELECT_ROWS = 64  # ranking tile of the selection: [rows, cols] block pairs per step
-_SELECT_COLS = 32
+DOT_ROWS = 16  # q padded to this many rows for tensor-core dots (the smallest tl.dot tile)
+LOG2E = math.log2(math.e)
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Launch parameters (tile_blocks, num_splits and num_warps are powers of two).
+    """Launch shape, in keys as the Triton kernel's: keys per loop step (tile_n), keys per
+    program (split_keys, bounds its work), min_splits (a row listing few blocks still gets up
+    to this many programs: its splits shrink to whole tiles), num_warps and num_stages (Triton),
+    dots (q.K and p.V as tensor-core dots, q padded to 16 rows; else reductions), fused_finish
+    (the last split to arrive finishes: one launch, a zeroed counter per call).
+    tile_n and split_keys are powers of two; a call rounds both up to whole blocks."""
 
-    tile_blocks: blocks gathered per loop step; num_splits: splits of each row's block list;
-    num_warps, num_stages: Triton launch parameters; fused_finish: the last split of each
-    (row, head) to arrive (an atomic counter) merges and selects, instead of a second launch.
-    """
-
-    tile_blocks: int = 2
-    num_splits: int = 1
+    tile_n: int = 64
+    split_keys: int = 512
+    min_splits: int = 1
     num_warps: int = 4
     num_stages: int = 2
-    fused_finish: bool = True
+    dots: bool = False
+    fused_finish: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("tile_blocks", "num_splits", "num_warps"):
+        for name in ("tile_n", "split_keys", "num_warps"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0 or value & (value - 1):
-                raise ValueError(
-                    f"KernelConfig.{name} must be a positive power of two, got {value!r}")
-        if not isinstance(self.num_stages, int) or self.num_stages <= 0:
-            raise ValueError(
-                f"KernelConfig.num_stages must be a positive integer, got {self.num_stages!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0 \
+                    or value & (value - 1):
+                raise ValueError(f"KernelConfig.{name} must be a positive power of two, got {value!r}")
+        if self.split_keys < self.tile_n:
+            raise ValueError(f"KernelConfig needs tile_n <= split_keys, got {self}")
+        for name in ("min_splits", "num_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"KernelConfig.{name} must be a positive integer, got {value!r}")
+
+    def tile_blocks(self, block_size: int) -> int:
+        return max(self.tile_n, block_size) // block_size
+
+    def split_blocks(self, block_size: int) -> int:
+        return max(self.split_keys, self.tile_n, block_size) // block_size
+
+    def max_splits(self, block_size: int, max_blocks: int) -> int:
+        """Most splits of a row of max_blocks blocks (`_split_size`)."""
+        return max(-(-max_blocks // self.split_blocks(block_size)), min(self.min_splits, max_blocks))
 
 
-def default_config(batch: int, heads: int, max_blocks: int, head_dim: int, block_size: int,
-                   num_cores: int | None = None) -> KernelConfig:
-    """Heuristic launch: ~64 x head_dim keys per step, enough splits for ~8 programs per core."""
-    if num_cores is None:
-        num_cores = getattr(jax.devices()[0], "core_count", None) or 132
-    tile_blocks = max(1, 8192 // (block_size * head_dim))
-    steps = -(-max_blocks // tile_blocks)
-    splits = 1
-    while batch * heads * splits < 8 * num_cores and steps // (2 * splits) >= 4:
-        splits *= 2
-    return KernelConfig(tile_blocks=tile_blocks, num_splits=splits)
+# Fixed launch configurations per (head_dim, dtype), as the Triton kernel's table (a decode step
+# is one compiled program; no autotuning). bench_pallas.py --sweep times the alternatives.
+CONFIGS: dict[tuple[int, str], KernelConfig] = {
+    (128, "bfloat16"): KernelConfig(tile_n=64, split_keys=512, num_stages=3, dots=True),
+    (128, "float16"): KernelConfig(tile_n=64, split_keys=512, num_stages=3, dots=True),
+    (128, "float32"): KernelConfig(tile_n=32, split_keys=256),
+    (64, "bfloat16"): KernelConfig(tile_n=128, split_keys=1024),
+    (64, "float16"): KernelConfig(tile_n=128, split_keys=1024),
+    (64, "float32"): KernelConfig(tile_n=64, split_keys=512),
+}
+
+
+def config_for(head_dim: int, dtype) -> KernelConfig:
+    """The table's configuration for (head_dim, dtype); KernelConfig() for other head dims."""
+    return CONFIGS.get((head_dim, jnp.dtype(dtype).name), KernelConfig())
 
 
 def _compiler_params(num_warps: int, num_stages: int):
-    """The GPU backend of every kernel and mode: the Pallas Triton lowering (module docstring)."""
+    """The GPU backend of this module's kernels: the Pallas Triton lowering (module docstring)."""
     return pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
@@ -114,184 +138,300 @@ def _next_pow2(n: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# Pieces shared by the split and the finish kernel
+
+
+def _row_list(support_ref, b, h, seq_len, mode, *, block_size, blocks_pad, tile_blocks,
+              split_blocks, min_splits):
+    """(listed bool[blocks_pad], n_listed, split_size, n_splits) of row b, head h: the causal
+    blocks it attends (SPARSE: its support; else all) and how its list is split."""
+    n_blocks = support_ref.shape[-1]
+    index = jnp.arange(blocks_pad, dtype=jnp.int32)
+    n_causal = jnp.minimum((seq_len + block_size - 1) // block_size, n_blocks)
+    held = pl_triton.load(support_ref.at[b, h, index],
+                          mask=(index < n_causal) & (mode == wise_modes.SPARSE), other=False)
+    listed = (held | (mode != wise_modes.SPARSE)) & (index < n_causal)
+    n_listed = jnp.sum(listed.astype(jnp.int32))
+    size = _split_size(n_listed, tile_blocks=tile_blocks, split_blocks=split_blocks,
+                       min_splits=min_splits)
+    return listed, n_listed, size, jnp.maximum((n_listed + size - 1) // size, 1)
+
+
+def _split_size(n_listed, *, tile_blocks, split_blocks, min_splits):
+    """Blocks per split of a row listing n_listed blocks: split_blocks, or fewer (whole tiles,
+    at least one) to give the row min_splits splits."""
+    if min_splits == 1:
+        return jnp.int32(split_blocks)
+    per_split = (n_listed + min_splits - 1) // min_splits
+    wanted = (per_split + tile_blocks - 1) // tile_blocks * tile_blocks
+    return jnp.minimum(jnp.maximum(wanted, tile_blocks), split_blocks)
+
+
+def _bitonic_sort(key, index):
+    """Sort (key, index) int32[n] pairs (n a power of two): key descending, ties to the lower
+    index (indices distinct). A bitonic network of reshapes and size-2 reductions (what
+    `tl.sort` builds), so the Triton lowering takes it; O(n log^2 n) compare-exchanges."""
+    n = key.shape[0]
+    size = 2
+    while size <= n:
+        stride = size // 2
+        while stride >= 1:
+            shape = (n // (2 * stride), 2, stride)
+            k3, i3 = key.reshape(shape), index.reshape(shape)
+            # The partner of an element is the other one on axis 1: the pair's sum minus itself
+            # (int32 wraps around, exactly).
+            pk = jnp.sum(k3, axis=1, keepdims=True) - k3
+            pi = jnp.sum(i3, axis=1, keepdims=True) - i3
+            right = jax.lax.broadcasted_iota(jnp.int32, shape, 1) == 1
+            # Sub-sequences of `size` elements alternate direction; the last merge (size == n)
+            # is descending throughout.
+            group = jax.lax.broadcasted_iota(jnp.int32, shape, 0) // (size // (2 * stride))
+            descending = group % 2 == 0
+            ahead = (k3 > pk) | ((k3 == pk) & (i3 < pi))  # this element ranks before its partner
+            stay = (ahead != right) == descending
+            key = jnp.where(stay, k3, pk).reshape(n)
+            index = jnp.where(stay, i3, pi).reshape(n)
+            stride //= 2
+        size *= 2
+    return key, index
+
+
+def _select_ranked(mass, eta):
+    """mass float32[n] >= 0 (n a power of two) -> (block index, kept), both in rank order.
+
+    Rank: mass descending, ties to the lower index; subnormals count as 0. Kept: rank r with
+    r == 0 or running[r - 1] < eta * total, i.e. r <= #{r' : running[r'] < eta * total}
+    (running is non-decreasing)."""
+    n = mass.shape[0]
+    mass = jnp.where(mass < jnp.finfo(jnp.float32).tiny, jnp.float32(0), mass)  # NaN stays
+    index = jnp.arange(n, dtype=jnp.int32)
+    key, order = _bitonic_sort(jax.lax.bitcast_convert_type(mass, jnp.int32), index)
+    running = jnp.cumsum(jax.lax.bitcast_convert_type(key, jnp.float32))
+    total = jnp.sum(jnp.where(index == n - 1, running, 0.0))
+    below = jnp.sum((running < jnp.float32(eta) * total).astype(jnp.int32))
+    return order, index <= below
+
+
+# ---------------------------------------------------------------------------------------------
 # Kernels
 
 
-def _listed_blocks(support_ref, b, h, seq_len, mode, *, block_size, blocks_pad):
-    """bool[blocks_pad]: the causal blocks row b attends (SPARSE: its support; else all)."""
-    index = jnp.arange(blocks_pad, dtype=jnp.int32)
-    held = pl_triton.load(support_ref.at[b, h, index], mask=index < support_ref.shape[-1],
-                          other=False)
-    return (held | (mode != wise_modes.SPARSE)) & (index * block_size < seq_len)
-
-
 def _split_kernel(seq_lens_ref, modes_ref, support_ref, page_table_ref, q_ref, k_ref, v_ref,
-                  *refs, block_size, page_size, tile_blocks, num_splits, scale, finish, barrier):
-    """One (row, head, split): online softmax over this split's share of the row's block list.
+                  *refs, block_size, page_size, tile_blocks, split_blocks, min_splits, scale,
+                  dots, finish, barrier):
+    """Steps 1 and 2 of the module docstring for program (row b, head h, split s).
 
     page_table_ref: [max_pages]; q_ref: [head_dim]; k_ref, v_ref: [num_pages * page_size,
-    head_dim] (this head's KV head); other refs whole: support [batch, heads, max_blocks],
-    partials acc [batch, heads, splits, head_dim], m and l [batch, heads, splits], block_lse
-    [batch, heads, blocks_pad] (by list position). With `finish` (a dict of _finish's static
-    arguments, or None), refs also hold the finish outputs and a zeroed counter
-    int32[batch, heads]: the last split of each (row, head) to arrive runs _finish. barrier:
-    synchronise the program's threads before the counter (off in the interpreter, which runs
-    programs one at a time).
+    head_dim] (this head's KV head); other refs whole: support [batch, heads, max_blocks];
+    list, stat_m, stat_l [batch, heads, blocks_pad] (by list position: for discovery rows
+    the block); acc [batch, heads, splits_pad, head_dim]; m, l [batch, heads, splits_pad].
+    With `finish` (a dict of _finish's static arguments, or None), refs also hold a zeroed
+    counter int32[batch, heads] (input, aliased to the last output) and the finish outputs:
+    the last split of each (row, head) to arrive runs _finish. barrier: synchronise the
+    program's threads between writing and reading the list, and before the counter (off in
+    the interpreter, which runs a program's code as one thread).
     """
     if finish is None:
-        acc_ref, m_ref, l_ref, block_lse_ref = refs
-    else:  # the counter's input ref, then outputs; the counter's output ref aliases the input
-        (_, acc_ref, m_ref, l_ref, block_lse_ref, out_ref, support_out_ref, mass_ref,
+        list_ref, stat_m_ref, stat_l_ref, acc_ref, m_ref, l_ref = refs
+    else:
+        (_, list_ref, stat_m_ref, stat_l_ref, acc_ref, m_ref, l_ref, *finish_refs,
          counter_ref) = refs
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq_len, mode = seq_lens_ref[b], modes_ref[b]
-    n_blocks, blocks_pad = support_ref.shape[-1], block_lse_ref.shape[-1]
-    listed = _listed_blocks(support_ref, b, h, seq_len, mode, block_size=block_size,
-                            blocks_pad=blocks_pad).astype(jnp.int32)
-    rank = jnp.cumsum(listed)  # listed blocks up to and including each block
-    n_listed = jnp.sum(listed)
-    n_steps = (n_listed + tile_blocks - 1) // tile_blocks
-    per_split = (n_steps + num_splits - 1) // num_splits
-    start = s * per_split
-    stop = jnp.minimum(start + per_split, n_steps)
-    q = q_ref[...].astype(jnp.float32) * scale
-    offsets = jnp.arange(block_size, dtype=jnp.int32)
-    dims = jnp.arange(q.shape[0], dtype=jnp.int32)[None, None, :]
+    blocks_pad = list_ref.shape[-1]
+    listed, n_listed, size, n_splits = _row_list(
+        support_ref, b, h, seq_len, mode, block_size=block_size, blocks_pad=blocks_pad,
+        tile_blocks=tile_blocks, split_blocks=split_blocks, min_splits=min_splits)
+    discovering = (mode == wise_modes.DISCOVER) | (mode == wise_modes.DISCOVER_UNION)
 
-    def step(t, carry):
-        m, l, acc = carry
-        pos = t * tile_blocks + jnp.arange(tile_blocks, dtype=jnp.int32)  # list positions
-        in_list = pos < n_listed
-        # The pos-th listed block is the number of blocks listed at most pos times before it.
-        block = jnp.sum((rank[None, :] <= pos[:, None]).astype(jnp.int32), axis=1)
-        first = jnp.minimum(block, n_blocks - 1) * block_size  # first key: [tile_blocks]
-        pages = page_table_ref[first // page_size]
-        rows = (pages * page_size + first % page_size)[:, None] + offsets[None, :]
-        valid = in_list[:, None] & (first[:, None] + offsets[None, :] < seq_len)
-        gather = (rows[:, :, None], dims)  # [tile_blocks, block_size, head_dim]
-        k = pl_triton.load(k_ref.at[gather], mask=valid[:, :, None], other=0)
-        v = pl_triton.load(v_ref.at[gather], mask=valid[:, :, None], other=0)  # both in flight
-        scores = jnp.sum(k.astype(jnp.float32) * q[None, None, :], axis=-1)
-        scores = jnp.where(valid, scores, -jnp.inf)  # [tile_blocks, block_size]
-        m_new = jnp.maximum(m, jnp.max(scores))
-        p = jnp.exp(scores - m_new)
-        block_sum = jnp.sum(p, axis=1)
-        correction = jnp.exp(m - m_new)
-        pv = jnp.sum(jnp.sum(p[:, :, None] * v.astype(jnp.float32), axis=1), axis=0)
-        pl_triton.store(block_lse_ref.at[b, h, pos], m_new + jnp.log(block_sum), mask=in_list)
-        return m_new, l * correction + jnp.sum(block_sum), acc * correction + pv
+    @pl.when(s < n_splits)
+    def _attend():
+        # 1. This split's entries [lo, hi) of the row's list: first-key cache rows.
+        block = jnp.arange(blocks_pad, dtype=jnp.int32)
+        upto = jnp.cumsum(listed.astype(jnp.int32))  # listed blocks up to and including each
+        rank = upto - 1
+        lo = s * size  # a multiple of tile_blocks
+        hi = jnp.minimum(lo + size, n_listed)
+        mine = listed & (rank >= lo) & (rank < hi)
+        first = block * block_size
+        page = pl_triton.load(page_table_ref.at[jnp.where(mine, first // page_size, 0)],
+                              mask=mine, other=0)
+        # Scatter by a permutation of the blocks (listed ones to their rank, others after them):
+        # the interpreter's masked scatter writes every lane, so no two lanes may share a slot.
+        slot = jnp.where(listed, rank, n_listed + block - upto)
+        pl_triton.store(list_ref.at[b, h, slot], page * page_size + first % page_size, mask=mine)
+        # Only the last causal block can be partial; when listed, it is the last entry.
+        n_causal = (seq_len + block_size - 1) // block_size
+        tail_listed = jnp.sum(jnp.where(block == n_causal - 1, listed, False).astype(jnp.int32)) > 0
+        tail_keys = jnp.where(tail_listed, seq_len - (n_causal - 1) * block_size, block_size)
+        if barrier:  # a program reads back only the entries it wrote
+            pl_triton.debug_barrier()
 
-    init = (jnp.float32(-jnp.inf), jnp.float32(0), jnp.zeros(q.shape, jnp.float32))
-    m, l, acc = jax.lax.fori_loop(start, stop, step, init)
-    acc_ref[b, h, s, :] = acc
-    m_ref[b, h, s] = m
-    l_ref[b, h, s] = l
-    if finish is None:
-        return
-    if barrier:  # every thread's partial stores precede the counter's release
-        pl_triton.debug_barrier()
-    arrived = pl_triton.atomic_add(counter_ref, (b, h), jnp.ones((), jnp.int32))  # acq_rel, GPU
+        # 2. Online softmax over the entries, tile_n keys per step, in base 2.
+        head_dim = q_ref.shape[-1]
+        tile_n = tile_blocks * block_size
+        rows_g = DOT_ROWS if dots else 1
+        g = jax.lax.broadcasted_iota(jnp.int32, (rows_g, head_dim), 0)
+        q = jnp.where(g == 0, q_ref[...][None, :], 0).astype(q_ref.dtype)  # [rows_g, head_dim]
+        offs = jnp.arange(tile_n, dtype=jnp.int32)
+        within = offs % block_size
+        dims = jnp.arange(head_dim, dtype=jnp.int32)
+        column = jax.lax.broadcasted_iota(jnp.int32, (tile_n, rows_g), 1)
+        head0 = jax.lax.broadcasted_iota(jnp.int32, (1, rows_g), 1) == 0  # the real head
 
-    @pl.when(arrived == num_splits - 1)
-    def _last_split_finishes():
-        _finish(b, h, seq_lens_ref, modes_ref, support_ref, acc_ref, m_ref, l_ref, block_lse_ref,
-                out_ref, support_out_ref, mass_ref, block_size=block_size, volatile=True, **finish)
+        def step(i, carry):
+            m, l, acc = carry  # [1, rows_g], [1, rows_g], [rows_g, head_dim]
+            t = lo + i * tile_blocks
+            entry = t + offs // block_size
+            in_list = entry < hi
+            start = pl_triton.load(list_ref.at[b, h, jnp.where(in_list, entry, lo)],
+                                   mask=in_list, other=0)
+            key_ok = in_list & ((entry < n_listed - 1) | (within < tail_keys))
+            rows = (start + within)[:, None]
+            k = pl_triton.load(k_ref.at[rows, dims[None, :]], mask=key_ok[:, None], other=0)
+            v = pl_triton.load(v_ref.at[rows, dims[None, :]], mask=key_ok[:, None], other=0)
+            if dots:
+                scores = jax.lax.dot_general(k, q, (((1,), (1,)), ((), ())),
+                                             preferred_element_type=jnp.float32)
+            else:
+                scores = jnp.sum(k.astype(jnp.float32) * q.astype(jnp.float32), axis=1,
+                                 keepdims=True)
+            scores = jnp.where(key_ok[:, None], scores * scale, -jnp.inf)  # [tile_n, rows_g]
+            m_new = jnp.maximum(m, jnp.max(scores, axis=0, keepdims=True))
+            m_base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m - m_base)
+            p = jnp.exp2(scores - m_base)
+            if dots:
+                pv = jax.lax.dot_general(p.astype(v.dtype), v, (((0,), (0,)), ((), ())),
+                                         preferred_element_type=jnp.float32)
+            else:
+                pv = jnp.sum(p * v.astype(jnp.float32), axis=0, keepdims=True)
+            acc = acc * alpha.reshape(rows_g, 1) + pv
+            l = l * alpha + jnp.sum(p, axis=0, keepdims=True)
+
+            @pl.when(discovering)  # per block: sum of exp2(s - m_base), relative to m_base
+            def _block_stats():
+                p0 = jnp.sum(jnp.where(column == 0, p, 0.0), axis=1)
+                sums = jnp.sum(p0.reshape(tile_blocks, block_size), axis=1)
+                pos = t + jnp.arange(tile_blocks, dtype=jnp.int32)  # < blocks_pad: t is tile-aligned
+                ok = pos < hi
+                m0 = jnp.sum(jnp.where(head0, m_base, 0.0))
+                pl_triton.store(stat_m_ref.at[b, h, pos], jnp.full((tile_blocks,), m0), mask=ok)
+                pl_triton.store(stat_l_ref.at[b, h, pos], sums, mask=ok)
+
+            return m_new, l, acc
+
+        init = (jnp.full((1, rows_g), -jnp.inf, jnp.float32), jnp.zeros((1, rows_g), jnp.float32),
+                jnp.zeros((rows_g, head_dim), jnp.float32))
+        n_steps = (hi - lo + tile_blocks - 1) // tile_blocks
+        m, l, acc = jax.lax.fori_loop(0, n_steps, step, init)
+        acc_ref[b, h, s, :] = jnp.sum(jnp.where(g == 0, acc, 0.0), axis=0)  # row 0: the head
+        m_ref[b, h, s] = jnp.sum(jnp.where(head0, m, 0.0))
+        l_ref[b, h, s] = jnp.sum(jnp.where(head0, l, 0.0))
+        if finish is None:
+            return
+        if barrier:  # every thread's partial stores precede the counter's release
+            pl_triton.debug_barrier()
+        arrived = pl_triton.atomic_add(counter_ref, (b, h), jnp.ones((), jnp.int32))  # acq_rel
+
+        @pl.when(arrived == n_splits - 1)
+        def _last_split_finishes():
+            _finish(b, h, n_splits, seq_lens_ref, modes_ref, support_ref, stat_m_ref, stat_l_ref,
+                    acc_ref, m_ref, l_ref, *finish_refs, block_size=block_size, volatile=True,
+                    **finish)
 
 
-def _finish_kernel(*refs, block_size, eta, all_blocks):
-    """One (row, head) of _finish, as its own launch (refs as _finish's)."""
-    _finish(pl.program_id(0), pl.program_id(1), *refs, block_size=block_size, eta=eta,
-            all_blocks=all_blocks, volatile=False)
+def _finish_kernel(seq_lens_ref, modes_ref, support_ref, *refs, block_size, tile_blocks,
+                   split_blocks, min_splits, **finish):
+    """One (row, head) of _finish as its own launch (refs as _finish's)."""
+    b, h = pl.program_id(0), pl.program_id(1)
+    blocks_pad = refs[0].shape[-1]
+    _, _, _, n_splits = _row_list(support_ref, b, h, seq_lens_ref[b], modes_ref[b],
+                                  block_size=block_size, blocks_pad=blocks_pad,
+                                  tile_blocks=tile_blocks, split_blocks=split_blocks,
+                                  min_splits=min_splits)
+    _finish(b, h, n_splits, seq_lens_ref, modes_ref, support_ref, *refs, block_size=block_size,
+            volatile=False, **finish)
 
 
-def _finish(b, h, seq_lens_ref, modes_ref, support_ref, acc_ref, m_ref, l_ref, block_lse_ref,
-            out_ref, support_out_ref, mass_ref, *, block_size, eta, all_blocks, volatile):
-    """Row b, head h: merge the splits by log-sum-exp; mass and selection of discovery rows.
+def _finish(b, h, n_splits, seq_lens_ref, modes_ref, support_ref, stat_m_ref, stat_l_ref, acc_ref,
+            m_ref, l_ref, out_ref, support_out_ref, *mass_ref, block_size, eta, all_blocks,
+            volatile):
+    """Row b, head h: merge its n_splits splits; mass and selection of discovery rows.
 
-    Whole refs: support, support_out, mass [batch, heads, max_blocks]; acc [batch, heads,
-    splits, head_dim]; m, l [batch, heads, splits]; block_lse [batch, heads, blocks_pad];
-    out [batch, heads, head_dim]. volatile: read the partials from L2, past the L1 cache
-    (other programs wrote them in this launch).
-    """
-    def load(ref_view):
-        return pl_triton.load(ref_view, volatile=volatile)
-
+    Whole refs: support, support_out, mass (present with return_mass) [batch, heads,
+    max_blocks]; stat_m, stat_l [batch, heads, blocks_pad]; acc [batch, heads, splits_pad,
+    head_dim]; m, l [batch, heads, splits_pad]; out [batch, heads, head_dim]. volatile: read
+    the partials past the L1 cache (other programs of this launch wrote them)."""
     mode = modes_ref[b]
     discovering = (mode == wise_modes.DISCOVER) | (mode == wise_modes.DISCOVER_UNION)
-    n_causal = (seq_lens_ref[b] + block_size - 1) // block_size  # a discovery row's list
-    n_blocks, blocks_pad = support_ref.shape[-1], block_lse_ref.shape[-1]
-    m = load(m_ref.at[b, h, :])
+    n_blocks, blocks_pad = support_ref.shape[-1], stat_m_ref.shape[-1]
+    n_causal = jnp.minimum((seq_lens_ref[b] + block_size - 1) // block_size, n_blocks)
+    split = jnp.arange(m_ref.shape[-1], dtype=jnp.int32)
+    ran = split < n_splits
+    m = pl_triton.load(m_ref.at[b, h, split], mask=ran, other=-jnp.inf, volatile=volatile)
+    l = pl_triton.load(l_ref.at[b, h, split], mask=ran, other=0.0, volatile=volatile)
+    acc = pl_triton.load(acc_ref.at[b, h, :, :], mask=ran[:, None], other=0.0, volatile=volatile)
     m_max = jnp.max(m)
-    weight = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - m_max))
-    total = jnp.sum(weight * load(l_ref.at[b, h, :]))
-    acc = jnp.sum(weight[:, None] * load(acc_ref.at[b, h, :, :]), axis=0)
-    out_ref[b, h, :] = (acc / total).astype(out_ref.dtype)  # NaN stays NaN; no keys: 0 / 0
-
-    def block_mass(first, size):  # [size]: mass of blocks [first, first + size) (0 if none)
-        index = first + jnp.arange(size, dtype=jnp.int32)
-        lse = load(block_lse_ref.at[b, h, pl.ds(first, size)])
-        return jnp.where(discovering & (index < n_causal), jnp.exp(lse - m_max) / total, 0.0)
+    m_top = jnp.where(m_max == -jnp.inf, 0.0, m_max)
+    weight = jnp.exp2(m - m_top)  # 0 for splits without keys
+    total = jnp.sum(weight * l)
+    out_ref[b, h, :] = (jnp.sum(weight[:, None] * acc, axis=0) / total).astype(out_ref.dtype)
 
     index = jnp.arange(blocks_pad, dtype=jnp.int32)
-    pl_triton.store(mass_ref.at[b, h, index], block_mass(0, blocks_pad), mask=index < n_blocks)
+    in_row = index < n_blocks
+    has_stat = discovering & (index < n_causal)
+    stat_m = pl_triton.load(stat_m_ref.at[b, h, index], mask=has_stat, other=0.0, volatile=volatile)
+    stat_l = pl_triton.load(stat_l_ref.at[b, h, index], mask=has_stat, other=0.0, volatile=volatile)
+    mass = jnp.where(has_stat, stat_l * jnp.exp2(stat_m - m_top) / total, 0.0)
+    if mass_ref:
+        pl_triton.store(mass_ref[0].at[b, h, index], mass, mask=in_row)
 
     @pl.when(jnp.logical_not(discovering))
     def _keep_support():
-        held = pl_triton.load(support_ref.at[b, h, index], mask=index < n_blocks, other=False)
-        pl_triton.store(support_out_ref.at[b, h, index], held, mask=index < n_blocks)
+        held = pl_triton.load(support_ref.at[b, h, index], mask=in_row, other=False)
+        pl_triton.store(support_out_ref.at[b, h, index], held, mask=in_row)
 
     @pl.when(discovering)
     def _select():
-        threshold = eta * jnp.sum(block_mass(0, blocks_pad))
-        rows, cols = min(_SELECT_ROWS, blocks_pad), min(_SELECT_COLS, blocks_pad)
-
-        def rank_tile(i0):  # keep[rows] for blocks [i0, i0 + rows), by pairwise ranking
-            mi = block_mass(i0, rows)[:, None]
-            ii = (i0 + jnp.arange(rows, dtype=jnp.int32))[:, None]
-
-            def col_tile(tj, sums):
-                before, ahead_count = sums
-                j0 = tj * cols
-                mj = block_mass(j0, cols)[None, :]
-                jj = (j0 + jnp.arange(cols, dtype=jnp.int32))[None, :]
-                ahead = (mj > mi) | ((mj == mi) & (jj < ii))
-                return (before + jnp.sum(jnp.where(ahead, mj, 0.0), axis=1),
-                        ahead_count + jnp.sum(ahead.astype(jnp.int32), axis=1))
-
-            before, ahead_count = jax.lax.fori_loop(
-                0, blocks_pad // cols, col_tile,
-                (jnp.zeros((rows,), jnp.float32), jnp.zeros((rows,), jnp.int32)))
-            return (ahead_count == 0) | ((mi[:, 0] > 0) & (before < threshold))
-
-        def row_tile(ti, carry):
-            i0 = ti * rows
-            ii = i0 + jnp.arange(rows, dtype=jnp.int32)
-            keep = ii < n_causal if all_blocks else rank_tile(i0) & (ii < n_causal)  # NaN mass too
-            held = pl_triton.load(support_ref.at[b, h, ii], mask=ii < n_blocks, other=False)
-            keep = keep | (held & (mode == wise_modes.DISCOVER_UNION))
-            pl_triton.store(support_out_ref.at[b, h, ii], keep, mask=ii < n_blocks)
-            return carry
-
-        jax.lax.fori_loop(0, blocks_pad // rows, row_tile, 0)
+        if all_blocks:
+            order, keep = index, index < n_causal
+        else:
+            order, kept = _select_ranked(mass, eta)
+            keep = kept & (order < n_causal)  # NaN mass too: causal blocks only
+        dst = order < n_blocks
+        held = pl_triton.load(support_ref.at[b, h, order],
+                              mask=dst & (mode == wise_modes.DISCOVER_UNION), other=False)
+        pl_triton.store(support_out_ref.at[b, h, order], keep | held, mask=dst)
 
 
 # ---------------------------------------------------------------------------------------------
 # Launchers
 
 
-def _finish_shapes(batch, heads, head_dim, n_blocks, out_dtype):
-    return [jax.ShapeDtypeStruct((batch, heads, head_dim), out_dtype),
-            jax.ShapeDtypeStruct((batch, heads, n_blocks), jnp.bool_),
-            jax.ShapeDtypeStruct((batch, heads, n_blocks), jnp.float32)]
+def _finish_shapes(batch, heads, head_dim, n_blocks, out_dtype, return_mass):
+    shapes = [jax.ShapeDtypeStruct((batch, heads, head_dim), out_dtype),
+              jax.ShapeDtypeStruct((batch, heads, n_blocks), jnp.bool_)]
+    if return_mass:
+        shapes.append(jax.ShapeDtypeStruct((batch, heads, n_blocks), jnp.float32))
+    return shapes
+
+
+def _lists(block_size, config: KernelConfig):
+    return dict(block_size=block_size, tile_blocks=config.tile_blocks(block_size),
+                split_blocks=config.split_blocks(block_size), min_splits=config.min_splits)
 
 
 def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size, scale,
-                blocks_pad, config: KernelConfig, finish, interpret: bool):
+                config: KernelConfig, finish, return_mass, interpret: bool):
     """The split kernel; with `finish` (dict of eta, all_blocks) it also finishes (fused)."""
     batch, heads, head_dim = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
+    n_blocks = support.shape[-1]
     group = heads // kv_heads
-    splits = config.num_splits
+    blocks_pad = max(_next_pow2(n_blocks), config.tile_blocks(block_size))
+    max_splits = config.max_splits(block_size, n_blocks)
+    splits_pad = _next_pow2(max_splits)
     k_rows = k_pages.reshape(num_pages * page_size, kv_heads, head_dim)
     v_rows = v_pages.reshape(num_pages * page_size, kv_heads, head_dim)
     whole = pl.BlockSpec()
@@ -303,24 +443,27 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
                 kv_spec, kv_spec]
     args = [seq_lens, modes, support, page_table, q, k_rows, v_rows]
     f32 = jnp.float32
-    out_shape = [jax.ShapeDtypeStruct((batch, heads, splits, head_dim), f32),  # acc
-                 jax.ShapeDtypeStruct((batch, heads, splits), f32),  # m
-                 jax.ShapeDtypeStruct((batch, heads, splits), f32),  # l
-                 jax.ShapeDtypeStruct((batch, heads, blocks_pad), f32)]  # block lse
+    out_shape = [jax.ShapeDtypeStruct((batch, heads, blocks_pad), jnp.int32),  # list
+                 jax.ShapeDtypeStruct((batch, heads, blocks_pad), f32),  # stat_m
+                 jax.ShapeDtypeStruct((batch, heads, blocks_pad), f32),  # stat_l
+                 jax.ShapeDtypeStruct((batch, heads, splits_pad, head_dim), f32),  # acc
+                 jax.ShapeDtypeStruct((batch, heads, splits_pad), f32),  # m
+                 jax.ShapeDtypeStruct((batch, heads, splits_pad), f32)]  # l
     aliases = {}
     if finish is not None:
-        out_shape += _finish_shapes(batch, heads, head_dim, support.shape[-1], q.dtype)
+        out_shape += _finish_shapes(batch, heads, head_dim, n_blocks, q.dtype, return_mass)
         out_shape.append(jax.ShapeDtypeStruct((batch, heads), jnp.int32))  # counter
         in_specs.append(whole)
         args.append(jnp.zeros((batch, heads), jnp.int32))
         aliases = {len(args) - 1: len(out_shape) - 1}
+    lists = _lists(block_size, config)
+    del lists["block_size"]
     kernel = functools.partial(
-        _split_kernel, block_size=block_size, page_size=page_size,
-        tile_blocks=config.tile_blocks, num_splits=splits, scale=scale, finish=finish,
-        barrier=not interpret)
+        _split_kernel, block_size=block_size, page_size=page_size, scale=scale * LOG2E,
+        dots=config.dots, finish=finish, barrier=not interpret, **lists)
     return pl.pallas_call(
         kernel,
-        grid=(batch, heads, splits),
+        grid=(batch, heads, max_splits),
         in_specs=in_specs,
         out_specs=[whole] * len(out_shape),
         out_shape=out_shape,
@@ -331,37 +474,38 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
     )(*args)
 
 
-def _finish_call(seq_lens, modes, support, acc, m, l, block_lse, *, out_dtype, block_size, eta,
-                 all_blocks, interpret: bool):
-    batch, heads, _, head_dim = acc.shape
-    kernel = functools.partial(_finish_kernel, block_size=block_size, eta=eta,
-                               all_blocks=all_blocks)
+def _finish_call(seq_lens, modes, support, partials, *, out_dtype, block_size, config, eta,
+                 all_blocks, return_mass, interpret: bool):
+    batch, heads, _, head_dim = partials[3].shape
+    kernel = functools.partial(_finish_kernel, eta=eta, all_blocks=all_blocks,
+                               **_lists(block_size, config))
+    out_shape = _finish_shapes(batch, heads, head_dim, support.shape[-1], out_dtype, return_mass)
     return pl.pallas_call(
         kernel,
         grid=(batch, heads),
-        in_specs=[pl.BlockSpec()] * 7,
-        out_specs=[pl.BlockSpec()] * 3,
-        out_shape=_finish_shapes(batch, heads, head_dim, support.shape[-1], out_dtype),
+        in_specs=[pl.BlockSpec()] * 8,
+        out_specs=[pl.BlockSpec()] * len(out_shape),
+        out_shape=out_shape,
         compiler_params=_compiler_params(num_warps=4, num_stages=1),
         interpret=interpret,
         name="wise_decode_finish",
-    )(seq_lens, modes, support, acc, m, l, block_lse)
+    )(seq_lens, modes, support, *partials[1:])
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "eta", "scale", "all_blocks",
-                                             "config", "interpret"))
+                                             "return_mass", "config", "interpret"))
 def _decode(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size, eta, scale,
-            all_blocks, config, interpret):
-    blocks_pad = max(_next_pow2(support.shape[-1]), config.tile_blocks)
+            all_blocks, return_mass, config, interpret):
     finish = dict(eta=eta, all_blocks=all_blocks)
     outputs = _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support,
-                          block_size=block_size, scale=scale, blocks_pad=blocks_pad,
-                          config=config, finish=finish if config.fused_finish else None,
-                          interpret=interpret)
+                          block_size=block_size, scale=scale, config=config,
+                          finish=finish if config.fused_finish else None,
+                          return_mass=return_mass, interpret=interpret)
     if config.fused_finish:
-        return tuple(outputs[4:7])
-    return tuple(_finish_call(seq_lens, modes, support, *outputs, out_dtype=q.dtype,
-                              block_size=block_size, interpret=interpret, **finish))
+        return tuple(outputs[6:-1])
+    return tuple(_finish_call(seq_lens, modes, support, outputs, out_dtype=q.dtype,
+                              block_size=block_size, config=config, return_mass=return_mass,
+                              interpret=interpret, **finish))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,30 +525,32 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
     and, with return_mass, mass float32[batch, heads, max_blocks] (zeros for rows that do not
     discover). all_blocks: discovery rows select every causal block. interpret: run the
     kernels in the Pallas interpreter (default: when the default backend is not a GPU).
-    config: launch parameters (default: `default_config` for these shapes). validate: also
+    config: launch parameters (default: `config_for(head_dim, q.dtype)`). validate: also
     check the values (`wise_jax.attention.check_call`; under jit a host callback per call).
     NaN in q, k or v gives NaN outputs; a SPARSE head that selects no causal block (outside
     the contract) gives NaN outputs when not validated.
     """
     seq_lens = check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support,
                           block_size=block_size, eta=eta, validate=validate)
-    _check_kernel_inputs(q, k_pages)
-    batch, heads, head_dim = q.shape
+    head_dim = q.shape[-1]
+    if config is None:
+        config = config_for(head_dim, q.dtype)
+    _check_kernel_inputs(head_dim, config)
     if scale is None:
         scale = head_dim ** -0.5
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    if config is None:
-        config = default_config(batch, heads, support.shape[-1], head_dim, block_size)
-    out, new_support, mass = _decode(
+    outputs = _decode(
         q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size,
-        eta=float(eta), scale=float(scale), all_blocks=bool(all_blocks), config=config,
-        interpret=bool(interpret))
-    return (out, new_support, mass) if return_mass else (out, new_support)
+        eta=float(eta), scale=float(scale), all_blocks=bool(all_blocks),
+        return_mass=bool(return_mass), config=config, interpret=bool(interpret))
+    return tuple(outputs)
 
 
-def _check_kernel_inputs(q, k_pages):
-    """What this kernel needs beyond the shared contract: a power-of-two head_dim."""
-    head_dim = q.shape[-1]
+def _check_kernel_inputs(head_dim: int, config: KernelConfig):
+    """What this kernel needs beyond the shared contract: a power-of-two head_dim (>= 16 for
+    dots)."""
     if head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two for the Pallas kernel, got {head_dim}")
+    if config.dots and head_dim < 16:
+        raise ValueError(f"KernelConfig.dots needs head_dim >= 16, got {head_dim}")

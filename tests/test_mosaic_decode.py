@@ -1,0 +1,150 @@
+"""The Mosaic GPU split kernel (wise_jax.kernels.mosaic_decode): in jax's GPU interpreter on a
+CPU, lowered for CUDA (Mosaic GPU, sm90) without a GPU, and compiled and run on a GPU.
+
+The equivalences are test_pallas_decode.py's (`check_modes`: every mode against the float64
+reference within `wise_core.rounding`'s bounds, the bitwise ones bitwise), plus the dense output
+against the Triton-lowered Pallas kernel within the sum of the two kernels' bounds (each rounds;
+bf16 outputs).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from test_pallas_decode import (BLOCK, COMBOS, ETA, GPU_COMBOS, assert_within, bits, check_modes,
+                                make_case, on_gpu, out_bound, run)
+from wise_core import modes as M
+from wise_jax.kernels import mosaic_decode, pallas_decode
+from wise_jax.kernels.mosaic_decode import MosaicConfig
+
+mosaic = mosaic_decode.decode_attention
+RING = MosaicConfig(tile_n=64, split_keys=128, num_stages=1)  # 2 tiles a split through one slot
+SPLITS = MosaicConfig(tile_n=64, split_keys=256, min_splits=3, num_stages=2)  # 6 blocks: 3 splits
+MOSAIC_COMBOS = [name for name, spec in COMBOS.items()
+                 if mosaic_decode.supports(spec["head_dim"], spec["dtype"])]
+
+
+@pytest.mark.parametrize("name,config", [(MOSAIC_COMBOS[0], RING), (MOSAIC_COMBOS[1], SPLITS)])
+def test_interpreted_modes_against_references_and_dense(name, config):
+    check_modes(COMBOS[name], config=config, impl=mosaic)
+
+
+def test_interpreted_dense_matches_triton_lowering_and_rows_alone():
+    """Dense (and every mode) against the Triton-lowered kernel: outputs within both bounds,
+    the same selection; each row of a mixed batch bitwise as alone; jit bitwise eager."""
+    case = make_case(3, **COMBOS[MOSAIC_COMBOS[0]])
+    modes = [M.SPARSE, M.DISCOVER, M.DENSE, M.DISCOVER_UNION]
+    out, support, mass = run(case, modes, impl=mosaic, config=RING)
+    ref_out, ref_support, _ = run(case, modes)
+    for b in range(4):  # both kernels round: twice each bound
+        assert_within(np.asarray(out[b].astype(jnp.float32)), np.asarray(ref_out[b].astype(jnp.float32)),
+                      2 * out_bound(case, b), f"row {b}")
+    assert np.array_equal(np.asarray(support), np.asarray(ref_support))
+    b = 3  # a discovery row alone
+    alone = {name: (x[b:b + 1] if name not in ("k", "v") else x) for name, x in case.items()}
+    out_b, support_b, mass_b = run(alone, [modes[b]], impl=mosaic, config=RING)
+    for x, y in ((out_b, out), (support_b, support), (mass_b, mass)):
+        assert np.array_equal(bits(x[0]), bits(y[b]))
+    call = functools.partial(mosaic, block_size=BLOCK, eta=ETA, return_mass=True, config=RING)
+    args = (case["q"], case["k"], case["v"], case["page_table"], case["seq_lens"],
+            jnp.asarray(modes, jnp.int32), case["support"])
+    for x, y in zip(jax.jit(call)(*args), (out, support, mass)):
+        assert np.array_equal(bits(x), bits(y))
+
+
+def test_rejects_what_it_does_not_take():
+    case = make_case(6, **COMBOS["page32-mha-d64-f32"])  # float32
+    with pytest.raises(ValueError, match="16-bit q/K/V"):
+        run(case, [M.DENSE] * 4, impl=mosaic, config=RING)
+    with pytest.raises(ValueError, match="MosaicConfig"):
+        MosaicConfig(tile_n=32)
+
+
+def test_kernel_choice_in_one_place(monkeypatch):
+    """kernel='pallas' runs the Triton-lowered kernel unless the flag is set and the call is on
+    sm90 with what the Mosaic kernel takes (`wise_jax.kernels.choice`)."""
+    from wise_jax.attention import decode_attention as dispatch
+    from wise_jax.kernels import choice
+    case = make_case(5, **COMBOS[MOSAIC_COMBOS[0]])
+    args = (case["q"], case["k"], case["v"], case["page_table"], case["seq_lens"],
+            jnp.zeros(4, jnp.int32), case["support"])
+    calls = []
+    monkeypatch.setattr(mosaic_decode, "decode_attention", lambda *a, **k: calls.append("mosaic"))
+    monkeypatch.setattr(pallas_decode, "decode_attention", lambda *a, **k: calls.append("triton"))
+    dispatch(*args, block_size=BLOCK, eta=ETA, kernel="pallas")
+    monkeypatch.setattr(choice, "MOSAIC_ON_SM90", True)
+    dispatch(*args, block_size=BLOCK, eta=ETA, kernel="pallas")  # not on sm90 here
+    monkeypatch.setattr(choice, "on_sm90", lambda: True)
+    dispatch(*args, block_size=BLOCK, eta=ETA, kernel="pallas")
+    f32 = {name: x.astype(jnp.float32) for name, x in case.items() if name in ("q", "k", "v")}
+    dispatch(f32["q"], f32["k"], f32["v"], *args[3:], block_size=BLOCK, eta=ETA, kernel="pallas")
+    assert calls == ["triton", "triton", "mosaic", "triton"]
+
+
+def lower_for_cuda(batch, ctx, config, heads=16, head_dim=128, page_size=128):
+    """Lower an Ouro-shaped call for CUDA (no GPU needed): the Mosaic GPU module is built."""
+    max_pages, n_blocks = ctx // page_size, ctx // BLOCK
+    kv = jax.ShapeDtypeStruct((batch * max_pages, page_size, heads, head_dim), jnp.bfloat16)
+    args = (jax.ShapeDtypeStruct((batch, heads, head_dim), jnp.bfloat16), kv, kv,
+            jax.ShapeDtypeStruct((batch, max_pages), jnp.int32),
+            jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32),
+            jax.ShapeDtypeStruct((batch, heads, n_blocks), jnp.bool_))
+
+    def call(*a):  # validate=False: an engine's decode step (a host callback is not lowered)
+        return mosaic(*a, block_size=BLOCK, eta=ETA, return_mass=True, interpret=False,
+                      config=config, validate=False)
+
+    return jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="cross-lowering is checked on a CPU machine")
+@pytest.mark.parametrize("batch,ctx,config", [(64, 1024, MosaicConfig()),
+                                              (10, 8192, MosaicConfig(tile_n=128, split_keys=1024,
+                                                                      min_splits=4, num_stages=2))])
+def test_lowers_to_mosaic_gpu(batch, ctx, config):
+    text = lower_for_cuda(batch, ctx, config)
+    calls = collections.Counter(re.findall(r"custom_call @(\w+)", text))
+    assert calls == {"mosaic_gpu_v2": 1, "__gpu": 1}, calls  # the split kernel; the Triton-lowered finish
+    assert "wise_decode_finish" in text
+
+
+# ------------------------------------------------------------------------------------------------
+# On a GPU (not yet run there: the first H200 run of these is the kernel's first run).
+
+GPU_MOSAIC = [name for name, spec in GPU_COMBOS.items()
+              if mosaic_decode.supports(spec["head_dim"], spec["dtype"])]
+
+
+@pytest.mark.parametrize("name", GPU_MOSAIC)
+@on_gpu
+def test_gpu_modes_against_references_and_dense(name):
+    check_modes(GPU_COMBOS[name], config=MosaicConfig(), exact=False, impl=mosaic)
+
+
+@on_gpu
+def test_gpu_matches_triton_lowering_repeatably_and_rows_alone():
+    case = make_case(7, **GPU_COMBOS["ouro-page128-d128-bf16"])
+    modes = [M.SPARSE, M.DISCOVER, M.DENSE, M.DISCOVER_UNION] * 2
+    config = MosaicConfig(min_splits=4, num_stages=2)
+    out, support, mass = run(case, modes, impl=mosaic, config=config)
+    for again in [run(case, modes, impl=mosaic, config=config) for _ in range(3)]:
+        for x, y in zip((out, support, mass), again):
+            assert np.array_equal(bits(x), bits(y))
+    triton_config = pallas_decode.config_for(128, jnp.bfloat16)
+    ref_out, _, _ = run(case, modes, config=triton_config)
+    for b in range(len(modes)):  # both kernels round: the sum of their bounds
+        bound = out_bound(case, b) + out_bound(case, b, triton_config)
+        assert_within(np.asarray(out[b].astype(jnp.float32)), np.asarray(ref_out[b].astype(jnp.float32)),
+                      bound, f"row {b}")
+    for b in (0, 1):
+        alone = {name: (x[b:b + 1] if name not in ("k", "v") else x) for name, x in case.items()}
+        out_b, support_b, mass_b = run(alone, [modes[b]], impl=mosaic, config=config)
+        assert np.array_equal(bits(out_b[0]), bits(out[b]))
+        assert np.array_equal(np.asarray(support_b[0]), np.asarray(support[b]))

@@ -1,0 +1,320 @@
+"""Paged split-KV decode attention with per-row WISE modes, the split kernel on Mosaic GPU.
+
+The contract and the split rule are `wise_jax.kernels.pallas_decode`'s (its docstring); this
+module runs the heavy part, the split kernel that reads the keys and values, as a Mosaic GPU
+kernel (`plgpu`, Hopper: TMA copies into a multi-stage shared-memory ring, mbarriers), for
+16-bit q/K/V with head_dim a multiple of 64. One call:
+
+1. List (XLA, a few small fusions): per (row, head) the listed blocks' first-key cache rows,
+   in list order (`_block_lists`: every causal block, or the causal blocks of a SPARSE head's
+   support), their count and the valid keys of the last listed block. Prefix sums and
+   searches have no Mosaic GPU lowering, so the list is built outside the kernel.
+2. Split kernel (Mosaic GPU), grid (batch, heads, max_splits), one warpgroup per program:
+   split `s` owns list entries [s * split_size, ...) as in pallas_decode (same `split_size`,
+   so a SPARSE row selecting every block has DENSE's splits). It copies its share of the list
+   to shared memory, then streams `tile_n` keys (tile_n / 32 blocks, one TMA copy of
+   [32, head_dim] per block from its page, for K and for V) through `num_stages` slots, and
+   computes each tile with layout-hinted reductions: scores = sum over head_dim of K (WGMMA
+   register layout) times q broadcast along the keys; an online softmax in base 2 whose
+   running max is the tile maximum; acc[key slot, :] += p * V row-wise, reduced over the key
+   slots once at the end of the split. Discovery rows store per block (its running max, its
+   sum of exponentials); outputs are computed as for DENSE, so DISCOVER is bitwise DENSE, and
+   a SPARSE row with every block selected has DENSE's list, splits and arithmetic.
+3. Finish: `pallas_decode`'s finish kernel (merge by maxima, mass, selection by sort + prefix
+   sum, support'), reading this kernel's partials in the same layout.
+
+Routes tried (jax 0.10.2 on a CPU machine, no GPU):
+- q.K as `wgmma` (a 64-row window of q in shared memory, K^T through `plgpu.transpose_ref`),
+  p.V as `wgmma` with p in registers: lowers, but jax's GPU interpreter takes wgmma operands
+  only as plainly sliced shared-memory refs (no transposed view, no registers), so it could
+  not be run here; not used. A decode tile is memory-bound either way (one query row per
+  head: ~2 FMAs per K/V element loaded).
+- Layout-hinted reductions (above): lower to Mosaic GPU for sm90 (`jax.jit(...).lower(
+  lowering_platforms=("cuda",))` builds the Mosaic GPU module: layouts, TMA and barrier
+  lowering are checked then; PTX generation happens in the CUDA plugin at compile time, not
+  here), and run in jax's GPU interpreter (`InterpretGPUParams`): the CPU tests run this
+  kernel there at small shapes. Layout casts are skipped when interpreted (the interpreter has
+  no rule for them; they only pin register layouts).
+Not yet measured on an H200: which is faster (`benchmarks/bench_pallas.py` times both
+backends; `wise_jax.kernels.choice` holds the choice).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from wise_core import modes as wise_modes
+from wise_jax.attention import check_call
+from wise_jax.kernels import pallas_decode
+
+LOG2E = math.log2(math.e)
+LIST_CHUNK = 32  # list entries copied to shared memory at least (a TMA moves 128-byte multiples)
+TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # 16-bit, 128-byte rows
+ROW = plgpu.Layout.WGMMA.reduce(1)  # [keys]: one value per key slot of a tile
+COL = plgpu.Layout.WGMMA.reduce(0)  # [head_dim]
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    """Launch shape: keys per step (tile_n, a multiple of 64: the WGMMA layout's rows), keys
+    per program (split_keys) and min_splits (as pallas_decode.KernelConfig), num_stages (tiles
+    in flight per program)."""
+
+    tile_n: int = 64
+    split_keys: int = 512
+    min_splits: int = 1
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("tile_n", "split_keys"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0 \
+                    or value & (value - 1):
+                raise ValueError(f"MosaicConfig.{name} must be a positive power of two, got {value!r}")
+        if self.tile_n < 64 or self.split_keys < self.tile_n:
+            raise ValueError(f"MosaicConfig needs 64 <= tile_n <= split_keys, got {self}")
+        for name in ("min_splits", "num_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"MosaicConfig.{name} must be a positive integer, got {value!r}")
+
+    def split_rule(self) -> pallas_decode.KernelConfig:
+        """The pallas_decode launch whose list splits (and finish) this one shares."""
+        return pallas_decode.KernelConfig(tile_n=self.tile_n, split_keys=self.split_keys,
+                                          min_splits=self.min_splits)
+
+
+def supports(head_dim: int, dtype) -> bool:
+    """Whether this kernel takes q/K/V of this head_dim and dtype (16-bit, head_dim % 64 == 0)."""
+    return head_dim % 64 == 0 and jnp.dtype(dtype).name in ("bfloat16", "float16")
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Lists (XLA)
+
+
+def _block_lists(page_table, seq_lens, modes, support, *, block_size, page_size, list_pad):
+    """(rows int32[batch, heads, max_blocks + list_pad]: the first-key cache row of each listed
+    block in list order (entries past the list: row 0), meta int32[batch, heads, 2]: the
+    list's length and the valid keys of its last entry)."""
+    batch, heads, n_blocks = support.shape
+    block = jnp.arange(n_blocks, dtype=jnp.int32)
+    n_causal = jnp.minimum((seq_lens + block_size - 1) // block_size, n_blocks)      # [batch]
+    causal = block[None, :] < n_causal[:, None]
+    sparse = (modes == wise_modes.SPARSE)[:, None, None]
+    listed = causal[:, None, :] & (support | ~sparse)                                 # [b, h, blocks]
+    upto = jnp.cumsum(listed.astype(jnp.int32), axis=-1)
+    n_listed = upto[..., -1]
+    # The p-th listed block is the number of blocks listed at most p times up to them.
+    pick = jnp.sum((upto[..., None, :] <= block[:, None]).astype(jnp.int32), axis=-1)
+    pick = jnp.minimum(pick, n_blocks - 1)                                            # [b, h, p]
+    first = pick * block_size
+    pages = jnp.take_along_axis(page_table[:, None, :], first // page_size, axis=-1)
+    rows = jnp.where(block < n_listed[..., None], pages * page_size + first % page_size, 0)
+    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, list_pad)))  # a last chunk's copy stays inside
+    last = jnp.take_along_axis(listed, jnp.maximum(n_causal - 1, 0)[:, None, None], axis=-1)[..., 0]
+    tail = jnp.where(last, seq_lens[:, None] - (n_causal[:, None] - 1) * block_size, block_size)
+    return rows, jnp.stack([n_listed, tail], axis=-1).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. The split kernel (Mosaic GPU)
+
+
+def _layout(x, layout, interpret):
+    """Pin a register layout (skipped when interpreted: the interpreter has no rule for it)."""
+    return x if interpret else plgpu.layout_cast(x, layout)
+
+
+def _split_kernel(modes_ref, rows_ref, meta_ref, q_ref, k_ref, v_ref,
+                  stat_m_ref, stat_l_ref, acc_ref, m_ref, l_ref,
+                  list_smem, q_smem, k_smem, v_smem, acc_smem, q_bar, list_bar, k_bar, v_bar, *,
+                  block_size, tile_blocks, split_blocks, min_splits, num_stages, group, scale,
+                  interpret):
+    """Program (row b, head h, split s): step 2 of the module docstring.
+
+    GMEM: modes int32[batch]; rows, meta (`_block_lists`); q [batch, heads, head_dim]; k, v
+    [num_pages * page_size, kv_heads, head_dim]; outputs as pallas_decode's partials: stat_m,
+    stat_l [batch, heads, blocks_pad], acc [batch, heads, splits_pad, head_dim], m, l
+    [batch, heads, splits_pad]. SMEM: list_smem [list_chunk] int32, q_smem [head_dim],
+    k_smem, v_smem [num_stages, tile_n, head_dim] (tiled, swizzled), acc_smem [head_dim] f32.
+    """
+    b, h, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
+    mode = modes_ref[b]
+    n_listed, tail_keys = meta_ref[b, h, 0], meta_ref[b, h, 1]
+    size = pallas_decode._split_size(n_listed, tile_blocks=tile_blocks, split_blocks=split_blocks,
+                                     min_splits=min_splits)
+    n_splits = jnp.maximum((n_listed + size - 1) // size, 1)
+    discovering = (mode == wise_modes.DISCOVER) | (mode == wise_modes.DISCOVER_UNION)
+    tile_n, head_dim = k_smem.shape[1], k_smem.shape[2]
+    kv_head = h // group
+
+    @pl.when(s < n_splits)
+    def _attend():
+        lo = s * size
+        hi = jnp.minimum(lo + size, n_listed)
+        n_tiles = (hi - lo + tile_blocks - 1) // tile_blocks
+        plgpu.copy_gmem_to_smem(rows_ref.at[b, h, pl.ds(lo, list_smem.shape[0])], list_smem, list_bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
+        plgpu.barrier_wait(list_bar)
+
+        def fetch(tile, slot):  # K and V of the tile's blocks into the slot (a missing one repeats the first)
+            for j in range(tile_blocks):
+                entry = tile * tile_blocks + j
+                row = list_smem[jnp.where(lo + entry < hi, entry, 0)]
+                keys = pl.ds(j * block_size, block_size)
+                plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(row, block_size), kv_head],
+                                        k_smem.at[slot, keys], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(row, block_size), kv_head],
+                                        v_smem.at[slot, keys], v_bar.at[slot])
+
+        for i in range(num_stages):
+            pl.when(i < n_tiles)(functools.partial(fetch, i, i))
+        plgpu.barrier_wait(q_bar)
+        q = _layout(q_smem[...], COL, interpret).astype(jnp.float32) * scale
+        q_rows = lax.broadcast_in_dim(q, (tile_n, head_dim), [1])
+        slot_keys = _layout(lax.broadcasted_iota(jnp.int32, (tile_n,), 0), ROW, interpret)
+        slot_block = slot_keys // block_size
+
+        def step(t, carry):
+            m, l, acc = carry  # scalar, [tile_n] (per key slot), [tile_n, head_dim]
+            slot = lax.rem(t, num_stages)
+            plgpu.barrier_wait(k_bar.at[slot])
+            plgpu.barrier_wait(v_bar.at[slot])
+            k = k_smem.at[slot][...].astype(jnp.float32)
+            v = v_smem.at[slot][...].astype(jnp.float32)
+            # Refill the slot (the copy waits for every thread's loads of it).
+            pl.when(t + num_stages < n_tiles)(functools.partial(fetch, t + num_stages, slot))
+            entry = lo + t * tile_blocks + slot_block
+            ok = (entry < hi) & ((entry < n_listed - 1) | (slot_keys % block_size < tail_keys))
+            scores = jnp.where(ok, jnp.sum(k * q_rows, axis=1), -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(scores))
+            m_base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m - m_base)
+            p = jnp.exp2(scores - m_base)
+
+            @pl.when(discovering)
+            def _block_stats():  # per block of the tile: (running max, sum of exponentials)
+                for j in range(tile_blocks):
+                    pos = lo + t * tile_blocks + j
+
+                    @pl.when(pos < hi)
+                    def _store():
+                        stat_m_ref[b, h, pos] = m_base
+                        stat_l_ref[b, h, pos] = jnp.sum(jnp.where(slot_block == j, p, 0.0))
+
+            acc = acc * alpha + lax.broadcast_in_dim(p, acc.shape, [0]) * v
+            return m_new, l * alpha + p, acc
+
+        init = (jnp.float32(-jnp.inf),
+                _layout(jnp.zeros((tile_n,), jnp.float32), ROW, interpret),
+                _layout(jnp.zeros((tile_n, head_dim), jnp.float32), plgpu.Layout.WGMMA, interpret))
+        m, l, acc = lax.fori_loop(0, n_tiles, step, init)
+        m_ref[b, h, s] = m
+        l_ref[b, h, s] = jnp.sum(l)
+        acc_smem[...] = jnp.sum(acc, axis=0)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(acc_smem, acc_ref.at[b, h, s])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size, scale,
+                config: MosaicConfig, interpret):
+    batch, heads, head_dim = q.shape
+    num_pages, page_size, kv_heads, _ = k_pages.shape
+    n_blocks = support.shape[-1]
+    rule = config.split_rule()
+    tile_blocks, split_blocks = rule.tile_blocks(block_size), rule.split_blocks(block_size)
+    list_chunk = -(-split_blocks // LIST_CHUNK) * LIST_CHUNK
+    row_len = -(-(n_blocks + list_chunk) // LIST_CHUNK) * LIST_CHUNK  # TMA: 16-byte row strides
+    rows, meta = _block_lists(page_table, seq_lens, modes, support, block_size=block_size,
+                              page_size=page_size, list_pad=row_len - n_blocks)
+    blocks_pad = max(pallas_decode._next_pow2(n_blocks), tile_blocks)
+    max_splits = rule.max_splits(block_size, n_blocks)
+    splits_pad = pallas_decode._next_pow2(max_splits)
+    tile_n = tile_blocks * block_size
+    f32 = jnp.float32
+    out_type = [jax.ShapeDtypeStruct((batch, heads, blocks_pad), f32),  # stat_m
+                jax.ShapeDtypeStruct((batch, heads, blocks_pad), f32),  # stat_l
+                jax.ShapeDtypeStruct((batch, heads, splits_pad, head_dim), f32),  # acc
+                jax.ShapeDtypeStruct((batch, heads, splits_pad), f32),  # m
+                jax.ShapeDtypeStruct((batch, heads, splits_pad), f32)]  # l
+    stages = config.num_stages
+    scratch = [plgpu.SMEM((list_chunk,), jnp.int32),
+               plgpu.SMEM((head_dim,), q.dtype),
+               plgpu.SMEM((stages, tile_n, head_dim), k_pages.dtype, transforms=TILED),
+               plgpu.SMEM((stages, tile_n, head_dim), v_pages.dtype, transforms=TILED),
+               plgpu.SMEM((head_dim,), f32),
+               plgpu.Barrier(), plgpu.Barrier(),
+               plgpu.Barrier(num_arrivals=tile_blocks, num_barriers=stages),
+               plgpu.Barrier(num_arrivals=tile_blocks, num_barriers=stages)]
+    kernel = functools.partial(
+        _split_kernel, block_size=block_size, tile_blocks=tile_blocks, split_blocks=split_blocks,
+        min_splits=rule.min_splits, num_stages=stages, group=heads // kv_heads,
+        scale=scale * LOG2E, interpret=interpret is not None)
+    k_rows = k_pages.reshape(num_pages * page_size, kv_heads, head_dim)
+    v_rows = v_pages.reshape(num_pages * page_size, kv_heads, head_dim)
+    partials = plgpu.kernel(
+        kernel, out_type=out_type, grid=(batch, heads, max_splits), grid_names=("b", "h", "s"),
+        scratch_types=scratch, interpret=interpret,
+    )(modes, rows, meta, q, k_rows, v_rows)
+    return (None, *partials)  # pallas_decode's partials (its list output is not needed)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "eta", "scale", "all_blocks",
+                                             "return_mass", "config", "interpret"))
+def _decode(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size, eta, scale,
+            all_blocks, return_mass, config, interpret):
+    partials = _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support,
+                           block_size=block_size, scale=scale, config=config,
+                           interpret=interpret)
+    return tuple(pallas_decode._finish_call(
+        seq_lens, modes, support, partials, out_dtype=q.dtype, block_size=block_size,
+        config=config.split_rule(), eta=eta, all_blocks=all_blocks, return_mass=return_mass,
+        interpret=interpret is not None))
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+
+
+def interpret_params():
+    """The interpreter that runs the Mosaic GPU kernel on a CPU (jax's private GPU interpreter)."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return InterpretGPUParams()
+
+
+def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size,
+                     eta, scale=None, return_mass=False, interpret=None, all_blocks=False,
+                     config: MosaicConfig | None = None, validate: bool = True):
+    """`wise_jax.kernels.pallas_decode.decode_attention`'s contract with the split kernel on
+    Mosaic GPU (module docstring). interpret: run the split kernel in jax's GPU interpreter and
+    the finish in the Pallas interpreter (default: when the default backend is not a GPU).
+    config: launch parameters (default MosaicConfig()). Needs 16-bit q/K/V and head_dim a
+    multiple of 64 (`supports`)."""
+    seq_lens = check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support,
+                          block_size=block_size, eta=eta, validate=validate)
+    head_dim = q.shape[-1]
+    if not supports(head_dim, q.dtype):
+        raise ValueError(f"the Mosaic GPU kernel needs 16-bit q/K/V and head_dim a multiple of 64, "
+                         f"got {jnp.dtype(q.dtype).name} and head_dim {head_dim}")
+    if block_size % 8:
+        raise ValueError(f"the Mosaic GPU kernel needs block_size a multiple of 8, got {block_size}")
+    if scale is None:
+        scale = head_dim ** -0.5
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    config = MosaicConfig() if config is None else config
+    return tuple(_decode(
+        q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size,
+        eta=float(eta), scale=float(scale), all_blocks=bool(all_blocks),
+        return_mass=bool(return_mass), config=config,
+        interpret=interpret_params() if interpret else None))
