@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark of the project, in parts, for one H200 (tp: two):
-#   bash benchmarks/gpu_suite.sh tests|train|bench|engine|jax|tp OUTDIR [MODEL_DIR]
+#   bash benchmarks/gpu_suite.sh tests|train|bench|engine|jax|jax-bench|jax-tests|pallas|tp OUTDIR [MODEL_DIR]
 # tests: the `gpu`-marked pytest suite, the parity suite;
 # train: trains the built-in model (benchmarks/train_builtin.py) into OUTDIR/model;
 # engine: the torch engine's gpu tests, the fused-ops benchmark and the engine throughput
 #         benchmark (dense and WISE at 1K x 64, 4K x 20, 8K x 10, 1K x 1; ARMS, SHAPES, Q_SCALES override;
 #         SPEC adds speculative arms, e.g. SPEC="--spec wise --spec loops --num-draft 4");
-# jax: the JAX engine's gpu tests and its throughput benchmark (dense and WISE at 1K x 64, 4K x 20,
-#      8K x 10, 1K x 1; a 32K x 2 prefill; JAX_ARMS, SHAPES, Q_SCALES override), about 6 minutes;
+# jax: jax-bench then jax-tests, about 8 minutes; jax-bench: the JAX engine's throughput benchmark
+#      (dense and WISE at 1K x 64, 4K x 20, 8K x 10, 1K x 1; a 32K x 2 prefill; JAX_ARMS, SHAPES,
+#      Q_SCALES override); jax-tests: JAX's gpu tests (engine, selection in generate, the Pallas
+#      kernel in generate, parity's kernel checks) and the decode contract compiled for the GPU;
+# pallas: both Pallas kernels' gpu tests (Triton-lowered, Mosaic GPU) and the kernel benchmark without
+#         the launch sweep (PALLAS_SWEEP seconds of Pallas launch settings when set), about 5 minutes;
 # tp: on a host with two GPUs, the tensor-parallel gpu tests (torch and JAX) and the scaling benchmarks
 #     (1 and 2 GPUs, dense and WISE, Ouro-1.4B shape at 1K x 64 and 8K x 20: torch's tp_scaling.py, JAX's
 #     +tp2 arms); NCCL_NVLS_ENABLE=0 (NVLink multicast off); each `run` fits a 10-minute slot;
@@ -51,12 +55,23 @@ case $part in
         --shapes "${SHAPES:-1024x64,4096x20,8192x10,1024x1}" --q-scale "${Q_SCALES:-8,7.3,7,8}" \
         --max-num-batched-tokens 81920 ${OLD_SRC:+--old-src "$OLD_SRC"} ${SPEC:-} --out "$out/throughput"
     ;;
-  jax)
-    run jax_throughput 240 python3 benchmarks/jax_generate_bench.py --preset ouro-1.4b --arms "${JAX_ARMS:-dense,wise}" \
-        --shapes "${SHAPES:-1024x64,4096x20,8192x10,1024x1}" --q-scale "${Q_SCALES:-8,7.3,7,8}" \
-        --prefill-shapes 32768x2 --child-timeout 100 --out "$out/jax_throughput"
-    run jax_gpu_tests 120 python3 -m pytest -q -m gpu tests/test_jax_gpu.py tests/test_jax_selection_in_generate.py \
-        -p no:cacheprovider -rfE --durations=10
+  jax|jax-bench|jax-tests)
+    if [ "$part" != jax-tests ]; then
+      run jax_throughput 240 python3 benchmarks/jax_generate_bench.py --preset ouro-1.4b --arms "${JAX_ARMS:-dense,wise}" \
+          --shapes "${SHAPES:-1024x64,4096x20,8192x10,1024x1}" --q-scale "${Q_SCALES:-8,7.3,7,8}" \
+          --prefill-shapes 32768x2 --child-timeout 100 --out "$out/jax_throughput"
+    fi
+    if [ "$part" != jax-bench ]; then
+      run jax_gpu_tests 240 python3 -m pytest -q -m gpu tests/test_jax_gpu.py tests/test_jax_selection_in_generate.py \
+          tests/test_kernels_in_generate_gpu.py tests/test_parity_gpu.py -p no:cacheprovider -rfE --durations=10
+      run decode_contract 120 python3 -m pytest -q tests/test_decode_contract.py -p no:cacheprovider -rfE
+    fi
+    ;;
+  pallas)
+    run pallas_gpu_tests 150 python3 -m pytest -q -m gpu tests/test_pallas_decode.py tests/test_mosaic_decode.py \
+        tests/test_pallas_lowering.py -p no:cacheprovider -rfE --durations=10
+    run kernel_bench 180 python3 benchmarks/kernel_bench.py --out "$out/kernel" --no-sweep --densities 0.13 \
+        --pallas-chain 2,8 --no-jax-paged ${PALLAS_SWEEP:+--pallas-sweep-seconds "$PALLAS_SWEEP"}
     ;;
   tp)
     export NCCL_NVLS_ENABLE=0
@@ -69,5 +84,5 @@ case $part in
     run tp_jax 540 python3 benchmarks/jax_generate_bench.py --preset ouro-1.4b --arms dense,dense+tp2,wise,wise+tp2 \
         --shapes 1024x64,8192x20 --q-scale 8,7 --child-timeout 120 --out "$out/tp_jax"
     ;;
-  *) echo "unknown part $part (tests|train|bench|engine|jax|tp)" >&2; exit 2;;
+  *) echo "unknown part $part (tests|train|bench|engine|jax|jax-bench|jax-tests|pallas|tp)" >&2; exit 2;;
 esac

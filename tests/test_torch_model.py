@@ -131,6 +131,11 @@ def test_load_errors():
         model(torch.zeros(3, dtype=torch.int64))
     with pytest.raises(ValueError, match="exceeds max_position_embeddings"):
         model(torch.zeros(1, 1025, dtype=torch.int64))
+    vocab = model.config.vocab_size                                      # the messages of wise_jax.forward
+    with pytest.raises(ValueError, match=rf"ids \[{vocab}\] outside the vocabulary \(size {vocab}\)"):
+        model(torch.tensor([[1, vocab]]))
+    with pytest.raises(ValueError, match=r"ids \[-1\] outside the vocabulary"):
+        model(torch.tensor([[-1, 2]]))
 
 
 def test_fused_projections_are_the_checkpoint_tensors_side_by_side():

@@ -293,6 +293,10 @@ class OuroForCausalLM(nn.Module):
         if seq > self.config.max_position_embeddings:
             raise ValueError(f"sequence of {seq} tokens exceeds max_position_embeddings "
                              f"({self.config.max_position_embeddings})")
+        bad = input_ids[(input_ids < 0) | (input_ids >= self.config.vocab_size)]
+        if bad.numel():  # one host sync: forward is the full-sequence ground truth, not the hot path
+            raise ValueError(f"input_ids hold ids {sorted(set(bad.tolist()))[:5]} outside the vocabulary "
+                             f"(size {self.config.vocab_size})")
         ctx = SequenceContext(self.config, batch, seq, self.head_weight.dtype, input_ids.device)
         gates = [] if return_exit_probs else None
         h = self.run_tokens(input_ids.flatten().long(), ctx, gates)
