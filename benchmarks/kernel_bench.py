@@ -246,12 +246,16 @@ def bench_triton(rows, problem: Problem, densities, timer: Timer, configs, check
             support = p.support(density, contiguous=mode == "sparse-contiguous")
 
             def call(modes=modes, support=support):
+                # validate=False as in the engine's step: the contract's checks sync with the host,
+                # which a CUDA graph cannot capture (the checks run once in _check_triton)
                 return decode_attention(p.q, p.k_pages, p.v_pages, p.page_table, p.seq_lens, modes, support,
-                                        block_size=BLOCK, eta=ETA, workspace=ws)
+                                        block_size=BLOCK, eta=ETA, workspace=ws, validate=False)
 
             def measure(mode=mode, density=density, modes=modes, support=support, call=call):
                 kv_bytes = p.attended_bytes(modes, support)  # before discovery rows rewrite the support
                 us, method = timer(call)
+                if method == "eager" and p.device == "cuda":
+                    notes.append(f"{p.ctx} x {p.batch} {impl} {mode}: not capturable, timed eagerly")
                 return _row(impl, mode, p.ctx, p.batch, density, us, kv_bytes, f"{config} {method}")
 
             _attempt(rows, (impl, mode, p.ctx, p.batch, density, str(config)), measure)

@@ -5,7 +5,7 @@ module runs the heavy part, the split kernel that reads the keys and values, as 
 kernel (`plgpu`, Hopper: TMA copies into a multi-stage shared-memory ring, mbarriers), for
 16-bit q/K/V with head_dim a multiple of 64. One call:
 
-1. List (XLA, a few small fusions): per (row, head) the listed blocks' first-key cache rows,
+1. List (XLA, a few small fusions): per (row, head) the listed blocks' cache block indices,
    in list order (`_block_lists`: every causal block, or the causal blocks of a SPARSE head's
    support), their count and the valid keys of the last listed block. Prefix sums and
    searches have no Mosaic GPU lowering, so the list is built outside the kernel.
@@ -13,7 +13,9 @@ kernel (`plgpu`, Hopper: TMA copies into a multi-stage shared-memory ring, mbarr
    split `s` owns list entries [s * split_size, ...) as in pallas_decode (same `split_size`,
    so a SPARSE row selecting every block has DENSE's splits). It copies its share of the list
    to shared memory, then streams `tile_n` keys (tile_n / 32 blocks, one TMA copy of
-   [32, head_dim] per block from its page, for K and for V) through `num_stages` slots, and
+   [32, head_dim] per block, for K and for V, from the cache viewed as [cache blocks, 32,
+   kv_heads, head_dim], so the dynamic index is on an untiled dimension) through `num_stages`
+   slots, and
    computes each tile with layout-hinted reductions: scores = sum over head_dim of K (WGMMA
    register layout) times q broadcast along the keys; an online softmax in base 2 whose
    running max is the tile maximum; acc[key slot, :] += p * V row-wise, reduced over the key
@@ -102,9 +104,9 @@ def supports(head_dim: int, dtype) -> bool:
 
 
 def _block_lists(page_table, seq_lens, modes, support, *, block_size, page_size, list_pad):
-    """(rows int32[batch, heads, max_blocks + list_pad]: the first-key cache row of each listed
-    block in list order (entries past the list: row 0), meta int32[batch, heads, 2]: the
-    list's length and the valid keys of its last entry)."""
+    """(rows int32[batch, heads, max_blocks + list_pad]: the cache block (page * blocks per page
+    + block in page) of each listed block in list order (entries past the list: block 0), meta
+    int32[batch, heads, 2]: the list's length and the valid keys of its last entry)."""
     batch, heads, n_blocks = support.shape
     block = jnp.arange(n_blocks, dtype=jnp.int32)
     n_causal = jnp.minimum((seq_lens + block_size - 1) // block_size, n_blocks)      # [batch]
@@ -116,9 +118,9 @@ def _block_lists(page_table, seq_lens, modes, support, *, block_size, page_size,
     # The p-th listed block is the number of blocks listed at most p times up to them.
     pick = jnp.sum((upto[..., None, :] <= block[:, None]).astype(jnp.int32), axis=-1)
     pick = jnp.minimum(pick, n_blocks - 1)                                            # [b, h, p]
-    first = pick * block_size
-    pages = jnp.take_along_axis(page_table[:, None, :], first // page_size, axis=-1)
-    rows = jnp.where(block < n_listed[..., None], pages * page_size + first % page_size, 0)
+    per_page = page_size // block_size
+    pages = jnp.take_along_axis(page_table[:, None, :], pick // per_page, axis=-1)
+    rows = jnp.where(block < n_listed[..., None], pages * per_page + pick % per_page, 0)
     rows = jnp.pad(rows, ((0, 0), (0, 0), (0, list_pad)))  # a last chunk's copy stays inside
     last = jnp.take_along_axis(listed, jnp.maximum(n_causal - 1, 0)[:, None, None], axis=-1)[..., 0]
     tail = jnp.where(last, seq_lens[:, None] - (n_causal[:, None] - 1) * block_size, block_size)
@@ -142,7 +144,7 @@ def _split_kernel(modes_ref, rows_ref, meta_ref, q_ref, k_ref, v_ref,
     """Program (row b, head h, split s): step 2 of the module docstring.
 
     GMEM: modes int32[batch]; rows, meta (`_block_lists`); q [batch, heads, head_dim]; k, v
-    [num_pages * page_size, kv_heads, head_dim]; outputs as pallas_decode's partials: stat_m,
+    [num_pages * page_size // block_size, block_size, kv_heads, head_dim]; outputs as pallas_decode's partials: stat_m,
     stat_l [batch, heads, blocks_pad], acc [batch, heads, splits_pad, head_dim], m, l
     [batch, heads, splits_pad]. SMEM: list_smem [list_chunk] int32, q_smem [head_dim],
     k_smem, v_smem [num_stages, tile_n, head_dim] (tiled, swizzled), acc_smem [head_dim] f32.
@@ -169,11 +171,11 @@ def _split_kernel(modes_ref, rows_ref, meta_ref, q_ref, k_ref, v_ref,
         def fetch(tile, slot):  # K and V of the tile's blocks into the slot (a missing one repeats the first)
             for j in range(tile_blocks):
                 entry = tile * tile_blocks + j
-                row = list_smem[jnp.where(lo + entry < hi, entry, 0)]
+                cache_block = list_smem[jnp.where(lo + entry < hi, entry, 0)]
                 keys = pl.ds(j * block_size, block_size)
-                plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(row, block_size), kv_head],
+                plgpu.copy_gmem_to_smem(k_ref.at[cache_block, :, kv_head],
                                         k_smem.at[slot, keys], k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(row, block_size), kv_head],
+                plgpu.copy_gmem_to_smem(v_ref.at[cache_block, :, kv_head],
                                         v_smem.at[slot, keys], v_bar.at[slot])
 
         for i in range(num_stages):
@@ -260,8 +262,9 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
         _split_kernel, block_size=block_size, tile_blocks=tile_blocks, split_blocks=split_blocks,
         min_splits=rule.min_splits, num_stages=stages, group=heads // kv_heads,
         scale=scale * LOG2E, interpret=interpret is not None)
-    k_rows = k_pages.reshape(num_pages * page_size, kv_heads, head_dim)
-    v_rows = v_pages.reshape(num_pages * page_size, kv_heads, head_dim)
+    cache_blocks = num_pages * page_size // block_size
+    k_rows = k_pages.reshape(cache_blocks, block_size, kv_heads, head_dim)
+    v_rows = v_pages.reshape(cache_blocks, block_size, kv_heads, head_dim)
     partials = plgpu.kernel(
         kernel, out_type=out_type, grid=(batch, heads, max_splits), grid_names=("b", "h", "s"),
         scratch_types=scratch, interpret=interpret,
