@@ -59,6 +59,7 @@ from wise_jax.kernels import pallas_decode
 
 LOG2E = math.log2(math.e)
 LIST_CHUNK = 32  # list entries copied to shared memory at least (a TMA moves 128-byte multiples)
+LIST_ALIGN = 4  # int32 entries in 16 bytes: a TMA copy's global address must be 16-byte aligned
 TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # 16-bit, 128-byte rows
 ROW = plgpu.Layout.WGMMA.reduce(1)  # [keys]: one value per key slot of a tile
 COL = plgpu.Layout.WGMMA.reduce(0)  # [head_dim]
@@ -164,14 +165,15 @@ def _split_kernel(modes_ref, rows_ref, meta_ref, q_ref, k_ref, v_ref,
         lo = s * size
         hi = jnp.minimum(lo + size, n_listed)
         n_tiles = (hi - lo + tile_blocks - 1) // tile_blocks
-        plgpu.copy_gmem_to_smem(rows_ref.at[b, h, pl.ds(lo, list_smem.shape[0])], list_smem, list_bar)
+        base = pl.multiple_of(lo // LIST_ALIGN * LIST_ALIGN, LIST_ALIGN)  # min_splits: lo is any whole tile
+        plgpu.copy_gmem_to_smem(rows_ref.at[b, h, pl.ds(base, list_smem.shape[0])], list_smem, list_bar)
         plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
         plgpu.barrier_wait(list_bar)
 
         def fetch(tile, slot):  # K and V of the tile's blocks into the slot (a missing one repeats the first)
             for j in range(tile_blocks):
                 entry = tile * tile_blocks + j
-                cache_block = list_smem[jnp.where(lo + entry < hi, entry, 0)]
+                cache_block = list_smem[lo - base + jnp.where(lo + entry < hi, entry, 0)]
                 keys = pl.ds(j * block_size, block_size)
                 plgpu.copy_gmem_to_smem(k_ref.at[cache_block, :, kv_head],
                                         k_smem.at[slot, keys], k_bar.at[slot])
@@ -235,7 +237,7 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
     n_blocks = support.shape[-1]
     rule = config.split_rule()
     tile_blocks, split_blocks = rule.tile_blocks(block_size), rule.split_blocks(block_size)
-    list_chunk = -(-split_blocks // LIST_CHUNK) * LIST_CHUNK
+    list_chunk = -(-(split_blocks + LIST_ALIGN - 1) // LIST_CHUNK) * LIST_CHUNK  # a split's share from base
     row_len = -(-(n_blocks + list_chunk) // LIST_CHUNK) * LIST_CHUNK  # TMA: 16-byte row strides
     rows, meta = _block_lists(page_table, seq_lens, modes, support, block_size=block_size,
                               page_size=page_size, list_pad=row_len - n_blocks)
