@@ -14,7 +14,9 @@ copy): host memory holds the params and one leaf in assembly, never a tensor's w
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import os
 from pathlib import Path
 from typing import Callable, ContextManager
 
@@ -50,6 +52,7 @@ def model_dtype(dtype) -> jnp.dtype:
 Rows = tuple[tuple[int, ...], Callable[[int, int], np.ndarray]]
 _BLOCK_ROWS = 256     # rows read at a time (a few hundred KB: stays in cache)
 _TRANSPOSE_ROWS = 16  # rows per transposing copy: 5x faster than one strided copy on a CPU
+_LOAD_THREADS = min(8, os.cpu_count() or 1)  # threads filling a stacked leaf's layers
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
@@ -100,7 +103,8 @@ def params_from_tensors(config: ModelConfig, opened: Callable[[str], ContextMana
 
     def stacked(field: str) -> jax.Array:
         out = _host_array(getattr(shapes.layers, field), dtype)
-        for n in range(config.num_hidden_layers):
+
+        def layer(n: int) -> None:
             start = 0
             for name in LAYER_NAMES[field]:  # a fused linear field: its parts side by side in [in, out]
                 name = f"model.layers.{n}.{name}"
@@ -110,6 +114,10 @@ def params_from_tensors(config: ModelConfig, opened: Callable[[str], ContextMana
                     start += width
                 else:
                     fill(out[n], name, False)
+
+        # Layers fill disjoint slices; numpy's copies release the GIL, so the transposes run in parallel.
+        with concurrent.futures.ThreadPoolExecutor(_LOAD_THREADS) as pool:
+            list(pool.map(layer, range(config.num_hidden_layers)))
         return jax.device_put(out)
 
     return Params(

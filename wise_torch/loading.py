@@ -1,7 +1,9 @@
 """Building an eval-mode OuroForCausalLM from a checkpoint directory, a built-in model or numpy
 tensors. A directory is checked from its headers first (`wise_core.checkpoint.open_checkpoint`),
 then each tensor is read memory-mapped by `safetensors.safe_open` onto the device and cast to
-the model's dtype there, one tensor at a time: host memory peaks near the checkpoint's size.
+the model's dtype there, one tensor at a time. The parts of a fused weight (q/k/v, gate/up) are
+read each through its own mapping, which is released once the fused weight is made, so their
+file pages do not stay resident beside it: host memory stays near one copy of the model.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from wise_core.checkpoint import Checkpoint, CheckpointError, expected_shapes, open_checkpoint, validate_tensors
 from wise_core.config import ModelConfig
-from wise_torch.model import OuroForCausalLM, fused_state_dict
+from wise_torch.model import OuroForCausalLM, fused_groups, fused_state_dict
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -76,13 +78,20 @@ def load_model(path_or_name: str | Path, *, dtype=torch.float32,
     if isinstance(found, Checkpoint):
         return from_tensors(found.config, found.tensors, tokenizer=found.tokenizer, dtype=dtype, device=device)
     names = _state_names(found.config)
-    weights: dict[str, torch.Tensor] = {}
-    for path, held in found.by_file().items():
+    path_of = {name: path for path, held in found.by_file().items() for name in held if name in names}
+    groups = fused_groups(path_of)
+    parts = {name for group in groups for name in group}
+
+    def read(path, names_in_file):
         try:
             with safetensors.safe_open(str(path), framework="pt", device=str(device)) as f:
-                for name in held:
-                    if name in names:
-                        weights[name] = f.get_tensor(name).to(dtype=dtype)
+                return {name: f.get_tensor(name).to(dtype=dtype) for name in names_in_file}
         except safetensors.SafetensorError as e:
             raise CheckpointError(f"{path}: {e}") from None
+
+    weights: dict[str, torch.Tensor] = {}
+    for path in dict.fromkeys(path_of.values()):   # memory-mapped: pages become resident on first use
+        weights.update(read(path, [n for n, p in path_of.items() if p == path and n not in parts]))
+    for group in groups:   # each part through its own mapping, released once its fused weight is made
+        weights.update(fused_state_dict({name: read(path_of[name], [name])[name] for name in group}))
     return _assemble(found.config, weights, found.tokenizer)

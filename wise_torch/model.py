@@ -330,6 +330,22 @@ _FUSED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_
           "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
 
 
+def fused_groups(names) -> list[tuple[str, ...]]:
+    """The HF names among `names` that make one fused weight (a layer's q/k/v, its gate/up), a
+    tuple per fused weight in its parts' order (only groups whose parts are all in `names`)."""
+    names = set(names)
+    groups = []
+    for name in sorted(names):
+        prefix, _, rest = name.partition(".layers.")
+        layer, _, leaf = rest.partition(".")
+        for parts in _FUSED.values():
+            if rest and leaf == parts[0]:
+                group = tuple(f"{prefix}.layers.{layer}.{part}" for part in parts)
+                if names.issuperset(group):
+                    groups.append(group)
+    return groups
+
+
 def fused_state_dict(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF-named weights -> the model's state dict: q/k/v and gate/up concatenated (qkv_proj,
     gate_up_proj), every other tensor as it is. Consumes `weights`, so the parts are freed as
