@@ -139,12 +139,12 @@ class SequenceContext:
         return out.reshape(q.shape)
 
 
-class PrefillContext:
-    """Chunks of prompts (`PrefillBatch`): each chunk's K/V is stored in the paged cache, then
-    its queries attend causally to every cached key of their sequence up to themselves."""
+class PagedContext:
+    """Attention over the paged cache: a batch with `positions` and `slot_mapping` stores each
+    (loop, layer) plane's K/V at its slots; the loop hooks do nothing (subclasses attend)."""
 
-    def __init__(self, config: ModelConfig, batch: PrefillBatch, cache: PagedKVCache):
-        self.batch, self.cache, self.num_layers = batch, cache, config.num_hidden_layers
+    def __init__(self, num_layers: int, batch, cache: PagedKVCache):
+        self.batch, self.cache, self.num_layers = batch, cache, num_layers
         self.positions, self.slot_mapping = batch.positions, batch.slot_mapping
 
     def planes(self, loop: int, layer: int):
@@ -156,6 +156,14 @@ class PrefillContext:
 
     def end_loop(self, loop: int) -> None:
         pass
+
+
+class PrefillContext(PagedContext):
+    """Chunks of prompts (`PrefillBatch`): each chunk's K/V is stored in the paged cache, then
+    its queries attend causally to every cached key of their sequence up to themselves."""
+
+    def __init__(self, config: ModelConfig, batch: PrefillBatch, cache: PagedKVCache):
+        super().__init__(config.num_hidden_layers, batch, cache)
 
     def attend(self, q: torch.Tensor, loop: int, layer: int) -> torch.Tensor:
         k_plane, v_plane = self.planes(loop, layer)
@@ -169,7 +177,7 @@ class PrefillContext:
         return out
 
 
-class DecodeContext:
+class DecodeContext(PagedContext):
     """One decode step: writes each plane's K/V for the step's tokens, then runs decode
     attention with the modes of the loop (all DENSE without WISE). `attention` is a prepared
     `decode_attention` (validation off: the engine builds its inputs by construction)."""
@@ -177,17 +185,12 @@ class DecodeContext:
     def __init__(self, config: ModelConfig, batch: DecodeBatch, cache: PagedKVCache,
                  wise: WiseState | None, attention: Callable, dense_modes: torch.Tensor,
                  unused_support: torch.Tensor):
-        self.batch, self.cache, self.wise, self.attention = batch, cache, wise, attention
-        self.num_layers = config.num_hidden_layers
-        self.positions, self.slot_mapping = batch.positions, batch.slot_mapping
+        super().__init__(config.num_hidden_layers, batch, cache)
+        self.wise, self.attention = wise, attention
         wise_config = wise.config if wise is not None else WiseConfig()
         self.block_size, self.eta = wise_config.block_size, wise_config.eta
         self.dense_modes, self.unused_support = dense_modes, unused_support
         self.role, self.modes = "dense", None
-
-    def planes(self, loop: int, layer: int):
-        plane = loop * self.num_layers + layer
-        return self.cache.k[plane], self.cache.v[plane]
 
     def begin_loop(self, loop: int) -> None:
         if self.wise is not None:

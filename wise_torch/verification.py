@@ -30,6 +30,7 @@ import torch
 from wise_core.modes import DENSE
 from wise_torch.attention import TORCH_KERNELS, decode_attention_reference
 from wise_torch.kv_cache import PagedKVCache
+from wise_torch.model import PagedContext
 
 
 @dataclasses.dataclass
@@ -56,24 +57,14 @@ class VerifyBatch:
         return self.positions.shape[0] // self.rows
 
 
-class VerifyContext:
+class VerifyContext(PagedContext):
     """A verification pass (`VerifyBatch`) for `OuroForCausalLM.run_loops`: each plane's K/V of
     the round's positions is stored in the paged cache, then every position attends causally
     over its row's cache. `attention` is a prepared `verify_attention`."""
 
     def __init__(self, num_layers: int, batch: VerifyBatch, cache: PagedKVCache, attention: Callable):
-        self.batch, self.cache, self.attention, self.num_layers = batch, cache, attention, num_layers
-        self.positions, self.slot_mapping = batch.positions, batch.slot_mapping
-
-    def planes(self, loop: int, layer: int):
-        plane = loop * self.num_layers + layer
-        return self.cache.k[plane], self.cache.v[plane]
-
-    def begin_loop(self, loop: int) -> None:
-        pass
-
-    def end_loop(self, loop: int) -> None:
-        pass
+        super().__init__(num_layers, batch, cache)
+        self.attention = attention
 
     def attend(self, q: torch.Tensor, loop: int, layer: int) -> torch.Tensor:
         b = self.batch
