@@ -58,7 +58,8 @@ if str(_HERE) not in sys.path:
     sys.path.insert(0, str(_HERE))
 
 from throughput import (BATCH1_STEP_MS, DENSE_SHARE_TARGET, WISE_TARGETS, _density, _fmt,  # noqa: E402
-                        cohort_pages, parse_floats, parse_shapes, plot, roofline, run_cohort, table)
+                        cohort_pages, parse_floats, parse_shapes, plot, prepare_old_src, roofline, run_cohort,
+                        table)
 
 MODES = ("dense", "wise", "old", "old-wise")
 OPTIONS = ("unroll", "unfused", "nocb", "cbloops", "tp2")
@@ -373,23 +374,6 @@ def write_report(report: dict, out: Path) -> None:
     plot(report, out / f"{STEM}.png")
 
 
-def prepare_old_src(args, workdir: Path) -> str | None:
-    """The old commit's source tree: --old-src, or extracted with git; None if neither works."""
-    if args.old_src is not None:
-        missing = [d for d in ("wise_core", "wise_jax") if not (args.old_src / d).is_dir()]
-        if missing:
-            raise SystemExit(f"--old-src {args.old_src} lacks {missing}")
-        return str(args.old_src.resolve())
-    target = workdir / "old-src"
-    target.mkdir()
-    archive = subprocess.run(["git", "-C", str(_ROOT), "archive", args.old_commit, "wise_core", "wise_jax"],
-                             capture_output=True)
-    if archive.returncode != 0:
-        return None
-    subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
-    return str(target)
-
-
 def main(argv: list[str] | None = None) -> dict | None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -408,7 +392,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     workdir = Path(tempfile.mkdtemp(prefix="wise-jax-bench-"))
     compile_cache = args.compile_cache or workdir / "compile-cache"
     try:
-        old_src = prepare_old_src(args, workdir) if any(a.startswith("old") for a in args.arms) else None
+        old = any(a.startswith("old") for a in args.arms)
+        old_src = prepare_old_src(args, workdir, ("wise_core", "wise_jax")) if old else None
         report = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), host=platform.node(),
                       model=f"random {args.preset} (std {args.std}, seed 0)", config=dataclasses.asdict(config),
                       old_src=old_src, args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -454,16 +454,17 @@ def prepare_model(args) -> tuple:
     return config, None, dataclasses.asdict(config)
 
 
-def prepare_old_src(args, workdir: Path) -> str | None:
-    """The old commit's source tree: --old-src, or extracted with git; None if neither works."""
+def prepare_old_src(args, workdir: Path, packages=("wise_core", "wise_torch")) -> str | None:
+    """The old commit's source tree of `packages`: --old-src, or extracted with git; None if
+    neither works."""
     if args.old_src is not None:
-        missing = [d for d in ("wise_core", "wise_torch") if not (args.old_src / d).is_dir()]
+        missing = [d for d in packages if not (args.old_src / d).is_dir()]
         if missing:
             raise SystemExit(f"--old-src {args.old_src} lacks {missing}")
         return str(args.old_src.resolve())
     target = workdir / "old-src"
     target.mkdir()
-    archive = subprocess.run(["git", "-C", str(_ROOT), "archive", args.old_commit, "wise_core", "wise_torch"],
+    archive = subprocess.run(["git", "-C", str(_ROOT), "archive", args.old_commit, *packages],
                              capture_output=True)
     if archive.returncode != 0:
         return None
