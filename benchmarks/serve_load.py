@@ -469,7 +469,15 @@ def _record(r: Result) -> dict:
 
 
 def _config(args) -> dict:
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    """The run's arguments; the engine's only with --offline (a server runs its own engine, whose
+    model the report's "model" names): a client's engine defaults would misdescribe the run."""
+    from wise_serve.args import add_engine_arguments
+    engine = set()
+    if not args.offline:
+        parser = argparse.ArgumentParser(add_help=False)
+        add_engine_arguments(parser)
+        engine = {action.dest for action in parser._actions}
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in engine}
 
 
 def main(argv=None) -> dict:

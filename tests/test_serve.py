@@ -328,6 +328,7 @@ def test_serve_load_reports_json_markdown_and_png(server, tmp_path):
         assert (tmp_path / f"serve_load-c4.{suffix}").stat().st_size > 0
     assert json.loads((tmp_path / "serve_load-c4.json").read_text())["summary"]["completed"] == 12
     assert "| time to first token |" in (tmp_path / "serve_load-c4.md").read_text()
+    assert "model" not in report["config"] and "num_pages" not in report["config"]  # the server's, not ours
     report = serve_load.main([*common, "--rate", "50", "--warmup-requests", "0", "--label", "rate"])
     assert report["summary"]["completed"] == 12 and report["summary"]["output_tokens"] == 48
 
@@ -342,6 +343,7 @@ def test_offline_baseline_on_dummy_weights(tmp_path):
     s = report["summary"]
     assert (s["completed"], s["output_tokens"]) == (6, 30) and s["engine"]["fallbacks"] == 0
     assert (tmp_path / "serve_load-wise-offline.md").read_text().count("Engine: ") == 1
+    assert report["config"]["model"] == "test-tiny" and report["config"]["wise"] is True
 
 
 # -- WISE, the pool limit and SIGTERM --------------------------------------------------------------------
