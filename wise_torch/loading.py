@@ -79,7 +79,7 @@ def load_model(path_or_name: str | Path, *, dtype=torch.float32,
         return from_tensors(found.config, found.tensors, tokenizer=found.tokenizer, dtype=dtype, device=device)
     names = _state_names(found.config)
     path_of = {name: path for path, held in found.by_file().items() for name in held if name in names}
-    groups = fused_groups(path_of)
+    groups = fused_groups(path_of).values()
     parts = {name for group in groups for name in group}
 
     def read(path, names_in_file):

@@ -333,19 +333,20 @@ _FUSED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_
           "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
 
 
-def fused_groups(names) -> list[tuple[str, ...]]:
-    """The HF names among `names` that make one fused weight (a layer's q/k/v, its gate/up), a
-    tuple per fused weight in its parts' order (only groups whose parts are all in `names`)."""
+def fused_groups(names) -> dict[str, tuple[str, ...]]:
+    """The fused weights the HF names among `names` make: fused name (a layer's qkv_proj or
+    gate_up_proj) -> its parts in order (only where every part is among `names`)."""
     names = set(names)
-    groups = []
+    groups = {}
     for name in sorted(names):
         prefix, _, rest = name.partition(".layers.")
         layer, _, leaf = rest.partition(".")
-        for parts in _FUSED.values():
-            if rest and leaf == parts[0]:
-                group = tuple(f"{prefix}.layers.{layer}.{part}" for part in parts)
-                if names.issuperset(group):
-                    groups.append(group)
+        for fused, parts in _FUSED.items():
+            if not rest or leaf != parts[0]:
+                continue
+            group = tuple(f"{prefix}.layers.{layer}.{part}" for part in parts)
+            if names.issuperset(group):
+                groups[f"{prefix}.layers.{layer}.{fused}"] = group
     return groups
 
 
@@ -353,19 +354,9 @@ def fused_state_dict(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     """HF-named weights -> the model's state dict: q/k/v and gate/up concatenated (qkv_proj,
     gate_up_proj), every other tensor as it is. Consumes `weights`, so the parts are freed as
     each fused weight is made (host memory stays near one copy of the model)."""
-    part_of = {part: fused for fused, parts in _FUSED.items() for part in parts}
-    out = {}
-    for name in list(weights):
-        if name not in weights:            # a part already taken into its fused weight
-            continue
-        prefix, _, rest = name.partition(".layers.")
-        layer, _, leaf = rest.partition(".")
-        fused = part_of.get(leaf) if rest else None
-        if fused is None:
-            out[name] = weights.pop(name)
-        else:
-            out[f"{prefix}.layers.{layer}.{fused}"] = torch.cat(
-                [weights.pop(f"{prefix}.layers.{layer}.{part}") for part in _FUSED[fused]])
+    out = {fused: torch.cat([weights.pop(part) for part in parts])
+           for fused, parts in fused_groups(weights).items()}
+    out.update((name, weights.pop(name)) for name in list(weights))
     return out
 
 

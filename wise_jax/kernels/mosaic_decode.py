@@ -15,8 +15,7 @@ kernel (`plgpu`, Hopper: TMA copies into a multi-stage shared-memory ring, mbarr
    to shared memory, then streams `tile_n` keys (tile_n / 32 blocks, one TMA copy of
    [32, head_dim] per block, for K and for V, from the cache viewed as [cache blocks, 32,
    kv_heads, head_dim], so the dynamic index is on an untiled dimension) through `num_stages`
-   slots, and
-   computes each tile with layout-hinted reductions: scores = sum over head_dim of K (WGMMA
+   slots, and computes each tile with layout-hinted reductions: scores = sum over head_dim of K (WGMMA
    register layout) times q broadcast along the keys; an online softmax in base 2 whose
    running max is the tile maximum; acc[key slot, :] += p * V row-wise, reduced over the key
    slots once at the end of the split. Discovery rows store per block (its running max, its
@@ -150,9 +149,9 @@ def _split_kernel(modes_ref, rows_ref, meta_ref, q_ref, k_ref, v_ref,
     """Program (row b, head h, split s): step 2 of the module docstring.
 
     GMEM: modes int32[batch]; rows, meta (`_block_lists`); q [batch, heads, head_dim]; k, v
-    [num_pages * page_size // block_size, block_size, kv_heads, head_dim]; outputs as pallas_decode's partials: stat_m,
-    stat_l [batch, heads, blocks_pad], acc [batch, heads, splits_pad, head_dim], m, l
-    [batch, heads, splits_pad]. SMEM: list_smem [list_chunk] int32, q_smem [head_dim],
+    [num_pages * page_size // block_size, block_size, kv_heads, head_dim]; outputs as
+    pallas_decode's partials: stat_m, stat_l [batch, heads, blocks_pad], acc [batch, heads,
+    splits_pad, head_dim], m, l [batch, heads, splits_pad]. SMEM: list_smem [list_chunk] int32, q_smem [head_dim],
     k_smem, v_smem [num_stages, tile_n, head_dim] (tiled, swizzled), acc_smem [head_dim] f32.
     """
     b, h, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
