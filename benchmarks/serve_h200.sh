@@ -9,7 +9,9 @@
 # serve_load.py at concurrency 64, then at a fixed rate; each in a fresh process. OUTDIR gets the
 # logs, a serve_load-*.json/.md/.png per run, the server's last /metrics and summary.md.
 # ARMS="dense wise spec" adds lossless speculative decoding (WISE drafts of 4 tokens);
-# REQUESTS, RATE, CONCURRENCY, PROMPT and OUTPUT change the workload, ENGINE the engine flags.
+# REQUESTS, RATE, CONCURRENCY, PROMPT and OUTPUT change the workload, ENGINE the engine flags;
+# MAX_MODEL_LEN sets the engine's --max-model-len (default: the model's limit within the pool, 65,536
+# here, which the decode kernels' split grids and the WISE block tables are sized by).
 set -uo pipefail
 out=$1
 cd "$(dirname "$0")/.."
@@ -20,7 +22,7 @@ if ! python3 -c "import aiohttp" 2>/dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 port=${PORT:-8000}; url=http://127.0.0.1:$port; requests=${REQUESTS:-128}; rate=${RATE:-6}; c=${CONCURRENCY:-64}
-engine=${ENGINE:-"--model ouro-1.4b --load-format dummy --q-scale 8 --num-pages 640 --max-num-seqs $c --seed 0"}
+engine=${ENGINE:-"--model ouro-1.4b --load-format dummy --q-scale 8 --num-pages 640 --max-num-seqs $c --seed 0${MAX_MODEL_LEN:+ --max-model-len $MAX_MODEL_LEN}"}
 load="--prompt-len ${PROMPT:-1024} --output-len ${OUTPUT:-128} --ignore-eos"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import sys,torch,aiohttp;print(sys.version.split()[0],'torch',torch.__version__,'aiohttp',aiohttp.__version__)"
