@@ -39,7 +39,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from wise_core.config import ModelConfig, WiseConfig
-from wise_core.sampling_params import MAX_SEED, SamplingParams
+from wise_core.request import MAX_SEED, EngineStats, RequestOutput, SamplingParams  # noqa: F401 (its names)
 from wise_core.tokenizer import encode_text
 from wise_jax import kv_cache as kvc
 from wise_jax import serving
@@ -55,57 +55,6 @@ GPU_POOL_FRACTION = 0.85       # num_pages=None on a GPU: this share of the free
 def seed_key(seed: int) -> jax.Array:
     """A raw PRNG key for a seed in [0, 2**63) (jax.random.PRNGKey keeps only the low 32 bits)."""
     return jax.random.fold_in(jax.random.PRNGKey(seed & 0xFFFFFFFF), seed >> 32)
-
-
-@dataclasses.dataclass
-class RequestOutput:
-    """What one request has produced so far (wise_torch's fields). text decodes token_ids with
-    the engine's tokenizer (None without one); logprobs: log p of each token (SamplingParams.logprobs,
-    teacher forcing), else None. finish_reason: "length", "stop" (eos or a stop id), "abort", or
-    None while running. prompt_token_ids is the engine's own list: read it, do not change it."""
-
-    request_id: int
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    logprobs: list[float] | None = None
-    tokenizer: object = dataclasses.field(default=None, repr=False, compare=False)
-
-    @property
-    def text(self) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode(self.token_ids)
-
-
-@dataclasses.dataclass
-class EngineStats:
-    """Pool, queue and WISE counters, and throughput since the engine started or `reset_stats`
-    (wise_torch's fields; seconds are host wall time around the synchronised steps).
-
-    preemptions is always 0 (admission reserves a request's lifetime; nothing is preempted);
-    fallbacks and density (per reuse depth; None before any reuse call) are None without WISE."""
-
-    total_pages: int
-    free_pages: int
-    running: int
-    waiting: int
-    preemptions: int
-    fallbacks: int | None
-    density: dict[int, float | None] | None
-    prompt_tokens: int
-    generated_tokens: int
-    prefill_s: float
-    decode_s: float
-    decode_steps: int
-    decode_tokens: int
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
 
 
 @functools.partial(jax.tree_util.register_dataclass,

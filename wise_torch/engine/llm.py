@@ -11,7 +11,6 @@ stops those processes.
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 import random
 import time
@@ -22,6 +21,7 @@ import numpy as np
 import torch
 
 from wise_core.config import SpeculativeConfig, WiseConfig
+from wise_core.request import EngineStats
 from wise_core.tokenizer import encode_text
 from wise_torch.engine import distributed
 from wise_torch.engine.block_manager import BlockManager
@@ -35,49 +35,6 @@ from wise_torch.model import OuroForCausalLM, load_model
 CPU_KV_BYTES = 1 << 30          # default pool on CPU: 1 GiB of K/V
 GPU_MEMORY_FRACTION = 0.9       # default pool on CUDA: this share of free memory ...
 GPU_RESERVE_BYTES = 6 << 30     # ... less this much for activations, graphs and workspaces
-
-
-@dataclasses.dataclass
-class EngineStats:
-    """Pool, queue and WISE counters, and throughput since the engine started (seconds are
-    host wall time around the synchronised model calls). density: per reuse depth, None
-    without WISE or before any reuse call."""
-
-    total_pages: int
-    free_pages: int
-    running: int
-    waiting: int
-    preemptions: int
-    fallbacks: int | None
-    density: dict[int, float | None] | None
-    prompt_tokens: int
-    generated_tokens: int
-    prefill_s: float
-    decode_s: float
-    decode_steps: int
-    decode_tokens: int
-    # Speculative decoding (None without): (sequence, round) pairs, drafts proposed, drafts accepted.
-    spec_rounds: int | None = None
-    draft_tokens: int | None = None
-    accepted_tokens: int | None = None
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        """Drafts the dense model accepted / drafts proposed (None without speculation or drafts)."""
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
-
-    @property
-    def tokens_per_round(self) -> float | None:
-        """Tokens a sequence commits per speculative round (None without speculation or rounds)."""
-        return self.decode_tokens / self.spec_rounds if self.spec_rounds else None
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
 
 
 class LLM:

@@ -7,7 +7,8 @@ import enum
 
 import torch
 
-from wise_core.sampling_params import MAX_SEED, SamplingParams  # noqa: F401 (the engine's names)
+from wise_core import request
+from wise_core.request import MAX_SEED, SamplingParams  # noqa: F401 (the engine's names)
 
 
 class Status(enum.Enum):
@@ -101,23 +102,8 @@ class Sequence:
         self.status, self.finish_reason = Status.FINISHED, reason
 
 
-@dataclasses.dataclass
-class RequestOutput:
-    """What one request has produced so far. text decodes token_ids with the model's tokenizer
-    (None without one); logprobs: log p of each token (SamplingParams.logprobs, teacher forcing).
-    prompt_token_ids is the engine's own list: read it, do not change it."""
-
-    request_id: int
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    logprobs: list[float] | None = None
-    tokenizer: object = dataclasses.field(default=None, repr=False, compare=False)
-
-    @property
-    def text(self) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode(self.token_ids)
+class RequestOutput(request.RequestOutput):
+    """`wise_core.request.RequestOutput`, made from the engine's Sequence."""
 
     @classmethod
     def of(cls, seq: Sequence, tokenizer) -> "RequestOutput":

@@ -1,5 +1,5 @@
-"""How one request decodes: the sampling parameters both engines take (wise_torch.LLM,
-wise_jax.LLM), validated once here."""
+"""What both engines (wise_torch.LLM, wise_jax.LLM) take and give, framework-free: a request's
+sampling parameters (validated once here), its output so far, and the engine's counters."""
 
 from __future__ import annotations
 
@@ -54,3 +54,68 @@ class SamplingParams:
                 not isinstance(t, numbers.Integral) or isinstance(t, bool) for t in stops):
             raise ValueError(f"SamplingParams.stop_token_ids must be a sequence of integer ids, got {stops!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one request has produced so far. text decodes token_ids with the engine's tokenizer
+    (None without one); logprobs: log p of each token (SamplingParams.logprobs, teacher
+    forcing), else None. finish_reason: "length", "stop" (eos or a stop id), "abort", or None
+    while running. prompt_token_ids is the engine's own list: read it, do not change it."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    logprobs: list[float] | None = None
+    tokenizer: object = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def text(self) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(self.token_ids)
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Pool, queue and WISE counters, and throughput since the engine started or its stats were
+    reset (seconds are host wall time around the synchronised model calls). fallbacks and
+    density (per reuse depth; None before any reuse call) are None without WISE; the
+    speculative counters ((sequence, round) pairs, drafts proposed, drafts accepted) are None
+    without speculative decoding. wise_jax's preemptions is always 0 (admission reserves a
+    request's lifetime)."""
+
+    total_pages: int
+    free_pages: int
+    running: int
+    waiting: int
+    preemptions: int
+    fallbacks: int | None
+    density: dict[int, float | None] | None
+    prompt_tokens: int
+    generated_tokens: int
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+    decode_tokens: int
+    spec_rounds: int | None = None
+    draft_tokens: int | None = None
+    accepted_tokens: int | None = None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Drafts the dense model accepted / drafts proposed (None without speculation or drafts)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def tokens_per_round(self) -> float | None:
+        """Tokens a sequence commits per speculative round (None without speculation or rounds)."""
+        return self.decode_tokens / self.spec_rounds if self.spec_rounds else None
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
