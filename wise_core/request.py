@@ -1,5 +1,6 @@
 """What both engines (wise_torch.LLM, wise_jax.LLM) take and give, framework-free: a request's
-sampling parameters (validated once here), its output so far, and the engine's counters."""
+sampling parameters (validated once here), its output so far, the engine's counters, and the
+stats of one `generate` / `teacher_force` call."""
 
 from __future__ import annotations
 
@@ -119,3 +120,22 @@ class EngineStats:
     @property
     def prefill_tokens_per_s(self) -> float:
         return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    """Timings (seconds, device-synchronised) and WISE counters of one `generate` or
+    `teacher_force` call.
+
+    new_tokens: tokens produced (generate) or scored (teacher_force); decode_tokens_per_s counts
+    the tokens of decode steps (the first token of each row comes from prefill). fallbacks and
+    density (per reuse depth) are None without WISE.
+    """
+
+    prefill_s: float
+    prefill_tokens: int
+    decode_s: float
+    decode_tokens_per_s: float
+    new_tokens: int
+    fallbacks: int | None
+    density: dict[int, float | None] | None

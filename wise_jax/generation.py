@@ -18,6 +18,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from wise_core.config import ModelConfig, WiseConfig
+from wise_core.request import GenerationStats
 from wise_core.generate_args import (MODEL_EOS, check_max_new_tokens, check_sampling, check_wise_config,
                                      resolve_eos)
 from wise_jax.engine import LLM, SamplingParams, encode
@@ -26,25 +27,6 @@ from wise_jax.serving import DEFAULT_PAGE_SIZE, trace_counts
 
 __all__ = ["ForcedOutput", "GenerationOutput", "GenerationStats", "generate", "pool_bucket",
            "teacher_force", "trace_counts"]
-
-
-@dataclasses.dataclass
-class GenerationStats:
-    """Timings (seconds, device-synchronised) and WISE counters of one call (the fields of
-    wise_torch's GenerationStats).
-
-    new_tokens: tokens produced (generate) or scored (teacher_force); decode_tokens_per_s counts
-    the tokens of decode steps (the first token of each row comes from prefill). fallbacks and
-    density (per reuse depth) are None without WISE.
-    """
-
-    prefill_s: float
-    prefill_tokens: int
-    decode_s: float
-    decode_tokens_per_s: float
-    new_tokens: int
-    fallbacks: int | None
-    density: dict[int, float | None] | None
 
 
 @dataclasses.dataclass

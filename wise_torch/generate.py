@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from wise_core.config import WiseConfig
+from wise_core.request import GenerationStats
 from wise_core.generate_args import (MODEL_EOS, check_max_new_tokens, check_sampling, check_seed, check_wise_config,
                                      resolve_eos)
 from wise_core.tokenizer import encode_text
@@ -22,24 +23,6 @@ from wise_torch.engine.llm import LLM
 from wise_torch.engine.sampler import seed_for
 from wise_torch.engine.sequence import SamplingParams
 from wise_torch.model import OuroForCausalLM
-
-
-@dataclasses.dataclass
-class GenerationStats:
-    """Timings (seconds, device-synchronised) and WISE counters of one call.
-
-    new_tokens: tokens produced (generate) or scored (teacher_force); decode_tokens_per_s counts
-    the tokens of decode steps (the first token of each row comes from prefill). fallbacks and
-    density (per reuse depth) are None without WISE.
-    """
-
-    prefill_s: float
-    prefill_tokens: int
-    decode_s: float
-    decode_tokens_per_s: float
-    new_tokens: int
-    fallbacks: int | None
-    density: dict[int, float | None] | None
 
 
 @dataclasses.dataclass
