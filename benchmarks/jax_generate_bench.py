@@ -20,9 +20,12 @@ traces during the timed cohorts (0 expected).
 Arms: MODE[+OPTION...], MODE dense or wise (WiseConfig(eta, kernel)); options, to measure what
 each part of the decode step costs:
 - unroll: the layer scan fully unrolled (LLM(unroll=True)) instead of a while loop per loop;
+- unstacked: one weight buffer per layer (params.unstack_layers), the layers a Python loop;
 - unfused: q/k/v and gate/up as separate GEMMs (params.split_projections) instead of fused;
 - nocb: XLA_FLAGS --xla_gpu_enable_command_buffer= (no CUDA-graph command buffers);
 - cbloops: XLA_FLAGS --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL (loops in command buffers);
+- dsfusion: XLA_FLAGS --xla_gpu_enable_dynamic_slice_fusion=true (GEMMs read a layer's slice of the
+  stacked weights in place);
 - tp2: the heads split over two devices (LLM(mesh=wise_jax.make_mesh(2))); its "over base" is
   the speedup over one device.
 Arms old, old-wise: the pre-engine `wise_jax.generate` (dense / WISE) of --old-commit, run from a
@@ -62,9 +65,10 @@ from throughput import (BATCH1_STEP_MS, DENSE_SHARE_TARGET, WISE_TARGETS, _densi
                         table)
 
 MODES = ("dense", "wise", "old", "old-wise")
-OPTIONS = ("unroll", "unfused", "nocb", "cbloops", "tp2")
+OPTIONS = ("unroll", "unstacked", "unfused", "nocb", "cbloops", "dsfusion", "tp2")
 XLA_FLAGS = {"nocb": "--xla_gpu_enable_command_buffer=",
-             "cbloops": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"}
+             "cbloops": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
+             "dsfusion": "--xla_gpu_enable_dynamic_slice_fusion=true"}
 OLD_COMMIT = "bef25e92fbb27d035f3f9973f69047951c897363"  # the last commit before the serving engine
 STEM = "jax_generate_bench"
 
@@ -167,11 +171,13 @@ def _setup(spec: dict):
 def _engine_worker(spec: dict) -> dict:
     import wise_jax
     from wise_core.config import WiseConfig
-    from wise_jax.params import split_projections
+    from wise_jax.params import split_projections, unstack_layers
     config, params, prompts = _setup(spec)
     mode, options = parse_arm(spec["arm"])
     if "unfused" in options:
         params = split_projections(config, params)
+    if "unstacked" in options:
+        params = unstack_layers(params)
     wise_config = WiseConfig(eta=spec["eta"], kernel=spec["kernel"]) if mode == "wise" else None
     llm = wise_jax.LLM(params, config, wise_config=wise_config, num_pages=spec["num_pages"],
                        page_size=spec["page_size"], max_num_seqs=spec["batch"], kernel=spec["kernel"],

@@ -87,6 +87,25 @@ def test_pallas_kernel_in_generate_matches_reference(params, prompts, wise):
     assert pallas.stats.density == pytest.approx(wise.stats.density, abs=0.01)
 
 
+@pytest.mark.parametrize("mode", ["dense", "wise"])
+def test_unstacked_layers_give_the_stacked_tokens(params, prompts, dense, wise, mode):
+    """params.unstack_layers (a Python loop over per-layer weights) computes what the layer scan
+    computes: the same tokens, logits within fp32 rounding (XLA fuses straight-line code and a
+    loop body differently)."""
+    from wise_jax.params import unstack_layers
+    unstacked = unstack_layers(params)
+    assert len(unstacked.layers) == CONFIG.num_hidden_layers
+    assert unstacked.layers[1].o_proj.shape == params.layers.o_proj.shape[1:]
+    np.testing.assert_array_equal(unstacked.layers[1].o_proj, params.layers.o_proj[1])
+    want = dense if mode == "dense" else wise
+    got = _run(unstacked, prompts, **({} if mode == "dense" else {"wise_config": WiseConfig(eta=0.5)}))
+    assert got.tokens == want.tokens
+    for a, b in zip(got.logits, want.logits):
+        diff, bound = rounding.model_difference(a, b, CONFIG, keys=128)   # fp32, other summation order
+        assert diff <= bound, (diff, bound)
+    assert got.stats.density == want.stats.density
+
+
 def decode_memory(config, *, rows, max_pages, page_size, kernel, dtype):
     """(cache bytes, aliased bytes, temporary bytes) of the engine's compiled decode step."""
     params = jax.eval_shape(lambda: wise_jax.init_params(config, jax.random.PRNGKey(0), dtype=dtype))

@@ -101,8 +101,8 @@ def decoder_layer(lp: LayerParams, config: ModelConfig, h: jax.Array, cos: jax.A
 def run_loop(params: Params, config: ModelConfig, h: jax.Array, cos: jax.Array, sin: jax.Array,
              attend: Attend, carry: Any = None, *, remat: bool = False,
              unroll: int | bool = 1, axis_name: str | None = None) -> tuple[jax.Array, Any]:
-    """One pass over the shared layers (a scan, `unroll` layers per scan step; True unrolls all),
-    then model.norm. h: [batch, seq, hidden]. `carry` threads through every layer's `attend`;
+    """One pass over the shared layers (a scan, `unroll` layers per scan step; True unrolls all;
+    a Python loop for unstacked layers), then model.norm. h: [batch, seq, hidden]. `carry` threads through every layer's `attend`;
     axis_name: see `decoder_layer`. Returns (normed h, carry)."""
     def body(state, xs):
         h, carry = state
@@ -113,8 +113,12 @@ def run_loop(params: Params, config: ModelConfig, h: jax.Array, cos: jax.Array, 
 
     if remat:
         body = jax.checkpoint(body)
-    layers = jnp.arange(config.num_hidden_layers, dtype=jnp.int32)
-    (h, carry), _ = lax.scan(body, (h, carry), (params.layers, layers), unroll=unroll)
+    if isinstance(params.layers, tuple):  # unstacked (`params.unstack_layers`): a static layer index
+        for layer, lp in enumerate(params.layers):
+            (h, carry), _ = body((h, carry), (lp, layer))
+    else:
+        layers = jnp.arange(config.num_hidden_layers, dtype=jnp.int32)
+        (h, carry), _ = lax.scan(body, (h, carry), (params.layers, layers), unroll=unroll)
     return rms_norm(h, params.norm, config.rms_norm_eps), carry
 
 

@@ -174,6 +174,18 @@ def split_projections(config: ModelConfig, params: Params) -> Params:
     return dataclasses.replace(params, layers=layers)
 
 
+def unstack_layers(params: Params) -> Params:
+    """The same weights with the layer axis taken apart: `layers` becomes a tuple of one
+    LayerParams per layer (leaves without the layer axis). The model runs such params as a
+    Python loop over layers (straight-line code, static weight buffers) instead of a scan whose
+    steps slice the stacked weights; copies the weights once."""
+    if isinstance(params.layers, tuple):
+        return params
+    count = jax.tree.leaves(params.layers)[0].shape[0]
+    layers = tuple(jax.tree.map(lambda x, n=n: x[n], params.layers) for n in range(count))
+    return dataclasses.replace(params, layers=layers)
+
+
 def scale_queries(config: ModelConfig, params: Params, factor: float) -> Params:
     """params with q_proj multiplied by `factor` (random weights with peaked attention, for
     benchmarks: a larger factor concentrates each query's softmax on fewer keys)."""
