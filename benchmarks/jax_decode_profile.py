@@ -1,7 +1,7 @@
 """Where a JAX decode step's time goes: the serving engine's steps under the profiler.
 
     python benchmarks/jax_decode_profile.py --shapes 1024x64,1024x1 --q-scale 8 \\
-        --arms dense,dense+unstacked --out DIR                                      # on an H200
+        --arms dense,dense+stacked --out DIR                                      # on an H200
     python benchmarks/jax_decode_profile.py --preset test-tiny --dtype float32 --kernel reference \\
         --shapes 64x2 --arms dense --out /tmp/jp                                     # CPU smoke
 
@@ -94,18 +94,17 @@ def worker(spec: dict) -> dict:
     import jax
     import wise_jax
     from wise_core.config import WiseConfig
-    from wise_jax.params import split_projections, unstack_layers
+    from wise_jax.params import split_projections
     config, params, prompts = bench._setup(spec)
     mode, options = bench.parse_arm(spec["arm"])
     if "unfused" in options:
         params = split_projections(config, params)
-    if "unstacked" in options:
-        params = unstack_layers(params)
     wise_config = WiseConfig(eta=spec["eta"], kernel=spec["kernel"]) if mode == "wise" else None
     steps = spec["steps"]
     llm = wise_jax.LLM(params, config, wise_config=wise_config, num_pages=spec["num_pages"],
                        page_size=spec["page_size"], max_num_seqs=spec["batch"], kernel=spec["kernel"],
-                       max_model_len=spec["context"] + 2 * steps + 8, unroll=True if "unroll" in options else 1)
+                       max_model_len=spec["context"] + 2 * steps + 8, unroll=True if "unroll" in options else 1,
+                       layers="stacked" if "stacked" in options else "unstacked")
     start = time.perf_counter()
     llm.generate(prompts[:1], wise_jax.SamplingParams(max_tokens=4, ignore_eos=True))
     warmup_s = time.perf_counter() - start

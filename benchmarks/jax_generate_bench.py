@@ -19,13 +19,16 @@ traces during the timed cohorts (0 expected).
 
 Arms: MODE[+OPTION...], MODE dense or wise (WiseConfig(eta, kernel)); options, to measure what
 each part of the decode step costs:
-- unroll: the layer scan fully unrolled (LLM(unroll=True)) instead of a while loop per loop;
-- unstacked: one weight buffer per layer (params.unstack_layers), the layers a Python loop;
+- stacked: the layers a scan over the stacked weights (LLM(layers="stacked")) instead of a
+  Python loop over per-layer weights (the engine's default, params.unstack_layers);
+- unroll: with stacked, the layer scan fully unrolled (LLM(unroll=True));
 - unfused: q/k/v and gate/up as separate GEMMs (params.split_projections) instead of fused;
 - nocb: XLA_FLAGS --xla_gpu_enable_command_buffer= (no CUDA-graph command buffers);
 - cbloops: XLA_FLAGS --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL (loops in command buffers);
-- dsfusion: XLA_FLAGS --xla_gpu_enable_dynamic_slice_fusion=true (GEMMs read a layer's slice of the
-  stacked weights in place);
+- dsfusion: XLA_FLAGS --xla_gpu_enable_dynamic_slice_fusion=true (with stacked: lets GEMMs read
+  a layer's slice of the stacked weights in place where XLA can);
+- cublas: XLA_FLAGS --xla_gpu_enable_triton_gemm=false (every GEMM on cuBLAS, none as an XLA Triton
+  GEMM fusion);
 - tp2: the heads split over two devices (LLM(mesh=wise_jax.make_mesh(2))); its "over base" is
   the speedup over one device.
 Arms old, old-wise: the pre-engine `wise_jax.generate` (dense / WISE) of --old-commit, run from a
@@ -65,10 +68,11 @@ from throughput import (BATCH1_STEP_MS, DENSE_SHARE_TARGET, WISE_TARGETS, _densi
                         table)
 
 MODES = ("dense", "wise", "old", "old-wise")
-OPTIONS = ("unroll", "unstacked", "unfused", "nocb", "cbloops", "dsfusion", "tp2")
+OPTIONS = ("stacked", "unroll", "unfused", "nocb", "cbloops", "dsfusion", "cublas", "tp2")
 XLA_FLAGS = {"nocb": "--xla_gpu_enable_command_buffer=",
              "cbloops": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
-             "dsfusion": "--xla_gpu_enable_dynamic_slice_fusion=true"}
+             "dsfusion": "--xla_gpu_enable_dynamic_slice_fusion=true",
+             "cublas": "--xla_gpu_enable_triton_gemm=false"}
 OLD_COMMIT = "bef25e92fbb27d035f3f9973f69047951c897363"  # the last commit before the serving engine
 STEM = "jax_generate_bench"
 
@@ -171,18 +175,17 @@ def _setup(spec: dict):
 def _engine_worker(spec: dict) -> dict:
     import wise_jax
     from wise_core.config import WiseConfig
-    from wise_jax.params import split_projections, unstack_layers
+    from wise_jax.params import split_projections
     config, params, prompts = _setup(spec)
     mode, options = parse_arm(spec["arm"])
     if "unfused" in options:
         params = split_projections(config, params)
-    if "unstacked" in options:
-        params = unstack_layers(params)
     wise_config = WiseConfig(eta=spec["eta"], kernel=spec["kernel"]) if mode == "wise" else None
     llm = wise_jax.LLM(params, config, wise_config=wise_config, num_pages=spec["num_pages"],
                        page_size=spec["page_size"], max_num_seqs=spec["batch"], kernel=spec["kernel"],
                        max_model_len=spec["context"] + max(spec["new_tokens"], spec["warmup_tokens"]),
                        unroll=True if "unroll" in options else 1,
+                       layers="stacked" if "stacked" in options else "unstacked",
                        **({"mesh": wise_jax.make_mesh(2)} if "tp2" in options else {}))
 
     def cohort(requests: list, tokens: int) -> dict:

@@ -76,7 +76,11 @@ def test_engine_on_the_mesh_gives_the_single_device_tokens(tiny, mesh, mode):
     assert llm.cache.k.sharding.is_equivalent_to(NamedSharding(mesh, sharding.KV_SPEC), 5)
     assert local == [llm.cache.k.shape[:3] + (1, 32)] * 2
     assert llm.cache.page_table.sharding.is_fully_replicated
-    assert [s.data.shape[1] for s in llm.params.params.layers.o_proj.addressable_shards] == [64, 64]
+    layers = llm.params.params.layers                  # unstacked: one LayerParams per layer
+    assert isinstance(layers, tuple) and len(layers) == tiny[0].num_hidden_layers
+    for lp in layers:
+        assert [s.data.shape[0] for s in lp.o_proj.addressable_shards] == [64, 64]
+        assert [s.data.shape[1] for s in lp.qkv_proj.addressable_shards] == [lp.qkv_proj.shape[1] // 2] * 2
     if mode == "wise":
         assert [s.data.shape[2] for s in llm.state.support.addressable_shards] == [2, 2]
 

@@ -88,22 +88,27 @@ def test_pallas_kernel_in_generate_matches_reference(params, prompts, wise):
 
 
 @pytest.mark.parametrize("mode", ["dense", "wise"])
-def test_unstacked_layers_give_the_stacked_tokens(params, prompts, dense, wise, mode):
-    """params.unstack_layers (a Python loop over per-layer weights) computes what the layer scan
-    computes: the same tokens, logits within fp32 rounding (XLA fuses straight-line code and a
-    loop body differently)."""
-    from wise_jax.params import unstack_layers
+def test_stacked_and_unstacked_layers_decode_alike(params, prompts, dense, wise, mode):
+    """The engine's default per-layer weights (params.unstack_layers, a Python loop over layers)
+    and layers="stacked" (a scan over the stacked weights) give the same tokens, logits within
+    fp32 rounding (XLA fuses straight-line code and a loop body differently)."""
+    from wise_jax.params import stack_layers, unstack_layers
     unstacked = unstack_layers(params)
     assert len(unstacked.layers) == CONFIG.num_hidden_layers
-    assert unstacked.layers[1].o_proj.shape == params.layers.o_proj.shape[1:]
     np.testing.assert_array_equal(unstacked.layers[1].o_proj, params.layers.o_proj[1])
+    np.testing.assert_array_equal(stack_layers(unstacked).layers.qkv_proj, params.layers.qkv_proj)
+    wise_config = None if mode == "dense" else WiseConfig(eta=0.5)
     want = dense if mode == "dense" else wise
-    got = _run(unstacked, prompts, **({} if mode == "dense" else {"wise_config": WiseConfig(eta=0.5)}))
-    assert got.tokens == want.tokens
-    for a, b in zip(got.logits, want.logits):
-        diff, bound = rounding.model_difference(a, b, CONFIG, keys=128)   # fp32, other summation order
-        assert diff <= bound, (diff, bound)
-    assert got.stats.density == want.stats.density
+    llm = wise_jax.LLM(unstacked, CONFIG, wise_config=wise_config, page_size=PAGE, max_num_seqs=4,
+                       max_model_len=256, layers="stacked")
+    assert not isinstance(llm.params.layers, tuple)
+    outs = llm.generate(prompts, wise_jax.SamplingParams(max_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == want.tokens
+    assert llm.stats().density == want.stats.density
+    assert isinstance(wise_jax.LLM(params, CONFIG, page_size=PAGE, max_num_seqs=1, max_model_len=256).params.layers,
+                      tuple)
+    with pytest.raises(ValueError, match="layers must be"):
+        wise_jax.LLM(params, CONFIG, page_size=PAGE, max_num_seqs=1, max_model_len=256, layers="scan")
 
 
 def decode_memory(config, *, rows, max_pages, page_size, kernel, dtype):

@@ -46,7 +46,7 @@ from wise_jax import serving
 from wise_jax import sharding
 from wise_jax import wise_state as ws
 from wise_jax.attention import resolve_kernel
-from wise_jax.params import Params
+from wise_jax.params import Params, stack_layers, unstack_layers
 from wise_jax.sampling import sample
 from wise_jax.serving import DEFAULT_PAGE_SIZE, TRACES
 
@@ -199,8 +199,11 @@ class LLM:
     config.max_position_embeddings); it sets the page-table width, which the WISE state and the
     Pallas kernel's selection scale with; kernel: decode attention ('auto', 'reference',
     'pallas'; default wise_config.kernel or 'auto'); tokenizer: for string prompts and texts;
-    attention: prefill attention (`wise_jax.prefill_attention`); unroll: layers per scan step of
-    the decode step and prefill (True: all); seed: the key of requests without their own seed
+    attention: prefill attention (`wise_jax.prefill_attention`); layers: "unstacked" (default)
+    decodes with one weight buffer per layer (`params.unstack_layers`: straight-line code, no
+    per-layer weight copies; the engine makes that copy of stacked params once, and its decode
+    step compiles slower) or "stacked" (a scan over the stacked weights); unroll: layers per scan
+    step of prefill and of a stacked decode step (True: all); seed: the key of requests without their own seed
     (None: a random one); mesh: a jax.sharding.Mesh with axis "tp" to shard the heads, the K/V
     pages and the WISE supports over (`wise_jax.sharding`; every device holds num_pages pages of
     its KV heads; `params` is then kept in the mesh layout, a `sharding.MeshParams`).
@@ -209,7 +212,8 @@ class LLM:
     def __init__(self, params: Params, config: ModelConfig, *, wise_config: WiseConfig | None = None,
                  num_pages: int | None = None, page_size: int = DEFAULT_PAGE_SIZE, max_num_seqs: int = 64,
                  max_model_len: int | None = None, kernel: str | None = None, tokenizer: Tokenizer | None = None,
-                 attention: str = "auto", unroll: int | bool = 1, seed: int | None = None, mesh=None):
+                 attention: str = "auto", layers: str = "unstacked", unroll: int | bool = 1,
+                 seed: int | None = None, mesh=None):
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
         per_device = config if mesh is None else sharding.local_config(config, sharding.tp_size(mesh))
@@ -226,9 +230,15 @@ class LLM:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < MAX_SEED):
             raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed!r}")
+        if layers not in ("unstacked", "stacked"):
+            raise ValueError(f"layers must be 'unstacked' or 'stacked', got {layers!r}")
         dtype = (params.params if isinstance(params, sharding.MeshParams) else params).embed_tokens.dtype
         if mesh is not None:
             params = sharding.shard_params(config, params, mesh)
+            if layers == "unstacked":
+                params = sharding.unstack_mesh_params(params, mesh)
+        elif isinstance(params, Params):   # MeshParams without a mesh: the step says what is wrong
+            params = unstack_layers(params) if layers == "unstacked" else stack_layers(params)
         self.params, self.config, self.wise_config, self.tokenizer = params, config, wise_config, tokenizer
         self.mesh = mesh
         self.kernel = resolve_kernel(kernel if kernel is not None else (wise_config.kernel if wise_config else "auto"))

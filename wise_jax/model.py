@@ -1,7 +1,8 @@
 """The Ouro recurrent-depth decoder as pure functions.
 
 Structure (docs/DESIGN.md "Model"): embed; `total_ut_steps` loops, each a `lax.scan` of the
-sandwich-norm `decoder_layer` over the stacked layers followed by `model.norm`; the early-exit
+sandwich-norm `decoder_layer` over the stacked layers (a Python loop over unstacked ones, see
+`params.unstack_layers`) followed by `model.norm`; the early-exit
 gate on each loop's normed state; the head on the last loop. Every loop runs
 (`early_exit_threshold` is not applied; `forward_with_exits` returns the exit probabilities).
 Three callers share `run_loop` and differ only in how a layer attends: `forward` (causal,
@@ -26,7 +27,7 @@ from wise_core.config import ModelConfig, WiseConfig
 from wise_jax import kv_cache as kvc
 from wise_jax import wise_state as ws
 from wise_jax.attention import decode_attention
-from wise_jax.params import LayerParams, Params
+from wise_jax.params import LayerParams, Params, stack_layers
 from wise_jax.prefill_attention import causal_attention
 
 
@@ -208,7 +209,10 @@ def prefill(params: Params, config: ModelConfig, tokens: jax.Array, length: jax.
 
     tokens int32[seq] (valid up to `length`, int32[] >= 1). Returns (logits float32[vocab] at
     position length - 1, k, v [planes, seq, kv_heads, head_dim] in the params' dtype). The K/V
-    buffers are written in place layer by layer (no per-loop copies)."""
+    buffers are written in place layer by layer (no per-loop copies). The layers always run
+    as a scan (one quick compile per prompt bucket): unstacked weights are stacked here, one copy
+    of the layer weights per call, small beside the prefill's own work."""
+    params = stack_layers(params)
     seq = tokens.shape[0]
     planes = config.total_ut_steps * config.num_hidden_layers
     h = embed(params, tokens[None])

@@ -1,6 +1,8 @@
 """Ouro parameters as pytrees, converted from and to the HF checkpoint layout.
 
-Per-layer weights are stacked along a leading layer axis (the same weights serve every loop).
+Per-layer weights are stacked along a leading layer axis (the same weights serve every loop);
+`unstack_layers` makes them a tuple of per-layer weights, the layout the serving engine decodes
+with (`stack_layers` undoes it).
 Linear weights are stored [in, out] (HF stores [out, in]) so the model computes `x @ w`, and the
 projections that read the same input are fused: `qkv_proj` holds q_proj | k_proj | v_proj and
 `gate_up_proj` holds gate_proj | up_proj along the output axis, so a layer runs one GEMM for
@@ -176,14 +178,24 @@ def split_projections(config: ModelConfig, params: Params) -> Params:
 
 def unstack_layers(params: Params) -> Params:
     """The same weights with the layer axis taken apart: `layers` becomes a tuple of one
-    LayerParams per layer (leaves without the layer axis). The model runs such params as a
-    Python loop over layers (straight-line code, static weight buffers) instead of a scan whose
-    steps slice the stacked weights; copies the weights once."""
+    LayerParams per layer (leaves without the layer axis; sharded leaves keep their sharding on
+    the other axes). The model runs such params as a Python loop over layers (straight-line code
+    reading each layer's own buffers) instead of a scan whose steps slice the stacked weights,
+    which XLA does by copying them. Copies the weights once; unstacked params are returned as
+    they are."""
     if isinstance(params.layers, tuple):
         return params
     count = jax.tree.leaves(params.layers)[0].shape[0]
-    layers = tuple(jax.tree.map(lambda x, n=n: x[n], params.layers) for n in range(count))
-    return dataclasses.replace(params, layers=layers)
+    return jax.jit(lambda p: dataclasses.replace(
+        p, layers=tuple(jax.tree.map(lambda x, n=n: x[n], p.layers) for n in range(count))))(params)
+
+
+def stack_layers(params: Params) -> Params:
+    """The inverse of `unstack_layers` (stacked params are returned as they are); inside a
+    traced function this is one copy of the layer weights."""
+    if not isinstance(params.layers, tuple):
+        return params
+    return dataclasses.replace(params, layers=jax.tree.map(lambda *xs: jnp.stack(xs), *params.layers))
 
 
 def scale_queries(config: ModelConfig, params: Params, factor: float) -> Params:

@@ -36,7 +36,7 @@ from wise_core.config import ModelConfig
 from wise_jax import kv_cache as kvc
 from wise_jax import model
 from wise_jax import wise_state as ws
-from wise_jax.params import LayerParams, Params
+from wise_jax.params import LayerParams, Params, stack_layers, unstack_layers
 
 AXIS = "tp"
 KV_SPEC = P(None, None, None, AXIS, None)          # [planes, pages, page_size, kv_heads, head_dim]
@@ -98,13 +98,17 @@ def _rank_major(w: jax.Array, sizes: list[int], size: int) -> jax.Array:
 
 def param_specs(params: Params) -> Params:
     """The PartitionSpec of every leaf of mesh-layout params."""
-    if isinstance(params.layers.qkv_proj, tuple) or isinstance(params.layers.gate_up_proj, tuple):
+    unstacked = isinstance(params.layers, tuple)
+    first = params.layers[0] if unstacked else params.layers
+    if isinstance(first.qkv_proj, tuple) or isinstance(first.gate_up_proj, tuple):
         raise ValueError("tensor parallelism shards the fused projections; these params are split "
                          "(params.split_projections)")
+    lead = () if unstacked else (None,)      # the layer axis of stacked weights
     norm = P()
-    layers = LayerParams(qkv_proj=P(None, None, AXIS), o_proj=P(None, AXIS, None), gate_up_proj=P(None, None, AXIS),
-                         down_proj=P(None, AXIS, None), input_layernorm=norm, input_layernorm_2=norm,
-                         post_attention_layernorm=norm, post_attention_layernorm_2=norm)
+    layer = LayerParams(qkv_proj=P(*lead, None, AXIS), o_proj=P(*lead, AXIS, None), gate_up_proj=P(*lead, None, AXIS),
+                        down_proj=P(*lead, AXIS, None), input_layernorm=norm, input_layernorm_2=norm,
+                        post_attention_layernorm=norm, post_attention_layernorm_2=norm)
+    layers = tuple(layer for _ in params.layers) if unstacked else layer
     return Params(embed_tokens=P(), layers=layers, norm=P(), early_exit_gate=P(), early_exit_gate_bias=P(),
                   lm_head=None if params.lm_head is None else P())
 
@@ -122,6 +126,7 @@ def shard_params(config: ModelConfig, params: Params | MeshParams, mesh: Mesh) -
         return _layout_of(params, mesh)
     if not isinstance(params, Params):
         raise TypeError(f"params must be wise_jax Params, got {type(params).__name__}")
+    params = stack_layers(params)    # sharded stacked; `unstack_mesh_params` takes them apart again
     specs = param_specs(params)
     d, inter = config.head_dim, config.intermediate_size
     layers = params.layers
@@ -131,6 +136,16 @@ def shard_params(config: ModelConfig, params: Params | MeshParams, mesh: Mesh) -
                                                config.num_key_value_heads * d], size),
         gate_up_proj=_rank_major(layers.gate_up_proj, [inter, inter], size))
     return MeshParams(jax.device_put(dataclasses.replace(params, layers=layers), _named(mesh, specs)), size)
+
+
+def unstack_mesh_params(params: MeshParams, mesh: Mesh) -> MeshParams:
+    """`params.unstack_layers` in the mesh layout: every layer's leaves placed as `param_specs`
+    says (the layer axis gone)."""
+    params = _layout_of(params, mesh)
+    if isinstance(params.params.layers, tuple):
+        return params
+    specs = param_specs(jax.eval_shape(unstack_layers, params.params))
+    return MeshParams(jax.jit(unstack_layers, out_shardings=_named(mesh, specs))(params.params), params.size)
 
 
 def _layout_of(params, mesh: Mesh | None):
