@@ -56,13 +56,13 @@ def _discover_union_reuse(cache):
 
     out0, state = _wise(state, _q(0), k, v, table, lens, req, active, loop=0)
     dense0, sel0 = _plain(_q(0), k, v, table, lens, _modes(M.DISCOVER, M.DISCOVER), empty)
-    assert np.array_equal(out0, dense0) and np.array_equal(state.support[:, LAYER], sel0)
+    assert np.array_equal(out0, dense0) and np.array_equal(state.support[LAYER], sel0)
     _, state = _wise(state, _q(1), k, v, table, lens, req, active, loop=1)
     _, sel1 = _plain(_q(1), k, v, table, lens, _modes(M.DISCOVER, M.DISCOVER), empty)
     union = np.asarray(sel0) | np.asarray(sel1)
-    assert np.array_equal(state.support[:, LAYER], union)
-    assert np.asarray(state.depths_run[:, LAYER]).tolist() == [0b11, 0b11]
-    assert not np.asarray(state.support[:, 1 - LAYER]).any()               # other layers untouched
+    assert np.array_equal(state.support[LAYER], union)
+    assert np.asarray(state.depths_run[LAYER]).tolist() == [0b11, 0b11]
+    assert not np.asarray(state.support[1 - LAYER]).any()               # other layers untouched
 
     out2, state = _wise(state, _q(2), k, v, table, lens, req, active, loop=2)
     sparse2, _ = _plain(_q(2), k, v, table, lens, _modes(M.SPARSE, M.SPARSE), jnp.asarray(union))
@@ -83,7 +83,7 @@ def test_fallback_when_discovery_incomplete_or_foreign(cache):
     k, v, table = cache
     lens, req, active = jnp.asarray([100, 57], jnp.int32), jnp.asarray([7, 8], jnp.int32), jnp.ones(2, bool)
     state = _discover_union_reuse(cache)
-    support = state.support[:, LAYER]
+    support = state.support[LAYER]
 
     # Slot 0 now serves request 9 at the same position: its support is foreign. Slot 1 keeps its own.
     out, state = _wise(state, _q(3), k, v, table, lens, jnp.asarray([9, 8], jnp.int32), active, loop=3)
@@ -95,8 +95,8 @@ def test_fallback_when_discovery_incomplete_or_foreign(cache):
     lens = lens + 1
     _, state = _wise(state, _q(4), k, v, table, lens, req, active, loop=1)
     _, sel = _plain(_q(4), k, v, table, lens, _modes(M.DISCOVER, M.DISCOVER), jnp.zeros_like(support))
-    assert np.array_equal(state.support[:, LAYER], sel)
-    assert np.asarray(state.depths_run[:, LAYER]).tolist() == [0b10, 0b10]
+    assert np.array_equal(state.support[LAYER], sel)
+    assert np.asarray(state.depths_run[LAYER]).tolist() == [0b10, 0b10]
     out, state = _wise(state, _q(5), k, v, table, lens, req, jnp.asarray([True, False]), loop=2)
     dense, _ = _plain(_q(5), k, v, table, lens, _modes(M.DENSE, M.DENSE), sel)
     assert np.array_equal(out, dense) and int(state.fallbacks) == 2
@@ -112,4 +112,4 @@ def test_all_blocks_selects_every_causal_block(cache):
     discover = jax.jit(functools.partial(ws.wise_attention, wise_config=config, loop=0, kernel="reference"))
     _, state = discover(state, layer=jnp.int32(0), q=_q(0), k_pages=k, v_pages=v, page_table=table, seq_lens=lens,
                         request_ids=jnp.asarray([0, 1]), active=jnp.ones(2, bool))
-    assert np.asarray(state.support[:, 0]).sum(-1).tolist() == [[4] * HEADS, [2] * HEADS]
+    assert np.asarray(state.support[0]).sum(-1).tolist() == [[4] * HEADS, [2] * HEADS]

@@ -1,9 +1,11 @@
 """WISE decode state as a pytree, and the decode attention of one (loop, layer) under WISE.
 
-Per slot (a batch row) and layer the state holds the support found for the token being decoded,
+Per layer and slot (a batch row) the state holds the support found for the token being decoded,
 the (request id, position) it was found for, and a bitmask of the discovery depths that ran for
 it. A reuse depth attends sparsely only when that tag matches the row's current (request,
 position) and every discovery depth ran; otherwise it attends densely and counts a fallback.
+The arrays are layer-major, so one layer's rows are one contiguous slice, read and written in
+place by the decode step.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from wise_jax.attention import causal_blocks, decode_attention
                                 "selected_blocks", "causal_blocks"], meta_fields=[])
 @dataclasses.dataclass
 class WiseState:
-    """support bool[slots, layers, heads, max_blocks]; tag_request, tag_position int32[slots,
-    layers] (-1: none); depths_run int32[slots, layers] (bit d set when discovery depth d ran);
+    """support bool[layers, slots, heads, max_blocks]; tag_request, tag_position int32[layers,
+    slots] (-1: none); depths_run int32[layers, slots] (bit d set when discovery depth d ran);
     fallbacks int32[] ((token, layer) pairs that fell back to dense at a reuse depth);
     selected_blocks, causal_blocks float32[n_reuse], in reuse_depths order: sums over reuse-depth
     calls, per (row, head), of the causal blocks attended (all of them on a fallback) and of the
@@ -51,10 +53,10 @@ def create(wise_config: WiseConfig, *, slots: int, layers: int, heads: int, max_
     """A state with no support recorded (tags -1) and zero counters."""
     n_reuse = len(wise_config.reuse_depths)
     return WiseState(
-        support=jnp.zeros((slots, layers, heads, max_blocks), bool),
-        tag_request=jnp.full((slots, layers), -1, jnp.int32),
-        tag_position=jnp.full((slots, layers), -1, jnp.int32),
-        depths_run=jnp.zeros((slots, layers), jnp.int32),
+        support=jnp.zeros((layers, slots, heads, max_blocks), bool),
+        tag_request=jnp.full((layers, slots), -1, jnp.int32),
+        tag_position=jnp.full((layers, slots), -1, jnp.int32),
+        depths_run=jnp.zeros((layers, slots), jnp.int32),
         fallbacks=jnp.zeros((), jnp.int32),
         selected_blocks=jnp.zeros((n_reuse,), jnp.float32),
         causal_blocks=jnp.zeros((n_reuse,), jnp.float32))
@@ -87,10 +89,10 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int, layer: 
     role = wise_config.depth_role(loop)
     batch = q.shape[0]
     position = seq_lens - 1
-    support = state.support[:, layer]
+    support = state.support[layer]
     n_blocks = support.shape[-1]
-    tagged = (state.tag_request[:, layer] == request_ids) & (state.tag_position[:, layer] == position)
-    depths_run = state.depths_run[:, layer]
+    tagged = (state.tag_request[layer] == request_ids) & (state.tag_position[layer] == position)
+    depths_run = state.depths_run[layer]
     bit = 1 << loop
 
     if role == "discover":
@@ -120,10 +122,10 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int, layer: 
 
         state = dataclasses.replace(
             state,
-            support=state.support.at[:, layer].set(keep(new_support, support)),
-            tag_request=state.tag_request.at[:, layer].set(keep(request_ids, state.tag_request[:, layer])),
-            tag_position=state.tag_position.at[:, layer].set(keep(position, state.tag_position[:, layer])),
-            depths_run=state.depths_run.at[:, layer].set(
+            support=state.support.at[layer].set(keep(new_support, support)),
+            tag_request=state.tag_request.at[layer].set(keep(request_ids, state.tag_request[layer])),
+            tag_position=state.tag_position.at[layer].set(keep(position, state.tag_position[layer])),
+            depths_run=state.depths_run.at[layer].set(
                 keep(jnp.where(fresh, bit, depths_run | bit), depths_run)))
     elif role == "reuse":
         depth = wise_config.reuse_depths.index(loop)
