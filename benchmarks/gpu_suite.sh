@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark of the project, in parts, for one H200 (tp: two):
-#   bash benchmarks/gpu_suite.sh tests|train|bench|engine|jax|jax-bench|jax-tests|pallas|tp OUTDIR [MODEL_DIR]
+#   bash benchmarks/gpu_suite.sh tests|train|bench|engine|jax|jax-bench|jax-tests|jax-profile|pallas|tp OUTDIR [MODEL_DIR]
 # tests: the `gpu`-marked pytest suite, the parity suite;
 # train: trains the built-in model (benchmarks/train_builtin.py) into OUTDIR/model;
 # engine: the torch engine's gpu tests, the fused-ops benchmark and the engine throughput
 #         benchmark (dense and WISE at 1K x 64, 4K x 20, 8K x 10, 1K x 1; ARMS, SHAPES, Q_SCALES override;
 #         SPEC adds speculative arms, e.g. SPEC="--spec wise --spec loops --num-draft 4");
-# jax: jax-bench then jax-tests, about 8 minutes; jax-bench: the JAX engine's throughput benchmark
+# jax: jax-bench then jax-tests (two 10-minute slots); jax-bench: the JAX engine's throughput benchmark
 #      (dense and WISE at 1K x 64, 4K x 20, 8K x 10, 1K x 1; a 32K x 2 prefill; JAX_ARMS, SHAPES,
-#      Q_SCALES override); jax-tests: JAX's gpu tests (engine, selection in generate, the Pallas
-#      kernel in generate, parity's kernel checks) and the decode contract compiled for the GPU;
+#      Q_SCALES override; each (shape, arm) compiles for about 45 s); jax-tests: JAX's gpu tests (engine,
+#      selection in generate, the Pallas kernel in generate, parity's kernel checks) and the decode
+#      contract compiled for the GPU; jax-profile: the JAX decode step under the profiler (dense and WISE
+#      at 4K x 20 and 1K x 1; SHAPES, Q_SCALES, JAX_ARMS override), about 4 minutes;
 # pallas: both Pallas kernels' gpu tests (Triton-lowered, Mosaic GPU) and the kernel benchmark without
 #         the launch sweep (PALLAS_SWEEP seconds of Pallas launch settings when set), about 5 minutes;
 # tp: on a host with two GPUs, the tensor-parallel gpu tests (torch and JAX) and the scaling benchmarks
@@ -57,15 +59,19 @@ case $part in
     ;;
   jax|jax-bench|jax-tests)
     if [ "$part" != jax-tests ]; then
-      run jax_throughput 240 python3 benchmarks/jax_generate_bench.py --preset ouro-1.4b --arms "${JAX_ARMS:-dense,wise}" \
+      run jax_throughput 560 python3 benchmarks/jax_generate_bench.py --preset ouro-1.4b --arms "${JAX_ARMS:-dense,wise}" \
           --shapes "${SHAPES:-1024x64,4096x20,8192x10,1024x1}" --q-scale "${Q_SCALES:-8,7.3,7,8}" \
-          --prefill-shapes 32768x2 --child-timeout 100 --out "$out/jax_throughput"
+          --prefill-shapes 32768x2 --child-timeout 150 --out "$out/jax_throughput"
     fi
     if [ "$part" != jax-bench ]; then
       run jax_gpu_tests 240 python3 -m pytest -q -m gpu tests/test_jax_gpu.py tests/test_jax_selection_in_generate.py \
           tests/test_kernels_in_generate_gpu.py tests/test_parity_gpu.py -p no:cacheprovider -rfE --durations=10
       run decode_contract 120 python3 -m pytest -q tests/test_decode_contract.py -p no:cacheprovider -rfE
     fi
+    ;;
+  jax-profile)
+    run jax_profile 300 python3 benchmarks/jax_decode_profile.py --shapes "${SHAPES:-4096x20,1024x1}" \
+        --q-scale "${Q_SCALES:-7.3,8}" --arms "${JAX_ARMS:-dense,wise}" --child-timeout 120 --out "$out/jax_profile"
     ;;
   pallas)
     run pallas_gpu_tests 150 python3 -m pytest -q -m gpu tests/test_pallas_decode.py tests/test_mosaic_decode.py \
@@ -84,5 +90,5 @@ case $part in
     run tp_jax 540 python3 benchmarks/jax_generate_bench.py --preset ouro-1.4b --arms dense,dense+tp2,wise,wise+tp2 \
         --shapes 1024x64,8192x20 --q-scale 8,7 --child-timeout 120 --out "$out/tp_jax"
     ;;
-  *) echo "unknown part $part (tests|train|bench|engine|jax|jax-bench|jax-tests|pallas|tp)" >&2; exit 2;;
+  *) echo "unknown part $part (tests|train|bench|engine|jax|jax-bench|jax-tests|jax-profile|pallas|tp)" >&2; exit 2;;
 esac

@@ -9,7 +9,7 @@ Each (shape, arm) runs in a fresh process (arms and workloads as in jax_generate
 setup it uses): one warm-up request compiles the programs, a cohort of C requests of L tokens is
 admitted, then --steps decode steps are timed on the host and --steps more run under
 `jax.profiler` (perfetto trace). Device activity is summed per trace line and per kernel name,
-and kernels are grouped (GEMM, decode attention, copies, fusions, other); `busy` is the summed
+and kernels are grouped (GEMM, decode attention, copies and scatters, other fusions, other); `busy` is the summed
 kernel time per step, `span` the first-to-last kernel time per step, so span - busy is idle
 device time. --dump-hlo keeps the optimised HLO of the decode step. Writes
 jax_decode_profile.json and .md to --out.

@@ -84,6 +84,8 @@ def parse_arm(text: str) -> tuple[str, tuple[str, ...]]:
                                          f"OPTIONs from {OPTIONS}")
     if mode.startswith("old") and options:
         raise argparse.ArgumentTypeError(f"arm {text!r}: the old path takes no options")
+    if "unroll" in options and "stacked" not in options:
+        raise argparse.ArgumentTypeError(f"arm {text!r}: unroll unrolls the scan of stacked layers (add +stacked)")
     return mode, tuple(options)
 
 

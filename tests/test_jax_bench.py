@@ -40,8 +40,9 @@ def test_wise_arm_end_to_end(bench, tmp_path):
 
 
 def test_arm_grammar(bench):
-    assert bench.parse_arm("wise+unroll+nocb") == ("wise", ("unroll", "nocb"))
+    assert bench.parse_arm("wise+stacked+unroll+nocb") == ("wise", ("stacked", "unroll", "nocb"))
+    assert bench.parse_arm("dense+cublas+dsfusion") == ("dense", ("cublas", "dsfusion"))
     assert bench.dense_of("wise+unfused") == "dense+unfused" and bench.dense_of("old-wise") == "old"
-    for bad in ("sparse", "dense+fast", "dense+unroll+unroll", "old+unroll"):
+    for bad in ("sparse", "dense+fast", "dense+stacked+unroll+unroll", "old+unroll", "dense+unroll"):
         with pytest.raises(argparse.ArgumentTypeError):
             bench.parse_arm(bad)
