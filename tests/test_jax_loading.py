@@ -68,3 +68,22 @@ def test_weights_equal_the_checkpoint_bitwise(tmp_path, tensors, stored_bf16, dt
 def test_non_floating_dtypes_are_named(dtype):
     with pytest.raises(ValueError, match="dtype must be a floating dtype of"):
         wise_jax.load_model("random-tiny", dtype=dtype)
+
+
+def test_unstacked_loading_gives_the_engine_layout(tmp_path, tensors):
+    """layers="unstacked" loads what params.unstack_layers makes of the stacked load, bitwise,
+    and the engine takes it as it is (no second copy of the weights)."""
+    from wise_jax.params import unstack_layers
+    directory = save_checkpoint(tmp_path / "m", Checkpoint(CONFIG, tensors, None), max_shard_bytes=200_000)
+    _, stacked = wise_jax.load_model(directory, dtype="bfloat16")
+    _, unstacked = wise_jax.load_model(directory, dtype="bfloat16", layers="unstacked")
+    assert isinstance(unstacked.layers, tuple) and len(unstacked.layers) == CONFIG.num_hidden_layers
+    want = unstack_layers(stacked)
+    assert jax.tree.structure(unstacked) == jax.tree.structure(want)
+    for got_leaf, want_leaf in zip(jax.tree.leaves(unstacked), jax.tree.leaves(want)):
+        assert got_leaf.dtype == want_leaf.dtype and got_leaf.shape == want_leaf.shape
+        np.testing.assert_array_equal(np.asarray(got_leaf, np.float32), np.asarray(want_leaf, np.float32))
+    llm = wise_jax.LLM(unstacked, CONFIG, page_size=32, max_num_seqs=1, max_model_len=64)
+    assert all(a is b for a, b in zip(jax.tree.leaves(llm.params), jax.tree.leaves(unstacked)))
+    with pytest.raises(ValueError, match="layers must be"):
+        wise_jax.load_model(directory, layers="scan")

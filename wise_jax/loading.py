@@ -84,11 +84,14 @@ def _copy_into(dst: np.ndarray, tensor: Rows, transpose: bool) -> None:
 
 
 def params_from_tensors(config: ModelConfig, opened: Callable[[str], ContextManager[Rows]],
-                        dtype) -> Params:
+                        dtype, *, layers: str = "stacked") -> Params:
     """Params of `dtype` from `opened(hf_name)`, a context holding (shape, read(start, stop))
     (tensors already checked against `config`). Each leaf is assembled on the host in `dtype`
     (linear weights transposed to [in, out], layers stacked), a block of rows at a time, then
-    put on the device."""
+    put on the device: whole, or one layer at a time with layers="unstacked" (the layout of
+    `params.unstack_layers`)."""
+    if layers not in ("stacked", "unstacked"):
+        raise ValueError(f"layers must be 'stacked' or 'unstacked', got {layers!r}")
     dtype = np.dtype(dtype)
     shapes, hf_shapes = param_shapes(config), expected_shapes(config)
 
@@ -101,7 +104,7 @@ def params_from_tensors(config: ModelConfig, opened: Callable[[str], ContextMana
         fill(out, name, transpose)
         return jax.device_put(out)
 
-    def stacked(field: str) -> jax.Array:
+    def stacked(field: str) -> jax.Array | list[jax.Array]:
         out = _host_array(getattr(shapes.layers, field), dtype)
 
         def layer(n: int) -> None:
@@ -118,11 +121,15 @@ def params_from_tensors(config: ModelConfig, opened: Callable[[str], ContextMana
         # Layers fill disjoint slices; numpy's copies release the GIL, so the transposes run in parallel.
         with concurrent.futures.ThreadPoolExecutor(_LOAD_THREADS) as pool:
             list(pool.map(layer, range(config.num_hidden_layers)))
+        if layers == "unstacked":
+            return [jax.device_put(out[n]) for n in range(config.num_hidden_layers)]
         return jax.device_put(out)
 
+    leaves = {field: stacked(field) for field in LAYER_NAMES}
     return Params(
         embed_tokens=put("model.embed_tokens.weight", shapes.embed_tokens),
-        layers=LayerParams(**{field: stacked(field) for field in LAYER_NAMES}),
+        layers=(LayerParams(**leaves) if layers == "stacked" else
+                tuple(LayerParams(**{f: leaves[f][n] for f in LAYER_NAMES}) for n in range(config.num_hidden_layers))),
         norm=put("model.norm.weight", shapes.norm),
         early_exit_gate=put("model.early_exit_gate.weight", shapes.early_exit_gate, transpose=True),
         early_exit_gate_bias=put("model.early_exit_gate.bias", shapes.early_exit_gate_bias),
@@ -152,13 +159,16 @@ def _in_files(found: CheckpointFiles) -> Callable[[str], ContextManager[Rows]]:
     return opened
 
 
-def load_model(path_or_name: str | Path, *, dtype=jnp.float32, with_tokenizer: bool = False):
+def load_model(path_or_name: str | Path, *, dtype=jnp.float32, with_tokenizer: bool = False,
+               layers: str = "stacked"):
     """A checkpoint directory (HF Ouro layout) or built-in model name -> (config, params of dtype),
-    or (config, params, tokenizer or None) with `with_tokenizer`."""
+    or (config, params, tokenizer or None) with `with_tokenizer`. layers="unstacked" loads the
+    per-layer layout the serving engine decodes with (`params.unstack_layers`), so `LLM` makes
+    no second copy of the weights."""
     dtype = model_dtype(dtype)
     found = open_checkpoint(path_or_name)
     tensors = _in_memory(found.tensors) if isinstance(found, Checkpoint) else _in_files(found)
-    params = params_from_tensors(found.config, tensors, dtype)
+    params = params_from_tensors(found.config, tensors, dtype, layers=layers)
     return (found.config, params, found.tokenizer) if with_tokenizer else (found.config, params)
 
 
