@@ -8,7 +8,7 @@
 #         SPEC adds speculative arms, e.g. SPEC="--spec wise --spec loops --num-draft 4");
 # jax: jax-bench then jax-tests (two 10-minute slots); jax-bench: the JAX engine's throughput benchmark
 #      (dense and WISE at 1K x 64, 4K x 20, 8K x 10, 1K x 1; a 32K x 2 prefill; JAX_ARMS, SHAPES,
-#      Q_SCALES override; each (shape, arm) compiles for about 45 s); jax-tests: JAX's gpu tests (engine,
+#      Q_SCALES override; each (shape, arm) warms up for about 40 s); jax-tests: JAX's gpu tests (engine,
 #      selection in generate, the Pallas kernel in generate, parity's kernel checks) and the decode
 #      contract compiled for the GPU; jax-profile: the JAX decode step under the profiler (dense and WISE
 #      at 4K x 20 and 1K x 1; SHAPES, Q_SCALES, JAX_ARMS override), about 4 minutes;
