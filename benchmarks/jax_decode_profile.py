@@ -22,9 +22,7 @@ import collections
 import dataclasses
 import gzip
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -135,20 +133,11 @@ def run(spec: dict, workdir: Path, timeout: float, hlo_dir: Path | None) -> dict
     spec = dict(spec, result=str(workdir / f"{name}.json"), trace_dir=str(workdir / f"{name}-trace"))
     spec_path = workdir / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
-    flags = [bench.XLA_FLAGS[o] for o in bench.parse_arm(spec["arm"])[1] if o in bench.XLA_FLAGS]
-    dump = None
-    if hlo_dir is not None:
-        dump = workdir / f"{name}-hlo"
-        flags += [f"--xla_dump_to={dump}", "--xla_dump_hlo_module_re=.*_step.*"]
-    if flags:
-        env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", "")] + flags).strip()
-    try:
-        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path)],
-                              env=env, timeout=timeout, capture_output=True, text=True)
-    except subprocess.TimeoutExpired:
-        return dict(status=f"error: timed out after {timeout:.0f} s")
+    dump = None if hlo_dir is None else workdir / f"{name}-hlo"
+    dump_flags = () if dump is None else (f"--xla_dump_to={dump}", "--xla_dump_hlo_module_re=.*_step.*")
+    done = bench.spawn(Path(__file__), spec_path, bench.arm_env(spec["arm"], dump_flags), timeout)
+    if isinstance(done, dict):
+        return done
     if dump is not None and dump.exists():
         hlo_dir.mkdir(parents=True, exist_ok=True)
         for f in dump.glob("*after_optimizations.txt"):

@@ -248,23 +248,38 @@ def worker_main(spec_path: str) -> None:
     Path(spec["result"]).write_text(json.dumps(result, default=str))
 
 
+def arm_env(arm: str, extra_flags: tuple[str, ...] = (), **extra: str) -> dict:
+    """The environment of an arm's worker process: this one's, with `extra` and the arm's XLA
+    flags (and `extra_flags`) added."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+    flags = [XLA_FLAGS[o] for o in parse_arm(arm)[1] if o in XLA_FLAGS] + list(extra_flags)
+    if flags:
+        env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", "")] + flags).strip()
+    return env
+
+
+def spawn(script: Path, spec_path: Path, env: dict, timeout: float):
+    """Run `script --worker spec_path` in a fresh process: its CompletedProcess, or a status dict
+    when it ran past `timeout` seconds."""
+    try:
+        return subprocess.run([sys.executable, str(Path(script).resolve()), "--worker", str(spec_path)],
+                              env=env, timeout=timeout, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        return dict(status=f"error: timed out after {timeout:.0f} s")
+
+
 def run_worker(spec: dict, timeout: float, workdir: Path, compile_cache: Path) -> dict:
     """Run one (shape, arm) in a fresh process (its XLA flags set); its result, or why there is none."""
     name = f"{spec['context']}x{spec['batch']}-{spec['arm']}"
     spec = dict(spec, result=str(workdir / f"{name}.result.json"))
     spec_path = workdir / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_COMPILATION_CACHE_DIR=str(compile_cache),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
-    flags = [XLA_FLAGS[o] for o in parse_arm(spec["arm"])[1] if o in XLA_FLAGS]
-    if flags:
-        env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", "")] + flags).strip()
-    try:
-        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path)],
-                              env=env, timeout=timeout, capture_output=True, text=True)
-    except subprocess.TimeoutExpired:
-        return dict(status=f"error: timed out after {timeout:.0f} s")
+    env = arm_env(spec["arm"], JAX_COMPILATION_CACHE_DIR=str(compile_cache),
+                  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    done = spawn(Path(__file__), spec_path, env, timeout)
+    if isinstance(done, dict):
+        return done
     log = (done.stdout + done.stderr).strip()
     if done.returncode != 0 or not Path(spec["result"]).exists():
         return dict(status=f"error: worker exited {done.returncode}: {log[-600:]}")
