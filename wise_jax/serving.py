@@ -133,8 +133,9 @@ def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, st
                 kernel: str = "auto", unroll: int | bool = 1, mesh=None):
     """`wise_jax.model.decode_step`, jit-compiled, donating cache and state: tokens int32[rows]
     (each row's next input), slots int32[rows] (request per row, -1 empty) ->
-    (logits float32[rows, vocab], cache, state). Check `cache.overflowed` after it. mesh: see
-    the module docstring."""
+    (logits float32[rows, vocab], cache, state). Check `cache.overflowed` after it. Pass
+    unstacked params (`params.unstack_layers`, as `LLM` does) for the fast step: stacked ones
+    run a scan that copies each layer's weights every step. mesh: see the module docstring."""
     TRACES["decode_step"] += 1
     return sharding.decode_step(params, config, cache, state, tokens, slots, wise_config=wise_config,
                                 kernel=kernel, unroll=unroll, mesh=mesh)
