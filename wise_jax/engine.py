@@ -202,9 +202,9 @@ class LLM:
     attention: prefill attention (`wise_jax.prefill_attention`); layers: "unstacked" (default)
     decodes with one weight buffer per layer (`params.unstack_layers`: straight-line code, no
     per-layer weight copies; the engine makes that copy of stacked params once, and its decode
-    step compiles slower) or "stacked" (a scan over the stacked weights); unroll: layers per scan
-    step of prefill and of a stacked decode step (True: all); seed: the key of requests without their own seed
-    (None: a random one); mesh: a jax.sharding.Mesh with axis "tp" to shard the heads, the K/V
+    step compiles slower) or "stacked" (a scan over the stacked weights), for params not yet
+    in a mesh layout; unroll: layers per scan step of prefill and of a stacked decode step
+    (True: all); seed: the key of requests without their own seed (None: a random one); mesh: a jax.sharding.Mesh with axis "tp" to shard the heads, the K/V
     pages and the WISE supports over (`wise_jax.sharding`; every device holds num_pages pages of
     its KV heads; `params` is then kept in the mesh layout, a `sharding.MeshParams`).
     """

@@ -2,9 +2,9 @@
 
 Structure (docs/DESIGN.md "Model"): embed; `total_ut_steps` loops, each a `lax.scan` of the
 sandwich-norm `decoder_layer` over the stacked layers (a Python loop over unstacked ones, see
-`params.unstack_layers`) followed by `model.norm`; the early-exit
-gate on each loop's normed state; the head on the last loop. Every loop runs
-(`early_exit_threshold` is not applied; `forward_with_exits` returns the exit probabilities).
+`params.unstack_layers`) followed by `model.norm`; the early-exit gate on each loop's normed
+state; the head on the last loop. Every loop runs (`early_exit_threshold` is not applied;
+`forward_with_exits` returns the exit probabilities).
 Three callers share `run_loop` and differ only in how a layer attends: `forward` (causal,
 differentiable), `prefill` (causal, one request, returning the K/V of every plane) and
 `decode_step` (one token per cache row against the paged cache, dense or WISE). Whole-sequence
@@ -102,9 +102,10 @@ def decoder_layer(lp: LayerParams, config: ModelConfig, h: jax.Array, cos: jax.A
 def run_loop(params: Params, config: ModelConfig, h: jax.Array, cos: jax.Array, sin: jax.Array,
              attend: Attend, carry: Any = None, *, remat: bool = False,
              unroll: int | bool = 1, axis_name: str | None = None) -> tuple[jax.Array, Any]:
-    """One pass over the shared layers (a scan, `unroll` layers per scan step; True unrolls all;
-    a Python loop for unstacked layers), then model.norm. h: [batch, seq, hidden]. `carry` threads through every layer's `attend`;
-    axis_name: see `decoder_layer`. Returns (normed h, carry)."""
+    """One pass over the shared layers (a scan, `unroll` layers per scan step, True unrolling
+    all; a Python loop over unstacked layers), then model.norm. h: [batch, seq, hidden]. `carry`
+    threads through every layer's `attend`; axis_name: see `decoder_layer`. Returns (normed h,
+    carry)."""
     def body(state, xs):
         h, carry = state
         lp, layer = xs

@@ -185,9 +185,14 @@ def unstack_layers(params: Params) -> Params:
     they are."""
     if isinstance(params.layers, tuple):
         return params
+    return _unstack(params)
+
+
+@jax.jit
+def _unstack(params: Params) -> Params:
     count = jax.tree.leaves(params.layers)[0].shape[0]
-    return jax.jit(lambda p: dataclasses.replace(
-        p, layers=tuple(jax.tree.map(lambda x, n=n: x[n], p.layers) for n in range(count))))(params)
+    return dataclasses.replace(params, layers=tuple(jax.tree.map(lambda x, n=n: x[n], params.layers)
+                                                    for n in range(count)))
 
 
 def stack_layers(params: Params) -> Params:
