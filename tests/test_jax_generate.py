@@ -109,6 +109,10 @@ def test_stacked_and_unstacked_layers_decode_alike(params, prompts, dense, wise,
                       tuple)
     with pytest.raises(ValueError, match="layers must be"):
         wise_jax.LLM(params, CONFIG, page_size=PAGE, max_num_seqs=1, max_model_len=256, layers="scan")
+    for short in (dataclasses.replace(unstacked, layers=unstacked.layers[:-1]),      # never silently fewer layers
+                  dataclasses.replace(params, layers=jax.tree.map(lambda x: x[:-1], params.layers))):
+        with pytest.raises(ValueError, match=f"params hold {CONFIG.num_hidden_layers - 1} layers, the config "):
+            wise_jax.generate(short, CONFIG, prompts[:1], max_new_tokens=2, page_size=PAGE)
 
 
 def decode_memory(config, *, rows, max_pages, page_size, kernel, dtype):

@@ -115,7 +115,11 @@ def run_loop(params: Params, config: ModelConfig, h: jax.Array, cos: jax.Array, 
 
     if remat:
         body = jax.checkpoint(body)
-    if isinstance(params.layers, tuple):  # unstacked (`params.unstack_layers`): a static layer index
+    unstacked = isinstance(params.layers, tuple)
+    count = len(params.layers) if unstacked else jax.tree.leaves(params.layers)[0].shape[0]
+    if count != config.num_hidden_layers:
+        raise ValueError(f"params hold {count} layers, the config {config.num_hidden_layers}")
+    if unstacked:  # `params.unstack_layers`: a static layer index
         for layer, lp in enumerate(params.layers):
             (h, carry), _ = body((h, carry), (lp, layer))
     else:
