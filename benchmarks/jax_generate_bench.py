@@ -63,9 +63,8 @@ _ROOT = _HERE.parent
 if str(_HERE) not in sys.path:
     sys.path.insert(0, str(_HERE))
 
-from throughput import (BATCH1_STEP_MS, DENSE_SHARE_TARGET, WISE_TARGETS, _density, _fmt,  # noqa: E402
-                        cohort_pages, parse_floats, parse_shapes, plot, prepare_old_src, roofline, run_cohort,
-                        table)
+from throughput import (_density, _fmt, cohort_pages, engine_standing, parse_floats,  # noqa: E402
+                        parse_shapes, plot, prepare_old_src, roofline, run_cohort, table)
 
 MODES = ("dense", "wise", "old", "old-wise")
 OPTIONS = ("stacked", "unroll", "unfused", "nocb", "cbloops", "dsfusion", "cublas", "tp2")
@@ -335,24 +334,6 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
-def standing(summary: list[dict]) -> list[dict]:
-    """The issue's targets (the base dense and wise arms), measured where the run has the numbers."""
-    out = []
-    for s in summary:
-        shape = f"{s['context']}x{s['batch']}"
-        if s["arm"] == "dense":
-            out.append(dict(target=f"dense >= {DENSE_SHARE_TARGET:.0%} of the roofline", shape=shape,
-                            value=s["roofline_share"], met=s["roofline_share"] >= DENSE_SHARE_TARGET))
-            if s["batch"] == 1 and s["context"] == 1024:
-                out.append(dict(target=f"batch 1 at 1K <= {BATCH1_STEP_MS} ms/step", shape=shape,
-                                value=s["ms_per_step"], met=s["ms_per_step"] <= BATCH1_STEP_MS))
-        if s["arm"] == "wise" and s["context"] in WISE_TARGETS and s["batch"] > 1 and s["over_dense"] is not None:
-            bound = WISE_TARGETS[s["context"]]
-            out.append(dict(target=f"WISE / dense >= {bound:.2f}", shape=shape, value=s["over_dense"],
-                            met=s["over_dense"] >= bound))
-    return out
-
-
 def markdown(report: dict) -> str:
     env = report.get("environment") or {}
     a = report["args"]
@@ -454,7 +435,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                       f"{row['roofline_share']:>6.0%} {_density(row['density'])}  prefill "
                       f"{_fmt(row['prefill_s'], '.2f')} s", flush=True)
             report["summary"] = summarize(report["rows"])
-            report["standing"] = standing(report["summary"])
+            report["standing"] = engine_standing(report["summary"])
             write_report(report, args.out)  # after every arm: a run cut short still leaves a report
         print(markdown(report))
         return report

@@ -147,6 +147,8 @@ def test_summary_standing_and_report(tmp_path):
     assert standing["WISE / dense >= 1.30"]["met"] and standing["WISE / dense >= 1.30"]["value"] == pytest.approx(1000 / 700)
     share = standing["dense >= 60% of the roofline"]
     assert share["met"] == (share["value"] >= 0.6)
+    one = [dict(s, batch=1) for s in summary if s["arm"] in ("dense", "wise")]   # WISE targets are for batches
+    assert [t["target"] for t in tp.standing(one)] == ["dense >= 60% of the roofline", "batch 1 at 1K <= 5.0 ms/step"]
     report = dict(date="today", model="random", args=vars(args) | {"out": "x"}, rows=rows, summary=summary,
                   standing=list(standing.values()), environment=None)
     text = tp.write_report(report, tmp_path)
