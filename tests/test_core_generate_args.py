@@ -58,3 +58,23 @@ def test_encode_text_rejects_a_lone_surrogate():
         encode_text(tokenizer, "ab\udcffc", "prompts[1]")
     with pytest.raises(TypeError, match="prompt must be a str, got bytes"):
         encode_text(tokenizer, b"hi")
+
+
+def test_generate_prompts_and_params_are_paired_or_refused():
+    """LLM.generate's arguments (wise_core.request.prompts_with_params, both engines)."""
+    import numpy as np
+    from wise_core.request import SamplingParams, prompts_with_params
+    a, b = SamplingParams(max_tokens=2), SamplingParams(max_tokens=3)
+    assert prompts_with_params(["x", [1, 2]], a) == [("x", a), ([1, 2], a)]
+    assert prompts_with_params(("x", "y"), [a, b]) == [("x", a), ("y", b)]
+    assert prompts_with_params(["x"], None) == [("x", None)]
+    for bad in ("text", np.arange(3), [], None, 7):
+        with pytest.raises(TypeError, match="non-empty list of strings or token-id lists"):
+            prompts_with_params(bad, a)
+
+    class Array:  # an engine's own array type is refused as a bare prompt too
+        pass
+    with pytest.raises(TypeError, match="non-empty list"):
+        prompts_with_params(Array(), a, (Array,))
+    with pytest.raises(ValueError, match="2 prompts but 1 SamplingParams"):
+        prompts_with_params(["x", "y"], [a])

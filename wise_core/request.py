@@ -8,6 +8,8 @@ import dataclasses
 import math
 import numbers
 
+import numpy as np
+
 MAX_SEED = 2 ** 63
 
 
@@ -55,6 +57,21 @@ class SamplingParams:
                 not isinstance(t, numbers.Integral) or isinstance(t, bool) for t in stops):
             raise ValueError(f"SamplingParams.stop_token_ids must be a sequence of integer ids, got {stops!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+
+
+def prompts_with_params(prompts, params, array_types: tuple[type, ...] = ()) -> list:
+    """`LLM.generate`'s arguments checked and paired: prompts a non-empty list (or tuple) of
+    strings or token-id lists (a bare string or array, of `array_types`, is refused); params one
+    SamplingParams (or None) for all, or a list of one per prompt. Returns [(prompt, params)]."""
+    if isinstance(prompts, (str, np.ndarray) + tuple(array_types)) or not isinstance(prompts, (list, tuple)) \
+            or not prompts:
+        raise TypeError("prompts must be a non-empty list of strings or token-id lists")
+    if isinstance(params, (list, tuple)):
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+    else:
+        params = [params] * len(prompts)
+    return list(zip(prompts, params))
 
 
 @dataclasses.dataclass

@@ -39,7 +39,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from wise_core.config import ModelConfig, WiseConfig
-from wise_core.request import MAX_SEED, EngineStats, RequestOutput, SamplingParams  # noqa: F401 (its names)
+from wise_core.request import (MAX_SEED, EngineStats, RequestOutput, SamplingParams,  # noqa: F401 (its names)
+                               prompts_with_params)
 from wise_core.tokenizer import encode_text
 from wise_jax import kv_cache as kvc
 from wise_jax import serving
@@ -451,14 +452,7 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run prompts (strings or token-id lists) to completion -> RequestOutput per prompt, in
         prompt order. params: one SamplingParams for all, or one per prompt."""
-        if isinstance(prompts, (str, np.ndarray, jax.Array)) or not isinstance(prompts, (list, tuple)) or not prompts:
-            raise TypeError("prompts must be a non-empty list of strings or token-id lists")
-        if isinstance(params, (list, tuple)):
-            if len(params) != len(prompts):
-                raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        else:
-            params = [params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids = [self.add_request(p, sp) for p, sp in prompts_with_params(prompts, params, (jax.Array,))]
         return self.run_until_done(ids, use_tqdm=use_tqdm)
 
     def run_until_done(self, request_ids: list[int], *, use_tqdm: bool = False) -> list[RequestOutput]:

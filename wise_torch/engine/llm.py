@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from wise_core.config import SpeculativeConfig, WiseConfig
-from wise_core.request import EngineStats
+from wise_core.request import EngineStats, prompts_with_params
 from wise_core.tokenizer import encode_text
 from wise_torch.engine import distributed
 from wise_torch.engine.block_manager import BlockManager
@@ -332,15 +332,7 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run prompts (strings or token-id lists) to completion -> RequestOutput per prompt, in
         prompt order. params: one SamplingParams for all, or one per prompt."""
-        if isinstance(prompts, (str, np.ndarray, torch.Tensor)) or not isinstance(prompts, (list, tuple)) \
-                or not prompts:
-            raise TypeError("prompts must be a non-empty list of strings or token-id lists")
-        if isinstance(params, (list, tuple)):
-            if len(params) != len(prompts):
-                raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        else:
-            params = [params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids = [self.add_request(p, sp) for p, sp in prompts_with_params(prompts, params, (torch.Tensor,))]
         return self.run_until_done(ids, use_tqdm=use_tqdm)
 
     def run_until_done(self, request_ids: list[int], *, use_tqdm: bool = False) -> list[RequestOutput]:
