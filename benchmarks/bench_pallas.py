@@ -18,9 +18,11 @@ bf16, pages of 128 keys scattered over the pool, every row at seq_len = ctx.
 - impl "jax-paged" (jax.experimental.pallas.ops.gpu.paged_attention, the best of the tile
   settings `JAX_PAGED_SETTINGS` that fit): mode dense, and mode contiguous: lengths of 13%
   of ctx, the floor a sparse kernel at that density can hope for (--no-jax-paged skips it).
-Time per call: two jitted chains of `chain` calls (each call's output is the next call's
-query), after warm-up, blocked until ready; the difference of their median times over the
-difference of their lengths removes dispatch. tbps counts the K and V bytes attended.
+Time per call (`_time_us`): jitted chains of calls, each call's output the next call's query and
+each call its own copy of the support (lengths for jax-paged), so no call's work is hoisted or
+shared; on a GPU the profiler's device span of the longest chain over its length (kernels back
+to back, as CUDA-graph replay times the torch kernels; the median of `repeats` runs), in the
+interpreters the difference of two chains' wall times. tbps counts the K and V bytes attended.
 """
 
 from __future__ import annotations
@@ -35,17 +37,19 @@ import datetime
 import json
 import math
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent  # runnable as a script from anywhere
-sys.path[:0] = [p for p in (str(_HERE.parent),) if p not in sys.path]
+sys.path[:0] = [p for p in (str(_HERE.parent), str(_HERE)) if p not in sys.path]
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from device_trace import device_activity
 from wise_core import modes as M
 from wise_jax.kernels import mosaic_decode, pallas_decode
 from wise_jax.kernels.mosaic_decode import MosaicConfig
@@ -60,22 +64,45 @@ JAX_PAGED_SETTINGS = ((4, 2), (8, 1), (8, 2), (16, 1))  # (k_splits, pages_per_c
 
 
 def _chains(step, chain):
-    """Two jitted chains of `step(q, *rest) -> q'`, of the lengths in `chain`."""
+    """Jitted chains of `step(q, *rest, x) -> q'` of the lengths in `chain`, called as
+    run(q, *rest, xs): call i takes xs[i] (distinct buffers of one value), so XLA can neither
+    hoist a call's work on x out of the chain nor share it between calls -- a decode step's
+    calls differ."""
     def chained(n):
         @jax.jit
         def run(q, *rest):
-            for _ in range(n):
-                q = step(q, *rest)
+            *rest, xs = rest
+            for i in range(n):
+                q = step(q, *rest, xs[i])
             return q
         return run
     return [(n, chained(n)) for n in chain]
 
 
+def _per_call(x, chain):
+    """max(chain) distinct copies of x, the last argument of `_chains`' runs."""
+    return tuple(jnp.copy(x) for _ in range(max(chain)))
+
+
 def _time_us(chains, args, *, repeats):
-    """Per-call microseconds: difference of the chains' median times over their lengths'."""
-    medians = []
+    """Per-call microseconds. On a GPU: the device span (first kernel's start to last kernel's
+    end, from the profiler) of one run of the longest chain over its length -- kernels back to
+    back, as CUDA-graph replay times a torch kernel -- the median of `repeats` runs. Elsewhere
+    (the interpreters): the difference of the chains' median wall times over the difference
+    of their lengths."""
     for _, run in chains:
         run(*args).block_until_ready()  # compile and warm up
+    if jax.default_backend() == "gpu":
+        n, run = max(chains, key=lambda c: c[0])
+        spans = []
+        for _ in range(repeats):
+            with tempfile.TemporaryDirectory() as trace_dir:
+                with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+                    run(*args).block_until_ready()
+                spans.append(device_activity(Path(trace_dir), n)["span_us"])
+        return float(np.median(spans))
+    medians = []
+    for _, run in chains:
         samples = []
         for _ in range(repeats):
             start = time.perf_counter()
@@ -177,8 +204,8 @@ def _bench_kernel_shape(rows, impl, ctx, batch, densities, *, heads, head_dim, p
             modes = jnp.asarray(row_modes, jnp.int32)
 
             def measure(modes=modes, support=support, attended=attended, mode=mode, density=density):
-                us = _time_us(chains, (q, k, v, page_table, seq_lens, modes, support),
-                              repeats=repeats)
+                us = _time_us(chains, (q, k, v, page_table, seq_lens, modes,
+                                       _per_call(support, chain)), repeats=repeats)
                 return [_row(name, mode, ctx, batch, density, us,
                              float(attended.sum()) * block_bytes, str(config))]
 
@@ -209,7 +236,7 @@ def _bench_jax_paged_shape(ctx, batch, *, heads, head_dim, page_size, dtype, int
             setting = f"k_splits={k_splits},pages_per_compute_block={per_block}"
             try:
                 us = _time_us(chains[k_splits, per_block],
-                              (q, k_heads_first, v_heads_first, page_table, lengths),
+                              (q, k_heads_first, v_heads_first, page_table, _per_call(lengths, chain)),
                               repeats=repeats)
             except Exception as e:  # a setting that does not run is skipped
                 errors.append(f"{setting}: {type(e).__name__}: {e}"[:300])
@@ -254,15 +281,15 @@ def mosaic_sweep_configs():
     tile_n x head_dim x 2 bytes, at most ~200 KB on an H200 for head_dim 128)."""
     base = MosaicConfig()
     C = MosaicConfig
-    alternatives = [C(num_stages=2), C(num_stages=4), C(num_stages=2, min_splits=4),
-                    C(min_splits=4), C(split_keys=256), C(split_keys=1024),
-                    C(tile_n=128, split_keys=1024, num_stages=2),
-                    C(tile_n=128, split_keys=512, num_stages=3)]
+    alternatives = [C(split_keys=1024, num_stages=3), C(split_keys=512, num_stages=3),
+                    C(split_keys=2048), C(split_keys=512), C(split_keys=2048, num_stages=3),
+                    C(min_splits=4), C(split_keys=256, num_stages=3), C(num_stages=4),
+                    C(tile_n=128, split_keys=1024)]
     return [base] + [c for c in dict.fromkeys(alternatives) if c != base]
 
 
 def bench_pallas(shapes=OURO_SHAPES, densities=DENSITIES, *, heads=16, head_dim=128,
-                 page_size=128, dtype=jnp.bfloat16, interpret=None, chain=(4, 16), repeats=7,
+                 page_size=128, dtype=jnp.bfloat16, interpret=None, chain=(4, 16), repeats=3,
                  impls=("pallas", "mosaic"), sweep=False, sweep_seconds=math.inf,
                  jax_paged=True) -> list[dict]:
     """Rows keyed impl, mode, ctx, batch, density, us, tbps, config (and error if it failed).

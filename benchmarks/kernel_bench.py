@@ -446,8 +446,9 @@ def markdown(report) -> str:
                      f"{t['bound']} | {result} |")
     if report.get("pallas_vs_triton"):
         lines += ["", "## Pallas kernels against Triton", "",
-                  "Triton times are CUDA-graph replays, the Pallas kernels' the difference of two jitted "
-                  "chains of calls (bench_pallas.py), same run.", "",
+                  "Triton times are CUDA-graph replays; the Pallas kernels' are device spans per call "
+                  "of a jitted chain of calls under the profiler, each call with its own support "
+                  "(bench_pallas.py), same run.", "",
                   "| ctx x batch | mode | density | triton us | pallas us | mosaic us | pallas / triton "
                   "| mosaic / triton |", "|---|---|---|---|---|---|---|---|"]
         for e in report["pallas_vs_triton"]:
@@ -530,7 +531,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--pallas-sweep-seconds", type=float, default=0.0,
                         help="time budget of each Pallas kernel's launch sweep per shape (0: none)")
     parser.add_argument("--pallas-chain", default="4,16",
-                        help="lengths of the two jitted chains that time a Pallas call (bench_pallas)")
+                        help="lengths of the jitted chains that time a Pallas call (bench_pallas: the "
+                             "longer one on a GPU, the difference of the two in the interpreters)")
     parser.add_argument("--no-jax-paged", action="store_true", help="skip jax's paged attention rows")
     parser.add_argument("--densities", default=",".join(map(str, DENSITIES)),
                         help="support densities of the sparse modes (1.0 is the dense baselines')")

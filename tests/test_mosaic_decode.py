@@ -59,6 +59,34 @@ def test_interpreted_dense_matches_triton_lowering_and_rows_alone():
         assert np.array_equal(bits(x), bits(y))
 
 
+def test_list_kernel_against_numpy():
+    """pallas_decode._list_kernel (the Mosaic path's list): per (row, head) the listed blocks'
+    cache blocks in order, their count and the valid keys of the last one, for every mode,
+    partial last blocks and rows shorter than the table."""
+    rng = np.random.default_rng(3)
+    batch, heads, page_size, max_pages = 5, 3, 64, 4
+    per_page, n_blocks = page_size // BLOCK, max_pages * page_size // BLOCK
+    page_table = rng.permutation(batch * max_pages).reshape(batch, max_pages).astype(np.int32)
+    seq_lens = np.array([256, 1, 100, 33, 190], np.int32)
+    modes = np.array([M.SPARSE, M.DENSE, M.SPARSE, M.DISCOVER, M.DISCOVER_UNION], np.int32)
+    support = rng.random((batch, heads, n_blocks)) < 0.4
+    row_len = 32
+    rows, meta = pallas_decode._list_call(
+        jnp.asarray(page_table), jnp.asarray(seq_lens), jnp.asarray(modes), jnp.asarray(support),
+        block_size=BLOCK, page_size=page_size, row_len=row_len, interpret=True)
+    rows, meta = np.asarray(rows), np.asarray(meta)
+    assert rows.shape == (batch, heads, row_len) and meta.shape == (batch, heads, 2)
+    for b in range(batch):
+        n_causal = -(-seq_lens[b] // BLOCK)
+        for h in range(heads):
+            blocks = [j for j in range(n_causal) if modes[b] != M.SPARSE or support[b, h, j]]
+            want = [page_table[b, j // per_page] * per_page + j % per_page for j in blocks]
+            last = blocks[-1] == n_causal - 1 if blocks else False
+            tail = seq_lens[b] - (n_causal - 1) * BLOCK if last else BLOCK
+            assert list(meta[b, h]) == [len(blocks), tail], (b, h)
+            assert list(rows[b, h, :len(blocks)]) == want, (b, h)
+
+
 def test_rejects_what_it_does_not_take():
     case = make_case(6, **COMBOS["page32-mha-d64-f32"])  # float32
     with pytest.raises(ValueError, match="16-bit q/K/V"):
@@ -111,8 +139,9 @@ def lower_for_cuda(batch, ctx, config, heads=16, head_dim=128, page_size=128):
 def test_lowers_to_mosaic_gpu(batch, ctx, config):
     text = lower_for_cuda(batch, ctx, config)
     calls = collections.Counter(re.findall(r"custom_call @(\w+)", text))
-    assert calls == {"mosaic_gpu_v2": 1, "__gpu": 1}, calls  # the split kernel; the Triton-lowered finish
-    assert "wise_decode_finish" in text
+    # The split kernel; the Triton-lowered list and finish.
+    assert calls == {"mosaic_gpu_v2": 1, "__gpu": 2}, calls
+    assert "wise_decode_list" in text and "wise_decode_finish" in text
 
 
 # ------------------------------------------------------------------------------------------------

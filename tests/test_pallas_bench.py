@@ -26,3 +26,17 @@ def test_bench_pallas_rows():
     assert rows[4]["config"].startswith("MosaicConfig(")
     assert all(r["ctx"] == 128 and r["batch"] == 2 and math.isfinite(r["us"]) for r in rows)
     assert rows[-1]["config"].startswith("k_splits=")
+
+
+def test_kernel_profile_smoke(tmp_path):
+    """kernel_profile.py runs every case at a tiny shape in the interpreters (no device kernels
+    on a CPU: busy and span are None) and writes its report."""
+    import json
+    import kernel_profile
+    report = kernel_profile.main(["--smoke", "--out", str(tmp_path), "--calls", "2",
+                                  "--modes", "dense,sparse"])
+    assert [(r["impl"], r["mode"], r.get("error")) for r in report["rows"]] == [
+        (impl, mode, None) for impl in ("pallas", "mosaic") for mode in ("dense", "sparse")]
+    assert all(r["busy_us"] is None and r["span_us"] is None for r in report["rows"])
+    assert json.loads((tmp_path / "kernel_profile.json").read_text())["rows"] == report["rows"]
+    assert "| 128 x 2 | mosaic | sparse | n/a | n/a |" in (tmp_path / "kernel_profile.md").read_text()

@@ -63,28 +63,27 @@ def test_lowers_to_triton_kernels(name):
     assert fused.count("__gpu$xla.gpu.triton") == 1 and "wise_decode_finish" not in fused
 
 
-@pytest.mark.parametrize("fused_finish", [False, True])
-def test_triton_ir_compiles_for_sm90(tmp_path, monkeypatch, fused_finish):
+def compile_kernels_for_sm90(tmp_path, monkeypatch, lower):
+    """Run lower() (returns the lowered text) capturing each Pallas kernel's Triton IR, and
+    compile each through to a cubin for sm90; returns the kernels' names (wise_decode_NAME)."""
     triton = pytest.importorskip("triton")
     from jax._src.pallas.triton import lowering
     from triton.backends.compiler import GPUTarget
 
     modules = {}
-    lower = lowering.lower_jaxpr_to_triton_module
+    lower_module = lowering.lower_jaxpr_to_triton_module
 
     def keep_ir(*args, **kwargs):
-        result = lower(*args, **kwargs)
+        result = lower_module(*args, **kwargs)
         asm = result.module.operation.get_asm(enable_debug_info=False)
-        modules["split" if "wise_decode_split" in asm else "finish"] = asm
+        modules[re.search(r"wise_decode_(\w+)", asm).group(1)] = asm
         return result
 
     monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", keep_ir)
-    text = lower_for_cuda("ouro-1k-x64", fused_finish)
-    kernels = ["split"] if fused_finish else ["finish", "split"]
-    assert sorted(modules) == kernels
+    text = lower()
     launch = {name: (int(warps), int(stages)) for name, stages, warps in re.findall(
         r'name = "wise_decode_(\w+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', text)}
-    assert sorted(launch) == kernels
+    assert sorted(launch) == sorted(modules)
     for name, asm in modules.items():
         path = tmp_path / f"{name}.ttir"
         path.write_text(asm)
@@ -92,3 +91,21 @@ def test_triton_ir_compiles_for_sm90(tmp_path, monkeypatch, fused_finish):
         kernel = triton.compile(str(path), target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=num_warps, num_stages=num_stages))
         assert kernel.asm["cubin"], f"{name}: no cubin"
+    return sorted(modules)
+
+
+@pytest.mark.parametrize("fused_finish", [False, True])
+def test_triton_ir_compiles_for_sm90(tmp_path, monkeypatch, fused_finish):
+    kernels = compile_kernels_for_sm90(tmp_path, monkeypatch,
+                                       lambda: lower_for_cuda("ouro-1k-x64", fused_finish))
+    assert kernels == (["split"] if fused_finish else ["finish", "split"])
+
+
+def test_mosaic_path_triton_kernels_compile_for_sm90(tmp_path, monkeypatch):
+    """mosaic_decode's Triton-lowered launches (the list and the finish) through to cubins."""
+    from test_mosaic_decode import lower_for_cuda as lower_mosaic
+    from wise_jax.kernels.mosaic_decode import MosaicConfig
+    jax.clear_caches()
+    kernels = compile_kernels_for_sm90(tmp_path, monkeypatch,
+                                       lambda: lower_mosaic(20, 4096, MosaicConfig()))
+    assert kernels == ["finish", "list"]

@@ -5,10 +5,12 @@ module runs the heavy part, the split kernel that reads the keys and values, as 
 kernel (`plgpu`, Hopper: TMA copies into a multi-stage shared-memory ring, mbarriers), for
 16-bit q/K/V with head_dim a multiple of 64. One call:
 
-1. List (XLA, a few small fusions): per (row, head) the listed blocks' cache block indices,
-   in list order (`_block_lists`: every causal block, or the causal blocks of a SPARSE head's
-   support), their count and the valid keys of the last listed block. Prefix sums and
-   searches have no Mosaic GPU lowering, so the list is built outside the kernel.
+1. List (`pallas_decode._list_kernel`, a Triton-lowered launch over (batch, heads)): per
+   (row, head) the listed blocks' cache block indices in list order (every causal block, or
+   the causal blocks of a SPARSE head's support), their count and the valid keys of the last
+   listed block. Prefix sums have no Mosaic GPU lowering, so the list is its own launch (one
+   kernel; the XLA formulation it replaced took five to six fusions, ~12 us a call at 4K x 20
+   on an H200).
 2. Split kernel (Mosaic GPU), grid (batch, heads, max_splits), one warpgroup per program:
    split `s` owns list entries [s * split_size, ...) as in pallas_decode (same `split_size`,
    so a SPARSE row selecting every block has DENSE's splits). It copies its share of the list
@@ -40,9 +42,19 @@ On an H200 (2026-12-01, jax 0.11.2) the layout-hinted kernel compiles and passes
 tests. Two fixes came from that machine: the K/V copies index the cache as [cache blocks, 32,
 kv_heads, head_dim] (sm90 layout inference rejected a dynamic row offset on the tiled rows
 dimension), and each split copies its share of the block list from a 16-byte-aligned start
-(a misaligned TMA source was an illegal instruction). Measured against the Triton-lowered
-kernel it is faster in most modes and shapes (numbers in `wise_jax.kernels.choice`, which
-makes it the sm90 choice).
+(a misaligned TMA source was an illegal instruction).
+
+What ran fastest there (benchmarks/results/h200-2026-12-01/kernels-list-kernel/, device time
+per call, 16 heads x 128, bf16): `MosaicConfig()` (64-key tiles, 1024 keys a split, two stages)
+from the launch sweep -- 512-key splits were up to 10 % slower at sparse 13 %, four stages
+(128 KB of shared memory a program) 8-37 % slower, min_splits=4 up to 45 % slower;
+reading V after the scores (fewer live registers) gained about 1 % at sparse. The call is the
+list (~2 us), the split kernel, the finish (3-6.5 us): dense 131.5 / 162.2 / 162.4 us at 1K x 64
+/ 4K x 20 / 8K x 10 (0.92x the Triton kernel, 1.06 / 0.93 / 1.03x cuDNN SDPA), sparse at 13 %
+30.0 / 36.5 / 35.1 us (1.04 / 1.11 / 1.11x Triton). The sparse split kernel
+(512-key splits) moves its blocks at ~2.8 TB/s at 4K x 20; each program streams its split's
+listed blocks one tile after another, and more, shorter splits (min_splits) were slower, which
+suggests per-program latency, not the number of programs, bounds it.
 """
 
 from __future__ import annotations
@@ -76,9 +88,9 @@ class MosaicConfig:
     in flight per program)."""
 
     tile_n: int = 64
-    split_keys: int = 512
+    split_keys: int = 1024
     min_splits: int = 1
-    num_stages: int = 3
+    num_stages: int = 2
 
     def __post_init__(self) -> None:
         for name in ("tile_n", "split_keys"):
@@ -105,34 +117,6 @@ def supports(head_dim: int, dtype) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# 1. Lists (XLA)
-
-
-def _block_lists(page_table, seq_lens, modes, support, *, block_size, page_size, list_pad):
-    """(rows int32[batch, heads, max_blocks + list_pad]: the cache block (page * blocks per page
-    + block in page) of each listed block in list order (entries past the list: block 0), meta
-    int32[batch, heads, 2]: the list's length and the valid keys of its last entry)."""
-    batch, heads, n_blocks = support.shape
-    block = jnp.arange(n_blocks, dtype=jnp.int32)
-    n_causal = jnp.minimum((seq_lens + block_size - 1) // block_size, n_blocks)      # [batch]
-    causal = block[None, :] < n_causal[:, None]
-    sparse = (modes == wise_modes.SPARSE)[:, None, None]
-    listed = causal[:, None, :] & (support | ~sparse)                                 # [b, h, blocks]
-    upto = jnp.cumsum(listed.astype(jnp.int32), axis=-1)
-    n_listed = upto[..., -1]
-    # The p-th listed block is the number of blocks listed at most p times up to them.
-    pick = jnp.sum((upto[..., None, :] <= block[:, None]).astype(jnp.int32), axis=-1)
-    pick = jnp.minimum(pick, n_blocks - 1)                                            # [b, h, p]
-    per_page = page_size // block_size
-    pages = jnp.take_along_axis(page_table[:, None, :], pick // per_page, axis=-1)
-    rows = jnp.where(block < n_listed[..., None], pages * per_page + pick % per_page, 0)
-    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, list_pad)))  # a last chunk's copy stays inside
-    last = jnp.take_along_axis(listed, jnp.maximum(n_causal - 1, 0)[:, None, None], axis=-1)[..., 0]
-    tail = jnp.where(last, seq_lens[:, None] - (n_causal[:, None] - 1) * block_size, block_size)
-    return rows, jnp.stack([n_listed, tail], axis=-1).astype(jnp.int32)
-
-
-# ---------------------------------------------------------------------------------------------
 # 2. The split kernel (Mosaic GPU)
 
 
@@ -148,7 +132,7 @@ def _split_kernel(modes_ref, rows_ref, meta_ref, q_ref, k_ref, v_ref,
                   interpret):
     """Program (row b, head h, split s): step 2 of the module docstring.
 
-    GMEM: modes int32[batch]; rows, meta (`_block_lists`); q [batch, heads, head_dim]; k, v
+    GMEM: modes int32[batch]; rows, meta (`pallas_decode._list_kernel`); q [batch, heads, head_dim]; k, v
     [num_pages * page_size // block_size, block_size, kv_heads, head_dim]; outputs as
     pallas_decode's partials: stat_m, stat_l [batch, heads, blocks_pad], acc [batch, heads,
     splits_pad, head_dim], m, l [batch, heads, splits_pad]. SMEM: list_smem [list_chunk] int32, q_smem [head_dim],
@@ -195,15 +179,16 @@ def _split_kernel(modes_ref, rows_ref, meta_ref, q_ref, k_ref, v_ref,
         def step(t, carry):
             m, l, acc = carry  # scalar, [tile_n] (per key slot), [tile_n, head_dim]
             slot = lax.rem(t, num_stages)
+            # Scores while V lands; V is read once K is dead (fewer live registers).
             plgpu.barrier_wait(k_bar.at[slot])
-            plgpu.barrier_wait(v_bar.at[slot])
             k = k_smem.at[slot][...].astype(jnp.float32)
-            v = v_smem.at[slot][...].astype(jnp.float32)
-            # Refill the slot (the copy waits for every thread's loads of it).
-            pl.when(t + num_stages < n_tiles)(functools.partial(fetch, t + num_stages, slot))
             entry = lo + t * tile_blocks + slot_block
             ok = (entry < hi) & ((entry < n_listed - 1) | (slot_keys % block_size < tail_keys))
             scores = jnp.where(ok, jnp.sum(k * q_rows, axis=1), -jnp.inf)
+            plgpu.barrier_wait(v_bar.at[slot])
+            v = v_smem.at[slot][...].astype(jnp.float32)
+            # Refill the slot (the copy waits for every thread's loads of it).
+            pl.when(t + num_stages < n_tiles)(functools.partial(fetch, t + num_stages, slot))
             m_new = jnp.maximum(m, jnp.max(scores))
             m_base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             alpha = jnp.exp2(m - m_base)
@@ -243,8 +228,10 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
     tile_blocks, split_blocks = rule.tile_blocks(block_size), rule.split_blocks(block_size)
     list_chunk = -(-(split_blocks + LIST_ALIGN - 1) // LIST_CHUNK) * LIST_CHUNK  # a split's share from base
     row_len = -(-(n_blocks + list_chunk) // LIST_CHUNK) * LIST_CHUNK  # TMA: 16-byte row strides
-    rows, meta = _block_lists(page_table, seq_lens, modes, support, block_size=block_size,
-                              page_size=page_size, list_pad=row_len - n_blocks)
+    row_len = max(row_len, pallas_decode._next_pow2(n_blocks))  # the list kernel's scatter slots
+    rows, meta = pallas_decode._list_call(page_table, seq_lens, modes, support,
+                                          block_size=block_size, page_size=page_size,
+                                          row_len=row_len, interpret=interpret is not None)
     blocks_pad = max(pallas_decode._next_pow2(n_blocks), tile_blocks)
     max_splits = rule.max_splits(block_size, n_blocks)
     splits_pad = pallas_decode._next_pow2(max_splits)

@@ -45,7 +45,7 @@ Backend. This module is the Pallas Triton lowering (`_compiler_params`), depreca
 0.11 but supported there, and the path CI checks: the tests run the kernels with
 `interpret=True`, lower them for CUDA to Triton IR and compile that IR for sm90 with the
 Triton compiler. `wise_jax.kernels.mosaic_decode` runs the split kernel on Mosaic GPU with
-this module's split rule and finish; `wise_jax.kernels.choice` picks between the two. The
+this module's split rule, its list as a launch of its own (`_list_kernel`) and its finish; `wise_jax.kernels.choice` picks between the two. The
 backend is one choice per call, for every row: a SPARSE row with every block selected must be bitwise DENSE, which two backends'
 arithmetic would not give.
 
@@ -341,6 +341,34 @@ def _split_kernel(seq_lens_ref, modes_ref, support_ref, page_table_ref, q_ref, k
                     **finish)
 
 
+def _list_kernel(seq_lens_ref, modes_ref, support_ref, page_table_ref, rows_ref, meta_ref, *,
+                 block_size, page_size):
+    """Program (row b, head h): its whole list as cache blocks, for `mosaic_decode`'s split
+    kernel (step 1 of the module docstring as its own launch).
+
+    page_table_ref: [max_pages]; whole refs: support [batch, heads, max_blocks]; rows
+    int32[batch, heads, row_len >= blocks_pad]: entry p < n_listed is the p-th listed block's
+    cache block (page * page_size // block_size + block within the page), later entries are
+    not written; meta int32[batch, heads, 2]: (n_listed, valid keys of the last entry)."""
+    b, h = pl.program_id(0), pl.program_id(1)
+    seq_len, mode = seq_lens_ref[b], modes_ref[b]
+    blocks_pad = _next_pow2(support_ref.shape[-1])
+    listed, n_listed, _, _ = _row_list(support_ref, b, h, seq_len, mode, block_size=block_size,
+                                       blocks_pad=blocks_pad, tile_blocks=1, split_blocks=1,
+                                       min_splits=1)
+    block = jnp.arange(blocks_pad, dtype=jnp.int32)
+    upto = jnp.cumsum(listed.astype(jnp.int32))
+    per_page = page_size // block_size
+    page = pl_triton.load(page_table_ref.at[jnp.where(listed, block // per_page, 0)], mask=listed,
+                          other=0)
+    slot = jnp.where(listed, upto - 1, n_listed + block - upto)  # a permutation, as in _split_kernel
+    pl_triton.store(rows_ref.at[b, h, slot], page * per_page + block % per_page, mask=listed)
+    n_causal = (seq_len + block_size - 1) // block_size
+    tail_listed = jnp.sum(jnp.where(block == n_causal - 1, listed, False).astype(jnp.int32)) > 0
+    meta_ref[b, h, 0] = n_listed
+    meta_ref[b, h, 1] = jnp.where(tail_listed, seq_len - (n_causal - 1) * block_size, block_size)
+
+
 def _finish_kernel(seq_lens_ref, modes_ref, support_ref, *refs, block_size, tile_blocks,
                    split_blocks, min_splits, **finish):
     """One (row, head) of _finish as its own launch (refs as _finish's)."""
@@ -472,6 +500,27 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
         interpret=interpret,
         name="wise_decode_split",
     )(*args)
+
+
+def _list_call(page_table, seq_lens, modes, support, *, block_size, page_size, row_len,
+               interpret: bool):
+    """(rows, meta) of `_list_kernel`, one launch over (batch, heads)."""
+    batch, heads, n_blocks = support.shape
+    if row_len < _next_pow2(n_blocks):
+        raise ValueError(f"row_len {row_len} < blocks_pad {_next_pow2(n_blocks)}")
+    whole = pl.BlockSpec()
+    kernel = functools.partial(_list_kernel, block_size=block_size, page_size=page_size)
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, heads),
+        in_specs=[whole, whole, whole, pl.BlockSpec((None, page_table.shape[1]), lambda b, h: (b, 0))],
+        out_specs=[whole, whole],
+        out_shape=[jax.ShapeDtypeStruct((batch, heads, row_len), jnp.int32),
+                   jax.ShapeDtypeStruct((batch, heads, 2), jnp.int32)],
+        compiler_params=_compiler_params(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="wise_decode_list",
+    )(seq_lens, modes, support, page_table)
 
 
 def _finish_call(seq_lens, modes, support, partials, *, out_dtype, block_size, config, eta,

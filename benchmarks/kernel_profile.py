@@ -1,0 +1,142 @@
+"""Where a Pallas decode-attention call's time goes: each kernel of the call under the profiler.
+
+    python benchmarks/kernel_profile.py --out DIR                          # on a GPU: Ouro shapes
+    python benchmarks/kernel_profile.py --out DIR --impls mosaic --modes sparse --shapes 4096x20
+    python benchmarks/kernel_profile.py --out DIR --smoke                  # CPU, interpreters
+
+Per (shape, impl, mode) one jitted chain of --calls calls (bench_pallas.py's setup: 16 heads x
+head_dim 128, bf16, pages of 128 scattered over the pool, sparse at --density) runs once to
+compile, then once under `jax.profiler` (perfetto trace); each call has its own copy of the
+support, so no call's list is hoisted out of the chain. Reported per call: device time per
+kernel name (the list fusions, the split kernel, the finish), busy (summed kernel time) and
+span (first kernel's start to last kernel's end over the chain, divided by the calls), so
+span - busy is the device's idle time between kernels. Writes kernel_profile.json and .md.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import argparse
+import datetime
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:0] = [p for p in (str(_HERE.parent), str(_HERE)) if p not in sys.path]
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import bench_pallas as bp  # noqa: E402
+from device_trace import device_activity  # noqa: E402
+from wise_jax.kernels import mosaic_decode, pallas_decode  # noqa: E402
+
+MODES = ("dense", "discover", "sparse", "discover+sparse")
+
+
+def _us(x) -> str:
+    """A time in us, or "n/a" where the trace had no device kernels (a CPU run)."""
+    return "n/a" if x is None else f"{x:.1f}"
+
+
+def profile_case(impl, mode, ctx, batch, *, density, calls, heads, head_dim, page_size, dtype,
+                 interpret, trace_dir: Path) -> dict:
+    """device_activity of one chain of `calls` calls of impl in mode, per call."""
+    decode = {"pallas": pallas_decode, "mosaic": mosaic_decode}[impl].decode_attention
+    q, k, v, page_table, seq_lens = bp._cache(jax.random.key(ctx + batch), ctx, batch, heads,
+                                              head_dim, page_size, dtype)
+    n_blocks = ctx // bp.BLOCK
+    cases = {name: (d, row_modes, sd) for name, d, row_modes, sd in bp._pallas_cases((density,), batch)}
+    _, row_modes, support_density = cases[mode]
+    support = (jnp.ones((batch, heads, n_blocks), bool) if support_density is None else
+               bp._random_support(jax.random.key(7), batch, heads, n_blocks, support_density))
+    modes = jnp.asarray(row_modes, jnp.int32)
+
+    def step(q, k, v, page_table, seq_lens, modes, support):
+        return decode(q, k, v, page_table, seq_lens, modes, support, block_size=bp.BLOCK,
+                      eta=0.95, interpret=interpret, validate=False)[0]
+
+    (_, chain), = bp._chains(step, (calls,))
+    args = (q, k, v, page_table, seq_lens, modes, bp._per_call(support, (calls,)))
+    chain(*args).block_until_ready()
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        chain(*args).block_until_ready()
+    return device_activity(trace_dir, calls)
+
+
+def markdown(report: dict) -> str:
+    out = [f"# Pallas decode-attention call profile ({report['date']})", "",
+           f"{report['device']}; jax {report['jax']}; {report['calls']} chained calls per case, "
+           f"sparse density {report['density']}; times in us per call.", "",
+           "| ctx x batch | impl | mode | busy | span | kernels (us per call) |", "|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        if "error" in r:
+            out.append(f"| {r['ctx']} x {r['batch']} | {r['impl']} | {r['mode']} | | | `{r['error'][:200]}` |")
+            continue
+        kernels = ", ".join(f"`{name[:40]}` {v['us_per_step']:.1f}" + (f" (x{v['calls_per_step']:.0f})"
+                                                                        if v["calls_per_step"] != 1 else "")
+                            for name, v in list(r["kernels"].items())[:8])
+        out.append(f"| {r['ctx']} x {r['batch']} | {r['impl']} | {r['mode']} | {_us(r['busy_us'])} "
+                   f"| {_us(r['span_us'])} | {kernels} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--shapes", default=",".join(f"{c}x{b}" for c, b in bp.OURO_SHAPES))
+    p.add_argument("--impls", default="pallas,mosaic")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--density", type=float, default=bp.SWEEP_DENSITY)
+    p.add_argument("--calls", type=int, default=16)
+    p.add_argument("--smoke", action="store_true", help="one tiny shape in the interpreters (CPU)")
+    args = p.parse_args(argv)
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    common = dict(heads=16, head_dim=128, page_size=128, dtype=jnp.bfloat16, interpret=False)
+    if args.smoke:
+        shapes, common = [(128, 2)], dict(heads=2, head_dim=64, page_size=32, dtype=jnp.bfloat16,
+                                          interpret=True)
+    elif jax.default_backend() != "gpu":
+        raise SystemExit("kernel_profile needs a GPU (use --smoke for a CPU check of the code paths)")
+    modes = args.modes.split(",")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        p.error(f"unknown modes {unknown}; choose from {MODES}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = jax.devices()[0]
+    report = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
+                  device=getattr(device, "device_kind", str(device)), jax=jax.__version__,
+                  calls=args.calls, density=args.density, rows=[])
+    workdir = Path(tempfile.mkdtemp(prefix="wise-kernel-profile-"))
+    try:
+        for ctx, batch in shapes:
+            for impl in args.impls.split(","):
+                for mode in modes:
+                    row = dict(ctx=ctx, batch=batch, impl=impl, mode=mode)
+                    try:
+                        row.update(profile_case(impl, mode, ctx, batch, density=args.density,
+                                                calls=args.calls, trace_dir=workdir / f"{ctx}x{batch}-{impl}-{mode}",
+                                                **common))
+                        print(f"{ctx} x {batch} {impl} {mode}: busy {_us(row['busy_us'])} us, "
+                              f"span {_us(row['span_us'])} us per call", flush=True)
+                    except Exception as e:  # a failed case must not stop the run
+                        row["error"] = f"{type(e).__name__}: {e}"[:800]
+                        print(f"{ctx} x {batch} {impl} {mode}: {row['error']}", flush=True)
+                    report["rows"].append(row)
+                    (args.out / "kernel_profile.json").write_text(json.dumps(report, indent=1))
+        (args.out / "kernel_profile.md").write_text(markdown(report))
+        print(markdown(report))
+        return report
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
