@@ -78,7 +78,8 @@ def markdown(report: dict) -> str:
            "| ctx x batch | impl | mode | busy | span | kernels (us per call) |", "|---|---|---|---|---|---|"]
     for r in report["rows"]:
         if "error" in r:
-            out.append(f"| {r['ctx']} x {r['batch']} | {r['impl']} | {r['mode']} | | | `{r['error'][:200]}` |")
+            out.append(f"| {r['ctx']} x {r['batch']} | {r['impl']} | {r['mode']} | | "
+                       f"| `{r['error'][:200]}` |")
             continue
         kernels = ", ".join(f"`{name[:40]}` {v['us_per_step']:.1f}" + (f" (x{v['calls_per_step']:.0f})"
                                                                         if v["calls_per_step"] != 1 else "")
@@ -121,9 +122,9 @@ def main(argv=None) -> dict:
                 for mode in modes:
                     row = dict(ctx=ctx, batch=batch, impl=impl, mode=mode)
                     try:
+                        trace_dir = workdir / f"{ctx}x{batch}-{impl}-{mode}"
                         row.update(profile_case(impl, mode, ctx, batch, density=args.density,
-                                                calls=args.calls, trace_dir=workdir / f"{ctx}x{batch}-{impl}-{mode}",
-                                                **common))
+                                                calls=args.calls, trace_dir=trace_dir, **common))
                         print(f"{ctx} x {batch} {impl} {mode}: busy {_us(row['busy_us'])} us, "
                               f"span {_us(row['span_us'])} us per call", flush=True)
                     except Exception as e:  # a failed case must not stop the run

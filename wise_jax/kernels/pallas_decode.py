@@ -45,8 +45,9 @@ Backend. This module is the Pallas Triton lowering (`_compiler_params`), depreca
 0.11 but supported there, and the path CI checks: the tests run the kernels with
 `interpret=True`, lower them for CUDA to Triton IR and compile that IR for sm90 with the
 Triton compiler. `wise_jax.kernels.mosaic_decode` runs the split kernel on Mosaic GPU with
-this module's split rule, its list as a launch of its own (`_list_kernel`) and its finish; `wise_jax.kernels.choice` picks between the two. The
-backend is one choice per call, for every row: a SPARSE row with every block selected must be bitwise DENSE, which two backends'
+this module's split rule, its list as a launch of its own (`_list_kernel`) and its finish;
+`wise_jax.kernels.choice` picks between the two. The backend is one choice per call, for every
+row: a SPARSE row with every block selected must be bitwise DENSE, which two backends'
 arithmetic would not give.
 
 GQA: each program serves one query head (supports are per query head), reading its KV head.
@@ -349,7 +350,8 @@ def _list_kernel(seq_lens_ref, modes_ref, support_ref, page_table_ref, rows_ref,
     page_table_ref: [max_pages]; whole refs: support [batch, heads, max_blocks]; rows
     int32[batch, heads, row_len >= blocks_pad]: entry p < n_listed is the p-th listed block's
     cache block (page * page_size // block_size + block within the page), later entries are
-    not written; meta int32[batch, heads, 2]: (n_listed, valid keys of the last entry)."""
+    unspecified (never read as addresses); meta int32[batch, heads, 2]: (n_listed, valid keys
+    of the last entry)."""
     b, h = pl.program_id(0), pl.program_id(1)
     seq_len, mode = seq_lens_ref[b], modes_ref[b]
     blocks_pad = _next_pow2(support_ref.shape[-1])
