@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark of the project, in parts, for one H200 (tp: two):
-#   bash benchmarks/gpu_suite.sh tests|train|bench|engine|jax|jax-bench|jax-tests|jax-profile|pallas|kernel-profile|tp OUTDIR [MODEL_DIR]
+#   bash benchmarks/gpu_suite.sh tests|train|bench|engine|jax|jax-bench|jax-tests|jax-profile|pallas|pallas-sweep|kernel-profile|tp OUTDIR [MODEL_DIR]
 # tests: the `gpu`-marked pytest suite, the parity suite;
 # train: trains the built-in model (benchmarks/train_builtin.py) into OUTDIR/model;
 # engine: the torch engine's gpu tests, the fused-ops benchmark and the engine throughput
@@ -12,8 +12,9 @@
 #      selection in generate, the Pallas kernel in generate, parity's kernel checks) and the decode
 #      contract compiled for the GPU; jax-profile: the JAX decode step under the profiler (dense and WISE
 #      at 4K x 20 and 1K x 1; SHAPES, Q_SCALES, JAX_ARMS override), about 4 minutes;
-# pallas: both Pallas kernels' gpu tests (Triton-lowered, Mosaic GPU) and the kernel benchmark without
-#         the launch sweep (PALLAS_SWEEP seconds of Pallas launch settings when set), about 5 minutes;
+# pallas: both Pallas kernels' gpu tests (Triton-lowered, Mosaic GPU) and the kernel benchmark, about 4 minutes;
+# pallas-sweep: the kernel benchmark with both Pallas kernels' launch sweeps (PALLAS_SWEEP seconds per kernel
+#               and shape, default 40: about 2 + 0.1 x PALLAS_SWEEP minutes);
 # kernel-profile: each kernel of a Pallas decode-attention call under the profiler (both kernels, every
 #                 mode, the Ouro shapes; SHAPES, IMPLS override), about 3 minutes;
 # tp: on a host with two GPUs, the tensor-parallel gpu tests (torch and JAX) and the scaling benchmarks
@@ -79,7 +80,12 @@ case $part in
     run pallas_gpu_tests 150 python3 -m pytest -q -m gpu tests/test_pallas_decode.py tests/test_mosaic_decode.py \
         tests/test_pallas_lowering.py -p no:cacheprovider -rfE --durations=10
     run kernel_bench 180 python3 benchmarks/kernel_bench.py --out "$out/kernel" --no-sweep --densities 0.13 \
-        --pallas-chain 2,16 --no-jax-paged ${PALLAS_SWEEP:+--pallas-sweep-seconds "$PALLAS_SWEEP"}
+        --pallas-chain 2,16 --no-jax-paged
+    ;;
+  pallas-sweep)
+    sweep=${PALLAS_SWEEP:-40}
+    run kernel_bench_sweep $((120 + 6 * sweep)) python3 benchmarks/kernel_bench.py --out "$out/kernel_sweep" --no-sweep \
+        --densities 0.13 --pallas-chain 2,16 --no-jax-paged --pallas-sweep-seconds "$sweep"
     ;;
   kernel-profile)
     run kernel_profile 300 python3 benchmarks/kernel_profile.py --out "$out/kernel_profile" \
