@@ -281,7 +281,8 @@ def mosaic_sweep_configs():
     tile_n x head_dim x 2 bytes, at most ~200 KB on an H200 for head_dim 128)."""
     base = MosaicConfig()
     C = MosaicConfig
-    alternatives = [C(split_keys=1024, num_stages=3), C(split_keys=512, num_stages=3),
+    alternatives = [C(dots=True), C(dots=True, split_keys=512, num_stages=3),
+                    C(split_keys=1024, num_stages=3), C(split_keys=512, num_stages=3),
                     C(split_keys=2048), C(split_keys=512), C(split_keys=2048, num_stages=3),
                     C(min_splits=4), C(split_keys=256, num_stages=3), C(num_stages=4),
                     C(tile_n=128, split_keys=1024)]

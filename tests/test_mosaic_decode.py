@@ -93,6 +93,11 @@ def test_rejects_what_it_does_not_take():
         run(case, [M.DENSE] * 4, impl=mosaic, config=RING)
     with pytest.raises(ValueError, match="MosaicConfig"):
         MosaicConfig(tile_n=32)
+    with pytest.raises(ValueError, match="MosaicConfig.dots"):
+        MosaicConfig(dots=1)
+    case = make_case(6, **COMBOS[MOSAIC_COMBOS[0]])
+    with pytest.raises(ValueError, match=r"dots=True\) needs a GPU"):
+        run(case, [M.DENSE] * 4, impl=mosaic, config=MosaicConfig(dots=True), interpret=True)
 
 
 def test_kernel_choice_in_one_place(monkeypatch):
@@ -135,7 +140,9 @@ def lower_for_cuda(batch, ctx, config, heads=16, head_dim=128, page_size=128):
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="cross-lowering is checked on a CPU machine")
 @pytest.mark.parametrize("batch,ctx,config", [(64, 1024, MosaicConfig()),
                                               (10, 8192, MosaicConfig(tile_n=128, split_keys=1024,
-                                                                      min_splits=4, num_stages=2))])
+                                                                      min_splits=4, num_stages=2)),
+                                              (20, 4096, MosaicConfig(dots=True)),
+                                              (10, 8192, MosaicConfig(tile_n=128, dots=True))])
 def test_lowers_to_mosaic_gpu(batch, ctx, config):
     text = lower_for_cuda(batch, ctx, config)
     calls = collections.Counter(re.findall(r"custom_call @(\w+)", text))
@@ -145,23 +152,26 @@ def test_lowers_to_mosaic_gpu(batch, ctx, config):
 
 
 # ------------------------------------------------------------------------------------------------
-# On a GPU (not yet run there: the first H200 run of these is the kernel's first run).
+# On a GPU (the reductions ran on an H200 on 2026-12-01; dots=True has not run on a GPU yet).
 
 GPU_MOSAIC = [name for name, spec in GPU_COMBOS.items()
               if mosaic_decode.supports(spec["head_dim"], spec["dtype"])]
+GPU_CONFIGS = {"reductions": MosaicConfig(), "dots": MosaicConfig(dots=True)}
 
 
+@pytest.mark.parametrize("kind", list(GPU_CONFIGS))
 @pytest.mark.parametrize("name", GPU_MOSAIC)
 @on_gpu
-def test_gpu_modes_against_references_and_dense(name):
-    check_modes(GPU_COMBOS[name], config=MosaicConfig(), exact=False, impl=mosaic)
+def test_gpu_modes_against_references_and_dense(name, kind):
+    check_modes(GPU_COMBOS[name], config=GPU_CONFIGS[kind], exact=False, impl=mosaic)
 
 
+@pytest.mark.parametrize("dots", [False, True])
 @on_gpu
-def test_gpu_matches_triton_lowering_repeatably_and_rows_alone():
+def test_gpu_matches_triton_lowering_repeatably_and_rows_alone(dots):
     case = make_case(7, **GPU_COMBOS["ouro-page128-d128-bf16"])
     modes = [M.SPARSE, M.DISCOVER, M.DENSE, M.DISCOVER_UNION] * 2
-    config = MosaicConfig(min_splits=4, num_stages=2)
+    config = MosaicConfig(min_splits=4, num_stages=2, dots=dots)
     out, support, mass = run(case, modes, impl=mosaic, config=config)
     for again in [run(case, modes, impl=mosaic, config=config) for _ in range(3)]:
         for x, y in zip((out, support, mass), again):
@@ -169,7 +179,7 @@ def test_gpu_matches_triton_lowering_repeatably_and_rows_alone():
     triton_config = pallas_decode.config_for(128, jnp.bfloat16)
     ref_out, _, _ = run(case, modes, config=triton_config)
     for b in range(len(modes)):  # both kernels round: the sum of their bounds
-        bound = out_bound(case, b) + out_bound(case, b, triton_config)
+        bound = out_bound(case, b, config) + out_bound(case, b, triton_config)
         assert_within(np.asarray(out[b].astype(jnp.float32)), np.asarray(ref_out[b].astype(jnp.float32)),
                       bound, f"row {b}")
     for b in (0, 1):

@@ -27,11 +27,17 @@ kernel (`plgpu`, Hopper: TMA copies into a multi-stage shared-memory ring, mbarr
    sum, support'), reading this kernel's partials in the same layout.
 
 Routes tried (jax 0.10.2 on a CPU machine, no GPU):
-- q.K as `wgmma` (a 64-row window of q in shared memory, K^T through `plgpu.transpose_ref`),
-  p.V as `wgmma` with p in registers: lowers, but jax's GPU interpreter takes wgmma operands
-  only as plainly sliced shared-memory refs (no transposed view, no registers), so it could
-  not be run here; not used. A decode tile is memory-bound either way (one query row per
-  head: ~2 FMAs per K/V element loaded).
+- q.K as `wgmma` (q in row 0 of a 64-row tile in shared memory, K^T through
+  `plgpu.transpose_ref`), p.V as `wgmma` with p in registers: `MosaicConfig(dots=True)`. It
+  lowers, but jax's GPU interpreter takes wgmma operands only as plainly sliced shared-memory
+  refs (no transposed view, no registers), so only the `gpu` tests run it, and it has not
+  run on a GPU yet. Why try it although a decode tile needs ~2 FMAs per K/V element: the H200
+  runs below point at the reductions' instruction issue, not bandwidth, bounding a program
+  (a program takes ~3.3 us a tile both in dense, where the kernel moves ~4.1 TB/s, and in
+  sparse at 13 %, where it moves ~2.8; four stages, one program per SM, are much slower while
+  more stages in flight do not help). By estimate, not measured, the reductions spend about
+  ten instructions per K/V element (conversions, swizzled loads, cross-lane sums), which
+  wgmma moves to the tensor cores.
 - Layout-hinted reductions (above): lower to Mosaic GPU for sm90 (`jax.jit(...).lower(
   lowering_platforms=("cuda",))` builds the Mosaic GPU module: layouts, TMA and barrier
   lowering are checked then; PTX generation happens in the CUDA plugin at compile time, not
@@ -79,18 +85,22 @@ LIST_ALIGN = 4  # int32 entries in 16 bytes: a TMA copy's global address must be
 TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # 16-bit, 128-byte rows
 ROW = plgpu.Layout.WGMMA.reduce(1)  # [keys]: one value per key slot of a tile
 COL = plgpu.Layout.WGMMA.reduce(0)  # [head_dim]
+DOT_ROWS = 64  # q padded to this many rows for wgmma (its smallest M)
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
     """Launch shape: keys per step (tile_n, a multiple of 64: the WGMMA layout's rows), keys
     per program (split_keys) and min_splits (as pallas_decode.KernelConfig), num_stages (tiles
-    in flight per program)."""
+    in flight per program), dots (q.K and p.V as wgmma with q in row 0 of a 64-row tile, the
+    Triton kernel's mha_dots; else layout-hinted reductions). dots has not run on a GPU yet
+    (lowered on a CPU only; jax's GPU interpreter does not run wgmma on these operands)."""
 
     tile_n: int = 64
     split_keys: int = 1024
     min_splits: int = 1
     num_stages: int = 2
+    dots: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tile_n", "split_keys"):
@@ -104,6 +114,8 @@ class MosaicConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"MosaicConfig.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.dots, bool):
+            raise ValueError(f"MosaicConfig.dots must be a bool, got {self.dots!r}")
 
     def split_rule(self) -> pallas_decode.KernelConfig:
         """The pallas_decode launch whose list splits (and finish) this one shares."""
@@ -127,16 +139,17 @@ def _layout(x, layout, interpret):
 
 def _split_kernel(modes_ref, rows_ref, meta_ref, q_ref, k_ref, v_ref,
                   stat_m_ref, stat_l_ref, acc_ref, m_ref, l_ref,
-                  list_smem, q_smem, k_smem, v_smem, acc_smem, q_bar, list_bar, k_bar, v_bar, *,
-                  block_size, tile_blocks, split_blocks, min_splits, num_stages, group, scale,
-                  interpret):
+                  list_smem, q_smem, k_smem, v_smem, acc_smem, q_bar, list_bar, k_bar, v_bar,
+                  *q_tile, block_size, tile_blocks, split_blocks, min_splits, num_stages, group,
+                  scale, dots, interpret):
     """Program (row b, head h, split s): step 2 of the module docstring.
 
     GMEM: modes int32[batch]; rows, meta (`pallas_decode._list_kernel`); q [batch, heads, head_dim]; k, v
     [num_pages * page_size // block_size, block_size, kv_heads, head_dim]; outputs as
     pallas_decode's partials: stat_m, stat_l [batch, heads, blocks_pad], acc [batch, heads,
     splits_pad, head_dim], m, l [batch, heads, splits_pad]. SMEM: list_smem [list_chunk] int32, q_smem [head_dim],
-    k_smem, v_smem [num_stages, tile_n, head_dim] (tiled, swizzled), acc_smem [head_dim] f32.
+    k_smem, v_smem [num_stages, tile_n, head_dim] (tiled, swizzled), acc_smem [head_dim] f32;
+    with dots, q_tile [DOT_ROWS, head_dim] (tiled, swizzled): q in row 0, zeros elsewhere.
     """
     b, h, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     mode = modes_ref[b]
@@ -171,6 +184,14 @@ def _split_kernel(modes_ref, rows_ref, meta_ref, q_ref, k_ref, v_ref,
         for i in range(num_stages):
             pl.when(i < n_tiles)(functools.partial(fetch, i, i))
         plgpu.barrier_wait(q_bar)
+        if dots:
+            m, l, acc = _attend_dots(q_smem, q_tile[0], k_smem, v_smem, k_bar, v_bar, stat_m_ref,
+                                     stat_l_ref, fetch, b=b, h=h, lo=lo, hi=hi, n_tiles=n_tiles,
+                                     n_listed=n_listed, tail_keys=tail_keys,
+                                     discovering=discovering, block_size=block_size,
+                                     tile_blocks=tile_blocks, num_stages=num_stages, scale=scale)
+            _store_split(m, l, acc, acc_smem, m_ref, l_ref, acc_ref, b=b, h=h, s=s)
+            return
         q = _layout(q_smem[...], COL, interpret).astype(jnp.float32) * scale
         q_rows = lax.broadcast_in_dim(q, (tile_n, head_dim), [1])
         slot_keys = _layout(lax.broadcasted_iota(jnp.int32, (tile_n,), 0), ROW, interpret)
@@ -211,12 +232,86 @@ def _split_kernel(modes_ref, rows_ref, meta_ref, q_ref, k_ref, v_ref,
                 _layout(jnp.zeros((tile_n,), jnp.float32), ROW, interpret),
                 _layout(jnp.zeros((tile_n, head_dim), jnp.float32), plgpu.Layout.WGMMA, interpret))
         m, l, acc = lax.fori_loop(0, n_tiles, step, init)
-        m_ref[b, h, s] = m
-        l_ref[b, h, s] = jnp.sum(l)
-        acc_smem[...] = jnp.sum(acc, axis=0)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(acc_smem, acc_ref.at[b, h, s])
-        plgpu.wait_smem_to_gmem(0)
+        _store_split(m, jnp.sum(l), jnp.sum(acc, axis=0), acc_smem, m_ref, l_ref, acc_ref,
+                     b=b, h=h, s=s)
+
+
+def _store_split(m, l, acc, acc_smem, m_ref, l_ref, acc_ref, *, b, h, s):
+    """A split's partials: its max m and sum l (scalars), its acc [head_dim] (through SMEM)."""
+    m_ref[b, h, s] = m
+    l_ref[b, h, s] = l
+    acc_smem[...] = acc
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(acc_smem, acc_ref.at[b, h, s])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _attend_dots(q_smem, q_tile, k_smem, v_smem, k_bar, v_bar, stat_m_ref, stat_l_ref, fetch, *,
+                 b, h, lo, hi, n_tiles, n_listed, tail_keys, discovering, block_size,
+                 tile_blocks, num_stages, scale):
+    """The split's tiles with q.K and p.V as wgmma (`MosaicConfig.dots`): q in row 0 of a
+    [DOT_ROWS, head_dim] tile, the other rows zero (each row runs its own online softmax; only
+    row 0's is kept). Returns row 0's (max, sum, acc [head_dim])."""
+    wgmma_layout = plgpu.Layout.WGMMA
+    tile_n, head_dim = k_smem.shape[1], k_smem.shape[2]
+    rows = plgpu.broadcasted_iota(jnp.int32, (DOT_ROWS, head_dim), 0, layout=wgmma_layout)
+    q = lax.broadcast_in_dim(plgpu.layout_cast(q_smem[...], COL), (DOT_ROWS, head_dim), [1])
+    q_tile[...] = jnp.where(rows == 0, q, jnp.zeros_like(q))
+    plgpu.commit_smem()
+    key_slot = plgpu.broadcasted_iota(jnp.int32, (DOT_ROWS, tile_n), 1, layout=wgmma_layout)
+    key_block = key_slot // block_size
+    row0 = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (DOT_ROWS,), 0), ROW) == 0
+
+    def first_row(x):  # x [DOT_ROWS] (ROW) -> x[0], exactly (the other rows add zeros)
+        return jnp.sum(jnp.where(row0, x, 0.0))
+
+    def step(t, carry):
+        m, l, acc = carry  # [DOT_ROWS], [DOT_ROWS], [DOT_ROWS, head_dim]: per q row
+        slot = lax.rem(t, num_stages)
+        plgpu.barrier_wait(k_bar.at[slot])
+
+        def qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_tile, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+            return acc_ref[...]
+
+        scores = pl.run_scoped(qk, plgpu.ACC((DOT_ROWS, tile_n), jnp.float32))
+        entry = lo + t * tile_blocks + key_block
+        ok = (entry < hi) & ((entry < n_listed - 1) | (key_slot % block_size < tail_keys))
+        scores = jnp.where(ok, scores * scale, -jnp.inf)
+        m_new = jnp.maximum(m, scores.max(axis=1))
+        m_base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - m_base)
+        p = jnp.exp2(scores - lax.broadcast_in_dim(m_base, scores.shape, [0]))
+
+        @pl.when(discovering)
+        def _block_stats():  # row 0, per block of the tile: (running max, sum of exponentials)
+            m0 = first_row(m_base)
+            for j in range(tile_blocks):
+                pos = lo + t * tile_blocks + j
+
+                @pl.when(pos < hi)
+                def _store():
+                    stat_m_ref[b, h, pos] = m0
+                    stat_l_ref[b, h, pos] = first_row(jnp.sum(jnp.where(key_block == j, p, 0.0),
+                                                              axis=1))
+
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        p16 = p.astype(v_smem.dtype)
+        plgpu.barrier_wait(v_bar.at[slot])
+
+        def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        # Refill the slot once both products have read it (run_state waits for the wgmma).
+        pl.when(t + num_stages < n_tiles)(functools.partial(fetch, t + num_stages, slot))
+        return m_new, l * alpha + p.sum(axis=1), acc
+
+    init = (plgpu.layout_cast(jnp.full((DOT_ROWS,), -jnp.inf, jnp.float32), ROW),
+            plgpu.layout_cast(jnp.zeros((DOT_ROWS,), jnp.float32), ROW),
+            plgpu.layout_cast(jnp.zeros((DOT_ROWS, head_dim), jnp.float32), wgmma_layout))
+    m, l, acc = lax.fori_loop(0, n_tiles, step, init)
+    return first_row(m), first_row(l), jnp.sum(jnp.where(rows == 0, acc, 0.0), axis=0)
 
 
 def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size, scale,
@@ -251,10 +346,12 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
                plgpu.Barrier(), plgpu.Barrier(),
                plgpu.Barrier(num_arrivals=tile_blocks, num_barriers=stages),
                plgpu.Barrier(num_arrivals=tile_blocks, num_barriers=stages)]
+    if config.dots:
+        scratch.append(plgpu.SMEM((DOT_ROWS, head_dim), q.dtype, transforms=TILED))
     kernel = functools.partial(
         _split_kernel, block_size=block_size, tile_blocks=tile_blocks, split_blocks=split_blocks,
         min_splits=rule.min_splits, num_stages=stages, group=heads // kv_heads,
-        scale=scale * LOG2E, interpret=interpret is not None)
+        scale=scale * LOG2E, dots=config.dots, interpret=interpret is not None)
     cache_blocks = num_pages * page_size // block_size
     k_rows = k_pages.reshape(cache_blocks, block_size, kv_heads, head_dim)
     v_rows = v_pages.reshape(cache_blocks, block_size, kv_heads, head_dim)
@@ -309,6 +406,9 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     config = MosaicConfig() if config is None else config
+    if config.dots and interpret:
+        raise ValueError("MosaicConfig(dots=True) needs a GPU: jax's GPU interpreter does not run "
+                         "wgmma on a transposed or register operand")
     return tuple(_decode(
         q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size,
         eta=float(eta), scale=float(scale), all_blocks=bool(all_blocks),
