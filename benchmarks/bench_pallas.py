@@ -84,25 +84,28 @@ def _per_call(x, chain):
     return tuple(jnp.copy(x) for _ in range(max(chain)))
 
 
+def chain_activity(run, args, calls) -> dict:
+    """`device_trace.device_activity` of one run of a chain of `calls` calls under the
+    profiler, per call."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            run(*args).block_until_ready()
+        return device_activity(Path(trace_dir), calls)
+
+
 def _time_us(chains, args, *, repeats):
     """Per-call microseconds. On a GPU: the device span (first kernel's start to last kernel's
     end, from the profiler) of one run of the longest chain over its length -- kernels back to
     back, as CUDA-graph replay times a torch kernel -- the median of `repeats` runs. Elsewhere
     (the interpreters): the difference of the chains' median wall times over the difference
     of their lengths."""
-    for _, run in chains:
-        run(*args).block_until_ready()  # compile and warm up
     if jax.default_backend() == "gpu":
         n, run = max(chains, key=lambda c: c[0])
-        spans = []
-        for _ in range(repeats):
-            with tempfile.TemporaryDirectory() as trace_dir:
-                with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-                    run(*args).block_until_ready()
-                spans.append(device_activity(Path(trace_dir), n)["span_us"])
-        return float(np.median(spans))
+        run(*args).block_until_ready()  # compile and warm up (the other chains are not compiled)
+        return float(np.median([chain_activity(run, args, n)["span_us"] for _ in range(repeats)]))
     medians = []
     for _, run in chains:
+        run(*args).block_until_ready()  # compile and warm up
         samples = []
         for _ in range(repeats):
             start = time.perf_counter()

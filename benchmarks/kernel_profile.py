@@ -22,9 +22,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import argparse
 import datetime
 import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
@@ -32,10 +30,8 @@ sys.path[:0] = [p for p in (str(_HERE.parent), str(_HERE)) if p not in sys.path]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import bench_pallas as bp  # noqa: E402
-from device_trace import device_activity  # noqa: E402
 from wise_jax.kernels import mosaic_decode, pallas_decode  # noqa: E402
 
 MODES = ("dense", "discover", "sparse", "discover+sparse")
@@ -47,8 +43,8 @@ def _us(x) -> str:
 
 
 def profile_case(impl, mode, ctx, batch, *, density, calls, heads, head_dim, page_size, dtype,
-                 interpret, trace_dir: Path) -> dict:
-    """device_activity of one chain of `calls` calls of impl in mode, per call."""
+                 interpret) -> dict:
+    """`device_trace.device_activity` of one chain of `calls` calls of impl in mode, per call."""
     decode = {"pallas": pallas_decode, "mosaic": mosaic_decode}[impl].decode_attention
     q, k, v, page_table, seq_lens = bp._cache(jax.random.key(ctx + batch), ctx, batch, heads,
                                               head_dim, page_size, dtype)
@@ -65,10 +61,8 @@ def profile_case(impl, mode, ctx, batch, *, density, calls, heads, head_dim, pag
 
     (_, chain), = bp._chains(step, (calls,))
     args = (q, k, v, page_table, seq_lens, modes, bp._per_call(support, (calls,)))
-    chain(*args).block_until_ready()
-    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
-        chain(*args).block_until_ready()
-    return device_activity(trace_dir, calls)
+    chain(*args).block_until_ready()  # compile and warm up
+    return bp.chain_activity(chain, args, calls)
 
 
 def markdown(report: dict) -> str:
@@ -115,28 +109,23 @@ def main(argv=None) -> dict:
     report = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
                   device=getattr(device, "device_kind", str(device)), jax=jax.__version__,
                   calls=args.calls, density=args.density, rows=[])
-    workdir = Path(tempfile.mkdtemp(prefix="wise-kernel-profile-"))
-    try:
-        for ctx, batch in shapes:
-            for impl in args.impls.split(","):
-                for mode in modes:
-                    row = dict(ctx=ctx, batch=batch, impl=impl, mode=mode)
-                    try:
-                        trace_dir = workdir / f"{ctx}x{batch}-{impl}-{mode}"
-                        row.update(profile_case(impl, mode, ctx, batch, density=args.density,
-                                                calls=args.calls, trace_dir=trace_dir, **common))
-                        print(f"{ctx} x {batch} {impl} {mode}: busy {_us(row['busy_us'])} us, "
-                              f"span {_us(row['span_us'])} us per call", flush=True)
-                    except Exception as e:  # a failed case must not stop the run
-                        row["error"] = f"{type(e).__name__}: {e}"[:800]
-                        print(f"{ctx} x {batch} {impl} {mode}: {row['error']}", flush=True)
-                    report["rows"].append(row)
-                    (args.out / "kernel_profile.json").write_text(json.dumps(report, indent=1))
-        (args.out / "kernel_profile.md").write_text(markdown(report))
-        print(markdown(report))
-        return report
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    for ctx, batch in shapes:
+        for impl in args.impls.split(","):
+            for mode in modes:
+                row = dict(ctx=ctx, batch=batch, impl=impl, mode=mode)
+                try:
+                    row.update(profile_case(impl, mode, ctx, batch, density=args.density,
+                                            calls=args.calls, **common))
+                    print(f"{ctx} x {batch} {impl} {mode}: busy {_us(row['busy_us'])} us, "
+                          f"span {_us(row['span_us'])} us per call", flush=True)
+                except Exception as e:  # a failed case must not stop the run
+                    row["error"] = f"{type(e).__name__}: {e}"[:800]
+                    print(f"{ctx} x {batch} {impl} {mode}: {row['error']}", flush=True)
+                report["rows"].append(row)
+                (args.out / "kernel_profile.json").write_text(json.dumps(report, indent=1))
+    (args.out / "kernel_profile.md").write_text(markdown(report))
+    print(markdown(report))
+    return report
 
 
 if __name__ == "__main__":
