@@ -9,9 +9,9 @@ SPARSE row with every block selected bitwise DENSE).
 The flag is on from H200 runs (2026-12-01, jax 0.11.2, `benchmarks/kernel_bench.py`, 16 heads x
 128, bf16, pages of 128, device time per call; benchmarks/results/h200-2026-12-01/
 kernels-list-kernel/): the Mosaic kernel took 0.73-0.84x the Triton-lowered kernel's time in
-dense, discover and discover+sparse at 1K x 64, 4K x 20 and 8K x 10, and 0.92 / 0.91 / 0.83x in
-sparse at 13 %, and 0.88-0.94x
-the Triton kernel's (`wise_torch`) in dense, discover and discover+sparse.
+dense, discover and discover+sparse at 1K x 64, 4K x 20 and 8K x 10, 0.92 / 0.91 / 0.83x in
+sparse at 13 %, and 0.88-0.94x the Triton kernel's (`wise_torch`) time in dense, discover and
+discover+sparse.
 """
 
 from __future__ import annotations

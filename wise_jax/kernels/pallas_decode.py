@@ -158,6 +158,21 @@ def _row_list(support_ref, b, h, seq_len, mode, *, block_size, blocks_pad, tile_
     return listed, n_listed, size, jnp.maximum((n_listed + size - 1) // size, 1)
 
 
+def _list_order(listed, n_listed, seq_len, *, block_size):
+    """(rank, slot, tail_keys) of a row's listed bool[blocks_pad]: each block's position in
+    the list (for listed blocks), the scatter slot of each block -- a permutation, listed blocks
+    to their rank and the others after them, since the interpreter's masked scatter writes
+    every lane and no two lanes may share a slot -- and the valid keys of the last entry (only
+    the last causal block can be partial; when listed, it is the last entry)."""
+    block = jnp.arange(listed.shape[0], dtype=jnp.int32)
+    upto = jnp.cumsum(listed.astype(jnp.int32))  # listed blocks up to and including each
+    rank = upto - 1
+    slot = jnp.where(listed, rank, n_listed + block - upto)
+    n_causal = (seq_len + block_size - 1) // block_size
+    tail_listed = jnp.sum(jnp.where(block == n_causal - 1, listed, False).astype(jnp.int32)) > 0
+    return rank, slot, jnp.where(tail_listed, seq_len - (n_causal - 1) * block_size, block_size)
+
+
 def _split_size(n_listed, *, tile_blocks, split_blocks, min_splits):
     """Blocks per split of a row listing n_listed blocks: split_blocks, or fewer (whole tiles,
     at least one) to give the row min_splits splits."""
@@ -249,22 +264,14 @@ def _split_kernel(seq_lens_ref, modes_ref, support_ref, page_table_ref, q_ref, k
     def _attend():
         # 1. This split's entries [lo, hi) of the row's list: first-key cache rows.
         block = jnp.arange(blocks_pad, dtype=jnp.int32)
-        upto = jnp.cumsum(listed.astype(jnp.int32))  # listed blocks up to and including each
-        rank = upto - 1
+        rank, slot, tail_keys = _list_order(listed, n_listed, seq_len, block_size=block_size)
         lo = s * size  # a multiple of tile_blocks
         hi = jnp.minimum(lo + size, n_listed)
         mine = listed & (rank >= lo) & (rank < hi)
         first = block * block_size
         page = pl_triton.load(page_table_ref.at[jnp.where(mine, first // page_size, 0)],
                               mask=mine, other=0)
-        # Scatter by a permutation of the blocks (listed ones to their rank, others after them):
-        # the interpreter's masked scatter writes every lane, so no two lanes may share a slot.
-        slot = jnp.where(listed, rank, n_listed + block - upto)
         pl_triton.store(list_ref.at[b, h, slot], page * page_size + first % page_size, mask=mine)
-        # Only the last causal block can be partial; when listed, it is the last entry.
-        n_causal = (seq_len + block_size - 1) // block_size
-        tail_listed = jnp.sum(jnp.where(block == n_causal - 1, listed, False).astype(jnp.int32)) > 0
-        tail_keys = jnp.where(tail_listed, seq_len - (n_causal - 1) * block_size, block_size)
         if barrier:  # a program reads back only the entries it wrote
             pl_triton.debug_barrier()
 
@@ -359,16 +366,13 @@ def _list_kernel(seq_lens_ref, modes_ref, support_ref, page_table_ref, rows_ref,
                                        blocks_pad=blocks_pad, tile_blocks=1, split_blocks=1,
                                        min_splits=1)
     block = jnp.arange(blocks_pad, dtype=jnp.int32)
-    upto = jnp.cumsum(listed.astype(jnp.int32))
+    _, slot, tail_keys = _list_order(listed, n_listed, seq_len, block_size=block_size)
     per_page = page_size // block_size
     page = pl_triton.load(page_table_ref.at[jnp.where(listed, block // per_page, 0)], mask=listed,
                           other=0)
-    slot = jnp.where(listed, upto - 1, n_listed + block - upto)  # a permutation, as in _split_kernel
     pl_triton.store(rows_ref.at[b, h, slot], page * per_page + block % per_page, mask=listed)
-    n_causal = (seq_len + block_size - 1) // block_size
-    tail_listed = jnp.sum(jnp.where(block == n_causal - 1, listed, False).astype(jnp.int32)) > 0
     meta_ref[b, h, 0] = n_listed
-    meta_ref[b, h, 1] = jnp.where(tail_listed, seq_len - (n_causal - 1) * block_size, block_size)
+    meta_ref[b, h, 1] = tail_keys
 
 
 def _finish_kernel(seq_lens_ref, modes_ref, support_ref, *refs, block_size, tile_blocks,
