@@ -3,6 +3,7 @@
     python benchmarks/bench_pallas.py --out DIR            # on a GPU: Ouro-1.4B attention shapes
     python benchmarks/bench_pallas.py --out DIR --sweep    # also other launch configurations
     python benchmarks/bench_pallas.py --out DIR --smoke    # CPU, interpreters, tiny shapes
+    python benchmarks/bench_pallas.py --out DIR --impls mosaic --mosaic-config split_keys=2048,min_splits=2
 
 `bench_pallas(shapes, densities)` returns rows keyed impl, mode, ctx, batch, density, us, tbps
 (plus config, and error where a case failed); `benchmarks/kernel_bench.py` merges them with the
@@ -14,7 +15,7 @@ bf16, pages of 128 keys scattered over the pool, every row at seq_len = ctx.
   modes dense, discover, sparse (random blocks, `density` of each row's blocks per head) and
   discover+sparse (half the rows each); with --sweep, impls "pallas-config" and
   "mosaic-config": dense and sparse under other launches, most promising first, until
-  --sweep-seconds is spent;
+  --sweep-seconds is spent (--mosaic-config: those MosaicConfigs instead of the Mosaic sweep's);
 - impl "jax-paged" (jax.experimental.pallas.ops.gpu.paged_attention, the best of the tile
   settings `JAX_PAGED_SETTINGS` that fit): mode dense, and mode contiguous: lengths of 13%
   of ctx, the floor a sparse kernel at that density can hope for (--no-jax-paged skips it).
@@ -292,15 +293,34 @@ def mosaic_sweep_configs():
     return [base] + [c for c in dict.fromkeys(alternatives) if c != base]
 
 
+def parse_mosaic_config(text: str) -> MosaicConfig:
+    """A MosaicConfig from NAME=VALUE items ("split_keys=2048,dots=True"; ints, True/False)."""
+    fields = {f.name for f in dataclasses.fields(MosaicConfig)}
+    kwargs = {}
+    for item in filter(None, text.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep or name not in fields:
+            raise ValueError(f"--mosaic-config takes NAME=VALUE items with NAME in {sorted(fields)}, "
+                             f"got {item!r}")
+        if value in ("True", "False"):
+            kwargs[name] = value == "True"
+        elif value.lstrip("-").isdigit():
+            kwargs[name] = int(value)
+        else:
+            raise ValueError(f"--mosaic-config: {name}={value!r} is neither an integer nor True/False")
+    return MosaicConfig(**kwargs)
+
+
 def bench_pallas(shapes=OURO_SHAPES, densities=DENSITIES, *, heads=16, head_dim=128,
                  page_size=128, dtype=jnp.bfloat16, interpret=None, chain=(4, 16), repeats=3,
                  impls=("pallas", "mosaic"), sweep=False, sweep_seconds=math.inf,
-                 jax_paged=True) -> list[dict]:
+                 jax_paged=True, mosaic_configs=()) -> list[dict]:
     """Rows keyed impl, mode, ctx, batch, density, us, tbps, config (and error if it failed).
 
     shapes: iterable of (ctx, batch); densities: support densities of the sparse modes; impls:
     the WISE kernels timed ("pallas", "mosaic"; mosaic only where it takes head_dim and
-    dtype); sweep_seconds: per kernel and shape.
+    dtype); sweep_seconds: per kernel and shape; mosaic_configs: MosaicConfigs timed after
+    MosaicConfig() (dense and sparse), in place of the Mosaic sweep's.
     """
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -312,7 +332,8 @@ def bench_pallas(shapes=OURO_SHAPES, densities=DENSITIES, *, heads=16, head_dim=
             if impl == "mosaic":
                 if not mosaic_decode.supports(head_dim, dtype):
                     continue
-                configs = mosaic_sweep_configs() if sweep else [MosaicConfig()]
+                configs = ([MosaicConfig(), *mosaic_configs] if mosaic_configs else
+                           mosaic_sweep_configs() if sweep else [MosaicConfig()])
             else:
                 configs = sweep_configs(head_dim, dtype) if sweep else [config_for(head_dim, dtype)]
             _bench_kernel_shape(rows, impl, ctx, batch, densities, configs=configs,
@@ -346,19 +367,22 @@ def main(argv=None) -> None:
     parser.add_argument("--densities", default=",".join(map(str, DENSITIES)),
                         help="support densities of the sparse modes")
     parser.add_argument("--no-jax-paged", action="store_true", help="skip jax's paged attention")
+    parser.add_argument("--mosaic-config", action="append", default=[], type=parse_mosaic_config,
+                        help="a MosaicConfig to time after the default, as NAME=VALUE,... (repeatable)")
     args = parser.parse_args(argv)
     impls = tuple(args.impls.split(","))
     if args.smoke:
         rows = bench_pallas(((128, 2),), (0.5,), heads=2, head_dim=64, page_size=32,
                             interpret=True, chain=(1, 2), repeats=1, impls=impls, sweep=args.sweep,
-                            sweep_seconds=args.sweep_seconds, jax_paged=not args.no_jax_paged)
+                            sweep_seconds=args.sweep_seconds, jax_paged=not args.no_jax_paged,
+                            mosaic_configs=args.mosaic_config)
     else:
         if jax.default_backend() != "gpu":
             raise SystemExit("bench_pallas needs a GPU (use --smoke for a CPU check of the code paths)")
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
         rows = bench_pallas(shapes, tuple(float(d) for d in args.densities.split(",")),
                             impls=impls, sweep=args.sweep, sweep_seconds=args.sweep_seconds,
-                            jax_paged=not args.no_jax_paged)
+                            jax_paged=not args.no_jax_paged, mosaic_configs=args.mosaic_config)
     args.out.mkdir(parents=True, exist_ok=True)
     device = jax.devices()[0]
     report = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),

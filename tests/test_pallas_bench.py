@@ -9,6 +9,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import jax.numpy as jnp  # noqa: E402
+
 from bench_pallas import bench_pallas  # noqa: E402
 
 
@@ -40,3 +42,27 @@ def test_kernel_profile_smoke(tmp_path):
     assert all(r["busy_us"] is None and r["span_us"] is None for r in report["rows"])
     assert json.loads((tmp_path / "kernel_profile.json").read_text())["rows"] == report["rows"]
     assert "| 128 x 2 | mosaic | sparse | n/a | n/a |" in (tmp_path / "kernel_profile.md").read_text()
+
+
+def test_parse_mosaic_config():
+    """--mosaic-config's NAME=VALUE items become a MosaicConfig; bad items are refused by name."""
+    import pytest
+    from bench_pallas import parse_mosaic_config
+    from wise_jax.kernels.mosaic_decode import MosaicConfig
+    assert parse_mosaic_config("split_keys=2048,min_splits=2,dots=True") == MosaicConfig(
+        split_keys=2048, min_splits=2, dots=True)
+    assert parse_mosaic_config("") == MosaicConfig()
+    with pytest.raises(ValueError, match="tile"):
+        parse_mosaic_config("tiles=64")
+    with pytest.raises(ValueError, match="neither an integer"):
+        parse_mosaic_config("dots=yes")
+    with pytest.raises(ValueError, match="power of two"):
+        parse_mosaic_config("split_keys=1000")
+
+
+def test_mosaic_call_runs_in_the_interpreter():
+    """mosaic_call.py (the Nsight Compute target) runs its call at a tiny shape on a CPU."""
+    import mosaic_call
+    out = mosaic_call.main(["--shape", "128x2", "--heads", "2", "--head-dim", "64",
+                            "--page-size", "32", "--calls", "1", "--density", "0.5"])
+    assert out.shape == (2, 2, 64) and bool(jnp.isfinite(out.astype(jnp.float32)).all())

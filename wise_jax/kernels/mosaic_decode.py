@@ -26,41 +26,46 @@ kernel (`plgpu`, Hopper: TMA copies into a multi-stage shared-memory ring, mbarr
 3. Finish: `pallas_decode`'s finish kernel (merge by maxima, mass, selection by sort + prefix
    sum, support'), reading this kernel's partials in the same layout.
 
-Routes tried (jax 0.10.2 on a CPU machine, no GPU):
-- q.K as `wgmma` (q in row 0 of a 64-row tile in shared memory, K^T through
-  `plgpu.transpose_ref`), p.V as `wgmma` with p in registers: `MosaicConfig(dots=True)`. It
-  lowers, but jax's GPU interpreter takes wgmma operands only as plainly sliced shared-memory
-  refs (no transposed view, no registers), so only the `gpu` tests run it, and it has not
-  run on a GPU yet. Why try it although a decode tile needs ~2 FMAs per K/V element: the H200
-  runs below point at the reductions' instruction issue, not bandwidth, bounding a program
-  (a program takes ~3.3 us a tile both in dense, where the kernel moves ~4.1 TB/s, and in
-  sparse at 13 %, where it moves ~2.8; four stages, one program per SM, are much slower while
-  more stages in flight do not help). By estimate, not measured, the reductions spend about
-  ten instructions per K/V element (conversions, swizzled loads, cross-lane sums), which
-  wgmma moves to the tensor cores.
-- Layout-hinted reductions (above): lower to Mosaic GPU for sm90 (`jax.jit(...).lower(
-  lowering_platforms=("cuda",))` builds the Mosaic GPU module: layouts, TMA and barrier
-  lowering are checked then; PTX generation happens in the CUDA plugin at compile time, not
-  here), and run in jax's GPU interpreter (`InterpretGPUParams`): the CPU tests run this
-  kernel there at small shapes. Layout casts are skipped when interpreted (the interpreter has
-  no rule for them; they only pin register layouts).
-On an H200 (2026-12-01, jax 0.11.2) the layout-hinted kernel compiles and passes the gpu
-tests. Two fixes came from that machine: the K/V copies index the cache as [cache blocks, 32,
-kv_heads, head_dim] (sm90 layout inference rejected a dynamic row offset on the tiled rows
-dimension), and each split copies its share of the block list from a 16-byte-aligned start
-(a misaligned TMA source was an illegal instruction).
+Routes tried (lowered with jax 0.10.2 on a CPU machine; run with jax 0.11.2 on an H200):
+- Layout-hinted reductions (above, the default): lower to Mosaic GPU for sm90
+  (`jax.jit(...).lower(lowering_platforms=("cuda",))` builds the Mosaic GPU module: layouts,
+  TMA and barrier lowering are checked then; PTX generation happens in the CUDA plugin at
+  compile time, not here), and run in jax's GPU interpreter (`InterpretGPUParams`): the CPU
+  tests run this kernel there at small shapes. Layout casts are skipped when interpreted (the
+  interpreter has no rule for them; they only pin register layouts). Two fixes came from the
+  H200: the K/V copies index the cache as [cache blocks, 32, kv_heads, head_dim] (sm90 layout
+  inference rejected a dynamic row offset on the tiled rows dimension), and each split copies
+  its share of the block list from a 16-byte-aligned start (a misaligned TMA source was an
+  illegal instruction).
+- q.K and p.V as `wgmma` (q in row 0 of a 64-row tile in shared memory, K^T through
+  `plgpu.transpose_ref`, p in registers): `MosaicConfig(dots=True)`. It passes the gpu tests
+  but is slower: dense 132.5 / 163.9 / 164.3 us against 128.0 / 158.4 / 158.4, sparse 32.4 /
+  40.6 / 38.1 against 29.0 / 35.2 / 34.3 (1K x 64 / 4K x 20 / 8K x 10). jax's GPU interpreter
+  takes wgmma operands only as plainly sliced shared-memory refs, so the CPU tests cannot run it.
+- Skipping the accumulator's rescale when the running max did not rise (a `lax.cond`), and
+  one explicit barrier per refill in place of the automatic one per copy
+  (`unsafe_no_auto_barriers`): neither changed the time (within 1 %), so neither was kept; the
+  first is also not bitwise the plain update on the GPU (the compiler contracts the two
+  branches differently).
 
-What ran fastest there (benchmarks/results/h200-2026-12-01/kernels-list-kernel/, device time
-per call, 16 heads x 128, bf16): `MosaicConfig()` (64-key tiles, 1024 keys a split, two stages)
-from the launch sweep -- 512-key splits were up to 10 % slower at sparse 13 %, four stages
-(128 KB of shared memory a program) 8-37 % slower, min_splits=4 up to 45 % slower;
-reading V after the scores (fewer live registers) gained about 1 % at sparse. The call is the
-list (~2 us), the split kernel, the finish (3-6.5 us): dense 131.5 / 162.2 / 162.4 us at 1K x 64
-/ 4K x 20 / 8K x 10 (0.92x the Triton kernel, 1.06 / 0.93 / 1.03x cuDNN SDPA), sparse at 13 %
-30.0 / 36.5 / 35.1 us (1.04 / 1.11 / 1.11x Triton). The sparse split kernel
-(512-key splits) moves its blocks at ~2.8 TB/s at 4K x 20; each program streams its split's
-listed blocks one tile after another, and more, shorter splits (min_splits) were slower, which
-suggests per-program latency, not the number of programs, bounds it.
+What bounds it (H200, Nsight Compute on the sparse call at 4K x 20, 13 %): 233 registers a
+thread (no spills) and 70.7 KB of shared memory a program allow two programs (8 warps) an SM,
+12.5 % occupancy; the call's 320 listed splits fill 264 slots and a partial second wave, so the
+SMs are busy 70 % of the kernel's time, at 2.6 TB/s. Stalls: waiting on the TMA barriers
+(long scoreboard) 33 % of samples, issuing 24 %, shared-memory loads 14 %. Dense, with 1,280
+splits, runs at 4.15 TB/s. Shorter splits do not help (`min_splits` 2-4 at 4K and 8K: from 4 %
+faster to 6 % slower), nor do more stages (three: within 5 %; four halve the programs an SM), so
+the per-split start (list copy, then the first tiles) is not hidden at two programs an SM.
+Untried: fewer registers (three programs an SM need <= 168), and a persistent grid that
+prefetches the next split's list and tiles while finishing the current one.
+
+What ran fastest (benchmarks/results/h200-2026-12-01/kernels-fa4/, device time per call, 16
+heads x 128, bf16): `MosaicConfig()` (64-key tiles, 1024 keys a split, two stages, reductions).
+The call is the list (~2 us), the split kernel, the finish (3-6.5 us): dense 129.1 / 159.4 /
+159.3 us at 1K x 64 / 4K x 20 / 8K x 10 (0.91-0.92x the Triton kernel; 1.06 / 0.93 / 1.04x cuDNN
+SDPA; 0.97 / 0.94 / 0.76x FlashAttention-4 paged), sparse at 13 % 29.7 / 36.1 / 35.1 us (1.03 /
+1.10 / 1.12x Triton). At 8K x 10, 2048-key splits give sparse 31.2-31.5 us (one split a row, not
+32 + 1 blocks) but dense 164-165 us, so the default keeps 1024.
 """
 
 from __future__ import annotations
@@ -93,8 +98,8 @@ class MosaicConfig:
     """Launch shape: keys per step (tile_n, a multiple of 64: the WGMMA layout's rows), keys
     per program (split_keys) and min_splits (as pallas_decode.KernelConfig), num_stages (tiles
     in flight per program), dots (q.K and p.V as wgmma with q in row 0 of a 64-row tile, the
-    Triton kernel's mha_dots; else layout-hinted reductions). dots has not run on a GPU yet
-    (lowered on a CPU only; jax's GPU interpreter does not run wgmma on these operands)."""
+    Triton kernel's mha_dots; else layout-hinted reductions). dots is slower on an H200 (module
+    docstring) and runs on a GPU only (jax's GPU interpreter does not run wgmma on its operands)."""
 
     tile_n: int = 64
     split_keys: int = 1024

@@ -1,0 +1,58 @@
+"""One jitted Mosaic GPU decode-attention call, run a few times: the target for Nsight Compute
+and for Mosaic GPU's dumps (bench_pallas.py's setup: pages of 128 scattered over the pool,
+sparse at --density of each row's blocks per head).
+
+    ncu -k regex:mosaic --launch-skip 1 --launch-count 1 --section Occupancy \\
+        python benchmarks/mosaic_call.py --shape 4096x20 --mode sparse
+    MOSAIC_GPU_DUMP_TO=DIR python benchmarks/mosaic_call.py --shape 4096x20 --calls 1  # PTX, ptxas, SASS
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:0] = [p for p in (str(_HERE.parent), str(_HERE)) if p not in sys.path]
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import bench_pallas as bp  # noqa: E402
+from wise_core import modes as M  # noqa: E402
+from wise_jax.kernels import mosaic_decode  # noqa: E402
+
+MODES = {"dense": M.DENSE, "discover": M.DISCOVER, "sparse": M.SPARSE}
+
+
+def main(argv=None) -> jax.Array:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="4096x20", help="CTXxBATCH")
+    p.add_argument("--mode", choices=sorted(MODES), default="sparse")
+    p.add_argument("--density", type=float, default=bp.SWEEP_DENSITY)
+    p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page-size", type=int, default=128)
+    p.add_argument("--config", type=bp.parse_mosaic_config, default=mosaic_decode.MosaicConfig(),
+                   help="MosaicConfig fields as NAME=VALUE,... (default MosaicConfig())")
+    args = p.parse_args(argv)
+    ctx, batch = (int(x) for x in args.shape.split("x"))
+    q, k, v, page_table, seq_lens = bp._cache(jax.random.key(ctx + batch), ctx, batch, args.heads,
+                                              args.head_dim, args.page_size, jnp.bfloat16)
+    n_blocks = ctx // bp.BLOCK
+    support = (bp._random_support(jax.random.key(7), batch, args.heads, n_blocks, args.density)
+               if args.mode == "sparse" else jnp.ones((batch, args.heads, n_blocks), bool))
+    modes = jnp.full((batch,), MODES[args.mode], jnp.int32)
+    call = jax.jit(lambda *a: mosaic_decode.decode_attention(
+        *a, block_size=bp.BLOCK, eta=0.95, config=args.config, validate=False)[0])
+    for _ in range(args.calls):
+        out = call(q, k, v, page_table, seq_lens, modes, support)
+    out.block_until_ready()
+    print(f"{args.calls} calls, {args.mode} at {ctx} x {batch}: out {out.shape} {out.dtype}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
