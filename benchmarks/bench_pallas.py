@@ -285,11 +285,13 @@ def mosaic_sweep_configs():
     tile_n x head_dim x 2 bytes, at most ~200 KB on an H200 for head_dim 128)."""
     base = MosaicConfig()
     C = MosaicConfig
-    alternatives = [C(dots=True), C(dots=True, split_keys=512, num_stages=3),
-                    C(split_keys=1024, num_stages=3), C(split_keys=512, num_stages=3),
-                    C(split_keys=2048), C(split_keys=512), C(split_keys=2048, num_stages=3),
-                    C(min_splits=4), C(split_keys=256, num_stages=3), C(num_stages=4),
-                    C(tile_n=128, split_keys=1024)]
+    # Ordered by the H200 sweeps of 2026-12-01 (mosaic_decode's docstring): closest to the
+    # default first, wgmma (dots, slower there) and the clearly slower shapes last.
+    alternatives = [C(split_keys=2048), C(min_splits=2), C(min_splits=3),
+                    C(split_keys=1024, num_stages=3), C(split_keys=512), C(split_keys=512, num_stages=3),
+                    C(split_keys=2048, num_stages=3), C(dots=True), C(min_splits=4),
+                    C(split_keys=256, num_stages=3), C(num_stages=4), C(tile_n=128, split_keys=1024),
+                    C(dots=True, split_keys=512, num_stages=3)]
     return [base] + [c for c in dict.fromkeys(alternatives) if c != base]
 
 

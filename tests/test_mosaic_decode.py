@@ -152,7 +152,7 @@ def test_lowers_to_mosaic_gpu(batch, ctx, config):
 
 
 # ------------------------------------------------------------------------------------------------
-# On a GPU (the reductions ran on an H200 on 2026-12-01; dots=True has not run on a GPU yet).
+# On a GPU (both the reductions and dots=True ran on an H200 on 2026-12-01).
 
 GPU_MOSAIC = [name for name, spec in GPU_COMBOS.items()
               if mosaic_decode.supports(spec["head_dim"], spec["dtype"])]
