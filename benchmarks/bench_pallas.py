@@ -131,11 +131,14 @@ def _cache(key, ctx, batch, heads, head_dim, page_size, dtype):
     return q, k, v, page_table, jnp.full((batch,), ctx, jnp.int32)
 
 
-def _random_support(key, batch, heads, n_blocks, density):
-    """bool[batch, heads, n_blocks]: max(1, round(density * n_blocks)) random blocks per head."""
+def _support(batch, heads, n_blocks, density):
+    """bool[batch, heads, n_blocks]: every block (density None), else max(1, round(density *
+    n_blocks)) random blocks per head (the same ones in every run)."""
+    if density is None:
+        return jnp.ones((batch, heads, n_blocks), bool)
     keep = max(1, round(density * n_blocks))
-    rank = jnp.argsort(jnp.argsort(jax.random.uniform(key, (batch, heads, n_blocks)), -1), -1)
-    return rank < keep
+    uniform = jax.random.uniform(jax.random.key(7), (batch, heads, n_blocks))
+    return jnp.argsort(jnp.argsort(uniform, -1), -1) < keep
 
 
 def _row(impl, mode, ctx, batch, density, us, kv_bytes, config, error=None):
@@ -198,11 +201,7 @@ def _bench_kernel_shape(rows, impl, ctx, batch, densities, *, heads, head_dim, p
         for mode, density, row_modes, support_density in _pallas_cases(densities, batch):
             if index and (mode, density) not in (("dense", 1.0), ("sparse", SWEEP_DENSITY)):
                 continue  # other launch configurations: dense and sparse @0.13 only
-            if support_density is None:
-                support = jnp.ones((batch, heads, n_blocks), bool)
-            else:
-                support = _random_support(jax.random.key(7), batch, heads, n_blocks,
-                                          support_density)
+            support = _support(batch, heads, n_blocks, support_density)
             attended = np.where(row_modes == M.SPARSE, np.asarray(support.sum((1, 2))),
                                 heads * n_blocks)
             modes = jnp.asarray(row_modes, jnp.int32)

@@ -51,8 +51,7 @@ def profile_case(impl, mode, ctx, batch, *, density, calls, heads, head_dim, pag
     n_blocks = ctx // bp.BLOCK
     cases = {name: (d, row_modes, sd) for name, d, row_modes, sd in bp._pallas_cases((density,), batch)}
     _, row_modes, support_density = cases[mode]
-    support = (jnp.ones((batch, heads, n_blocks), bool) if support_density is None else
-               bp._random_support(jax.random.key(7), batch, heads, n_blocks, support_density))
+    support = bp._support(batch, heads, n_blocks, support_density)
     modes = jnp.asarray(row_modes, jnp.int32)
 
     def step(q, k, v, page_table, seq_lens, modes, support):

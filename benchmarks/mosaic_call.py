@@ -42,8 +42,7 @@ def main(argv=None) -> jax.Array:
     q, k, v, page_table, seq_lens = bp._cache(jax.random.key(ctx + batch), ctx, batch, args.heads,
                                               args.head_dim, args.page_size, jnp.bfloat16)
     n_blocks = ctx // bp.BLOCK
-    support = (bp._random_support(jax.random.key(7), batch, args.heads, n_blocks, args.density)
-               if args.mode == "sparse" else jnp.ones((batch, args.heads, n_blocks), bool))
+    support = bp._support(batch, args.heads, n_blocks, args.density if args.mode == "sparse" else None)
     modes = jnp.full((batch,), MODES[args.mode], jnp.int32)
     call = jax.jit(lambda *a: mosaic_decode.decode_attention(
         *a, block_size=bp.BLOCK, eta=0.95, config=args.config, validate=False)[0])

@@ -208,8 +208,8 @@ def _split_kernel(modes_ref, rows_ref, meta_ref, q_ref, k_ref, v_ref,
             # Scores while V lands; V is read once K is dead (fewer live registers).
             plgpu.barrier_wait(k_bar.at[slot])
             k = k_smem.at[slot][...].astype(jnp.float32)
-            entry = lo + t * tile_blocks + slot_block
-            ok = (entry < hi) & ((entry < n_listed - 1) | (slot_keys % block_size < tail_keys))
+            ok = _valid_keys(lo + t * tile_blocks, slot_keys, hi=hi, n_listed=n_listed,
+                             tail_keys=tail_keys, block_size=block_size)
             scores = jnp.where(ok, jnp.sum(k * q_rows, axis=1), -jnp.inf)
             plgpu.barrier_wait(v_bar.at[slot])
             v = v_smem.at[slot][...].astype(jnp.float32)
@@ -220,15 +220,10 @@ def _split_kernel(modes_ref, rows_ref, meta_ref, q_ref, k_ref, v_ref,
             alpha = jnp.exp2(m - m_base)
             p = jnp.exp2(scores - m_base)
 
-            @pl.when(discovering)
-            def _block_stats():  # per block of the tile: (running max, sum of exponentials)
-                for j in range(tile_blocks):
-                    pos = lo + t * tile_blocks + j
-
-                    @pl.when(pos < hi)
-                    def _store():
-                        stat_m_ref[b, h, pos] = m_base
-                        stat_l_ref[b, h, pos] = jnp.sum(jnp.where(slot_block == j, p, 0.0))
+            pl.when(discovering)(functools.partial(
+                _store_block_stats, stat_m_ref, stat_l_ref, b=b, h=h, first=lo + t * tile_blocks,
+                hi=hi, tile_blocks=tile_blocks, block_m=lambda: m_base,
+                block_l=lambda j: jnp.sum(jnp.where(slot_block == j, p, 0.0))))
 
             acc = acc * alpha + lax.broadcast_in_dim(p, acc.shape, [0]) * v
             return m_new, l * alpha + p, acc
@@ -239,6 +234,25 @@ def _split_kernel(modes_ref, rows_ref, meta_ref, q_ref, k_ref, v_ref,
         m, l, acc = lax.fori_loop(0, n_tiles, step, init)
         _store_split(m, jnp.sum(l), jnp.sum(acc, axis=0), acc_smem, m_ref, l_ref, acc_ref,
                      b=b, h=h, s=s)
+
+
+def _valid_keys(first, key_slot, *, hi, n_listed, tail_keys, block_size):
+    """Which key slots of a tile whose first slot holds list entry `first` attend: their entry
+    is in the split ([.., hi)) and, in the list's last entry, below its tail_keys."""
+    entry = first + key_slot // block_size
+    return (entry < hi) & ((entry < n_listed - 1) | (key_slot % block_size < tail_keys))
+
+
+def _store_block_stats(stat_m_ref, stat_l_ref, *, b, h, first, hi, tile_blocks, block_m, block_l):
+    """A discovery tile's per-block stats: for its blocks j in the split (entries first + j < hi)
+    (block_m(): the running max the exponentials are taken against, block_l(j): their sum)."""
+    m = block_m()
+    for j in range(tile_blocks):
+
+        @pl.when(first + j < hi)
+        def _store():
+            stat_m_ref[b, h, first + j] = m
+            stat_l_ref[b, h, first + j] = block_l(j)
 
 
 def _store_split(m, l, acc, acc_smem, m_ref, l_ref, acc_ref, *, b, h, s):
@@ -280,25 +294,18 @@ def _attend_dots(q_smem, q_tile, k_smem, v_smem, k_bar, v_bar, stat_m_ref, stat_
             return acc_ref[...]
 
         scores = pl.run_scoped(qk, plgpu.ACC((DOT_ROWS, tile_n), jnp.float32))
-        entry = lo + t * tile_blocks + key_block
-        ok = (entry < hi) & ((entry < n_listed - 1) | (key_slot % block_size < tail_keys))
+        ok = _valid_keys(lo + t * tile_blocks, key_slot, hi=hi, n_listed=n_listed,
+                         tail_keys=tail_keys, block_size=block_size)
         scores = jnp.where(ok, scores * scale, -jnp.inf)
         m_new = jnp.maximum(m, scores.max(axis=1))
         m_base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2(m - m_base)
         p = jnp.exp2(scores - lax.broadcast_in_dim(m_base, scores.shape, [0]))
 
-        @pl.when(discovering)
-        def _block_stats():  # row 0, per block of the tile: (running max, sum of exponentials)
-            m0 = first_row(m_base)
-            for j in range(tile_blocks):
-                pos = lo + t * tile_blocks + j
-
-                @pl.when(pos < hi)
-                def _store():
-                    stat_m_ref[b, h, pos] = m0
-                    stat_l_ref[b, h, pos] = first_row(jnp.sum(jnp.where(key_block == j, p, 0.0),
-                                                              axis=1))
+        pl.when(discovering)(functools.partial(  # row 0's
+            _store_block_stats, stat_m_ref, stat_l_ref, b=b, h=h, first=lo + t * tile_blocks,
+            hi=hi, tile_blocks=tile_blocks, block_m=lambda: first_row(m_base),
+            block_l=lambda j: first_row(jnp.sum(jnp.where(key_block == j, p, 0.0), axis=1))))
 
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         p16 = p.astype(v_smem.dtype)
