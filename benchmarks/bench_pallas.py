@@ -301,15 +301,23 @@ def parse_mosaic_config(text: str) -> MosaicConfig:
     for item in filter(None, text.split(",")):
         name, sep, value = item.partition("=")
         if not sep or name not in fields:
-            raise ValueError(f"--mosaic-config takes NAME=VALUE items with NAME in {sorted(fields)}, "
+            raise ValueError(f"a MosaicConfig takes NAME=VALUE items with NAME in {sorted(fields)}, "
                              f"got {item!r}")
         if value in ("True", "False"):
             kwargs[name] = value == "True"
         elif value.lstrip("-").isdigit():
             kwargs[name] = int(value)
         else:
-            raise ValueError(f"--mosaic-config: {name}={value!r} is neither an integer nor True/False")
+            raise ValueError(f"MosaicConfig: {name}={value!r} is neither an integer nor True/False")
     return MosaicConfig(**kwargs)
+
+
+def mosaic_config_arg(text: str) -> MosaicConfig:
+    """parse_mosaic_config for argparse (its message, not argparse's generic one)."""
+    try:
+        return parse_mosaic_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def bench_pallas(shapes=OURO_SHAPES, densities=DENSITIES, *, heads=16, head_dim=128,
@@ -368,7 +376,7 @@ def main(argv=None) -> None:
     parser.add_argument("--densities", default=",".join(map(str, DENSITIES)),
                         help="support densities of the sparse modes")
     parser.add_argument("--no-jax-paged", action="store_true", help="skip jax's paged attention")
-    parser.add_argument("--mosaic-config", action="append", default=[], type=parse_mosaic_config,
+    parser.add_argument("--mosaic-config", action="append", default=[], type=mosaic_config_arg,
                         help="a MosaicConfig to time after the default, as NAME=VALUE,... (repeatable)")
     args = parser.parse_args(argv)
     impls = tuple(args.impls.split(","))

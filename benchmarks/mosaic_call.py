@@ -35,10 +35,15 @@ def main(argv=None) -> jax.Array:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--page-size", type=int, default=128)
-    p.add_argument("--config", type=bp.parse_mosaic_config, default=mosaic_decode.MosaicConfig(),
+    p.add_argument("--config", type=bp.mosaic_config_arg, default=mosaic_decode.MosaicConfig(),
                    help="MosaicConfig fields as NAME=VALUE,... (default MosaicConfig())")
     args = p.parse_args(argv)
-    ctx, batch = (int(x) for x in args.shape.split("x"))
+    try:
+        ctx, batch = (int(x) for x in args.shape.split("x"))
+    except ValueError:
+        p.error(f"--shape takes CTXxBATCH, e.g. 4096x20, got {args.shape!r}")
+    if args.calls < 1:
+        p.error(f"--calls must be at least 1, got {args.calls}")
     q, k, v, page_table, seq_lens = bp._cache(jax.random.key(ctx + batch), ctx, batch, args.heads,
                                               args.head_dim, args.page_size, jnp.bfloat16)
     n_blocks = ctx // bp.BLOCK

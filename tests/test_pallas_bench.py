@@ -66,3 +66,15 @@ def test_mosaic_call_runs_in_the_interpreter():
     out = mosaic_call.main(["--shape", "128x2", "--heads", "2", "--head-dim", "64",
                             "--page-size", "32", "--calls", "1", "--density", "0.5"])
     assert out.shape == (2, 2, 64) and bool(jnp.isfinite(out.astype(jnp.float32)).all())
+
+
+def test_mosaic_call_refuses_bad_arguments(capsys):
+    """mosaic_call.py names a bad shape, call count or config instead of running."""
+    import pytest
+    import mosaic_call
+    for argv, message in ((["--shape", "40x"], "--shape takes CTXxBATCH"),
+                          (["--calls", "0"], "--calls must be at least 1"),
+                          (["--config", "split_keys=1000"], "power of two")):
+        with pytest.raises(SystemExit):
+            mosaic_call.main(argv)
+        assert message in capsys.readouterr().err
