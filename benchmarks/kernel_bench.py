@@ -536,7 +536,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-jax-paged", action="store_true", help="skip jax's paged attention rows")
     parser.add_argument("--densities", default=",".join(map(str, DENSITIES)),
                         help="support densities of the sparse modes (1.0 is the dense baselines')")
+    parser.add_argument("--mosaic-config", action="append", default=[], metavar="NAME=VALUE,...",
+                        help="a MosaicConfig to time after the default (dense and sparse; repeatable)")
     args = parser.parse_args(argv)
+    mosaic_configs = []
+    if args.mosaic_config:
+        from bench_pallas import parse_mosaic_config
+        try:
+            mosaic_configs = [parse_mosaic_config(text) for text in args.mosaic_config]
+        except ValueError as e:
+            parser.error(str(e))
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if device == "cpu":
         if not args.smoke:
@@ -568,9 +577,11 @@ def main(argv=None) -> dict:
     def pallas_rows(impl, ctx, batch):  # one Pallas kernel at one shape, then the report
         rows.extend(bench_pallas_rows(
             [(ctx, batch)], tuple(d for d in densities if d < 1.0), report["notes"], impls=(impl,),
-            sweep=args.pallas_sweep_seconds > 0, sweep_seconds=args.pallas_sweep_seconds,
+            sweep=args.pallas_sweep_seconds > 0,
+            sweep_seconds=math.inf if impl == "mosaic" and mosaic_configs else args.pallas_sweep_seconds,
             chain=tuple(int(n) for n in args.pallas_chain.split(",")),
-            jax_paged=impl == "pallas" and not args.no_jax_paged))
+            jax_paged=impl == "pallas" and not args.no_jax_paged,
+            mosaic_configs=mosaic_configs if impl == "mosaic" else ()))
         write_report(report, shapes, args.out)
 
     for ctx, batch in shapes:

@@ -196,6 +196,28 @@ def test_sorted_selection_is_select_blocks(n):
         assert np.array_equal(got, ref.select_blocks(mass, eta)), eta
 
 
+@pytest.mark.parametrize("n_listed,tile_blocks,split_blocks,min_splits,sizes", [
+    (33, 2, 32, 1, [18, 15]),  # even splits of whole tiles, not 32 + 1
+    (17, 2, 32, 1, [17]),
+    (64, 2, 32, 1, [32, 32]),
+    (65, 2, 32, 1, [22, 22, 21]),
+    (6, 2, 8, 3, [2, 2, 2]),  # min_splits
+    (3, 2, 8, 4, [2, 1]),  # fewer tiles than min_splits: one tile each
+    (1, 2, 32, 1, [1]),
+])
+def test_split_rule_is_even_and_bounded(n_listed, tile_blocks, split_blocks, min_splits, sizes):
+    """_split_size: the fewest splits of at most split_blocks (at least min_splits where the
+    tiles allow), whole tiles each, as even as that allows; KernelConfig.max_splits bounds it."""
+    from wise_jax.kernels.pallas_decode import _split_size
+    size = int(_split_size(jnp.int32(n_listed), tile_blocks=tile_blocks, split_blocks=split_blocks,
+                           min_splits=min_splits))
+    assert size % tile_blocks == 0 or size >= n_listed
+    got = [min(size, n_listed - lo) for lo in range(0, n_listed, size)]
+    assert got == sizes
+    config = KernelConfig(tile_n=32 * tile_blocks, split_keys=32 * split_blocks, min_splits=min_splits)
+    assert len(got) <= config.max_splits(32, n_listed)
+
+
 def test_fused_finish_equals_finish_launch():
     """The last split finishing (fused_finish) gives bitwise what the separate finish gives."""
     case = make_case(8, **COMBOS["page64-gqa-d128-bf16"])

@@ -97,3 +97,9 @@ def test_pallas_rows_best_kernel_and_comparison():
     assert standing["better Pallas sparse @0.13 <= 1.10x cuDNN SDPA @0.13 contiguous"]["ratio"] == pytest.approx(29 / 25)
     assert standing["better Pallas sparse @0.13 <= 1.10x cuDNN SDPA @0.13 contiguous"]["passed"] is False
     assert standing["better Pallas discover <= 1.00x Triton"]["passed"] is None  # not measured
+
+
+def test_refuses_a_bad_mosaic_config(capsys):
+    with pytest.raises(SystemExit):
+        _load().main(["--smoke", "--mosaic-config", "split_keys=1000"])
+    assert "MosaicConfig.split_keys must be a positive power of two" in capsys.readouterr().err

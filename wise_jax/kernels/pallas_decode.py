@@ -14,7 +14,8 @@ kernel over (batch, heads); nothing else runs on the device (no memset, no other
    0, 1, 2, ...; a sparse row selecting every causal block has the very same list, hence the
    same splits and accumulation order: the two are bitwise equal by construction. Splits past
    a row's list do nothing (a short or sparse row costs few programs); `split_size` depends on
-   the row's list length only (`min_splits` gives rows listing few blocks more, smaller splits).
+   the row's list length only: the fewest splits of at most `split_keys` keys, as even as whole
+   tiles allow (`min_splits` gives rows listing few blocks more, smaller splits).
 2. Attend. Online softmax in base 2 over the split's entries, `tile_n` keys per step, either
    as reductions or (`KernelConfig.dots`) as tensor-core dots with q padded to 16 rows, the
    Triton kernel's `mha_dots`. Discovery rows also store, per block, its sum of exponentials
@@ -174,11 +175,11 @@ def _list_order(listed, n_listed, seq_len, *, block_size):
 
 
 def _split_size(n_listed, *, tile_blocks, split_blocks, min_splits):
-    """Blocks per split of a row listing n_listed blocks: split_blocks, or fewer (whole tiles,
-    at least one) to give the row min_splits splits."""
-    if min_splits == 1:
-        return jnp.int32(split_blocks)
-    per_split = (n_listed + min_splits - 1) // min_splits
+    """Blocks per split of a row listing n_listed blocks: its list in as few splits of at most
+    split_blocks as it takes (at least min_splits where the row has the tiles), as even as
+    whole tiles allow (33 blocks at 32 a split: 18 + 15, not 32 + 1)."""
+    n_splits = jnp.maximum((n_listed + split_blocks - 1) // split_blocks, min_splits)
+    per_split = (n_listed + n_splits - 1) // n_splits
     wanted = (per_split + tile_blocks - 1) // tile_blocks * tile_blocks
     return jnp.minimum(jnp.maximum(wanted, tile_blocks), split_blocks)
 
