@@ -10,7 +10,6 @@ bf16 outputs).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import re
 
@@ -28,35 +27,13 @@ from wise_jax.kernels.mosaic_decode import MosaicConfig
 mosaic = mosaic_decode.decode_attention
 RING = MosaicConfig(tile_n=64, split_keys=128, num_stages=1)  # 2 tiles a split through one slot
 SPLITS = MosaicConfig(tile_n=64, split_keys=256, min_splits=3, num_stages=2)  # 6 blocks: 3 splits
-# Persistent grids in the interpreter: 2 (x persistent) programs, each several splits of the
-# call, one stream of tiles through the ring (three stages: the fetch runs up to three splits ahead).
-PERSISTENT = {"ring": dataclasses.replace(RING, persistent=1),
-              "splits": dataclasses.replace(SPLITS, persistent=2),
-              "stages": MosaicConfig(tile_n=64, split_keys=128, num_stages=3, persistent=1)}
 MOSAIC_COMBOS = [name for name, spec in COMBOS.items()
                  if mosaic_decode.supports(spec["head_dim"], spec["dtype"])]
 
 
-@pytest.mark.parametrize("name,config", [(MOSAIC_COMBOS[0], RING), (MOSAIC_COMBOS[1], SPLITS),
-                                         (MOSAIC_COMBOS[0], PERSISTENT["splits"]),
-                                         (MOSAIC_COMBOS[1], PERSISTENT["stages"])])
+@pytest.mark.parametrize("name,config", [(MOSAIC_COMBOS[0], RING), (MOSAIC_COMBOS[1], SPLITS)])
 def test_interpreted_modes_against_references_and_dense(name, config):
     check_modes(COMBOS[name], config=config, impl=mosaic)
-
-
-def assert_persistent_is_grid(case, modes, persistent: MosaicConfig):
-    """The persistent grid attends each split as the grid kernel's program for it: the same
-    outputs, supports and masses, bit for bit."""
-    grid = run(case, modes, impl=mosaic, config=dataclasses.replace(persistent, persistent=0))
-    for x, y in zip(run(case, modes, impl=mosaic, config=persistent), grid):
-        assert np.array_equal(bits(x), bits(y))
-
-
-@pytest.mark.parametrize("kind", list(PERSISTENT))
-def test_interpreted_persistent_is_grid_bitwise(kind):
-    case = make_case(3, **COMBOS[MOSAIC_COMBOS[kind == "splits"]])
-    assert_persistent_is_grid(case, [M.SPARSE, M.DISCOVER, M.DENSE, M.DISCOVER_UNION],
-                              PERSISTENT[kind])
 
 
 def test_interpreted_dense_matches_triton_lowering_and_rows_alone():
@@ -118,12 +95,6 @@ def test_rejects_what_it_does_not_take():
         MosaicConfig(tile_n=32)
     with pytest.raises(ValueError, match="MosaicConfig.dots"):
         MosaicConfig(dots=1)
-    with pytest.raises(ValueError, match="MosaicConfig.persistent"):
-        MosaicConfig(persistent=-1)
-    with pytest.raises(ValueError, match="persistent programs run the reductions"):
-        MosaicConfig(persistent=2, dots=True)
-    with pytest.raises(ValueError, match="multiprocessor count"):
-        mosaic_decode._sm_count(None)  # a CPU device reports none
     case = make_case(6, **COMBOS[MOSAIC_COMBOS[0]])
     with pytest.raises(ValueError, match=r"dots=True\) needs a GPU"):
         run(case, [M.DENSE] * 4, impl=mosaic, config=MosaicConfig(dots=True), interpret=True)
@@ -171,11 +142,8 @@ def lower_for_cuda(batch, ctx, config, heads=16, head_dim=128, page_size=128):
                                               (10, 8192, MosaicConfig(tile_n=128, split_keys=1024,
                                                                       min_splits=4, num_stages=2)),
                                               (20, 4096, MosaicConfig(dots=True)),
-                                              (10, 8192, MosaicConfig(tile_n=128, dots=True)),
-                                              (20, 4096, MosaicConfig(persistent=2, min_splits=4)),
-                                              (10, 8192, MosaicConfig(persistent=1, num_stages=3))])
-def test_lowers_to_mosaic_gpu(batch, ctx, config, monkeypatch):
-    monkeypatch.setattr(mosaic_decode, "_sm_count", lambda interpret: 132)  # an H200's
+                                              (10, 8192, MosaicConfig(tile_n=128, dots=True))])
+def test_lowers_to_mosaic_gpu(batch, ctx, config):
     text = lower_for_cuda(batch, ctx, config)
     calls = collections.Counter(re.findall(r"custom_call @(\w+)", text))
     # The split kernel; the Triton-lowered list and finish.
@@ -188,8 +156,7 @@ def test_lowers_to_mosaic_gpu(batch, ctx, config, monkeypatch):
 
 GPU_MOSAIC = [name for name, spec in GPU_COMBOS.items()
               if mosaic_decode.supports(spec["head_dim"], spec["dtype"])]
-GPU_CONFIGS = {"reductions": MosaicConfig(), "dots": MosaicConfig(dots=True),
-               "persistent": MosaicConfig(persistent=2, min_splits=2)}
+GPU_CONFIGS = {"reductions": MosaicConfig(), "dots": MosaicConfig(dots=True)}
 
 
 @pytest.mark.parametrize("kind", list(GPU_CONFIGS))
@@ -199,12 +166,12 @@ def test_gpu_modes_against_references_and_dense(name, kind):
     check_modes(GPU_COMBOS[name], config=GPU_CONFIGS[kind], exact=False, impl=mosaic)
 
 
-@pytest.mark.parametrize("kind", list(GPU_CONFIGS))
+@pytest.mark.parametrize("dots", [False, True])
 @on_gpu
-def test_gpu_matches_triton_lowering_repeatably_and_rows_alone(kind):
+def test_gpu_matches_triton_lowering_repeatably_and_rows_alone(dots):
     case = make_case(7, **GPU_COMBOS["ouro-page128-d128-bf16"])
     modes = [M.SPARSE, M.DISCOVER, M.DENSE, M.DISCOVER_UNION] * 2
-    config = dataclasses.replace(GPU_CONFIGS[kind], min_splits=4)
+    config = MosaicConfig(min_splits=4, num_stages=2, dots=dots)
     out, support, mass = run(case, modes, impl=mosaic, config=config)
     for again in [run(case, modes, impl=mosaic, config=config) for _ in range(3)]:
         for x, y in zip((out, support, mass), again):
@@ -220,12 +187,3 @@ def test_gpu_matches_triton_lowering_repeatably_and_rows_alone(kind):
         out_b, support_b, mass_b = run(alone, [modes[b]], impl=mosaic, config=config)
         assert np.array_equal(bits(out_b[0]), bits(out[b]))
         assert np.array_equal(np.asarray(support_b[0]), np.asarray(support[b]))
-
-
-@pytest.mark.parametrize("persistent", [1, 2])
-@on_gpu
-def test_gpu_persistent_is_grid_bitwise(persistent):
-    """On the GPU too (132 multiprocessors: programs of several splits at these shapes)."""
-    case = make_case(8, **GPU_COMBOS["ouro-page128-d128-bf16"])
-    modes = [M.SPARSE, M.DISCOVER, M.DENSE, M.DISCOVER_UNION] * 2
-    assert_persistent_is_grid(case, modes, MosaicConfig(min_splits=4, persistent=persistent))

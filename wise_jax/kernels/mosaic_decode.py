@@ -73,7 +73,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -107,7 +106,6 @@ class MosaicConfig:
     min_splits: int = 1
     num_stages: int = 2
     dots: bool = False
-    persistent: int = 0
 
     def __post_init__(self) -> None:
         for name in ("tile_n", "split_keys"):
@@ -123,11 +121,6 @@ class MosaicConfig:
                 raise ValueError(f"MosaicConfig.{name} must be a positive integer, got {value!r}")
         if not isinstance(self.dots, bool):
             raise ValueError(f"MosaicConfig.dots must be a bool, got {self.dots!r}")
-        if not isinstance(self.persistent, int) or isinstance(self.persistent, bool) \
-                or self.persistent < 0:
-            raise ValueError(f"MosaicConfig.persistent must be an integer >= 0, got {self.persistent!r}")
-        if self.persistent and self.dots:
-            raise ValueError("MosaicConfig: persistent programs run the reductions, not dots")
 
     def split_rule(self) -> pallas_decode.KernelConfig:
         """The pallas_decode launch whose list splits (and finish) this one shares."""
@@ -183,10 +176,15 @@ def _split_kernel(modes_ref, rows_ref, meta_ref, q_ref, k_ref, v_ref,
         plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
         plgpu.barrier_wait(list_bar)
 
-        def fetch(tile, slot):
-            _copy_tile(lambda entry: list_smem[lo - base + entry], tile, slot, lo=lo, hi=hi,
-                       kv_head=kv_head, k_ref=k_ref, v_ref=v_ref, k_smem=k_smem, v_smem=v_smem,
-                       k_bar=k_bar, v_bar=v_bar, block_size=block_size, tile_blocks=tile_blocks)
+        def fetch(tile, slot):  # K and V of the tile's blocks into the slot (a missing one repeats the first)
+            for j in range(tile_blocks):
+                entry = tile * tile_blocks + j
+                cache_block = list_smem[lo - base + jnp.where(lo + entry < hi, entry, 0)]
+                keys = pl.ds(j * block_size, block_size)
+                plgpu.copy_gmem_to_smem(k_ref.at[cache_block, :, kv_head],
+                                        k_smem.at[slot, keys], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[cache_block, :, kv_head],
+                                        v_smem.at[slot, keys], v_bar.at[slot])
 
         for i in range(num_stages):
             pl.when(i < n_tiles)(functools.partial(fetch, i, i))
@@ -199,197 +197,43 @@ def _split_kernel(modes_ref, rows_ref, meta_ref, q_ref, k_ref, v_ref,
                                      tile_blocks=tile_blocks, num_stages=num_stages, scale=scale)
             _store_split(m, l, acc, acc_smem, m_ref, l_ref, acc_ref, b=b, h=h, s=s)
             return
-        q_rows = _q_rows(q_smem, tile_n, scale=scale, interpret=interpret)
+        q = _layout(q_smem[...], COL, interpret).astype(jnp.float32) * scale
+        q_rows = lax.broadcast_in_dim(q, (tile_n, head_dim), [1])
         slot_keys = _layout(lax.broadcasted_iota(jnp.int32, (tile_n,), 0), ROW, interpret)
-
-        def step(t, tiles):
-            slot = lax.rem(t, num_stages)
-
-            def refill():
-                pl.when(t + num_stages < n_tiles)(functools.partial(fetch, t + num_stages, slot))
-
-            tiles, _ = _reduce_tile(
-                tiles, slot, lo + t * tile_blocks, refill, q_rows=q_rows, slot_keys=slot_keys,
-                hi=hi, n_listed=n_listed, tail_keys=tail_keys, discovering=discovering,
-                k_smem=k_smem, v_smem=v_smem, k_bar=k_bar, v_bar=v_bar, stat_m_ref=stat_m_ref,
-                stat_l_ref=stat_l_ref, b=b, h=h, block_size=block_size, tile_blocks=tile_blocks)
-            return tiles
-
-        m, l, acc = lax.fori_loop(0, n_tiles, step, _tiles_init(tile_n, head_dim, interpret))
-        _store_split(m, jnp.sum(l), jnp.sum(acc, axis=0), acc_smem, m_ref, l_ref, acc_ref,
-                     b=b, h=h, s=s)
-    plgpu.wait_smem_to_gmem(0)
-
-
-def _q_rows(q_smem, tile_n, *, scale, interpret):
-    """q [head_dim] (16-bit, SMEM) -> q * scale as float32 broadcast to [tile_n, head_dim]."""
-    q = _layout(q_smem[...], COL, interpret).astype(jnp.float32) * scale
-    return lax.broadcast_in_dim(q, (tile_n, q.shape[0]), [1])
-
-
-def _tiles_init(tile_n, head_dim, interpret):
-    """An empty online softmax: (max, per key slot sums [tile_n], acc [tile_n, head_dim])."""
-    return (jnp.float32(-jnp.inf),
-            _layout(jnp.zeros((tile_n,), jnp.float32), ROW, interpret),
-            _layout(jnp.zeros((tile_n, head_dim), jnp.float32), plgpu.Layout.WGMMA, interpret))
-
-
-def _reduce_tile(tiles, slot, first, refill, *, q_rows, slot_keys, hi, n_listed, tail_keys,
-                 discovering, k_smem, v_smem, k_bar, v_bar, stat_m_ref, stat_l_ref, b, h,
-                 block_size, tile_blocks):
-    """One tile (list entries first, first + 1, ... in ring slot `slot`) of the online softmax
-    as layout-hinted reductions. tiles: (max, sums [tile_n] per key slot, acc [tile_n,
-    head_dim] per key slot). refill() runs once the slot's K and V are in registers (a copy
-    into the slot waits for every thread's loads of it); returns (tiles', refill's result)."""
-    m, l, acc = tiles
-    # Scores while V lands; V is read once K is dead (fewer live registers).
-    plgpu.barrier_wait(k_bar.at[slot])
-    k = k_smem.at[slot][...].astype(jnp.float32)
-    ok = _valid_keys(first, slot_keys, hi=hi, n_listed=n_listed, tail_keys=tail_keys,
-                     block_size=block_size)
-    scores = jnp.where(ok, jnp.sum(k * q_rows, axis=1), -jnp.inf)
-    plgpu.barrier_wait(v_bar.at[slot])
-    v = v_smem.at[slot][...].astype(jnp.float32)
-    refilled = refill()
-    m_new = jnp.maximum(m, jnp.max(scores))
-    m_base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp2(m - m_base)
-    p = jnp.exp2(scores - m_base)
-    slot_block = slot_keys // block_size
-
-    pl.when(discovering)(functools.partial(
-        _store_block_stats, stat_m_ref, stat_l_ref, b=b, h=h, first=first, hi=hi,
-        tile_blocks=tile_blocks, block_m=lambda: m_base,
-        block_l=lambda j: jnp.sum(jnp.where(slot_block == j, p, 0.0))))
-
-    acc = acc * alpha + lax.broadcast_in_dim(p, acc.shape, [0]) * v
-    return (m_new, l * alpha + p, acc), refilled
-
-
-def _copy_tile(listed, tile, slot, *, lo, hi, kv_head, k_ref, v_ref, k_smem, v_smem, k_bar,
-               v_bar, block_size, tile_blocks):
-    """Start the copies of K and V of a split's tile (its blocks: list entries lo + tile *
-    tile_blocks + j, read by listed(entry - lo); one past hi repeats entry lo) into ring slot
-    `slot`: one TMA copy of [block_size, head_dim] per block and tensor."""
-    for j in range(tile_blocks):
-        entry = tile * tile_blocks + j
-        cache_block = listed(jnp.where(lo + entry < hi, entry, 0))
-        keys = pl.ds(j * block_size, block_size)
-        plgpu.copy_gmem_to_smem(k_ref.at[cache_block, :, kv_head], k_smem.at[slot, keys],
-                                k_bar.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[cache_block, :, kv_head], v_smem.at[slot, keys],
-                                v_bar.at[slot])
-
-
-class _Item(NamedTuple):
-    """A persistent program's k-th item (split s of row b, head h) and what attending it needs."""
-    k: jax.Array
-    valid: jax.Array  # an item of the call (k is not past the program's share)
-    present: jax.Array  # the row has split s (pallas_decode's split rule)
-    b: jax.Array
-    h: jax.Array
-    s: jax.Array
-    lo: jax.Array  # list entries [lo, hi)
-    hi: jax.Array
-    n_listed: jax.Array
-    tail_keys: jax.Array
-    n_tiles: jax.Array  # 0 when not present
-    discovering: jax.Array
-
-
-def _persistent_kernel(modes_ref, rows_ref, meta_ref, q_ref, k_ref, v_ref,
-                       stat_m_ref, stat_l_ref, acc_ref, m_ref, l_ref,
-                       q_smem, k_smem, v_smem, acc_smem, q_bar, k_bar, v_bar, *, programs,
-                       max_splits, block_size, tile_blocks, split_blocks, min_splits, num_stages,
-                       group, scale, interpret):
-    """Program p of `programs`: the splits p, p + programs, ... of the call (split-major: item
-    i is split i // (batch * heads) of row-head i % (batch * heads)), as one stream of tiles
-    through the ring: the next split's q and first tiles are copied while the current one
-    finishes. GMEM as _split_kernel's; the list is read from GMEM as scalars. SMEM: q_smem
-    [num_stages + 1, head_dim] (a ring: the fetch runs up to num_stages splits ahead), k_smem,
-    v_smem, acc_smem as _split_kernel's."""
-    p = lax.axis_index("p")
-    batch, heads = meta_ref.shape[0], meta_ref.shape[1]
-    rows = batch * heads
-    n_items = max_splits * rows
-    tile_n, head_dim = k_smem.shape[1], k_smem.shape[2]
-    q_ring = q_smem.shape[0]
-
-    def item(k):
-        index = p + k * programs
-        valid = index < n_items
-        s, row = jnp.divmod(jnp.minimum(index, n_items - 1), rows)
-        b, h = jnp.divmod(row, heads)
-        n_listed, tail_keys = meta_ref[b, h, 0], meta_ref[b, h, 1]
-        size = pallas_decode._split_size(n_listed, tile_blocks=tile_blocks,
-                                         split_blocks=split_blocks, min_splits=min_splits)
-        lo = s * size
-        hi = jnp.minimum(lo + size, n_listed)
-        present = valid & ((lo < n_listed) | (s == 0))  # s < n_splits (at least one a row)
-        mode = modes_ref[b]
-        return _Item(k=k, valid=valid, present=present, b=b, h=h, s=s, lo=lo, hi=hi,
-                     n_listed=n_listed, tail_keys=tail_keys,
-                     n_tiles=jnp.where(present, (hi - lo + tile_blocks - 1) // tile_blocks, 0),
-                     discovering=(mode == wise_modes.DISCOVER) | (mode == wise_modes.DISCOVER_UNION))
-
-    def skip_to_tiles(cursor):  # the fetch cursor (item, tile) on a tile to copy, or past the end
-        return lax.while_loop(lambda c: c[0].valid & (c[1] >= c[0].n_tiles),
-                              lambda c: (item(c[0].k + 1), jnp.int32(0)), cursor)
-
-    def fetch_next(cursor, slot):
-        """Copy the fetch cursor's tile into `slot` (and its split's q on its first tile);
-        return the cursor one tile on. cursor: (item, tile, splits whose q was copied)."""
-        it, tile, n_q = cursor
-        first = it.valid & (tile == 0)
-
-        @pl.when(first)
-        def _copy_q():
-            q_slot = lax.rem(n_q, q_ring)
-            plgpu.copy_gmem_to_smem(q_ref.at[it.b, it.h], q_smem.at[q_slot], q_bar.at[q_slot])
-
-        pl.when(it.valid)(functools.partial(
-            _copy_tile, lambda entry: rows_ref[it.b, it.h, it.lo + entry], tile, slot, lo=it.lo,
-            hi=it.hi, kv_head=it.h // group, k_ref=k_ref, v_ref=v_ref, k_smem=k_smem,
-            v_smem=v_smem, k_bar=k_bar, v_bar=v_bar, block_size=block_size,
-            tile_blocks=tile_blocks))
-        it, tile = skip_to_tiles((it, tile + 1))
-        return it, tile, n_q + first.astype(jnp.int32)
-
-    cursor = (*skip_to_tiles((item(0), jnp.int32(0))), jnp.int32(0))
-    for slot in range(num_stages):
-        cursor = fetch_next(cursor, slot)
-    slot_keys = _layout(lax.broadcasted_iota(jnp.int32, (tile_n,), 0), ROW, interpret)
-
-    def next_present(k):
-        return lax.while_loop(lambda it: it.valid & ~it.present, lambda it: item(it.k + 1), item(k))
-
-    def attend(state):  # one split: its tiles, then its partials
-        it, cursor, t_all, n_q = state  # t_all: tiles attended so far (the ring position)
-        q_slot = lax.rem(n_q, q_ring)
-        pl.when(it.n_tiles > 0)(functools.partial(plgpu.barrier_wait, q_bar.at[q_slot]))
-        q_rows = _q_rows(q_smem.at[q_slot], tile_n, scale=scale, interpret=interpret)
+        slot_block = slot_keys // block_size
 
         def step(t, carry):
-            tiles, cursor = carry
-            slot = lax.rem(t_all + t, num_stages)
-            return _reduce_tile(
-                tiles, slot, it.lo + t * tile_blocks, lambda: fetch_next(cursor, slot),
-                q_rows=q_rows, slot_keys=slot_keys, hi=it.hi, n_listed=it.n_listed,
-                tail_keys=it.tail_keys, discovering=it.discovering, k_smem=k_smem,
-                v_smem=v_smem, k_bar=k_bar, v_bar=v_bar, stat_m_ref=stat_m_ref,
-                stat_l_ref=stat_l_ref, b=it.b, h=it.h, block_size=block_size,
-                tile_blocks=tile_blocks)
+            m, l, acc = carry  # scalar, [tile_n] (per key slot), [tile_n, head_dim]
+            slot = lax.rem(t, num_stages)
+            # Scores while V lands; V is read once K is dead (fewer live registers).
+            plgpu.barrier_wait(k_bar.at[slot])
+            k = k_smem.at[slot][...].astype(jnp.float32)
+            ok = _valid_keys(lo + t * tile_blocks, slot_keys, hi=hi, n_listed=n_listed,
+                             tail_keys=tail_keys, block_size=block_size)
+            scores = jnp.where(ok, jnp.sum(k * q_rows, axis=1), -jnp.inf)
+            plgpu.barrier_wait(v_bar.at[slot])
+            v = v_smem.at[slot][...].astype(jnp.float32)
+            # Refill the slot (the copy waits for every thread's loads of it).
+            pl.when(t + num_stages < n_tiles)(functools.partial(fetch, t + num_stages, slot))
+            m_new = jnp.maximum(m, jnp.max(scores))
+            m_base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m - m_base)
+            p = jnp.exp2(scores - m_base)
 
-        (m, l, acc), cursor = lax.fori_loop(0, it.n_tiles, step,
-                                            (_tiles_init(tile_n, head_dim, interpret), cursor))
+            pl.when(discovering)(functools.partial(
+                _store_block_stats, stat_m_ref, stat_l_ref, b=b, h=h, first=lo + t * tile_blocks,
+                hi=hi, tile_blocks=tile_blocks, block_m=lambda: m_base,
+                block_l=lambda j: jnp.sum(jnp.where(slot_block == j, p, 0.0))))
+
+            acc = acc * alpha + lax.broadcast_in_dim(p, acc.shape, [0]) * v
+            return m_new, l * alpha + p, acc
+
+        init = (jnp.float32(-jnp.inf),
+                _layout(jnp.zeros((tile_n,), jnp.float32), ROW, interpret),
+                _layout(jnp.zeros((tile_n, head_dim), jnp.float32), plgpu.Layout.WGMMA, interpret))
+        m, l, acc = lax.fori_loop(0, n_tiles, step, init)
         _store_split(m, jnp.sum(l), jnp.sum(acc, axis=0), acc_smem, m_ref, l_ref, acc_ref,
-                     b=it.b, h=it.h, s=it.s)
-        return (next_present(it.k + 1), cursor, t_all + it.n_tiles,
-                n_q + (it.n_tiles > 0).astype(jnp.int32))
-
-    lax.while_loop(lambda state: state[0].valid, attend,
-                   (next_present(jnp.int32(0)), cursor, jnp.int32(0), jnp.int32(0)))
-    plgpu.wait_smem_to_gmem(0)
+                     b=b, h=h, s=s)
 
 
 def _valid_keys(first, key_slot, *, hi, n_listed, tail_keys, block_size):
@@ -412,14 +256,13 @@ def _store_block_stats(stat_m_ref, stat_l_ref, *, b, h, first, hi, tile_blocks, 
 
 
 def _store_split(m, l, acc, acc_smem, m_ref, l_ref, acc_ref, *, b, h, s):
-    """A split's partials: its max m and sum l (scalars), its acc [head_dim] (through SMEM; the
-    copy is not waited for: the program waits for its copies before it ends)."""
+    """A split's partials: its max m and sum l (scalars), its acc [head_dim] (through SMEM)."""
     m_ref[b, h, s] = m
     l_ref[b, h, s] = l
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous split's copy has read acc_smem
     acc_smem[...] = acc
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(acc_smem, acc_ref.at[b, h, s])
+    plgpu.wait_smem_to_gmem(0)
 
 
 def _attend_dots(q_smem, q_tile, k_smem, v_smem, k_bar, v_bar, stat_m_ref, stat_l_ref, fetch, *,
@@ -483,20 +326,6 @@ def _attend_dots(q_smem, q_tile, k_smem, v_smem, k_bar, v_bar, stat_m_ref, stat_
     return first_row(m), first_row(l), jnp.sum(jnp.where(rows == 0, acc, 0.0), axis=0)
 
 
-INTERPRETED_SMS = 2  # the persistent grid's multiprocessors in the interpreter
-
-
-def _sm_count(interpret) -> int:
-    """Streaming multiprocessors the persistent grid fills (the device's, or INTERPRETED_SMS)."""
-    if interpret is not None:
-        return INTERPRETED_SMS
-    count = getattr(jax.devices()[0], "core_count", None)
-    if not isinstance(count, int) or count <= 0:
-        raise ValueError(f"MosaicConfig.persistent needs the GPU's multiprocessor count; "
-                         f"{jax.devices()[0]} reports core_count={count!r}")
-    return count
-
-
 def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size, scale,
                 config: MosaicConfig, interpret):
     batch, heads, head_dim = q.shape
@@ -521,34 +350,26 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
                 jax.ShapeDtypeStruct((batch, heads, splits_pad), f32),  # m
                 jax.ShapeDtypeStruct((batch, heads, splits_pad), f32)]  # l
     stages = config.num_stages
-    ring = [plgpu.SMEM((stages, tile_n, head_dim), k_pages.dtype, transforms=TILED),
-            plgpu.SMEM((stages, tile_n, head_dim), v_pages.dtype, transforms=TILED),
-            plgpu.SMEM((head_dim,), f32)]  # acc_smem
-    ring_bars = [plgpu.Barrier(num_arrivals=tile_blocks, num_barriers=stages),
-                 plgpu.Barrier(num_arrivals=tile_blocks, num_barriers=stages)]
-    common = dict(block_size=block_size, tile_blocks=tile_blocks, split_blocks=split_blocks,
-                  min_splits=rule.min_splits, num_stages=stages, group=heads // kv_heads,
-                  scale=scale * LOG2E, interpret=interpret is not None)
-    if config.persistent:
-        programs = min(max_splits * batch * heads, config.persistent * _sm_count(interpret))
-        scratch = [plgpu.SMEM((stages + 1, head_dim), q.dtype), *ring,
-                   plgpu.Barrier(num_barriers=stages + 1), *ring_bars]
-        kernel = functools.partial(_persistent_kernel, programs=programs, max_splits=max_splits,
-                                   **common)
-        grid, grid_names = (programs,), ("p",)
-    else:
-        scratch = [plgpu.SMEM((list_chunk,), jnp.int32), plgpu.SMEM((head_dim,), q.dtype), *ring,
-                   plgpu.Barrier(), plgpu.Barrier(), *ring_bars]
-        if config.dots:
-            scratch.append(plgpu.SMEM((DOT_ROWS, head_dim), q.dtype, transforms=TILED))
-        kernel = functools.partial(_split_kernel, dots=config.dots, **common)
-        grid, grid_names = (batch, heads, max_splits), ("b", "h", "s")
+    scratch = [plgpu.SMEM((list_chunk,), jnp.int32),
+               plgpu.SMEM((head_dim,), q.dtype),
+               plgpu.SMEM((stages, tile_n, head_dim), k_pages.dtype, transforms=TILED),
+               plgpu.SMEM((stages, tile_n, head_dim), v_pages.dtype, transforms=TILED),
+               plgpu.SMEM((head_dim,), f32),
+               plgpu.Barrier(), plgpu.Barrier(),
+               plgpu.Barrier(num_arrivals=tile_blocks, num_barriers=stages),
+               plgpu.Barrier(num_arrivals=tile_blocks, num_barriers=stages)]
+    if config.dots:
+        scratch.append(plgpu.SMEM((DOT_ROWS, head_dim), q.dtype, transforms=TILED))
+    kernel = functools.partial(
+        _split_kernel, block_size=block_size, tile_blocks=tile_blocks, split_blocks=split_blocks,
+        min_splits=rule.min_splits, num_stages=stages, group=heads // kv_heads,
+        scale=scale * LOG2E, dots=config.dots, interpret=interpret is not None)
     cache_blocks = num_pages * page_size // block_size
     k_rows = k_pages.reshape(cache_blocks, block_size, kv_heads, head_dim)
     v_rows = v_pages.reshape(cache_blocks, block_size, kv_heads, head_dim)
     partials = plgpu.kernel(
-        kernel, out_type=out_type, grid=grid, grid_names=grid_names, scratch_types=scratch,
-        interpret=interpret,
+        kernel, out_type=out_type, grid=(batch, heads, max_splits), grid_names=("b", "h", "s"),
+        scratch_types=scratch, interpret=interpret,
     )(modes, rows, meta, q, k_rows, v_rows)
     return (None, *partials)  # pallas_decode's partials (its list output is not needed)
 
