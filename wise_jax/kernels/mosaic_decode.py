@@ -48,16 +48,32 @@ Routes tried (lowered with jax 0.10.2 on a CPU machine; run with jax 0.11.2 on a
   first is also not bitwise the plain update on the GPU (the compiler contracts the two
   branches differently).
 
+- A persistent grid (commit 42c5351, `MosaicConfig(persistent=N)`, removed after): N programs
+  an SM, each a stream of the call's splits through one ring, the next split's q and first
+  tiles copied while the current one finishes, the list read from GMEM as scalars. Bitwise the
+  grid kernel (interpreter and H200), no faster in dense and slower in sparse (4K x 20: 40.2
+  against 35.8 us; 1K x 64 with min_splits=2: 41.6 against 30.3): one warpgroup serialises
+  each split's scalar loads (its row's metadata, its list entries), which the grid kernel's
+  many programs overlap.
+- A running max per key slot (no reduction across the warpgroup per tile; the split merges its
+  64 slots once): no change (sparse 31.1 / 36.5 / 35.2 us). q.K and p.V over head_dim in
+  64-column chunks: ptxas allocates 213 registers either way, times within 0.7 us.
+  (benchmarks/results/h200-2026-12-02/ has these runs.)
+
 What bounds it (H200, Nsight Compute on the sparse call at 4K x 20, 13 %): 233 registers a
 thread (no spills) and 70.7 KB of shared memory a program allow two programs (8 warps) an SM,
 12.5 % occupancy; the call's 320 listed splits fill 264 slots and a partial second wave, so the
 SMs are busy 70 % of the kernel's time, at 2.6 TB/s. Stalls: waiting on the TMA barriers
 (long scoreboard) 33 % of samples, issuing 24 %, shared-memory loads 14 %. Dense, with 1,280
 splits, runs at 4.15 TB/s. Shorter splits do not help (`min_splits` 2-4 at 4K and 8K: from 4 %
-faster to 6 % slower), nor do more stages (three: within 5 %; four halve the programs an SM), so
-the per-split start (list copy, then the first tiles) is not hidden at two programs an SM.
-Untried: fewer registers (three programs an SM need <= 168), and a persistent grid that
-prefetches the next split's list and tiles while finishing the current one.
+faster to 6 % slower; at 1K x 64, 2,048 one-tile programs instead of 1,024 two-tile ones cost
+12.7 us, about 3 us a wave of 264 programs), nor do more stages (three: within 5 %; four halve
+the programs an SM), so the per-split start (list copy, then the first tiles) is not hidden at
+two programs an SM. Mosaic GPU sets no register bound (no launch bounds, no `maxnreg`) and ptxas
+takes 213-233 registers whatever the code's live values; three programs an SM need <= 168.
+Untried: a warp-specialised persistent kernel (`plgpu.kernel(num_threads=2, ...)`: one
+warpgroup walks the splits, reads their lists and issues the copies, the other computes), which
+would keep the scalar loads that slowed the persistent grid off the computing warpgroup.
 
 What ran fastest (benchmarks/results/h200-2026-12-01/kernels-fa4/, device time per call, 16
 heads x 128, bf16): `MosaicConfig()` (64-key tiles, 1024 keys a split, two stages, reductions).
@@ -65,7 +81,10 @@ The call is the list (~2 us), the split kernel, the finish (3-6.5 us): dense 129
 159.3 us at 1K x 64 / 4K x 20 / 8K x 10 (0.91-0.92x the Triton kernel; 1.06 / 0.93 / 1.04x cuDNN
 SDPA; 0.97 / 0.94 / 0.76x FlashAttention-4 paged), sparse at 13 % 29.7 / 36.1 / 35.1 us (1.03 /
 1.10 / 1.12x Triton). At 8K x 10, 2048-key splits give sparse 31.2-31.5 us (one split a row, not
-32 + 1 blocks) but dense 164-165 us, so the default keeps 1024.
+32 + 1 blocks) but dense 164-165 us, so the default keeps 1024. With the even split rule (18 + 15
+blocks, not 32 + 1; h200-2026-12-02/kernels/): dense 132.5 / 162.8 / 163.2, sparse 31.3 / 36.8 /
+35.6 (0.93 / 0.93 / 0.92x and 1.09 / 1.12 / 1.13x that run's Triton; every baseline of that run
+was 1-3 % slower than the day before).
 """
 
 from __future__ import annotations
