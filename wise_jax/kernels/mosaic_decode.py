@@ -47,7 +47,6 @@ Routes tried (lowered with jax 0.10.2 on a CPU machine; run with jax 0.11.2 on a
   (`unsafe_no_auto_barriers`): neither changed the time (within 1 %), so neither was kept; the
   first is also not bitwise the plain update on the GPU (the compiler contracts the two
   branches differently).
-
 - A persistent grid (commit 42c5351, `MosaicConfig(persistent=N)`, removed after): N programs
   an SM, each a stream of the call's splits through one ring, the next split's q and first
   tiles copied while the current one finishes, the list read from GMEM as scalars. Bitwise the
