@@ -329,7 +329,8 @@ def bench_pallas(shapes=OURO_SHAPES, densities=DENSITIES, *, heads=16, head_dim=
     shapes: iterable of (ctx, batch); densities: support densities of the sparse modes; impls:
     the WISE kernels timed ("pallas", "mosaic"; mosaic only where it takes head_dim and
     dtype); sweep_seconds: per kernel and shape; mosaic_configs: MosaicConfigs timed after
-    MosaicConfig() (dense and sparse), in place of the Mosaic sweep's.
+    MosaicConfig() (dense and sparse), in place of the Mosaic sweep's, each whatever
+    sweep_seconds says.
     """
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -338,15 +339,18 @@ def bench_pallas(shapes=OURO_SHAPES, densities=DENSITIES, *, heads=16, head_dim=
         common = dict(heads=heads, head_dim=head_dim, page_size=page_size, dtype=dtype,
                       interpret=interpret, chain=chain, repeats=repeats)
         for impl in impls:
+            budget = sweep_seconds
             if impl == "mosaic":
                 if not mosaic_decode.supports(head_dim, dtype):
                     continue
                 configs = ([MosaicConfig(), *mosaic_configs] if mosaic_configs else
                            mosaic_sweep_configs() if sweep else [MosaicConfig()])
+                if mosaic_configs:  # asked for by name, not a sweep: every one is timed
+                    budget = math.inf
             else:
                 configs = sweep_configs(head_dim, dtype) if sweep else [config_for(head_dim, dtype)]
             _bench_kernel_shape(rows, impl, ctx, batch, densities, configs=configs,
-                                sweep_seconds=sweep_seconds, **common)
+                                sweep_seconds=budget, **common)
         if jax_paged:
             _attempt(rows, ("jax-paged", "dense", ctx, batch, 1.0, ""),
                      lambda: _bench_jax_paged_shape(ctx, batch, **common))

@@ -577,8 +577,7 @@ def main(argv=None) -> dict:
     def pallas_rows(impl, ctx, batch):  # one Pallas kernel at one shape, then the report
         rows.extend(bench_pallas_rows(
             [(ctx, batch)], tuple(d for d in densities if d < 1.0), report["notes"], impls=(impl,),
-            sweep=args.pallas_sweep_seconds > 0,
-            sweep_seconds=math.inf if impl == "mosaic" and mosaic_configs else args.pallas_sweep_seconds,
+            sweep=args.pallas_sweep_seconds > 0, sweep_seconds=args.pallas_sweep_seconds,
             chain=tuple(int(n) for n in args.pallas_chain.split(",")),
             jax_paged=impl == "pallas" and not args.no_jax_paged,
             mosaic_configs=mosaic_configs if impl == "mosaic" else ()))

@@ -11,7 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import jax.numpy as jnp  # noqa: E402
 
-from bench_pallas import bench_pallas  # noqa: E402
+from bench_pallas import SWEEP_DENSITY, bench_pallas  # noqa: E402
+from wise_jax.kernels.mosaic_decode import MosaicConfig  # noqa: E402
 
 
 def test_bench_pallas_rows():
@@ -28,6 +29,18 @@ def test_bench_pallas_rows():
     assert rows[4]["config"].startswith("MosaicConfig(")
     assert all(r["ctx"] == 128 and r["batch"] == 2 and math.isfinite(r["us"]) for r in rows)
     assert rows[-1]["config"].startswith("k_splits=")
+
+
+def test_named_mosaic_configs_are_timed_whatever_the_sweep_budget():
+    """kernel_bench passes a sweep budget of 0 when it does not sweep; configs named by
+    --mosaic-config are not a sweep and are each timed (dense and sparse)."""
+    named = MosaicConfig(tile_n=64, split_keys=128, num_stages=1)
+    rows = bench_pallas(((128, 2),), (SWEEP_DENSITY,), heads=2, head_dim=64, page_size=32,
+                        interpret=True, chain=(1, 2), repeats=1, impls=("mosaic",), sweep_seconds=0.0,
+                        jax_paged=False, mosaic_configs=(named,))
+    assert [(r["impl"], r["mode"], r.get("error")) for r in rows if r["impl"] == "mosaic-config"] \
+        == [("mosaic-config", "dense", None), ("mosaic-config", "sparse", None)]
+    assert all(r["config"] == str(named) for r in rows if r["impl"] == "mosaic-config")
 
 
 def test_kernel_profile_smoke(tmp_path):
