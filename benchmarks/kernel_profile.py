@@ -3,6 +3,7 @@
     python benchmarks/kernel_profile.py --out DIR                          # on a GPU: Ouro shapes
     python benchmarks/kernel_profile.py --out DIR --impls mosaic --modes sparse --shapes 4096x20
     python benchmarks/kernel_profile.py --out DIR --smoke                  # CPU, interpreters
+    python benchmarks/kernel_profile.py --out DIR --impls mosaic --mosaic-config streams=2,num_stages=3
 
 Per (shape, impl, mode) one jitted chain of --calls calls (bench_pallas.py's setup: 16 heads x
 head_dim 128, bf16, pages of 128 scattered over the pool, sparse at --density) runs once to
@@ -43,9 +44,11 @@ def _us(x) -> str:
 
 
 def profile_case(impl, mode, ctx, batch, *, density, calls, heads, head_dim, page_size, dtype,
-                 interpret) -> dict:
-    """`device_trace.device_activity` of one chain of `calls` calls of impl in mode, per call."""
+                 interpret, mosaic_config=None) -> dict:
+    """`device_trace.device_activity` of one chain of `calls` calls of impl in mode, per call
+    (mosaic_config: the Mosaic kernel's launch, default MosaicConfig())."""
     decode = {"pallas": pallas_decode, "mosaic": mosaic_decode}[impl].decode_attention
+    launch = dict(config=mosaic_config) if impl == "mosaic" and mosaic_config else {}
     q, k, v, page_table, seq_lens = bp._cache(jax.random.key(ctx + batch), ctx, batch, heads,
                                               head_dim, page_size, dtype)
     n_blocks = ctx // bp.BLOCK
@@ -56,7 +59,7 @@ def profile_case(impl, mode, ctx, batch, *, density, calls, heads, head_dim, pag
 
     def step(q, k, v, page_table, seq_lens, modes, support):
         return decode(q, k, v, page_table, seq_lens, modes, support, block_size=bp.BLOCK,
-                      eta=0.95, interpret=interpret, validate=False)[0]
+                      eta=0.95, interpret=interpret, validate=False, **launch)[0]
 
     (_, chain), = bp._chains(step, (calls,))
     args = (q, k, v, page_table, seq_lens, modes, bp._per_call(support, (calls,)))
@@ -67,7 +70,8 @@ def profile_case(impl, mode, ctx, batch, *, density, calls, heads, head_dim, pag
 def markdown(report: dict) -> str:
     out = [f"# Pallas decode-attention call profile ({report['date']})", "",
            f"{report['device']}; jax {report['jax']}; {report['calls']} chained calls per case, "
-           f"sparse density {report['density']}; times in us per call.", "",
+           f"sparse density {report['density']}; times in us per call; mosaic: "
+           f"`{report['mosaic_config']}`.", "",
            "| ctx x batch | impl | mode | busy | span | kernels (us per call) |", "|---|---|---|---|---|---|"]
     for r in report["rows"]:
         if "error" in r:
@@ -90,13 +94,16 @@ def main(argv=None) -> dict:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--density", type=float, default=bp.SWEEP_DENSITY)
     p.add_argument("--calls", type=int, default=16)
+    p.add_argument("--mosaic-config", type=bp.mosaic_config_arg, default=None,
+                   help="the Mosaic kernel's MosaicConfig as NAME=VALUE,... (default MosaicConfig())")
     p.add_argument("--smoke", action="store_true", help="one tiny shape in the interpreters (CPU)")
     args = p.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    common = dict(heads=16, head_dim=128, page_size=128, dtype=jnp.bfloat16, interpret=False)
+    common = dict(heads=16, head_dim=128, page_size=128, dtype=jnp.bfloat16, interpret=False,
+                  mosaic_config=args.mosaic_config)
     if args.smoke:
         shapes, common = [(128, 2)], dict(heads=2, head_dim=64, page_size=32, dtype=jnp.bfloat16,
-                                          interpret=True)
+                                          interpret=True, mosaic_config=args.mosaic_config)
     elif jax.default_backend() != "gpu":
         raise SystemExit("kernel_profile needs a GPU (use --smoke for a CPU check of the code paths)")
     modes = args.modes.split(",")
@@ -107,7 +114,8 @@ def main(argv=None) -> dict:
     device = jax.devices()[0]
     report = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
                   device=getattr(device, "device_kind", str(device)), jax=jax.__version__,
-                  calls=args.calls, density=args.density, rows=[])
+                  calls=args.calls, density=args.density, rows=[],
+                  mosaic_config=repr(args.mosaic_config or mosaic_decode.MosaicConfig()))
     for ctx, batch in shapes:
         for impl in args.impls.split(","):
             for mode in modes:

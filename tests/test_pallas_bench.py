@@ -45,16 +45,20 @@ def test_named_mosaic_configs_are_timed_whatever_the_sweep_budget():
 
 def test_kernel_profile_smoke(tmp_path):
     """kernel_profile.py runs every case at a tiny shape in the interpreters (no device kernels
-    on a CPU: busy and span are None) and writes its report."""
+    on a CPU: busy and span are None), the Mosaic kernel with the launch asked for, and writes
+    its report."""
     import json
     import kernel_profile
     report = kernel_profile.main(["--smoke", "--out", str(tmp_path), "--calls", "2",
-                                  "--modes", "dense,sparse"])
+                                  "--modes", "dense,sparse",
+                                  "--mosaic-config", "streams=1,num_stages=1"])
     assert [(r["impl"], r["mode"], r.get("error")) for r in report["rows"]] == [
         (impl, mode, None) for impl in ("pallas", "mosaic") for mode in ("dense", "sparse")]
     assert all(r["busy_us"] is None and r["span_us"] is None for r in report["rows"])
     assert json.loads((tmp_path / "kernel_profile.json").read_text())["rows"] == report["rows"]
-    assert "| 128 x 2 | mosaic | sparse | n/a | n/a |" in (tmp_path / "kernel_profile.md").read_text()
+    text = (tmp_path / "kernel_profile.md").read_text()
+    assert "| 128 x 2 | mosaic | sparse | n/a | n/a |" in text
+    assert "streams=1" in text
 
 
 def test_parse_mosaic_config():
