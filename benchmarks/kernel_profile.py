@@ -3,7 +3,7 @@
     python benchmarks/kernel_profile.py --out DIR                          # on a GPU: Ouro shapes
     python benchmarks/kernel_profile.py --out DIR --impls mosaic --modes sparse --shapes 4096x20
     python benchmarks/kernel_profile.py --out DIR --smoke                  # CPU, interpreters
-    python benchmarks/kernel_profile.py --out DIR --impls mosaic --mosaic-config streams=2,num_stages=3
+    python benchmarks/kernel_profile.py --out DIR --impls mosaic --mosaic-config min_splits=2
 
 Per (shape, impl, mode) one jitted chain of --calls calls (bench_pallas.py's setup: 16 heads x
 head_dim 128, bf16, pages of 128 scattered over the pool, sparse at --density) runs once to

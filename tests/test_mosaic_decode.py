@@ -10,7 +10,6 @@ bf16 outputs).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import re
 
@@ -28,18 +27,11 @@ from wise_jax.kernels.mosaic_decode import MosaicConfig
 mosaic = mosaic_decode.decode_attention
 RING = MosaicConfig(tile_n=64, split_keys=128, num_stages=1)  # 2 tiles a split through one slot
 SPLITS = MosaicConfig(tile_n=64, split_keys=256, min_splits=3, num_stages=2)  # 6 blocks: 3 splits
-# Warp-specialised: three CTAs of one stream of splits through a ring of two slots; two CTAs
-# (the interpreter's default) through one slot. (streams=2 did not finish in jax 0.10.2's GPU
-# interpreter on a 2-core CPU; its gpu tests passed on an H200.)
-STREAM = MosaicConfig(tile_n=64, split_keys=128, num_stages=2, streams=1, ctas=3)
-STREAM_SPLITS = MosaicConfig(tile_n=64, split_keys=256, min_splits=3, num_stages=1, streams=1)
 MOSAIC_COMBOS = [name for name, spec in COMBOS.items()
                  if mosaic_decode.supports(spec["head_dim"], spec["dtype"])]
 
 
-@pytest.mark.parametrize("name,config", [(MOSAIC_COMBOS[0], RING), (MOSAIC_COMBOS[1], SPLITS),
-                                         (MOSAIC_COMBOS[0], STREAM),
-                                         (MOSAIC_COMBOS[1], STREAM_SPLITS)])
+@pytest.mark.parametrize("name,config", [(MOSAIC_COMBOS[0], RING), (MOSAIC_COMBOS[1], SPLITS)])
 def test_interpreted_modes_against_references_and_dense(name, config):
     check_modes(COMBOS[name], config=config, impl=mosaic)
 
@@ -150,8 +142,6 @@ def lower_for_cuda(batch, ctx, config, heads=16, head_dim=128, page_size=128):
                                               (10, 8192, MosaicConfig(tile_n=128, split_keys=1024,
                                                                       min_splits=4, num_stages=2)),
                                               (20, 4096, MosaicConfig(dots=True)),
-                                              (20, 4096, MosaicConfig(streams=2, num_stages=3,
-                                                                      ctas=132)),
                                               (10, 8192, MosaicConfig(tile_n=128, dots=True))])
 def test_lowers_to_mosaic_gpu(batch, ctx, config):
     text = lower_for_cuda(batch, ctx, config)
@@ -166,9 +156,7 @@ def test_lowers_to_mosaic_gpu(batch, ctx, config):
 
 GPU_MOSAIC = [name for name, spec in GPU_COMBOS.items()
               if mosaic_decode.supports(spec["head_dim"], spec["dtype"])]
-GPU_CONFIGS = {"reductions": MosaicConfig(), "dots": MosaicConfig(dots=True),
-               "streams-1": MosaicConfig(streams=1, num_stages=4),
-               "streams-2": MosaicConfig(streams=2, num_stages=3)}
+GPU_CONFIGS = {"reductions": MosaicConfig(), "dots": MosaicConfig(dots=True)}
 
 
 @pytest.mark.parametrize("kind", list(GPU_CONFIGS))
@@ -178,12 +166,12 @@ def test_gpu_modes_against_references_and_dense(name, kind):
     check_modes(GPU_COMBOS[name], config=GPU_CONFIGS[kind], exact=False, impl=mosaic)
 
 
-@pytest.mark.parametrize("kind", list(GPU_CONFIGS))
+@pytest.mark.parametrize("dots", [False, True])
 @on_gpu
-def test_gpu_matches_triton_lowering_repeatably_and_rows_alone(kind):
+def test_gpu_matches_triton_lowering_repeatably_and_rows_alone(dots):
     case = make_case(7, **GPU_COMBOS["ouro-page128-d128-bf16"])
     modes = [M.SPARSE, M.DISCOVER, M.DENSE, M.DISCOVER_UNION] * 2
-    config = dataclasses.replace(GPU_CONFIGS[kind], min_splits=4)
+    config = MosaicConfig(min_splits=4, num_stages=2, dots=dots)
     out, support, mass = run(case, modes, impl=mosaic, config=config)
     for again in [run(case, modes, impl=mosaic, config=config) for _ in range(3)]:
         for x, y in zip((out, support, mass), again):

@@ -51,14 +51,14 @@ def test_kernel_profile_smoke(tmp_path):
     import kernel_profile
     report = kernel_profile.main(["--smoke", "--out", str(tmp_path), "--calls", "2",
                                   "--modes", "dense,sparse",
-                                  "--mosaic-config", "streams=1,num_stages=1"])
+                                  "--mosaic-config", "min_splits=2,num_stages=1"])
     assert [(r["impl"], r["mode"], r.get("error")) for r in report["rows"]] == [
         (impl, mode, None) for impl in ("pallas", "mosaic") for mode in ("dense", "sparse")]
     assert all(r["busy_us"] is None and r["span_us"] is None for r in report["rows"])
     assert json.loads((tmp_path / "kernel_profile.json").read_text())["rows"] == report["rows"]
     text = (tmp_path / "kernel_profile.md").read_text()
     assert "| 128 x 2 | mosaic | sparse | n/a | n/a |" in text
-    assert "streams=1" in text
+    assert "min_splits=2" in text
 
 
 def test_parse_mosaic_config():

@@ -70,9 +70,21 @@ faster to 6 % slower; at 1K x 64, 2,048 one-tile programs instead of 1,024 two-t
 the programs an SM), so the per-split start (list copy, then the first tiles) is not hidden at
 two programs an SM. Mosaic GPU sets no register bound (no launch bounds, no `maxnreg`) and ptxas
 takes 213-233 registers whatever the code's live values; three programs an SM need <= 168.
-Untried: a warp-specialised persistent kernel (`plgpu.kernel(num_threads=2, ...)`: one
-warpgroup walks the splits, reads their lists and issues the copies, the other computes), which
-would keep the scalar loads that slowed the persistent grid off the computing warpgroup.
+A persistent, warp-specialised kernel (commit fe28cd8, `MosaicConfig(streams=N)`, removed after;
+benchmarks/results/h200-2026-12-02/warp-specialised/): one CTA an SM, in it N pairs of a memory
+warpgroup (copies each split's share of the list one split ahead, its q and its tiles' K/V into
+the pair's ring) and a compute warpgroup (this kernel's per-tile arithmetic; both prefetch the
+next split's row metadata). With N = 2 the memory warpgroups give up registers (`setmaxnreg`) and
+the second pair runs inside a dummy SMEM allocation: Mosaic GPU puts a cross-warp reduction's
+scratch at the SMEM offset in use where it is lowered, the same for every warpgroup, so two
+computing warpgroups would otherwise reduce through the same bytes. Its gpu tests passed on an
+H200 (N = 1 also in the interpreter; N = 2 did not finish in jax 0.10.2's interpreter on a 2-core
+CPU). No faster: dense within 1 % of the grid kernel; sparse 30.0 / 38.6 / 37.6 us with N = 2
+against 31.1 / 37.0 / 35.6, and more, shorter splits cost as much as here (1K x 64 sparse at
+`min_splits=2`: +14 us). What bounds sparse is not the copies' issue but reading scattered blocks:
+a key's slice for one head is 256 bytes at a 4 KiB stride in the cache, read for all 16 heads of
+a key row together in dense and head by head in sparse (about 3 TB/s against 4.3 at 4K x 20, either
+kernel).
 
 What ran fastest (benchmarks/results/h200-2026-12-01/kernels-fa4/, device time per call, 16
 heads x 128, bf16): `MosaicConfig()` (64-key tiles, 1024 keys a split, two stages, reductions).
@@ -109,7 +121,6 @@ TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # 16-bit,
 ROW = plgpu.Layout.WGMMA.reduce(1)  # [keys]: one value per key slot of a tile
 COL = plgpu.Layout.WGMMA.reduce(0)  # [head_dim]
 DOT_ROWS = 64  # q padded to this many rows for wgmma (its smallest M)
-REDUCTION_SCRATCH_BYTES = 2048  # SMEM for Mosaic GPU's cross-warp reductions (its default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,19 +129,13 @@ class MosaicConfig:
     per program (split_keys) and min_splits (as pallas_decode.KernelConfig), num_stages (tiles
     in flight per program), dots (q.K and p.V as wgmma with q in row 0 of a 64-row tile, the
     Triton kernel's mha_dots; else layout-hinted reductions). dots is slower on an H200 (module
-    docstring) and runs on a GPU only (jax's GPU interpreter does not run wgmma on its operands).
-    streams (1-2): a persistent, warp-specialised launch (`_stream_kernel`) of ctas CTAs (0: one
-    an SM), each with `streams` pairs of a compute and a memory warpgroup; memory_registers: the
-    memory warpgroups' register budget with two streams (the compute ones share the rest)."""
+    docstring) and runs on a GPU only (jax's GPU interpreter does not run wgmma on its operands)."""
 
     tile_n: int = 64
     split_keys: int = 1024
     min_splits: int = 1
     num_stages: int = 2
     dots: bool = False
-    streams: int = 0
-    ctas: int = 0
-    memory_registers: int = 40
 
     def __post_init__(self) -> None:
         for name in ("tile_n", "split_keys"):
@@ -146,18 +151,6 @@ class MosaicConfig:
                 raise ValueError(f"MosaicConfig.{name} must be a positive integer, got {value!r}")
         if not isinstance(self.dots, bool):
             raise ValueError(f"MosaicConfig.dots must be a bool, got {self.dots!r}")
-        for name, low, high in (("streams", 0, 2), ("ctas", 0, None), ("memory_registers", 24, 256)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low \
-                    or (high is not None and value > high):
-                raise ValueError(f"MosaicConfig.{name} must be an integer in [{low}, "
-                                 f"{high if high is not None else 'inf'}], got {value!r}")
-        if self.memory_registers % 8:
-            raise ValueError(f"MosaicConfig.memory_registers must be a multiple of 8, got "
-                             f"{self.memory_registers}")
-        if self.streams and self.dots:
-            raise ValueError("MosaicConfig: streams (the warp-specialised kernel) runs the "
-                             "reductions, not dots")
 
     def split_rule(self) -> pallas_decode.KernelConfig:
         """The pallas_decode launch whose list splits (and finish) this one shares."""
@@ -235,223 +228,42 @@ def _split_kernel(modes_ref, rows_ref, meta_ref, q_ref, k_ref, v_ref,
             _store_split(m, l, acc, acc_smem, m_ref, l_ref, acc_ref, b=b, h=h, s=s)
             return
         q = _layout(q_smem[...], COL, interpret).astype(jnp.float32) * scale
-        refill = lambda t, slot: pl.when(t + num_stages < n_tiles)(
-            functools.partial(fetch, t + num_stages, slot))
-        m, l, acc = _attend_tiles(
-            q, k_smem, v_smem, k_bar, v_bar, stat_m_ref, stat_l_ref,
-            slot_of=lambda t: lax.rem(t, num_stages), after_read=refill, b=b, h=h, lo=lo, hi=hi,
-            n_tiles=n_tiles, n_listed=n_listed, tail_keys=tail_keys, discovering=discovering,
-            block_size=block_size, tile_blocks=tile_blocks, interpret=interpret)
-        _store_split(m, l, acc, acc_smem, m_ref, l_ref, acc_ref, b=b, h=h, s=s)
+        q_rows = lax.broadcast_in_dim(q, (tile_n, head_dim), [1])
+        slot_keys = _layout(lax.broadcasted_iota(jnp.int32, (tile_n,), 0), ROW, interpret)
+        slot_block = slot_keys // block_size
 
+        def step(t, carry):
+            m, l, acc = carry  # scalar, [tile_n] (per key slot), [tile_n, head_dim]
+            slot = lax.rem(t, num_stages)
+            # Scores while V lands; V is read once K is dead (fewer live registers).
+            plgpu.barrier_wait(k_bar.at[slot])
+            k = k_smem.at[slot][...].astype(jnp.float32)
+            ok = _valid_keys(lo + t * tile_blocks, slot_keys, hi=hi, n_listed=n_listed,
+                             tail_keys=tail_keys, block_size=block_size)
+            scores = jnp.where(ok, jnp.sum(k * q_rows, axis=1), -jnp.inf)
+            plgpu.barrier_wait(v_bar.at[slot])
+            v = v_smem.at[slot][...].astype(jnp.float32)
+            # Refill the slot (the copy waits for every thread's loads of it).
+            pl.when(t + num_stages < n_tiles)(functools.partial(fetch, t + num_stages, slot))
+            m_new = jnp.maximum(m, jnp.max(scores))
+            m_base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m - m_base)
+            p = jnp.exp2(scores - m_base)
 
-def _stream_kernel(modes_ref, rows_ref, meta_ref, q_ref, k_ref, v_ref,
-                   stat_m_ref, stat_l_ref, acc_ref, m_ref, l_ref, *stream_refs, streams,
-                   memory_registers, heads, n_items, ctas, block_size, tile_blocks, split_blocks,
-                   min_splits, num_stages, group, scale, interpret):
-    """CTA p of a persistent, warp-specialised launch (`MosaicConfig.streams`): `streams`
-    streams of splits, stream c = (compute warpgroup c, memory warpgroup streams + c) taking
-    items g, g + ctas * streams, ... (g = c * ctas + p) of the (split, row, head) order
-    (`_item`). The memory warpgroup copies each item's share of the list (one item ahead), its
-    q and its tiles' K and V into the stream's ring of num_stages slots; the compute warpgroup
-    attends them as the grid kernel does (`_attend_tiles`) and stores the split's partials.
-    Each reads the row metadata of its next item while on the current one. Refs as
-    `_split_kernel`'s; per stream (stream_refs[c]): SMEM list [2, list_chunk] int32, q [2,
-    head_dim] (two items), k, v [num_stages, tile_n, head_dim], acc [head_dim] f32; barriers
-    list_bar, q_full, q_free [2], k_bar, v_bar, slot_free [num_stages]."""
-    p, wg = lax.axis_index("p"), lax.axis_index("wg")
-    order = dict(heads=heads, rows_heads=meta_ref.shape[0] * heads, n_items=n_items)
-    item = functools.partial(_item, tile_blocks=tile_blocks, split_blocks=split_blocks,
-                             min_splits=min_splits, **order)
-    step = ctas * streams
-    per_stream = -(-n_items // step)
+            pl.when(discovering)(functools.partial(
+                _store_block_stats, stat_m_ref, stat_l_ref, b=b, h=h, first=lo + t * tile_blocks,
+                hi=hi, tile_blocks=tile_blocks, block_m=lambda: m_base,
+                block_l=lambda j: jnp.sum(jnp.where(slot_block == j, p, 0.0))))
 
-    def stream(c):
-        (list_smem, q_smem, k_smem, v_smem, acc_smem,
-         list_bar, q_full, q_free, k_bar, v_bar, slot_free) = stream_refs[c]
-        first = c * ctas + p
+            acc = acc * alpha + lax.broadcast_in_dim(p, acc.shape, [0]) * v
+            return m_new, l * alpha + p, acc
 
-        def row(j):  # row b, head h of the stream's item j (the last item's past the end)
-            _, b, h, _ = _item_row(first + j * step, **order)
-            return b, h
-
-        @pl.when(wg == streams + c)
-        def _memory():
-            if streams > 1:
-                plgpu.set_max_registers(memory_registers, action="decrease")
-
-            def copy_list(j, n_listed):  # item j's share of the list into buffer j % 2
-                b, h, _, lo, _, _, valid = item(first + j * step, n_listed)
-                base = pl.multiple_of(lo // LIST_ALIGN * LIST_ALIGN, LIST_ALIGN)
-                pl.when(valid)(lambda: plgpu.copy_gmem_to_smem(
-                    rows_ref.at[b, h, pl.ds(base, list_smem.shape[1])],
-                    list_smem.at[lax.rem(j, 2)], list_bar.at[lax.rem(j, 2)]))
-
-            def fetch_item(j, carry):
-                issued, items, n_listed, n_listed_next = carry  # tiles, items copied so far
-                n_listed_after = meta_ref[(*row(j + 2), 0)]
-                copy_list(j + 1, n_listed_next)
-                b, h, _, lo, hi, n_tiles, valid = item(first + j * step, n_listed)
-
-                @pl.when(valid)
-                def _copy():
-                    buffer, q_slot = lax.rem(j, 2), lax.rem(items, 2)
-                    pl.when(items >= 2)(lambda: plgpu.barrier_wait(q_free.at[q_slot]))
-                    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem.at[q_slot], q_full.at[q_slot])
-                    plgpu.barrier_wait(list_bar.at[buffer])
-                    base = lo // LIST_ALIGN * LIST_ALIGN
-
-                    def fetch_tile(t, _):
-                        slot = lax.rem(issued + t, num_stages)
-                        pl.when(issued + t >= num_stages)(
-                            lambda: plgpu.barrier_wait(slot_free.at[slot]))
-                        for i in range(tile_blocks):  # a missing block repeats the split's first
-                            entry = t * tile_blocks + i
-                            cache_block = list_smem[buffer, lo - base
-                                                    + jnp.where(lo + entry < hi, entry, 0)]
-                            keys = pl.ds(i * block_size, block_size)
-                            plgpu.copy_gmem_to_smem(k_ref.at[cache_block, :, h // group],
-                                                    k_smem.at[slot, keys], k_bar.at[slot])
-                            plgpu.copy_gmem_to_smem(v_ref.at[cache_block, :, h // group],
-                                                    v_smem.at[slot, keys], v_bar.at[slot])
-
-                    lax.fori_loop(0, n_tiles, fetch_tile, None)
-
-                return (issued + jnp.where(valid, n_tiles, 0), items + valid.astype(jnp.int32),
-                        n_listed_next, n_listed_after)
-
-            n_first, n_second = meta_ref[(*row(0), 0)], meta_ref[(*row(1), 0)]
-            copy_list(0, n_first)
-            issued, items, _, _ = lax.fori_loop(0, per_stream, fetch_item,
-                                                (jnp.int32(0), jnp.int32(0), n_first, n_second))
-            # Observe the releases not waited for above (every phase of a barrier is waited on).
-            lax.fori_loop(jnp.maximum(issued - num_stages, 0), issued,
-                          lambda t, _: plgpu.barrier_wait(slot_free.at[lax.rem(t, num_stages)]),
-                          None)
-            lax.fori_loop(jnp.maximum(items - 2, 0), items,
-                          lambda i, _: plgpu.barrier_wait(q_free.at[lax.rem(i, 2)]), None)
-
-        @pl.when(wg == c)
-        def _compute():
-            if streams > 1:
-                registers = min((512 - streams * memory_registers) // streams // 8 * 8, 256)
-                plgpu.set_max_registers(registers, action="increase")
-
-            def row_info(j):  # (mode, n_listed, tail_keys) of item j's row
-                b, h = row(j)
-                return modes_ref[b], meta_ref[b, h, 0], meta_ref[b, h, 1]
-
-            def attend_item(j, carry):
-                done, items, (mode, n_listed, tail_keys) = carry
-                after = row_info(j + 1)
-                b, h, s, lo, hi, n_tiles, valid = item(first + j * step, n_listed)
-
-                @pl.when(valid)
-                def _attend():
-                    discovering = (mode == wise_modes.DISCOVER) | (mode == wise_modes.DISCOVER_UNION)
-                    q_slot = lax.rem(items, 2)
-                    plgpu.barrier_wait(q_full.at[q_slot])
-                    q = _layout(q_smem.at[q_slot][...], COL, interpret).astype(jnp.float32) * scale
-                    plgpu.barrier_arrive(q_free.at[q_slot])
-                    m, l, acc = _attend_tiles(
-                        q, k_smem, v_smem, k_bar, v_bar, stat_m_ref, stat_l_ref,
-                        slot_of=lambda t: lax.rem(done + t, num_stages),
-                        after_read=lambda t, slot: plgpu.barrier_arrive(slot_free.at[slot]),
-                        b=b, h=h, lo=lo, hi=hi, n_tiles=n_tiles, n_listed=n_listed,
-                        tail_keys=tail_keys, discovering=discovering, block_size=block_size,
-                        tile_blocks=tile_blocks, interpret=interpret)
-                    m_ref[b, h, s] = m
-                    l_ref[b, h, s] = l
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last acc is read
-                    acc_smem[...] = acc
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(acc_smem, acc_ref.at[b, h, s])
-
-                return done + jnp.where(valid, n_tiles, 0), items + valid.astype(jnp.int32), after
-
-            lax.fori_loop(0, per_stream, attend_item, (jnp.int32(0), jnp.int32(0), row_info(0)))
-            plgpu.wait_smem_to_gmem(0)
-
-    # Mosaic GPU places every cross-warp reduction's scratch at the SMEM offset in use where it
-    # is lowered, the same for every warpgroup: streams 1.. run inside an allocation of that
-    # scratch's size each, so no two compute warpgroups reduce through the same bytes.
-    def nested(c):
-        if c == streams - 1:
-            stream(c)
-            return
-        pl.run_scoped(lambda _: nested(c + 1),
-                      plgpu.SMEM((REDUCTION_SCRATCH_BYTES // 4,), jnp.float32),
-                      collective_axes="wg")
-        stream(c)
-
-    nested(0)
-
-
-def _item_row(f, *, heads, rows_heads, n_items):
-    """Item f of a launch of n_items = max_splits * rows_heads items, in (split, row, head)
-    order (every row's first splits come first): (f clamped to the last item, row b, head h,
-    split s)."""
-    f = jnp.minimum(f, n_items - 1)
-    bh = lax.rem(f, rows_heads)
-    return f, bh // heads, lax.rem(bh, heads), f // rows_heads
-
-
-def _item(f, n_listed, *, heads, rows_heads, n_items, tile_blocks, split_blocks, min_splits):
-    """Item f (`_item_row`) of a row listing n_listed blocks: (b, h, s, lo, hi, n_tiles,
-    valid); the split owns list entries [lo, hi) in n_tiles tiles; valid: f < n_items and the
-    row has split s (`_split_kernel`'s `s < n_splits`)."""
-    _, b, h, s = _item_row(f, heads=heads, rows_heads=rows_heads, n_items=n_items)
-    size = pallas_decode._split_size(n_listed, tile_blocks=tile_blocks, split_blocks=split_blocks,
-                                     min_splits=min_splits)
-    n_splits = jnp.maximum((n_listed + size - 1) // size, 1)
-    lo = s * size
-    hi = jnp.minimum(lo + size, n_listed)
-    n_tiles = jnp.maximum(hi - lo + tile_blocks - 1, 0) // tile_blocks
-    return b, h, s, lo, hi, n_tiles, (f < n_items) & (s < n_splits)
-
-
-def _attend_tiles(q, k_smem, v_smem, k_bar, v_bar, stat_m_ref, stat_l_ref, *, slot_of,
-                  after_read, b, h, lo, hi, n_tiles, n_listed, tail_keys, discovering, block_size,
-                  tile_blocks, interpret):
-    """A split's n_tiles tiles with layout-hinted reductions (module docstring, step 2); tile t
-    waits in ring slot slot_of(t); after_read(t, slot) runs once the slot's K and V are in
-    registers. q: [head_dim] f32 (COL), scaled by scale * log2(e). Returns the split's (max,
-    sum, acc [head_dim])."""
-    tile_n, head_dim = k_smem.shape[1], k_smem.shape[2]
-    q_rows = lax.broadcast_in_dim(q, (tile_n, head_dim), [1])
-    slot_keys = _layout(lax.broadcasted_iota(jnp.int32, (tile_n,), 0), ROW, interpret)
-    slot_block = slot_keys // block_size
-
-    def step(t, carry):
-        m, l, acc = carry  # scalar, [tile_n] (per key slot), [tile_n, head_dim]
-        slot = slot_of(t)
-        # Scores while V lands; V is read once K is dead (fewer live registers).
-        plgpu.barrier_wait(k_bar.at[slot])
-        k = k_smem.at[slot][...].astype(jnp.float32)
-        ok = _valid_keys(lo + t * tile_blocks, slot_keys, hi=hi, n_listed=n_listed,
-                         tail_keys=tail_keys, block_size=block_size)
-        scores = jnp.where(ok, jnp.sum(k * q_rows, axis=1), -jnp.inf)
-        plgpu.barrier_wait(v_bar.at[slot])
-        v = v_smem.at[slot][...].astype(jnp.float32)
-        after_read(t, slot)
-        m_new = jnp.maximum(m, jnp.max(scores))
-        m_base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m - m_base)
-        p = jnp.exp2(scores - m_base)
-
-        pl.when(discovering)(functools.partial(
-            _store_block_stats, stat_m_ref, stat_l_ref, b=b, h=h, first=lo + t * tile_blocks,
-            hi=hi, tile_blocks=tile_blocks, block_m=lambda: m_base,
-            block_l=lambda j: jnp.sum(jnp.where(slot_block == j, p, 0.0))))
-
-        acc = acc * alpha + lax.broadcast_in_dim(p, acc.shape, [0]) * v
-        return m_new, l * alpha + p, acc
-
-    init = (jnp.float32(-jnp.inf),
-            _layout(jnp.zeros((tile_n,), jnp.float32), ROW, interpret),
-            _layout(jnp.zeros((tile_n, head_dim), jnp.float32), plgpu.Layout.WGMMA, interpret))
-    m, l, acc = lax.fori_loop(0, n_tiles, step, init)
-    return m, jnp.sum(l), jnp.sum(acc, axis=0)
+        init = (jnp.float32(-jnp.inf),
+                _layout(jnp.zeros((tile_n,), jnp.float32), ROW, interpret),
+                _layout(jnp.zeros((tile_n, head_dim), jnp.float32), plgpu.Layout.WGMMA, interpret))
+        m, l, acc = lax.fori_loop(0, n_tiles, step, init)
+        _store_split(m, jnp.sum(l), jnp.sum(acc, axis=0), acc_smem, m_ref, l_ref, acc_ref,
+                     b=b, h=h, s=s)
 
 
 def _valid_keys(first, key_slot, *, hi, n_listed, tail_keys, block_size):
@@ -544,11 +356,6 @@ def _attend_dots(q_smem, q_tile, k_smem, v_smem, k_bar, v_bar, stat_m_ref, stat_
     return first_row(m), first_row(l), jnp.sum(jnp.where(rows == 0, acc, 0.0), axis=0)
 
 
-def _default_ctas(interpret: bool) -> int:
-    """CTAs of a warp-specialised launch: one per SM (two in the interpreter)."""
-    return 2 if interpret else jax.devices()[0].core_count
-
-
 def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size, scale,
                 config: MosaicConfig, interpret):
     batch, heads, head_dim = q.shape
@@ -573,44 +380,27 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
                 jax.ShapeDtypeStruct((batch, heads, splits_pad), f32),  # m
                 jax.ShapeDtypeStruct((batch, heads, splits_pad), f32)]  # l
     stages = config.num_stages
+    scratch = [plgpu.SMEM((list_chunk,), jnp.int32),
+               plgpu.SMEM((head_dim,), q.dtype),
+               plgpu.SMEM((stages, tile_n, head_dim), k_pages.dtype, transforms=TILED),
+               plgpu.SMEM((stages, tile_n, head_dim), v_pages.dtype, transforms=TILED),
+               plgpu.SMEM((head_dim,), f32),
+               plgpu.Barrier(), plgpu.Barrier(),
+               plgpu.Barrier(num_arrivals=tile_blocks, num_barriers=stages),
+               plgpu.Barrier(num_arrivals=tile_blocks, num_barriers=stages)]
+    if config.dots:
+        scratch.append(plgpu.SMEM((DOT_ROWS, head_dim), q.dtype, transforms=TILED))
+    kernel = functools.partial(
+        _split_kernel, block_size=block_size, tile_blocks=tile_blocks, split_blocks=split_blocks,
+        min_splits=rule.min_splits, num_stages=stages, group=heads // kv_heads,
+        scale=scale * LOG2E, dots=config.dots, interpret=interpret is not None)
     cache_blocks = num_pages * page_size // block_size
     k_rows = k_pages.reshape(cache_blocks, block_size, kv_heads, head_dim)
     v_rows = v_pages.reshape(cache_blocks, block_size, kv_heads, head_dim)
-    ring = [plgpu.SMEM((stages, tile_n, head_dim), k_pages.dtype, transforms=TILED),
-            plgpu.SMEM((stages, tile_n, head_dim), v_pages.dtype, transforms=TILED)]
-    lists = dict(block_size=block_size, tile_blocks=tile_blocks, split_blocks=split_blocks,
-                 min_splits=rule.min_splits, num_stages=stages, group=heads // kv_heads,
-                 scale=scale * LOG2E, interpret=interpret is not None)
-    if config.streams:
-        n_items = max_splits * batch * heads
-        ctas = min(config.ctas or _default_ctas(interpret is not None),
-                   -(-n_items // config.streams))
-        stream = (plgpu.SMEM((2, list_chunk), jnp.int32), plgpu.SMEM((2, head_dim), q.dtype),
-                  *ring, plgpu.SMEM((head_dim,), f32), plgpu.Barrier(num_barriers=2),
-                  plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2),
-                  plgpu.Barrier(num_arrivals=tile_blocks, num_barriers=stages),
-                  plgpu.Barrier(num_arrivals=tile_blocks, num_barriers=stages),
-                  plgpu.Barrier(num_barriers=stages))
-        scratch = [stream] * config.streams
-        kernel = functools.partial(_stream_kernel, streams=config.streams,
-                                   memory_registers=config.memory_registers, heads=heads,
-                                   n_items=n_items, ctas=ctas, **lists)
-        launch = dict(grid=(ctas,), grid_names=("p",), num_threads=2 * config.streams,
-                      thread_name="wg",
-                      compiler_params=plgpu.CompilerParams(
-                          reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES))
-    else:
-        scratch = [plgpu.SMEM((list_chunk,), jnp.int32), plgpu.SMEM((head_dim,), q.dtype), *ring,
-                   plgpu.SMEM((head_dim,), f32),
-                   plgpu.Barrier(), plgpu.Barrier(),
-                   plgpu.Barrier(num_arrivals=tile_blocks, num_barriers=stages),
-                   plgpu.Barrier(num_arrivals=tile_blocks, num_barriers=stages)]
-        if config.dots:
-            scratch.append(plgpu.SMEM((DOT_ROWS, head_dim), q.dtype, transforms=TILED))
-        kernel = functools.partial(_split_kernel, dots=config.dots, **lists)
-        launch = dict(grid=(batch, heads, max_splits), grid_names=("b", "h", "s"))
-    partials = plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch,
-                            interpret=interpret, **launch)(modes, rows, meta, q, k_rows, v_rows)
+    partials = plgpu.kernel(
+        kernel, out_type=out_type, grid=(batch, heads, max_splits), grid_names=("b", "h", "s"),
+        scratch_types=scratch, interpret=interpret,
+    )(modes, rows, meta, q, k_rows, v_rows)
     return (None, *partials)  # pallas_decode's partials (its list output is not needed)
 
 
