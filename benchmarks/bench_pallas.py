@@ -12,8 +12,9 @@ bf16, pages of 128 keys scattered over the pool, every row at seq_len = ctx.
 
 - impl "pallas" (wise_jax.kernels.pallas_decode, the Triton lowering, its table's launch) and
   impl "mosaic" (wise_jax.kernels.mosaic_decode, the split kernel on Mosaic GPU, MosaicConfig()):
-  modes dense, discover, sparse (random blocks, `density` of each row's blocks per head) and
-  discover+sparse (half the rows each); with --sweep, impls "pallas-config" and
+  modes dense, discover, sparse (random blocks, `density` of each row's blocks per head),
+  sparse-contiguous (the first blocks, the same for every head, as kernel_bench.py's Triton rows)
+  and discover+sparse (half the rows each); with --sweep, impls "pallas-config" and
   "mosaic-config": dense and sparse under other launches, most promising first, until
   --sweep-seconds is spent (--mosaic-config: those MosaicConfigs instead of the Mosaic sweep's);
 - impl "jax-paged" (jax.experimental.pallas.ops.gpu.paged_attention, the best of the tile
@@ -131,12 +132,15 @@ def _cache(key, ctx, batch, heads, head_dim, page_size, dtype):
     return q, k, v, page_table, jnp.full((batch,), ctx, jnp.int32)
 
 
-def _support(batch, heads, n_blocks, density):
+def _support(batch, heads, n_blocks, density, contiguous=False):
     """bool[batch, heads, n_blocks]: every block (density None), else max(1, round(density *
-    n_blocks)) random blocks per head (the same ones in every run)."""
+    n_blocks)) blocks per head: random ones (the same in every run), or with contiguous the
+    first ones."""
     if density is None:
         return jnp.ones((batch, heads, n_blocks), bool)
     keep = max(1, round(density * n_blocks))
+    if contiguous:
+        return jnp.broadcast_to(jnp.arange(n_blocks) < keep, (batch, heads, n_blocks))
     uniform = jax.random.uniform(jax.random.key(7), (batch, heads, n_blocks))
     return jnp.argsort(jnp.argsort(uniform, -1), -1) < keep
 
@@ -170,6 +174,7 @@ def _pallas_cases(densities, batch):
              ("discover", 1.0, np.full(batch, M.DISCOVER), None)]
     for d in densities:
         cases.append(("sparse", d, np.full(batch, M.SPARSE), d))
+        cases.append(("sparse-contiguous", d, np.full(batch, M.SPARSE), d))
         cases.append(("discover+sparse", d, np.where(half, M.DISCOVER, M.SPARSE), d))
     return cases
 
@@ -201,7 +206,8 @@ def _bench_kernel_shape(rows, impl, ctx, batch, densities, *, heads, head_dim, p
         for mode, density, row_modes, support_density in _pallas_cases(densities, batch):
             if index and (mode, density) not in (("dense", 1.0), ("sparse", SWEEP_DENSITY)):
                 continue  # other launch configurations: dense and sparse @0.13 only
-            support = _support(batch, heads, n_blocks, support_density)
+            support = _support(batch, heads, n_blocks, support_density,
+                               contiguous=mode == "sparse-contiguous")
             attended = np.where(row_modes == M.SPARSE, np.asarray(support.sum((1, 2))),
                                 heads * n_blocks)
             modes = jnp.asarray(row_modes, jnp.int32)

@@ -24,9 +24,9 @@ def test_bench_pallas_rows():
     assert [(r["impl"], r["mode"], r["density"]) for r in rows] == [
         (impl, mode, density) for impl in ("pallas", "mosaic")
         for mode, density in (("dense", 1.0), ("discover", 1.0), ("sparse", 0.5),
-                              ("discover+sparse", 0.5))] + [
+                              ("sparse-contiguous", 0.5), ("discover+sparse", 0.5))] + [
         ("jax-paged", "dense", 1.0), ("jax-paged", "contiguous", 0.13)]
-    assert rows[4]["config"].startswith("MosaicConfig(")
+    assert rows[5]["config"].startswith("MosaicConfig(")
     assert all(r["ctx"] == 128 and r["batch"] == 2 and math.isfinite(r["us"]) for r in rows)
     assert rows[-1]["config"].startswith("k_splits=")
 

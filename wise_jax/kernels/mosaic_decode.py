@@ -81,10 +81,10 @@ computing warpgroups would otherwise reduce through the same bytes. Its gpu test
 H200 (N = 1 also in the interpreter; N = 2 did not finish in jax 0.10.2's interpreter on a 2-core
 CPU). No faster: dense within 1 % of the grid kernel; sparse 30.0 / 38.6 / 37.6 us with N = 2
 against 31.1 / 37.0 / 35.6, and more, shorter splits cost as much as here (1K x 64 sparse at
-`min_splits=2`: +14 us). What bounds sparse is not the copies' issue but reading scattered blocks:
-a key's slice for one head is 256 bytes at a 4 KiB stride in the cache, read for all 16 heads of
-a key row together in dense and head by head in sparse (about 3 TB/s against 4.3 at 4K x 20, either
-kernel).
+`min_splits=2`: +14 us), so issuing the copies is not what bounds sparse. Sparse reads run at about
+3 TB/s against dense's 4.3 in either kernel (4K x 20), and not for the blocks' scatter: on the
+same share of contiguous blocks this kernel saves 0.7-1.1 us (sparse-contiguous/ there: 30.1 /
+36.2 / 34.6 us against 31.2 / 36.9 / 35.5). The list and finish launches take about 5 us a call.
 
 What ran fastest (benchmarks/results/h200-2026-12-01/kernels-fa4/, device time per call, 16
 heads x 128, bf16): `MosaicConfig()` (64-key tiles, 1024 keys a split, two stages, reductions).
