@@ -95,3 +95,16 @@ def test_mosaic_call_refuses_bad_arguments(capsys):
         with pytest.raises(SystemExit):
             mosaic_call.main(argv)
         assert message in capsys.readouterr().err
+
+
+def test_support_random_and_contiguous():
+    """bench_pallas's supports: round(density * blocks) blocks per row and head, random ones
+    (differing between heads) or, for sparse-contiguous, the first ones for every head."""
+    import numpy as np
+    from bench_pallas import _support
+    random = np.asarray(_support(2, 4, 40, 0.25))
+    contiguous = np.asarray(_support(2, 4, 40, 0.25, contiguous=True))
+    assert (random.sum(-1) == 10).all() and (contiguous.sum(-1) == 10).all()
+    assert (contiguous == (np.arange(40) < 10)).all()
+    assert len({tuple(row) for row in random.reshape(-1, 40)}) > 1
+    assert np.asarray(_support(2, 4, 40, None)).all()
