@@ -58,6 +58,9 @@ Routes tried (lowered with jax 0.10.2 on a CPU machine; run with jax 0.11.2 on a
   64 slots once): no change (sparse 31.1 / 36.5 / 35.2 us). q.K and p.V over head_dim in
   64-column chunks: ptxas allocates 213 registers either way, times within 0.7 us.
   (benchmarks/results/h200-2026-12-02/ has these runs.)
+- p.V summed over each tile's keys (acc [head_dim], a cross-warp reduction a tile, to free the
+  64 accumulator registers a thread; h200-2026-12-02/tile-sums/): ptxas still took 209 registers,
+  and dense / sparse slowed to 161-203 / 35-53 us.
 
 What bounds it (H200, Nsight Compute on the sparse call at 4K x 20, 13 %): 233 registers a
 thread (no spills) and 70.7 KB of shared memory a program allow two programs (8 warps) an SM,
