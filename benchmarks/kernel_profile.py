@@ -99,11 +99,10 @@ def main(argv=None) -> dict:
     p.add_argument("--smoke", action="store_true", help="one tiny shape in the interpreters (CPU)")
     args = p.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    common = dict(heads=16, head_dim=128, page_size=128, dtype=jnp.bfloat16, interpret=False,
-                  mosaic_config=args.mosaic_config)
+    common = dict(heads=16, head_dim=128, page_size=128, dtype=jnp.bfloat16, interpret=False)
     if args.smoke:
         shapes, common = [(128, 2)], dict(heads=2, head_dim=64, page_size=32, dtype=jnp.bfloat16,
-                                          interpret=True, mosaic_config=args.mosaic_config)
+                                          interpret=True)
     elif jax.default_backend() != "gpu":
         raise SystemExit("kernel_profile needs a GPU (use --smoke for a CPU check of the code paths)")
     modes = args.modes.split(",")
@@ -122,7 +121,8 @@ def main(argv=None) -> dict:
                 row = dict(ctx=ctx, batch=batch, impl=impl, mode=mode)
                 try:
                     row.update(profile_case(impl, mode, ctx, batch, density=args.density,
-                                            calls=args.calls, **common))
+                                            calls=args.calls, mosaic_config=args.mosaic_config,
+                                            **common))
                     print(f"{ctx} x {batch} {impl} {mode}: busy {_us(row['busy_us'])} us, "
                           f"span {_us(row['span_us'])} us per call", flush=True)
                 except Exception as e:  # a failed case must not stop the run
