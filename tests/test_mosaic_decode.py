@@ -10,6 +10,7 @@ bf16 outputs).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import re
 
@@ -95,6 +96,8 @@ def test_rejects_what_it_does_not_take():
         MosaicConfig(tile_n=32)
     with pytest.raises(ValueError, match="MosaicConfig.dots"):
         MosaicConfig(dots=1)
+    with pytest.raises(ValueError, match="MosaicConfig.list_launch"):
+        MosaicConfig(list_launch="no")
     case = make_case(6, **COMBOS[MOSAIC_COMBOS[0]])
     with pytest.raises(ValueError, match=r"dots=True\) needs a GPU"):
         run(case, [M.DENSE] * 4, impl=mosaic, config=MosaicConfig(dots=True), interpret=True)
@@ -146,7 +149,15 @@ def lower_for_cuda(batch, ctx, config, heads=16, head_dim=128, page_size=128):
 def test_lowers_to_mosaic_gpu(batch, ctx, config):
     text = lower_for_cuda(batch, ctx, config)
     calls = collections.Counter(re.findall(r"custom_call @(\w+)", text))
-    # The split kernel; the Triton-lowered list and finish.
+    # The split kernel (listing its blocks itself) and the Triton-lowered finish.
+    assert calls == {"mosaic_gpu_v2": 1, "__gpu": 1}, calls
+    assert "wise_decode_list" not in text and "wise_decode_finish" in text
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="cross-lowering is checked on a CPU machine")
+def test_lowers_with_list_launch():
+    text = lower_for_cuda(20, 4096, MosaicConfig(list_launch=True))
+    calls = collections.Counter(re.findall(r"custom_call @(\w+)", text))
     assert calls == {"mosaic_gpu_v2": 1, "__gpu": 2}, calls
     assert "wise_decode_list" in text and "wise_decode_finish" in text
 
@@ -187,3 +198,19 @@ def test_gpu_matches_triton_lowering_repeatably_and_rows_alone(dots):
         out_b, support_b, mass_b = run(alone, [modes[b]], impl=mosaic, config=config)
         assert np.array_equal(bits(out_b[0]), bits(out[b]))
         assert np.array_equal(np.asarray(support_b[0]), np.asarray(support[b]))
+
+
+@pytest.mark.parametrize("name", GPU_MOSAIC)
+@on_gpu
+def test_gpu_list_in_kernel_bitwise_list_launch(name):
+    """The split kernel listing its blocks itself (`_list_in_kernel`, raw Mosaic GPU code the
+    interpreter does not run) against the list launch the interpreted tests cover: the same
+    lists, so every output bitwise, in every mode, with partial last blocks, short rows, several
+    splits a row and scattered pages (make_case)."""
+    case = make_case(11, **GPU_COMBOS[name])
+    modes = [M.SPARSE, M.DISCOVER, M.DENSE, M.DISCOVER_UNION, M.SPARSE, M.DENSE, M.SPARSE, M.DISCOVER]
+    for config in (MosaicConfig(), MosaicConfig(min_splits=3), MosaicConfig(split_keys=256)):
+        launched = run(case, modes, impl=mosaic, config=dataclasses.replace(config, list_launch=True))
+        in_kernel = run(case, modes, impl=mosaic, config=config)
+        for x, y in zip(in_kernel, launched):
+            assert np.array_equal(bits(x), bits(y)), config

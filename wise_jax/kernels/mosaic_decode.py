@@ -105,13 +105,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, memref, nvvm
 
 from wise_core import modes as wise_modes
 from wise_jax.attention import check_call
@@ -124,6 +128,8 @@ TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # 16-bit,
 ROW = plgpu.Layout.WGMMA.reduce(1)  # [keys]: one value per key slot of a tile
 COL = plgpu.Layout.WGMMA.reduce(0)  # [head_dim]
 DOT_ROWS = 64  # q padded to this many rows for wgmma (its smallest M)
+WARPGROUP = 128  # threads of a program
+SCALAR = plgpu.Layout.WG_SPLAT(shape=())  # a scalar passed to inline Mosaic GPU code
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,13 +138,16 @@ class MosaicConfig:
     per program (split_keys) and min_splits (as pallas_decode.KernelConfig), num_stages (tiles
     in flight per program), dots (q.K and p.V as wgmma with q in row 0 of a 64-row tile, the
     Triton kernel's mha_dots; else layout-hinted reductions). dots is slower on an H200 (module
-    docstring) and runs on a GPU only (jax's GPU interpreter does not run wgmma on its operands)."""
+    docstring) and runs on a GPU only (jax's GPU interpreter does not run wgmma on its operands).
+    list_launch: the block list as a launch of its own (`pallas_decode._list_kernel`), always so
+    when interpreted; else each program lists its split's blocks itself (`_list_in_kernel`)."""
 
     tile_n: int = 64
     split_keys: int = 1024
     min_splits: int = 1
     num_stages: int = 2
     dots: bool = False
+    list_launch: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tile_n", "split_keys"):
@@ -152,8 +161,9 @@ class MosaicConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"MosaicConfig.{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.dots, bool):
-            raise ValueError(f"MosaicConfig.dots must be a bool, got {self.dots!r}")
+        for name in ("dots", "list_launch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MosaicConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
     def split_rule(self) -> pallas_decode.KernelConfig:
         """The pallas_decode launch whose list splits (and finish) this one shares."""
@@ -175,25 +185,37 @@ def _layout(x, layout, interpret):
     return x if interpret else plgpu.layout_cast(x, layout)
 
 
-def _split_kernel(modes_ref, rows_ref, meta_ref, q_ref, k_ref, v_ref,
+def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k_ref, v_ref,
                   stat_m_ref, stat_l_ref, acc_ref, m_ref, l_ref,
-                  list_smem, q_smem, k_smem, v_smem, acc_smem, q_bar, list_bar, k_bar, v_bar,
-                  *q_tile, block_size, tile_blocks, split_blocks, min_splits, num_stages, group,
-                  scale, dots, interpret):
+                  list_smem, meta_smem, totals_smem, q_smem, k_smem, v_smem, acc_smem, q_bar,
+                  list_bar, k_bar, v_bar, *q_tile, block_size, page_size, tile_blocks,
+                  split_blocks, min_splits, num_stages, group, scale, dots, list_launch,
+                  interpret):
     """Program (row b, head h, split s): step 2 of the module docstring.
 
-    GMEM: modes int32[batch]; rows, meta (`pallas_decode._list_kernel`); q [batch, heads, head_dim]; k, v
-    [num_pages * page_size // block_size, block_size, kv_heads, head_dim]; outputs as
-    pallas_decode's partials: stat_m, stat_l [batch, heads, blocks_pad], acc [batch, heads,
-    splits_pad, head_dim], m, l [batch, heads, splits_pad]. SMEM: list_smem [list_chunk] int32, q_smem [head_dim],
-    k_smem, v_smem [num_stages, tile_n, head_dim] (tiled, swizzled), acc_smem [head_dim] f32;
-    with dots, q_tile [DOT_ROWS, head_dim] (tiled, swizzled): q in row 0, zeros elsewhere.
+    GMEM: modes, seq_lens int32[batch]; list_in: support bool[batch, heads, max_blocks] (the
+    list in this kernel, `_list_in_kernel`) or, with list_launch, `pallas_decode._list_kernel`'s
+    rows (and its meta in page_table_ref's place); page_table int32[batch, max_pages]; q [batch,
+    heads, head_dim]; k, v [num_pages * page_size // block_size, block_size, kv_heads,
+    head_dim]; outputs as pallas_decode's partials: stat_m, stat_l [batch, heads, blocks_pad],
+    acc [batch, heads, splits_pad, head_dim], m, l [batch, heads, splits_pad]. SMEM: list_smem
+    int32 (the split's list entries), meta_smem int32[2] (n_listed, tail keys), totals_smem
+    int32[4] (per warp counts), q_smem [head_dim], k_smem, v_smem [num_stages, tile_n,
+    head_dim] (tiled, swizzled), acc_smem [head_dim] f32; with dots, q_tile [DOT_ROWS,
+    head_dim] (tiled, swizzled): q in row 0, zeros elsewhere.
     """
     b, h, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     mode = modes_ref[b]
-    n_listed, tail_keys = meta_ref[b, h, 0], meta_ref[b, h, 1]
-    size = pallas_decode._split_size(n_listed, tile_blocks=tile_blocks, split_blocks=split_blocks,
-                                     min_splits=min_splits)
+    rule = dict(tile_blocks=tile_blocks, split_blocks=split_blocks, min_splits=min_splits)
+    if list_launch:
+        meta_ref = page_table_ref
+        n_listed, tail_keys = meta_ref[b, h, 0], meta_ref[b, h, 1]
+    else:  # the split's entries land in list_smem[0, hi - lo)
+        n_listed, tail_keys = _list_in_kernel(
+            list_in_ref, page_table_ref, list_smem, meta_smem, totals_smem, b=b, h=h, s=s,
+            mode=mode, seq_len=seq_lens_ref[b], block_size=block_size, page_size=page_size,
+            **rule)
+    size = pallas_decode._split_size(n_listed, **rule)
     n_splits = jnp.maximum((n_listed + size - 1) // size, 1)
     discovering = (mode == wise_modes.DISCOVER) | (mode == wise_modes.DISCOVER_UNION)
     tile_n, head_dim = k_smem.shape[1], k_smem.shape[2]
@@ -204,15 +226,21 @@ def _split_kernel(modes_ref, rows_ref, meta_ref, q_ref, k_ref, v_ref,
         lo = s * size
         hi = jnp.minimum(lo + size, n_listed)
         n_tiles = (hi - lo + tile_blocks - 1) // tile_blocks
-        base = pl.multiple_of(lo // LIST_ALIGN * LIST_ALIGN, LIST_ALIGN)  # min_splits: lo is any whole tile
-        plgpu.copy_gmem_to_smem(rows_ref.at[b, h, pl.ds(base, list_smem.shape[0])], list_smem, list_bar)
+        if list_launch:  # the split's share of the launch's list, from a 16-byte-aligned start
+            base = pl.multiple_of(lo // LIST_ALIGN * LIST_ALIGN, LIST_ALIGN)
+            plgpu.copy_gmem_to_smem(list_in_ref.at[b, h, pl.ds(base, list_smem.shape[0])],
+                                    list_smem, list_bar)
+            first = lo - base
+        else:
+            first = 0
         plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
-        plgpu.barrier_wait(list_bar)
+        if list_launch:
+            plgpu.barrier_wait(list_bar)
 
         def fetch(tile, slot):  # K and V of the tile's blocks into the slot (a missing one repeats the first)
             for j in range(tile_blocks):
                 entry = tile * tile_blocks + j
-                cache_block = list_smem[lo - base + jnp.where(lo + entry < hi, entry, 0)]
+                cache_block = list_smem[first + jnp.where(lo + entry < hi, entry, 0)]
                 keys = pl.ds(j * block_size, block_size)
                 plgpu.copy_gmem_to_smem(k_ref.at[cache_block, :, kv_head],
                                         k_smem.at[slot, keys], k_bar.at[slot])
@@ -267,6 +295,97 @@ def _split_kernel(modes_ref, rows_ref, meta_ref, q_ref, k_ref, v_ref,
         m, l, acc = lax.fori_loop(0, n_tiles, step, init)
         _store_split(m, jnp.sum(l), jnp.sum(acc, axis=0), acc_smem, m_ref, l_ref, acc_ref,
                      b=b, h=h, s=s)
+
+
+def _list_in_kernel(support_ref, page_table_ref, list_smem, meta_smem, totals_smem, *, b, h, s,
+                    mode, seq_len, block_size, page_size, tile_blocks, split_blocks, min_splits):
+    """Step 1 in the split kernel, per thread (raw Mosaic GPU code: `plgpu.inline_mgpu`; the
+    interpreter does not run it). Thread t of the warpgroup owns blocks [t * per, (t + 1) * per):
+    it counts the ones the row lists, an inclusive scan over the warp (shuffles) and the four
+    warp totals (SMEM) give each block its list entry, and the entries of split s
+    (pallas_decode._split_size of the row's count) are written to list_smem[entry - lo] as
+    cache blocks (page-table entry * blocks a page + block within the page). Returns (n_listed,
+    valid keys of the last entry) as `pallas_decode._list_kernel`'s meta."""
+    n_blocks = support_ref.shape[-1]
+    per = -(-n_blocks // WARPGROUP)
+    per_page = page_size // block_size
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 5 + (SCALAR,) * 5)
+    def body(_, support, page_table, entries, meta, totals, b, h, s, mode, seq_len):
+        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+
+        def c(value):
+            return arith.constant(i32, value)
+
+        def at(*values):
+            return [arith.index_cast(index, v) for v in values]
+
+        def scalar(x):  # a splat argument's value as i32
+            x = x.registers.item()
+            return arith.index_cast(i32, x) if isinstance(x.type, ir.IndexType) else x
+
+        def cmp(pred, x, y):
+            return arith.cmpi(getattr(arith.CmpIPredicate, pred), x, y)
+
+        def cdiv(x, d):  # x >= 0
+            return arith.divsi(arith.addi(x, c(d - 1)), c(d))
+
+        b, h, s, mode, seq_len = map(scalar, (b, h, s, mode, seq_len))
+        thread = arith.remui(mgpu_utils.thread_idx(), c(WARPGROUP))
+        lane, warp = arith.andi(thread, c(31)), arith.shrui(thread, c(5))
+        n_causal = arith.minsi(cdiv(seq_len, block_size), c(n_blocks))
+        every = cmp("ne", mode, c(wise_modes.SPARSE))
+        blocks, listed, count = [], [], c(0)
+        for i in range(per):
+            block = arith.addi(arith.muli(thread, c(per)), c(i))
+            held = memref.load(support, at(b, h, arith.minsi(block, c(n_blocks - 1))))
+            on = arith.andi(cmp("slt", block, n_causal), arith.ori(every, held))
+            blocks.append(block)
+            listed.append(on)
+            count = arith.addi(count, arith.extui(i32, on))
+        scan = count  # inclusive, over the warp
+        for d in (1, 2, 4, 8, 16):
+            up = _shfl_up(scan, c(d), c(-1), c(0))
+            scan = arith.select(cmp("sge", lane, c(d)), arith.addi(scan, up), scan)
+        with mgpu_utils.when(cmp("eq", lane, c(31))):
+            memref.store(scan, totals, at(warp))
+        mgpu_utils.warpgroup_barrier()
+        n_listed, entry = c(0), arith.subi(scan, count)
+        for w in range(WARPGROUP // 32):
+            total = memref.load(totals, at(c(w)))
+            n_listed = arith.addi(n_listed, total)
+            entry = arith.addi(entry, arith.select(cmp("slt", c(w), warp), total, c(0)))
+        # pallas_decode._split_size
+        n_splits = arith.maxsi(cdiv(n_listed, split_blocks), c(min_splits))
+        per_split = arith.divsi(arith.addi(n_listed, arith.subi(n_splits, c(1))), n_splits)
+        wanted = arith.muli(cdiv(per_split, tile_blocks), c(tile_blocks))
+        size = arith.minsi(arith.maxsi(wanted, c(tile_blocks)), c(split_blocks))
+        lo = arith.muli(s, size)
+        hi = arith.minsi(arith.addi(lo, size), n_listed)
+        for block, on in zip(blocks, listed):
+            with mgpu_utils.when(arith.andi(on, arith.andi(cmp("sge", entry, lo), cmp("slt", entry, hi)))):
+                page = memref.load(page_table, at(b, arith.divsi(block, c(per_page))))
+                cache_block = arith.addi(arith.muli(page, c(per_page)), arith.remsi(block, c(per_page)))
+                memref.store(cache_block, entries, at(arith.subi(entry, lo)))
+            entry = arith.addi(entry, arith.extui(i32, on))
+        last = arith.subi(n_causal, c(1))  # only the last causal block can be partial
+        last_listed = arith.ori(every, memref.load(support, at(b, h, last)))
+        tail = arith.select(last_listed, arith.subi(seq_len, arith.muli(last, c(block_size))),
+                            c(block_size))
+        with mgpu_utils.when(cmp("eq", thread, c(0))):
+            memref.store(n_listed, meta, at(c(0)))
+            memref.store(tail, meta, at(c(1)))
+        mgpu_utils.warpgroup_barrier()
+
+    body(support_ref, page_table_ref, list_smem, meta_smem, totals_smem, b, h, s, mode, seq_len)
+    return meta_smem[0], meta_smem[1]
+
+
+def _shfl_up(value, distance, mask, clamp):
+    """nvvm.shfl_sync in up mode (jaxlib 0.10 and 0.11 name its parameters differently)."""
+    if next(iter(inspect.signature(nvvm.shfl_sync).parameters)) == "thread_mask":
+        return nvvm.shfl_sync(mask, value, distance, clamp, nvvm.ShflKind.up, results=[value.type])
+    return nvvm.shfl_sync(value.type, mask, value, distance, clamp, nvvm.ShflKind.up)
 
 
 def _valid_keys(first, key_slot, *, hi, n_listed, tail_keys, block_size):
@@ -366,12 +485,16 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
     n_blocks = support.shape[-1]
     rule = config.split_rule()
     tile_blocks, split_blocks = rule.tile_blocks(block_size), rule.split_blocks(block_size)
-    list_chunk = -(-(split_blocks + LIST_ALIGN - 1) // LIST_CHUNK) * LIST_CHUNK  # a split's share from base
-    row_len = -(-(n_blocks + list_chunk) // LIST_CHUNK) * LIST_CHUNK  # TMA: 16-byte row strides
-    row_len = max(row_len, pallas_decode._next_pow2(n_blocks))  # the list kernel's scatter slots
-    rows, meta = pallas_decode._list_call(page_table, seq_lens, modes, support,
-                                          block_size=block_size, page_size=page_size,
-                                          row_len=row_len, interpret=interpret is not None)
+    list_launch = config.list_launch or interpret is not None
+    if list_launch:
+        list_len = -(-(split_blocks + LIST_ALIGN - 1) // LIST_CHUNK) * LIST_CHUNK  # a split's share from base
+        row_len = -(-(n_blocks + list_len) // LIST_CHUNK) * LIST_CHUNK  # TMA: 16-byte row strides
+        row_len = max(row_len, pallas_decode._next_pow2(n_blocks))  # the list kernel's scatter slots
+        list_refs = pallas_decode._list_call(page_table, seq_lens, modes, support,
+                                             block_size=block_size, page_size=page_size,
+                                             row_len=row_len, interpret=interpret is not None)
+    else:
+        list_len, list_refs = split_blocks, (support, page_table)
     blocks_pad = max(pallas_decode._next_pow2(n_blocks), tile_blocks)
     max_splits = rule.max_splits(block_size, n_blocks)
     splits_pad = pallas_decode._next_pow2(max_splits)
@@ -383,7 +506,8 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
                 jax.ShapeDtypeStruct((batch, heads, splits_pad), f32),  # m
                 jax.ShapeDtypeStruct((batch, heads, splits_pad), f32)]  # l
     stages = config.num_stages
-    scratch = [plgpu.SMEM((list_chunk,), jnp.int32),
+    scratch = [plgpu.SMEM((list_len,), jnp.int32), plgpu.SMEM((2,), jnp.int32),
+               plgpu.SMEM((WARPGROUP // 32,), jnp.int32),
                plgpu.SMEM((head_dim,), q.dtype),
                plgpu.SMEM((stages, tile_n, head_dim), k_pages.dtype, transforms=TILED),
                plgpu.SMEM((stages, tile_n, head_dim), v_pages.dtype, transforms=TILED),
@@ -394,16 +518,17 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
     if config.dots:
         scratch.append(plgpu.SMEM((DOT_ROWS, head_dim), q.dtype, transforms=TILED))
     kernel = functools.partial(
-        _split_kernel, block_size=block_size, tile_blocks=tile_blocks, split_blocks=split_blocks,
-        min_splits=rule.min_splits, num_stages=stages, group=heads // kv_heads,
-        scale=scale * LOG2E, dots=config.dots, interpret=interpret is not None)
+        _split_kernel, block_size=block_size, page_size=page_size, tile_blocks=tile_blocks,
+        split_blocks=split_blocks, min_splits=rule.min_splits, num_stages=stages,
+        group=heads // kv_heads, scale=scale * LOG2E, dots=config.dots, list_launch=list_launch,
+        interpret=interpret is not None)
     cache_blocks = num_pages * page_size // block_size
     k_rows = k_pages.reshape(cache_blocks, block_size, kv_heads, head_dim)
     v_rows = v_pages.reshape(cache_blocks, block_size, kv_heads, head_dim)
     partials = plgpu.kernel(
         kernel, out_type=out_type, grid=(batch, heads, max_splits), grid_names=("b", "h", "s"),
         scratch_types=scratch, interpret=interpret,
-    )(modes, rows, meta, q, k_rows, v_rows)
+    )(modes, seq_lens, *list_refs, q, k_rows, v_rows)
     return (None, *partials)  # pallas_decode's partials (its list output is not needed)
 
 
