@@ -186,7 +186,7 @@ def _layout(x, layout, interpret):
 
 
 def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k_ref, v_ref,
-                  stat_m_ref, stat_l_ref, acc_ref, m_ref, l_ref,
+                  stat_m_ref, stat_l_ref, acc_ref, m_ref, l_ref, counts_ref,
                   list_smem, meta_smem, totals_smem, q_smem, k_smem, v_smem, acc_smem, q_bar,
                   list_bar, k_bar, v_bar, *q_tile, block_size, page_size, tile_blocks,
                   split_blocks, min_splits, num_stages, group, scale, dots, list_launch,
@@ -198,7 +198,8 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
     rows (and its meta in page_table_ref's place); page_table int32[batch, max_pages]; q [batch,
     heads, head_dim]; k, v [num_pages * page_size // block_size, block_size, kv_heads,
     head_dim]; outputs as pallas_decode's partials: stat_m, stat_l [batch, heads, blocks_pad],
-    acc [batch, heads, splits_pad, head_dim], m, l [batch, heads, splits_pad]. SMEM: list_smem
+    acc [batch, heads, splits_pad, head_dim], m, l [batch, heads, splits_pad]; counts
+    int32[batch, heads] (n_listed, for the finish). SMEM: list_smem
     int32 (the split's list entries), meta_smem int32[2] (n_listed, tail keys), totals_smem
     int32[4] (per warp counts), q_smem [head_dim], k_smem, v_smem [num_stages, tile_n,
     head_dim] (tiled, swizzled), acc_smem [head_dim] f32; with dots, q_tile [DOT_ROWS,
@@ -207,6 +208,7 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
     b, h, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     mode = modes_ref[b]
     rule = dict(tile_blocks=tile_blocks, split_blocks=split_blocks, min_splits=min_splits)
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)  # while the list is read
     if list_launch:
         meta_ref = page_table_ref
         n_listed, tail_keys = meta_ref[b, h, 0], meta_ref[b, h, 1]
@@ -215,8 +217,14 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
             list_in_ref, page_table_ref, list_smem, meta_smem, totals_smem, b=b, h=h, s=s,
             mode=mode, seq_len=seq_lens_ref[b], block_size=block_size, page_size=page_size,
             **rule)
+
+    @pl.when(s == 0)
+    def _count():  # the row's list length, for the finish
+        counts_ref[b, h] = n_listed
+
     size = pallas_decode._split_size(n_listed, **rule)
     n_splits = jnp.maximum((n_listed + size - 1) // size, 1)
+    pl.when(s >= n_splits)(lambda: plgpu.barrier_wait(q_bar))  # no copy in flight at the exit
     discovering = (mode == wise_modes.DISCOVER) | (mode == wise_modes.DISCOVER_UNION)
     tile_n, head_dim = k_smem.shape[1], k_smem.shape[2]
     kv_head = h // group
@@ -231,11 +239,9 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
             plgpu.copy_gmem_to_smem(list_in_ref.at[b, h, pl.ds(base, list_smem.shape[0])],
                                     list_smem, list_bar)
             first = lo - base
+            plgpu.barrier_wait(list_bar)
         else:
             first = 0
-        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
-        if list_launch:
-            plgpu.barrier_wait(list_bar)
 
         def fetch(tile, slot):  # K and V of the tile's blocks into the slot (a missing one repeats the first)
             for j in range(tile_blocks):
@@ -335,14 +341,19 @@ def _list_in_kernel(support_ref, page_table_ref, list_smem, meta_smem, totals_sm
         lane, warp = arith.andi(thread, c(31)), arith.shrui(thread, c(5))
         n_causal = arith.minsi(cdiv(seq_len, block_size), c(n_blocks))
         every = cmp("ne", mode, c(wise_modes.SPARSE))
-        blocks, listed, count = [], [], c(0)
+        # Every global load first (one round trip): the blocks' bits, pages, the last block's bit.
+        listed, rows, count = [], [], c(0)
         for i in range(per):
-            block = arith.addi(arith.muli(thread, c(per)), c(i))
-            held = memref.load(support, at(b, h, arith.minsi(block, c(n_blocks - 1))))
-            on = arith.andi(cmp("slt", block, n_causal), arith.ori(every, held))
-            blocks.append(block)
+            block = arith.minsi(arith.addi(arith.muli(thread, c(per)), c(i)), c(n_blocks - 1))
+            held = memref.load(support, at(b, h, block))
+            page = memref.load(page_table, at(b, arith.divsi(block, c(per_page))))
+            rows.append(arith.addi(arith.muli(page, c(per_page)), arith.remsi(block, c(per_page))))
+            on = arith.andi(cmp("slt", arith.addi(arith.muli(thread, c(per)), c(i)), n_causal),
+                            arith.ori(every, held))
             listed.append(on)
             count = arith.addi(count, arith.extui(i32, on))
+        last = arith.subi(n_causal, c(1))  # only the last causal block can be partial
+        last_listed = arith.ori(every, memref.load(support, at(b, h, last)))
         scan = count  # inclusive, over the warp
         for d in (1, 2, 4, 8, 16):
             up = _shfl_up(scan, c(d), c(-1), c(0))
@@ -355,21 +366,17 @@ def _list_in_kernel(support_ref, page_table_ref, list_smem, meta_smem, totals_sm
             total = memref.load(totals, at(c(w)))
             n_listed = arith.addi(n_listed, total)
             entry = arith.addi(entry, arith.select(cmp("slt", c(w), warp), total, c(0)))
-        # pallas_decode._split_size
+        # pallas_decode._split_size (a test holds the two lists bitwise equal)
         n_splits = arith.maxsi(cdiv(n_listed, split_blocks), c(min_splits))
         per_split = arith.divsi(arith.addi(n_listed, arith.subi(n_splits, c(1))), n_splits)
         wanted = arith.muli(cdiv(per_split, tile_blocks), c(tile_blocks))
         size = arith.minsi(arith.maxsi(wanted, c(tile_blocks)), c(split_blocks))
         lo = arith.muli(s, size)
         hi = arith.minsi(arith.addi(lo, size), n_listed)
-        for block, on in zip(blocks, listed):
+        for row, on in zip(rows, listed):
             with mgpu_utils.when(arith.andi(on, arith.andi(cmp("sge", entry, lo), cmp("slt", entry, hi)))):
-                page = memref.load(page_table, at(b, arith.divsi(block, c(per_page))))
-                cache_block = arith.addi(arith.muli(page, c(per_page)), arith.remsi(block, c(per_page)))
-                memref.store(cache_block, entries, at(arith.subi(entry, lo)))
+                memref.store(row, entries, at(arith.subi(entry, lo)))
             entry = arith.addi(entry, arith.extui(i32, on))
-        last = arith.subi(n_causal, c(1))  # only the last causal block can be partial
-        last_listed = arith.ori(every, memref.load(support, at(b, h, last)))
         tail = arith.select(last_listed, arith.subi(seq_len, arith.muli(last, c(block_size))),
                             c(block_size))
         with mgpu_utils.when(cmp("eq", thread, c(0))):
@@ -504,7 +511,8 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
                 jax.ShapeDtypeStruct((batch, heads, blocks_pad), f32),  # stat_l
                 jax.ShapeDtypeStruct((batch, heads, splits_pad, head_dim), f32),  # acc
                 jax.ShapeDtypeStruct((batch, heads, splits_pad), f32),  # m
-                jax.ShapeDtypeStruct((batch, heads, splits_pad), f32)]  # l
+                jax.ShapeDtypeStruct((batch, heads, splits_pad), f32),  # l
+                jax.ShapeDtypeStruct((batch, heads), jnp.int32)]  # counts
     stages = config.num_stages
     scratch = [plgpu.SMEM((list_len,), jnp.int32), plgpu.SMEM((2,), jnp.int32),
                plgpu.SMEM((WARPGROUP // 32,), jnp.int32),
@@ -529,20 +537,21 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
         kernel, out_type=out_type, grid=(batch, heads, max_splits), grid_names=("b", "h", "s"),
         scratch_types=scratch, interpret=interpret,
     )(modes, seq_lens, *list_refs, q, k_rows, v_rows)
-    return (None, *partials)  # pallas_decode's partials (its list output is not needed)
+    *partials, counts = partials
+    return (None, *partials), counts  # pallas_decode's partials (its list output is not needed)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "eta", "scale", "all_blocks",
                                              "return_mass", "config", "interpret"))
 def _decode(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size, eta, scale,
             all_blocks, return_mass, config, interpret):
-    partials = _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support,
-                           block_size=block_size, scale=scale, config=config,
-                           interpret=interpret)
+    partials, counts = _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support,
+                                   block_size=block_size, scale=scale, config=config,
+                                   interpret=interpret)
     return tuple(pallas_decode._finish_call(
         seq_lens, modes, support, partials, out_dtype=q.dtype, block_size=block_size,
         config=config.split_rule(), eta=eta, all_blocks=all_blocks, return_mass=return_mass,
-        interpret=interpret is not None))
+        interpret=interpret is not None, counts=counts))
 
 
 # ---------------------------------------------------------------------------------------------

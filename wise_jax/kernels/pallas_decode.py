@@ -377,14 +377,20 @@ def _list_kernel(seq_lens_ref, modes_ref, support_ref, page_table_ref, rows_ref,
 
 
 def _finish_kernel(seq_lens_ref, modes_ref, support_ref, *refs, block_size, tile_blocks,
-                   split_blocks, min_splits, **finish):
-    """One (row, head) of _finish as its own launch (refs as _finish's)."""
+                   split_blocks, min_splits, counted, **finish):
+    """One (row, head) of _finish as its own launch (refs as _finish's, before them with
+    `counted` the split kernel's counts int32[batch, heads]: each row's list length, so the
+    row's bits need not be counted again)."""
     b, h = pl.program_id(0), pl.program_id(1)
-    blocks_pad = refs[0].shape[-1]
-    _, _, _, n_splits = _row_list(support_ref, b, h, seq_lens_ref[b], modes_ref[b],
-                                  block_size=block_size, blocks_pad=blocks_pad,
-                                  tile_blocks=tile_blocks, split_blocks=split_blocks,
-                                  min_splits=min_splits)
+    rule = dict(tile_blocks=tile_blocks, split_blocks=split_blocks, min_splits=min_splits)
+    if counted:
+        counts_ref, *refs = refs
+        n_listed = counts_ref[b, h]
+        size = _split_size(n_listed, **rule)
+        n_splits = jnp.maximum((n_listed + size - 1) // size, 1)
+    else:
+        _, _, _, n_splits = _row_list(support_ref, b, h, seq_lens_ref[b], modes_ref[b],
+                                      block_size=block_size, blocks_pad=refs[0].shape[-1], **rule)
     _finish(b, h, n_splits, seq_lens_ref, modes_ref, support_ref, *refs, block_size=block_size,
             volatile=False, **finish)
 
@@ -531,21 +537,24 @@ def _list_call(page_table, seq_lens, modes, support, *, block_size, page_size, r
 
 
 def _finish_call(seq_lens, modes, support, partials, *, out_dtype, block_size, config, eta,
-                 all_blocks, return_mass, interpret: bool):
+                 all_blocks, return_mass, interpret: bool, counts=None):
+    """The finish launch over (batch, heads); counts: the rows' list lengths int32[batch,
+    heads] (else counted from support)."""
     batch, heads, _, head_dim = partials[3].shape
     kernel = functools.partial(_finish_kernel, eta=eta, all_blocks=all_blocks,
-                               **_lists(block_size, config))
+                               counted=counts is not None, **_lists(block_size, config))
     out_shape = _finish_shapes(batch, heads, head_dim, support.shape[-1], out_dtype, return_mass)
+    args = [seq_lens, modes, support] + ([] if counts is None else [counts]) + list(partials[1:])
     return pl.pallas_call(
         kernel,
         grid=(batch, heads),
-        in_specs=[pl.BlockSpec()] * 8,
+        in_specs=[pl.BlockSpec()] * len(args),
         out_specs=[pl.BlockSpec()] * len(out_shape),
         out_shape=out_shape,
         compiler_params=_compiler_params(num_warps=4, num_stages=1),
         interpret=interpret,
         name="wise_decode_finish",
-    )(seq_lens, modes, support, *partials[1:])
+    )(*args)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "eta", "scale", "all_blocks",
