@@ -186,8 +186,9 @@ def _layout(x, layout, interpret):
 
 
 def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k_ref, v_ref,
-                  stat_m_ref, stat_l_ref, acc_ref, m_ref, l_ref, counts_ref,
-                  list_smem, meta_smem, totals_smem, q_smem, k_smem, v_smem, acc_smem, q_bar,
+                  stat_m_ref, stat_l_ref, acc_ref, m_ref, l_ref, counts_ref, out_ref,
+                  list_smem, meta_smem, totals_smem, q_smem, k_smem, v_smem, acc_smem, out_smem,
+                  q_bar,
                   list_bar, k_bar, v_bar, *q_tile, block_size, page_size, tile_blocks,
                   split_blocks, min_splits, num_stages, group, scale, dots, list_launch,
                   interpret):
@@ -199,10 +200,11 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
     heads, head_dim]; k, v [num_pages * page_size // block_size, block_size, kv_heads,
     head_dim]; outputs as pallas_decode's partials: stat_m, stat_l [batch, heads, blocks_pad],
     acc [batch, heads, splits_pad, head_dim], m, l [batch, heads, splits_pad]; counts
-    int32[batch, heads] (n_listed, for the finish). SMEM: list_smem
+    int32[batch, heads] (n_listed, for the finish); out [batch, heads, head_dim] (rows of one
+    split: the finish leaves them). SMEM: list_smem
     int32 (the split's list entries), meta_smem int32[2] (n_listed, tail keys), totals_smem
     int32[4] (per warp counts), q_smem [head_dim], k_smem, v_smem [num_stages, tile_n,
-    head_dim] (tiled, swizzled), acc_smem [head_dim] f32; with dots, q_tile [DOT_ROWS,
+    head_dim] (tiled, swizzled), acc_smem [head_dim] f32, out_smem [head_dim]; with dots, q_tile [DOT_ROWS,
     head_dim] (tiled, swizzled): q in row 0, zeros elsewhere.
     """
     b, h, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
@@ -262,7 +264,8 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
                                      n_listed=n_listed, tail_keys=tail_keys,
                                      discovering=discovering, block_size=block_size,
                                      tile_blocks=tile_blocks, num_stages=num_stages, scale=scale)
-            _store_split(m, l, acc, acc_smem, m_ref, l_ref, acc_ref, b=b, h=h, s=s)
+            _store_split(m, l, acc, acc_smem, out_smem, m_ref, l_ref, acc_ref, out_ref, b=b, h=h,
+                         s=s, alone=n_splits == 1)
             return
         q = _layout(q_smem[...], COL, interpret).astype(jnp.float32) * scale
         q_rows = lax.broadcast_in_dim(q, (tile_n, head_dim), [1])
@@ -299,8 +302,8 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
                 _layout(jnp.zeros((tile_n,), jnp.float32), ROW, interpret),
                 _layout(jnp.zeros((tile_n, head_dim), jnp.float32), plgpu.Layout.WGMMA, interpret))
         m, l, acc = lax.fori_loop(0, n_tiles, step, init)
-        _store_split(m, jnp.sum(l), jnp.sum(acc, axis=0), acc_smem, m_ref, l_ref, acc_ref,
-                     b=b, h=h, s=s)
+        _store_split(m, jnp.sum(l), jnp.sum(acc, axis=0), acc_smem, out_smem, m_ref, l_ref,
+                     acc_ref, out_ref, b=b, h=h, s=s, alone=n_splits == 1)
 
 
 def _list_in_kernel(support_ref, page_table_ref, list_smem, meta_smem, totals_smem, *, b, h, s,
@@ -414,13 +417,25 @@ def _store_block_stats(stat_m_ref, stat_l_ref, *, b, h, first, hi, tile_blocks, 
             stat_l_ref[b, h, first + j] = block_l(j)
 
 
-def _store_split(m, l, acc, acc_smem, m_ref, l_ref, acc_ref, *, b, h, s):
-    """A split's partials: its max m and sum l (scalars), its acc [head_dim] (through SMEM)."""
+def _store_split(m, l, acc, acc_smem, out_smem, m_ref, l_ref, acc_ref, out_ref, *, b, h, s,
+                 alone):
+    """A split's max m and sum l (scalars); its acc [head_dim] (through SMEM) or, for a row's
+    only split (alone), the output acc / l itself (the finish's merge of one split)."""
     m_ref[b, h, s] = m
     l_ref[b, h, s] = l
-    acc_smem[...] = acc
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(acc_smem, acc_ref.at[b, h, s])
+
+    @pl.when(alone)
+    def _output():
+        out_smem[...] = (acc / l).astype(out_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_ref.at[b, h])
+
+    @pl.when(jnp.logical_not(alone))
+    def _partial():
+        acc_smem[...] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(acc_smem, acc_ref.at[b, h, s])
+
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -512,14 +527,15 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
                 jax.ShapeDtypeStruct((batch, heads, splits_pad, head_dim), f32),  # acc
                 jax.ShapeDtypeStruct((batch, heads, splits_pad), f32),  # m
                 jax.ShapeDtypeStruct((batch, heads, splits_pad), f32),  # l
-                jax.ShapeDtypeStruct((batch, heads), jnp.int32)]  # counts
+                jax.ShapeDtypeStruct((batch, heads), jnp.int32),  # counts
+                jax.ShapeDtypeStruct((batch, heads, head_dim), q.dtype)]  # out (rows of one split)
     stages = config.num_stages
     scratch = [plgpu.SMEM((list_len,), jnp.int32), plgpu.SMEM((2,), jnp.int32),
                plgpu.SMEM((WARPGROUP // 32,), jnp.int32),
                plgpu.SMEM((head_dim,), q.dtype),
                plgpu.SMEM((stages, tile_n, head_dim), k_pages.dtype, transforms=TILED),
                plgpu.SMEM((stages, tile_n, head_dim), v_pages.dtype, transforms=TILED),
-               plgpu.SMEM((head_dim,), f32),
+               plgpu.SMEM((head_dim,), f32), plgpu.SMEM((head_dim,), q.dtype),
                plgpu.Barrier(), plgpu.Barrier(),
                plgpu.Barrier(num_arrivals=tile_blocks, num_barriers=stages),
                plgpu.Barrier(num_arrivals=tile_blocks, num_barriers=stages)]
@@ -537,21 +553,21 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
         kernel, out_type=out_type, grid=(batch, heads, max_splits), grid_names=("b", "h", "s"),
         scratch_types=scratch, interpret=interpret,
     )(modes, seq_lens, *list_refs, q, k_rows, v_rows)
-    *partials, counts = partials
-    return (None, *partials), counts  # pallas_decode's partials (its list output is not needed)
+    *partials, counts, out = partials
+    return (None, *partials), counts, out  # pallas_decode's partials (not its list output)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "eta", "scale", "all_blocks",
                                              "return_mass", "config", "interpret"))
 def _decode(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size, eta, scale,
             all_blocks, return_mass, config, interpret):
-    partials, counts = _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support,
-                                   block_size=block_size, scale=scale, config=config,
-                                   interpret=interpret)
+    partials, counts, out = _split_call(q, k_pages, v_pages, page_table, seq_lens, modes,
+                                        support, block_size=block_size, scale=scale,
+                                        config=config, interpret=interpret)
     return tuple(pallas_decode._finish_call(
         seq_lens, modes, support, partials, out_dtype=q.dtype, block_size=block_size,
         config=config.split_rule(), eta=eta, all_blocks=all_blocks, return_mass=return_mass,
-        interpret=interpret is not None, counts=counts))
+        interpret=interpret is not None, counts=counts, out=out))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -380,9 +380,12 @@ def _finish_kernel(seq_lens_ref, modes_ref, support_ref, *refs, block_size, tile
                    split_blocks, min_splits, counted, **finish):
     """One (row, head) of _finish as its own launch (refs as _finish's, before them with
     `counted` the split kernel's counts int32[batch, heads]: each row's list length, so the
-    row's bits need not be counted again)."""
+    row's bits need not be counted again; with `written` the split kernel's out, aliased to
+    this launch's out)."""
     b, h = pl.program_id(0), pl.program_id(1)
     rule = dict(tile_blocks=tile_blocks, split_blocks=split_blocks, min_splits=min_splits)
+    if finish.get("written"):
+        _, *refs = refs  # the input side of the aliased out
     if counted:
         counts_ref, *refs = refs
         n_listed = counts_ref[b, h]
@@ -397,30 +400,41 @@ def _finish_kernel(seq_lens_ref, modes_ref, support_ref, *refs, block_size, tile
 
 def _finish(b, h, n_splits, seq_lens_ref, modes_ref, support_ref, stat_m_ref, stat_l_ref, acc_ref,
             m_ref, l_ref, out_ref, support_out_ref, *mass_ref, block_size, eta, all_blocks,
-            volatile):
+            volatile, written=False):
     """Row b, head h: merge its n_splits splits; mass and selection of discovery rows.
 
     Whole refs: support, support_out, mass (present with return_mass) [batch, heads,
     max_blocks]; stat_m, stat_l [batch, heads, blocks_pad]; acc [batch, heads, splits_pad,
     head_dim]; m, l [batch, heads, splits_pad]; out [batch, heads, head_dim]. volatile: read
-    the partials past the L1 cache (other programs of this launch wrote them)."""
+    the partials past the L1 cache (other programs of this launch wrote them). written: the
+    split kernel wrote the output of rows of one split (out holds it; their acc is not stored)."""
+    index = jnp.arange(stat_m_ref.shape[-1], dtype=jnp.int32)
+    n_blocks = support_ref.shape[-1]
+    in_row = index < n_blocks
+    held = pl_triton.load(support_ref.at[b, h, index], mask=in_row, other=False)  # with the mode
     mode = modes_ref[b]
     discovering = (mode == wise_modes.DISCOVER) | (mode == wise_modes.DISCOVER_UNION)
-    n_blocks, blocks_pad = support_ref.shape[-1], stat_m_ref.shape[-1]
     n_causal = jnp.minimum((seq_lens_ref[b] + block_size - 1) // block_size, n_blocks)
+    merging = (n_splits > 1) if written else True  # this program writes the output
     split = jnp.arange(m_ref.shape[-1], dtype=jnp.int32)
-    ran = split < n_splits
+    ran = (split < n_splits) & (merging | discovering)
     m = pl_triton.load(m_ref.at[b, h, split], mask=ran, other=-jnp.inf, volatile=volatile)
     l = pl_triton.load(l_ref.at[b, h, split], mask=ran, other=0.0, volatile=volatile)
-    acc = pl_triton.load(acc_ref.at[b, h, :, :], mask=ran[:, None], other=0.0, volatile=volatile)
+    acc = pl_triton.load(acc_ref.at[b, h, :, :], mask=ran[:, None] & merging, other=0.0,
+                         volatile=volatile)
     m_max = jnp.max(m)
     m_top = jnp.where(m_max == -jnp.inf, 0.0, m_max)
     weight = jnp.exp2(m - m_top)  # 0 for splits without keys
     total = jnp.sum(weight * l)
-    out_ref[b, h, :] = (jnp.sum(weight[:, None] * acc, axis=0) / total).astype(out_ref.dtype)
 
-    index = jnp.arange(blocks_pad, dtype=jnp.int32)
-    in_row = index < n_blocks
+    def _output():
+        out_ref[b, h, :] = (jnp.sum(weight[:, None] * acc, axis=0) / total).astype(out_ref.dtype)
+
+    if written:
+        pl.when(merging)(_output)
+    else:
+        _output()
+
     has_stat = discovering & (index < n_causal)
     stat_m = pl_triton.load(stat_m_ref.at[b, h, index], mask=has_stat, other=0.0, volatile=volatile)
     stat_l = pl_triton.load(stat_l_ref.at[b, h, index], mask=has_stat, other=0.0, volatile=volatile)
@@ -430,7 +444,6 @@ def _finish(b, h, n_splits, seq_lens_ref, modes_ref, support_ref, stat_m_ref, st
 
     @pl.when(jnp.logical_not(discovering))
     def _keep_support():
-        held = pl_triton.load(support_ref.at[b, h, index], mask=in_row, other=False)
         pl_triton.store(support_out_ref.at[b, h, index], held, mask=in_row)
 
     @pl.when(discovering)
@@ -537,20 +550,24 @@ def _list_call(page_table, seq_lens, modes, support, *, block_size, page_size, r
 
 
 def _finish_call(seq_lens, modes, support, partials, *, out_dtype, block_size, config, eta,
-                 all_blocks, return_mass, interpret: bool, counts=None):
+                 all_blocks, return_mass, interpret: bool, counts=None, out=None):
     """The finish launch over (batch, heads); counts: the rows' list lengths int32[batch,
-    heads] (else counted from support)."""
+    heads] (else counted from support); out: the outputs the split kernel wrote for rows of
+    one split (`_finish`'s written; aliased to this launch's out)."""
     batch, heads, _, head_dim = partials[3].shape
     kernel = functools.partial(_finish_kernel, eta=eta, all_blocks=all_blocks,
-                               counted=counts is not None, **_lists(block_size, config))
+                               counted=counts is not None, written=out is not None,
+                               **_lists(block_size, config))
     out_shape = _finish_shapes(batch, heads, head_dim, support.shape[-1], out_dtype, return_mass)
-    args = [seq_lens, modes, support] + ([] if counts is None else [counts]) + list(partials[1:])
+    args = ([seq_lens, modes, support] + ([] if out is None else [out])
+            + ([] if counts is None else [counts]) + list(partials[1:]))
     return pl.pallas_call(
         kernel,
         grid=(batch, heads),
         in_specs=[pl.BlockSpec()] * len(args),
         out_specs=[pl.BlockSpec()] * len(out_shape),
         out_shape=out_shape,
+        input_output_aliases={} if out is None else {3: 0},
         compiler_params=_compiler_params(num_warps=4, num_stages=1),
         interpret=interpret,
         name="wise_decode_finish",
