@@ -3,28 +3,40 @@
 The contract and the split rule are `wise_jax.kernels.pallas_decode`'s (its docstring); this
 module runs the heavy part, the split kernel that reads the keys and values, as a Mosaic GPU
 kernel (`plgpu`, Hopper: TMA copies into a multi-stage shared-memory ring, mbarriers), for
-16-bit q/K/V with head_dim a multiple of 64. One call:
+16-bit q/K/V with head_dim a multiple of 64. One call is two launches, as the Triton kernel's:
 
-1. List (`pallas_decode._list_kernel`, a Triton-lowered launch over (batch, heads)): per
-   (row, head) the listed blocks' cache block indices in list order (every causal block, or
-   the causal blocks of a SPARSE head's support), their count and the valid keys of the last
-   listed block. Prefix sums have no Mosaic GPU lowering, so the list is its own launch (one
-   kernel; the XLA formulation it replaced took five to six fusions, ~12 us a call at 4K x 20
-   on an H200).
-2. Split kernel (Mosaic GPU), grid (batch, heads, max_splits), one warpgroup per program:
-   split `s` owns list entries [s * split_size, ...) as in pallas_decode (same `split_size`,
-   so a SPARSE row selecting every block has DENSE's splits). It copies its share of the list
-   to shared memory, then streams `tile_n` keys (tile_n / 32 blocks, one TMA copy of
-   [32, head_dim] per block, for K and for V, from the cache viewed as [cache blocks, 32,
-   kv_heads, head_dim], so the dynamic index is on an untiled dimension) through `num_stages`
-   slots, and computes each tile with layout-hinted reductions: scores = sum over head_dim of K (WGMMA
-   register layout) times q broadcast along the keys; an online softmax in base 2 whose
-   running max is the tile maximum; acc[key slot, :] += p * V row-wise, reduced over the key
-   slots once at the end of the split. Discovery rows store per block (its running max, its
-   sum of exponentials); outputs are computed as for DENSE, so DISCOVER is bitwise DENSE, and
-   a SPARSE row with every block selected has DENSE's list, splits and arithmetic.
-3. Finish: `pallas_decode`'s finish kernel (merge by maxima, mass, selection by sort + prefix
-   sum, support'), reading this kernel's partials in the same layout.
+1. Split kernel (Mosaic GPU), grid (batch, heads, max_splits), one warpgroup per program.
+   a. List (`_list_in_kernel`): Pallas on Mosaic GPU has no prefix sum, so this step is raw
+      Mosaic GPU code (`plgpu.inline_mgpu`), per thread: thread t owns blocks [t * per,
+      (t + 1) * per) of the row; it reads their support bits and page-table entries (one
+      round trip to memory, while q's copy is in flight), counts the blocks the row lists
+      (every causal block, or the causal blocks of a SPARSE head's support), and an inclusive
+      scan over the warp (shuffles) plus the four warp totals (shared memory) number them;
+      split `s` keeps list entries [s * split_size, ...) as in pallas_decode (same
+      `split_size`, so a SPARSE row selecting every block has DENSE's splits) as cache block
+      indices in shared memory. Split 0 stores the row's count for the finish.
+   b. Attend: `tile_n` keys at a time (tile_n / 32 blocks, one TMA copy of [32, head_dim] per
+      block, for K and for V, from the cache viewed as [cache blocks, 32, kv_heads,
+      head_dim], so the dynamic index is on an untiled dimension) through `num_stages` slots,
+      each tile computed with layout-hinted reductions: scores = sum over head_dim of K (WGMMA
+      register layout) times q broadcast along the keys; an online softmax in base 2 whose
+      running max is the tile maximum; acc[key slot, :] += p * V row-wise, reduced over the
+      key slots once at the end of the split. Discovery rows store per block (its running
+      max, its sum of exponentials); outputs are computed as for DENSE, so DISCOVER is bitwise
+      DENSE, and a SPARSE row with every block selected has DENSE's list, splits and
+      arithmetic. A split stores its (max, sum) and either its acc (the row has more splits)
+      or, for a row's only split, the output acc / sum itself (whatever the mode: the choice
+      depends on the list length only, so the bitwise equalities hold).
+2. Finish: `pallas_decode`'s finish kernel (merge by maxima, mass, selection by sort + prefix
+   sum, support'), reading this kernel's partials in the same layout and its counts (no
+   recount of the support), leaving the output of rows of one split as the split kernel wrote
+   it (the two launches' `out` is one buffer: an input-output alias).
+
+Interpreted (jax's GPU interpreter on a CPU), the list is `pallas_decode._list_kernel`, a
+Triton-lowered launch of its own that the split kernel copies its share from (a TMA copy from
+a 16-byte-aligned start): the interpreter does not run inline Mosaic GPU code.
+`MosaicConfig(list_launch=True)` takes that route on a GPU too; a gpu test holds the two
+routes' outputs bitwise equal in every mode.
 
 Routes tried (lowered with jax 0.10.2 on a CPU machine; run with jax 0.11.2 on an H200):
 - Layout-hinted reductions (above, the default): lower to Mosaic GPU for sm90
@@ -62,10 +74,25 @@ Routes tried (lowered with jax 0.10.2 on a CPU machine; run with jax 0.11.2 on a
   64 accumulator registers a thread; h200-2026-12-02/tile-sums/): ptxas still took 209 registers,
   and dense / sparse slowed to 161-203 / 35-53 us.
 
-What bounds it (H200, Nsight Compute on the sparse call at 4K x 20, 13 %): 233 registers a
-thread (no spills) and 70.7 KB of shared memory a program allow two programs (8 warps) an SM,
-12.5 % occupancy; the call's 320 listed splits fill 264 slots and a partial second wave, so the
-SMs are busy 70 % of the kernel's time, at 2.6 TB/s. Stalls: waiting on the TMA barriers
+- The list in the split kernel (`_list_in_kernel`, the default; h200-2026-12-02/list-in-kernel/,
+  list-in-kernel-final/): the list launch's ~2 us gone, the split kernel 0.2-1.8 us longer (its
+  programs now read the support and the page table before their first copies). Same run
+  against the list launch of the day before: dense 128.1 / 157.8 / 158.0 us against 132.4 /
+  163.0 / 163.1, sparse 29.5 / 34.0 / 33.1 against 31.2 / 36.9 / 35.5.
+- A quarter split of slack in the split rule (a remainder of up to split_blocks // 4 blocks
+  spread over the other splits: 33 blocks one split, not 18 + 15; h200-2026-12-02/tail-merge/,
+  `variant.diff`, not kept): slower where it saves programs the call needs to fill the SMs
+  (8K x 10 sparse 34.9 against 33.1 us: 160 programs; the Triton-lowered kernel's sparse 44.5 /
+  42.0 against 40.3 / 39.0 at 4K / 8K).
+- The output of a row's only split written by the split kernel (kept; h200-2026-12-02/
+  single-split-outputs/): the finish's profile at 4K x 20 sparse 2.5 against 3.0 us, elsewhere
+  within 0.2 us; the call times within the run-to-run spread (sparse 30.2 / 33.5 / 33.0, dense
+  128.1 / 157.9 / 158.1 us).
+
+What bounds it (H200, Nsight Compute on the sparse call at 4K x 20, 13 %, with the list
+launch): 233 registers a thread (no spills) and 70.7 KB of shared memory a program allow two
+programs (8 warps) an SM, 12.5 % occupancy; the call's 320 listed splits fill 264 slots and a
+partial second wave, so the SMs are busy 70 % of the kernel's time, at 2.6 TB/s. Stalls: waiting on the TMA barriers
 (long scoreboard) 33 % of samples, issuing 24 %, shared-memory loads 14 %. Dense, with 1,280
 splits, runs at 4.15 TB/s. Shorter splits do not help (`min_splits` 2-4 at 4K and 8K: from 4 %
 faster to 6 % slower; at 1K x 64, 2,048 one-tile programs instead of 1,024 two-tile ones cost
@@ -87,18 +114,19 @@ against 31.1 / 37.0 / 35.6, and more, shorter splits cost as much as here (1K x 
 `min_splits=2`: +14 us), so issuing the copies is not what bounds sparse. Sparse reads run at about
 3 TB/s against dense's 4.3 in either kernel (4K x 20), and not for the blocks' scatter: on the
 same share of contiguous blocks this kernel saves 0.7-1.1 us (sparse-contiguous/ there: 30.1 /
-36.2 / 34.6 us against 31.2 / 36.9 / 35.5). The list and finish launches take about 5 us a call.
+36.2 / 34.6 us against 31.2 / 36.9 / 35.5). The list and finish launches then took about 5 us a call.
 
-What ran fastest (benchmarks/results/h200-2026-12-01/kernels-fa4/, device time per call, 16
-heads x 128, bf16): `MosaicConfig()` (64-key tiles, 1024 keys a split, two stages, reductions).
-The call is the list (~2 us), the split kernel, the finish (3-6.5 us): dense 129.1 / 159.4 /
-159.3 us at 1K x 64 / 4K x 20 / 8K x 10 (0.91-0.92x the Triton kernel; 1.06 / 0.93 / 1.04x cuDNN
-SDPA; 0.97 / 0.94 / 0.76x FlashAttention-4 paged), sparse at 13 % 29.7 / 36.1 / 35.1 us (1.03 /
-1.10 / 1.12x Triton). At 8K x 10, 2048-key splits give sparse 31.2-31.5 us (one split a row, not
-32 + 1 blocks) but dense 164-165 us, so the default keeps 1024. With the even split rule (18 + 15
-blocks, not 32 + 1; h200-2026-12-02/kernels/): dense 132.5 / 162.8 / 163.2, sparse 31.3 / 36.8 /
-35.6 (0.93 / 0.93 / 0.92x and 1.09 / 1.12 / 1.13x that run's Triton; every baseline of that run
-was 1-3 % slower than the day before).
+What ran fastest: `MosaicConfig()` (64-key tiles, 1024 keys a split, two stages, reductions,
+the list in the kernel). benchmarks/results/h200-2026-12-02/single-split-outputs/ (the code of
+this module; device time per call, 16 heads x 128, bf16, 1K x 64 / 4K x 20 / 8K x 10): dense
+128.1 / 157.9 / 158.1 us (0.905 / 0.915 / 0.903x the Triton kernel, 1.050 / 0.926 / 1.022x
+cuDNN SDPA), sparse at 13 % 30.2 / 33.5 / 33.0 us (1.045 / 1.022 / 1.055x Triton, 0.985 / 1.095 /
+1.299x cuDNN SDPA on a contiguous 13 %); the run before it (list-in-kernel-final/): sparse
+29.5 / 34.0 / 33.1 (1.023 / 1.038 / 1.057x), dense 1.051x cuDNN at 1K x 64. The split kernel is
+most of the call (sparse 27.3 / 30.5 / 29.4 us, the finish 2.5-3.0). Against FlashAttention-4
+(paged; h200-2026-12-01/kernels-fa4/, the list as a launch then): dense 0.97 / 0.94 / 0.76x. At
+8K x 10, 2048-key splits gave sparse 31.2-31.5 us then (one split a row, not 32 + 1 blocks) but
+dense 164-165 us, so the default keeps 1024.
 """
 
 from __future__ import annotations

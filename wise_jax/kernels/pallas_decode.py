@@ -46,7 +46,8 @@ Backend. This module is the Pallas Triton lowering (`_compiler_params`), depreca
 0.11 but supported there, and the path CI checks: the tests run the kernels with
 `interpret=True`, lower them for CUDA to Triton IR and compile that IR for sm90 with the
 Triton compiler. `wise_jax.kernels.mosaic_decode` runs the split kernel on Mosaic GPU with
-this module's split rule, its list as a launch of its own (`_list_kernel`) and its finish;
+this module's split rule (listing its blocks itself; interpreted, from `_list_kernel`, a launch
+of its own) and its finish;
 `wise_jax.kernels.choice` picks between the two. The backend is one choice per call, for every
 row: a SPARSE row with every block selected must be bitwise DENSE, which two backends'
 arithmetic would not give.
@@ -353,7 +354,8 @@ def _split_kernel(seq_lens_ref, modes_ref, support_ref, page_table_ref, q_ref, k
 def _list_kernel(seq_lens_ref, modes_ref, support_ref, page_table_ref, rows_ref, meta_ref, *,
                  block_size, page_size):
     """Program (row b, head h): its whole list as cache blocks, for `mosaic_decode`'s split
-    kernel (step 1 of the module docstring as its own launch).
+    kernel when interpreted or with `MosaicConfig.list_launch` (step 1 of the module docstring
+    as its own launch).
 
     page_table_ref: [max_pages]; whole refs: support [batch, heads, max_blocks]; rows
     int32[batch, heads, row_len >= blocks_pad]: entry p < n_listed is the p-th listed block's
