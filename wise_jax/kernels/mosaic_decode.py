@@ -383,8 +383,10 @@ def _list_in_kernel(support_ref, page_table_ref, list_smem, meta_smem, totals_sm
                             arith.ori(every, held))
             listed.append(on)
             count = arith.addi(count, arith.extui(i32, on))
-        last = arith.subi(n_causal, c(1))  # only the last causal block can be partial
-        last_listed = arith.ori(every, memref.load(support, at(b, h, last)))
+        # Only the last causal block can be partial (none when seq_len is 0: a call that failed
+        # its checks under jit, whose outputs are NaN; block 0 is read then, unused).
+        last = arith.subi(n_causal, c(1))
+        last_listed = arith.ori(every, memref.load(support, at(b, h, arith.maxsi(last, c(0)))))
         scan = count  # inclusive, over the warp
         for d in (1, 2, 4, 8, 16):
             up = _shfl_up(scan, c(d), c(-1), c(0))

@@ -456,9 +456,9 @@ def _finish(b, h, n_splits, seq_lens_ref, modes_ref, support_ref, stat_m_ref, st
             order, kept = _select_ranked(mass, eta)
             keep = kept & (order < n_causal)  # NaN mass too: causal blocks only
         dst = order < n_blocks
-        held = pl_triton.load(support_ref.at[b, h, order],
+        union = pl_triton.load(support_ref.at[b, h, order],
                               mask=dst & (mode == wise_modes.DISCOVER_UNION), other=False)
-        pl_triton.store(support_out_ref.at[b, h, order], keep | held, mask=dst)
+        pl_triton.store(support_out_ref.at[b, h, order], keep | union, mask=dst)
 
 
 # ---------------------------------------------------------------------------------------------
