@@ -61,9 +61,9 @@ def test_interpreted_dense_matches_triton_lowering_and_rows_alone():
 
 
 def test_list_kernel_against_numpy():
-    """pallas_decode._list_kernel (the Mosaic path's list): per (row, head) the listed blocks'
-    cache blocks in order, their count and the valid keys of the last one, for every mode,
-    partial last blocks and rows shorter than the table."""
+    """pallas_decode._list_kernel (the Mosaic path's list when interpreted or with list_launch):
+    per (row, head) the listed blocks' cache blocks in order, their count and the valid keys of
+    the last one, for every mode, partial last blocks and rows shorter than the table."""
     rng = np.random.default_rng(3)
     batch, heads, page_size, max_pages = 5, 3, 64, 4
     per_page, n_blocks = page_size // BLOCK, max_pages * page_size // BLOCK
