@@ -101,11 +101,13 @@ def test_triton_ir_compiles_for_sm90(tmp_path, monkeypatch, fused_finish):
     assert kernels == (["split"] if fused_finish else ["finish", "split"])
 
 
-def test_mosaic_path_triton_kernels_compile_for_sm90(tmp_path, monkeypatch):
-    """mosaic_decode's Triton-lowered launches (the list and the finish) through to cubins."""
+@pytest.mark.parametrize("list_launch", [False, True])
+def test_mosaic_path_triton_kernels_compile_for_sm90(tmp_path, monkeypatch, list_launch):
+    """mosaic_decode's Triton-lowered launches (the finish; with list_launch also the list)
+    through to cubins."""
     from test_mosaic_decode import lower_for_cuda as lower_mosaic
     from wise_jax.kernels.mosaic_decode import MosaicConfig
     jax.clear_caches()
-    kernels = compile_kernels_for_sm90(tmp_path, monkeypatch,
-                                       lambda: lower_mosaic(20, 4096, MosaicConfig()))
-    assert kernels == ["finish", "list"]
+    config = MosaicConfig(list_launch=list_launch)
+    kernels = compile_kernels_for_sm90(tmp_path, monkeypatch, lambda: lower_mosaic(20, 4096, config))
+    assert kernels == (["finish", "list"] if list_launch else ["finish"])
