@@ -216,24 +216,23 @@ def _layout(x, layout, interpret):
 def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k_ref, v_ref,
                   stat_m_ref, stat_l_ref, acc_ref, m_ref, l_ref, counts_ref, out_ref,
                   list_smem, meta_smem, totals_smem, q_smem, k_smem, v_smem, acc_smem, out_smem,
-                  q_bar,
-                  list_bar, k_bar, v_bar, *q_tile, block_size, page_size, tile_blocks,
+                  q_bar, list_bar, k_bar, v_bar, *q_tile, block_size, page_size, tile_blocks,
                   split_blocks, min_splits, num_stages, group, scale, dots, list_launch,
                   interpret):
-    """Program (row b, head h, split s): step 2 of the module docstring.
+    """Program (row b, head h, split s): step 1 of the module docstring.
 
     GMEM: modes, seq_lens int32[batch]; list_in: support bool[batch, heads, max_blocks] (the
-    list in this kernel, `_list_in_kernel`) or, with list_launch, `pallas_decode._list_kernel`'s
-    rows (and its meta in page_table_ref's place); page_table int32[batch, max_pages]; q [batch,
+    list made here, `_list_in_kernel`) or, with list_launch, `pallas_decode._list_kernel`'s rows
+    (and its meta in page_table_ref's place); page_table int32[batch, max_pages]; q [batch,
     heads, head_dim]; k, v [num_pages * page_size // block_size, block_size, kv_heads,
     head_dim]; outputs as pallas_decode's partials: stat_m, stat_l [batch, heads, blocks_pad],
     acc [batch, heads, splits_pad, head_dim], m, l [batch, heads, splits_pad]; counts
     int32[batch, heads] (n_listed, for the finish); out [batch, heads, head_dim] (rows of one
-    split: the finish leaves them). SMEM: list_smem
-    int32 (the split's list entries), meta_smem int32[2] (n_listed, tail keys), totals_smem
-    int32[4] (per warp counts), q_smem [head_dim], k_smem, v_smem [num_stages, tile_n,
-    head_dim] (tiled, swizzled), acc_smem [head_dim] f32, out_smem [head_dim]; with dots, q_tile [DOT_ROWS,
-    head_dim] (tiled, swizzled): q in row 0, zeros elsewhere.
+    split: the finish leaves them). SMEM: list_smem int32 (the split's list entries), meta_smem
+    int32[2] (n_listed, tail keys), totals_smem int32[4] (per warp counts), q_smem [head_dim],
+    k_smem, v_smem [num_stages, tile_n, head_dim] (tiled, swizzled), acc_smem [head_dim] f32,
+    out_smem [head_dim]; with dots, q_tile [DOT_ROWS, head_dim] (tiled, swizzled): q in row 0,
+    zeros elsewhere.
     """
     b, h, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     mode = modes_ref[b]
@@ -336,7 +335,7 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
 
 def _list_in_kernel(support_ref, page_table_ref, list_smem, meta_smem, totals_smem, *, b, h, s,
                     mode, seq_len, block_size, page_size, tile_blocks, split_blocks, min_splits):
-    """Step 1 in the split kernel, per thread (raw Mosaic GPU code: `plgpu.inline_mgpu`; the
+    """Step 1a in the split kernel, per thread (raw Mosaic GPU code: `plgpu.inline_mgpu`; the
     interpreter does not run it). Thread t of the warpgroup owns blocks [t * per, (t + 1) * per):
     it counts the ones the row lists, an inclusive scan over the warp (shuffles) and the four
     warp totals (SMEM) give each block its list entry, and the entries of split s
