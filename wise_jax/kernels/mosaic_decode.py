@@ -251,8 +251,7 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
     def _count():  # the row's list length, for the finish
         counts_ref[b, h] = n_listed
 
-    size = pallas_decode._split_size(n_listed, **rule)
-    n_splits = jnp.maximum((n_listed + size - 1) // size, 1)
+    size, n_splits = pallas_decode._splits(n_listed, **rule)
     pl.when(s >= n_splits)(lambda: plgpu.barrier_wait(q_bar))  # no copy in flight at the exit
     discovering = (mode == wise_modes.DISCOVER) | (mode == wise_modes.DISCOVER_UNION)
     tile_n, head_dim = k_smem.shape[1], k_smem.shape[2]

@@ -155,9 +155,16 @@ def _row_list(support_ref, b, h, seq_len, mode, *, block_size, blocks_pad, tile_
                           mask=(index < n_causal) & (mode == wise_modes.SPARSE), other=False)
     listed = (held | (mode != wise_modes.SPARSE)) & (index < n_causal)
     n_listed = jnp.sum(listed.astype(jnp.int32))
+    return (listed, n_listed, *_splits(n_listed, tile_blocks=tile_blocks,
+                                       split_blocks=split_blocks, min_splits=min_splits))
+
+
+def _splits(n_listed, *, tile_blocks, split_blocks, min_splits):
+    """(split_size, n_splits) of a row listing n_listed blocks (`_split_size`; one split at
+    least, even for an empty list)."""
     size = _split_size(n_listed, tile_blocks=tile_blocks, split_blocks=split_blocks,
                        min_splits=min_splits)
-    return listed, n_listed, size, jnp.maximum((n_listed + size - 1) // size, 1)
+    return size, jnp.maximum((n_listed + size - 1) // size, 1)
 
 
 def _list_order(listed, n_listed, seq_len, *, block_size):
@@ -379,25 +386,23 @@ def _list_kernel(seq_lens_ref, modes_ref, support_ref, page_table_ref, rows_ref,
 
 
 def _finish_kernel(seq_lens_ref, modes_ref, support_ref, *refs, block_size, tile_blocks,
-                   split_blocks, min_splits, counted, **finish):
+                   split_blocks, min_splits, counted, written, **finish):
     """One (row, head) of _finish as its own launch (refs as _finish's, before them with
     `counted` the split kernel's counts int32[batch, heads]: each row's list length, so the
     row's bits need not be counted again; with `written` the split kernel's out, aliased to
     this launch's out)."""
     b, h = pl.program_id(0), pl.program_id(1)
     rule = dict(tile_blocks=tile_blocks, split_blocks=split_blocks, min_splits=min_splits)
-    if finish.get("written"):
+    if written:
         _, *refs = refs  # the input side of the aliased out
     if counted:
         counts_ref, *refs = refs
-        n_listed = counts_ref[b, h]
-        size = _split_size(n_listed, **rule)
-        n_splits = jnp.maximum((n_listed + size - 1) // size, 1)
+        _, n_splits = _splits(counts_ref[b, h], **rule)
     else:
         _, _, _, n_splits = _row_list(support_ref, b, h, seq_lens_ref[b], modes_ref[b],
                                       block_size=block_size, blocks_pad=refs[0].shape[-1], **rule)
     _finish(b, h, n_splits, seq_lens_ref, modes_ref, support_ref, *refs, block_size=block_size,
-            volatile=False, **finish)
+            volatile=False, written=written, **finish)
 
 
 def _finish(b, h, n_splits, seq_lens_ref, modes_ref, support_ref, stat_m_ref, stat_l_ref, acc_ref,
