@@ -425,10 +425,14 @@ def _finish(b, h, n_splits, seq_lens_ref, modes_ref, support_ref, stat_m_ref, st
     merging = (n_splits > 1) if written else True  # this program writes the output
     split = jnp.arange(m_ref.shape[-1], dtype=jnp.int32)
     ran = (split < n_splits) & (merging | discovering)
-    m = pl_triton.load(m_ref.at[b, h, split], mask=ran, other=-jnp.inf, volatile=volatile)
-    l = pl_triton.load(l_ref.at[b, h, split], mask=ran, other=0.0, volatile=volatile)
-    acc = pl_triton.load(acc_ref.at[b, h, :, :], mask=ran[:, None] & merging, other=0.0,
-                         volatile=volatile)
+    # The partials are loaded whole and masked after (unwritten entries are discarded by the
+    # select): the loads wait on the program id only, not on the count, mode and seq_len loads.
+    def load(ref):
+        return pl_triton.load(ref, volatile=volatile)
+
+    m = jnp.where(ran, load(m_ref.at[b, h, split]), -jnp.inf)
+    l = jnp.where(ran, load(l_ref.at[b, h, split]), 0.0)
+    acc = jnp.where(ran[:, None] & merging, load(acc_ref.at[b, h, :, :]), 0.0)
     m_max = jnp.max(m)
     m_top = jnp.where(m_max == -jnp.inf, 0.0, m_max)
     weight = jnp.exp2(m - m_top)  # 0 for splits without keys
@@ -443,8 +447,8 @@ def _finish(b, h, n_splits, seq_lens_ref, modes_ref, support_ref, stat_m_ref, st
         _output()
 
     has_stat = discovering & (index < n_causal)
-    stat_m = pl_triton.load(stat_m_ref.at[b, h, index], mask=has_stat, other=0.0, volatile=volatile)
-    stat_l = pl_triton.load(stat_l_ref.at[b, h, index], mask=has_stat, other=0.0, volatile=volatile)
+    stat_m = jnp.where(has_stat, load(stat_m_ref.at[b, h, index]), 0.0)
+    stat_l = jnp.where(has_stat, load(stat_l_ref.at[b, h, index]), 0.0)
     mass = jnp.where(has_stat, stat_l * jnp.exp2(stat_m - m_top) / total, 0.0)
     if mass_ref:
         pl_triton.store(mass_ref[0].at[b, h, index], mass, mask=in_row)
