@@ -88,6 +88,14 @@ Routes tried (lowered with jax 0.10.2 on a CPU machine; run with jax 0.11.2 on a
   single-split-outputs/): the finish's profile at 4K x 20 sparse 2.5 against 3.0 us, elsewhere
   within 0.2 us; the call times within the run-to-run spread (sparse 30.2 / 33.5 / 33.0, dense
   128.1 / 157.9 / 158.1 us).
+- The last block's bit taken from its owner thread's load (not a second load that waited on
+  seq_len's), and the acc copy waited for only until it has read SMEM (kept, one dependent load
+  and one wait fewer; h200-2026-12-02/list-loads/): the split kernel's profile unchanged (sparse
+  27.3 / 30.6 / 29.5 us), so the chain that bounds sparse is not in these.
+- The split rule swept again (h200-2026-12-02/list-loads/, split-sweep/): `min_splits=3` makes 8K
+  x 10 sparse 32.1 us against 32.9 (three splits of 12 / 12 / 9 blocks) and 1K / 4K sparse
+  slower (46.3 / 35.2 against 29.9 / 33.3); `split_keys=512`, with two or three stages, is slower
+  at every shape (sparse 33.5-37.7 us); `min_splits=2` and `num_stages=3` within 0.3 us.
 
 What bounds it (H200, Nsight Compute on the sparse call at 4K x 20, 13 %, with the list
 launch): 233 registers a thread (no spills) and 70.7 KB of shared memory a program allow two
@@ -117,13 +125,13 @@ same share of contiguous blocks this kernel saves 0.7-1.1 us (sparse-contiguous/
 36.2 / 34.6 us against 31.2 / 36.9 / 35.5). The list and finish launches then took about 5 us a call.
 
 What ran fastest: `MosaicConfig()` (64-key tiles, 1024 keys a split, two stages, reductions,
-the list in the kernel). benchmarks/results/h200-2026-12-02/single-split-outputs/ (the code of
-this module; device time per call, 16 heads x 128, bf16, 1K x 64 / 4K x 20 / 8K x 10): dense
-128.1 / 157.9 / 158.1 us (0.905 / 0.915 / 0.903x the Triton kernel, 1.050 / 0.926 / 1.022x
-cuDNN SDPA), sparse at 13 % 30.2 / 33.5 / 33.0 us (1.045 / 1.022 / 1.055x Triton, 0.985 / 1.095 /
-1.299x cuDNN SDPA on a contiguous 13 %); the run before it (list-in-kernel-final/): sparse
-29.5 / 34.0 / 33.1 (1.023 / 1.038 / 1.057x), dense 1.051x cuDNN at 1K x 64. The split kernel is
-most of the call (sparse 27.3 / 30.5 / 29.4 us, the finish 2.5-3.0). Against FlashAttention-4
+the list in the kernel). benchmarks/results/h200-2026-12-02/list-loads/ (the code of this
+module; device time per call, 16 heads x 128, bf16, 1K x 64 / 4K x 20 / 8K x 10): dense 129.7 /
+159.9 / 160.7 us (0.909 / 0.915 / 0.909x the Triton kernel, 1.044 / 0.917 / 1.023x cuDNN SDPA),
+sparse at 13 % 29.8 / 33.3 / 33.4 us (1.032 / 1.010 / 1.058x Triton, 0.966 / 1.079 / 1.290x
+cuDNN SDPA on a contiguous 13 %); the same code in split-sweep/: dense 127.7 / 157.4 / 157.9,
+sparse 29.9 / 33.3 / 32.9 (1.036 / 1.014 / 1.048x Triton). The split kernel is most of the call
+(sparse 27.3 / 30.6 / 29.5 us, the finish 2.2-2.9). Against FlashAttention-4
 (paged; h200-2026-12-01/kernels-fa4/, the list as a launch then): dense 0.97 / 0.94 / 0.76x. At
 8K x 10, 2048-key splits gave sparse 31.2-31.5 us then (one split a row, not 32 + 1 blocks) but
 dense 164-165 us, so the default keeps 1024.
@@ -368,23 +376,27 @@ def _list_in_kernel(support_ref, page_table_ref, list_smem, meta_smem, totals_sm
         b, h, s, mode, seq_len = map(scalar, (b, h, s, mode, seq_len))
         thread = arith.remui(mgpu_utils.thread_idx(), c(WARPGROUP))
         lane, warp = arith.andi(thread, c(31)), arith.shrui(thread, c(5))
+        # Every global load first, on addresses known at the start (one round trip): the
+        # blocks' bits and pages.
+        owned = [arith.addi(arith.muli(thread, c(per)), c(i)) for i in range(per)]
+        blocks = [arith.minsi(block, c(n_blocks - 1)) for block in owned]
+        bits = [memref.load(support, at(b, h, block)) for block in blocks]
+        pages = [memref.load(page_table, at(b, arith.divsi(block, c(per_page)))) for block in blocks]
         n_causal = arith.minsi(cdiv(seq_len, block_size), c(n_blocks))
         every = cmp("ne", mode, c(wise_modes.SPARSE))
-        # Every global load first (one round trip): the blocks' bits, pages, the last block's bit.
+        # Only the last causal block can be partial; its owner stores the last entry's valid
+        # keys (block 0's owner when seq_len is 0, a call that failed its checks under jit:
+        # nothing is listed then and the outputs are NaN).
+        last = arith.subi(n_causal, c(1))
         listed, rows, count = [], [], c(0)
-        for i in range(per):
-            block = arith.minsi(arith.addi(arith.muli(thread, c(per)), c(i)), c(n_blocks - 1))
-            held = memref.load(support, at(b, h, block))
-            page = memref.load(page_table, at(b, arith.divsi(block, c(per_page))))
+        for block, own, held, page in zip(blocks, owned, bits, pages):
             rows.append(arith.addi(arith.muli(page, c(per_page)), arith.remsi(block, c(per_page))))
-            on = arith.andi(cmp("slt", arith.addi(arith.muli(thread, c(per)), c(i)), n_causal),
-                            arith.ori(every, held))
+            on = arith.andi(cmp("slt", own, n_causal), arith.ori(every, held))
             listed.append(on)
             count = arith.addi(count, arith.extui(i32, on))
-        # Only the last causal block can be partial (none when seq_len is 0: a call that failed
-        # its checks under jit, whose outputs are NaN; block 0 is read then, unused).
-        last = arith.subi(n_causal, c(1))
-        last_listed = arith.ori(every, memref.load(support, at(b, h, arith.maxsi(last, c(0)))))
+            with mgpu_utils.when(cmp("eq", own, arith.maxsi(last, c(0)))):
+                tail = arith.subi(seq_len, arith.muli(last, c(block_size)))
+                memref.store(arith.select(on, tail, c(block_size)), meta, at(c(1)))
         scan = count  # inclusive, over the warp
         for d in (1, 2, 4, 8, 16):
             up = _shfl_up(scan, c(d), c(-1), c(0))
@@ -408,11 +420,8 @@ def _list_in_kernel(support_ref, page_table_ref, list_smem, meta_smem, totals_sm
             with mgpu_utils.when(arith.andi(on, arith.andi(cmp("sge", entry, lo), cmp("slt", entry, hi)))):
                 memref.store(row, entries, at(arith.subi(entry, lo)))
             entry = arith.addi(entry, arith.extui(i32, on))
-        tail = arith.select(last_listed, arith.subi(seq_len, arith.muli(last, c(block_size))),
-                            c(block_size))
         with mgpu_utils.when(cmp("eq", thread, c(0))):
             memref.store(n_listed, meta, at(c(0)))
-            memref.store(tail, meta, at(c(1)))
         mgpu_utils.warpgroup_barrier()
 
     body(support_ref, page_table_ref, list_smem, meta_smem, totals_smem, b, h, s, mode, seq_len)
@@ -464,7 +473,9 @@ def _store_split(m, l, acc, acc_smem, out_smem, m_ref, l_ref, acc_ref, out_ref, 
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(acc_smem, acc_ref.at[b, h, s])
 
-    plgpu.wait_smem_to_gmem(0)
+    # Until the copy has read its SMEM source: the program may end with the GMEM writes in
+    # flight (the launch's end orders them before the next one).
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _attend_dots(q_smem, q_tile, k_smem, v_smem, k_bar, v_bar, stat_m_ref, stat_l_ref, fetch, *,
