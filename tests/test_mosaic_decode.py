@@ -60,6 +60,20 @@ def test_interpreted_dense_matches_triton_lowering_and_rows_alone():
         assert np.array_equal(bits(x), bits(y))
 
 
+@pytest.mark.parametrize("rows", [2, 4])
+def test_interpreted_rows_bitwise_one_row(rows):
+    """MosaicConfig(rows): a program attending 2 or 4 heads, their tiles through one ring, gives
+    every output bitwise as one head a program (each head keeps its splits and arithmetic), in
+    every mode, with several splits a row, one-slot rings and rows without a split s."""
+    case = make_case(8, **COMBOS[MOSAIC_COMBOS[0]])
+    modes = [M.SPARSE, M.DISCOVER, M.DENSE, M.DISCOVER_UNION]
+    for config in (RING, SPLITS):
+        one = run(case, modes, impl=mosaic, config=config)
+        several = run(case, modes, impl=mosaic, config=dataclasses.replace(config, rows=rows))
+        for x, y in zip(several, one):
+            assert np.array_equal(bits(x), bits(y)), config
+
+
 def test_list_kernel_against_numpy():
     """pallas_decode._list_kernel (the Mosaic path's list when interpreted or with list_launch):
     per (row, head) the listed blocks' cache blocks in order, their count and the valid keys of
@@ -98,9 +112,16 @@ def test_rejects_what_it_does_not_take():
         MosaicConfig(dots=1)
     with pytest.raises(ValueError, match="MosaicConfig.list_launch"):
         MosaicConfig(list_launch="no")
+    with pytest.raises(ValueError, match="MosaicConfig.rows"):
+        MosaicConfig(rows=3)
+    with pytest.raises(ValueError, match="rows > 1 needs dots=False"):
+        MosaicConfig(rows=2, dots=True)
     case = make_case(6, **COMBOS[MOSAIC_COMBOS[0]])
     with pytest.raises(ValueError, match=r"dots=True\) needs a GPU"):
         run(case, [M.DENSE] * 4, impl=mosaic, config=MosaicConfig(dots=True), interpret=True)
+    with pytest.raises(ValueError, match=r"rows \(4\) must divide the heads \(2\)"):
+        run(make_case(6, **COMBOS["page128-gqa-d64-bf16"]), [M.DENSE] * 4, impl=mosaic,
+            config=MosaicConfig(rows=4))
 
 
 def test_kernel_choice_in_one_place(monkeypatch):
@@ -145,6 +166,8 @@ def lower_for_cuda(batch, ctx, config, heads=16, head_dim=128, page_size=128):
                                               (10, 8192, MosaicConfig(tile_n=128, split_keys=1024,
                                                                       min_splits=4, num_stages=2)),
                                               (20, 4096, MosaicConfig(dots=True)),
+                                              (64, 1024, MosaicConfig(rows=4)),
+                                              (20, 4096, MosaicConfig(rows=2, min_splits=3)),
                                               (10, 8192, MosaicConfig(tile_n=128, dots=True))])
 def test_lowers_to_mosaic_gpu(batch, ctx, config):
     text = lower_for_cuda(batch, ctx, config)
@@ -214,3 +237,20 @@ def test_gpu_list_in_kernel_bitwise_list_launch(name):
         in_kernel = run(case, modes, impl=mosaic, config=config)
         for x, y in zip(in_kernel, launched):
             assert np.array_equal(bits(x), bits(y)), config
+
+
+@pytest.mark.parametrize("name", GPU_MOSAIC)
+@on_gpu
+def test_gpu_rows_bitwise_one_row(name):
+    """MosaicConfig(rows=2, 4) against one head a program, both list routes: every output
+    bitwise, in every mode (the interpreted test covers the list launch only)."""
+    case = make_case(12, **GPU_COMBOS[name])
+    modes = [M.SPARSE, M.DISCOVER, M.DENSE, M.DISCOVER_UNION, M.SPARSE, M.DENSE, M.SPARSE, M.DISCOVER]
+    for config in (MosaicConfig(), MosaicConfig(min_splits=3), MosaicConfig(split_keys=256)):
+        one = run(case, modes, impl=mosaic, config=config)
+        for rows in (2, 4):
+            for list_launch in (False, True):
+                several = run(case, modes, impl=mosaic, config=dataclasses.replace(
+                    config, rows=rows, list_launch=list_launch))
+                for x, y in zip(several, one):
+                    assert np.array_equal(bits(x), bits(y)), (config, rows, list_launch)

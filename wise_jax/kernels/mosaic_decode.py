@@ -5,7 +5,10 @@ module runs the heavy part, the split kernel that reads the keys and values, as 
 kernel (`plgpu`, Hopper: TMA copies into a multi-stage shared-memory ring, mbarriers), for
 16-bit q/K/V with head_dim a multiple of 64. One call is two launches, as the Triton kernel's:
 
-1. Split kernel (Mosaic GPU), grid (batch, heads, max_splits), one warpgroup per program.
+1. Split kernel (Mosaic GPU), grid (batch, heads / rows, max_splits), one warpgroup per
+   program, which attends split s of `MosaicConfig.rows` consecutive heads (1 by default; with
+   more, steps a and b below run for each, 128 / rows threads listing each row and the rows'
+   tiles one after another through the one ring).
    a. List (`_list_in_kernel`): Pallas on Mosaic GPU has no prefix sum, so this step is raw
       Mosaic GPU code (`plgpu.inline_mgpu`), per thread: thread t owns blocks [t * per,
       (t + 1) * per) of the row; it reads their support bits and page-table entries (one
@@ -96,6 +99,13 @@ Routes tried (lowered with jax 0.10.2 on a CPU machine; run with jax 0.11.2 on a
   x 10 sparse 32.1 us against 32.9 (three splits of 12 / 12 / 9 blocks) and 1K / 4K sparse
   slower (46.3 / 35.2 against 29.9 / 33.3); `split_keys=512`, with two or three stages, is slower
   at every shape (sparse 33.5-37.7 us); `min_splits=2` and `num_stages=3` within 0.3 us.
+- Several heads a program (`MosaicConfig(rows=2 or 4)`, kept as a launch setting; each head keeps
+  its splits and arithmetic, so every output is bitwise that of rows=1; h200-2026-12-02/rows/):
+  with rows=4, 1K x 64 sparse 27.7 us against 29.8 (0.962x the Triton kernel's 28.8: 256
+  programs of about ten tiles, one wave, in place of 1,024 of two or three), but dense there
+  131.2 against 127.7, and at 4K x 20 / 8K x 10 (a quarter of the programs) dense 224.7 / 223.6
+  and sparse 64.9 / 66.1; rows=2: 1K x 64 sparse 29.5, dense 128.8, 4K / 8K sparse 36.9 / 37.2.
+  One launch serves dense and sparse rows alike, so the default stays 1.
 
 What bounds it (H200, Nsight Compute on the sparse call at 4K x 20, 13 %, with the list
 launch): 233 registers a thread (no spills) and 70.7 KB of shared memory a program allow two
@@ -176,7 +186,9 @@ class MosaicConfig:
     Triton kernel's mha_dots; else layout-hinted reductions). dots is slower on an H200 (module
     docstring) and runs on a GPU only (jax's GPU interpreter does not run wgmma on its operands).
     list_launch: the block list as a launch of its own (`pallas_decode._list_kernel`), always so
-    when interpreted; else each program lists its split's blocks itself (`_list_in_kernel`)."""
+    when interpreted; else each program lists its split's blocks itself (`_list_in_kernel`).
+    rows: heads a program attends (1, 2 or 4: consecutive heads of one sequence, split s of
+    each, their tiles through one ring), for calls of many short rows (reductions only)."""
 
     tile_n: int = 64
     split_keys: int = 1024
@@ -184,6 +196,7 @@ class MosaicConfig:
     num_stages: int = 2
     dots: bool = False
     list_launch: bool = False
+    rows: int = 1
 
     def __post_init__(self) -> None:
         for name in ("tile_n", "split_keys"):
@@ -197,6 +210,10 @@ class MosaicConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"MosaicConfig.{name} must be a positive integer, got {value!r}")
+        if isinstance(self.rows, bool) or self.rows not in (1, 2, 4):
+            raise ValueError(f"MosaicConfig.rows must be 1, 2 or 4, got {self.rows!r}")
+        if self.rows > 1 and self.dots:
+            raise ValueError("MosaicConfig.rows > 1 needs dots=False")
         for name in ("dots", "list_launch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MosaicConfig.{name} must be a bool, got {getattr(self, name)!r}")
@@ -227,7 +244,8 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
                   q_bar, list_bar, k_bar, v_bar, *q_tile, block_size, page_size, tile_blocks,
                   split_blocks, min_splits, num_stages, group, scale, dots, list_launch,
                   interpret):
-    """Program (row b, head h, split s): step 1 of the module docstring.
+    """Program (sequence b, heads [p * rows, (p + 1) * rows), split s): step 1 of the module
+    docstring for split s of each of its rows, their tiles one after another through one ring.
 
     GMEM: modes, seq_lens int32[batch]; list_in: support bool[batch, heads, max_blocks] (the
     list made here, `_list_in_kernel`) or, with list_launch, `pallas_decode._list_kernel`'s rows
@@ -236,125 +254,175 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
     head_dim]; outputs as pallas_decode's partials: stat_m, stat_l [batch, heads, blocks_pad],
     acc [batch, heads, splits_pad, head_dim], m, l [batch, heads, splits_pad]; counts
     int32[batch, heads] (n_listed, for the finish); out [batch, heads, head_dim] (rows of one
-    split: the finish leaves them). SMEM: list_smem int32 (the split's list entries), meta_smem
-    int32[2] (n_listed, tail keys), totals_smem int32[4] (per warp counts), q_smem [head_dim],
-    k_smem, v_smem [num_stages, tile_n, head_dim] (tiled, swizzled), acc_smem [head_dim] f32,
-    out_smem [head_dim]; with dots, q_tile [DOT_ROWS, head_dim] (tiled, swizzled): q in row 0,
-    zeros elsewhere.
+    split: the finish leaves them). SMEM: list_smem int32[rows, ...] (each row's split entries),
+    meta_smem int32[rows, 2] (n_listed, tail keys), totals_smem int32[4] (per warp counts), q_smem
+    [rows, head_dim], k_smem, v_smem [num_stages, tile_n, head_dim] (tiled, swizzled), acc_smem
+    [head_dim] f32, out_smem [head_dim]; with dots (rows == 1), q_tile [DOT_ROWS, head_dim]
+    (tiled, swizzled): q in row 0, zeros elsewhere.
     """
-    b, h, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
+    b, p, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
+    n_rows = q_smem.shape[0]
+    heads = [p * n_rows + g for g in range(n_rows)]
     mode = modes_ref[b]
     rule = dict(tile_blocks=tile_blocks, split_blocks=split_blocks, min_splits=min_splits)
-    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)  # while the list is read
+    for g, h in enumerate(heads):  # while the lists are read
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem.at[g], q_bar)
     if list_launch:
         meta_ref = page_table_ref
-        n_listed, tail_keys = meta_ref[b, h, 0], meta_ref[b, h, 1]
-    else:  # the split's entries land in list_smem[0, hi - lo)
-        n_listed, tail_keys = _list_in_kernel(
-            list_in_ref, page_table_ref, list_smem, meta_smem, totals_smem, b=b, h=h, s=s,
+        lists = [(meta_ref[b, h, 0], meta_ref[b, h, 1]) for h in heads]
+    else:  # split s's entries of row g land in list_smem[g, 0 : hi - lo)
+        lists = _list_in_kernel(
+            list_in_ref, page_table_ref, list_smem, meta_smem, totals_smem, b=b, p=p, s=s,
             mode=mode, seq_len=seq_lens_ref[b], block_size=block_size, page_size=page_size,
             **rule)
-
-    @pl.when(s == 0)
-    def _count():  # the row's list length, for the finish
-        counts_ref[b, h] = n_listed
-
-    size, n_splits = pallas_decode._splits(n_listed, **rule)
-    pl.when(s >= n_splits)(lambda: plgpu.barrier_wait(q_bar))  # no copy in flight at the exit
-    discovering = (mode == wise_modes.DISCOVER) | (mode == wise_modes.DISCOVER_UNION)
-    tile_n, head_dim = k_smem.shape[1], k_smem.shape[2]
-    kv_head = h // group
-
-    @pl.when(s < n_splits)
-    def _attend():
+    rows = []
+    for h, (n_listed, tail_keys) in zip(heads, lists):
+        pl.when(s == 0)(functools.partial(_store_count, counts_ref, b, h, n_listed))
+        size, n_splits = pallas_decode._splits(n_listed, **rule)
         lo = s * size
         hi = jnp.minimum(lo + size, n_listed)
-        n_tiles = (hi - lo + tile_blocks - 1) // tile_blocks
-        if list_launch:  # the split's share of the launch's list, from a 16-byte-aligned start
-            base = pl.multiple_of(lo // LIST_ALIGN * LIST_ALIGN, LIST_ALIGN)
-            plgpu.copy_gmem_to_smem(list_in_ref.at[b, h, pl.ds(base, list_smem.shape[0])],
-                                    list_smem, list_bar)
-            first = lo - base
-            plgpu.barrier_wait(list_bar)
-        else:
-            first = 0
+        active = s < n_splits
+        rows.append(dict(h=h, n_listed=n_listed, tail_keys=tail_keys, lo=lo, hi=hi, active=active,
+                         n_tiles=jnp.where(active, (hi - lo + tile_blocks - 1) // tile_blocks, 0),
+                         alone=n_splits == 1, first=jnp.int32(0)))
+    if list_launch:  # each row's share of the launch's list, from a 16-byte-aligned start
+        for g, row in enumerate(rows):
+            base = jnp.where(row["active"], row["lo"] // LIST_ALIGN * LIST_ALIGN, 0)
+            base = pl.multiple_of(base, LIST_ALIGN)
+            plgpu.copy_gmem_to_smem(
+                list_in_ref.at[b, row["h"], pl.ds(base, list_smem.shape[1])], list_smem.at[g],
+                list_bar)
+            row["first"] = row["lo"] - base
+        plgpu.barrier_wait(list_bar)
+    offsets = [jnp.int32(0)]
+    for row in rows:
+        offsets.append(offsets[-1] + row["n_tiles"])
+    n_tiles = offsets[-1]  # the program's tiles, row after row
 
-        def fetch(tile, slot):  # K and V of the tile's blocks into the slot (a missing one repeats the first)
-            for j in range(tile_blocks):
-                entry = tile * tile_blocks + j
-                cache_block = list_smem[first + jnp.where(lo + entry < hi, entry, 0)]
-                keys = pl.ds(j * block_size, block_size)
-                plgpu.copy_gmem_to_smem(k_ref.at[cache_block, :, kv_head],
-                                        k_smem.at[slot, keys], k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[cache_block, :, kv_head],
-                                        v_smem.at[slot, keys], v_bar.at[slot])
+    def locate(tile):  # (row index, the row's values, its tile) of one of the program's tiles
+        g = sum((tile >= offset).astype(jnp.int32) for offset in offsets[1:-1])
+        row = {name: _pick([r[name] for r in rows], g) for name in rows[0]}
+        return g, row, tile - _pick(offsets[:-1], g)
 
-        for i in range(num_stages):
-            pl.when(i < n_tiles)(functools.partial(fetch, i, i))
-        plgpu.barrier_wait(q_bar)
-        if dots:
-            m, l, acc = _attend_dots(q_smem, q_tile[0], k_smem, v_smem, k_bar, v_bar, stat_m_ref,
-                                     stat_l_ref, fetch, b=b, h=h, lo=lo, hi=hi, n_tiles=n_tiles,
-                                     n_listed=n_listed, tail_keys=tail_keys,
-                                     discovering=discovering, block_size=block_size,
-                                     tile_blocks=tile_blocks, num_stages=num_stages, scale=scale)
-            _store_split(m, l, acc, acc_smem, out_smem, m_ref, l_ref, acc_ref, out_ref, b=b, h=h,
-                         s=s, alone=n_splits == 1)
-            return
-        q = _layout(q_smem[...], COL, interpret).astype(jnp.float32) * scale
-        q_rows = lax.broadcast_in_dim(q, (tile_n, head_dim), [1])
-        slot_keys = _layout(lax.broadcasted_iota(jnp.int32, (tile_n,), 0), ROW, interpret)
-        slot_block = slot_keys // block_size
+    discovering = (mode == wise_modes.DISCOVER) | (mode == wise_modes.DISCOVER_UNION)
+    tile_n, head_dim = k_smem.shape[1], k_smem.shape[2]
 
-        def step(t, carry):
-            m, l, acc = carry  # scalar, [tile_n] (per key slot), [tile_n, head_dim]
-            slot = lax.rem(t, num_stages)
-            # Scores while V lands; V is read once K is dead (fewer live registers).
-            plgpu.barrier_wait(k_bar.at[slot])
-            k = k_smem.at[slot][...].astype(jnp.float32)
-            ok = _valid_keys(lo + t * tile_blocks, slot_keys, hi=hi, n_listed=n_listed,
-                             tail_keys=tail_keys, block_size=block_size)
-            scores = jnp.where(ok, jnp.sum(k * q_rows, axis=1), -jnp.inf)
-            plgpu.barrier_wait(v_bar.at[slot])
-            v = v_smem.at[slot][...].astype(jnp.float32)
-            # Refill the slot (the copy waits for every thread's loads of it).
-            pl.when(t + num_stages < n_tiles)(functools.partial(fetch, t + num_stages, slot))
-            m_new = jnp.maximum(m, jnp.max(scores))
-            m_base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2(m - m_base)
-            p = jnp.exp2(scores - m_base)
+    def fetch(tile, slot):  # K and V of the tile's blocks into the slot (a missing one repeats the first)
+        g, row, t = locate(tile)
+        kv_head = row["h"] // group
+        for j in range(tile_blocks):
+            entry = t * tile_blocks + j
+            entry = jnp.where(row["lo"] + entry < row["hi"], entry, 0)
+            cache_block = list_smem[g, row["first"] + entry]
+            keys = pl.ds(j * block_size, block_size)
+            plgpu.copy_gmem_to_smem(k_ref.at[cache_block, :, kv_head], k_smem.at[slot, keys],
+                                    k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[cache_block, :, kv_head], v_smem.at[slot, keys],
+                                    v_bar.at[slot])
 
-            pl.when(discovering)(functools.partial(
-                _store_block_stats, stat_m_ref, stat_l_ref, b=b, h=h, first=lo + t * tile_blocks,
-                hi=hi, tile_blocks=tile_blocks, block_m=lambda: m_base,
-                block_l=lambda j: jnp.sum(jnp.where(slot_block == j, p, 0.0))))
+    for i in range(num_stages):
+        pl.when(i < n_tiles)(functools.partial(fetch, i, i))
+    plgpu.barrier_wait(q_bar)
 
-            acc = acc * alpha + lax.broadcast_in_dim(p, acc.shape, [0]) * v
-            return m_new, l * alpha + p, acc
+    def store(row, m, l, acc):
+        _store_split(m, l, acc, acc_smem, out_smem, m_ref, l_ref, acc_ref, out_ref, b=b,
+                     h=row["h"], s=s, alone=row["alone"])
 
-        init = (jnp.float32(-jnp.inf),
-                _layout(jnp.zeros((tile_n,), jnp.float32), ROW, interpret),
-                _layout(jnp.zeros((tile_n, head_dim), jnp.float32), plgpu.Layout.WGMMA, interpret))
-        m, l, acc = lax.fori_loop(0, n_tiles, step, init)
-        _store_split(m, jnp.sum(l), jnp.sum(acc, axis=0), acc_smem, out_smem, m_ref, l_ref,
-                     acc_ref, out_ref, b=b, h=h, s=s, alone=n_splits == 1)
+    if dots:
+        row = rows[0]
+        m, l, acc = _attend_dots(q_smem.at[0], q_tile[0], k_smem, v_smem, k_bar, v_bar, stat_m_ref,
+                                 stat_l_ref, fetch, b=b, h=row["h"], lo=row["lo"], hi=row["hi"],
+                                 n_tiles=n_tiles, n_listed=row["n_listed"],
+                                 tail_keys=row["tail_keys"], discovering=discovering,
+                                 block_size=block_size, tile_blocks=tile_blocks,
+                                 num_stages=num_stages, scale=scale)
+        pl.when(row["active"])(functools.partial(store, row, m, l, acc))
+        return
+
+    def q_rows(g):  # q of row g, scaled, along the tile's keys
+        q = _layout(q_smem.at[g][...], COL, interpret).astype(jnp.float32) * scale
+        return lax.broadcast_in_dim(q, (tile_n, head_dim), [1])
+
+    q_first = q_rows(0) if n_rows == 1 else None
+    slot_keys = _layout(lax.broadcasted_iota(jnp.int32, (tile_n,), 0), ROW, interpret)
+    slot_block = slot_keys // block_size
+    init = (jnp.float32(-jnp.inf),
+            _layout(jnp.zeros((tile_n,), jnp.float32), ROW, interpret),
+            _layout(jnp.zeros((tile_n, head_dim), jnp.float32), plgpu.Layout.WGMMA, interpret))
+
+    def step(tile, carry):
+        g, row, t = locate(tile)
+        m, l, acc = carry  # scalar, [tile_n] (per key slot), [tile_n, head_dim]
+        if n_rows > 1:  # a row's first tile starts afresh
+            m, l, acc = lax.cond(t == 0, lambda: init, lambda: (m, l, acc))
+        slot = lax.rem(tile, num_stages)
+        # Scores while V lands; V is read once K is dead (fewer live registers).
+        plgpu.barrier_wait(k_bar.at[slot])
+        k = k_smem.at[slot][...].astype(jnp.float32)
+        first = row["lo"] + t * tile_blocks
+        ok = _valid_keys(first, slot_keys, hi=row["hi"], n_listed=row["n_listed"],
+                         tail_keys=row["tail_keys"], block_size=block_size)
+        q = q_first if n_rows == 1 else q_rows(g)
+        scores = jnp.where(ok, jnp.sum(k * q, axis=1), -jnp.inf)
+        plgpu.barrier_wait(v_bar.at[slot])
+        v = v_smem.at[slot][...].astype(jnp.float32)
+        # Refill the slot (the copy waits for every thread's loads of it).
+        pl.when(tile + num_stages < n_tiles)(functools.partial(fetch, tile + num_stages, slot))
+        m_new = jnp.maximum(m, jnp.max(scores))
+        m_base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - m_base)
+        p = jnp.exp2(scores - m_base)
+
+        pl.when(discovering)(functools.partial(
+            _store_block_stats, stat_m_ref, stat_l_ref, b=b, h=row["h"], first=first,
+            hi=row["hi"], tile_blocks=tile_blocks, block_m=lambda: m_base,
+            block_l=lambda j: jnp.sum(jnp.where(slot_block == j, p, 0.0))))
+
+        acc = acc * alpha + lax.broadcast_in_dim(p, acc.shape, [0]) * v
+        l = l * alpha + p
+        if n_rows > 1:  # the row's last tile stores its split
+            pl.when(t == row["n_tiles"] - 1)(
+                lambda: store(row, m_new, jnp.sum(l), jnp.sum(acc, axis=0)))
+        return m_new, l, acc
+
+    m, l, acc = lax.fori_loop(0, n_tiles, step, init)
+    if n_rows == 1:
+        pl.when(rows[0]["active"])(lambda: store(rows[0], m, jnp.sum(l), jnp.sum(acc, axis=0)))
+        return
+    for row in rows:  # a row with no keys listed (outputs NaN)
+        pl.when(row["active"] & (row["n_tiles"] == 0))(
+            lambda row=row: store(row, init[0], jnp.sum(init[1]), jnp.sum(init[2], axis=0)))
 
 
-def _list_in_kernel(support_ref, page_table_ref, list_smem, meta_smem, totals_smem, *, b, h, s,
+def _store_count(counts_ref, b, h, n_listed):
+    counts_ref[b, h] = n_listed
+
+
+def _pick(values, g):
+    """values[g] for a traced g in [0, len(values))."""
+    out = values[0]
+    for k in range(1, len(values)):
+        out = jnp.where(g == k, values[k], out)
+    return out
+
+
+def _list_in_kernel(support_ref, page_table_ref, list_smem, meta_smem, totals_smem, *, b, p, s,
                     mode, seq_len, block_size, page_size, tile_blocks, split_blocks, min_splits):
     """Step 1a in the split kernel, per thread (raw Mosaic GPU code: `plgpu.inline_mgpu`; the
-    interpreter does not run it). Thread t of the warpgroup owns blocks [t * per, (t + 1) * per):
-    it counts the ones the row lists, an inclusive scan over the warp (shuffles) and the four
-    warp totals (SMEM) give each block its list entry, and the entries of split s
-    (pallas_decode._split_size of the row's count) are written to list_smem[entry - lo] as
-    cache blocks (page-table entry * blocks a page + block within the page). Returns (n_listed,
-    valid keys of the last entry) as `pallas_decode._list_kernel`'s meta."""
-    n_blocks = support_ref.shape[-1]
-    per = -(-n_blocks // WARPGROUP)
+    interpreter does not run it), for the program's rows (heads p * rows + g, rows =
+    list_smem.shape[0]), 128 // rows threads a row. Thread t of row g owns its blocks [t * per,
+    (t + 1) * per): it counts the ones the row lists, an inclusive scan over the warp (shuffles)
+    and the row's warp totals (SMEM) give each block its list entry, and the entries of split s
+    (pallas_decode._split_size of the row's count) are written to list_smem[g, entry - lo] as
+    cache blocks (page-table entry * blocks a page + block within the page). Returns per row
+    (n_listed, valid keys of the last entry) as `pallas_decode._list_kernel`'s meta."""
+    n_rows, n_blocks = list_smem.shape[0], support_ref.shape[-1]
+    row_threads = WARPGROUP // n_rows
+    per = -(-n_blocks // row_threads)
     per_page = page_size // block_size
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 5 + (SCALAR,) * 5)
-    def body(_, support, page_table, entries, meta, totals, b, h, s, mode, seq_len):
+    def body(_, support, page_table, entries, meta, totals, b, p, s, mode, seq_len):
         i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
 
         def c(value):
@@ -373,9 +441,11 @@ def _list_in_kernel(support_ref, page_table_ref, list_smem, meta_smem, totals_sm
         def cdiv(x, d):  # x >= 0
             return arith.divsi(arith.addi(x, c(d - 1)), c(d))
 
-        b, h, s, mode, seq_len = map(scalar, (b, h, s, mode, seq_len))
-        thread = arith.remui(mgpu_utils.thread_idx(), c(WARPGROUP))
-        lane, warp = arith.andi(thread, c(31)), arith.shrui(thread, c(5))
+        b, p, s, mode, seq_len = map(scalar, (b, p, s, mode, seq_len))
+        wg_thread = arith.remui(mgpu_utils.thread_idx(), c(WARPGROUP))
+        lane, warp = arith.andi(wg_thread, c(31)), arith.shrui(wg_thread, c(5))
+        g, thread = arith.divui(wg_thread, c(row_threads)), arith.remui(wg_thread, c(row_threads))
+        h = arith.addi(arith.muli(p, c(n_rows)), g)
         # Every global load first, on addresses known at the start (one round trip): the
         # blocks' bits and pages.
         owned = [arith.addi(arith.muli(thread, c(per)), c(i)) for i in range(per)]
@@ -388,15 +458,16 @@ def _list_in_kernel(support_ref, page_table_ref, list_smem, meta_smem, totals_sm
         # keys (block 0's owner when seq_len is 0, a call that failed its checks under jit:
         # nothing is listed then and the outputs are NaN).
         last = arith.subi(n_causal, c(1))
-        listed, rows, count = [], [], c(0)
+        listed, cache_blocks, count = [], [], c(0)
         for block, own, held, page in zip(blocks, owned, bits, pages):
-            rows.append(arith.addi(arith.muli(page, c(per_page)), arith.remsi(block, c(per_page))))
+            cache_blocks.append(
+                arith.addi(arith.muli(page, c(per_page)), arith.remsi(block, c(per_page))))
             on = arith.andi(cmp("slt", own, n_causal), arith.ori(every, held))
             listed.append(on)
             count = arith.addi(count, arith.extui(i32, on))
             with mgpu_utils.when(cmp("eq", own, arith.maxsi(last, c(0)))):
                 tail = arith.subi(seq_len, arith.muli(last, c(block_size)))
-                memref.store(arith.select(on, tail, c(block_size)), meta, at(c(1)))
+                memref.store(arith.select(on, tail, c(block_size)), meta, at(g, c(1)))
         scan = count  # inclusive, over the warp
         for d in (1, 2, 4, 8, 16):
             up = _shfl_up(scan, c(d), c(-1), c(0))
@@ -405,8 +476,9 @@ def _list_in_kernel(support_ref, page_table_ref, list_smem, meta_smem, totals_sm
             memref.store(scan, totals, at(warp))
         mgpu_utils.warpgroup_barrier()
         n_listed, entry = c(0), arith.subi(scan, count)
-        for w in range(WARPGROUP // 32):
-            total = memref.load(totals, at(c(w)))
+        for w in range(WARPGROUP // 32):  # the totals of the row's warps
+            mine = cmp("eq", c(w * 32 // row_threads), g)
+            total = arith.select(mine, memref.load(totals, at(c(w))), c(0))
             n_listed = arith.addi(n_listed, total)
             entry = arith.addi(entry, arith.select(cmp("slt", c(w), warp), total, c(0)))
         # pallas_decode._split_size (a test holds the two lists bitwise equal)
@@ -416,16 +488,17 @@ def _list_in_kernel(support_ref, page_table_ref, list_smem, meta_smem, totals_sm
         size = arith.minsi(arith.maxsi(wanted, c(tile_blocks)), c(split_blocks))
         lo = arith.muli(s, size)
         hi = arith.minsi(arith.addi(lo, size), n_listed)
-        for row, on in zip(rows, listed):
-            with mgpu_utils.when(arith.andi(on, arith.andi(cmp("sge", entry, lo), cmp("slt", entry, hi)))):
-                memref.store(row, entries, at(arith.subi(entry, lo)))
+        for cache_block, on in zip(cache_blocks, listed):
+            mine = arith.andi(cmp("sge", entry, lo), cmp("slt", entry, hi))
+            with mgpu_utils.when(arith.andi(on, mine)):
+                memref.store(cache_block, entries, at(g, arith.subi(entry, lo)))
             entry = arith.addi(entry, arith.extui(i32, on))
         with mgpu_utils.when(cmp("eq", thread, c(0))):
-            memref.store(n_listed, meta, at(c(0)))
+            memref.store(n_listed, meta, at(g, c(0)))
         mgpu_utils.warpgroup_barrier()
 
-    body(support_ref, page_table_ref, list_smem, meta_smem, totals_smem, b, h, s, mode, seq_len)
-    return meta_smem[0], meta_smem[1]
+    body(support_ref, page_table_ref, list_smem, meta_smem, totals_smem, b, p, s, mode, seq_len)
+    return [(meta_smem[g, 0], meta_smem[g, 1]) for g in range(n_rows)]
 
 
 def _shfl_up(value, distance, mask, clamp):
@@ -568,14 +641,14 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
                 jax.ShapeDtypeStruct((batch, heads, splits_pad), f32),  # l
                 jax.ShapeDtypeStruct((batch, heads), jnp.int32),  # counts
                 jax.ShapeDtypeStruct((batch, heads, head_dim), q.dtype)]  # out (rows of one split)
-    stages = config.num_stages
-    scratch = [plgpu.SMEM((list_len,), jnp.int32), plgpu.SMEM((2,), jnp.int32),
+    stages, rows = config.num_stages, config.rows
+    scratch = [plgpu.SMEM((rows, list_len), jnp.int32), plgpu.SMEM((rows, 2), jnp.int32),
                plgpu.SMEM((WARPGROUP // 32,), jnp.int32),
-               plgpu.SMEM((head_dim,), q.dtype),
+               plgpu.SMEM((rows, head_dim), q.dtype),
                plgpu.SMEM((stages, tile_n, head_dim), k_pages.dtype, transforms=TILED),
                plgpu.SMEM((stages, tile_n, head_dim), v_pages.dtype, transforms=TILED),
                plgpu.SMEM((head_dim,), f32), plgpu.SMEM((head_dim,), q.dtype),
-               plgpu.Barrier(), plgpu.Barrier(),
+               plgpu.Barrier(num_arrivals=rows), plgpu.Barrier(num_arrivals=rows),
                plgpu.Barrier(num_arrivals=tile_blocks, num_barriers=stages),
                plgpu.Barrier(num_arrivals=tile_blocks, num_barriers=stages)]
     if config.dots:
@@ -589,7 +662,8 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
     k_rows = k_pages.reshape(cache_blocks, block_size, kv_heads, head_dim)
     v_rows = v_pages.reshape(cache_blocks, block_size, kv_heads, head_dim)
     partials = plgpu.kernel(
-        kernel, out_type=out_type, grid=(batch, heads, max_splits), grid_names=("b", "h", "s"),
+        kernel, out_type=out_type, grid=(batch, heads // rows, max_splits),
+        grid_names=("b", "h", "s"),
         scratch_types=scratch, interpret=interpret,
     )(modes, seq_lens, *list_refs, q, k_rows, v_rows)
     *partials, counts, out = partials
@@ -640,6 +714,8 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     config = MosaicConfig() if config is None else config
+    if q.shape[1] % config.rows:
+        raise ValueError(f"MosaicConfig.rows ({config.rows}) must divide the heads ({q.shape[1]})")
     if config.dots and interpret:
         raise ValueError("MosaicConfig(dots=True) needs a GPU: jax's GPU interpreter does not run "
                          "wgmma on a transposed or register operand")
