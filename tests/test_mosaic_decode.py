@@ -74,6 +74,26 @@ def test_interpreted_rows_bitwise_one_row():
                 assert np.array_equal(bits(x), bits(y)), (config, rows)
 
 
+def test_interpreted_unvalidated_empty_sparse_head_is_nan():
+    """docs/DESIGN.md: a SPARSE head that selects no causal block is outside the contract;
+    unvalidated, its output is NaN (the softmax of no keys) and the other heads' are as with
+    the head selecting a block, with one head a program and with several."""
+    case = make_case(9, **COMBOS[MOSAIC_COMBOS[0]])
+    modes = [M.DENSE, M.SPARSE, M.SPARSE, M.DISCOVER]
+    empty = np.array(case["support"])
+    empty[1, 1] = False
+    for config in (RING, dataclasses.replace(RING, rows=2), dataclasses.replace(RING, rows=4)):
+        out, support, _ = run(case, modes, jnp.asarray(empty), impl=mosaic, config=config,
+                              validate=False)
+        held, _, _ = run(case, modes, impl=mosaic, config=config)
+        out, held = np.asarray(out.astype(jnp.float32)), np.asarray(held.astype(jnp.float32))
+        assert np.isnan(out[1, 1]).all(), config
+        others = np.ones(out.shape[:2], bool)
+        others[1, 1] = False
+        assert np.array_equal(out[others], held[others]), config
+        assert np.array_equal(np.asarray(support[1]), empty[1]), config
+
+
 def test_list_kernel_against_numpy():
     """pallas_decode._list_kernel (the Mosaic path's list when interpreted or with list_launch):
     per (row, head) the listed blocks' cache blocks in order, their count and the valid keys of

@@ -328,70 +328,77 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
         _store_split(m, l, acc, acc_smem, out_smem, m_ref, l_ref, acc_ref, out_ref, b=b,
                      h=row["h"], s=s, alone=row["alone"])
 
-    if dots:
-        row = rows[0]
-        m, l, acc = _attend_dots(q_smem.at[0], q_tile[0], k_smem, v_smem, k_bar, v_bar, stat_m_ref,
-                                 stat_l_ref, fetch, b=b, h=row["h"], lo=row["lo"], hi=row["hi"],
-                                 n_tiles=n_tiles, n_listed=row["n_listed"],
-                                 tail_keys=row["tail_keys"], discovering=discovering,
-                                 block_size=block_size, tile_blocks=tile_blocks,
-                                 num_stages=num_stages, scale=scale)
-        pl.when(row["active"])(functools.partial(store, row, m, l, acc))
-        return
+    def accumulators():  # (max, per key slot sums [tile_n], acc [tile_n, head_dim]) of no keys
+        return (jnp.float32(-jnp.inf),
+                _layout(jnp.zeros((tile_n,), jnp.float32), ROW, interpret),
+                _layout(jnp.zeros((tile_n, head_dim), jnp.float32), plgpu.Layout.WGMMA, interpret))
 
-    def q_rows(g):  # q of row g, scaled, along the tile's keys
-        q = _layout(q_smem.at[g][...], COL, interpret).astype(jnp.float32) * scale
-        return lax.broadcast_in_dim(q, (tile_n, head_dim), [1])
+    def attend():  # the program's tiles (none: a split past the list of each of its rows)
+        if dots:
+            row = rows[0]
+            store(row, *_attend_dots(
+                q_smem.at[0], q_tile[0], k_smem, v_smem, k_bar, v_bar, stat_m_ref, stat_l_ref,
+                fetch, b=b, h=row["h"], lo=row["lo"], hi=row["hi"], n_tiles=n_tiles,
+                n_listed=row["n_listed"], tail_keys=row["tail_keys"], discovering=discovering,
+                block_size=block_size, tile_blocks=tile_blocks, num_stages=num_stages,
+                scale=scale))
+            return
 
-    q_first = q_rows(0) if n_rows == 1 else None
-    slot_keys = _layout(lax.broadcasted_iota(jnp.int32, (tile_n,), 0), ROW, interpret)
-    slot_block = slot_keys // block_size
-    init = (jnp.float32(-jnp.inf),
-            _layout(jnp.zeros((tile_n,), jnp.float32), ROW, interpret),
-            _layout(jnp.zeros((tile_n, head_dim), jnp.float32), plgpu.Layout.WGMMA, interpret))
+        def q_rows(g):  # q of row g, scaled, along the tile's keys
+            q = _layout(q_smem.at[g][...], COL, interpret).astype(jnp.float32) * scale
+            return lax.broadcast_in_dim(q, (tile_n, head_dim), [1])
 
-    def step(tile, carry):
-        g, row, t = locate(tile)
-        m, l, acc = carry  # scalar, [tile_n] (per key slot), [tile_n, head_dim]
-        if n_rows > 1:  # a row's first tile starts afresh
-            m, l, acc = lax.cond(t == 0, lambda: init, lambda: (m, l, acc))
-        slot = lax.rem(tile, num_stages)
-        # Scores while V lands; V is read once K is dead (fewer live registers).
-        plgpu.barrier_wait(k_bar.at[slot])
-        k = k_smem.at[slot][...].astype(jnp.float32)
-        first = row["lo"] + t * tile_blocks
-        ok = _valid_keys(first, slot_keys, hi=row["hi"], n_listed=row["n_listed"],
-                         tail_keys=row["tail_keys"], block_size=block_size)
-        q = q_first if n_rows == 1 else q_rows(g)
-        scores = jnp.where(ok, jnp.sum(k * q, axis=1), -jnp.inf)
-        plgpu.barrier_wait(v_bar.at[slot])
-        v = v_smem.at[slot][...].astype(jnp.float32)
-        # Refill the slot (the copy waits for every thread's loads of it).
-        pl.when(tile + num_stages < n_tiles)(functools.partial(fetch, tile + num_stages, slot))
-        m_new = jnp.maximum(m, jnp.max(scores))
-        m_base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m - m_base)
-        p = jnp.exp2(scores - m_base)
+        q_first = q_rows(0) if n_rows == 1 else None
+        slot_keys = _layout(lax.broadcasted_iota(jnp.int32, (tile_n,), 0), ROW, interpret)
+        slot_block = slot_keys // block_size
+        init = accumulators()
 
-        pl.when(discovering)(functools.partial(
-            _store_block_stats, stat_m_ref, stat_l_ref, b=b, h=row["h"], first=first,
-            hi=row["hi"], tile_blocks=tile_blocks, block_m=lambda: m_base,
-            block_l=lambda j: jnp.sum(jnp.where(slot_block == j, p, 0.0))))
+        def step(tile, carry):
+            g, row, t = locate(tile)
+            m, l, acc = carry  # scalar, [tile_n] (per key slot), [tile_n, head_dim]
+            if n_rows > 1:  # a row's first tile starts afresh
+                m, l, acc = lax.cond(t == 0, lambda: init, lambda: (m, l, acc))
+            slot = lax.rem(tile, num_stages)
+            # Scores while V lands; V is read once K is dead (fewer live registers).
+            plgpu.barrier_wait(k_bar.at[slot])
+            k = k_smem.at[slot][...].astype(jnp.float32)
+            first = row["lo"] + t * tile_blocks
+            ok = _valid_keys(first, slot_keys, hi=row["hi"], n_listed=row["n_listed"],
+                             tail_keys=row["tail_keys"], block_size=block_size)
+            q = q_first if n_rows == 1 else q_rows(g)
+            scores = jnp.where(ok, jnp.sum(k * q, axis=1), -jnp.inf)
+            plgpu.barrier_wait(v_bar.at[slot])
+            v = v_smem.at[slot][...].astype(jnp.float32)
+            # Refill the slot (the copy waits for every thread's loads of it).
+            pl.when(tile + num_stages < n_tiles)(functools.partial(fetch, tile + num_stages, slot))
+            m_new = jnp.maximum(m, jnp.max(scores))
+            m_base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m - m_base)
+            p = jnp.exp2(scores - m_base)
 
-        acc = acc * alpha + lax.broadcast_in_dim(p, acc.shape, [0]) * v
-        l = l * alpha + p
-        if n_rows > 1:  # the row's last tile stores its split
-            pl.when(t == row["n_tiles"] - 1)(
-                lambda: store(row, m_new, jnp.sum(l), jnp.sum(acc, axis=0)))
-        return m_new, l, acc
+            pl.when(discovering)(functools.partial(
+                _store_block_stats, stat_m_ref, stat_l_ref, b=b, h=row["h"], first=first,
+                hi=row["hi"], tile_blocks=tile_blocks, block_m=lambda: m_base,
+                block_l=lambda j: jnp.sum(jnp.where(slot_block == j, p, 0.0))))
 
-    m, l, acc = lax.fori_loop(0, n_tiles, step, init)
-    if n_rows == 1:
-        pl.when(rows[0]["active"])(lambda: store(rows[0], m, jnp.sum(l), jnp.sum(acc, axis=0)))
-        return
-    for row in rows:  # a row with no keys listed (outputs NaN)
-        pl.when(row["active"] & (row["n_tiles"] == 0))(
-            lambda row=row: store(row, init[0], jnp.sum(init[1]), jnp.sum(init[2], axis=0)))
+            acc = acc * alpha + lax.broadcast_in_dim(p, acc.shape, [0]) * v
+            l = l * alpha + p
+            if n_rows > 1:  # the row's last tile stores its split
+                pl.when(t == row["n_tiles"] - 1)(
+                    lambda: store(row, m_new, jnp.sum(l), jnp.sum(acc, axis=0)))
+            return m_new, l, acc
+
+        m, l, acc = lax.fori_loop(0, n_tiles, step, init)
+        if n_rows == 1:  # its one row's split
+            store(rows[0], m, jnp.sum(l), jnp.sum(acc, axis=0))
+
+    def store_empty(row):  # the row lists no keys: its output is NaN (the softmax of no keys)
+        m, l, acc = accumulators()
+        store(row, m, jnp.sum(l), jnp.sum(acc, axis=0))
+
+    pl.when(n_tiles > 0)(attend)
+    for row in rows:
+        pl.when(row["active"] & (row["n_tiles"] == 0))(functools.partial(store_empty, row))
 
 
 def _store_count(counts_ref, b, h, n_listed):
