@@ -135,12 +135,15 @@ same share of contiguous blocks this kernel saves 0.7-1.1 us (sparse-contiguous/
 36.2 / 34.6 us against 31.2 / 36.9 / 35.5). The list and finish launches then took about 5 us a call.
 
 What ran fastest: `MosaicConfig()` (64-key tiles, 1024 keys a split, two stages, reductions,
-the list in the kernel). benchmarks/results/h200-2026-12-02/list-loads/ (the code of this
-module; device time per call, 16 heads x 128, bf16, 1K x 64 / 4K x 20 / 8K x 10): dense 129.7 /
+the list in the kernel). benchmarks/results/h200-2026-12-02/list-loads/ (this module before
+`MosaicConfig.rows`; device time per call, 16 heads x 128, bf16, 1K x 64 / 4K x 20 / 8K x 10): dense 129.7 /
 159.9 / 160.7 us (0.909 / 0.915 / 0.909x the Triton kernel, 1.044 / 0.917 / 1.023x cuDNN SDPA),
 sparse at 13 % 29.8 / 33.3 / 33.4 us (1.032 / 1.010 / 1.058x Triton, 0.966 / 1.079 / 1.290x
 cuDNN SDPA on a contiguous 13 %); the same code in split-sweep/: dense 127.7 / 157.4 / 157.9,
-sparse 29.9 / 33.3 / 32.9 (1.036 / 1.014 / 1.048x Triton). The split kernel is most of the call
+sparse 29.9 / 33.3 / 32.9 (1.036 / 1.014 / 1.048x Triton); with rows (rows/, rows=1): dense
+127.7 / 157.6 / 158.2, sparse 29.8 / 33.8 / 33.5, whose programs past every row's list then
+still set up the attend step (they end after q's copy again since; not yet run on an H200).
+The split kernel is most of the call
 (sparse 27.3 / 30.6 / 29.5 us, the finish 2.2-2.9). Against FlashAttention-4
 (paged; h200-2026-12-01/kernels-fa4/, the list as a launch then): dense 0.97 / 0.94 / 0.76x. At
 8K x 10, 2048-key splits gave sparse 31.2-31.5 us then (one split a row, not 32 + 1 blocks) but
