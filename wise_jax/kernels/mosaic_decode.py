@@ -327,9 +327,12 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
         pl.when(i < n_tiles)(functools.partial(fetch, i, i))
     plgpu.barrier_wait(q_bar)
 
-    def store(row, m, l, acc):
+    def store(row, m, l, acc):  # scalars m, l, acc [head_dim]
         _store_split(m, l, acc, acc_smem, out_smem, m_ref, l_ref, acc_ref, out_ref, b=b,
                      h=row["h"], s=s, alone=row["alone"])
+
+    def store_slots(row, m, l, acc):  # l [tile_n], acc [tile_n, head_dim]: per key slot
+        store(row, m, jnp.sum(l), jnp.sum(acc, axis=0))
 
     def accumulators():  # (max, per key slot sums [tile_n], acc [tile_n, head_dim]) of no keys
         return (jnp.float32(-jnp.inf),
@@ -387,21 +390,17 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
             acc = acc * alpha + lax.broadcast_in_dim(p, acc.shape, [0]) * v
             l = l * alpha + p
             if n_rows > 1:  # the row's last tile stores its split
-                pl.when(t == row["n_tiles"] - 1)(
-                    lambda: store(row, m_new, jnp.sum(l), jnp.sum(acc, axis=0)))
+                pl.when(t == row["n_tiles"] - 1)(lambda: store_slots(row, m_new, l, acc))
             return m_new, l, acc
 
-        m, l, acc = lax.fori_loop(0, n_tiles, step, init)
+        carry = lax.fori_loop(0, n_tiles, step, init)
         if n_rows == 1:  # its one row's split
-            store(rows[0], m, jnp.sum(l), jnp.sum(acc, axis=0))
-
-    def store_empty(row):  # the row lists no keys: its output is NaN (the softmax of no keys)
-        m, l, acc = accumulators()
-        store(row, m, jnp.sum(l), jnp.sum(acc, axis=0))
+            store_slots(rows[0], *carry)
 
     pl.when(n_tiles > 0)(attend)
-    for row in rows:
-        pl.when(row["active"] & (row["n_tiles"] == 0))(functools.partial(store_empty, row))
+    for row in rows:  # a row listing no keys: its output is NaN (the softmax of no keys)
+        pl.when(row["active"] & (row["n_tiles"] == 0))(
+            lambda row=row: store_slots(row, *accumulators()))
 
 
 def _store_count(counts_ref, b, h, n_listed):
