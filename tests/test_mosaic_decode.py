@@ -210,6 +210,8 @@ def test_lowers_with_list_launch():
 GPU_MOSAIC = [name for name, spec in GPU_COMBOS.items()
               if mosaic_decode.supports(spec["head_dim"], spec["dtype"])]
 GPU_CONFIGS = {"reductions": MosaicConfig(), "dots": MosaicConfig(dots=True)}
+GPU_MODES = [M.SPARSE, M.DISCOVER, M.DENSE, M.DISCOVER_UNION, M.SPARSE, M.DENSE, M.SPARSE, M.DISCOVER]
+SPLIT_RULES = (MosaicConfig(), MosaicConfig(min_splits=3), MosaicConfig(split_keys=256))
 
 
 @pytest.mark.parametrize("kind", list(GPU_CONFIGS))
@@ -249,9 +251,8 @@ def test_gpu_list_in_kernel_bitwise_list_launch(name):
     interpreter does not run) against the list launch the interpreted tests cover: the same
     lists, so every output bitwise, in every mode, with partial last blocks, short rows, several
     splits a row and scattered pages (make_case)."""
-    case = make_case(11, **GPU_COMBOS[name])
-    modes = [M.SPARSE, M.DISCOVER, M.DENSE, M.DISCOVER_UNION, M.SPARSE, M.DENSE, M.SPARSE, M.DISCOVER]
-    for config in (MosaicConfig(), MosaicConfig(min_splits=3), MosaicConfig(split_keys=256)):
+    case, modes = make_case(11, **GPU_COMBOS[name]), GPU_MODES
+    for config in SPLIT_RULES:
         launched = run(case, modes, impl=mosaic, config=dataclasses.replace(config, list_launch=True))
         in_kernel = run(case, modes, impl=mosaic, config=config)
         for x, y in zip(in_kernel, launched):
@@ -263,9 +264,8 @@ def test_gpu_list_in_kernel_bitwise_list_launch(name):
 def test_gpu_rows_bitwise_one_row(name):
     """MosaicConfig(rows=2, 4) against one head a program, both list routes: every output
     bitwise, in every mode (the interpreted test covers the list launch only)."""
-    case = make_case(12, **GPU_COMBOS[name])
-    modes = [M.SPARSE, M.DISCOVER, M.DENSE, M.DISCOVER_UNION, M.SPARSE, M.DENSE, M.SPARSE, M.DISCOVER]
-    for config in (MosaicConfig(), MosaicConfig(min_splits=3), MosaicConfig(split_keys=256)):
+    case, modes = make_case(12, **GPU_COMBOS[name]), GPU_MODES
+    for config in SPLIT_RULES:
         one = run(case, modes, impl=mosaic, config=config)
         for rows in (2, 4):
             for list_launch in (False, True):
