@@ -113,3 +113,23 @@ def test_all_blocks_selects_every_causal_block(cache):
     _, state = discover(state, layer=jnp.int32(0), q=_q(0), k_pages=k, v_pages=v, page_table=table, seq_lens=lens,
                         request_ids=jnp.asarray([0, 1]), active=jnp.ones(2, bool))
     assert np.asarray(state.support[0]).sum(-1).tolist() == [[4] * HEADS, [2] * HEADS]
+
+
+def test_reuse_loops_hint_mostly_sparse(cache, monkeypatch):
+    """The reuse depths tell decode_attention their rows are mostly SPARSE (a launch hint for
+    the Mosaic kernel); discovery depths do not."""
+    k, v, table = cache
+    hints = []
+    real = ws.decode_attention
+
+    def spy(*args, mostly_sparse=False, **kwargs):
+        hints.append(mostly_sparse)
+        return real(*args, mostly_sparse=mostly_sparse, **kwargs)
+
+    monkeypatch.setattr(ws, "decode_attention", spy)
+    state = ws.create(WISE, slots=2, layers=2, heads=HEADS, max_blocks=4)
+    lens, req, active = jnp.asarray([100, 57], jnp.int32), jnp.asarray([7, 8], jnp.int32), jnp.ones(2, bool)
+    for loop in range(4):  # eagerly: the spy runs per call
+        _, state = ws.wise_attention(state, WISE, loop, jnp.int32(LAYER), _q(loop), k, v, table, lens, req,
+                                     active, kernel="reference")
+    assert hints == [False, False, True, True]

@@ -152,16 +152,56 @@ def test_kernel_choice_in_one_place(monkeypatch):
     args = (case["q"], case["k"], case["v"], case["page_table"], case["seq_lens"],
             jnp.zeros(4, jnp.int32), case["support"])
     calls = []
-    monkeypatch.setattr(mosaic_decode, "decode_attention", lambda *a, **k: calls.append("mosaic"))
-    monkeypatch.setattr(pallas_decode, "decode_attention", lambda *a, **k: calls.append("triton"))
-    dispatch(*args, block_size=BLOCK, eta=ETA, kernel="pallas")
+    monkeypatch.setattr(mosaic_decode, "decode_attention",
+                        lambda *a, **k: calls.append(("mosaic", k["mostly_sparse"])))
+    monkeypatch.setattr(pallas_decode, "decode_attention",
+                        lambda *a, **k: calls.append(("triton", "mostly_sparse" in k)))
+    dispatch(*args, block_size=BLOCK, eta=ETA, kernel="pallas", mostly_sparse=True)
     monkeypatch.setattr(choice, "MOSAIC_ON_SM90", True)
     dispatch(*args, block_size=BLOCK, eta=ETA, kernel="pallas")  # not on sm90 here
     monkeypatch.setattr(choice, "on_sm90", lambda: True)
+    dispatch(*args, block_size=BLOCK, eta=ETA, kernel="pallas", mostly_sparse=True)
     dispatch(*args, block_size=BLOCK, eta=ETA, kernel="pallas")
     f32 = {name: x.astype(jnp.float32) for name, x in case.items() if name in ("q", "k", "v")}
     dispatch(f32["q"], f32["k"], f32["v"], *args[3:], block_size=BLOCK, eta=ETA, kernel="pallas")
-    assert calls == ["triton", "triton", "mosaic", "triton"]
+    # the launch hint reaches the Mosaic kernel only
+    assert calls == [("triton", False), ("triton", False), ("mosaic", True), ("mosaic", False),
+                     ("triton", False)]
+
+
+def test_launch_config_groups_heads_only_where_it_pays():
+    """`launch_config`: rows > 1 only for a call hinted mostly SPARSE whose rows are one split
+    each, the count its wave rule gives (the H200 shapes of its docstring, 132 SMs)."""
+    def rows(batch, ctx, heads=16, mostly_sparse=True, n_sm=132):
+        return mosaic_decode.launch_config(batch, heads, ctx // 32, block_size=32,
+                                           mostly_sparse=mostly_sparse, n_sm=n_sm).rows
+
+    assert [rows(b, 1024) for b in (32, 48, 64, 128)] == [2, 1, 4, 4]
+    assert [rows(1, 1024), rows(64, 2048), rows(20, 4096), rows(10, 8192)] == [1, 1, 1, 1]
+    assert rows(64, 1024, mostly_sparse=False) == 1 and rows(64, 1024, n_sm=None) == 1
+    assert rows(64, 1024, heads=6) == 2  # 384 rows: one wave of two a program, not two of one
+    assert mosaic_decode.launch_config(64, 16, 32, block_size=32, mostly_sparse=False,
+                                       n_sm=132) == MosaicConfig()
+
+
+def test_mostly_sparse_runs_the_launch_config(monkeypatch):
+    """decode_attention given no config runs `launch_config`'s (the SMs as `sm_count` says;
+    interpreted: none, one row a program); an explicit config wins over the hint."""
+    case = make_case(5, **COMBOS[MOSAIC_COMBOS[0]])
+    args = (case["q"], case["k"], case["v"], case["page_table"], case["seq_lens"],
+            jnp.full(4, M.SPARSE, jnp.int32), case["support"])
+    heads = case["q"].shape[1]
+    seen = []
+    monkeypatch.setattr(mosaic_decode, "_decode", lambda *a, config, **k: seen.append(config.rows) or ())
+    mosaic(*args, block_size=BLOCK, eta=ETA, interpret=True, mostly_sparse=True)
+    monkeypatch.setattr(mosaic_decode, "sm_count", lambda interpret: 1)
+    mosaic(*args, block_size=BLOCK, eta=ETA, interpret=True, mostly_sparse=True)
+    mosaic(*args, block_size=BLOCK, eta=ETA, interpret=True)
+    mosaic(*args, block_size=BLOCK, eta=ETA, interpret=True, mostly_sparse=True,
+           config=MosaicConfig())
+    expected = mosaic_decode.launch_config(4, heads, case["support"].shape[-1], block_size=BLOCK,
+                                           mostly_sparse=True, n_sm=1).rows
+    assert expected > 1 and seen == [1, expected, 1, 1]
 
 
 def lower_for_cuda(batch, ctx, config, heads=16, head_dim=128, page_size=128):
@@ -273,3 +313,24 @@ def test_gpu_rows_bitwise_one_row(name):
                     config, rows=rows, list_launch=list_launch))
                 for x, y in zip(several, one):
                     assert np.array_equal(bits(x), bits(y)), (config, rows, list_launch)
+
+
+OURO_1K = dict(GPU_COMBOS["ouro-page128-d128-bf16"], max_pages=8,
+               seq_lens=[1024, 1000, 513, 64, 1023, 700, 900, 31])
+
+
+@pytest.mark.parametrize("spec", [OURO_1K, GPU_COMBOS["gqa-page64-d128-bf16"]], ids=["ouro-1k", "gqa"])
+@on_gpu
+def test_gpu_mostly_sparse_bitwise_plain_launch(spec, monkeypatch):
+    """The GPU reports its SMs; a call hinted mostly SPARSE, its launch grouping heads (one SM
+    assumed, so that these small batches group), gives every output bitwise the plain launch's."""
+    assert mosaic_decode.sm_count(False) > 0
+    case, modes = make_case(13, **spec), GPU_MODES
+    plain = run(case, modes, impl=mosaic, config=MosaicConfig())
+    monkeypatch.setattr(mosaic_decode, "sm_count", lambda interpret: 1)
+    grouped = mosaic_decode.launch_config(len(modes), spec["heads"], case["support"].shape[-1],
+                                          block_size=BLOCK, mostly_sparse=True, n_sm=1)
+    assert grouped.rows > 1
+    hinted = run(case, modes, impl=mosaic, config=None, mostly_sparse=True)
+    for x, y in zip(hinted, plain):
+        assert np.array_equal(bits(x), bits(y))

@@ -150,8 +150,12 @@ def attention_impl(kernel: str):
 
 def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size: int,
                      eta: float, scale: float | None = None, return_mass: bool = False,
-                     kernel: str = "auto", validate: bool = True):
-    """decode_attention_reference's contract, run by `kernel` ('reference', 'pallas' or 'auto')."""
-    return attention_impl(kernel)(q, k_pages, v_pages, page_table, seq_lens, modes, support,
-                                  block_size=block_size, eta=eta, scale=scale, return_mass=return_mass,
-                                  validate=validate)
+                     kernel: str = "auto", validate: bool = True, mostly_sparse: bool = False):
+    """decode_attention_reference's contract, run by `kernel` ('reference', 'pallas' or 'auto').
+    mostly_sparse: a launch hint, most rows are SPARSE (WISE's reuse loops); the Mosaic GPU
+    kernel may then give a program several heads (`mosaic_decode.launch_config`). Outputs do
+    not depend on it."""
+    impl = attention_impl(kernel)
+    hint = {} if impl is decode_attention_reference else {"mostly_sparse": mostly_sparse}
+    return impl(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size,
+                eta=eta, scale=scale, return_mass=return_mass, validate=validate, **hint)

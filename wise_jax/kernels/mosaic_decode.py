@@ -227,6 +227,41 @@ class MosaicConfig:
                                           min_splits=self.min_splits)
 
 
+PROGRAMS_PER_SM = 2  # split-kernel programs an SM holds at head_dim 128 (H200: registers, above)
+
+
+def launch_config(batch: int, heads: int, max_blocks: int, *, block_size: int,
+                  mostly_sparse: bool, n_sm: int | None) -> MosaicConfig:
+    """The launch of a call given no config: MosaicConfig(), grouping heads (`rows`) when the
+    caller says most rows are SPARSE (WISE's reuse loops) and the shape favours it: every row
+    is one split (its context within split_keys) and, counting a program's time as its rows',
+    waves of the batch * heads / rows programs over the GPU's n_sm * PROGRAMS_PER_SM slots
+    times rows is least (ties to more rows). Outputs do not depend on rows (bitwise). n_sm
+    None (not known, or interpreted): one row a program.
+
+    H200 (2026-12-02, sparse at 13 %, 16 heads, us per call, rows 1 / 2 / 4; benchmarks/results/
+    h200-2026-12-02/rows-choice/): 1K x 32 14.6 / 13.1 / 17.4 (picks 2), 1K x 48 22.1 / 24.0 /
+    24.3 (picks 1), 1K x 64 29.1 / - / 26.8 (picks 4; rows 2 29.5 in rows/), 1K x 128 50.2 /
+    49.7 / 48.8 (picks 4); at 2K x 64, 4K x 20 / 64 and 8K x 10 / 32, where rows are not one
+    split, rows 1 is fastest."""
+    config = MosaicConfig()
+    if not mostly_sparse or n_sm is None \
+            or config.split_rule().max_splits(block_size, max_blocks) != 1:
+        return config
+    slots = PROGRAMS_PER_SM * n_sm
+
+    def time_in_rows(rows):
+        return -(-batch * heads // (rows * slots)) * rows
+
+    rows = min((r for r in (4, 2, 1) if heads % r == 0), key=time_in_rows)
+    return dataclasses.replace(config, rows=rows)
+
+
+def sm_count(interpret: bool) -> int | None:
+    """The default device's SMs (None when interpreted or not reported)."""
+    return None if interpret else getattr(jax.devices()[0], "core_count", None)
+
+
 def supports(head_dim: int, dtype) -> bool:
     """Whether this kernel takes q/K/V of this head_dim and dtype (16-bit, head_dim % 64 == 0)."""
     return head_dim % 64 == 0 and jnp.dtype(dtype).name in ("bfloat16", "float16")
@@ -704,12 +739,14 @@ def interpret_params():
 
 def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size,
                      eta, scale=None, return_mass=False, interpret=None, all_blocks=False,
-                     config: MosaicConfig | None = None, validate: bool = True):
+                     config: MosaicConfig | None = None, mostly_sparse: bool = False,
+                     validate: bool = True):
     """`wise_jax.kernels.pallas_decode.decode_attention`'s contract with the split kernel on
     Mosaic GPU (module docstring). interpret: run the split kernel in jax's GPU interpreter and
     the finish in the Pallas interpreter (default: when the default backend is not a GPU).
-    config: launch parameters (default MosaicConfig()). Needs 16-bit q/K/V and head_dim a
-    multiple of 64 (`supports`)."""
+    config: launch parameters (default `launch_config`'s). mostly_sparse: a launch hint, most
+    rows are SPARSE (outputs do not depend on it). Needs 16-bit q/K/V and head_dim a multiple
+    of 64 (`supports`)."""
     seq_lens = check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support,
                           block_size=block_size, eta=eta, validate=validate)
     head_dim = q.shape[-1]
@@ -722,7 +759,9 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
         scale = head_dim ** -0.5
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    config = MosaicConfig() if config is None else config
+    if config is None:
+        config = launch_config(q.shape[0], q.shape[1], support.shape[-1], block_size=block_size,
+                               mostly_sparse=mostly_sparse, n_sm=sm_count(interpret))
     if q.shape[1] % config.rows:
         raise ValueError(f"MosaicConfig.rows ({config.rows}) must divide the heads ({q.shape[1]})")
     if config.dots and interpret:
