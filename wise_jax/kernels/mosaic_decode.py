@@ -105,7 +105,11 @@ Routes tried (lowered with jax 0.10.2 on a CPU machine; run with jax 0.11.2 on a
   programs of about ten tiles, one wave, in place of 1,024 of two or three), but dense there
   131.2 against 127.7, and at 4K x 20 / 8K x 10 (a quarter of the programs) dense 224.7 / 223.6
   and sparse 64.9 / 66.1; rows=2: 1K x 64 sparse 29.5, dense 128.8, 4K / 8K sparse 36.9 / 37.2.
-  One launch serves dense and sparse rows alike, so the default stays 1.
+  One launch serves dense and sparse rows alike, so the default stays 1; a caller that knows
+  its rows are mostly SPARSE (WISE's reuse loops: `mostly_sparse=True`) gets `launch_config`'s
+  rows, more than 1 only where every row is one split and the programs' waves favour it (its
+  docstring has the sweep, h200-2026-12-02/rows-choice/; min_splits 3 or 6 with rows 2 or 4,
+  to even out 4K x 20 / 8K x 10's waves, was slower everywhere: sparse 35.1-49.2 us there).
 
 What bounds it (H200, Nsight Compute on the sparse call at 4K x 20, 13 %, with the list
 launch): 233 registers a thread (no spills) and 70.7 KB of shared memory a program allow two
@@ -142,7 +146,11 @@ sparse at 13 % 29.8 / 33.3 / 33.4 us (1.032 / 1.010 / 1.058x Triton, 0.966 / 1.0
 cuDNN SDPA on a contiguous 13 %); the same code in split-sweep/: dense 127.7 / 157.4 / 157.9,
 sparse 29.9 / 33.3 / 32.9 (1.036 / 1.014 / 1.048x Triton); with rows (rows/, rows=1): dense
 127.7 / 157.6 / 158.2, sparse 29.8 / 33.8 / 33.5, whose programs past every row's list then
-still set up the attend step (they end after q's copy again since; not yet run on an H200).
+still set up the attend step (they end after q's copy again since). The current code with the
+hinted launch in sparse (rows-choice/kernels/): dense 131.2 / 161.8 / 162.1 us (0.918 / 0.926 /
+0.917x Triton, 1.035 / 0.913 / 1.029x cuDNN SDPA; 129.6 / 159.6 / 160.0 in the same session's
+bench_pallas run, rows-choice/ouro-shapes/), sparse 27.8 (rows 4) / 34.1 / 33.4 (0.960 / 1.034 /
+1.058x Triton, 0.904 / 1.090 / 1.287x cuDNN on a contiguous 13 %).
 The split kernel is most of the call
 (sparse 27.3 / 30.6 / 29.5 us, the finish 2.2-2.9). Against FlashAttention-4
 (paged; h200-2026-12-01/kernels-fa4/, the list as a launch then): dense 0.97 / 0.94 / 0.76x. At
