@@ -235,7 +235,8 @@ class MosaicConfig:
                                           min_splits=self.min_splits)
 
 
-PROGRAMS_PER_SM = 2  # split-kernel programs an SM holds at head_dim 128 (H200: registers, above)
+PROGRAMS_PER_SM = 2  # split-kernel programs an H200 SM holds (head_dim 128: registers, above);
+# launch_config takes it for every head_dim (a wrong count costs speed, not results)
 
 
 def launch_config(batch: int, heads: int, max_blocks: int, *, block_size: int,
