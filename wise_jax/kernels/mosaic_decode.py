@@ -111,8 +111,14 @@ Routes tried (lowered with jax 0.10.2 on a CPU machine; run with jax 0.11.2 on a
   docstring has the sweep, h200-2026-12-02/rows-choice/; min_splits 3 or 6 with rows 2 or 4,
   to even out 4K x 20 / 8K x 10's waves, was slower everywhere: sparse 35.1-49.2 us there).
 
-What bounds it (H200, Nsight Compute on the sparse call at 4K x 20, 13 %, with the list
-launch): 233 registers a thread (no spills) and 70.7 KB of shared memory a program allow two
+What bounds it: the work in the SM, not memory. With every page-table entry 0 (K/V from L2, no
+HBM traffic; h200-2026-12-02/l2-floor/) sparse takes 28.3 / 27.6 / 23.7 us against 33.4 / 32.8 /
+29.1 from scattered pages (4K x 20 / 8K x 10 / 1K x 64), dense 96.8 / 95.6 / 77.7 against 159.8 /
+160.3 / 129.4, and a third stage changes neither: a 64-key tile is about 590 PTX instructions a
+thread (K and V converted to f32 element by element, 128 cvt, then ~250 f32 operations), where the
+Triton kernel's tl.dot runs the tile on tensor cores (mma.sync, q padded to 16 rows); Pallas on
+Mosaic GPU exposes wgmma only (64-row M: `dots` above, slower). Earlier (H200, Nsight Compute on
+the sparse call at 4K x 20, 13 %, with the list launch): 233 registers a thread (no spills) and 70.7 KB of shared memory a program allow two
 programs (8 warps) an SM, 12.5 % occupancy; the call's 320 listed splits fill 264 slots and a
 partial second wave, so the SMs are busy 70 % of the kernel's time, at 2.6 TB/s. Stalls: waiting on the TMA barriers
 (long scoreboard) 33 % of samples, issuing 24 %, shared-memory loads 14 %. Dense, with 1,280
