@@ -155,7 +155,7 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
     mostly_sparse: a launch hint, most rows are SPARSE (WISE's reuse loops); the Mosaic GPU
     kernel may then give a program several heads (`mosaic_decode.launch_config`). Outputs do
     not depend on it."""
-    impl = attention_impl(kernel)
-    hint = {} if impl is decode_attention_reference else {"mostly_sparse": mostly_sparse}
-    return impl(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size,
-                eta=eta, scale=scale, return_mass=return_mass, validate=validate, **hint)
+    hint = {} if resolve_kernel(kernel) == "reference" else {"mostly_sparse": mostly_sparse}
+    return attention_impl(kernel)(q, k_pages, v_pages, page_table, seq_lens, modes, support,
+                                  block_size=block_size, eta=eta, scale=scale, return_mass=return_mass,
+                                  validate=validate, **hint)
