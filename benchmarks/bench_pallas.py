@@ -303,17 +303,18 @@ def mosaic_sweep_configs():
     base = MosaicConfig()
     C = MosaicConfig
     # Ordered by the H200 sweeps of 2026-12-01 (mosaic_decode's docstring): closest to the
-    # default first, wgmma (dots, slower there) and the clearly slower shapes last.
+    # default first, the reductions, wgmma (slower there) and the clearly slower shapes last.
     alternatives = [C(split_keys=2048), C(min_splits=2), C(min_splits=3),
                     C(split_keys=1024, num_stages=3), C(split_keys=512), C(split_keys=512, num_stages=3),
-                    C(split_keys=2048, num_stages=3), C(dots=True), C(min_splits=4),
-                    C(split_keys=256, num_stages=3), C(num_stages=4), C(tile_n=128, split_keys=1024),
-                    C(dots=True, split_keys=512, num_stages=3)]
+                    C(split_keys=2048, num_stages=3), C(products="reduce"), C(products="wgmma"),
+                    C(min_splits=4), C(split_keys=256, num_stages=3), C(num_stages=4),
+                    C(tile_n=128, split_keys=1024), C(products="wgmma", split_keys=512, num_stages=3)]
     return [base] + [c for c in dict.fromkeys(alternatives) if c != base]
 
 
 def parse_mosaic_config(text: str) -> MosaicConfig:
-    """A MosaicConfig from NAME=VALUE items ("split_keys=2048,dots=True"; ints, True/False)."""
+    """A MosaicConfig from NAME=VALUE items ("split_keys=2048,products=reduce"; ints, True/False,
+    else the text)."""
     fields = {f.name for f in dataclasses.fields(MosaicConfig)}
     kwargs = {}
     for item in filter(None, text.split(",")):
@@ -326,7 +327,7 @@ def parse_mosaic_config(text: str) -> MosaicConfig:
         elif value.lstrip("-").isdigit():
             kwargs[name] = int(value)
         else:
-            raise ValueError(f"MosaicConfig: {name}={value!r} is neither an integer nor True/False")
+            kwargs[name] = value
     return MosaicConfig(**kwargs)
 
 

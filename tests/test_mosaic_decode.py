@@ -26,8 +26,11 @@ from wise_jax.kernels import mosaic_decode, pallas_decode
 from wise_jax.kernels.mosaic_decode import MosaicConfig
 
 mosaic = mosaic_decode.decode_attention
-RING = MosaicConfig(tile_n=64, split_keys=128, num_stages=1)  # 2 tiles a split through one slot
-SPLITS = MosaicConfig(tile_n=64, split_keys=256, min_splits=3, num_stages=2)  # 6 blocks: 3 splits
+# Interpreted, the products are the reductions (the interpreter does not run the mma.sync code):
+# said here so that the bounds (out_bound: config.dots) are the reductions' f32 probabilities.
+RING = MosaicConfig(tile_n=64, split_keys=128, num_stages=1, products="reduce")  # 2 tiles a split, one slot
+SPLITS = MosaicConfig(tile_n=64, split_keys=256, min_splits=3, num_stages=2,
+                      products="reduce")  # 6 blocks: 3 splits
 MOSAIC_COMBOS = [name for name, spec in COMBOS.items()
                  if mosaic_decode.supports(spec["head_dim"], spec["dtype"])]
 
@@ -127,17 +130,17 @@ def test_rejects_what_it_does_not_take():
         run(case, [M.DENSE] * 4, impl=mosaic, config=RING)
     with pytest.raises(ValueError, match="MosaicConfig"):
         MosaicConfig(tile_n=32)
-    with pytest.raises(ValueError, match="MosaicConfig.dots"):
-        MosaicConfig(dots=1)
+    with pytest.raises(ValueError, match="MosaicConfig.products must be one of"):
+        MosaicConfig(products="dots")
     with pytest.raises(ValueError, match="MosaicConfig.list_launch"):
         MosaicConfig(list_launch="no")
     with pytest.raises(ValueError, match="MosaicConfig.rows"):
         MosaicConfig(rows=3)
-    with pytest.raises(ValueError, match="rows > 1 needs dots=False"):
-        MosaicConfig(rows=2, dots=True)
+    with pytest.raises(ValueError, match="rows > 1 does not run with products='wgmma'"):
+        MosaicConfig(rows=2, products="wgmma")
     case = make_case(6, **COMBOS[MOSAIC_COMBOS[0]])
-    with pytest.raises(ValueError, match=r"dots=True\) needs a GPU"):
-        run(case, [M.DENSE] * 4, impl=mosaic, config=MosaicConfig(dots=True), interpret=True)
+    with pytest.raises(ValueError, match=r"products='wgmma'\) needs a GPU"):
+        run(case, [M.DENSE] * 4, impl=mosaic, config=MosaicConfig(products="wgmma"), interpret=True)
     with pytest.raises(ValueError, match=r"rows \(4\) must divide the heads \(2\)"):
         run(make_case(6, **COMBOS["page128-gqa-d64-bf16"]), [M.DENSE] * 4, impl=mosaic,
             config=MosaicConfig(rows=4))
@@ -170,18 +173,22 @@ def test_kernel_choice_in_one_place(monkeypatch):
 
 
 def test_launch_config_groups_heads_only_where_it_pays():
-    """`launch_config`: rows > 1 only for a call hinted mostly SPARSE whose rows are one split
-    each, the count its wave rule gives (the H200 shapes of its docstring, 132 SMs)."""
-    def rows(batch, ctx, heads=16, mostly_sparse=True, n_sm=132):
+    """`launch_config`: for a call hinted mostly SPARSE, rows > 1 only where rows are one split
+    each, the count its wave rule gives (the H200 shapes of its docstring, 132 SMs); rows of
+    several splits get SPARSE_SPLIT_KEYS keys a split; no hint or no SM count: MosaicConfig()."""
+    def config(batch, ctx, heads=16, mostly_sparse=True, n_sm=132):
         return mosaic_decode.launch_config(batch, heads, ctx // 32, block_size=32,
-                                           mostly_sparse=mostly_sparse, n_sm=n_sm).rows
+                                           mostly_sparse=mostly_sparse, n_sm=n_sm)
 
-    assert [rows(b, 1024) for b in (32, 48, 64, 128)] == [2, 1, 4, 4]
-    assert [rows(1, 1024), rows(64, 2048), rows(20, 4096), rows(10, 8192)] == [1, 1, 1, 1]
-    assert rows(64, 1024, mostly_sparse=False) == 1 and rows(64, 1024, n_sm=None) == 1
-    assert rows(64, 1024, heads=6) == 2  # 384 rows: one wave of two a program, not two of one
-    assert mosaic_decode.launch_config(64, 16, 32, block_size=32, mostly_sparse=False,
-                                       n_sm=132) == MosaicConfig()
+    assert [config(b, 1024).rows for b in (32, 48, 64, 128)] == [2, 1, 4, 4]
+    assert config(1, 1024) == MosaicConfig()
+    long_splits = MosaicConfig(split_keys=mosaic_decode.SPARSE_SPLIT_KEYS)
+    assert long_splits.split_keys > MosaicConfig().split_keys
+    assert [config(64, 2048), config(20, 4096), config(10, 8192)] == [long_splits] * 3
+    assert config(64, 1024, mostly_sparse=False) == MosaicConfig()
+    assert config(64, 1024, n_sm=None) == MosaicConfig()
+    assert config(20, 4096, mostly_sparse=False) == config(20, 4096, n_sm=None) == MosaicConfig()
+    assert config(64, 1024, heads=6).rows == 2  # 384 rows: one wave of two a program, not two of one
 
 
 def test_mostly_sparse_runs_the_launch_config(monkeypatch):
@@ -224,10 +231,10 @@ def lower_for_cuda(batch, ctx, config, heads=16, head_dim=128, page_size=128):
 @pytest.mark.parametrize("batch,ctx,config", [(64, 1024, MosaicConfig()),
                                               (10, 8192, MosaicConfig(tile_n=128, split_keys=1024,
                                                                       min_splits=4, num_stages=2)),
-                                              (20, 4096, MosaicConfig(dots=True)),
+                                              (20, 4096, MosaicConfig(products="wgmma")),
                                               (64, 1024, MosaicConfig(rows=4)),
                                               (20, 4096, MosaicConfig(rows=2, min_splits=3)),
-                                              (10, 8192, MosaicConfig(tile_n=128, dots=True))])
+                                              (10, 8192, MosaicConfig(tile_n=128, products="wgmma"))])
 def test_lowers_to_mosaic_gpu(batch, ctx, config):
     text = lower_for_cuda(batch, ctx, config)
     calls = collections.Counter(re.findall(r"custom_call @(\w+)", text))
@@ -245,11 +252,11 @@ def test_lowers_with_list_launch():
 
 
 # ------------------------------------------------------------------------------------------------
-# On a GPU (both the reductions and dots=True ran on an H200 on 2026-12-01).
+# On a GPU (the three products ran on an H200 on 2026-12-03).
 
 GPU_MOSAIC = [name for name, spec in GPU_COMBOS.items()
               if mosaic_decode.supports(spec["head_dim"], spec["dtype"])]
-GPU_CONFIGS = {"reductions": MosaicConfig(), "dots": MosaicConfig(dots=True)}
+GPU_CONFIGS = {products: MosaicConfig(products=products) for products in mosaic_decode.PRODUCTS}
 GPU_MODES = [M.SPARSE, M.DISCOVER, M.DENSE, M.DISCOVER_UNION, M.SPARSE, M.DENSE, M.SPARSE, M.DISCOVER]
 SPLIT_RULES = (MosaicConfig(), MosaicConfig(min_splits=3), MosaicConfig(split_keys=256))
 
@@ -261,12 +268,12 @@ def test_gpu_modes_against_references_and_dense(name, kind):
     check_modes(GPU_COMBOS[name], config=GPU_CONFIGS[kind], exact=False, impl=mosaic)
 
 
-@pytest.mark.parametrize("dots", [False, True])
+@pytest.mark.parametrize("products", mosaic_decode.PRODUCTS)
 @on_gpu
-def test_gpu_matches_triton_lowering_repeatably_and_rows_alone(dots):
+def test_gpu_matches_triton_lowering_repeatably_and_rows_alone(products):
     case = make_case(7, **GPU_COMBOS["ouro-page128-d128-bf16"])
     modes = [M.SPARSE, M.DISCOVER, M.DENSE, M.DISCOVER_UNION] * 2
-    config = MosaicConfig(min_splits=4, num_stages=2, dots=dots)
+    config = MosaicConfig(min_splits=4, num_stages=2, products=products)
     out, support, mass = run(case, modes, impl=mosaic, config=config)
     for again in [run(case, modes, impl=mosaic, config=config) for _ in range(3)]:
         for x, y in zip((out, support, mass), again):
@@ -333,4 +340,22 @@ def test_gpu_mostly_sparse_bitwise_plain_launch(spec, monkeypatch):
     assert grouped.rows > 1
     hinted = run(case, modes, impl=mosaic, config=None, mostly_sparse=True)
     for x, y in zip(hinted, plain):
+        assert np.array_equal(bits(x), bits(y))
+
+
+@on_gpu
+def test_gpu_mostly_sparse_long_splits():
+    """Rows past one split (2048-key contexts), hinted mostly SPARSE: the launch has
+    SPARSE_SPLIT_KEYS-key splits, every mode is within the references' bounds with it, and the
+    hinted call is bitwise that config given explicitly."""
+    spec = GPU_COMBOS["ouro-page128-d128-bf16"]
+    config = MosaicConfig(split_keys=mosaic_decode.SPARSE_SPLIT_KEYS)
+    case, modes = make_case(14, **spec), GPU_MODES
+    assert mosaic_decode.launch_config(len(modes), spec["heads"], case["support"].shape[-1],
+                                       block_size=BLOCK, mostly_sparse=True,
+                                       n_sm=mosaic_decode.sm_count(False)) == config
+    check_modes(spec, config=config, exact=False, impl=mosaic)
+    hinted = run(case, modes, impl=mosaic, config=None, mostly_sparse=True)
+    explicit = run(case, modes, impl=mosaic, config=config)
+    for x, y in zip(hinted, explicit):
         assert np.array_equal(bits(x), bits(y))

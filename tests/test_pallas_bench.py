@@ -66,13 +66,15 @@ def test_parse_mosaic_config():
     import pytest
     from bench_pallas import parse_mosaic_config
     from wise_jax.kernels.mosaic_decode import MosaicConfig
-    assert parse_mosaic_config("split_keys=2048,min_splits=2,dots=True") == MosaicConfig(
-        split_keys=2048, min_splits=2, dots=True)
+    assert parse_mosaic_config("split_keys=2048,min_splits=2,products=reduce,list_launch=True") \
+        == MosaicConfig(split_keys=2048, min_splits=2, products="reduce", list_launch=True)
     assert parse_mosaic_config("") == MosaicConfig()
     with pytest.raises(ValueError, match="tile"):
         parse_mosaic_config("tiles=64")
-    with pytest.raises(ValueError, match="neither an integer"):
-        parse_mosaic_config("dots=yes")
+    with pytest.raises(ValueError, match="MosaicConfig.list_launch must be a bool"):
+        parse_mosaic_config("list_launch=yes")
+    with pytest.raises(ValueError, match="MosaicConfig.products must be one of"):
+        parse_mosaic_config("products=dots")
     with pytest.raises(ValueError, match="power of two"):
         parse_mosaic_config("split_keys=1000")
 

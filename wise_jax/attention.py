@@ -153,8 +153,9 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
                      kernel: str = "auto", validate: bool = True, mostly_sparse: bool = False):
     """decode_attention_reference's contract, run by `kernel` ('reference', 'pallas' or 'auto').
     mostly_sparse: a launch hint, most rows are SPARSE (WISE's reuse loops); the Mosaic GPU
-    kernel may then give a program several heads (`mosaic_decode.launch_config`). Outputs do
-    not depend on it."""
+    kernel may then give a program several heads or run longer splits
+    (`mosaic_decode.launch_config`). Outputs stay within the kernel's rounding bounds either
+    way (bitwise where the hint only groups heads)."""
     hint = {} if resolve_kernel(kernel) == "reference" else {"mostly_sparse": mostly_sparse}
     return attention_impl(kernel)(q, k_pages, v_pages, page_table, seq_lens, modes, support,
                                   block_size=block_size, eta=eta, scale=scale, return_mass=return_mass,

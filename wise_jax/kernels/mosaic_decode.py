@@ -173,12 +173,14 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, memref, nvvm
+from jaxlib.mlir.dialects import arith, llvm, memref, nvvm, vector
 
 from wise_core import modes as wise_modes
 from wise_jax.attention import check_call
@@ -193,25 +195,27 @@ COL = plgpu.Layout.WGMMA.reduce(0)  # [head_dim]
 DOT_ROWS = 64  # q padded to this many rows for wgmma (its smallest M)
 WARPGROUP = 128  # threads of a program
 SCALAR = plgpu.Layout.WG_SPLAT(shape=())  # a scalar passed to inline Mosaic GPU code
+PRODUCTS = ("mma", "reduce", "wgmma")  # MosaicConfig.products
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
     """Launch shape: keys per step (tile_n, a multiple of 64: the WGMMA layout's rows), keys
     per program (split_keys) and min_splits (as pallas_decode.KernelConfig), num_stages (tiles
-    in flight per program), dots (q.K and p.V as wgmma with q in row 0 of a 64-row tile, the
-    Triton kernel's mha_dots; else layout-hinted reductions). dots is slower on an H200 (module
-    docstring) and runs on a GPU only (jax's GPU interpreter does not run wgmma on its operands).
+    in flight per program), products (how a tile's q.K and p.V run: "mma", tensor-core mma.sync
+    per warp in raw Mosaic GPU code, `_scores_mma` / `_pv_mma`, the reductions when interpreted:
+    the interpreter does not run raw Mosaic GPU code; "reduce", layout-hinted reductions in f32;
+    "wgmma", wgmma with q in row 0 of a 64-row tile, slower on an H200 and run on a GPU only).
     list_launch: the block list as a launch of its own (`pallas_decode._list_kernel`), always so
     when interpreted; else each program lists its split's blocks itself (`_list_in_kernel`).
     rows: heads a program attends (1, 2 or 4: consecutive heads of one sequence, split s of
-    each, their tiles through one ring), for calls of many short rows (reductions only)."""
+    each, their tiles through one ring), for calls of many short rows (not with wgmma)."""
 
     tile_n: int = 64
     split_keys: int = 1024
     min_splits: int = 1
     num_stages: int = 2
-    dots: bool = False
+    products: str = "mma"
     list_launch: bool = False
     rows: int = 1
 
@@ -229,11 +233,17 @@ class MosaicConfig:
                 raise ValueError(f"MosaicConfig.{name} must be a positive integer, got {value!r}")
         if isinstance(self.rows, bool) or self.rows not in (1, 2, 4):
             raise ValueError(f"MosaicConfig.rows must be 1, 2 or 4, got {self.rows!r}")
-        if self.rows > 1 and self.dots:
-            raise ValueError("MosaicConfig.rows > 1 needs dots=False")
-        for name in ("dots", "list_launch"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"MosaicConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.products not in PRODUCTS:
+            raise ValueError(f"MosaicConfig.products must be one of {PRODUCTS}, got {self.products!r}")
+        if self.rows > 1 and self.products == "wgmma":
+            raise ValueError("MosaicConfig.rows > 1 does not run with products='wgmma'")
+        if not isinstance(self.list_launch, bool):
+            raise ValueError(f"MosaicConfig.list_launch must be a bool, got {self.list_launch!r}")
+
+    @property
+    def dots(self) -> bool:
+        """Whether the probabilities enter 16-bit tensor-core dots (rounded to q's dtype)."""
+        return self.products != "reduce"
 
     def split_rule(self) -> pallas_decode.KernelConfig:
         """The pallas_decode launch whose list splits (and finish) this one shares."""
@@ -243,26 +253,34 @@ class MosaicConfig:
 
 PROGRAMS_PER_SM = 2  # split-kernel programs an H200 SM holds (head_dim 128: registers, above);
 # launch_config takes it for every head_dim (a wrong count costs speed, not results)
+SPARSE_SPLIT_KEYS = 2048  # keys a split in a launch hinted mostly SPARSE whose rows need several
 
 
 def launch_config(batch: int, heads: int, max_blocks: int, *, block_size: int,
                   mostly_sparse: bool, n_sm: int | None) -> MosaicConfig:
-    """The launch of a call given no config: MosaicConfig(), grouping heads (`rows`) when the
-    caller says most rows are SPARSE (WISE's reuse loops) and the shape favours it: every row
-    is one split (its context within split_keys) and, counting a program's time as its rows',
-    waves of the batch * heads / rows programs over the GPU's n_sm * PROGRAMS_PER_SM slots
-    times rows is least (ties to more rows). Outputs do not depend on rows (bitwise). n_sm
-    None (not known, or interpreted): one row a program.
+    """The launch of a call given no config: MosaicConfig(), changed when the caller says most
+    rows are SPARSE (WISE's reuse loops) and n_sm is known (not interpreted):
+    - rows past one split (context over split_keys): SPARSE_SPLIT_KEYS keys a split. The grid
+      has a program for every split a row could need (a DENSE row's), and every program lists
+      its row before it knows whether its split exists, so a sparse call's many empty programs
+      cost time; a DENSE row in such a call runs fewer, longer splits (H200, 2026-12-03,
+      h200-2026-12-03/mma/: sparse at 13 % 31.7 / 30.4 us against 32.5 / 31.9 at 4K x 20 / 8K x
+      10, dense 180.5 / 180.3 against 163.2 / 163.5).
+    - rows of one split: heads grouped (`rows`) where the programs' waves favour it: counting
+      a program's time as its rows', waves of the batch * heads / rows programs over the GPU's
+      n_sm * PROGRAMS_PER_SM slots times rows is least (ties to more rows). Outputs do not
+      depend on rows (bitwise).
 
-    H200 (2026-12-02, sparse at 13 %, 16 heads, us per call, rows 1 / 2 / 4; benchmarks/results/
-    h200-2026-12-02/rows-choice/): 1K x 32 14.6 / 13.1 / 17.4 (picks 2), 1K x 48 22.1 / 24.0 /
-    24.3 (picks 1), 1K x 64 29.1 / - / 26.8 (picks 4; rows 2 29.5 in rows/), 1K x 128 50.2 /
-    49.7 / 48.8 (picks 4); at 2K x 64, 4K x 20 / 64 and 8K x 10 / 32, where rows are not one
-    split, rows 1 is fastest."""
+    H200 (2026-12-02, the reductions, sparse at 13 %, 16 heads, us per call, rows 1 / 2 / 4;
+    benchmarks/results/h200-2026-12-02/rows-choice/): 1K x 32 14.6 / 13.1 / 17.4 (picks 2), 1K x
+    48 22.1 / 24.0 / 24.3 (picks 1), 1K x 64 29.1 / - / 26.8 (picks 4; rows 2 29.5 in rows/), 1K x
+    128 50.2 / 49.7 / 48.8 (picks 4); at 2K x 64, 4K x 20 / 64 and 8K x 10 / 32, where rows are
+    not one split, rows 1 is fastest."""
     config = MosaicConfig()
-    if not mostly_sparse or n_sm is None \
-            or config.split_rule().max_splits(block_size, max_blocks) != 1:
+    if not mostly_sparse or n_sm is None:
         return config
+    if config.split_rule().max_splits(block_size, max_blocks) != 1:
+        return dataclasses.replace(config, split_keys=max(SPARSE_SPLIT_KEYS, config.split_keys))
     slots = PROGRAMS_PER_SM * n_sm
 
     def time_in_rows(rows):
@@ -295,7 +313,7 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
                   stat_m_ref, stat_l_ref, acc_ref, m_ref, l_ref, counts_ref, out_ref,
                   list_smem, meta_smem, totals_smem, q_smem, k_smem, v_smem, acc_smem, out_smem,
                   q_bar, list_bar, k_bar, v_bar, *q_tile, block_size, page_size, tile_blocks,
-                  split_blocks, min_splits, num_stages, group, scale, dots, list_launch,
+                  split_blocks, min_splits, num_stages, group, scale, products, list_launch,
                   interpret):
     """Program (sequence b, heads [p * rows, (p + 1) * rows), split s): step 1 of the module
     docstring for split s of each of its rows, their tiles one after another through one ring.
@@ -310,7 +328,7 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
     split: the finish leaves them). SMEM: list_smem int32[rows, ...] (each row's split entries),
     meta_smem int32[rows, 2] (n_listed, tail keys), totals_smem int32[4] (per warp counts), q_smem
     [rows, head_dim], k_smem, v_smem [num_stages, tile_n, head_dim] (tiled, swizzled), acc_smem
-    [head_dim] f32, out_smem [head_dim]; with dots (rows == 1), q_tile [DOT_ROWS, head_dim]
+    [head_dim] f32, out_smem [head_dim]; with wgmma (rows == 1), q_tile [DOT_ROWS, head_dim]
     (tiled, swizzled): q in row 0, zeros elsewhere.
     """
     b, p, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
@@ -390,7 +408,7 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
                 _layout(jnp.zeros((tile_n, head_dim), jnp.float32), plgpu.Layout.WGMMA, interpret))
 
     def attend():  # the program's tiles (none: a split past the list of each of its rows)
-        if dots:
+        if products == "wgmma":
             row = rows[0]
             store(row, *_attend_dots(
                 q_smem.at[0], q_tile[0], k_smem, v_smem, k_bar, v_bar, stat_m_ref, stat_l_ref,
@@ -400,9 +418,11 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
                 scale=scale))
             return
 
-        def q_rows(g):  # q of row g, scaled, along the tile's keys
-            q = _layout(q_smem.at[g][...], COL, interpret).astype(jnp.float32) * scale
-            return lax.broadcast_in_dim(q, (tile_n, head_dim), [1])
+        def q_rows(g):  # q of row g: 16-bit (mma) or scaled along the tile's keys (reduce)
+            q = _layout(q_smem.at[g][...], COL, interpret)
+            if products == "mma":
+                return q
+            return lax.broadcast_in_dim(q.astype(jnp.float32) * scale, (tile_n, head_dim), [1])
 
         q_first = q_rows(0) if n_rows == 1 else None
         slot_keys = _layout(lax.broadcasted_iota(jnp.int32, (tile_n,), 0), ROW, interpret)
@@ -417,14 +437,21 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
             slot = lax.rem(tile, num_stages)
             # Scores while V lands; V is read once K is dead (fewer live registers).
             plgpu.barrier_wait(k_bar.at[slot])
-            k = k_smem.at[slot][...].astype(jnp.float32)
+            k = _layout(k_smem.at[slot][...], plgpu.Layout.WGMMA, interpret)
             first = row["lo"] + t * tile_blocks
             ok = _valid_keys(first, slot_keys, hi=row["hi"], n_listed=row["n_listed"],
                              tail_keys=row["tail_keys"], block_size=block_size)
             q = q_first if n_rows == 1 else q_rows(g)
-            scores = jnp.where(ok, jnp.sum(k * q, axis=1), -jnp.inf)
+            if products == "mma":
+                scores = _scores_mma(k, q) * scale
+            else:
+                scores = jnp.sum(k.astype(jnp.float32) * q, axis=1)
+            scores = jnp.where(ok, scores, -jnp.inf)
             plgpu.barrier_wait(v_bar.at[slot])
-            v = v_smem.at[slot][...].astype(jnp.float32)
+            if products == "mma":  # V's fragments for the tensor cores (a container: _load_vt)
+                v = _load_vt(v_smem.at[slot], k.dtype)
+            else:
+                v = v_smem.at[slot][...].astype(jnp.float32)
             # Refill the slot (the copy waits for every thread's loads of it).
             pl.when(tile + num_stages < n_tiles)(functools.partial(fetch, tile + num_stages, slot))
             m_new = jnp.maximum(m, jnp.max(scores))
@@ -437,7 +464,10 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
                 hi=row["hi"], tile_blocks=tile_blocks, block_m=lambda: m_base,
                 block_l=lambda j: jnp.sum(jnp.where(slot_block == j, p, 0.0))))
 
-            acc = acc * alpha + lax.broadcast_in_dim(p, acc.shape, [0]) * v
+            if products == "mma":
+                acc = _pv_mma(p, acc * alpha, v)
+            else:
+                acc = acc * alpha + lax.broadcast_in_dim(p, acc.shape, [0]) * v
             l = l * alpha + p
             if n_rows > 1:  # the row's last tile stores its split
                 pl.when(t == row["n_tiles"] - 1)(lambda: store_slots(row, m_new, l, acc))
@@ -567,6 +597,180 @@ def _shfl_up(value, distance, mask, clamp):
     return nvvm.shfl_sync(value.type, mask, value, distance, clamp, nvvm.ShflKind.up)
 
 
+# Raw Mosaic GPU: a tile's products on tensor cores, mma.sync m16n8k16 a warp (products="mma").
+# Warp w of the warpgroup owns key slots [16 w, 16 w + 16) of each 64 (the WGMMA layout's rows),
+# and in that layout a thread (lane 4 g + t) holds slots 16 w + g and 16 w + 8 + g, columns
+# 8 j + 2 t and + 1: the fragments of mma.sync's A and C (PTX ISA, "Matrix Fragments for
+# mma.m16n8k16"). q.K: K [16 slots, head_dim] @ q^T (q in every column of B) accumulates the
+# slots' scores in C's rows. p.V: p (row 0 of A, zeros elsewhere) @ V [16 slots, head_dim] adds
+# the warp's share of p.V to row 0 of its rows of acc [tile_n, head_dim] (the others stay 0), so
+# acc summed over the slots is the split's p.V, as with the reductions.
+
+
+def _regs(x, *shape):
+    """A FragmentedArray's registers as [*shape] (WGMMA [tile_n, n]: [tile_n // 64, n // 8, 2]
+    by (64 slots, 8 columns, the thread's two slots); ROW [tile_n]: [tile_n // 64, 2]; COL [n]:
+    [n // 8])."""
+    return x.registers.reshape(shape)
+
+
+def _element(x, i):
+    """Element i of a register (a vector)."""
+    return vector.extract(x, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
+
+
+def _vector(*values):
+    """A register vector of the values."""
+    out = llvm.mlir_undef(ir.VectorType.get((len(values),), values[0].type))
+    for i, value in enumerate(values):
+        out = llvm.insertelement(out, value, position=arith.constant(ir.IntegerType.get_signless(32), i))
+    return out
+
+
+def _i32(x):
+    """A register of two 16-bit values as i32 (an mma operand)."""
+    return mgpu_utils.bitcast(x, ir.IntegerType.get_signless(32))
+
+
+def _ptx_type(dtype: ir.Type) -> str:
+    return "bf16" if dtype == ir.BF16Type.get() else "f16"
+
+
+def _mma(c, a, b, ptx_type):
+    """One warp's m16n8k16 product: 4 f32 c + A (4 i32 of two 16-bit) @ B (2 i32) -> 4 f32."""
+    f32 = ir.F32Type.get()
+    operands = lambda first, n: "{" + ",".join(f"${first + i}" for i in range(n)) + "}"
+    ptx = (f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx_type}.{ptx_type}.f32 {operands(0, 4)}, "
+           f"{operands(4, 4)}, {operands(8, 2)}, {operands(10, 4)};")
+    out = llvm.inline_asm(llvm.StructType.get_literal([f32] * 4), [*a, *b, *c], ptx,
+                          "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False)
+    return [llvm.extractvalue(f32, out, [i]) for i in range(4)]
+
+
+def _scores_mma(k, q):
+    """scores [tile_n] f32 (ROW) = K [tile_n, head_dim] (WGMMA, 16-bit) . q [head_dim] (COL,
+    16-bit), per warp head_dim / 16 steps of mma.sync in two chains (even, odd steps)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, COL),
+                       return_type=plgpu.ShapeDtypeStruct(k.shape[:1], jnp.float32, layout=ROW))
+    def body(_, k, q):
+        tile_n, head_dim = k.shape
+        f32 = ir.F32Type.get()
+        ptx_type = _ptx_type(k.mlir_dtype)
+        k_regs, q_regs = _regs(k, tile_n // 64, head_dim // 8, 2), _regs(q, head_dim // 8)
+        zero = arith.constant(f32, 0.0)
+        out = np.empty((tile_n // 64, 2), dtype=object)
+        for i in range(tile_n // 64):
+            chains = [[zero] * 4, [zero] * 4]
+            for step in range(head_dim // 16):
+                j = 2 * step
+                a = [_i32(k_regs[i, j, 0]), _i32(k_regs[i, j, 1]), _i32(k_regs[i, j + 1, 0]),
+                     _i32(k_regs[i, j + 1, 1])]
+                b = [_i32(q_regs[j]), _i32(q_regs[j + 1])]
+                chains[step % 2] = _mma(chains[step % 2], a, b, ptx_type)
+            # C's rows are the warp's slots g (c0) and 8 + g (c2); its columns all equal
+            for h, r in enumerate((0, 2)):
+                out[i, h] = _vector(arith.addf(chains[0][r], chains[1][r]))
+        registers = out.reshape(ROW.to_mgpu().registers_shape((tile_n,)))
+        return mgpu_fa.FragmentedArray(_registers=registers, _layout=ROW.to_mgpu(), _is_signed=None)
+
+    return body(k, q)
+
+
+def _load_vt(v_slot, dtype):
+    """V's B fragments for `_pv_mma` from one ring slot (SMEM [tile_n, head_dim], 16-bit, TILED):
+    ldmatrix.x4.trans a warp per 16 slots x 16 columns, returned in a [tile_n, head_dim] WGMMA
+    array used as a container (register [i, j, h] holds B's half h of columns [8 j, 8 j + 8) of
+    the warp's slots in 64-slot group i; the array's elements mean nothing else)."""
+    tile_n, head_dim = v_slot.shape
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(TILED),),
+                       return_type=plgpu.ShapeDtypeStruct((tile_n, head_dim), dtype,
+                                                          layout=plgpu.Layout.WGMMA))
+    def body(_, v):
+        i32 = ir.IntegerType.get_signless(32)
+        c = lambda value: arith.constant(i32, value)
+        base = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(v))
+        thread = arith.remui(mgpu_utils.thread_idx(), c(WARPGROUP))
+        lane, warp = arith.andi(thread, c(31)), arith.shrui(thread, c(5))
+        matrix, row = arith.shrui(lane, c(3)), arith.andi(lane, c(7))  # lane 8 m + r: row r of matrix m
+        # Matrix m: slots + 8 (m % 2), columns + 8 (m // 2); a row is 8 16-bit values (16 bytes).
+        # TILED: [8, 64] tiles of 1 KiB in row-major order, 128-byte rows, 16-byte chunk x of row
+        # r stored at chunk x ^ r (r = slot % 8).
+        slot_tile = arith.addi(arith.muli(warp, c(2)), arith.andi(matrix, c(1)))  # (slot // 8) % 8
+        col_half = arith.shrui(matrix, c(1))
+        col_tiles = head_dim // 64
+        bf = ir.VectorType.get((2,), mgpu_utils.dtype_to_ir_type(dtype))
+        regs = np.empty((tile_n // 64, head_dim // 8, 2), dtype=object)
+        for i in range(tile_n // 64):
+            for n16 in range(head_dim // 16):
+                chunk = arith.addi(c(2 * n16 % 8), col_half)  # the 16-byte chunk in its tile row
+                tile = arith.addi(arith.muli(arith.addi(c(8 * i), slot_tile), c(col_tiles)),
+                                  c(2 * n16 // 8))
+                offset = arith.addi(arith.addi(arith.muli(tile, c(1024)), arith.muli(row, c(128))),
+                                    arith.muli(arith.xori(chunk, row), c(16)))
+                out = llvm.inline_asm(
+                    llvm.StructType.get_literal([i32] * 4), [arith.addi(base, offset)],
+                    "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0,$1,$2,$3}, [$4];",
+                    "=r,=r,=r,=r,r", has_side_effects=True)
+                d = [mgpu_utils.bitcast(llvm.extractvalue(i32, out, [m]), bf) for m in range(4)]
+                regs[i, 2 * n16] = d[0], d[1]
+                regs[i, 2 * n16 + 1] = d[2], d[3]
+        layout = plgpu.Layout.WGMMA.to_mgpu()
+        return mgpu_fa.FragmentedArray(_registers=regs.reshape(layout.registers_shape((tile_n, head_dim))),
+                                       _layout=layout, _is_signed=None)
+
+    return body(v_slot)
+
+
+def _pv_mma(p, acc, v):
+    """acc [tile_n, head_dim] f32 (WGMMA) + p [tile_n] f32 (ROW) . V, V's fragments from
+    `_load_vt` (v): each warp gathers its 16 slots' p as row 0 of A (shuffles; rounded to V's
+    dtype), the other rows 0, and runs head_dim / 8 mma.sync."""
+
+    @plgpu.inline_mgpu(arg_types=(ROW, plgpu.Layout.WGMMA, plgpu.Layout.WGMMA),
+                       return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32,
+                                                          layout=plgpu.Layout.WGMMA))
+    def body(_, p, acc, v):
+        tile_n, head_dim = acc.shape
+        i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+        c = lambda value: arith.constant(i32, value)
+        ptx_type = _ptx_type(v.mlir_dtype)
+        half2 = ir.VectorType.get((2,), v.mlir_dtype)
+        lane = arith.andi(mgpu_utils.thread_idx(), c(31))
+        group, pair = arith.shrui(lane, c(2)), arith.andi(lane, c(3))
+        first = arith.muli(pair, c(8))  # lane of slot 2 t (g = 2 t); slot 2 t + 1: lane + 4
+        row0 = arith.cmpi(arith.CmpIPredicate.eq, group, c(0))
+        p_regs = _regs(p, tile_n // 64, 2)
+        acc_regs, v_regs = _regs(acc, tile_n // 64, head_dim // 8, 2), _regs(v, tile_n // 64, head_dim // 8, 2)
+        out = np.empty(acc_regs.shape, dtype=object)
+        for i in range(tile_n // 64):
+            a = []
+            for half in (0, 1):  # A's columns [8 half, 8 half + 8): slots 8 half + 2 t, + 1
+                value = _element(p_regs[i, half], 0)
+                pair_p = [_shfl_idx(value, lane_src) for lane_src in (first, arith.addi(first, c(4)))]
+                packed = _i32(arith.truncf(half2, _vector(*pair_p)))
+                a.append(arith.select(row0, packed, c(0)))
+            a = [a[0], c(0), a[1], c(0)]  # rows g and 8 + g of A: p in row 0 only
+            for j in range(head_dim // 8):
+                cs = [_element(acc_regs[i, j, h], e) for h in (0, 1) for e in (0, 1)]
+                d = _mma(cs, a, [_i32(v_regs[i, j, 0]), _i32(v_regs[i, j, 1])], ptx_type)
+                out[i, j] = _vector(d[0], d[1]), _vector(d[2], d[3])
+        return mgpu_fa.FragmentedArray(_registers=out.reshape(acc.registers.shape), _layout=acc.layout,
+                                       _is_signed=None)
+
+    return body(p, acc, v)
+
+
+def _shfl_idx(value, lane):
+    """value of another lane of the warp (an f32 through shfl.sync.idx)."""
+    i32 = ir.IntegerType.get_signless(32)
+    out = llvm.inline_asm(i32, [mgpu_utils.bitcast(value, i32), lane],
+                          "shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=r,r,r",
+                          has_side_effects=True)
+    return mgpu_utils.bitcast(out, value.type)
+
+
 def _valid_keys(first, key_slot, *, hi, n_listed, tail_keys, block_size):
     """Which key slots of a tile whose first slot holds list entry `first` attend: their entry
     is in the split ([.., hi)) and, in the list's last entry, below its tail_keys."""
@@ -679,6 +883,7 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
     rule = config.split_rule()
     tile_blocks, split_blocks = rule.tile_blocks(block_size), rule.split_blocks(block_size)
     list_launch = config.list_launch or interpret is not None
+    products = "reduce" if interpret is not None and config.products == "mma" else config.products
     if list_launch:
         list_len = -(-(split_blocks + LIST_ALIGN - 1) // LIST_CHUNK) * LIST_CHUNK  # a split's share from base
         row_len = -(-(n_blocks + list_len) // LIST_CHUNK) * LIST_CHUNK  # TMA: 16-byte row strides
@@ -710,12 +915,12 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
                plgpu.Barrier(num_arrivals=rows), plgpu.Barrier(num_arrivals=rows),
                plgpu.Barrier(num_arrivals=tile_blocks, num_barriers=stages),
                plgpu.Barrier(num_arrivals=tile_blocks, num_barriers=stages)]
-    if config.dots:
+    if products == "wgmma":
         scratch.append(plgpu.SMEM((DOT_ROWS, head_dim), q.dtype, transforms=TILED))
     kernel = functools.partial(
         _split_kernel, block_size=block_size, page_size=page_size, tile_blocks=tile_blocks,
         split_blocks=split_blocks, min_splits=rule.min_splits, num_stages=stages,
-        group=heads // kv_heads, scale=scale * LOG2E, dots=config.dots, list_launch=list_launch,
+        group=heads // kv_heads, scale=scale * LOG2E, products=products, list_launch=list_launch,
         interpret=interpret is not None)
     cache_blocks = num_pages * page_size // block_size
     k_rows = k_pages.reshape(cache_blocks, block_size, kv_heads, head_dim)
@@ -760,7 +965,8 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
     Mosaic GPU (module docstring). interpret: run the split kernel in jax's GPU interpreter and
     the finish in the Pallas interpreter (default: when the default backend is not a GPU).
     config: launch parameters (default `launch_config`'s). mostly_sparse: a launch hint, most
-    rows are SPARSE (outputs do not depend on it). Needs 16-bit q/K/V and head_dim a multiple
+    rows are SPARSE (`launch_config`: it may group heads, bitwise the same outputs, or lengthen
+    the splits, the same outputs within rounding). Needs 16-bit q/K/V and head_dim a multiple
     of 64 (`supports`)."""
     seq_lens = check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support,
                           block_size=block_size, eta=eta, validate=validate)
@@ -779,8 +985,8 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
                                mostly_sparse=mostly_sparse, n_sm=sm_count(interpret))
     if q.shape[1] % config.rows:
         raise ValueError(f"MosaicConfig.rows ({config.rows}) must divide the heads ({q.shape[1]})")
-    if config.dots and interpret:
-        raise ValueError("MosaicConfig(dots=True) needs a GPU: jax's GPU interpreter does not run "
+    if config.products == "wgmma" and interpret:
+        raise ValueError("MosaicConfig(products='wgmma') needs a GPU: jax's GPU interpreter does not run "
                          "wgmma on a transposed or register operand")
     return tuple(_decode(
         q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size,
