@@ -173,16 +173,17 @@ def test_kernel_choice_in_one_place(monkeypatch):
 
 
 def test_launch_config_groups_heads_only_where_it_pays():
-    """`launch_config`: for a call hinted mostly SPARSE, rows > 1 only where rows are one split
-    each, the count its wave rule gives (the H200 shapes of its docstring, 132 SMs); rows of
-    several splits get SPARSE_SPLIT_KEYS keys a split; no hint or no SM count: MosaicConfig()."""
+    """`launch_config`: for a call hinted mostly SPARSE, the mma products, rows > 1 only where
+    rows are one split each, the count its wave rule gives (the H200 shapes of its docstring, 132
+    SMs), and rows of several splits get SPARSE_SPLIT_KEYS keys a split; no hint or no SM count:
+    MosaicConfig()."""
     def config(batch, ctx, heads=16, mostly_sparse=True, n_sm=132):
         return mosaic_decode.launch_config(batch, heads, ctx // 32, block_size=32,
                                            mostly_sparse=mostly_sparse, n_sm=n_sm)
 
     assert [config(b, 1024).rows for b in (32, 48, 64, 128)] == [2, 1, 4, 4]
-    assert config(1, 1024) == MosaicConfig()
-    long_splits = MosaicConfig(split_keys=mosaic_decode.SPARSE_SPLIT_KEYS)
+    assert config(1, 1024) == MosaicConfig(products="mma")  # tensor cores for every hinted call
+    long_splits = MosaicConfig(split_keys=mosaic_decode.SPARSE_SPLIT_KEYS, products="mma")
     assert long_splits.split_keys > MosaicConfig().split_keys
     assert [config(64, 2048), config(20, 4096), config(10, 8192)] == [long_splits] * 3
     assert config(64, 1024, mostly_sparse=False) == MosaicConfig()
@@ -291,28 +292,32 @@ def test_gpu_matches_triton_lowering_repeatably_and_rows_alone(products):
         assert np.array_equal(np.asarray(support_b[0]), np.asarray(support[b]))
 
 
+@pytest.mark.parametrize("products", ["reduce", "mma"])
 @pytest.mark.parametrize("name", GPU_MOSAIC)
 @on_gpu
-def test_gpu_list_in_kernel_bitwise_list_launch(name):
+def test_gpu_list_in_kernel_bitwise_list_launch(name, products):
     """The split kernel listing its blocks itself (`_list_in_kernel`, raw Mosaic GPU code the
     interpreter does not run) against the list launch the interpreted tests cover: the same
     lists, so every output bitwise, in every mode, with partial last blocks, short rows, several
     splits a row and scattered pages (make_case)."""
     case, modes = make_case(11, **GPU_COMBOS[name]), GPU_MODES
     for config in SPLIT_RULES:
+        config = dataclasses.replace(config, products=products)
         launched = run(case, modes, impl=mosaic, config=dataclasses.replace(config, list_launch=True))
         in_kernel = run(case, modes, impl=mosaic, config=config)
         for x, y in zip(in_kernel, launched):
             assert np.array_equal(bits(x), bits(y)), config
 
 
+@pytest.mark.parametrize("products", ["reduce", "mma"])
 @pytest.mark.parametrize("name", GPU_MOSAIC)
 @on_gpu
-def test_gpu_rows_bitwise_one_row(name):
+def test_gpu_rows_bitwise_one_row(name, products):
     """MosaicConfig(rows=2, 4) against one head a program, both list routes: every output
     bitwise, in every mode (the interpreted test covers the list launch only)."""
     case, modes = make_case(12, **GPU_COMBOS[name]), GPU_MODES
     for config in SPLIT_RULES:
+        config = dataclasses.replace(config, products=products)
         one = run(case, modes, impl=mosaic, config=config)
         for rows in (2, 4):
             for list_launch in (False, True):
@@ -330,14 +335,15 @@ OURO_1K = dict(GPU_COMBOS["ouro-page128-d128-bf16"], max_pages=8,
 @on_gpu
 def test_gpu_mostly_sparse_bitwise_plain_launch(spec, monkeypatch):
     """The GPU reports its SMs; a call hinted mostly SPARSE, its launch grouping heads (one SM
-    assumed, so that these small batches group), gives every output bitwise the plain launch's."""
+    assumed, so that these small batches group), gives every output bitwise the same products'
+    launch of one head a program."""
     assert mosaic_decode.sm_count(False) > 0
     case, modes = make_case(13, **spec), GPU_MODES
-    plain = run(case, modes, impl=mosaic, config=MosaicConfig())
+    plain = run(case, modes, impl=mosaic, config=MosaicConfig(products="mma"))
     monkeypatch.setattr(mosaic_decode, "sm_count", lambda interpret: 1)
     grouped = mosaic_decode.launch_config(len(modes), spec["heads"], case["support"].shape[-1],
                                           block_size=BLOCK, mostly_sparse=True, n_sm=1)
-    assert grouped.rows > 1
+    assert grouped == MosaicConfig(products="mma", rows=grouped.rows) and grouped.rows > 1
     hinted = run(case, modes, impl=mosaic, config=None, mostly_sparse=True)
     for x, y in zip(hinted, plain):
         assert np.array_equal(bits(x), bits(y))
@@ -345,11 +351,11 @@ def test_gpu_mostly_sparse_bitwise_plain_launch(spec, monkeypatch):
 
 @on_gpu
 def test_gpu_mostly_sparse_long_splits():
-    """Rows past one split (2048-key contexts), hinted mostly SPARSE: the launch has
-    SPARSE_SPLIT_KEYS-key splits, every mode is within the references' bounds with it, and the
+    """Rows past one split (2048-key contexts), hinted mostly SPARSE: the launch has the mma
+    products and SPARSE_SPLIT_KEYS-key splits, every mode is within the references' bounds with it, and the
     hinted call is bitwise that config given explicitly."""
     spec = GPU_COMBOS["ouro-page128-d128-bf16"]
-    config = MosaicConfig(split_keys=mosaic_decode.SPARSE_SPLIT_KEYS)
+    config = MosaicConfig(split_keys=mosaic_decode.SPARSE_SPLIT_KEYS, products="mma")
     case, modes = make_case(14, **spec), GPU_MODES
     assert mosaic_decode.launch_config(len(modes), spec["heads"], case["support"].shape[-1],
                                        block_size=BLOCK, mostly_sparse=True,

@@ -202,10 +202,11 @@ PRODUCTS = ("mma", "reduce", "wgmma")  # MosaicConfig.products
 class MosaicConfig:
     """Launch shape: keys per step (tile_n, a multiple of 64: the WGMMA layout's rows), keys
     per program (split_keys) and min_splits (as pallas_decode.KernelConfig), num_stages (tiles
-    in flight per program), products (how a tile's q.K and p.V run: "mma", tensor-core mma.sync
-    per warp in raw Mosaic GPU code, `_scores_mma` / `_pv_mma`, the reductions when interpreted:
-    the interpreter does not run raw Mosaic GPU code; "reduce", layout-hinted reductions in f32;
-    "wgmma", wgmma with q in row 0 of a 64-row tile, slower on an H200 and run on a GPU only).
+    in flight per program), products (how a tile's q.K and p.V run: "reduce", layout-hinted
+    reductions in f32; "mma", tensor-core mma.sync a warp in raw Mosaic GPU code, `_scores_mma` /
+    `_pv_mma`, the reductions when interpreted: the interpreter does not run raw Mosaic GPU code;
+    "wgmma", wgmma with q in row 0 of a 64-row tile, slower on an H200 and run on a GPU only;
+    `launch_config` picks "mma" for calls hinted mostly SPARSE).
     list_launch: the block list as a launch of its own (`pallas_decode._list_kernel`), always so
     when interpreted; else each program lists its split's blocks itself (`_list_in_kernel`).
     rows: heads a program attends (1, 2 or 4: consecutive heads of one sequence, split s of
@@ -215,7 +216,7 @@ class MosaicConfig:
     split_keys: int = 1024
     min_splits: int = 1
     num_stages: int = 2
-    products: str = "mma"
+    products: str = "reduce"
     list_launch: bool = False
     rows: int = 1
 
@@ -260,6 +261,10 @@ def launch_config(batch: int, heads: int, max_blocks: int, *, block_size: int,
                   mostly_sparse: bool, n_sm: int | None) -> MosaicConfig:
     """The launch of a call given no config: MosaicConfig(), changed when the caller says most
     rows are SPARSE (WISE's reuse loops) and n_sm is known (not interpreted):
+    - products "mma": tensor cores for the tile's products, which shorten the chain of each
+      split (H200, 2026-12-03, h200-2026-12-03/mma/: sparse at 13 % 25.5 / 32.5 / 31.9 us against
+      28.8 / 33.2 / 32.9 with the reductions at 1K x 64 / 4K x 20 / 8K x 10) but cost dense calls
+      1-2.5 % (131.3 / 159.6 / 159.9 against 128.1 / 158.2 / 158.1 us), so plain calls keep them.
     - rows past one split (context over split_keys): SPARSE_SPLIT_KEYS keys a split. The grid
       has a program for every split a row could need (a DENSE row's), and every program lists
       its row before it knows whether its split exists, so a sparse call's many empty programs
@@ -279,6 +284,7 @@ def launch_config(batch: int, heads: int, max_blocks: int, *, block_size: int,
     config = MosaicConfig()
     if not mostly_sparse or n_sm is None:
         return config
+    config = dataclasses.replace(config, products="mma")
     if config.split_rule().max_splits(block_size, max_blocks) != 1:
         return dataclasses.replace(config, split_keys=max(SPARSE_SPLIT_KEYS, config.split_keys))
     slots = PROGRAMS_PER_SM * n_sm
