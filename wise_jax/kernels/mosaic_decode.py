@@ -21,10 +21,12 @@ kernel (`plgpu`, Hopper: TMA copies into a multi-stage shared-memory ring, mbarr
    b. Attend: `tile_n` keys at a time (tile_n / 32 blocks, one TMA copy of [32, head_dim] per
       block, for K and for V, from the cache viewed as [cache blocks, 32, kv_heads,
       head_dim], so the dynamic index is on an untiled dimension) through `num_stages` slots,
-      each tile computed with layout-hinted reductions: scores = sum over head_dim of K (WGMMA
-      register layout) times q broadcast along the keys; an online softmax in base 2 whose
-      running max is the tile maximum; acc[key slot, :] += p * V row-wise, reduced over the
-      key slots once at the end of the split. Discovery rows store per block (its running
+      each tile's products by `MosaicConfig.products`: layout-hinted reductions (scores = sum
+      over head_dim of K in the WGMMA register layout times q broadcast along the keys; acc[key
+      slot, :] += p * V row-wise) or tensor-core mma.sync a warp (`_scores_mma`, `_pv_mma`:
+      the same scores and acc, the probabilities rounded to V's dtype for the product); an
+      online softmax in base 2 whose running max is the tile maximum; acc reduced over the key
+      slots once at the end of the split. Discovery rows store per block (its running
       max, its sum of exponentials); outputs are computed as for DENSE, so DISCOVER is bitwise
       DENSE, and a SPARSE row with every block selected has DENSE's list, splits and
       arithmetic. A split stores its (max, sum) and either its acc (the row has more splits)
@@ -52,6 +54,22 @@ Routes tried (lowered with jax 0.10.2 on a CPU machine; run with jax 0.11.2 on a
   inference rejected a dynamic row offset on the tiled rows dimension), and each split copies
   its share of the block list from a 16-byte-aligned start (a misaligned TMA source was an
   illegal instruction).
+- q.K and p.V on tensor cores through mma.sync m16n8k16, one warp per 16 key slots
+  (`products="mma"`, raw Mosaic GPU code: inline PTX for mma.sync, ldmatrix.trans and shfl;
+  2026-12-03, h200-2026-12-03/mma/): q.K as K [16 slots, head_dim] @ q^T with q in every column
+  of B, so K's registers as loaded in the WGMMA layout are A's fragments and C's rows are the
+  slots' scores in the layout the softmax reads; p.V as p (row 0 of A, gathered by four
+  shuffles) @ V [16 slots, head_dim] (ldmatrix.x4.trans from the swizzled ring slot) into
+  the warp's rows of acc. It passes every gpu test (bitwise equalities included) and ptxas takes
+  162 registers (the reductions 213-245). Same run against the reductions: sparse at 13 %
+  25.5 / 32.5 / 31.9 us against 28.8 / 33.2 / 32.9 (1K x 64 with rows=4 against rows=1 / 4K x
+  20 / 8K x 10), dense 131.3 / 159.6 / 159.9 against 128.1 / 158.2 / 158.1. Kept for calls
+  hinted mostly SPARSE (`launch_config`); plain calls keep the reductions. In that run's
+  sweep (sweep/), with the mma products: 2048-key splits 25.6 / 31.7 / 30.4 us sparse (the
+  grid's programs for splits a sparse row never has are fewer: each lists its row before it
+  finds it has nothing to do; kept for hinted calls past one split), min_splits=2 34.6 / 31.3 /
+  32.2, three stages 29.4 / 32.9 / 32.9, rows=2 29.3 / 35.0 / 35.5 (with three stages 30.2 /
+  37.3 / 37.3).
 - q.K and p.V as `wgmma` (q in row 0 of a 64-row tile in shared memory, K^T through
   `plgpu.transpose_ref`, p in registers): `MosaicConfig(dots=True)`. It passes the gpu tests
   but is slower: dense 132.5 / 163.9 / 164.3 us against 128.0 / 158.4 / 158.4, sparse 32.4 /
@@ -111,7 +129,12 @@ Routes tried (lowered with jax 0.10.2 on a CPU machine; run with jax 0.11.2 on a
   docstring has the sweep, h200-2026-12-02/rows-choice/; min_splits 3 or 6 with rows 2 or 4,
   to even out 4K x 20 / 8K x 10's waves, was slower everywhere: sparse 35.1-49.2 us there).
 
-What bounds it: the work in the SM, not memory. With every page-table entry 0 (K/V from L2, no
+What bounds it: for the reductions, the work in the SM, not memory (below); the mma products cut
+that work (no per-element conversions; 162 registers) yet took sparse down by only 0.7-3.3 us
+(h200-2026-12-03/mma/), and the longer splits of hinted calls by 0.8-1.5 us more: what is left is
+per program (its list, read before anything else, then its first copies' latency, at two or three
+programs an SM) and the programs of a grid sized for DENSE rows, which a sparse row mostly leaves
+empty. With the reductions: with every page-table entry 0 (K/V from L2, no
 HBM traffic; h200-2026-12-02/l2-floor/) sparse takes 28.3 / 27.6 / 23.7 us against 33.4 / 32.8 /
 29.1 from scattered pages (4K x 20 / 8K x 10 / 1K x 64), dense 96.8 / 95.6 / 77.7 against 159.8 /
 160.3 / 129.4, and a third stage changes neither: a 64-key tile is about 590 PTX instructions a
@@ -144,8 +167,14 @@ against 31.1 / 37.0 / 35.6, and more, shorter splits cost as much as here (1K x 
 same share of contiguous blocks this kernel saves 0.7-1.1 us (sparse-contiguous/ there: 30.1 /
 36.2 / 34.6 us against 31.2 / 36.9 / 35.5). The list and finish launches then took about 5 us a call.
 
-What ran fastest: `MosaicConfig()` (64-key tiles, 1024 keys a split, two stages, reductions,
-the list in the kernel). benchmarks/results/h200-2026-12-02/list-loads/ (this module before
+What ran fastest (h200-2026-12-03/mma/kernels/, one run, us per call): plain calls `MosaicConfig()`
+(64-key tiles, 1024 keys a split, two stages, the reductions, the list in the kernel), dense
+129.8 / 160.2 / 161.0 (0.908 / 0.918 / 0.911x the Triton kernel, 1.044 / 0.922 / 1.024x cuDNN
+SDPA), discover 0.890 / 0.899 / 0.894x and discover+sparse 0.868 / 0.924 / 0.925x Triton; sparse
+calls hinted mostly SPARSE (`launch_config`: mma products, rows=4 at 1K x 64, 2048-key splits at
+4K and 8K) 26.9 / 32.8 / 30.9 (0.931 / 0.994 / 0.978x Triton, 0.873 / 1.061 / 1.188x cuDNN SDPA on
+a contiguous 13 %). Earlier, with the reductions only:
+benchmarks/results/h200-2026-12-02/list-loads/ (this module before
 `MosaicConfig.rows`; device time per call, 16 heads x 128, bf16, 1K x 64 / 4K x 20 / 8K x 10): dense 129.7 /
 159.9 / 160.7 us (0.909 / 0.915 / 0.909x the Triton kernel, 1.044 / 0.917 / 1.023x cuDNN SDPA),
 sparse at 13 % 29.8 / 33.3 / 33.4 us (1.032 / 1.010 / 1.058x Triton, 0.966 / 1.079 / 1.290x
