@@ -235,13 +235,20 @@ def lower_for_cuda(batch, ctx, config, heads=16, head_dim=128, page_size=128):
                                               (20, 4096, MosaicConfig(products="wgmma")),
                                               (64, 1024, MosaicConfig(rows=4)),
                                               (20, 4096, MosaicConfig(rows=2, min_splits=3)),
-                                              (10, 8192, MosaicConfig(tile_n=128, products="wgmma"))])
+                                              (10, 8192, MosaicConfig(tile_n=128, products="wgmma")),
+                                              (20, 4096, MosaicConfig(products="mma")),
+                                              (64, 1024, MosaicConfig(rows=4, products="mma")),
+                                              (10, 8192, MosaicConfig(tile_n=128, split_keys=2048,
+                                                                      products="mma"))])
 def test_lowers_to_mosaic_gpu(batch, ctx, config):
     text = lower_for_cuda(batch, ctx, config)
     calls = collections.Counter(re.findall(r"custom_call @(\w+)", text))
     # The split kernel (listing its blocks itself) and the Triton-lowered finish.
     assert calls == {"mosaic_gpu_v2": 1, "__gpu": 1}, calls
     assert "wise_decode_list" not in text and "wise_decode_finish" in text
+    # The mma products' inline PTX is in the Mosaic GPU module (serialized in the custom call).
+    for ptx in ("mma.sync.aligned.m16n8k16", "ldmatrix.sync.aligned.m8n8.x4.trans"):
+        assert (ptx in text) == (config.products == "mma"), ptx
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="cross-lowering is checked on a CPU machine")

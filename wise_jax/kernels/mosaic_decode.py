@@ -39,9 +39,11 @@ kernel (`plgpu`, Hopper: TMA copies into a multi-stage shared-memory ring, mbarr
 
 Interpreted (jax's GPU interpreter on a CPU), the list is `pallas_decode._list_kernel`, a
 Triton-lowered launch of its own that the split kernel copies its share from (a TMA copy from
-a 16-byte-aligned start): the interpreter does not run inline Mosaic GPU code.
-`MosaicConfig(list_launch=True)` takes that route on a GPU too; a gpu test holds the two
-routes' outputs bitwise equal in every mode.
+a 16-byte-aligned start), and the products are the reductions: the interpreter does not run
+inline Mosaic GPU code. `MosaicConfig(list_launch=True)` takes that route on a GPU too; a gpu
+test holds the two routes' outputs bitwise equal in every mode, for both products. The mma
+products are covered by gpu tests only (against the float64 references, the Triton-lowered
+kernel, and bitwise across list routes, rows and hinted launches).
 
 Routes tried (lowered with jax 0.10.2 on a CPU machine; run with jax 0.11.2 on an H200):
 - Layout-hinted reductions (above, the default): lower to Mosaic GPU for sm90
