@@ -486,7 +486,7 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
             scores = jnp.where(ok, scores, -jnp.inf)
             plgpu.barrier_wait(v_bar.at[slot])
             if products == "mma":  # V's fragments for the tensor cores (a container: _load_vt)
-                v = _load_vt(v_smem.at[slot], k.dtype)
+                v = _load_vt(v_smem.at[slot])
             else:
                 v = v_smem.at[slot][...].astype(jnp.float32)
             # Refill the slot (the copy waits for every thread's loads of it).
@@ -714,7 +714,7 @@ def _scores_mma(k, q):
     return body(k, q)
 
 
-def _load_vt(v_slot, dtype):
+def _load_vt(v_slot):
     """V's B fragments for `_pv_mma` from one ring slot (SMEM [tile_n, head_dim], 16-bit, TILED):
     ldmatrix.x4.trans a warp per 16 slots x 16 columns, returned in a [tile_n, head_dim] WGMMA
     array used as a container (register [i, j, h] holds B's half h of columns [8 j, 8 j + 8) of
@@ -722,7 +722,7 @@ def _load_vt(v_slot, dtype):
     tile_n, head_dim = v_slot.shape
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(TILED),),
-                       return_type=plgpu.ShapeDtypeStruct((tile_n, head_dim), dtype,
+                       return_type=plgpu.ShapeDtypeStruct((tile_n, head_dim), v_slot.dtype,
                                                           layout=plgpu.Layout.WGMMA))
     def body(_, v):
         i32 = ir.IntegerType.get_signless(32)
@@ -737,7 +737,7 @@ def _load_vt(v_slot, dtype):
         slot_tile = arith.addi(arith.muli(warp, c(2)), arith.andi(matrix, c(1)))  # (slot // 8) % 8
         col_half = arith.shrui(matrix, c(1))
         col_tiles = head_dim // 64
-        bf = ir.VectorType.get((2,), mgpu_utils.dtype_to_ir_type(dtype))
+        bf = ir.VectorType.get((2,), ir.MemRefType(v.type).element_type)
         regs = np.empty((tile_n // 64, head_dim // 8, 2), dtype=object)
         for i in range(tile_n // 64):
             for n16 in range(head_dim // 16):
@@ -770,7 +770,7 @@ def _pv_mma(p, acc, v):
                                                           layout=plgpu.Layout.WGMMA))
     def body(_, p, acc, v):
         tile_n, head_dim = acc.shape
-        i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+        i32 = ir.IntegerType.get_signless(32)
         c = lambda value: arith.constant(i32, value)
         ptx_type = _ptx_type(v.mlir_dtype)
         half2 = ir.VectorType.get((2,), v.mlir_dtype)
