@@ -5,7 +5,9 @@ module runs the heavy part, the split kernel that reads the keys and values, as 
 kernel (`plgpu`, Hopper: TMA copies into a multi-stage shared-memory ring, mbarriers), for
 16-bit q/K/V with head_dim a multiple of 64. One call is two launches, as the Triton kernel's:
 
-1. Split kernel (Mosaic GPU), grid (batch, heads / rows, max_splits), one warpgroup per
+1. Split kernel (Mosaic GPU), grid (max_splits, batch, heads / rows), split-major (programs
+   start in grid order, the last axis fastest: every row's first split before any second, so a
+   sparse call's programs for splits its rows do not have come last), one warpgroup per
    program, which attends split s of `MosaicConfig.rows` consecutive heads (1 by default; with
    more, steps a and b below run for each, 128 / rows threads listing each row and the rows'
    tiles one after another through the one ring).
@@ -82,6 +84,15 @@ Routes tried (lowered with jax 0.10.2 on a CPU machine; run with jax 0.11.2 on a
   (`unsafe_no_auto_barriers`): neither changed the time (within 1 %), so neither was kept; the
   first is also not bitwise the plain update on the GPU (the compiler contracts the two
   branches differently).
+- The grid split-major (kept; h200-2026-12-03/grid-order/): Mosaic GPU starts programs in grid
+  order with the last axis fastest, so with (batch, heads, splits) a row's programs for splits
+  it does not have (most of a sparse call's) came between the working ones and held slots while
+  they listed their rows. With (splits, batch, heads), same run, fresh process each, mma
+  products: sparse at 13 % 30.4 / 28.8 us against 31.7 / 30.0 (4K x 20 / 8K x 10, 2048-key
+  splits), 30.4 / 30.4 against 32.1 / 31.8 with 1024-key splits; dense within 0.7 us. Then
+  (sweep/) 4096-key splits with min_splits 2 or 3 (no empty programs, two or three working ones
+  a row) 29.8 / 32.3 us at 8K x 10 against 29.0, three stages 31.3-31.8: one split of a sparse
+  row per program stays fastest.
 - A persistent grid (commit 42c5351, `MosaicConfig(persistent=N)`, removed after): N programs
   an SM, each a stream of the call's splits through one ring, the next split's q and first
   tiles copied while the current one finishes, the list read from GMEM as scalars. Bitwise the
@@ -300,8 +311,9 @@ def launch_config(batch: int, heads: int, max_blocks: int, *, block_size: int,
       has a program for every split a row could need (a DENSE row's), and every program lists
       its row before it knows whether its split exists, so a sparse call's many empty programs
       cost time; a DENSE row in such a call runs fewer, longer splits (H200, 2026-12-03,
-      h200-2026-12-03/mma/: sparse at 13 % 31.7 / 30.4 us against 32.5 / 31.9 at 4K x 20 / 8K x
-      10, dense 180.5 / 180.3 against 163.2 / 163.5).
+      h200-2026-12-03/grid-order/split-major/, the grid split-major: sparse at 13 % 30.4 / 28.8
+      us against 30.4 / 30.4 with 1024-key splits at 4K x 20 / 8K x 10; with 4096-key splits
+      29.7 / 28.5, but a DENSE row would then run up to 64 tiles in one program).
     - rows of one split: heads grouped (`rows`) where the programs' waves favour it: counting
       a program's time as its rows', waves of the batch * heads / rows programs over the GPU's
       n_sm * PROGRAMS_PER_SM slots times rows is least (ties to more rows). Outputs do not
@@ -963,8 +975,8 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
     k_rows = k_pages.reshape(cache_blocks, block_size, kv_heads, head_dim)
     v_rows = v_pages.reshape(cache_blocks, block_size, kv_heads, head_dim)
     partials = plgpu.kernel(
-        kernel, out_type=out_type, grid=(batch, heads // rows, max_splits),
-        grid_names=("b", "h", "s"),
+        kernel, out_type=out_type, grid=(max_splits, batch, heads // rows),
+        grid_names=("s", "b", "h"),  # the last name varies fastest: every row's split 0 first
         scratch_types=scratch, interpret=interpret,
     )(modes, seq_lens, *list_refs, q, k_rows, v_rows)
     *partials, counts, out = partials
