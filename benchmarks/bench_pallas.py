@@ -12,10 +12,12 @@ bf16, pages of 128 keys scattered over the pool, every row at seq_len = ctx.
 
 - impl "pallas" (wise_jax.kernels.pallas_decode, the Triton lowering, its table's launch) and
   impl "mosaic" (wise_jax.kernels.mosaic_decode, the split kernel on Mosaic GPU, MosaicConfig();
-  its sparse modes run the launch of a call hinted mostly SPARSE, `launch_config`):
-  modes dense, discover, sparse (random blocks, `density` of each row's blocks per head),
-  sparse-contiguous (the first blocks, the same for every head, as kernel_bench.py's Triton rows)
-  and discover+sparse (half the rows each); with --sweep, impls "pallas-config" and
+  its sparse modes are reuse calls, as WISE's reuse loops make them: `launch_config`'s launch,
+  the splits merged in the split kernel): modes dense, discover, sparse (random blocks,
+  `density` of each row's blocks per head), sparse-contiguous (the first blocks, the same for
+  every head, as kernel_bench.py's Triton rows), discover+sparse (half the rows each) and, for
+  mosaic, sparse-plain (sparse's launch in a plain call: the finish launch merges); with
+  --sweep, impls "pallas-config" and
   "mosaic-config": dense and sparse under other launches, most promising first, until
   --sweep-seconds is spent (--mosaic-config: those MosaicConfigs instead of the Mosaic sweep's);
 - impl "jax-paged" (jax.experimental.pallas.ops.gpu.paged_attention, the best of the tile
@@ -198,24 +200,28 @@ def _bench_kernel_shape(rows, impl, ctx, batch, densities, *, heads, head_dim, p
         if index == 1:
             sweep_start = time.perf_counter()
 
-        def compiled(config):  # chains of one launch, compiled once, run for every mode
-            if config not in chains:
+        def compiled(config, reuse):  # chains of one launch, compiled once, run for every mode
+            if (config, reuse) not in chains:
                 def step(q, k, v, page_table, seq_lens, modes, support):
                     return decode(q, k, v, page_table, seq_lens, modes, support, block_size=BLOCK,
-                                  eta=0.95, interpret=interpret, config=config, validate=False)[0]
-                chains[config] = _chains(step, chain)
-            return chains[config]
+                                  eta=0.95, interpret=interpret, config=config, validate=False,
+                                  reuse=reuse)[0]
+                chains[config, reuse] = _chains(step, chain)
+            return chains[config, reuse]
 
         chains = {}
         name = impl if index == 0 else f"{impl}-config"
-        for mode, density, row_modes, support_density in _pallas_cases(densities, batch):
+        cases = _pallas_cases(densities, batch)
+        if impl == "mosaic":
+            cases += [("sparse-plain", *case[1:]) for case in cases if case[0] == "sparse"]
+        for mode, density, row_modes, support_density in cases:
             if index and (mode, density) not in (("dense", 1.0), ("sparse", SWEEP_DENSITY)):
                 continue  # other launch configurations: dense and sparse @0.13 only
-            launch = config
+            launch, reuse = config, impl == "mosaic" and mode in ("sparse", "sparse-contiguous")
             if impl == "mosaic" and index == 0 and mode.startswith("sparse"):
-                # the launch a call hinted mostly SPARSE runs (WISE's reuse loops)
+                # the launch of a reuse call (WISE's reuse loops)
                 launch = mosaic_decode.launch_config(
-                    batch, heads, n_blocks, block_size=BLOCK, mostly_sparse=True,
+                    batch, heads, n_blocks, block_size=BLOCK, reuse=True,
                     n_sm=mosaic_decode.sm_count(interpret))
             support = _support(batch, heads, n_blocks, support_density,
                                contiguous=mode == "sparse-contiguous")
@@ -224,9 +230,9 @@ def _bench_kernel_shape(rows, impl, ctx, batch, densities, *, heads, head_dim, p
             modes = jnp.asarray(row_modes, jnp.int32)
 
             def measure(modes=modes, support=support, attended=attended, mode=mode, density=density,
-                        launch=launch):
-                us = _time_us(compiled(launch), (q, k, v, page_table, seq_lens, modes,
-                                                 _per_call(support, chain)), repeats=repeats)
+                        launch=launch, reuse=reuse):
+                us = _time_us(compiled(launch, reuse), (q, k, v, page_table, seq_lens, modes,
+                                                        _per_call(support, chain)), repeats=repeats)
                 return [_row(name, mode, ctx, batch, density, us,
                              float(attended.sum()) * block_bytes, str(launch))]
 

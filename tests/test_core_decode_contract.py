@@ -41,3 +41,18 @@ def test_values_report_every_offending_row():
     support[2, 0, 1] = True  # head 0: block 1 starts at key 32 = seq_len: not causal
     with pytest.raises(ValueError, match=r"SPARSE rows \[2\] select no causal block \(row, head\): \[\(2, 0\), \(2, 1\)\]"):
         C.check_values(table, lens, modes, support, num_pages=4, page_size=32, block_size=32)
+
+
+def test_reuse_calls_take_sparse_and_dense_rows_only():
+    """A reuse loop's call (reuse=True): every row SPARSE or DENSE; the rows that discover are
+    named with their modes. The same modes pass a plain call."""
+    table = np.zeros((4, 1), np.int32)
+    lens = np.full(4, 32, np.int32)
+    support = np.ones((4, 2, 1), bool)
+    modes = np.array([M.SPARSE, M.DISCOVER, M.DENSE, M.DISCOVER_UNION], np.int32)
+    kw = dict(num_pages=1, page_size=32, block_size=32)
+    C.check_values(table, lens, modes, support, **kw)
+    with pytest.raises(ValueError, match=r"modes of a reuse call must be SPARSE or DENSE: rows \[1, 3\] "
+                                         r"hold \['discover', 'discover-union'\]"):
+        C.check_values(table, lens, modes, support, reuse=True, **kw)
+    C.check_values(table, lens, np.array([M.SPARSE, M.DENSE] * 2, np.int32), support, reuse=True, **kw)

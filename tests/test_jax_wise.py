@@ -115,16 +115,16 @@ def test_all_blocks_selects_every_causal_block(cache):
     assert np.asarray(state.support[0]).sum(-1).tolist() == [[4] * HEADS, [2] * HEADS]
 
 
-def test_reuse_loops_hint_mostly_sparse(cache, monkeypatch):
-    """The reuse depths tell decode_attention their rows are mostly SPARSE (a launch hint for
-    the Mosaic kernel); discovery depths do not."""
+def test_reuse_loops_call_reuse(cache, monkeypatch):
+    """The reuse depths tell decode_attention theirs are reuse calls (rows SPARSE or DENSE; the
+    Mosaic kernel's launch and in-kernel merge); discovery depths do not."""
     k, v, table = cache
     hints = []
     real = ws.decode_attention
 
-    def spy(*args, mostly_sparse=False, **kwargs):
-        hints.append(mostly_sparse)
-        return real(*args, mostly_sparse=mostly_sparse, **kwargs)
+    def spy(*args, reuse=False, **kwargs):
+        hints.append(reuse)
+        return real(*args, reuse=reuse, **kwargs)
 
     monkeypatch.setattr(ws, "decode_attention", spy)
     state = ws.create(WISE, slots=2, layers=2, heads=HEADS, max_blocks=4)

@@ -156,63 +156,101 @@ def test_kernel_choice_in_one_place(monkeypatch):
             jnp.zeros(4, jnp.int32), case["support"])
     calls = []
     monkeypatch.setattr(mosaic_decode, "decode_attention",
-                        lambda *a, **k: calls.append(("mosaic", k["mostly_sparse"])))
+                        lambda *a, **k: calls.append(("mosaic", k["reuse"])))
     monkeypatch.setattr(pallas_decode, "decode_attention",
-                        lambda *a, **k: calls.append(("triton", "mostly_sparse" in k)))
-    dispatch(*args, block_size=BLOCK, eta=ETA, kernel="pallas", mostly_sparse=True)
+                        lambda *a, **k: calls.append(("triton", k["reuse"])))
+    dispatch(*args, block_size=BLOCK, eta=ETA, kernel="pallas", reuse=True)
     monkeypatch.setattr(choice, "MOSAIC_ON_SM90", True)
     dispatch(*args, block_size=BLOCK, eta=ETA, kernel="pallas")  # not on sm90 here
     monkeypatch.setattr(choice, "on_sm90", lambda: True)
-    dispatch(*args, block_size=BLOCK, eta=ETA, kernel="pallas", mostly_sparse=True)
+    dispatch(*args, block_size=BLOCK, eta=ETA, kernel="pallas", reuse=True)
     dispatch(*args, block_size=BLOCK, eta=ETA, kernel="pallas")
     f32 = {name: x.astype(jnp.float32) for name, x in case.items() if name in ("q", "k", "v")}
     dispatch(f32["q"], f32["k"], f32["v"], *args[3:], block_size=BLOCK, eta=ETA, kernel="pallas")
-    # the launch hint reaches the Mosaic kernel only
-    assert calls == [("triton", False), ("triton", False), ("mosaic", True), ("mosaic", False),
+    # the reuse flag reaches the kernel that runs
+    assert calls == [("triton", True), ("triton", False), ("mosaic", True), ("mosaic", False),
                      ("triton", False)]
 
 
 def test_launch_config_groups_heads_only_where_it_pays():
-    """`launch_config`: for a call hinted mostly SPARSE, the mma products, rows > 1 only where
-    rows are one split each, the count its wave rule gives (the H200 shapes of its docstring, 132
-    SMs), and rows of several splits get SPARSE_SPLIT_KEYS keys a split; no hint or no SM count:
+    """`launch_config`: for a reuse call, the mma products, rows > 1 only where rows are one
+    split each, the count its wave rule gives (the H200 shapes of its docstring, 132 SMs), and
+    rows of several splits get SPARSE_SPLIT_KEYS keys a split; other calls or no SM count:
     MosaicConfig()."""
-    def config(batch, ctx, heads=16, mostly_sparse=True, n_sm=132):
-        return mosaic_decode.launch_config(batch, heads, ctx // 32, block_size=32,
-                                           mostly_sparse=mostly_sparse, n_sm=n_sm)
+    def config(batch, ctx, heads=16, reuse=True, n_sm=132):
+        return mosaic_decode.launch_config(batch, heads, ctx // 32, block_size=32, reuse=reuse,
+                                           n_sm=n_sm)
 
     assert [config(b, 1024).rows for b in (32, 48, 64, 128)] == [2, 1, 4, 4]
-    assert config(1, 1024) == MosaicConfig(products="mma")  # tensor cores for every hinted call
+    assert config(1, 1024) == MosaicConfig(products="mma")  # tensor cores for every reuse call
     long_splits = MosaicConfig(split_keys=mosaic_decode.SPARSE_SPLIT_KEYS, products="mma")
     assert long_splits.split_keys > MosaicConfig().split_keys
     assert [config(64, 2048), config(20, 4096), config(10, 8192)] == [long_splits] * 3
-    assert config(64, 1024, mostly_sparse=False) == MosaicConfig()
+    assert config(64, 1024, reuse=False) == MosaicConfig()
     assert config(64, 1024, n_sm=None) == MosaicConfig()
-    assert config(20, 4096, mostly_sparse=False) == config(20, 4096, n_sm=None) == MosaicConfig()
+    assert config(20, 4096, reuse=False) == config(20, 4096, n_sm=None) == MosaicConfig()
     assert config(64, 1024, heads=6).rows == 2  # 384 rows: one wave of two a program, not two of one
 
 
-def test_mostly_sparse_runs_the_launch_config(monkeypatch):
+def test_reuse_runs_the_launch_config(monkeypatch):
     """decode_attention given no config runs `launch_config`'s (the SMs as `sm_count` says;
-    interpreted: none, one row a program); an explicit config wins over the hint."""
+    interpreted: none, one row a program); an explicit config wins."""
     case = make_case(5, **COMBOS[MOSAIC_COMBOS[0]])
     args = (case["q"], case["k"], case["v"], case["page_table"], case["seq_lens"],
             jnp.full(4, M.SPARSE, jnp.int32), case["support"])
     heads = case["q"].shape[1]
     seen = []
     monkeypatch.setattr(mosaic_decode, "_decode", lambda *a, config, **k: seen.append(config.rows) or ())
-    mosaic(*args, block_size=BLOCK, eta=ETA, interpret=True, mostly_sparse=True)
+    mosaic(*args, block_size=BLOCK, eta=ETA, interpret=True, reuse=True)
     monkeypatch.setattr(mosaic_decode, "sm_count", lambda interpret: 1)
-    mosaic(*args, block_size=BLOCK, eta=ETA, interpret=True, mostly_sparse=True)
+    mosaic(*args, block_size=BLOCK, eta=ETA, interpret=True, reuse=True)
     mosaic(*args, block_size=BLOCK, eta=ETA, interpret=True)
-    mosaic(*args, block_size=BLOCK, eta=ETA, interpret=True, mostly_sparse=True,
-           config=MosaicConfig())
+    mosaic(*args, block_size=BLOCK, eta=ETA, interpret=True, reuse=True, config=MosaicConfig())
     expected = mosaic_decode.launch_config(4, heads, case["support"].shape[-1], block_size=BLOCK,
-                                           mostly_sparse=True, n_sm=1).rows
+                                           reuse=True, n_sm=1).rows
     assert expected > 1 and seen == [1, expected, 1, 1]
 
 
-def lower_for_cuda(batch, ctx, config, heads=16, head_dim=128, page_size=128):
+REUSE_MODES = [M.SPARSE, M.DENSE, M.SPARSE, M.SPARSE, M.DENSE, M.SPARSE, M.SPARSE, M.DENSE]
+
+
+def check_reuse(case, config, *, bitwise_rows, bound_config=None):
+    """A reuse call (rows SPARSE or DENSE) against the same launch as a plain call: support'
+    is the support held and the mass zeros, bitwise as the plain call's for such rows; outputs
+    bitwise in bitwise_rows (rows of one split: the split kernel writes them either way), else
+    within twice the output bound (both round the same splits' partials, merged in another
+    order). A DISCOVER row: the call's check rejects it; unchecked, its output is NaN and the
+    other rows' are unchanged."""
+    modes = REUSE_MODES[:len(case["seq_lens"])]
+    plain = run(case, modes, impl=mosaic, config=config)
+    reused = run(case, modes, impl=mosaic, config=config, reuse=True)
+    assert np.array_equal(np.asarray(reused[1]), np.asarray(case["support"]))
+    assert np.array_equal(np.asarray(reused[1]), np.asarray(plain[1]))
+    assert not np.asarray(reused[2]).any() and not np.asarray(plain[2]).any()
+    for b in range(len(modes)):
+        got, want = np.asarray(reused[0][b].astype(jnp.float32)), np.asarray(plain[0][b].astype(jnp.float32))
+        if b in bitwise_rows:
+            assert np.array_equal(bits(reused[0][b]), bits(plain[0][b])), f"row {b}"
+        else:
+            assert_within(got, want, 2 * out_bound(case, b, bound_config or config), f"row {b}")
+    discovering = list(modes)
+    discovering[1] = M.DISCOVER
+    with pytest.raises(ValueError, match=r"reuse call must be SPARSE or DENSE: rows \[1\]"):
+        run(case, discovering, impl=mosaic, config=config, reuse=True)
+    unchecked = run(case, discovering, impl=mosaic, config=config, reuse=True, validate=False)
+    assert np.isnan(np.asarray(unchecked[0][1].astype(jnp.float32))).all()
+    rest = [b for b in range(len(modes)) if b != 1]
+    assert np.array_equal(bits(unchecked[0][np.asarray(rest)]), bits(reused[0][np.asarray(rest)]))
+
+
+def test_interpreted_reuse_against_plain():
+    """Interpreted, a reuse call's splits are merged by the finish launch as a plain call's:
+    every output bitwise the plain call's (rows of three splits included)."""
+    case = make_case(6, **COMBOS[MOSAIC_COMBOS[1]])
+    check_reuse(case, SPLITS, bitwise_rows=range(len(case["seq_lens"])))
+
+
+def lower_for_cuda(batch, ctx, config, heads=16, head_dim=128, page_size=128, reuse=False):
     """Lower an Ouro-shaped call for CUDA (no GPU needed): the Mosaic GPU module is built."""
     max_pages, n_blocks = ctx // page_size, ctx // BLOCK
     kv = jax.ShapeDtypeStruct((batch * max_pages, page_size, heads, head_dim), jnp.bfloat16)
@@ -223,7 +261,7 @@ def lower_for_cuda(batch, ctx, config, heads=16, head_dim=128, page_size=128):
 
     def call(*a):  # validate=False: an engine's decode step (a host callback is not lowered)
         return mosaic(*a, block_size=BLOCK, eta=ETA, return_mass=True, interpret=False,
-                      config=config, validate=False)
+                      config=config, validate=False, reuse=reuse)
 
     return jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -249,6 +287,20 @@ def test_lowers_to_mosaic_gpu(batch, ctx, config):
     # The mma products' inline PTX is in the Mosaic GPU module (serialized in the custom call).
     for ptx in ("mma.sync.aligned.m16n8k16", "ldmatrix.sync.aligned.m8n8.x4.trans"):
         assert (ptx in text) == (config.products == "mma"), ptx
+    assert "atom.acq_rel.gpu" not in text
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="cross-lowering is checked on a CPU machine")
+@pytest.mark.parametrize("batch,ctx,config", [(64, 1024, MosaicConfig(rows=4, products="mma")),
+                                              (10, 8192, MosaicConfig(split_keys=2048, products="mma")),
+                                              (20, 4096, MosaicConfig(min_splits=3))])
+def test_reuse_lowers_to_one_launch(batch, ctx, config):
+    """A reuse call on a GPU is the split kernel alone: its rows' splits merge in it (the
+    atomic count of `_arrive`), no finish launch."""
+    text = lower_for_cuda(batch, ctx, config, reuse=True)
+    calls = collections.Counter(re.findall(r"custom_call @(\w+)", text))
+    assert calls == {"mosaic_gpu_v2": 1}, calls
+    assert "wise_decode_finish" not in text and "atom.acq_rel.gpu.global.add.u32" in text
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="cross-lowering is checked on a CPU machine")
@@ -340,35 +392,53 @@ OURO_1K = dict(GPU_COMBOS["ouro-page128-d128-bf16"], max_pages=8,
 
 @pytest.mark.parametrize("spec", [OURO_1K, GPU_COMBOS["gqa-page64-d128-bf16"]], ids=["ouro-1k", "gqa"])
 @on_gpu
-def test_gpu_mostly_sparse_bitwise_plain_launch(spec, monkeypatch):
-    """The GPU reports its SMs; a call hinted mostly SPARSE, its launch grouping heads (one SM
-    assumed, so that these small batches group), gives every output bitwise the same products'
-    launch of one head a program."""
+def test_gpu_reuse_bitwise_plain_launch(spec, monkeypatch):
+    """The GPU reports its SMs; a reuse call, its launch grouping heads (one SM assumed, so that
+    these small batches group) and merging in the split kernel, gives every output bitwise the
+    same products' plain launch of one head a program (every row one split)."""
     assert mosaic_decode.sm_count(False) > 0
-    case, modes = make_case(13, **spec), GPU_MODES
+    case, modes = make_case(13, **spec), REUSE_MODES
     plain = run(case, modes, impl=mosaic, config=MosaicConfig(products="mma"))
     monkeypatch.setattr(mosaic_decode, "sm_count", lambda interpret: 1)
     grouped = mosaic_decode.launch_config(len(modes), spec["heads"], case["support"].shape[-1],
-                                          block_size=BLOCK, mostly_sparse=True, n_sm=1)
+                                          block_size=BLOCK, reuse=True, n_sm=1)
     assert grouped == MosaicConfig(products="mma", rows=grouped.rows) and grouped.rows > 1
-    hinted = run(case, modes, impl=mosaic, config=None, mostly_sparse=True)
-    for x, y in zip(hinted, plain):
+    reused = run(case, modes, impl=mosaic, config=None, reuse=True)
+    for x, y in zip(reused, plain):
         assert np.array_equal(bits(x), bits(y))
 
 
+@pytest.mark.parametrize("products", ["reduce", "mma"])
 @on_gpu
-def test_gpu_mostly_sparse_long_splits():
-    """Rows past one split (2048-key contexts), hinted mostly SPARSE: the launch has the mma
-    products and SPARSE_SPLIT_KEYS-key splits, every mode is within the references' bounds with it, and the
-    hinted call is bitwise that config given explicitly."""
+def test_gpu_reuse_merges_in_the_split_kernel(products):
+    """Rows of several splits (min_splits=3, and DENSE rows of 2048 keys at 256 a split) merged
+    by their last split (`_merge`: the atomic count, the partials of the other programs): within
+    twice the bound of the finish's merge, rows of one split bitwise; a DISCOVER row rejected,
+    or NaN unchecked; repeated calls bitwise (the counts start at zero each launch)."""
+    case = make_case(15, **GPU_COMBOS["ouro-page128-d128-bf16"])
+    for config in (MosaicConfig(min_splits=3, products=products),
+                   MosaicConfig(split_keys=256, products=products)):
+        check_reuse(case, config, bitwise_rows=())
+        first = run(case, REUSE_MODES, impl=mosaic, config=config, reuse=True)
+        for _ in range(3):
+            again = run(case, REUSE_MODES, impl=mosaic, config=config, reuse=True)
+            for x, y in zip(first, again):
+                assert np.array_equal(bits(x), bits(y)), config
+
+
+@on_gpu
+def test_gpu_reuse_long_splits():
+    """Rows past one split (2048-key contexts) in a reuse call: the launch has the mma products
+    and SPARSE_SPLIT_KEYS-key splits (every row one split here: bitwise that config given
+    explicitly in a plain call), and every mode is within the references' bounds with it."""
     spec = GPU_COMBOS["ouro-page128-d128-bf16"]
     config = MosaicConfig(split_keys=mosaic_decode.SPARSE_SPLIT_KEYS, products="mma")
-    case, modes = make_case(14, **spec), GPU_MODES
-    assert mosaic_decode.launch_config(len(modes), spec["heads"], case["support"].shape[-1],
-                                       block_size=BLOCK, mostly_sparse=True,
+    case = make_case(14, **spec)
+    assert mosaic_decode.launch_config(len(REUSE_MODES), spec["heads"], case["support"].shape[-1],
+                                       block_size=BLOCK, reuse=True,
                                        n_sm=mosaic_decode.sm_count(False)) == config
     check_modes(spec, config=config, exact=False, impl=mosaic)
-    hinted = run(case, modes, impl=mosaic, config=None, mostly_sparse=True)
-    explicit = run(case, modes, impl=mosaic, config=config)
-    for x, y in zip(hinted, explicit):
+    reused = run(case, REUSE_MODES, impl=mosaic, config=None, reuse=True)
+    explicit = run(case, REUSE_MODES, impl=mosaic, config=config)
+    for x, y in zip(reused, explicit):
         assert np.array_equal(bits(x), bits(y))

@@ -75,10 +75,11 @@ def _rows(mask: np.ndarray) -> list[int]:
 
 
 def check_values(page_table: np.ndarray, seq_lens: np.ndarray, modes: np.ndarray, support: np.ndarray, *,
-                 num_pages: int, page_size: int, block_size: int) -> None:
+                 num_pages: int, page_size: int, block_size: int, reuse: bool = False) -> None:
     """The values of a call whose shapes passed `check_inputs` (numpy arrays):
 
-    1 <= seq_lens[b] <= max_pages * page_size; modes in `wise_core.modes`; the pages a row uses
+    1 <= seq_lens[b] <= max_pages * page_size; modes in `wise_core.modes` (SPARSE or DENSE in a
+    reuse loop's call, `reuse`: no row discovers); the pages a row uses
     (page_table[b, :ceil(seq_lens[b] / page_size)]) in [0, num_pages); every head of a SPARSE
     row selects at least one causal block."""
     lens, modes = np.asarray(seq_lens, np.int64), np.asarray(modes)
@@ -91,6 +92,10 @@ def check_values(page_table: np.ndarray, seq_lens: np.ndarray, modes: np.ndarray
     unknown = ~np.isin(modes, list(M.NAMES))
     if unknown.any():
         raise ValueError(f"modes must be one of {M.NAMES}: rows {_rows(unknown)} hold {modes[unknown].tolist()}")
+    discovering = reuse & ~np.isin(modes, [M.SPARSE, M.DENSE])
+    if discovering.any():
+        raise ValueError(f"modes of a reuse call must be SPARSE or DENSE: rows {_rows(discovering)} hold "
+                         f"{[M.NAMES[m] for m in modes[discovering].tolist()]}")
     used = np.arange(table.shape[1])[None, :] < -(-lens[:, None] // page_size)
     outside = used & ((table < 0) | (table >= num_pages))
     if outside.any():

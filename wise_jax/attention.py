@@ -48,7 +48,7 @@ def _described(arrays: dict) -> tuple[dict, dict]:
 
 
 def check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size, eta,
-               validate: bool) -> jax.Array:
+               validate: bool, reuse: bool = False) -> jax.Array:
     """The decode contract (`wise_core.decode_contract`) at a public entry; returns seq_lens.
 
     Shapes, dtypes and settings are always checked (at trace time under jit). With `validate`
@@ -56,7 +56,8 @@ def check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, blo
     callback that the returned seq_lens depends on, so the attention runs only after the check
     passed, and a failure raises (as a JaxRuntimeError carrying the ValueError's message) when
     the result is read. The callback is a device-host round trip per call: callers that build
-    the inputs by construction pass validate=False."""
+    the inputs by construction pass validate=False. reuse: a reuse loop's call (no row
+    discovers; `decode_contract.check_values`)."""
     arrays = dict(q=q, k_pages=k_pages, v_pages=v_pages, page_table=page_table, seq_lens=seq_lens,
                   modes=modes, support=support)
     shapes, dtypes = _described(arrays)
@@ -67,7 +68,7 @@ def check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, blo
 
     def check(page_table, seq_lens, modes, support):
         decode_contract.check_values(page_table, seq_lens, modes, support, num_pages=num_pages,
-                                     page_size=page_size, block_size=block_size)
+                                     page_size=page_size, block_size=block_size, reuse=reuse)
         return np.bool_(True)
 
     values = (page_table, seq_lens, modes, support)
@@ -82,7 +83,7 @@ def check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, blo
 
 def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,
                                block_size: int, eta: float, scale: float | None = None,
-                               return_mass: bool = False, validate: bool = True):
+                               return_mass: bool = False, validate: bool = True, reuse: bool = False):
     """One query token per row over a paged cache, every mode (see the module docstring).
 
     q: [batch, heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim];
@@ -90,10 +91,11 @@ def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes,
     support bool[batch, heads, max_blocks] with max_blocks = max_pages * page_size // block_size.
     Returns out [batch, heads, head_dim] (q's dtype), support' and, with return_mass, the block
     mass float32[batch, heads, max_blocks] (zeros past seq_len; that of the attended keys).
-    Scores and softmax are float32. validate: also check the values (`check_call`).
+    Scores and softmax are float32. validate: also check the values (`check_call`). reuse: a
+    reuse loop's call, no row discovers (`decode_attention`).
     """
     seq_lens = check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support,
-                          block_size=block_size, eta=eta, validate=validate)
+                          block_size=block_size, eta=eta, validate=validate, reuse=reuse)
     batch, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     n_keys = page_table.shape[1] * page_size
@@ -150,13 +152,14 @@ def attention_impl(kernel: str):
 
 def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size: int,
                      eta: float, scale: float | None = None, return_mass: bool = False,
-                     kernel: str = "auto", validate: bool = True, mostly_sparse: bool = False):
+                     kernel: str = "auto", validate: bool = True, reuse: bool = False):
     """decode_attention_reference's contract, run by `kernel` ('reference', 'pallas' or 'auto').
-    mostly_sparse: a launch hint, most rows are SPARSE (WISE's reuse loops); the Mosaic GPU
-    kernel may then give a program several heads or run longer splits
-    (`mosaic_decode.launch_config`). Outputs stay within the kernel's rounding bounds either
-    way (bitwise where the hint only groups heads)."""
-    hint = {} if resolve_kernel(kernel) == "reference" else {"mostly_sparse": mostly_sparse}
+    reuse: a call of WISE's reuse loops: every row SPARSE or DENSE (checked with validate), most
+    of them SPARSE; support' is the support held and the mass zeros, as for any row that does
+    not discover. The Mosaic GPU kernel then runs a launch for mostly SPARSE rows (several heads
+    a program or longer splits, `mosaic_decode.launch_config`) and merges a row's splits in its
+    split kernel, with no finish launch; outputs stay within the kernel's rounding bounds (a
+    DISCOVER row's output is NaN there when not validated: outside the contract)."""
     return attention_impl(kernel)(q, k_pages, v_pages, page_table, seq_lens, modes, support,
                                   block_size=block_size, eta=eta, scale=scale, return_mass=return_mass,
-                                  validate=validate, **hint)
+                                  validate=validate, reuse=reuse)

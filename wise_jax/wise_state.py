@@ -110,7 +110,7 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int, layer: 
 
     out, new_support = decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support,
                                         block_size=wise_config.block_size, eta=wise_config.eta, kernel=kernel,
-                                        validate=validate, mostly_sparse=role == "reuse")
+                                        validate=validate, reuse=role == "reuse")
     causal = causal_blocks(seq_lens, wise_config.block_size, n_blocks)       # [batch, n_blocks]
 
     if role == "discover":

@@ -36,13 +36,11 @@ def uses_mosaic(head_dim: int, dtype) -> bool:
     return mosaic_decode.supports(head_dim, dtype)
 
 
-def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,
-                     mostly_sparse: bool = False, **kwargs):
-    """`pallas_decode.decode_attention`'s contract, run by the chosen kernel (module docstring).
-    mostly_sparse: a launch hint for the Mosaic kernel (`mosaic_decode.launch_config`)."""
+def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, **kwargs):
+    """`pallas_decode.decode_attention`'s contract, run by the chosen kernel (module docstring)."""
     if uses_mosaic(q.shape[-1], q.dtype):
         from wise_jax.kernels import mosaic_decode
         return mosaic_decode.decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes,
-                                              support, mostly_sparse=mostly_sparse, **kwargs)
+                                              support, **kwargs)
     return pallas_decode.decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes,
                                           support, **kwargs)

@@ -300,9 +300,9 @@ SPARSE_SPLIT_KEYS = 2048  # keys a split in a launch hinted mostly SPARSE whose 
 
 
 def launch_config(batch: int, heads: int, max_blocks: int, *, block_size: int,
-                  mostly_sparse: bool, n_sm: int | None) -> MosaicConfig:
-    """The launch of a call given no config: MosaicConfig(), changed when the caller says most
-    rows are SPARSE (WISE's reuse loops) and n_sm is known (not interpreted):
+                  reuse: bool, n_sm: int | None) -> MosaicConfig:
+    """The launch of a call given no config: MosaicConfig(), changed for a reuse call (WISE's
+    reuse loops: rows SPARSE, a few DENSE) when n_sm is known (not interpreted):
     - products "mma": tensor cores for the tile's products, which shorten the chain of each
       split (H200, 2026-12-03, h200-2026-12-03/mma/: sparse at 13 % 25.5 / 32.5 / 31.9 us against
       28.8 / 33.2 / 32.9 with the reductions at 1K x 64 / 4K x 20 / 8K x 10) but cost dense calls
@@ -325,7 +325,7 @@ def launch_config(batch: int, heads: int, max_blocks: int, *, block_size: int,
     128 50.2 / 49.7 / 48.8 (picks 4); at 2K x 64, 4K x 20 / 64 and 8K x 10 / 32, where rows are
     not one split, rows 1 is fastest."""
     config = MosaicConfig()
-    if not mostly_sparse or n_sm is None:
+    if not reuse or n_sm is None:
         return config
     config = dataclasses.replace(config, products="mma")
     if config.split_rule().max_splits(block_size, max_blocks) != 1:
@@ -361,9 +361,9 @@ def _layout(x, layout, interpret):
 def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k_ref, v_ref,
                   stat_m_ref, stat_l_ref, acc_ref, m_ref, l_ref, counts_ref, out_ref,
                   list_smem, meta_smem, totals_smem, q_smem, k_smem, v_smem, acc_smem, out_smem,
-                  q_bar, list_bar, k_bar, v_bar, *q_tile, block_size, page_size, tile_blocks,
+                  q_bar, list_bar, k_bar, v_bar, *extra, block_size, page_size, tile_blocks,
                   split_blocks, min_splits, num_stages, group, scale, products, list_launch,
-                  interpret):
+                  reuse, merge, interpret):
     """Program (sequence b, heads [p * rows, (p + 1) * rows), split s): step 1 of the module
     docstring for split s of each of its rows, their tiles one after another through one ring.
 
@@ -377,9 +377,14 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
     split: the finish leaves them). SMEM: list_smem int32[rows, ...] (each row's split entries),
     meta_smem int32[rows, 2] (n_listed, tail keys), totals_smem int32[4] (per warp counts), q_smem
     [rows, head_dim], k_smem, v_smem [num_stages, tile_n, head_dim] (tiled, swizzled), acc_smem
-    [head_dim] f32, out_smem [head_dim]; with wgmma (rows == 1), q_tile [DOT_ROWS, head_dim]
-    (tiled, swizzled): q in row 0, zeros elsewhere.
+    [head_dim] f32, out_smem [head_dim]; extra: with wgmma (rows == 1), q_tile [DOT_ROWS,
+    head_dim] (tiled, swizzled): q in row 0, zeros elsewhere; with merge, the barrier of the
+    merge's copies.
+    reuse: a reuse loop's call (rows SPARSE or DENSE): a discovery row's output is NaN (outside
+    the contract). merge: the last split of a row to arrive merges the row's splits (`_merge`).
     """
+    q_tile = extra[0] if products == "wgmma" else None
+    arrivals = pl.get_global(plgpu.SemaphoreType.REGULAR(counts_ref.shape)) if merge else None
     b, p, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     n_rows = q_smem.shape[0]
     heads = [p * n_rows + g for g in range(n_rows)]
@@ -403,6 +408,7 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
         hi = jnp.minimum(lo + size, n_listed)
         active = s < n_splits
         rows.append(dict(h=h, n_listed=n_listed, tail_keys=tail_keys, lo=lo, hi=hi, active=active,
+                         n_splits=n_splits,
                          n_tiles=jnp.where(active, (hi - lo + tile_blocks - 1) // tile_blocks, 0),
                          alone=n_splits == 1, first=jnp.int32(0)))
     if list_launch:  # each row's share of the launch's list, from a 16-byte-aligned start
@@ -445,8 +451,14 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
     plgpu.barrier_wait(q_bar)
 
     def store(row, m, l, acc):  # scalars m, l, acc [head_dim]
+        if reuse:
+            l = jnp.where(discovering, jnp.nan, l)
         _store_split(m, l, acc, acc_smem, out_smem, m_ref, l_ref, acc_ref, out_ref, b=b,
                      h=row["h"], s=s, alone=row["alone"])
+        if merge:
+            pl.when(jnp.logical_not(row["alone"]))(functools.partial(
+                _merge, arrivals, totals_smem, extra[-1], m_ref, l_ref, acc_ref, out_ref, acc_smem,
+                out_smem, b=b, h=row["h"], n_splits=row["n_splits"]))
 
     def store_slots(row, m, l, acc):  # l [tile_n], acc [tile_n, head_dim]: per key slot
         store(row, m, jnp.sum(l), jnp.sum(acc, axis=0))
@@ -460,7 +472,7 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
         if products == "wgmma":
             row = rows[0]
             store(row, *_attend_dots(
-                q_smem.at[0], q_tile[0], k_smem, v_smem, k_bar, v_bar, stat_m_ref, stat_l_ref,
+                q_smem.at[0], q_tile, k_smem, v_smem, k_bar, v_bar, stat_m_ref, stat_l_ref,
                 fetch, b=b, h=row["h"], lo=row["lo"], hi=row["hi"], n_tiles=n_tiles,
                 n_listed=row["n_listed"], tail_keys=row["tail_keys"], discovering=discovering,
                 block_size=block_size, tile_blocks=tile_blocks, num_stages=num_stages,
@@ -863,6 +875,74 @@ def _store_split(m, l, acc, acc_smem, out_smem, m_ref, l_ref, acc_ref, out_ref, 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _merge(arrivals, slot_smem, bar, m_ref, l_ref, acc_ref, out_ref, acc_smem, out_smem, *, b, h,
+           n_splits):
+    """After a split of a row of n_splits stored its partials: count it in (`_arrive`); the last
+    split to arrive merges the row's splits as pallas_decode's finish does (weights exp2(m_j -
+    max m), out = sum_j w_j acc_j / sum_j w_j l_j, summed split after split: the same result
+    within f32 rounding, not bitwise), each acc_j copied through acc_smem."""
+    plgpu.wait_smem_to_gmem(0)  # this split's acc written, not only read
+    last = _arrive(arrivals, slot_smem, b=b, h=h) == n_splits - 1
+
+    @pl.when(last)
+    def _merged():
+        m_top = lax.fori_loop(0, n_splits, lambda j, m: jnp.maximum(m, m_ref[b, h, j]),
+                              jnp.float32(-jnp.inf))
+
+        def add(j, carry):  # the copy waits for every thread's reads of acc_smem (auto barrier)
+            total, acc = carry
+            plgpu.copy_gmem_to_smem(acc_ref.at[b, h, j], acc_smem, bar)
+            plgpu.barrier_wait(bar)
+            weight = jnp.exp2(m_ref[b, h, j] - m_top)
+            return (total + weight * l_ref[b, h, j],
+                    acc + weight * plgpu.layout_cast(acc_smem[...], COL))
+
+        zeros = plgpu.layout_cast(jnp.zeros(acc_smem.shape, jnp.float32), COL)
+        total, acc = lax.fori_loop(0, n_splits, add, (jnp.float32(0.0), zeros))
+        out_smem[...] = (acc / total).astype(out_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_ref.at[b, h])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _arrive(arrivals, slot_smem, *, b, h):
+    """Count one split of row (b, h) in: returns how many had arrived before it. Raw Mosaic GPU
+    code, the release / acquire pattern of a split-K semaphore: every thread fences its stores
+    (the TMA proxy's too), one thread adds to arrivals[b, h] (int32 [batch, heads], zeroed per
+    launch) with acq_rel semantics at GPU scope, the count reaches the warpgroup through
+    slot_smem[0], and every thread fences again before it reads what other splits stored."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), SCALAR, SCALAR))
+    def body(_, arrivals, slot, b, h):
+        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+        void = ir.Type.parse("!llvm.void")
+
+        def fence(order):
+            llvm.inline_asm(void, [], order, "", has_side_effects=True)
+
+        def scalar(x):  # a splat argument's value as i32
+            x = x.registers.item()
+            return arith.index_cast(i32, x) if isinstance(x.type, ir.IndexType) else x
+
+        b, h = scalar(b), scalar(h)
+        heads = ir.MemRefType(arrivals.type).shape[1]
+        fence("fence.proxy.async.global;\n\tfence.acq_rel.gpu;")
+        mgpu_utils.warpgroup_barrier()
+        wg_thread = arith.remui(mgpu_utils.thread_idx(), arith.constant(i32, WARPGROUP))
+        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, wg_thread, arith.constant(i32, 0))):
+            row = arith.addi(arith.muli(b, arith.constant(i32, heads)), h)
+            address = arith.addi(llvm.ptrtoint(i64, mgpu_utils.memref_ptr(arrivals)),
+                                 arith.muli(arith.extui(i64, row), arith.constant(i64, 4)))
+            before = llvm.inline_asm(i32, [address], "atom.acq_rel.gpu.global.add.u32 $0, [$1], 1;",
+                                     "=r,l", has_side_effects=True)
+            memref.store(before, slot, [arith.constant(ir.IndexType.get(), 0)])
+        mgpu_utils.warpgroup_barrier()
+        fence("fence.acq_rel.gpu;\n\tfence.proxy.async.global;")
+
+    body(arrivals, slot_smem, b, h)
+    return slot_smem[0]
+
+
 def _attend_dots(q_smem, q_tile, k_smem, v_smem, k_bar, v_bar, stat_m_ref, stat_l_ref, fetch, *,
                  b, h, lo, hi, n_tiles, n_listed, tail_keys, discovering, block_size,
                  tile_blocks, num_stages, scale):
@@ -925,7 +1005,7 @@ def _attend_dots(q_smem, q_tile, k_smem, v_smem, k_bar, v_bar, stat_m_ref, stat_
 
 
 def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size, scale,
-                config: MosaicConfig, interpret):
+                config: MosaicConfig, reuse, interpret):
     batch, heads, head_dim = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     n_blocks = support.shape[-1]
@@ -966,11 +1046,14 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
                plgpu.Barrier(num_arrivals=tile_blocks, num_barriers=stages)]
     if products == "wgmma":
         scratch.append(plgpu.SMEM((DOT_ROWS, head_dim), q.dtype, transforms=TILED))
+    merge = reuse and interpret is None  # the interpreter has no semaphores: the finish merges
+    if merge:
+        scratch.append(plgpu.Barrier(num_arrivals=1))
     kernel = functools.partial(
         _split_kernel, block_size=block_size, page_size=page_size, tile_blocks=tile_blocks,
         split_blocks=split_blocks, min_splits=rule.min_splits, num_stages=stages,
         group=heads // kv_heads, scale=scale * LOG2E, products=products, list_launch=list_launch,
-        interpret=interpret is not None)
+        reuse=reuse, merge=merge, interpret=interpret is not None)
     cache_blocks = num_pages * page_size // block_size
     k_rows = k_pages.reshape(cache_blocks, block_size, kv_heads, head_dim)
     v_rows = v_pages.reshape(cache_blocks, block_size, kv_heads, head_dim)
@@ -980,20 +1063,25 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
         scratch_types=scratch, interpret=interpret,
     )(modes, seq_lens, *list_refs, q, k_rows, v_rows)
     *partials, counts, out = partials
-    return (None, *partials), counts, out  # pallas_decode's partials (not its list output)
+    return (None, *partials), counts, out, merge  # pallas_decode's partials (not its list output)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "eta", "scale", "all_blocks",
-                                             "return_mass", "config", "interpret"))
+                                             "return_mass", "config", "reuse", "interpret"))
 def _decode(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size, eta, scale,
-            all_blocks, return_mass, config, interpret):
-    partials, counts, out = _split_call(q, k_pages, v_pages, page_table, seq_lens, modes,
-                                        support, block_size=block_size, scale=scale,
-                                        config=config, interpret=interpret)
-    return tuple(pallas_decode._finish_call(
-        seq_lens, modes, support, partials, out_dtype=q.dtype, block_size=block_size,
-        config=config.split_rule(), eta=eta, all_blocks=all_blocks, return_mass=return_mass,
-        interpret=interpret is not None, counts=counts, out=out))
+            all_blocks, return_mass, config, reuse, interpret):
+    partials, counts, out, merged = _split_call(
+        q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size,
+        scale=scale, config=config, reuse=reuse, interpret=interpret)
+    if not merged:
+        out, *finished = pallas_decode._finish_call(
+            seq_lens, modes, support, partials, out_dtype=q.dtype, block_size=block_size,
+            config=config.split_rule(), eta=eta, all_blocks=all_blocks, return_mass=return_mass,
+            interpret=interpret is not None, counts=counts, out=out)
+        if not reuse:
+            return (out, *finished)
+    # a reuse call: support' is the support held, no row's mass
+    return (out, support) + ((jnp.zeros(support.shape, jnp.float32),) if return_mass else ())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1008,17 +1096,20 @@ def interpret_params():
 
 def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size,
                      eta, scale=None, return_mass=False, interpret=None, all_blocks=False,
-                     config: MosaicConfig | None = None, mostly_sparse: bool = False,
+                     config: MosaicConfig | None = None, reuse: bool = False,
                      validate: bool = True):
     """`wise_jax.kernels.pallas_decode.decode_attention`'s contract with the split kernel on
     Mosaic GPU (module docstring). interpret: run the split kernel in jax's GPU interpreter and
     the finish in the Pallas interpreter (default: when the default backend is not a GPU).
-    config: launch parameters (default `launch_config`'s). mostly_sparse: a launch hint, most
-    rows are SPARSE (`launch_config`: it may group heads, bitwise the same outputs, or lengthen
-    the splits, the same outputs within rounding). Needs 16-bit q/K/V and head_dim a multiple
-    of 64 (`supports`)."""
+    config: launch parameters (default `launch_config`'s). reuse: a call of WISE's reuse loops
+    (`wise_jax.attention.decode_attention`: rows SPARSE or DENSE, checked with validate;
+    support' is the support held): `launch_config`'s launch for it (heads grouped, bitwise the
+    same outputs, or longer splits, the same within rounding), and on a GPU the last split of
+    a row to arrive merges its splits (`_merge`), with no finish launch; a DISCOVER row's output
+    is then NaN (when not validated). Needs 16-bit q/K/V and head_dim a multiple of 64
+    (`supports`)."""
     seq_lens = check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support,
-                          block_size=block_size, eta=eta, validate=validate)
+                          block_size=block_size, eta=eta, validate=validate, reuse=reuse)
     head_dim = q.shape[-1]
     if not supports(head_dim, q.dtype):
         raise ValueError(f"the Mosaic GPU kernel needs 16-bit q/K/V and head_dim a multiple of 64, "
@@ -1031,7 +1122,7 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
         interpret = jax.default_backend() != "gpu"
     if config is None:
         config = launch_config(q.shape[0], q.shape[1], support.shape[-1], block_size=block_size,
-                               mostly_sparse=mostly_sparse, n_sm=sm_count(interpret))
+                               reuse=reuse, n_sm=sm_count(interpret))
     if q.shape[1] % config.rows:
         raise ValueError(f"MosaicConfig.rows ({config.rows}) must divide the heads ({q.shape[1]})")
     if config.products == "wgmma" and interpret:
@@ -1040,5 +1131,5 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
     return tuple(_decode(
         q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size,
         eta=float(eta), scale=float(scale), all_blocks=bool(all_blocks),
-        return_mass=bool(return_mass), config=config,
+        return_mass=bool(return_mass), config=config, reuse=bool(reuse),
         interpret=interpret_params() if interpret else None))

@@ -607,7 +607,7 @@ def _decode(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_
 
 def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size,
                      eta, scale=None, return_mass=False, interpret=None, all_blocks=False,
-                     config: KernelConfig | None = None, validate: bool = True):
+                     config: KernelConfig | None = None, validate: bool = True, reuse: bool = False):
     """Decode attention over a paged KV cache with per-row WISE modes (docs/DESIGN.md).
 
     q: [batch, heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim];
@@ -620,11 +620,13 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
     kernels in the Pallas interpreter (default: when the default backend is not a GPU).
     config: launch parameters (default: `config_for(head_dim, q.dtype)`). validate: also
     check the values (`wise_jax.attention.check_call`; under jit a host callback per call).
+    reuse: a call of WISE's reuse loops, no row discovers (`wise_jax.attention.decode_attention`;
+    checked with validate): the same launch, support' the support held as for any such row.
     NaN in q, k or v gives NaN outputs; a SPARSE head that selects no causal block (outside
     the contract) gives NaN outputs when not validated.
     """
     seq_lens = check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support,
-                          block_size=block_size, eta=eta, validate=validate)
+                          block_size=block_size, eta=eta, validate=validate, reuse=reuse)
     head_dim = q.shape[-1]
     if config is None:
         config = config_for(head_dim, q.dtype)
