@@ -3,7 +3,8 @@
 The contract and the split rule are `wise_jax.kernels.pallas_decode`'s (its docstring); this
 module runs the heavy part, the split kernel that reads the keys and values, as a Mosaic GPU
 kernel (`plgpu`, Hopper: TMA copies into a multi-stage shared-memory ring, mbarriers), for
-16-bit q/K/V with head_dim a multiple of 64. One call is two launches, as the Triton kernel's:
+16-bit q/K/V with head_dim a multiple of 64. A call is two launches, as the Triton kernel's, or
+one for a reuse call on a GPU (3. below):
 
 1. Split kernel (Mosaic GPU), grid (max_splits, batch, heads / rows), split-major (programs
    start in grid order, the last axis fastest: every row's first split before any second, so a
@@ -38,14 +39,23 @@ kernel (`plgpu`, Hopper: TMA copies into a multi-stage shared-memory ring, mbarr
    sum, support'), reading this kernel's partials in the same layout and its counts (no
    recount of the support), leaving the output of rows of one split as the split kernel wrote
    it (the two launches' `out` is one buffer: an input-output alias).
+3. Reuse calls (`reuse=True`, WISE's reuse loops: rows SPARSE or DENSE, which need no mass and
+   no selection): on a GPU no finish launch. A row's only split writes its output (as above);
+   each split of a row of several stores its partials and counts itself in (`_arrive`: one
+   thread's atomic add with acq_rel semantics on a per-row count in GMEM, `pl.get_global`
+   semaphores, which Mosaic GPU zeroes each launch), and the one that arrives last merges the
+   row's partials (`_merge`, the finish's formula summed split after split: within f32
+   rounding of the finish's merge, not bitwise). support' is the support held, the mass zeros.
+   jax's GPU interpreter has no semaphores: interpreted, the finish merges.
 
 Interpreted (jax's GPU interpreter on a CPU), the list is `pallas_decode._list_kernel`, a
 Triton-lowered launch of its own that the split kernel copies its share from (a TMA copy from
 a 16-byte-aligned start), and the products are the reductions: the interpreter does not run
 inline Mosaic GPU code. `MosaicConfig(list_launch=True)` takes that route on a GPU too; a gpu
 test holds the two routes' outputs bitwise equal in every mode, for both products. The mma
-products are covered by gpu tests only (against the float64 references, the Triton-lowered
-kernel, and bitwise across list routes, rows and hinted launches).
+products and the in-kernel merge of reuse calls are covered by gpu tests only (against the
+float64 references, the Triton-lowered kernel, the finish's merge, and bitwise across list
+routes, rows and reuse launches).
 
 Routes tried (lowered with jax 0.10.2 on a CPU machine; run with jax 0.11.2 on an H200):
 - Layout-hinted reductions (above, the default): lower to Mosaic GPU for sm90
@@ -68,7 +78,7 @@ Routes tried (lowered with jax 0.10.2 on a CPU machine; run with jax 0.11.2 on a
   162 registers (the reductions 213-245). Same run against the reductions: sparse at 13 %
   25.5 / 32.5 / 31.9 us against 28.8 / 33.2 / 32.9 (1K x 64 with rows=4 against rows=1 / 4K x
   20 / 8K x 10), dense 131.3 / 159.6 / 159.9 against 128.1 / 158.2 / 158.1. Kept for calls
-  hinted mostly SPARSE (`launch_config`); plain calls keep the reductions. In that run's
+  hinted mostly SPARSE, now reuse calls (`launch_config`); plain calls keep the reductions. In that run's
   sweep (sweep/), with the mma products: 2048-key splits 25.6 / 31.7 / 30.4 us sparse (the
   grid's programs for splits a sparse row never has are fewer: each lists its row before it
   finds it has nothing to do; kept for hinted calls past one split), min_splits=2 34.6 / 31.3 /
@@ -137,14 +147,16 @@ Routes tried (lowered with jax 0.10.2 on a CPU machine; run with jax 0.11.2 on a
   131.2 against 127.7, and at 4K x 20 / 8K x 10 (a quarter of the programs) dense 224.7 / 223.6
   and sparse 64.9 / 66.1; rows=2: 1K x 64 sparse 29.5, dense 128.8, 4K / 8K sparse 36.9 / 37.2.
   One launch serves dense and sparse rows alike, so the default stays 1; a caller that knows
-  its rows are mostly SPARSE (WISE's reuse loops: `mostly_sparse=True`) gets `launch_config`'s
+  its rows are mostly SPARSE (a reuse call, `reuse=True`) gets `launch_config`'s
   rows, more than 1 only where every row is one split and the programs' waves favour it (its
   docstring has the sweep, h200-2026-12-02/rows-choice/; min_splits 3 or 6 with rows 2 or 4,
   to even out 4K x 20 / 8K x 10's waves, was slower everywhere: sparse 35.1-49.2 us there).
 
 What bounds it: for the reductions, the work in the SM, not memory (below); the mma products cut
 that work (no per-element conversions; 162 registers) yet took sparse down by only 0.7-3.3 us
-(h200-2026-12-03/mma/), and the longer splits of hinted calls by 0.8-1.5 us more: what is left is
+(h200-2026-12-03/mma/), and the longer splits of hinted calls by 0.8-1.5 us more, the grid
+split-major by 1.2-1.3 us and the finish launch dropped for reuse calls by ~2 us more
+(h200-2026-12-03/grid-order/, reuse/): what is left is
 per program (its list, read before anything else, then its first copies' latency, at two or three
 programs an SM) and the programs of a grid sized for DENSE rows, which a sparse row mostly leaves
 empty. With the reductions: with every page-table entry 0 (K/V from L2, no
@@ -180,13 +192,16 @@ against 31.1 / 37.0 / 35.6, and more, shorter splits cost as much as here (1K x 
 same share of contiguous blocks this kernel saves 0.7-1.1 us (sparse-contiguous/ there: 30.1 /
 36.2 / 34.6 us against 31.2 / 36.9 / 35.5). The list and finish launches then took about 5 us a call.
 
-What ran fastest (h200-2026-12-03/mma/kernels/, one run, us per call): plain calls `MosaicConfig()`
-(64-key tiles, 1024 keys a split, two stages, the reductions, the list in the kernel), dense
-129.8 / 160.2 / 161.0 (0.908 / 0.918 / 0.911x the Triton kernel, 1.044 / 0.922 / 1.024x cuDNN
-SDPA), discover 0.890 / 0.899 / 0.894x and discover+sparse 0.868 / 0.924 / 0.925x Triton; sparse
-calls hinted mostly SPARSE (`launch_config`: mma products, rows=4 at 1K x 64, 2048-key splits at
-4K and 8K) 26.9 / 32.8 / 30.9 (0.931 / 0.994 / 0.978x Triton, 0.873 / 1.061 / 1.188x cuDNN SDPA on
-a contiguous 13 %). Earlier, with the reductions only:
+What ran fastest (h200-2026-12-03/reuse/kernels/, one run, us per call): plain calls
+`MosaicConfig()` (64-key tiles, 1024 keys a split, two stages, the reductions, the list in the
+kernel, the grid split-major), dense 129.9 / 160.9 / 161.0 at 1K x 64 / 4K x 20 / 8K x 10 (0.908 /
+0.922 / 0.911x the Triton kernel, 1.044 / 0.924 / 1.022x cuDNN SDPA), discover 0.889 / 0.902 /
+0.894x and discover+sparse 0.867 / 0.899 / 0.907x Triton; sparse as reuse calls (`launch_config`:
+mma products, rows=4 at 1K x 64, 2048-key splits at 4K and 8K; one launch, splits merged in the
+split kernel) 24.4 / 28.8 / 27.4 (0.841 / 0.874 / 0.864x Triton, 0.788 / 0.933 / 1.054x cuDNN
+SDPA on a contiguous 13 %), the same launch with the finish launch 26.8 / 31.5 / 29.8. Before
+the reuse calls and the grid order (h200-2026-12-03/mma/kernels/): sparse 26.9 / 32.8 / 30.9 (1.188x
+cuDNN at 8K x 10). Earlier, with the reductions only:
 benchmarks/results/h200-2026-12-02/list-loads/ (this module before
 `MosaicConfig.rows`; device time per call, 16 heads x 128, bf16, 1K x 64 / 4K x 20 / 8K x 10): dense 129.7 /
 159.9 / 160.7 us (0.909 / 0.915 / 0.909x the Triton kernel, 1.044 / 0.917 / 1.023x cuDNN SDPA),
@@ -248,7 +263,7 @@ class MosaicConfig:
     reductions in f32; "mma", tensor-core mma.sync a warp in raw Mosaic GPU code, `_scores_mma` /
     `_pv_mma`, the reductions when interpreted: the interpreter does not run raw Mosaic GPU code;
     "wgmma", wgmma with q in row 0 of a 64-row tile, slower on an H200 and run on a GPU only;
-    `launch_config` picks "mma" for calls hinted mostly SPARSE).
+    `launch_config` picks "mma" for reuse calls).
     list_launch: the block list as a launch of its own (`pallas_decode._list_kernel`), always so
     when interpreted; else each program lists its split's blocks itself (`_list_in_kernel`).
     rows: heads a program attends (1, 2 or 4: consecutive heads of one sequence, split s of
@@ -296,7 +311,7 @@ class MosaicConfig:
 
 PROGRAMS_PER_SM = 2  # split-kernel programs an H200 SM holds (head_dim 128: registers, above);
 # launch_config takes it for every head_dim (a wrong count costs speed, not results)
-SPARSE_SPLIT_KEYS = 2048  # keys a split in a launch hinted mostly SPARSE whose rows need several
+SPARSE_SPLIT_KEYS = 2048  # keys a split in a reuse call's launch whose rows need several
 
 
 def launch_config(batch: int, heads: int, max_blocks: int, *, block_size: int,
