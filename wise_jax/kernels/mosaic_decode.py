@@ -596,17 +596,13 @@ def _list_in_kernel(support_ref, page_table_ref, list_smem, meta_smem, totals_sm
         def at(*values):
             return [arith.index_cast(index, v) for v in values]
 
-        def scalar(x):  # a splat argument's value as i32
-            x = x.registers.item()
-            return arith.index_cast(i32, x) if isinstance(x.type, ir.IndexType) else x
-
         def cmp(pred, x, y):
             return arith.cmpi(getattr(arith.CmpIPredicate, pred), x, y)
 
         def cdiv(x, d):  # x >= 0
             return arith.divsi(arith.addi(x, c(d - 1)), c(d))
 
-        b, p, s, mode, seq_len = map(scalar, (b, p, s, mode, seq_len))
+        b, p, s, mode, seq_len = map(_scalar, (b, p, s, mode, seq_len))
         wg_thread = arith.remui(mgpu_utils.thread_idx(), c(WARPGROUP))
         lane, warp = arith.andi(wg_thread, c(31)), arith.shrui(wg_thread, c(5))
         g, thread = arith.divui(wg_thread, c(row_threads)), arith.remui(wg_thread, c(row_threads))
@@ -664,6 +660,12 @@ def _list_in_kernel(support_ref, page_table_ref, list_smem, meta_smem, totals_sm
 
     body(support_ref, page_table_ref, list_smem, meta_smem, totals_smem, b, p, s, mode, seq_len)
     return [(meta_smem[g, 0], meta_smem[g, 1]) for g in range(n_rows)]
+
+
+def _scalar(x):
+    """A SCALAR (splat) argument of inline Mosaic GPU code as an i32 value."""
+    x = x.registers.item()
+    return arith.index_cast(ir.IntegerType.get_signless(32), x) if isinstance(x.type, ir.IndexType) else x
 
 
 def _shfl_up(value, distance, mask, clamp):
@@ -935,11 +937,7 @@ def _arrive(arrivals, slot_smem, *, b, h):
         def fence(order):
             llvm.inline_asm(void, [], order, "", has_side_effects=True)
 
-        def scalar(x):  # a splat argument's value as i32
-            x = x.registers.item()
-            return arith.index_cast(i32, x) if isinstance(x.type, ir.IndexType) else x
-
-        b, h = scalar(b), scalar(h)
+        b, h = _scalar(b), _scalar(h)
         heads = ir.MemRefType(arrivals.type).shape[1]
         fence("fence.proxy.async.global;\n\tfence.acq_rel.gpu;")
         mgpu_utils.warpgroup_barrier()
