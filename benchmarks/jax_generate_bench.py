@@ -63,10 +63,12 @@ _ROOT = _HERE.parent
 if str(_HERE) not in sys.path:
     sys.path.insert(0, str(_HERE))
 
-from throughput import (_density, _fmt, cohort_pages, engine_standing, parse_floats,  # noqa: E402
-                        parse_shapes, plot, prepare_old_src, roofline, run_cohort, table)
+from throughput import (_density, _fmt, base_of, cohort_pages, engine_standing, parse_floats,  # noqa: E402
+                        parse_shapes, plot, prepare_old_src, roofline, run_cohort, stats_dict, table)
 
-MODES = ("dense", "wise", "old", "old-wise")
+# dense-default / wise-default: `LLM(params, config)` / `LLM(params, config, wise_config=WiseConfig())`,
+# every other constructor argument at its default (pool, max_num_seqs, max_model_len, kernel).
+MODES = ("dense", "wise", "dense-default", "wise-default", "old", "old-wise")
 OPTIONS = ("stacked", "unroll", "unfused", "nocb", "cbloops", "dsfusion", "cublas", "tp2")
 XLA_FLAGS = {"nocb": "--xla_gpu_enable_command_buffer=",
              "cbloops": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
@@ -181,13 +183,16 @@ def _engine_worker(spec: dict) -> dict:
     mode, options = parse_arm(spec["arm"])
     if "unfused" in options:
         params = split_projections(config, params)
-    wise_config = WiseConfig(eta=spec["eta"], kernel=spec["kernel"]) if mode == "wise" else None
-    llm = wise_jax.LLM(params, config, wise_config=wise_config, num_pages=spec["num_pages"],
-                       page_size=spec["page_size"], max_num_seqs=spec["batch"], kernel=spec["kernel"],
-                       max_model_len=spec["context"] + max(spec["new_tokens"], spec["warmup_tokens"]),
-                       unroll=True if "unroll" in options else 1,
-                       layers="stacked" if "stacked" in options else "unstacked",
-                       **({"mesh": wise_jax.make_mesh(2)} if "tp2" in options else {}))
+    mesh = {"mesh": wise_jax.make_mesh(2)} if "tp2" in options else {}
+    if mode.endswith("-default"):
+        llm = wise_jax.LLM(params, config, wise_config=WiseConfig() if mode == "wise-default" else None, **mesh)
+    else:
+        wise_config = WiseConfig(eta=spec["eta"], kernel=spec["kernel"]) if mode == "wise" else None
+        llm = wise_jax.LLM(params, config, wise_config=wise_config, num_pages=spec["num_pages"],
+                           page_size=spec["page_size"], max_num_seqs=spec["batch"], kernel=spec["kernel"],
+                           max_model_len=spec["context"] + max(spec["new_tokens"], spec["warmup_tokens"]),
+                           unroll=True if "unroll" in options else 1,
+                           layers="stacked" if "stacked" in options else "unstacked", **mesh)
 
     def cohort(requests: list, tokens: int) -> dict:
         llm.reset_stats()
@@ -195,7 +200,8 @@ def _engine_worker(spec: dict) -> dict:
         result = run_cohort(llm, requests, wise_jax.SamplingParams(max_tokens=tokens, ignore_eos=True), tokens)
         after = wise_jax.trace_counts()
         stats = llm.stats()
-        result.update(density=stats.density, fallbacks=stats.fallbacks, preemptions=stats.preemptions,
+        result.update(stats=stats_dict(stats), density=stats.density, fallbacks=stats.fallbacks,
+                      preemptions=stats.preemptions,
                       pages_returned=stats.free_pages == stats.total_pages, counters="this cohort",
                       recompiles=sum(after.values()) - sum(before.values()),
                       prefill_tokens_per_s=sum(map(len, requests)) / result["prefill_s"])
@@ -308,7 +314,7 @@ def row_of(spec: dict, result: dict, repeat: int | None, config, args) -> dict:
 def dense_of(arm: str) -> str:
     """The arm a WISE arm is compared with: the same options, dense (old-wise: old)."""
     mode, options = parse_arm(arm)
-    return "+".join((("old" if mode == "old-wise" else "dense"),) + options)
+    return "+".join((base_of(mode),) + options)
 
 
 def summarize(rows: list[dict]) -> list[dict]:

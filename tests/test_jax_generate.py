@@ -126,7 +126,8 @@ def decode_memory(config, *, rows, max_pages, page_size, kernel, dtype):
                                              max_blocks=max_pages * page_size // wise_config.block_size))
     compiled = engine._step.lower(
         params, cache, state, jax.eval_shape(lambda: engine._empty_batch(rows)), jnp.zeros((rows,), jnp.int32),
-        config=config, wise_config=wise_config, kernel=kernel, unroll=1, sampling=False, keep_logits=False).compile()
+        config=config, wise_config=wise_config, kernel=kernel, unroll=1, sampling=False, keep_logits=False,
+        width=max_pages).compile()
     memory = compiled.memory_analysis()
     cache_bytes = 2 * cache.k.dtype.itemsize * int(np.prod(cache.k.shape))
     return cache_bytes, memory.alias_size_in_bytes, memory.temp_size_in_bytes

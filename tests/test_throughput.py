@@ -123,7 +123,8 @@ def _rows():
     args = tp.build_parser().parse_args([])
     config = PRESETS["ouro-1.4b"]
     rows = []
-    for arm, tok_s, density in (("dense", 700.0, None), ("wise", 1000.0, {"2": 0.3, "3": 0.25}), ("old", 650.0, None)):
+    for arm, tok_s, density in (("dense", 700.0, None), ("wise", 1000.0, {"2": 0.3, "3": 0.25}), ("old", 650.0, None),
+                                ("dense-default", 686.0, None), ("wise-default", 880.0, {"2": 0.3, "3": 0.25})):
         spec = dict(context=1024, batch=64, q_scale=8.0, arm=arm)
         result = dict(status="ok", repeats=[dict(decode_tokens_per_s=tok_s * f, ms_per_step=64e3 / (tok_s * f),
                                                  prefill_s=1.0, density=density, fallbacks=0, preemptions=0,
@@ -143,18 +144,22 @@ def test_summary_standing_and_report(tmp_path):
     assert by_arm["dense"]["decode_tokens_per_s"] == pytest.approx(700.0)
     assert by_arm["wise"]["over_dense"] == pytest.approx(1000 / 700)
     assert by_arm["dense"]["roofline_share"] == pytest.approx(700 / rows[0]["roofline_tokens_per_s"])
+    assert by_arm["wise-default"]["over_dense"] == pytest.approx(880 / 686)    # over dense-default
     standing = {t["target"]: t for t in tp.standing(summary)}
-    assert standing["WISE / dense >= 1.30"]["met"] and standing["WISE / dense >= 1.30"]["value"] == pytest.approx(1000 / 700)
-    share = standing["dense >= 60% of the roofline"]
-    assert share["met"] == (share["value"] >= 0.6)
-    one = [dict(s, batch=1) for s in summary if s["arm"] in ("dense", "wise")]   # WISE targets are for batches
-    assert [t["target"] for t in tp.standing(one)] == ["dense >= 60% of the roofline", "batch 1 at 1K <= 5.0 ms/step"]
+    assert standing["wise / dense >= 1.30"]["met"] and standing["wise / dense >= 1.30"]["value"] == pytest.approx(1000 / 700)
+    assert not standing["wise-default / dense-default >= 1.30"]["met"]            # 880 / 686 = 1.28
+    share = standing["dense >= 75% of the roofline"]
+    assert share["met"] == (share["value"] >= 0.75)
+    assert standing["dense-default >= 0.97 x dense"]["met"]                        # 686 / 700 = 0.98
+    assert not standing["wise-default >= 0.97 x wise"]["met"]                      # 880 / 1000
+    one = [dict(s, batch=1) for s in summary if s["arm"] in ("dense", "wise")]   # WISE / dense >= 1 at batch 1
+    assert [t["target"] for t in tp.standing(one)] == ["dense: batch 1 at 1K <= 4.0 ms/step", "wise / dense >= 1.00"]
     report = dict(date="today", model="random", args=vars(args) | {"out": "x"}, rows=rows, summary=summary,
                   standing=list(standing.values()), environment=None)
     text = tp.write_report(report, tmp_path)
     assert (tmp_path / "throughput.png").stat().st_size > 0
     assert json.loads((tmp_path / "throughput.json").read_text())["rows"][0]["arm"] == "dense"
-    assert "not importable: ModuleNotFoundError" in text and "| WISE / dense >= 1.30 | 1024x64 | 1.43 | yes |" in text
+    assert "not importable: ModuleNotFoundError" in text and "| wise / dense >= 1.30 | 1024x64 | 1.43 | yes |" in text
     assert text.count("| 1024 x 64 | 8 | wise |") == 2 and text.count("| 1024 x 64 | wise |") == 1  # repeats, mean
 
 

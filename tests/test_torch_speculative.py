@@ -114,8 +114,8 @@ def test_rejections_leave_no_trace(model, spec):
     llm = engine(model, spec)
     epochs, stage = [], llm.speculator._stage
 
-    def recording(seqs, ks, bucket):
-        stage(seqs, ks, bucket)
+    def recording(seqs, ks, bucket, width):
+        stage(seqs, ks, bucket, width)
         meta = llm.speculator.meta[:, llm.speculator._EPOCH]
         epochs.extend(meta[j, row].item() for row, k in enumerate(ks) for j in range(k + 1))
     llm.speculator._stage = recording

@@ -101,7 +101,13 @@ class EngineStats:
     density (per reuse depth; None before any reuse call) are None without WISE; the
     speculative counters ((sequence, round) pairs, drafts proposed, drafts accepted) are None
     without speculative decoding. wise_jax's preemptions is always 0 (admission reserves a
-    request's lifetime)."""
+    request's lifetime). Decode programs: a step runs at a (batch bucket, context bucket), one
+    program each (torch: a CUDA graph, 0 when eager; JAX: a compiled step), made lazily the first
+    time a step needs it: step_programs made so far, step_program_bound the most there can be,
+    step_build_s the seconds spent making them (capture, or trace and compile), and
+    step_memory_bytes the memory they hold beside the weights and the pool (torch: the graphs'
+    shared pool; JAX: the compiled steps' temporaries). pool_sizing says how the page pool was
+    sized."""
 
     total_pages: int
     free_pages: int
@@ -119,6 +125,11 @@ class EngineStats:
     spec_rounds: int | None = None
     draft_tokens: int | None = None
     accepted_tokens: int | None = None
+    step_programs: int = 0
+    step_program_bound: int = 0
+    step_build_s: float = 0.0
+    step_memory_bytes: int = 0
+    pool_sizing: str = ""
 
     @property
     def acceptance_rate(self) -> float | None:

@@ -13,7 +13,10 @@ are still taken from the pool only as it grows); nothing is preempted (wise_torc
 preempts instead). A request that can never fit is a ValueError at `add_request`. A prompt is
 prefilled whole (no chunking) in the step that admits it.
 
-The step. One jit-compiled program per cache shape (and greedy / sampling): `model.decode_step`
+The step. One jit-compiled program per cache shape, context bucket (`wise_core.buckets`: the
+page-table width of the longest running row after the step, a power-of-two rung, so a step
+costs what its live context needs, not what max_model_len allows; compiled lazily, the first
+time a step needs it) and greedy / sampling: `model.decode_step`
 (over a mesh, `sharding.decode_step`: the heads split over its "tp" axis)
 over every row (empty rows are masked no-ops), sampling on the device (per row: temperature,
 top-p, its own PRNG key), the stop rule (max_tokens, eos), and the release of finished rows'
@@ -38,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from tokenizers import Tokenizer
 
+from wise_core.buckets import context_bucket, context_buckets
 from wise_core.config import ModelConfig, WiseConfig
 from wise_core.request import (MAX_SEED, EngineStats, RequestOutput, SamplingParams,  # noqa: F401 (its names)
                                prompts_with_params)
@@ -126,17 +130,19 @@ def _release(cache: kvc.PagedKVCache, batch: Batch, slot):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "wise_config", "kernel", "unroll", "sampling", "keep_logits",
-                                             "mesh"),
+                                             "mesh", "width"),
                    donate_argnames=("cache", "state", "batch"))
 def _step(params: Params, cache: kvc.PagedKVCache, state, batch: Batch, forced, *, config: ModelConfig,
-          wise_config: WiseConfig | None, kernel: str, unroll, sampling: bool, keep_logits: bool, mesh=None):
+          wise_config: WiseConfig | None, kernel: str, unroll, sampling: bool, keep_logits: bool, mesh=None,
+          width: int):
     """One decode step of every row (module docstring). forced int32[rows]: a token to take
     instead of sampling (-1: sample). Returns (cache, state, batch, (token, logprob, done,
     overflowed, logits or None)); overflowed: the pool ran out (in this step or before), and
     this step wrote nothing."""
     TRACES["step"] += 1
     logits, cache, state = sharding.decode_step(params, config, cache, state, batch.tokens, batch.slots,
-                                                wise_config=wise_config, kernel=kernel, unroll=unroll, mesh=mesh)
+                                                wise_config=wise_config, kernel=kernel, unroll=unroll, mesh=mesh,
+                                                width=width)
     live = (batch.slots >= 0) & ~cache.overflowed
     token, logprob, keys = _choose(logits, batch.keys, batch.temperature, batch.top_p, forced, sampling=sampling)
     remaining = batch.remaining - live.astype(jnp.int32)
@@ -246,7 +252,13 @@ class LLM:
         self.page_size, self.attention, self.unroll = page_size, attention, unroll
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.max_pages = -(-self.max_model_len // page_size)
-        self.num_pages = num_pages or _default_num_pages(per_device, page_size, dtype, max_num_seqs * self.max_pages)
+        self.widths = context_buckets(self.max_pages)
+        self._programs: set[tuple] = set()     # decode programs made: (sampling, keep_logits, width)
+        self._build_s = 0.0
+        self.pool_sizing = f"num_pages={num_pages} as given"
+        if num_pages is None:
+            num_pages, self.pool_sizing = _default_num_pages(per_device, page_size, dtype, max_num_seqs * self.max_pages)
+        self.num_pages = num_pages
         self.cache = sharding.create_cache(config, mesh, batch=max_num_seqs, max_pages=self.max_pages,
                                            num_pages=self.num_pages, page_size=page_size, dtype=dtype)
         self.state = None if wise_config is None else sharding.create_state(
@@ -365,12 +377,20 @@ class LLM:
             for slot, r in rows:
                 host[slot] = r.next_forced()
             forced = jnp.asarray(host)
+        # The keys of each row once this step appended its token: prompt + tokens fed so far.
+        width = context_bucket(self.widths, max(-(-(len(r.prompt) + r.dispatched) // self.page_size) for _, r in rows))
         for _, r in rows:
             r.dispatched += 1
+        program = dict(sampling=any(r.sampling for _, r in rows), keep_logits=any(r.keep_logits for _, r in rows),
+                       width=width)
+        start = time.perf_counter()
+        traces = TRACES["step"]
         self.cache, self.state, self.batch, outputs = _step(
             self.params, self.cache, self.state, self.batch, forced, config=self.config,
-            wise_config=self.wise_config, kernel=self.kernel, unroll=self.unroll,
-            sampling=any(r.sampling for _, r in rows), keep_logits=any(r.keep_logits for _, r in rows), mesh=self.mesh)
+            wise_config=self.wise_config, kernel=self.kernel, unroll=self.unroll, mesh=self.mesh, **program)
+        if TRACES["step"] > traces:   # a program made for this step: its trace and compile
+            self._build_s += time.perf_counter() - start
+            self._programs.add(tuple(program.values()))
         self._decode_steps += 1
         return outputs, rows
 
@@ -379,8 +399,8 @@ class LLM:
         outputs, rows = launched
         token, logprob, done, overflowed, logits = jax.device_get(outputs)
         if overflowed:  # cannot happen after lifetime admission: reported in the first step that reads it
-            raise kvc.PoolExhaustedError("a decode step's pages did not fit the pool; it wrote nothing, nor "
-                                         "any step after it")
+            raise kvc.PoolExhaustedError("a decode step's pages did not fit the pool or its context bucket; it "
+                                         "wrote nothing, nor any step after it")
         produced = []
         for slot, request in rows:
             if request.finish_reason is not None:   # stopped on a stop id, or aborted: the token is dropped
@@ -486,7 +506,9 @@ class LLM:
             fallbacks=None if self.state is None else int(self.state.fallbacks),
             density=None if self.state is None else self.state.density(self.wise_config),
             prompt_tokens=self._prompt_tokens, generated_tokens=self._generated_tokens, prefill_s=self._prefill_s,
-            decode_s=self._decode_s, decode_steps=self._decode_steps, decode_tokens=self._decode_tokens)
+            decode_s=self._decode_s, decode_steps=self._decode_steps, decode_tokens=self._decode_tokens,
+            step_programs=len(self._programs), step_program_bound=4 * len(self.widths), step_build_s=self._build_s,
+            pool_sizing=self.pool_sizing)
 
 
 def encode(prompt, config: ModelConfig, tokenizer: Tokenizer | None, what: str) -> list[int]:
@@ -499,12 +521,18 @@ def encode(prompt, config: ModelConfig, tokenizer: Tokenizer | None, what: str) 
     return serving.check_ids(prompt, config, what)
 
 
-def _default_num_pages(config: ModelConfig, page_size: int, dtype, most: int) -> int:
+def _default_num_pages(config: ModelConfig, page_size: int, dtype, most: int) -> tuple[int, str]:
+    """(pages, how they were sized) for num_pages=None."""
     per_page = kvc.page_bytes(config, page_size, dtype)
     device = jax.devices()[0]
-    budget = CPU_POOL_BYTES
+    budget, rule = CPU_POOL_BYTES, f"at most {CPU_POOL_BYTES / 2**30:.0f} GiB of K/V on a {device.platform}"
     if device.platform == "gpu":
         memory = device.memory_stats() or {}
         if "bytes_limit" in memory:
-            budget = int(GPU_POOL_FRACTION * (memory["bytes_limit"] - memory.get("bytes_in_use", 0)))
-    return max(1, min(most, budget // per_page))
+            free = memory["bytes_limit"] - memory.get("bytes_in_use", 0)
+            budget = int(GPU_POOL_FRACTION * free)
+            rule = f"{GPU_POOL_FRACTION:.0%} of the {free / 2**30:.1f} GiB jax may still allocate"
+    pages = max(1, min(most, budget // per_page))
+    if pages == most and most * per_page < budget:
+        rule += f", capped at max_num_seqs x max_pages ({most})"
+    return pages, f"{rule}: {pages} pages of {per_page} bytes"

@@ -106,17 +106,18 @@ def pages_for(lengths: jax.Array, page_size: int) -> jax.Array:
     return (lengths + page_size - 1) // page_size
 
 
-def try_reserve(cache: PagedKVCache, lengths: jax.Array) -> tuple[PagedKVCache, jax.Array]:
+def try_reserve(cache: PagedKVCache, lengths: jax.Array, width: int | None = None) -> tuple[PagedKVCache, jax.Array]:
     """Grow rows to `lengths: int32[batch]` keys (never shrinks): pages are taken from the free
     stack for the page-boundary crossings, and seq_lens becomes max(seq_lens, lengths). All or
-    nothing: returns (cache, fits bool[]); when it does not fit nothing changes but `overflowed`."""
+    nothing: returns (cache, fits bool[]); when it does not fit nothing changes but `overflowed`.
+    width: a row may hold at most this many pages (a decode step's context bucket; None: max_pages)."""
     lengths = jnp.maximum(jnp.asarray(lengths, jnp.int32), cache.seq_lens)
     old = pages_for(cache.seq_lens, cache.page_size)
     new = pages_for(lengths, cache.page_size)
     page = jnp.arange(cache.max_pages, dtype=jnp.int32)
     need = (page >= old[:, None]) & (page < new[:, None])            # [batch, max_pages]
     total = need.sum(dtype=jnp.int32)
-    fits = (total <= cache.num_free) & jnp.all(new <= cache.max_pages)
+    fits = (total <= cache.num_free) & jnp.all(new <= (cache.max_pages if width is None else width))
     rank = jnp.cumsum(need.reshape(-1), dtype=jnp.int32).reshape(need.shape) - 1
     taken = cache.free_pages[jnp.clip(cache.num_free - 1 - rank, 0, cache.num_pages - 1)]
     grant = need & fits
@@ -164,13 +165,15 @@ def release(cache: PagedKVCache, rows: jax.Array) -> PagedKVCache:
         page_table=jnp.where(rows[:, None], cache.scratch_page, cache.page_table))
 
 
-def plane_pages(cache: PagedKVCache, plane: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def plane_pages(cache: PagedKVCache, plane: jax.Array, width: int | None = None
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One plane as decode_attention reads it, without slicing the storage: every plane's pages
     viewed as one pool [planes * (num_pages + 1), page_size, kv_heads, head_dim] (a free reshape),
-    and the page table shifted to the plane: (k_pages, v_pages, page_table int32[batch, max_pages])."""
+    and the first `width` columns of the page table (None: all), shifted to the plane:
+    (k_pages, v_pages, page_table int32[batch, width])."""
     flat = (-1,) + cache.k.shape[2:]
     return (cache.k.reshape(flat), cache.v.reshape(flat),
-            cache.page_table + plane * cache.k.shape[1])
+            cache.page_table[:, :width] + plane * cache.k.shape[1])
 
 
 def write_token(cache: PagedKVCache, plane: jax.Array, k: jax.Array, v: jax.Array,

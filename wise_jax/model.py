@@ -238,7 +238,8 @@ def prefill(params: Params, config: ModelConfig, tokens: jax.Array, length: jax.
 
 def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, state: ws.WiseState | None,
                 tokens: jax.Array, slots: jax.Array, *, wise_config: WiseConfig | None, kernel: str,
-                unroll: int | bool = 1, axis_name: str | None = None) -> tuple[jax.Array, kvc.PagedKVCache, Any]:
+                unroll: int | bool = 1, axis_name: str | None = None,
+                width: int | None = None) -> tuple[jax.Array, kvc.PagedKVCache, Any]:
     """Decode one token per cache row: append it (allocating a page at a page boundary) and run
     every loop; dense when wise_config is None, else WISE (state required).
 
@@ -248,13 +249,17 @@ def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, st
     its WISE state alone. When the pool cannot hold the step's new pages nothing is written, no
     row advances, and `cache.overflowed` is set (the caller reports it); a cache whose flag is
     already set is written no more. The attention inputs are built here by construction, so
-    their values are not validated (no host callback per call).
+    their values are not validated (no host callback per call). width: the step's context
+    bucket, the page-table columns (and WISE support blocks) attention reads (None: all); a
+    row that would need more pages than that does not fit (the step writes nothing, as for a
+    full pool). A row's attention does not depend on it beyond its keys.
     Returns (logits float32[batch, vocab] (garbage for masked rows), cache, state)."""
     batch = tokens.shape[0]
     active = slots >= 0
     positions = cache.seq_lens
     grow = active & ~cache.overflowed                 # a cache that overflowed once takes no more
-    cache, fits = kvc.try_reserve(cache, jnp.where(grow, positions + 1, positions))
+    cache, fits = kvc.try_reserve(cache, jnp.where(grow, positions + 1, positions), width)
+    pages = cache.max_pages if width is None else width
     live = grow & fits
     seq_lens = jnp.where(live, cache.seq_lens, 1)    # a masked row attends its first key (scratch)
     h = embed(params, tokens)[:, None]
@@ -262,14 +267,14 @@ def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, st
     if wise_config is None:  # every row DENSE; the block size only shapes the unused support
         dense = WiseConfig()
         dense_modes = jnp.full((batch,), M.DENSE, jnp.int32)
-        no_support = jnp.zeros((batch, config.num_attention_heads, cache.capacity // dense.block_size), bool)
+        no_support = jnp.zeros((batch, config.num_attention_heads, pages * cache.page_size // dense.block_size), bool)
 
     for loop in range(config.total_ut_steps):
         def attend(q, k, v, layer, carry, loop=loop):
             cache, state = carry
             plane = loop * config.num_hidden_layers + layer
             cache = kvc.write_token(cache, plane, k[:, 0], v[:, 0], live)
-            k_pages, v_pages, page_table = kvc.plane_pages(cache, plane)
+            k_pages, v_pages, page_table = kvc.plane_pages(cache, plane, width)
             if wise_config is None:
                 out, _ = decode_attention(q[:, 0], k_pages, v_pages, page_table, seq_lens, dense_modes,
                                           no_support, block_size=dense.block_size, eta=dense.eta,

@@ -12,8 +12,9 @@ host loop that admits and retires requests around these is `wise_jax.engine.LLM`
 
 Buckets. A prompt of n tokens is prefilled padded to `pages_for(n) * page_size` positions: one
 compilation per page count, at most page_size - 1 padding positions per prompt (< one page). A
-decode step compiles once per cache shape (rows, max_pages, num_pages) and settings. `TRACES`
-counts the traces (= compilations) of each program.
+decode step compiles once per cache shape (rows, max_pages, num_pages), context bucket (`width`,
+the page-table columns it attends over) and settings. `TRACES` counts the traces (=
+compilations) of each program.
 
 Several devices: `mesh` (a jax.sharding.Mesh with axis "tp", `wise_jax.sharding`) runs prefill
 and the decode step with the heads sharded over it; params, cache and state must then be in the
@@ -126,16 +127,17 @@ def insert(cache: kvc.PagedKVCache, kv: RequestKV, slot: int) -> kvc.PagedKVCach
     return _insert(cache, kv, jnp.asarray(slot, jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "wise_config", "kernel", "unroll", "mesh"),
+@functools.partial(jax.jit, static_argnames=("config", "wise_config", "kernel", "unroll", "mesh", "width"),
                    donate_argnames=("cache", "state"))
 def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, state: ws.WiseState | None,
                 tokens: jax.Array, slots: jax.Array, *, wise_config: WiseConfig | None = None,
-                kernel: str = "auto", unroll: int | bool = 1, mesh=None):
+                kernel: str = "auto", unroll: int | bool = 1, mesh=None, width: int | None = None):
     """`wise_jax.model.decode_step`, jit-compiled, donating cache and state: tokens int32[rows]
     (each row's next input), slots int32[rows] (request per row, -1 empty) ->
     (logits float32[rows, vocab], cache, state). Check `cache.overflowed` after it. Pass
     unstacked params (`params.unstack_layers`, as `LLM` does) for the fast step: stacked ones
-    run a scan that copies each layer's weights every step. mesh: see the module docstring."""
+    run a scan that copies each layer's weights every step. mesh: see the module docstring.
+    width: the context bucket (`model.decode_step`; None: the whole page table)."""
     TRACES["decode_step"] += 1
     return sharding.decode_step(params, config, cache, state, tokens, slots, wise_config=wise_config,
-                                kernel=kernel, unroll=unroll, mesh=mesh)
+                                kernel=kernel, unroll=unroll, mesh=mesh, width=width)

@@ -180,12 +180,12 @@ def create_state(wise_config, mesh: Mesh | None, **kw) -> ws.WiseState:
 
 def decode_step(params: Params | MeshParams, config: ModelConfig, cache: kvc.PagedKVCache, state: ws.WiseState | None,
                 tokens: jax.Array, slots: jax.Array, *, wise_config, kernel: str, unroll: int | bool = 1,
-                mesh: Mesh | None = None):
+                mesh: Mesh | None = None, width: int | None = None):
     """`wise_jax.model.decode_step`; over the mesh (MeshParams, sharded cache and state) one
     shard_map'd step at the local config. Returns (logits float32[rows, vocab], cache, state)."""
     if mesh is None:
         return model.decode_step(_layout_of(params, None), config, cache, state, tokens, slots,
-                                 wise_config=wise_config, kernel=kernel, unroll=unroll)
+                                 wise_config=wise_config, kernel=kernel, unroll=unroll, width=width)
     params = _layout_of(params, mesh).params
     local = local_config(config, tp_size(mesh))
 
@@ -194,7 +194,8 @@ def decode_step(params: Params | MeshParams, config: ModelConfig, cache: kvc.Pag
             state, selected_blocks=jnp.zeros_like(state.selected_blocks),
             causal_blocks=jnp.zeros_like(state.causal_blocks))
         logits, cache, new = model.decode_step(params, local, cache, counting, tokens, slots,
-                                               wise_config=wise_config, kernel=kernel, unroll=unroll, axis_name=AXIS)
+                                               wise_config=wise_config, kernel=kernel, unroll=unroll, axis_name=AXIS,
+                                               width=width)
         if state is not None:   # this step's counts of every device's heads, added to the totals
             new = dataclasses.replace(
                 new, selected_blocks=state.selected_blocks + lax.psum(new.selected_blocks, AXIS),

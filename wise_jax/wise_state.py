@@ -80,7 +80,9 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int, layer: 
     """Decode attention of `layer` at `loop` with the row modes WISE assigns, updating the state.
 
     q: [batch, heads, head_dim]; pages / page_table / seq_lens as decode_attention (the token at
-    position seq_lens - 1 is being decoded); request_ids int32[batch]; active bool[batch]: the rows
+    position seq_lens - 1 is being decoded; the supports read and written are the first
+    page_table.shape[1] * page_size // block_size blocks, the step's context bucket: a support
+    never outlives its token, so the blocks past them are never read); request_ids int32[batch]; active bool[batch]: the rows
     that decode a token. Other rows (empty slots) are masked: their support, tags and counters are
     left as they were. validate: check the attention's input values (`attention.check_call`; the
     decode step, which builds them by construction, passes False). Returns (out [batch, heads,
@@ -89,8 +91,8 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int, layer: 
     role = wise_config.depth_role(loop)
     batch = q.shape[0]
     position = seq_lens - 1
-    support = state.support[layer]
-    n_blocks = support.shape[-1]
+    n_blocks = page_table.shape[1] * k_pages.shape[1] // wise_config.block_size
+    support = state.support[layer, :, :, :n_blocks]
     tagged = (state.tag_request[layer] == request_ids) & (state.tag_position[layer] == position)
     depths_run = state.depths_run[layer]
     bit = 1 << loop
@@ -122,7 +124,7 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int, layer: 
 
         state = dataclasses.replace(
             state,
-            support=state.support.at[layer].set(keep(new_support, support)),
+            support=state.support.at[layer, :, :, :n_blocks].set(keep(new_support, support)),
             tag_request=state.tag_request.at[layer].set(keep(request_ids, state.tag_request[layer])),
             tag_position=state.tag_position.at[layer].set(keep(position, state.tag_position[layer])),
             depths_run=state.depths_run.at[layer].set(

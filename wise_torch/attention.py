@@ -151,22 +151,26 @@ def resolve_kernel(kernel: str, device: torch.device | str) -> Callable:
     return module.decode_attention
 
 
-def prepare_decode_attention(kernel: str, *, max_batch: int, heads: int, kv_heads: int, head_dim: int,
-                             max_blocks: int, block_size: int, dtype: torch.dtype,
-                             device: torch.device | str, min_splits: int = 1) -> Callable:
-    """`kernel`'s decode attention for a decode loop that builds its inputs by construction:
-    values not validated (validate=False), and buffers allocated once for calls up to these
-    sizes (Triton: a workspace, so that a call allocates nothing and never syncs; min_splits:
-    the fewest programs a row is split into, to fill the GPU when batches are small)."""
+def prepare_decode_attention(kernel: str, *, batches: list[int], heads: int, kv_heads: int, head_dim: int,
+                             max_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str,
+                             min_splits: Callable[[int], int] = lambda batch: 1) -> dict[int, Callable]:
+    """Per batch size of `batches`, `kernel`'s decode attention for a decode loop that builds its
+    inputs by construction: values not validated (validate=False), calls of up to that many rows
+    and `max_blocks` blocks per row (any narrower support too: a decode step sized by its live
+    context). Triton: one workspace shared by all, so that a call allocates nothing and never
+    syncs, and `min_splits(batch)` programs per row at least, to fill the GPU when batches are
+    small (`prepare_verify_attention`'s pattern)."""
     fn = resolve_kernel(kernel, device)
     if fn is decode_attention_reference:
-        return functools.partial(fn, validate=False)
+        return dict.fromkeys(batches, functools.partial(fn, validate=False))
     module = importlib.import_module(fn.__module__)
-    config = dataclasses.replace(module.config_for(head_dim, dtype), min_splits=min_splits)
+    configs = {b: dataclasses.replace(module.config_for(head_dim, dtype), min_splits=min_splits(b)) for b in batches}
+    widest = max(configs.values(), key=lambda c: c.min_splits)
     workspace = module.DecodeWorkspace.allocate(
-        max_batch, heads, kv_heads, head_dim, max_blocks, dtype=dtype, device=device, block_size=block_size,
-        config=config)
-    return functools.partial(fn, workspace=workspace, validate=False)
+        max(batches), heads, kv_heads, head_dim, max_blocks, dtype=dtype, device=device, block_size=block_size,
+        config=widest)
+    return {b: functools.partial(fn, workspace=dataclasses.replace(workspace, config=config), validate=False)
+            for b, config in configs.items()}
 
 
 def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,

@@ -189,24 +189,26 @@ class DecodeContext(PagedContext):
         self.wise, self.attention = wise, attention
         wise_config = wise.config if wise is not None else WiseConfig()
         self.block_size, self.eta = wise_config.block_size, wise_config.eta
-        self.dense_modes, self.unused_support = dense_modes, unused_support
+        # The blocks the step's page table covers: the decode step's context bucket.
+        self.blocks = batch.page_table.shape[1] * cache.page_size // self.block_size
+        self.dense_modes, self.unused_support = dense_modes, unused_support[:, :, :self.blocks]
         self.role, self.modes = "dense", None
 
     def begin_loop(self, loop: int) -> None:
         if self.wise is not None:
             self.role = self.wise.config.depth_role(loop)
-            self.modes = self.wise.begin_loop(loop, self.batch)
+            self.modes = self.wise.begin_loop(loop, self.batch, self.blocks)
 
     def end_loop(self, loop: int) -> None:
         if self.wise is not None:
-            self.wise.end_loop(loop, self.batch)
+            self.wise.end_loop(loop, self.batch, self.blocks)
 
     def attend(self, q: torch.Tensor, loop: int, layer: int) -> torch.Tensor:
         k_plane, v_plane = self.planes(loop, layer)
         if self.role == "dense":
             modes, support = self.dense_modes, self.unused_support
         else:
-            modes, support = self.modes[layer], self.wise.support_of(layer, self.batch.size)
+            modes, support = self.modes[layer], self.wise.support_of(layer, self.batch.size, self.blocks)
         out, _ = self.attention(q, k_plane, v_plane, self.batch.page_table, self.batch.seq_lens, modes, support,
                                 block_size=self.block_size, eta=self.eta)
         return out
@@ -320,8 +322,9 @@ class OuroForCausalLM(nn.Module):
                     unused_support: torch.Tensor) -> torch.Tensor:
         """tokens: int64[batch], the token at each row's position -> logits float32[batch, vocab].
         With `wise`, loops follow its WiseConfig roles; without, every loop is DENSE.
-        dense_modes int32[>= batch] (DENSE) and unused_support bool[>= batch, heads, max_blocks]
-        are the constant inputs of dense calls."""
+        dense_modes int32[>= batch] (DENSE) and unused_support bool[>= batch, heads, >= blocks]
+        are the constant inputs of dense calls. The step attends over batch.page_table's width
+        (its context bucket): every row's keys must lie in it."""
         ctx = DecodeContext(self.config, batch, cache, wise, attention, dense_modes[:batch.size],
                             unused_support[:batch.size])
         return self.logits(self.run_tokens(tokens, ctx))

@@ -62,19 +62,23 @@ class WiseState:
     def max_blocks(self) -> int:
         return self.support.shape[3]
 
-    def support_of(self, layer: int, rows: int) -> torch.Tensor:
-        """The supports of `layer` for rows [0, rows): bool[rows, heads, max_blocks], a view the
-        decode kernel reads (SPARSE, DISCOVER_UNION) and writes (discovery) in place."""
-        return self.support[layer, :rows]
+    def support_of(self, layer: int, rows: int, blocks: int | None = None) -> torch.Tensor:
+        """The supports of `layer` for rows [0, rows) over the first `blocks` blocks (None: all):
+        bool[rows, heads, blocks], a view the decode kernel reads (SPARSE, DISCOVER_UNION) and
+        writes (discovery) in place. A decode step sized by its live context passes the blocks
+        its page table covers; a support never outlives its token, so blocks past them are
+        never read."""
+        return self.support[layer, :rows, :, :blocks]
 
     def _matches(self, batch: DecodeBatch) -> torch.Tensor:
         """bool[rows, layers]: the stored support was discovered for the row's token."""
         return self.tag_epoch[:batch.size] == batch.epochs[:, None]
 
     # -- one decode step --------------------------------------------------------------------
-    def begin_loop(self, loop: int, batch: DecodeBatch) -> torch.Tensor | None:
+    def begin_loop(self, loop: int, batch: DecodeBatch, blocks: int | None = None) -> torch.Tensor | None:
         """Modes int32[layers, rows] of `loop` (None for a dense loop); a reuse loop also counts
-        fallbacks and density. Call once per loop, before its layers run."""
+        fallbacks and density over the first `blocks` blocks (`support_of`). Call once per
+        loop, before its layers run."""
         n = batch.size
         role = self.config.depth_role(loop)
         if role == "dense":
@@ -88,23 +92,25 @@ class WiseState:
         complete = self._matches(batch) & (self.depths_run[:n] == self.complete_mask)   # [rows, layers]
         real = batch.epochs >= 0
         self.fallback_count += (~complete & real[:, None]).sum()
-        causal = causal_block_mask(batch.seq_lens, self.max_blocks, self.config.block_size)  # [rows, blocks]
+        blocks = self.max_blocks if blocks is None else blocks
+        causal = causal_block_mask(batch.seq_lens, blocks, self.config.block_size)            # [rows, blocks]
         n_causal = causal.sum(-1)                                                              # [rows]
-        chosen = (self.support[:, :n] & causal[None, :, None, :]).sum(-1)                     # [layers, rows, heads]
+        chosen = (self.support[:, :n, :, :blocks] & causal[None, :, None, :]).sum(-1)         # [layers, rows, heads]
         chosen = torch.where(complete.t()[:, :, None], chosen, n_causal[None, :, None])
         self.selected_blocks[loop] += (chosen * real[None, :, None]).sum()
         self.causal_blocks[loop] += (n_causal * real).sum() * self.num_layers * self.support.shape[2]
         return torch.where(complete, SPARSE, DENSE).t().to(torch.int32).contiguous()
 
-    def end_loop(self, loop: int, batch: DecodeBatch) -> None:
+    def end_loop(self, loop: int, batch: DecodeBatch, blocks: int | None = None) -> None:
         """After a discovery loop's layers stored their supports: tag them with the rows' epochs
-        (`all_blocks`: first replace them by every causal block)."""
+        (`all_blocks`: first replace the first `blocks` blocks by every causal block)."""
         if self.config.depth_role(loop) != "discover":
             return
         n = batch.size
         if self.config.all_blocks:
-            causal = causal_block_mask(batch.seq_lens, self.max_blocks, self.config.block_size)
-            self.support[:, :n] = causal[None, :, None, :]
+            blocks = self.max_blocks if blocks is None else blocks
+            causal = causal_block_mask(batch.seq_lens, blocks, self.config.block_size)
+            self.support[:, :n, :, :blocks] = causal[None, :, None, :]
         bit = 1 << loop
         if loop == self.config.discover_depths[0]:
             self.depths_run[:n] = bit

@@ -125,6 +125,7 @@ class LLM:
         if self.workers is not None and self.device.type == "cuda":
             torch.cuda.empty_cache()     # a whole model loaded by name is gone: its memory is free
         page_bytes = PagedKVCache.page_bytes(config, page_size, weight.dtype)
+        self.pool_sizing = f"num_pages={num_pages} as given"
         if num_pages is None:
             num_pages = self._default_pages(page_bytes)
         _positive_int("num_pages", num_pages)
@@ -180,8 +181,12 @@ class LLM:
             if pages < 1:
                 raise ValueError(f"too little free device memory for one KV page ({page_bytes} bytes); "
                                  f"pass num_pages")
+            self.pool_sizing = (f"{GPU_MEMORY_FRACTION:.0%} of {free / 2**30:.1f} GiB free less "
+                                f"{GPU_RESERVE_BYTES / 2**30:.0f} GiB: {pages} pages of {page_bytes} bytes")
             return pages
-        return max(1, CPU_KV_BYTES // page_bytes)
+        pages = max(1, CPU_KV_BYTES // page_bytes)
+        self.pool_sizing = f"{CPU_KV_BYTES / 2**30:.0f} GiB of K/V on a CPU: {pages} pages of {page_bytes} bytes"
+        return pages
 
     # -- requests ---------------------------------------------------------------------------
     def _token_ids(self, prompt) -> list[int]:
@@ -364,7 +369,21 @@ class LLM:
             density=None if wise is None else self.runner.wise_density(),
             prompt_tokens=c["prompt_tokens"], generated_tokens=c["generated_tokens"], prefill_s=c["prefill_s"],
             decode_s=c["decode_s"], decode_steps=c["decode_steps"], decode_tokens=c["decode_tokens"],
+            pool_sizing=self.pool_sizing, **self._program_stats(),
             **({} if self.speculator is None else self.speculator.stats()))
+
+    def _program_stats(self) -> dict:
+        """The EngineStats fields of the decode programs (CUDA graphs), speculation's included."""
+        r, spec = self.runner, self.speculator
+        graphs, bound = len(r.graphs), len(r.buckets) * len(r.widths)
+        if spec is not None:   # draft steps of two kinds per (batch, width), verification per (batch, width)
+            graphs, bound = graphs + len(spec.graphs), bound * 4
+        memory = 0
+        if r.graph_pool is not None:
+            memory = sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+                         if tuple(s.get("segment_pool_id", ())) == tuple(r.graph_pool))
+        return dict(step_programs=graphs, step_program_bound=bound, step_build_s=r.capture_s,
+                    step_memory_bytes=memory)
 
 
 def _positive_int(name: str, value) -> None:

@@ -1,12 +1,20 @@
 """Runs the model for the engine: the paged cache, WISE state, decode as CUDA graphs, prefill
 chunks, offload/restore of preempted sequences, and sampling.
 
-Decode runs at a batch-size bucket (`decode_buckets`): the rows past the real ones are padding
-rows that read and write only the scratch page. Inputs live in static buffers filled from
-pinned host memory with one asynchronous copy per step; on CUDA each bucket's decode step
-(every loop, dense or WISE) is captured once as a CUDA graph and replayed. Eager mode runs the
-very same padded step, so it gives the same tokens. Sampling runs on the device and one
-device-to-host read per phase brings back the tokens.
+Decode runs at a (batch bucket, context bucket): `decode_buckets` sizes the rows (those past
+the real ones are padding rows that read and write only the scratch page), `context_buckets`
+the page-table width (`wise_core.buckets`), the smallest rung of a power-of-two ladder holding the longest row's
+pages. The width sets what a step costs beside its keys -- the attention's split grid and
+block selection, the WISE supports and counters it touches -- so a step costs what its live
+context needs, not what max_model_len allows. A row's attention, selection and support do not
+depend on the width (only blocks its keys reach are read), so a request that grows across a
+rung, or sits beside a longer one, gets the very tokens of any other width. Inputs live in
+static buffers filled from pinned host memory with one asynchronous copy per step; on CUDA each
+(batch, context) bucket's decode step (every loop, dense or WISE) is captured as a CUDA graph
+the first time a step needs it (lazily: a bounded number, len(decode_buckets) x
+len(context_buckets), sharing one memory pool) and replayed. Eager mode runs the very same
+padded step, so it gives the same tokens. Sampling runs on the device and one device-to-host
+read per phase brings back the tokens.
 
 Tensor parallelism (`wise_torch.engine.distributed`): every rank has a runner over its shard
 (its heads' K/V pages and WISE supports, the same pool layout). Rank 0's runner, which alone
@@ -18,9 +26,12 @@ passes through a host.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
+from wise_core.buckets import context_bucket, context_buckets
 from wise_core.config import WiseConfig
 from wise_core.modes import DENSE
 from wise_torch.attention import prepare_decode_attention
@@ -93,24 +104,25 @@ class ModelRunner:
         self.cache = PagedKVCache.for_model(config, num_pages=num_pages, page_size=page_size, dtype=self.dtype,
                                             device=self.device)
         self.buckets = decode_buckets(max_num_seqs)
+        self.widths = context_buckets(self.max_pages)
         rows = self.buckets[-1]
         self.wise = None if wise_config is None else WiseState(wise_config, config, max_rows=rows,
                                                                 max_blocks=max_blocks, device=self.device)
-        # Per bucket, a decode attention whose rows split into enough programs to fill the GPU.
-        self.attention = {}
-        for b in self.buckets:
-            self.attention[b] = prepare_decode_attention(
-                kernel, max_batch=b, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
-                head_dim=config.head_dim, max_blocks=max_blocks, block_size=block_size, dtype=self.dtype,
-                device=self.device, min_splits=min_splits_for(b, config.num_key_value_heads))
-        # Static decode inputs (graph inputs) and their pinned host staging.
+        # Per batch bucket, a decode attention whose rows split into enough programs to fill the
+        # GPU (one workspace shared by all, sized for the widest step).
+        self.attention = prepare_decode_attention(
+            kernel, batches=self.buckets, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim, max_blocks=max_blocks, block_size=block_size, dtype=self.dtype,
+            device=self.device, min_splits=lambda b: min_splits_for(b, config.num_key_value_heads))
+        # Static decode inputs (graph inputs) and their pinned host staging. The page table of a
+        # step at (bucket, width) is the first bucket * width entries, as [bucket, width].
         pin = self.device.type == "cuda"
         # Two host stagings, used in turn: a step's copy may still be queued when the next step is
         # staged, never when the one after it is (the host has read that step's tokens by then).
         self.meta = torch.zeros(len(self._META), rows, dtype=torch.int64, device=self.device)
-        self.page_table = torch.zeros(rows, self.max_pages, dtype=torch.int32, device=self.device)
+        self.page_table = torch.zeros(rows * self.max_pages, dtype=torch.int32, device=self.device)
         self.host_meta = [torch.zeros(len(self._META), rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self.host_table = [torch.zeros(rows, self.max_pages, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self.host_table = [torch.zeros(rows * self.max_pages, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self.staged = 0
         self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=self.device)
         # The last token sampled for each sequence slot: a decode row whose token is still in
@@ -120,8 +132,9 @@ class ModelRunner:
         self.unused_support = torch.zeros(rows, config.num_attention_heads, max_blocks, dtype=torch.bool,
                                           device=self.device)
         self.use_graphs = use_graphs
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_pool = None
+        self.capture_s = 0.0   # time spent capturing graphs (decode and speculation)
         self.next_epoch = 0
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
@@ -129,90 +142,105 @@ class ModelRunner:
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def _forward(self, bucket: int) -> torch.Tensor:
+    def width(self, pages: int) -> int:
+        """The context bucket (page-table width) of a step whose longest row holds `pages` pages."""
+        return context_bucket(self.widths, pages)
+
+    @staticmethod
+    def table_view(flat: torch.Tensor, bucket: int, width: int) -> torch.Tensor:
+        """A page-table buffer as the [bucket, width] table of a step."""
+        return flat[:bucket * width].view(bucket, width)
+
+    def _forward(self, bucket: int, width: int) -> torch.Tensor:
         m = self.meta[:, :bucket]
         self.seq_lens[:bucket].copy_(m[2])
         tokens = torch.where(m[0] >= 0, m[0], self.next_token[m[5]])
         if self.tp is not None:
             self.tp.broadcast(tokens)   # rank 0 samples: its tokens are every rank's
-        batch = DecodeBatch(positions=m[1], seq_lens=self.seq_lens[:bucket], page_table=self.page_table[:bucket],
-                            slot_mapping=m[3], epochs=m[4])
+        batch = DecodeBatch(positions=m[1], seq_lens=self.seq_lens[:bucket],
+                            page_table=self.table_view(self.page_table, bucket, width), slot_mapping=m[3], epochs=m[4])
         return self.model.decode_step(tokens, batch, self.cache, wise=self.wise, attention=self.attention[bucket],
                                       dense_modes=self.dense_modes, unused_support=self.unused_support)
 
-    def _next_staging(self) -> tuple[np.ndarray, np.ndarray]:
-        """The host staging (meta, page table) of the next step, as numpy views."""
+    def _next_staging(self, bucket: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """The host staging of the next step as numpy views: meta int64[6, rows], table
+        int32[bucket, width]."""
         self.staged += 1
-        return self.host_meta[self.staged % 2].numpy(), self.host_table[self.staged % 2].numpy()
+        table = self.table_view(self.host_table[self.staged % 2], bucket, width)
+        return self.host_meta[self.staged % 2].numpy(), table.numpy()
 
-    def _stage(self, seqs: list[Sequence], bucket: int) -> tuple[np.ndarray, np.ndarray]:
-        """Fill the host staging for `bucket` rows (padding rows: the scratch page) -> its views
-        meta int64[6, bucket] and table int32[bucket, pages of the longest row] (the columns
-        past those hold the scratch page)."""
+    def _stage(self, seqs: list[Sequence], bucket: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """Fill the host staging for `bucket` rows of `width` pages (padding rows and the columns
+        past a row's pages: the scratch page) -> its views meta int64[6, bucket] and table
+        int32[bucket, pages of the longest row]."""
         scratch = self.cache.scratch_page
-        meta, table = self._next_staging()
+        meta, table = self._next_staging(bucket, width)
         meta[:, :bucket] = np.array([[0], [0], [1], [scratch * self.page_size], [-1], [0]])
-        table[:bucket] = scratch
+        table[:] = scratch
         for row, seq in enumerate(seqs):
             pos = len(seq.tokens) - 1   # its last token, PENDING (-1) while in flight
             meta[:, row] = (seq.tokens[-1], pos, pos + 1, self.cache.slot(seq.pages, pos), self.next_epoch, seq.slot)
             self.next_epoch += 1
             table[row, :len(seq.pages)] = seq.pages
-        return meta[:, :bucket], table[:bucket, :max(len(seq.pages) for seq in seqs)]
+        return meta[:, :bucket], table[:, :max(len(seq.pages) for seq in seqs)]
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One decode step (every loop) of each sequence's last token -> logits float32[len(seqs), vocab]."""
-        bucket = self.bucket(len(seqs))
-        meta, table = self._stage(seqs, bucket)
+        bucket, width = self.bucket(len(seqs)), self.width(max(len(seq.pages) for seq in seqs))
+        meta, table = self._stage(seqs, bucket, width)
         if self.workers is not None:
-            self.workers.send("follow_decode", bucket, meta, table)
-        return self._decode_staged(bucket)[:len(seqs)]
+            self.workers.send("follow_decode", bucket, width, meta, table)
+        return self._decode_staged(bucket, width)[:len(seqs)]
 
-    def follow_decode(self, bucket: int, meta: np.ndarray, table: np.ndarray) -> None:
+    def follow_decode(self, bucket: int, width: int, meta: np.ndarray, table: np.ndarray) -> None:
         """A worker's decode step of rank 0's staged rows (`_stage`'s views). Its staging
         buffers alternate as rank 0's do: rank 0 stages a step only once it has read the tokens
         of the step two before, which needed every rank's collectives of that step, each after
         that rank's copy of its inputs; so no copy of a worker is still queued when its buffer is
         refilled."""
-        host_meta, host_table = self._next_staging()
+        host_meta, host_table = self._next_staging(bucket, width)
         host_meta[:, :bucket] = meta
-        host_table[:bucket] = self.cache.scratch_page
-        host_table[:bucket, :table.shape[1]] = table
-        self._decode_staged(bucket)
+        host_table[:] = self.cache.scratch_page
+        host_table[:, :table.shape[1]] = table
+        self._decode_staged(bucket, width)
 
-    def _decode_staged(self, bucket: int) -> torch.Tensor:
-        """Copy the staged inputs in and run the decode step at `bucket` rows -> logits float32[bucket, vocab]."""
+    def _decode_staged(self, bucket: int, width: int) -> torch.Tensor:
+        """Copy the staged inputs in and run the decode step at (`bucket` rows, `width` pages) ->
+        logits float32[bucket, vocab]."""
         host_meta, host_table = self.host_meta[self.staged % 2], self.host_table[self.staged % 2]
         self.meta[:, :bucket].copy_(host_meta[:, :bucket], non_blocking=True)
-        self.page_table[:bucket].copy_(host_table[:bucket], non_blocking=True)
+        self.page_table[:bucket * width].copy_(host_table[:bucket * width], non_blocking=True)
         if not self.use_graphs:
-            return self._forward(bucket)
-        if bucket not in self.graphs:
-            self._capture(bucket)
-        graph, logits = self.graphs[bucket]
+            return self._forward(bucket, width)
+        if (bucket, width) not in self.graphs:
+            self.graphs[bucket, width] = self.capture(lambda: self._forward(bucket, width))
+        graph, logits = self.graphs[bucket, width]
         graph.replay()
         return logits
 
-    def _capture(self, bucket: int) -> None:
-        """Capture the decode step at `bucket` rows as a CUDA graph (after a warm-up that compiles
-        the kernels; the WISE counters it touches are restored). Inputs are the staged rows.
-        Under tensor parallelism every rank captures the same bucket in the same call: the
-        warm-up's collectives pair up, and the captured ones run at each replay."""
+    def capture(self, fn) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
+        """Capture fn() (a decode or speculation step over the static inputs) as a CUDA graph in
+        the shared pool, after a warm-up that compiles the kernels (the WISE counters it touches
+        are restored) -> (graph, fn's output). Under tensor parallelism every rank captures the
+        same step in the same call: the warm-up's collectives pair up, and the captured ones run
+        at each replay."""
+        start = time.perf_counter()
         saved = None if self.wise is None else self.wise.snapshot()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._forward(bucket)
+            fn()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self.tp is not None:
             torch.cuda.synchronize(self.device)   # no collective of the warm-up is pending during the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
-            logits = self._forward(bucket)
+            out = fn()
         self.graph_pool = graph.pool()
         if saved is not None:
             self.wise.restore(saved)
-        self.graphs[bucket] = (graph, logits)
+        self.capture_s += time.perf_counter() - start
+        return graph, out
 
     # -- prefill ----------------------------------------------------------------------------
     def prefill(self, chunks: list[Chunk]) -> torch.Tensor:

@@ -28,8 +28,10 @@ verify depth (`SpeculativeConfig.verify_depth`), D the model's loop count.
 Seeded requests draw every random number from a generator seeded by (seed, position, purpose):
 reproducible whatever runs beside them, and each draw decides at most one committed token.
 
-Draft steps run as CUDA graphs per (batch bucket, step kind), verification per batch bucket at
-num_draft + 1 positions per row, captured like the decode graphs and sharing their memory pool.
+Draft steps run as CUDA graphs per (batch bucket, step kind, context bucket), verification per
+(batch bucket, context bucket) at num_draft + 1 positions per row, captured like the decode
+graphs (lazily, `ModelRunner.capture`) and sharing their memory pool; the context bucket is the
+round's: the page-table width holding every row's pages, drafts included.
 """
 
 from __future__ import annotations
@@ -86,8 +88,8 @@ class Speculator:
         self.host = torch.zeros(q * 6 * rows + 2 * rows * q + rows, dtype=torch.int64, pin_memory=pin)
         self.staged = torch.zeros_like(self.host, device=device)
         self.meta, self.verify_meta, self.row_drafts = self._views(self.staged, rows)
-        self.host_table = torch.zeros(rows, runner.max_pages, dtype=torch.int32, pin_memory=pin)
-        self.page_table = torch.zeros(rows, runner.max_pages, dtype=torch.int32, device=device)
+        self.host_table = torch.zeros(rows * runner.max_pages, dtype=torch.int32, pin_memory=pin)
+        self.page_table = torch.zeros(rows * runner.max_pages, dtype=torch.int32, device=device)
         # Graph inputs of a draft step, and of verification.
         self.step_meta = torch.zeros(6, rows, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
@@ -123,13 +125,15 @@ class Speculator:
                              "use an LLM without speculative_config")
 
     # -- the model passes (graph bodies) -------------------------------------------------------------
-    def _draft_forward(self, bucket: int, kind: str) -> torch.Tensor | None:
-        """One draft step of `bucket` rows from step_meta: "full" (every loop), "head" (the loops
-        before the verify depth, then the head) or "partial" (those loops only) -> logits or None."""
+    def _draft_forward(self, bucket: int, kind: str, width: int) -> torch.Tensor | None:
+        """One draft step of `bucket` rows of `width` pages from step_meta: "full" (every loop),
+        "head" (the loops before the verify depth, then the head) or "partial" (those loops
+        only) -> logits or None."""
         r, m, model = self.runner, self.step_meta[:, :bucket], self.model
         self.seq_lens[:bucket].copy_(m[self._SEQ_LEN])
         batch = DecodeBatch(positions=m[self._POSITION], seq_lens=self.seq_lens[:bucket],
-                            page_table=self.page_table[:bucket], slot_mapping=m[self._SLOT], epochs=m[self._EPOCH])
+                            page_table=r.table_view(self.page_table, bucket, width), slot_mapping=m[self._SLOT],
+                            epochs=m[self._EPOCH])
         ctx = DecodeContext(model.config, batch, r.cache, r.wise, r.attention[bucket], r.dense_modes[:bucket],
                             r.unused_support[:bucket])
         h = model.run_loops(model.model.embed_tokens(m[self._TOKEN]), ctx, range(self.depth))
@@ -140,12 +144,14 @@ class Speculator:
             h = model.run_loops(h, ctx, range(self.depth, model.config.num_loops))
         return model.logits(h)
 
-    def _verify_forward(self, bucket: int) -> torch.Tensor:
-        """Loops depth..D-1 densely for `bucket` rows x queries positions -> logits float32[bucket * queries, vocab]."""
+    def _verify_forward(self, bucket: int, width: int) -> torch.Tensor:
+        """Loops depth..D-1 densely for `bucket` rows of `width` pages x queries positions ->
+        logits float32[bucket * queries, vocab]."""
         n = bucket * self.queries
         self.starts[:bucket].copy_(self.meta[0, self._POSITION, :bucket])
         batch = VerifyBatch(positions=self.verify_meta[0, :n], slot_mapping=self.verify_meta[1, :n],
-                            page_table=self.page_table[:bucket], starts=self.starts[:bucket])
+                            page_table=self.runner.table_view(self.page_table, bucket, width),
+                            starts=self.starts[:bucket])
         ctx = VerifyContext(self.model.config.num_hidden_layers, batch, self.runner.cache,
                             self.verify_attention[bucket])
         return self.model.logits(self.model.run_loops(self.hidden[:n], ctx,
@@ -157,19 +163,7 @@ class Speculator:
         if not r.use_graphs:
             return fn()
         if key not in self.graphs:
-            saved = None if r.wise is None else r.wise.snapshot()
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                fn()                                  # warm-up: compiles; rewrites what the replay writes
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=r.graph_pool):
-                out = fn()
-            r.graph_pool = graph.pool()
-            if saved is not None:
-                r.wise.restore(saved)
-            self.graphs[key] = (graph, out)
+            self.graphs[key] = r.capture(fn)   # its warm-up rewrites what the replay writes
         graph, out = self.graphs[key]
         graph.replay()
         return out
@@ -182,7 +176,7 @@ class Speculator:
         meta, rest = flat[:q * 6 * rows], flat[q * 6 * rows:]
         return meta.view(q, 6, rows), rest[:2 * rows * q].view(2, rows * q), rest[2 * rows * q:]
 
-    def _stage(self, seqs: list[Sequence], ks: list[int], bucket: int) -> None:
+    def _stage(self, seqs: list[Sequence], ks: list[int], bucket: int, width: int) -> None:
         """Every draft step's and the verification's metadata, one copy to the device."""
         r, q = self.runner, self.queries
         scratch_slot = r.cache.scratch_page * r.page_size
@@ -191,8 +185,8 @@ class Speculator:
         meta[:, :, :bucket] = np.array([0, 0, 1, scratch_slot, -1, 0])[None, :, None]
         meta[:, self._HIDDEN, :bucket] = np.arange(bucket)[None, :] * q + np.arange(q)[:, None]
         vmeta[0, :bucket * q], vmeta[1, :bucket * q] = 0, scratch_slot
-        table = self.host_table.numpy()
-        table[:bucket] = r.cache.scratch_page
+        table = r.table_view(self.host_table, bucket, width).numpy()
+        table[:] = r.cache.scratch_page
         for row, (seq, k) in enumerate(zip(seqs, ks)):
             table[row, :len(seq.pages)] = seq.pages
             first = len(seq.tokens) - 1
@@ -205,7 +199,7 @@ class Speculator:
                 vmeta[:, row * q + j] = (pos, slot)
             vmeta[0, row * q + k + 1:(row + 1) * q] = first + k     # padding: a position the RoPE table holds
         self.staged.copy_(self.host, non_blocking=True)
-        self.page_table[:bucket].copy_(self.host_table[:bucket], non_blocking=True)
+        self.page_table[:bucket * width].copy_(self.host_table[:bucket * width], non_blocking=True)
 
     def decode(self, seqs: list[Sequence], produced: list[Sequence]) -> int:
         """One round for `seqs` (each `ready`): append each one's committed tokens (finishing
@@ -216,8 +210,8 @@ class Speculator:
         order = sorted(range(len(seqs)), key=lambda i: -ks[i])   # stable: rows of step j are a prefix
         seqs, ks = [seqs[i] for i in order], [ks[i] for i in order]
         m, q = len(seqs), self.queries
-        bucket = r.bucket(m)
-        self._stage(seqs, ks, bucket)
+        bucket, width = r.bucket(m), r.width(max(len(seq.pages) for seq in seqs))
+        self._stage(seqs, ks, bucket, width)
         sampled = [i for i, seq in enumerate(seqs) if seq.params.temperature > 0]
         draft_probs = None
         if sampled:
@@ -230,12 +224,12 @@ class Speculator:
             b = r.bucket(active)
             kind = method_kind if feeding else "partial"
             self.step_meta[:, :b].copy_(self.meta[j, :, :b])
-            logits = self._run(("draft", b, kind), lambda b=b, kind=kind: self._draft_forward(b, kind))
+            logits = self._run(("draft", b, kind, width), lambda b=b, kind=kind: self._draft_forward(b, kind, width))
             if feeding:
                 self.meta[j + 1, self._TOKEN, :b] = logits.argmax(-1)
                 if sampled:
                     self._sample_drafts(seqs, sampled, ks, j, logits, draft_probs)
-        logits = self._run(("verify", bucket), lambda: self._verify_forward(bucket))
+        logits = self._run(("verify", bucket, width), lambda: self._verify_forward(bucket, width))
         logits = logits.view(bucket, q, -1)[:m]
         return self._accept(seqs, ks, sampled, logits, draft_probs, produced)
 

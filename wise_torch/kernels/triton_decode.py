@@ -165,6 +165,8 @@ class DecodeWorkspace:
             raise ValueError(f"batch {batch} exceeds the workspace's max_batch {max_batch}")
         if max_blocks > self.max_blocks:
             raise ValueError(f"{max_blocks} blocks per row exceed the workspace's max_blocks {self.max_blocks}")
+        if _max_splits(self.config, block_size, max_blocks) > self.max_splits:
+            raise ValueError(f"{max_blocks} blocks per row need more splits than the workspace's {self.max_splits}")
 
 
 @triton.jit
@@ -423,9 +425,10 @@ def _check_kernel_inputs(q, k_pages, v_pages, page_table, seq_lens, modes, suppo
     if k_pages.stride() != v_pages.stride():
         raise ValueError(f"k_pages and v_pages must have the same strides, got "
                          f"{k_pages.stride()} and {v_pages.stride()}")
-    if not support.is_contiguous() or not seq_lens.is_contiguous() or not modes.is_contiguous() \
+    if support.stride(2) != 1 or not seq_lens.is_contiguous() or not modes.is_contiguous() \
             or page_table.stride(1) != 1:
-        raise ValueError("support, seq_lens and modes must be contiguous, page_table contiguous in pages")
+        raise ValueError("seq_lens and modes must be contiguous, support contiguous in blocks, page_table "
+                         "contiguous in pages")
 
 
 def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,
