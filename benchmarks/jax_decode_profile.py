@@ -6,8 +6,9 @@
         --shapes 64x2 --arms dense --out /tmp/jp                                     # CPU smoke
 
 Each (shape, arm) runs in a fresh process (arms and workloads as in jax_generate_bench.py, whose
-setup it uses): one warm-up request compiles the programs, a cohort of C requests of L tokens is
-admitted, then --steps decode steps are timed on the host and --steps more run under
+setup it uses): one warm-up request compiles the prefill, a cohort of C requests of L tokens is
+admitted, two untimed decode steps compile its step (its batch and context buckets), then
+--steps decode steps are timed on the host and --steps more run under
 `jax.profiler` (perfetto trace). Device activity is summed per trace line and per kernel name,
 and kernels are grouped (GEMM, decode attention, copies and scatters, other fusions, other); `busy` is the summed
 kernel time per step, `span` the first-to-last kernel time per step, so span - busy is idle

@@ -11,8 +11,9 @@ prompt tokens (random ids, seed fixed per shape), greedy, N output tokens each w
 decode throughput counts the tokens generated after the step in which the whole cohort has its
 first token, over the time from that step to the last. Each (shape, arm) runs in a fresh process
 (this script with --worker) with the same KV pool (the cohort's pages + 1), after one untimed
-warm-up request (every program of the cohort has a fixed shape, the decode step running all C
-rows, so one request compiles them all), then --repeats timed cohorts, all printed. Compiled
+warm-up cohort of --warmup-tokens new tokens (it compiles the cohort's programs: its prefill,
+and the decode step at the cohort's batch bucket and context bucket), then --repeats timed
+cohorts, all printed. Compiled
 programs go to a persistent compilation cache shared by the run's workers (--compile-cache), so
 arms that share a program (the prefill of a context) compile it once; `recompiles` counts
 traces during the timed cohorts (0 expected).
@@ -110,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CONTEXTxBATCH list: prompt tokens x concurrent requests")
     p.add_argument("--prefill-shapes", type=parse_shapes, default=[], help="CONTEXTxBATCH cohorts to prefill")
     p.add_argument("--new-tokens", type=int, default=32, help="output tokens per request (>= 2)")
-    p.add_argument("--warmup-tokens", type=int, default=4, help="output tokens of the untimed warm-up request")
+    p.add_argument("--warmup-tokens", type=int, default=4, help="output tokens of the untimed warm-up cohort")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--arms", type=parse_arms, default=["dense", "wise"])
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -208,7 +209,7 @@ def _engine_worker(spec: dict) -> dict:
         return result
 
     start = time.perf_counter()
-    cohort(prompts[:1], spec["warmup_tokens"])
+    cohort(prompts, spec["warmup_tokens"])
     warmup_s = time.perf_counter() - start
     return dict(status="ok", warmup_s=warmup_s, repeats=[cohort(prompts, spec["new_tokens"])
                                                          for _ in range(spec["repeats"])])
@@ -289,6 +290,7 @@ def run_worker(spec: dict, timeout: float, workdir: Path, compile_cache: Path) -
     if done.returncode != 0 or not Path(spec["result"]).exists():
         return dict(status=f"error: worker exited {done.returncode}: {log[-600:]}")
     result = json.loads(Path(spec["result"]).read_text())
+    result["remat_warnings"] = log.count("by rematerialization")   # XLA could not fit a program's memory
     if result["status"] != "ok" and log:
         result["log_tail"] = log[-1500:]
     return result
@@ -297,7 +299,8 @@ def run_worker(spec: dict, timeout: float, workdir: Path, compile_cache: Path) -
 # -- the report ------------------------------------------------------------------------------------------------
 def row_of(spec: dict, result: dict, repeat: int | None, config, args) -> dict:
     row = dict(context=spec["context"], batch=spec["batch"], q_scale=spec["q_scale"], arm=spec["arm"],
-               repeat=repeat, status=result["status"], warmup_s=result.get("warmup_s"))
+               repeat=repeat, status=result["status"], warmup_s=result.get("warmup_s"),
+               remat_warnings=result.get("remat_warnings"))
     if repeat is None:
         return row
     r = result["repeats"][repeat]
@@ -346,7 +349,7 @@ def markdown(report: dict) -> str:
     lines = [f"# JAX decode throughput ({report['date']})", "",
              f"{env.get('device', '?')}; jax {env.get('jax', '?')}, jaxlib {env.get('jaxlib', '?')}, python "
              f"{env.get('python', '?')}; model {report['model']}; {a['dtype']}; kernel {a['kernel']}; "
-             f"{a['new_tokens']} new tokens per request, {a['repeats']} repeats after a one-request warm-up; "
+             f"{a['new_tokens']} new tokens per request, {a['repeats']} repeats after a warm-up cohort; "
              f"page size {a['page_size']}; roofline at {a['hbm_tbps']} TB/s.", "", "## Every run", ""]
     lines += table([r for r in report["rows"] if not r.get("prefill_only")])
     flagged = [f"{r['context']} x {r['batch']} {r['arm']} repeat {r['repeat'] + 1}: "
@@ -439,7 +442,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                 print(f"{context:>6} x {batch:<4} {label:>16} {i + 1:>3} {row['decode_tokens_per_s']:>9.1f} "
                       f"{row['ms_per_step']:>8.2f} {row['roofline_tokens_per_s']:>10.0f} "
                       f"{row['roofline_share']:>6.0%} {_density(row['density'])}  prefill "
-                      f"{_fmt(row['prefill_s'], '.2f')} s", flush=True)
+                      f"{_fmt(row['prefill_s'], '.2f')} s  remat warnings {row['remat_warnings']}", flush=True)
             report["summary"] = summarize(report["rows"])
             report["standing"] = engine_standing(report["summary"])
             write_report(report, args.out)  # after every arm: a run cut short still leaves a report

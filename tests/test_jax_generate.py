@@ -127,7 +127,7 @@ def decode_memory(config, *, rows, max_pages, page_size, kernel, dtype):
     compiled = engine._step.lower(
         params, cache, state, jax.eval_shape(lambda: engine._empty_batch(rows)), jnp.zeros((rows,), jnp.int32),
         config=config, wise_config=wise_config, kernel=kernel, unroll=1, sampling=False, keep_logits=False,
-        width=max_pages).compile()
+        rows=rows, width=max_pages).compile()
     memory = compiled.memory_analysis()
     cache_bytes = 2 * cache.k.dtype.itemsize * int(np.prod(cache.k.shape))
     return cache_bytes, memory.alias_size_in_bytes, memory.temp_size_in_bytes
@@ -147,7 +147,9 @@ def test_decode_step_updates_the_donated_cache_in_place():
 def test_one_compilation_per_bucket(params):
     """Prompts prefill at whole pages (one compilation per page count); the decode step compiles
     once per engine shape (rows, pages), and greedy or sampling, whatever the lengths, limits,
-    eos or sampling values in it."""
+    eos or sampling values in it. Caches are cleared first: an earlier test in the same process may
+    have compiled the same prefill shape."""
+    jax.clear_caches()
     rng = np.random.default_rng(1)
     before = wise_jax.trace_counts()
     wise_jax.generate(params, CONFIG, [rng.integers(0, 256, n).tolist() for n in (130, 145, 160)],

@@ -13,14 +13,16 @@ are still taken from the pool only as it grows); nothing is preempted (wise_torc
 preempts instead). A request that can never fit is a ValueError at `add_request`. A prompt is
 prefilled whole (no chunking) in the step that admits it.
 
-The step. One jit-compiled program per cache shape, context bucket (`wise_core.buckets`: the
-page-table width of the longest running row after the step, a power-of-two rung, so a step
-costs what its live context needs, not what max_model_len allows; compiled lazily, the first
-time a step needs it) and greedy / sampling: `model.decode_step`
-(over a mesh, `sharding.decode_step`: the heads split over its "tp" axis)
-over every row (empty rows are masked no-ops), sampling on the device (per row: temperature,
-top-p, its own PRNG key), the stop rule (max_tokens, eos), and the release of finished rows'
-pages; the sampled tokens stay on the device as the next step's input, and the host reads them
+The step. One jit-compiled program per batch bucket, context bucket (`wise_core.buckets`) and
+greedy / sampling, compiled lazily, the first time a step needs it. The batch bucket is the
+smallest of 1, 2, 4, 8, 16, 32, ... holding the highest occupied slot (slots are taken lowest
+first), so a step runs the rows in use, not max_num_seqs; the context bucket is the page-table
+width of the longest running row after the step, a power-of-two rung, so a step costs what its
+live context needs, not what max_model_len allows. The step runs `model.decode_step` (over a
+mesh, `sharding.decode_step`: the heads split over its "tp" axis) over the bucket's rows (empty
+ones are masked no-ops), sampling on the device (per row: temperature, top-p, its own PRNG
+key), the stop rule (max_tokens, eos), and the release of finished rows' pages; the sampled
+tokens stay on the device as the next step's input, and the host reads them
 once per step (stop_token_ids are the host's: such a row is released before the next step).
 The cache (`rows = max_num_seqs`) and the WISE state are created once per engine and donated to
 every step. A pool that runs out anyway (a broken invariant) raises PoolExhaustedError in the
@@ -41,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from tokenizers import Tokenizer
 
-from wise_core.buckets import context_bucket, context_buckets
+from wise_core.buckets import batch_bucket, context_bucket, context_buckets, decode_buckets
 from wise_core.config import ModelConfig, WiseConfig
 from wise_core.request import (MAX_SEED, EngineStats, RequestOutput, SamplingParams,  # noqa: F401 (its names)
                                prompts_with_params)
@@ -56,7 +58,10 @@ from wise_jax.sampling import sample
 from wise_jax.serving import DEFAULT_PAGE_SIZE, TRACES
 
 CPU_POOL_BYTES = 1 << 30       # num_pages=None on a CPU: a pool of at most 1 GiB
-GPU_POOL_FRACTION = 0.85       # num_pages=None on a GPU: this share of the free device memory
+# num_pages=None on a GPU: the pool fills this share of the memory jax may allocate, less what is
+# in use. XLA compiles a program against about 80 % of that memory (beyond it, it tries to
+# rematerialize, and warns); the pool, the weights and the step's temporaries stay below it.
+GPU_POOL_FRACTION = 0.7
 def seed_key(seed: int) -> jax.Array:
     """A raw PRNG key for a seed in [0, 2**63) (jax.random.PRNGKey keeps only the low 32 bits)."""
     return jax.random.fold_in(jax.random.PRNGKey(seed & 0xFFFFFFFF), seed >> 32)
@@ -129,17 +134,43 @@ def _release(cache: kvc.PagedKVCache, batch: Batch, slot):
     return kvc.release(cache, rows), dataclasses.replace(batch, slots=jnp.where(rows, -1, batch.slots))
 
 
+def _take_rows(cache: kvc.PagedKVCache, state, batch: Batch, forced, rows: int):
+    """The first `rows` cache rows: their page table, lengths, WISE state and Batch rows (the
+    K/V storage, the free-page stack and the counters are shared by every row)."""
+    cache = dataclasses.replace(cache, page_table=cache.page_table[:rows], seq_lens=cache.seq_lens[:rows])
+    if state is not None:
+        state = dataclasses.replace(state, support=state.support[:, :rows], tag_request=state.tag_request[:, :rows],
+                                    tag_position=state.tag_position[:, :rows], depths_run=state.depths_run[:, :rows])
+    return cache, state, jax.tree.map(lambda x: x[:rows], batch), forced[:rows]
+
+
+def _put_rows(whole: tuple, cache: kvc.PagedKVCache, state, batch: Batch):
+    """Write the first rows (`_take_rows`, after a step) back into the whole (cache, state, batch)."""
+    whole_cache, whole_state, whole_batch = whole
+    rows = cache.seq_lens.shape[0]
+    cache = dataclasses.replace(cache, page_table=whole_cache.page_table.at[:rows].set(cache.page_table),
+                                seq_lens=whole_cache.seq_lens.at[:rows].set(cache.seq_lens))
+    if state is not None:
+        state = dataclasses.replace(state, **{
+            name: getattr(whole_state, name).at[:, :rows].set(getattr(state, name))
+            for name in ("support", "tag_request", "tag_position", "depths_run")})
+    return cache, state, jax.tree.map(lambda w, x: w.at[:rows].set(x), whole_batch, batch)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "wise_config", "kernel", "unroll", "sampling", "keep_logits",
-                                             "mesh", "width"),
+                                             "mesh", "rows", "width"),
                    donate_argnames=("cache", "state", "batch"))
 def _step(params: Params, cache: kvc.PagedKVCache, state, batch: Batch, forced, *, config: ModelConfig,
           wise_config: WiseConfig | None, kernel: str, unroll, sampling: bool, keep_logits: bool, mesh=None,
-          width: int):
-    """One decode step of every row (module docstring). forced int32[rows]: a token to take
-    instead of sampling (-1: sample). Returns (cache, state, batch, (token, logprob, done,
-    overflowed, logits or None)); overflowed: the pool ran out (in this step or before), and
+          rows: int, width: int):
+    """One decode step of the first `rows` rows, the batch bucket (module docstring; the rows
+    past it are empty). forced int32[all rows]: a token to take instead of sampling (-1:
+    sample). Returns (cache, state, batch, (token, logprob, done, overflowed, logits or None)),
+    the outputs per row of the bucket; overflowed: the pool ran out (in this step or before), and
     this step wrote nothing."""
     TRACES["step"] += 1
+    whole = (cache, state, batch)
+    cache, state, batch, forced = _take_rows(cache, state, batch, forced, rows)
     logits, cache, state = sharding.decode_step(params, config, cache, state, batch.tokens, batch.slots,
                                                 wise_config=wise_config, kernel=kernel, unroll=unroll, mesh=mesh,
                                                 width=width)
@@ -151,6 +182,7 @@ def _step(params: Params, cache: kvc.PagedKVCache, state, batch: Batch, forced, 
     batch = dataclasses.replace(
         batch, slots=jnp.where(done, -1, batch.slots), tokens=jnp.where(live, token, batch.tokens),
         remaining=jnp.where(live, remaining, batch.remaining), keys=jnp.where(live[:, None], keys, batch.keys))
+    cache, state, batch = _put_rows(whole, cache, state, batch)
     return cache, state, batch, (token, logprob, done, cache.overflowed, logits if keep_logits else None)
 
 
@@ -199,12 +231,12 @@ class LLM:
     """The engine (module docstring).
 
     params, config: the model (`wise_jax.load_model`); wise_config: WISE decode (None: dense);
-    num_pages: pages in the pool (None: 85 % of the free device memory on a GPU, at most 1 GiB on
+    num_pages: pages in the pool (None: 70 % of the device memory less what is in use on a GPU, at most 1 GiB on
     a CPU, and never more than max_num_seqs * max_pages); page_size: tokens per page, a multiple
-    of the WISE block size; max_num_seqs: cache rows, the decode step's batch (every step runs
-    them all, empty ones masked); max_model_len: prompt + output tokens a request may hold (None:
-    config.max_position_embeddings); it sets the page-table width, which the WISE state and the
-    Pallas kernel's selection scale with; kernel: decode attention ('auto', 'reference',
+    of the WISE block size; max_num_seqs: cache rows (a step runs its batch bucket of them);
+    max_model_len: prompt + output tokens a request may hold (None:
+    config.max_position_embeddings); it sets the widest page table (a step reads only its
+    context bucket); kernel: decode attention ('auto', 'reference',
     'pallas'; default wise_config.kernel or 'auto'); tokenizer: for string prompts and texts;
     attention: prefill attention (`wise_jax.prefill_attention`); layers: "unstacked" (default)
     decodes with one weight buffer per layer (`params.unstack_layers`: straight-line code, no
@@ -253,7 +285,8 @@ class LLM:
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.max_pages = -(-self.max_model_len // page_size)
         self.widths = context_buckets(self.max_pages)
-        self._programs: set[tuple] = set()     # decode programs made: (sampling, keep_logits, width)
+        self.row_buckets = decode_buckets(max_num_seqs)
+        self._programs: set[tuple] = set()     # decode programs made: (sampling, keep_logits, rows, width)
         self._build_s = 0.0
         self.pool_sizing = f"num_pages={num_pages} as given"
         if num_pages is None:
@@ -382,7 +415,7 @@ class LLM:
         for _, r in rows:
             r.dispatched += 1
         program = dict(sampling=any(r.sampling for _, r in rows), keep_logits=any(r.keep_logits for _, r in rows),
-                       width=width)
+                       rows=batch_bucket(self.row_buckets, max(slot for slot, _ in rows) + 1), width=width)
         start = time.perf_counter()
         traces = TRACES["step"]
         self.cache, self.state, self.batch, outputs = _step(
@@ -507,7 +540,7 @@ class LLM:
             density=None if self.state is None else self.state.density(self.wise_config),
             prompt_tokens=self._prompt_tokens, generated_tokens=self._generated_tokens, prefill_s=self._prefill_s,
             decode_s=self._decode_s, decode_steps=self._decode_steps, decode_tokens=self._decode_tokens,
-            step_programs=len(self._programs), step_program_bound=4 * len(self.widths), step_build_s=self._build_s,
+            step_programs=len(self._programs), step_program_bound=4 * len(self.row_buckets) * len(self.widths), step_build_s=self._build_s,
             pool_sizing=self.pool_sizing)
 
 
@@ -529,9 +562,10 @@ def _default_num_pages(config: ModelConfig, page_size: int, dtype, most: int) ->
     if device.platform == "gpu":
         memory = device.memory_stats() or {}
         if "bytes_limit" in memory:
-            free = memory["bytes_limit"] - memory.get("bytes_in_use", 0)
-            budget = int(GPU_POOL_FRACTION * free)
-            rule = f"{GPU_POOL_FRACTION:.0%} of the {free / 2**30:.1f} GiB jax may still allocate"
+            limit, used = memory["bytes_limit"], memory.get("bytes_in_use", 0)
+            budget = max(0, int(GPU_POOL_FRACTION * limit) - used)
+            rule = (f"{GPU_POOL_FRACTION:.0%} of the {limit / 2**30:.1f} GiB jax may allocate, less the "
+                    f"{used / 2**30:.1f} GiB in use")
     pages = max(1, min(most, budget // per_page))
     if pages == most and most * per_page < budget:
         rule += f", capped at max_num_seqs x max_pages ({most})"

@@ -31,7 +31,7 @@ import time
 import numpy as np
 import torch
 
-from wise_core.buckets import context_bucket, context_buckets
+from wise_core.buckets import batch_bucket, context_bucket, context_buckets, decode_buckets
 from wise_core.config import WiseConfig
 from wise_core.modes import DENSE
 from wise_torch.attention import prepare_decode_attention
@@ -41,12 +41,6 @@ from wise_torch.engine.sequence import Sequence
 from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch, PrefillGroup
 from wise_torch.model import OuroForCausalLM
 from wise_torch.wise_state import WiseState
-
-
-def decode_buckets(max_num_seqs: int) -> list[int]:
-    """Batch sizes a decode step runs at: 1, 2, 4, 8, then multiples of 16, up to max_num_seqs."""
-    sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs, 16))
-    return [b for b in sizes if b < max_num_seqs] + [max_num_seqs]
 
 
 def min_splits_for(rows: int, kv_heads: int, programs: int = 2048) -> int:
@@ -140,7 +134,7 @@ class ModelRunner:
 
     # -- decode -----------------------------------------------------------------------------
     def bucket(self, n: int) -> int:
-        return next(b for b in self.buckets if b >= n)
+        return batch_bucket(self.buckets, n)
 
     def width(self, pages: int) -> int:
         """The context bucket (page-table width) of a step whose longest row holds `pages` pages."""
