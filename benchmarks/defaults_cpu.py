@@ -124,12 +124,14 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--engines", default="torch,jax")
     p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return {}
+    if args.out is None:
+        p.error("--out is required")
     base = dict(batch=args.batch, context=args.context, new_tokens=args.new_tokens, tight=args.tight,
                 max_position_embeddings=args.max_position_embeddings, repeats=args.repeats)
     rows = []

@@ -290,7 +290,8 @@ def run_worker(spec: dict, timeout: float, workdir: Path, compile_cache: Path) -
     if done.returncode != 0 or not Path(spec["result"]).exists():
         return dict(status=f"error: worker exited {done.returncode}: {log[-600:]}")
     result = json.loads(Path(spec["result"]).read_text())
-    result["remat_warnings"] = log.count("by rematerialization")   # XLA could not fit a program's memory
+    warnings = [line for line in log.splitlines() if "by rematerialization" in line]   # XLA could not fit a program
+    result.update(remat_warnings=len(warnings), remat_warning=warnings[0][-300:] if warnings else None)
     if result["status"] != "ok" and log:
         result["log_tail"] = log[-1500:]
     return result
@@ -300,7 +301,7 @@ def run_worker(spec: dict, timeout: float, workdir: Path, compile_cache: Path) -
 def row_of(spec: dict, result: dict, repeat: int | None, config, args) -> dict:
     row = dict(context=spec["context"], batch=spec["batch"], q_scale=spec["q_scale"], arm=spec["arm"],
                repeat=repeat, status=result["status"], warmup_s=result.get("warmup_s"),
-               remat_warnings=result.get("remat_warnings"))
+               remat_warnings=result.get("remat_warnings"), remat_warning=result.get("remat_warning"))
     if repeat is None:
         return row
     r = result["repeats"][repeat]

@@ -1,6 +1,7 @@
 """wise_jax.wise_state: modes per depth, union of discovery depths, fallback to dense when the
 support is incomplete or foreign (counted), density counters. GQA shapes, fp32."""
 
+import dataclasses
 import functools
 
 import jax
@@ -133,3 +134,31 @@ def test_reuse_loops_call_reuse(cache, monkeypatch):
         _, state = ws.wise_attention(state, WISE, loop, jnp.int32(LAYER), _q(loop), k, v, table, lens, req,
                                      active, kernel="reference")
     assert hints == [False, False, True, True]
+
+
+def test_count_reuse_adds_every_layer_as_wise_attention_does_layer_by_layer(cache):
+    """The decode step counts a reuse loop once for every layer (`count_reuse`); the counts are
+    those of each layer's wise_attention(count=True): layers with complete, foreign and partial
+    discovery, and a masked row. Exact: integer counts far below 2**24 in float32."""
+    k, v, table = cache
+    rng = np.random.default_rng(5)
+    layers, n_blocks = 3, table.shape[1] * PAGE // WISE.block_size
+    seq_lens, request_ids = jnp.asarray([70, 120], jnp.int32), jnp.asarray([4, 9], jnp.int32)
+    state = ws.create(WISE, slots=2, layers=layers, heads=HEADS, max_blocks=n_blocks)
+    state = dataclasses.replace(
+        state, support=jnp.asarray(rng.random((layers, 2, HEADS, n_blocks)) < 0.5).at[..., 0].set(True),
+        tag_request=jnp.asarray([[4, 9], [4, 8], [4, 9]], jnp.int32),       # layer 1 row 1: another request's
+        tag_position=jnp.asarray([[69, 119], [69, 119], [69, 119]], jnp.int32),
+        depths_run=jnp.asarray([[3, 3], [3, 3], [1, 3]], jnp.int32))        # layer 2 row 0: depth 1 did not run
+    q = jnp.asarray(rng.standard_normal((2, HEADS, DIM)), jnp.float32)
+    for active in ([True, True], [True, False]):
+        active = jnp.asarray(active)
+        layer_by_layer = state
+        for layer in range(layers):
+            _, layer_by_layer = ws.wise_attention(layer_by_layer, WISE, 2, jnp.int32(layer), q, k, v, table,
+                                                  seq_lens, request_ids, active, kernel="reference")
+        at_once = ws.count_reuse(state, WISE, 2, seq_lens, request_ids, active, n_blocks)
+        assert int(at_once.fallbacks) == int(layer_by_layer.fallbacks) == 2 + int(active[1]) - 1
+        assert np.array_equal(at_once.selected_blocks, layer_by_layer.selected_blocks)
+        assert np.array_equal(at_once.causal_blocks, layer_by_layer.causal_blocks)
+        assert float(at_once.causal_blocks[0]) > 0 and float(at_once.selected_blocks[1]) == 0

@@ -270,6 +270,10 @@ def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, st
         no_support = jnp.zeros((batch, config.num_attention_heads, pages * cache.page_size // dense.block_size), bool)
 
     for loop in range(config.total_ut_steps):
+        if wise_config is not None and wise_config.depth_role(loop) == "reuse":   # every layer's counts at once
+            state = ws.count_reuse(state, wise_config, loop, seq_lens, slots, live,
+                                   pages * cache.page_size // wise_config.block_size)
+
         def attend(q, k, v, layer, carry, loop=loop):
             cache, state = carry
             plane = loop * config.num_hidden_layers + layer
@@ -281,7 +285,8 @@ def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, st
                                           kernel=kernel, validate=False)
             else:
                 out, state = ws.wise_attention(state, wise_config, loop, layer, q[:, 0], k_pages, v_pages,
-                                               page_table, seq_lens, slots, live, kernel=kernel, validate=False)
+                                               page_table, seq_lens, slots, live, kernel=kernel, validate=False,
+                                               count=False)
             return out[:, None], (cache, state)
         h, (cache, state) = run_loop(params, config, h, cos, sin, attend, (cache, state), unroll=unroll,
                                      axis_name=axis_name)

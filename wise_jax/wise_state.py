@@ -74,9 +74,50 @@ def discovery_mask(wise_config: WiseConfig) -> int:
     return sum(1 << d for d in wise_config.discover_depths)
 
 
+def _complete(state: WiseState, wise_config: WiseConfig, request_ids, position, layer=None):
+    """Rows whose support is this very token's, found by every discovery depth: bool[batch] for
+    `layer`, or bool[layers, batch] for every layer (layer None)."""
+    tag_request, tag_position, depths_run = ((state.tag_request, state.tag_position, state.depths_run)
+                                             if layer is None else
+                                             (state.tag_request[layer], state.tag_position[layer],
+                                              state.depths_run[layer]))
+    full = discovery_mask(wise_config)
+    return (tag_request == request_ids) & (tag_position == position) & ((depths_run & full) == full)
+
+
+def count_reuse(state: WiseState, wise_config: WiseConfig, loop: int, seq_lens, request_ids, active,
+                n_blocks: int) -> WiseState:
+    """Add reuse depth `loop`'s fallbacks and density counts of every layer at once (what
+    `wise_attention(..., count=True)` adds one layer at a time): the decode step calls it once per
+    reuse loop, before the loop's layers, as nothing they run changes the supports or tags.
+    seq_lens, request_ids, active [batch] as wise_attention's; n_blocks: the blocks attended."""
+    complete = _complete(state, wise_config, request_ids, seq_lens - 1)            # [layers, batch]
+    return _add_counts(state, wise_config, loop, state.support[:, :, :, :n_blocks], complete,
+                       causal_blocks(seq_lens, wise_config.block_size, n_blocks), active)
+
+
+def _add_counts(state: WiseState, wise_config: WiseConfig, loop: int, support, complete, causal, active
+                ) -> WiseState:
+    """support bool[..., batch, heads, n_blocks], complete bool[..., batch] (one layer or every
+    layer), causal bool[batch, n_blocks], active bool[batch] -> the state with the counts added."""
+    depth = wise_config.reuse_depths.index(loop)
+    heads = support.shape[-2]
+    n_causal = causal.sum(-1, dtype=jnp.int32)                                    # [batch]
+    n_supported = (support & causal[:, None, :]).sum((-1, -2), dtype=jnp.int32)   # [..., batch]
+    attended = jnp.where(complete, n_supported, heads * n_causal)
+    counted = active.astype(jnp.int32)
+    layers = complete.size // complete.shape[-1]
+    return dataclasses.replace(
+        state,
+        fallbacks=state.fallbacks + (counted * ~complete).sum(dtype=jnp.int32),
+        selected_blocks=state.selected_blocks.at[depth].add((counted * attended).sum().astype(jnp.float32)),
+        causal_blocks=state.causal_blocks.at[depth].add(
+            (layers * heads * (counted * n_causal).sum()).astype(jnp.float32)))
+
+
 def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int, layer: jax.Array, q, k_pages,
-                   v_pages, page_table, seq_lens, request_ids, active, *, kernel: str, validate: bool = True
-                   ) -> tuple[jax.Array, WiseState]:
+                   v_pages, page_table, seq_lens, request_ids, active, *, kernel: str, validate: bool = True,
+                   count: bool = True) -> tuple[jax.Array, WiseState]:
     """Decode attention of `layer` at `loop` with the row modes WISE assigns, updating the state.
 
     q: [batch, heads, head_dim]; pages / page_table / seq_lens as decode_attention (the token at
@@ -85,8 +126,9 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int, layer: 
     never outlives its token, so the blocks past them are never read); request_ids int32[batch]; active bool[batch]: the rows
     that decode a token. Other rows (empty slots) are masked: their support, tags and counters are
     left as they were. validate: check the attention's input values (`attention.check_call`; the
-    decode step, which builds them by construction, passes False). Returns (out [batch, heads,
-    head_dim], state).
+    decode step, which builds them by construction, passes False); count: at a reuse depth, add
+    this layer's fallbacks and density counts (the decode step passes False and counts every
+    layer at once, `count_reuse`). Returns (out [batch, heads, head_dim], state).
     """
     role = wise_config.depth_role(loop)
     batch = q.shape[0]
@@ -104,8 +146,7 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int, layer: 
             fresh = ~tagged
         modes = jnp.where(fresh, M.DISCOVER, M.DISCOVER_UNION).astype(jnp.int32)
     elif role == "reuse":
-        full = discovery_mask(wise_config)
-        complete = tagged & ((depths_run & full) == full)
+        complete = _complete(state, wise_config, request_ids, position, layer)
         modes = jnp.where(complete, M.SPARSE, M.DENSE).astype(jnp.int32)
     else:
         modes = jnp.full((batch,), M.DENSE, jnp.int32)
@@ -129,17 +170,6 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int, layer: 
             tag_position=state.tag_position.at[layer].set(keep(position, state.tag_position[layer])),
             depths_run=state.depths_run.at[layer].set(
                 keep(jnp.where(fresh, bit, depths_run | bit), depths_run)))
-    elif role == "reuse":
-        depth = wise_config.reuse_depths.index(loop)
-        heads = support.shape[1]
-        n_causal = causal.sum(-1, dtype=jnp.int32)                              # [batch]
-        n_supported = (support & causal[:, None, :]).sum((-1, -2), dtype=jnp.int32)
-        attended = jnp.where(complete, n_supported, heads * n_causal)
-        counted = active.astype(jnp.int32)
-        state = dataclasses.replace(
-            state,
-            fallbacks=state.fallbacks + (counted * ~complete).sum(dtype=jnp.int32),
-            selected_blocks=state.selected_blocks.at[depth].add((counted * attended).sum().astype(jnp.float32)),
-            causal_blocks=state.causal_blocks.at[depth].add(
-                (counted * heads * n_causal).sum().astype(jnp.float32)))
+    elif role == "reuse" and count:
+        state = _add_counts(state, wise_config, loop, support, complete, causal, active)
     return out, state
