@@ -75,7 +75,7 @@ def test_both_frameworks_load_it_agree_and_it_is_trained():
 def test_wise_generate_continues_a_prompt():
     prompt = "def parse_args(argv):\n    "
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "-m", "wise_core.cli", "generate", "--prompt", prompt,
+    result = subprocess.run([sys.executable, "-m", "wise", "generate", "--prompt", prompt,
                              "--max-new-tokens", "48", "--wise"],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

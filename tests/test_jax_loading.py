@@ -13,7 +13,7 @@ import wise_jax
 from wise_core.checkpoint import Checkpoint, random_tensors, save_checkpoint
 from wise_core.config import PRESETS
 from wise_core.tokenizer import byte_tokenizer
-from wise_jax.params import from_checkpoint_tensors
+from wise_jax.loading import from_checkpoint_tensors
 
 CONFIG = dataclasses.replace(PRESETS["test-tiny"], num_hidden_layers=2, vocab_size=258, bos_token_id=256,
                              eos_token_id=256, pad_token_id=257)

@@ -4,7 +4,7 @@ import json
 
 import parity
 from parity.checks import CHECKS, Check, Measured, Task
-from wise_core import cli
+from wise import cli
 
 HEADER = ["check", "implementation", "case", "dtype", "measured", "bound", "unit", "status"]
 

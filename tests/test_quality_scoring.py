@@ -89,8 +89,11 @@ def test_paired_bootstrap_known_answers():
     assert lo > 0.9 and hi < 1.1 and lo < mean < hi
     # Pairing matters: the unpaired spread of a (sd 1) would not give so tight an interval.
     assert hi - lo < 0.1
-    # Same seed, same interval; the interval widens with the confidence level.
+    # The seed draws the resamples: the same seed gives the same interval, another seed another
+    # (so the first equality is not a call compared with a seed it ignores); the interval widens
+    # with the confidence level.
     assert paired_bootstrap(a, b, seed=5) == paired_bootstrap(a, b, seed=5)
+    assert paired_bootstrap(a, b, seed=5)[1:] != paired_bootstrap(a, b, seed=6)[1:]
     _, lo99, hi99 = paired_bootstrap(a, b, confidence=0.99)
     assert lo99 <= lo and hi99 >= hi
     with pytest.raises(ValueError, match="same length"):

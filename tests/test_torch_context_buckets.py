@@ -12,6 +12,7 @@ import wise_torch as wt
 from wise_core.checkpoint import random_tensors
 from wise_core.config import PRESETS, SpeculativeConfig, WiseConfig
 from wise_core.buckets import context_buckets
+from torch_cases import prompts_of
 
 # Prompt lengths and budgets: the first row grows across a page (1 -> 2 pages of 32, the first
 # rung to the second), the others sit at 3 and 5 pages (rungs 4 and 8), so one batch spans
@@ -23,11 +24,6 @@ LENGTHS, BUDGETS = [20, 70, 130], [14, 4, 2]
 def model():
     config = PRESETS["test-tiny-gqa"]
     return wt.from_tensors(config, random_tensors(config, seed=0, std=0.08))
-
-
-def prompts_of(lengths, vocab, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def run(model, *, bucketed: bool, kernel: str, wise_config=None, speculative_config=None):

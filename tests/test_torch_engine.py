@@ -12,6 +12,7 @@ import wise_torch as wt
 from wise_core.checkpoint import random_tensors
 from wise_core.config import PRESETS, WiseConfig
 from wise_torch.engine.sampler import sample
+from torch_cases import prompts_of
 
 WISE = WiseConfig(eta=0.5, kernel="reference")
 
@@ -20,11 +21,6 @@ WISE = WiseConfig(eta=0.5, kernel="reference")
 def model():
     config = PRESETS["test-tiny-gqa"]
     return wt.from_tensors(config, random_tensors(config, seed=0, std=0.08))
-
-
-def prompts_of(lengths, vocab, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def alone(model, prompt, n, wise_config):

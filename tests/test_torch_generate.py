@@ -10,6 +10,7 @@ import wise_torch as wt
 from wise_core import rounding
 from wise_core.checkpoint import random_tensors
 from wise_core.config import PRESETS, ConfigError, WiseConfig
+from torch_cases import prompts_of
 
 
 @pytest.fixture(scope="module", params=["test-tiny", "test-tiny-gqa"])
@@ -21,11 +22,6 @@ def model(request):
 @pytest.fixture(scope="module")
 def byte_model():
     return wt.load_model("random-tiny")
-
-
-def prompts_of(lengths, vocab, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def test_batch_gives_each_prompt_its_tokens_alone(model):

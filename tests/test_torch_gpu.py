@@ -10,6 +10,7 @@ import wise_torch as wt
 from wise_core import rounding
 from wise_core.checkpoint import random_tensors
 from wise_core.config import PRESETS, WiseConfig
+from torch_cases import prompts_of
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -18,11 +19,6 @@ pytestmark = [pytest.mark.gpu,
 def gpu_model(name, dtype=torch.float32, std=0.08, **changes):
     config = dataclasses.replace(PRESETS[name], **changes)
     return wt.from_tensors(config, random_tensors(config, seed=0, std=std), dtype=dtype, device="cuda")
-
-
-def prompts_of(lengths, vocab, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.mark.parametrize("kernel", ["reference", "triton"])

@@ -17,6 +17,7 @@ import wise_torch as wt
 from wise_core.checkpoint import random_tensors
 from wise_core.config import PRESETS, ConfigError, WiseConfig
 from wise_torch.model import SequenceContext
+from torch_cases import prompts_of
 
 WISE = WiseConfig(eta=0.5, kernel="reference")
 SPECS = {"wise": (wt.SpeculativeConfig("wise", num_draft=3), WISE),
@@ -35,11 +36,6 @@ def damped_model(config, seed=0, std=0.08, head_scale=1.0, damp=0.1):
 @pytest.fixture(scope="module")
 def model():
     return damped_model(PRESETS["test-tiny-gqa"])
-
-
-def prompts_of(lengths, vocab, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def engine(model, spec=None, **kw):

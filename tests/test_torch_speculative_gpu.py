@@ -14,17 +14,13 @@ from wise_core.checkpoint import random_tensors
 from wise_core.config import PRESETS, WiseConfig
 from wise_torch.kernels.triton_verify import verify_attention
 from wise_torch.verification import verify_attention_reference
+from torch_cases import prompts_of
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 SPECS = {"wise": (wt.SpeculativeConfig("wise", num_draft=4), WiseConfig()),
          "loops": (wt.SpeculativeConfig("loops", num_draft=4, draft_loops=2), None)}
-
-
-def prompts_of(lengths, vocab, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

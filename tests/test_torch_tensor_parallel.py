@@ -14,6 +14,7 @@ from wise_core import rounding
 from wise_core.checkpoint import random_tensors
 from wise_core.config import PRESETS, SpeculativeConfig, WiseConfig
 from wise_torch import parallel
+from torch_cases import prompts_of
 
 WISE = WiseConfig(eta=0.5, kernel="reference")
 
@@ -22,11 +23,6 @@ WISE = WiseConfig(eta=0.5, kernel="reference")
 def model():
     config = PRESETS["test-tiny-gqa"]      # 4 query heads, 2 KV heads: one KV head and its 2 query heads a rank
     return wt.from_tensors(config, random_tensors(config, seed=0, std=0.08))
-
-
-def prompts_of(lengths, vocab, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def run(llm, prompts, news, join_every=0, abort_preempted=False):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,14 +40,13 @@ backend = make_backend(target)
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def resources(cubin):
-    # {"REG": registers per thread, "LOCAL": bytes of local memory (spills), ...} from cuobjdump
+def usage_of(cubin):
+    # cuobjdump's resource usage of the cubin, as text (parsed by the test)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
-    return dict(zip(("REG", "STACK", "SHARED", "LOCAL"), map(int, found.groups()))) if found else {}
+        done = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True)
+    return done.stdout + done.stderr
 
 
 results = {}
@@ -71,9 +71,27 @@ for name, (batch, heads, kv_heads, dim, ctx, page, dtype, return_mass) in {
         wide = ptx.count("ld.global.v4.b32") + len(re.findall(r"cp\.async\.cg\.shared\.global [^;]*, 0x10", ptx))
         results[f"{name}/{kernel.fn.__name__}"] = dict(
             cubin=len(compiled.asm["cubin"]), wide_loads=wide, atomics=ptx.count("atom."),
-            **resources(compiled.asm["cubin"]))
+            usage=usage_of(compiled.asm["cubin"]))
 print(json.dumps(results))
 """
+
+
+def resources(usage: str) -> dict[str, int]:
+    """cuobjdump -res-usage text -> {"REG": registers per thread, "STACK", "SHARED", "LOCAL": bytes
+    of local memory (spills)}; ValueError when it says none of them (a check that cannot read
+    the usage must not pass)."""
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
+    if found is None:
+        raise ValueError(f"cuobjdump's resource usage did not parse: {usage[:300]!r}")
+    return dict(zip(("REG", "STACK", "SHARED", "LOCAL"), map(int, found.groups())))
+
+
+def test_resources_refuses_what_it_cannot_read():
+    line = "Function _split_kernel:\n REG:96 STACK:0 SHARED:0 LOCAL:8 TEXTURE:0 SURFACE:0 SAMPLER:0\n"
+    assert resources(line) == {"REG": 96, "STACK": 0, "SHARED": 0, "LOCAL": 8}
+    for garbage in ("", "cuobjdump fatal: Could not open input file"):
+        with pytest.raises(ValueError, match="did not parse"):
+            resources(garbage)
 
 
 def test_kernel_compiles_for_sm90():
@@ -92,7 +110,8 @@ def test_kernel_compiles_for_sm90():
         assert facts["atomics"] == 0, f"{name}: the launch boundary orders the merge, no atomics"
     # The benchmark's launch: registers, no spills to local memory.
     split = results["mha-bf16-d128/_split_kernel"]
-    assert split.get("LOCAL", 0) == 0 and split.get("STACK", 0) == 0, split
+    usage = resources(split["usage"])
+    assert usage["REG"] > 0 and usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
     # [64 keys, 128 dims] bf16 K and V tiles over 128 threads: 8 rows of 16 bytes each per thread,
     # loaded to registers (ld.global.v4) or copied to shared memory (cp.async of 16 bytes).
     assert split["wide_loads"] >= 16, split

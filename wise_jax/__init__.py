@@ -14,10 +14,9 @@ from wise_jax.checkpoint import restore_params, save_params
 from wise_jax.engine import LLM, EngineStats, RequestOutput, SamplingParams
 from wise_jax.generation import (ForcedOutput, GenerationOutput, GenerationStats, generate, teacher_force,
                                  trace_counts)
-from wise_jax.loading import load_model, load_tokenizer
+from wise_jax.loading import from_checkpoint_tensors, load_model, load_tokenizer
 from wise_jax.model import forward, forward_with_exits
-from wise_jax.params import (LayerParams, Params, abstract_params, from_checkpoint_tensors, init_params,
-                             to_checkpoint_tensors)
+from wise_jax.params import LayerParams, Params, abstract_params, init_params, to_checkpoint_tensors
 from wise_jax.serving import RequestKV, decode_step, insert, prefill
 from wise_jax.sharding import make_mesh
 

@@ -5,20 +5,19 @@ Modes (`wise_core.modes`, per row): DENSE attends every key < seq_len; DISCOVER 
 records block mass and returns support' = select_blocks(mass); DISCOVER_UNION ORs that selection
 into the support held; SPARSE attends only the keys of supported blocks. Every mode runs the
 same masked code path, so a SPARSE row whose support holds every causal block, and a DISCOVER
-row, are bitwise equal to DENSE. `check_call` is the contract's check at the public entry of
-both implementations (docs/DESIGN.md).
+row, are bitwise equal to DENSE. `wise_jax.decode_check.check_call` is the contract's check at
+the public entry of both implementations (docs/DESIGN.md).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from wise_core import decode_contract
 from wise_core import modes as M
 from wise_core.config import FRAMEWORK_KERNELS
+from wise_jax.decode_check import check_call
 
 KERNELS = FRAMEWORK_KERNELS["jax"]
 
@@ -40,45 +39,6 @@ def select_blocks(mass: jax.Array, eta: float) -> jax.Array:
 def causal_blocks(seq_lens: jax.Array, block_size: int, n_blocks: int) -> jax.Array:
     """seq_lens: int32[batch] -> bool[batch, n_blocks], blocks holding a key < seq_len."""
     return jnp.arange(n_blocks, dtype=jnp.int32)[None, :] * block_size < seq_lens[:, None]
-
-
-def _described(arrays: dict) -> tuple[dict, dict]:
-    return ({name: tuple(x.shape) for name, x in arrays.items()},
-            {name: jnp.dtype(x.dtype).name for name, x in arrays.items()})
-
-
-def check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size, eta,
-               validate: bool, reuse: bool = False) -> jax.Array:
-    """The decode contract (`wise_core.decode_contract`) at a public entry; returns seq_lens.
-
-    Shapes, dtypes and settings are always checked (at trace time under jit). With `validate`
-    the values are checked too: concrete arrays directly; traced ones (under jit) by a host
-    callback that the returned seq_lens depends on, so the attention runs only after the check
-    passed, and a failure raises (as a JaxRuntimeError carrying the ValueError's message) when
-    the result is read. The callback is a device-host round trip per call: callers that build
-    the inputs by construction pass validate=False. reuse: a reuse loop's call (no row
-    discovers; `decode_contract.check_values`)."""
-    arrays = dict(q=q, k_pages=k_pages, v_pages=v_pages, page_table=page_table, seq_lens=seq_lens,
-                  modes=modes, support=support)
-    shapes, dtypes = _described(arrays)
-    decode_contract.check_inputs(shapes, dtypes, block_size=block_size, eta=eta)
-    if not validate:
-        return seq_lens
-    num_pages, page_size = k_pages.shape[:2]
-
-    def check(page_table, seq_lens, modes, support):
-        decode_contract.check_values(page_table, seq_lens, modes, support, num_pages=num_pages,
-                                     page_size=page_size, block_size=block_size, reuse=reuse)
-        return np.bool_(True)
-
-    values = (page_table, seq_lens, modes, support)
-    try:
-        concrete = [np.asarray(x) for x in values]
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        passed = jax.pure_callback(check, jax.ShapeDtypeStruct((), jnp.bool_), *values)
-        return jnp.where(passed, seq_lens, 0)
-    check(*concrete)
-    return seq_lens
 
 
 def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,

@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 
 from wise_core import tokenizer as core_tokenizer
 from wise_core.checkpoint import (BUILTIN_MODELS, Checkpoint, CheckpointError, CheckpointFiles, expected_shapes,
-                                  open_checkpoint)
+                                  open_checkpoint, validate_tensors)
 from wise_core.config import ModelConfig
 from wise_jax.params import LAYER_NAMES, LINEAR_FIELDS, LayerParams, Params, param_shapes
 
@@ -142,6 +142,14 @@ def _in_memory(tensors: dict[str, np.ndarray]) -> Callable[[str], ContextManager
         x = np.asarray(tensors[name])
         return contextlib.nullcontext((x.shape, lambda start, stop: x[start:stop]))
     return opened
+
+
+def from_checkpoint_tensors(config: ModelConfig, tensors: dict[str, np.ndarray],
+                            dtype=jnp.float32) -> Params:
+    """HF-named numpy tensors (validated against `config`) -> Params of `dtype`, assembled as
+    a checkpoint's are (each leaf filled in place on the host in `dtype`, no float32 widening)."""
+    validate_tensors(config, tensors)
+    return params_from_tensors(config, _in_memory(tensors), dtype)
 
 
 def _in_files(found: CheckpointFiles) -> Callable[[str], ContextManager[Rows]]:

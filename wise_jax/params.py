@@ -76,16 +76,6 @@ def _layer_shape(hf: dict, field: str, layers: int) -> tuple[int, ...]:
     return (layers,) + shapes[0]
 
 
-def from_checkpoint_tensors(config: ModelConfig, tensors: dict[str, np.ndarray],
-                            dtype=jnp.float32) -> Params:
-    """HF-named numpy tensors (validated against `config`) -> Params of `dtype`, assembled as
-    `wise_jax.loading` assembles a checkpoint's (each leaf filled in place on the host in
-    `dtype`, no float32 widening)."""
-    from wise_jax import loading  # loading builds on this module
-    validate_tensors(config, tensors)
-    return loading.params_from_tensors(config, loading._in_memory(tensors), dtype)
-
-
 def to_checkpoint_tensors(config: ModelConfig, params: Params) -> dict[str, np.ndarray]:
     """Params -> HF-named float32 numpy tensors (the layout `wise_core.checkpoint` saves)."""
     def get(array: jax.Array) -> np.ndarray:

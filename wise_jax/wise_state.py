@@ -125,7 +125,7 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int, layer: 
     page_table.shape[1] * page_size // block_size blocks, the step's context bucket: a support
     never outlives its token, so the blocks past them are never read); request_ids int32[batch]; active bool[batch]: the rows
     that decode a token. Other rows (empty slots) are masked: their support, tags and counters are
-    left as they were. validate: check the attention's input values (`attention.check_call`; the
+    left as they were. validate: check the attention's input values (`decode_check.check_call`; the
     decode step, which builds them by construction, passes False); count: at a reuse depth, add
     this layer's fallbacks and density counts (the decode step passes False and counts every
     layer at once, `count_reuse`). Returns (out [batch, heads, head_dim], state).

@@ -17,7 +17,8 @@ from wise_core.checkpoint import expected_shapes
 from wise_core.config import PRESETS, SpeculativeConfig, WiseConfig
 from wise_serve.args import check_engine_arguments
 from wise_torch.engine.llm import LLM
-from wise_torch.model import OuroForCausalLM, from_tensors, load_model
+from wise_torch.loading import from_tensors, load_model
+from wise_torch.model import OuroForCausalLM
 
 DUMMY_STD = 0.02
 

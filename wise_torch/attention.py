@@ -16,9 +16,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from wise_core import decode_contract
 from wise_core.config import FRAMEWORK_KERNELS
 from wise_core.modes import DISCOVER, DISCOVER_UNION, SPARSE
+from wise_torch.decode_check import check_call
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: int = 0,
@@ -59,26 +59,6 @@ def select_blocks(mass: torch.Tensor, eta: float) -> torch.Tensor:
     keep_ranked = before < threshold
     keep_ranked[..., 0] = True
     return torch.zeros_like(keep_ranked).scatter_(-1, order, keep_ranked)
-
-
-def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
-def check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size, eta,
-               validate: bool) -> None:
-    """The decode contract (`wise_core.decode_contract`) at a public entry: shapes, dtypes and
-    settings always (no device sync); with `validate` also the values, read on the host (a
-    device sync: callers that build the inputs by construction pass validate=False)."""
-    arrays = dict(q=q, k_pages=k_pages, v_pages=v_pages, page_table=page_table, seq_lens=seq_lens,
-                  modes=modes, support=support)
-    decode_contract.check_inputs({name: tuple(t.shape) for name, t in arrays.items()},
-                                 {name: _dtype_name(t) for name, t in arrays.items()},
-                                 block_size=block_size, eta=eta)
-    if validate:
-        decode_contract.check_values(*(t.cpu().numpy() for t in (page_table, seq_lens, modes, support)),
-                                     num_pages=k_pages.shape[0], page_size=k_pages.shape[1],
-                                     block_size=block_size)
 
 
 def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,

@@ -19,8 +19,6 @@ down_proj outputs.
 
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -29,7 +27,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from wise_core.config import ModelConfig, WiseConfig
-from wise_core.modes import DENSE
 from wise_torch.attention import prefill_attention
 from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch
 from wise_torch.layers import add_rms_norm, rms_norm, rope_store_kv, rope_table, silu_mul
@@ -361,20 +358,6 @@ def fused_state_dict(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
            for fused, parts in fused_groups(weights).items()}
     out.update((name, weights.pop(name)) for name in list(weights))
     return out
-
-
-def from_tensors(config: ModelConfig, tensors: dict[str, np.ndarray], *, tokenizer=None,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> OuroForCausalLM:
-    """An eval-mode model from HF-named numpy tensors (validated against `config`); see wise_torch.loading."""
-    from wise_torch import loading
-    return loading.from_tensors(config, tensors, tokenizer=tokenizer, dtype=dtype, device=device)
-
-
-def load_model(path_or_name: str | Path, *, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> OuroForCausalLM:
-    """A checkpoint directory or built-in model name as an eval-mode model; see wise_torch.loading."""
-    from wise_torch import loading
-    return loading.load_model(path_or_name, dtype=dtype, device=device)
 
 
 def to_checkpoint_tensors(model: OuroForCausalLM) -> dict[str, np.ndarray]:

@@ -240,7 +240,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, nvvm, vector
 
 from wise_core import modes as wise_modes
-from wise_jax.attention import check_call
+from wise_jax.decode_check import check_call
 from wise_jax.kernels import pallas_decode
 
 LOG2E = math.log2(math.e)

@@ -67,7 +67,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from wise_core import modes as wise_modes
-from wise_jax.attention import check_call
+from wise_jax.decode_check import check_call
 
 DOT_ROWS = 16  # q padded to this many rows for tensor-core dots (the smallest tl.dot tile)
 LOG2E = math.log2(math.e)
@@ -619,7 +619,7 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
     discover). all_blocks: discovery rows select every causal block. interpret: run the
     kernels in the Pallas interpreter (default: when the default backend is not a GPU).
     config: launch parameters (default: `config_for(head_dim, q.dtype)`). validate: also
-    check the values (`wise_jax.attention.check_call`; under jit a host callback per call).
+    check the values (`wise_jax.decode_check.check_call`; under jit a host callback per call).
     reuse: a call of WISE's reuse loops, no row discovers (`wise_jax.attention.decode_attention`;
     checked with validate): the same launch, support' the support held as for any such row.
     NaN in q, k or v gives NaN outputs; a SPARSE head that selects no causal block (outside

@@ -30,7 +30,8 @@ from wise_torch.engine.scheduler import Scheduler, Step
 from wise_torch.engine.sequence import RequestOutput, SamplingParams, Sequence, Status
 from wise_torch.engine.speculative import Speculator
 from wise_torch.kv_cache import PagedKVCache
-from wise_torch.model import OuroForCausalLM, load_model
+from wise_torch.loading import load_model
+from wise_torch.model import OuroForCausalLM
 
 CPU_KV_BYTES = 1 << 30          # default pool on CPU: 1 GiB of K/V
 GPU_MEMORY_FRACTION = 0.9       # default pool on CUDA: this share of free memory ...

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from wise_core import modes as M
-from wise_torch.attention import check_call
+from wise_torch.decode_check import check_call
 
 _DISCOVER = tl.constexpr(M.DISCOVER)
 _DISCOVER_UNION = tl.constexpr(M.DISCOVER_UNION)
@@ -444,7 +444,7 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
     float32[batch, heads, max_blocks] (discovery rows; zeros elsewhere).
     With a `workspace` and validate=False the call allocates nothing and does not sync
     (CUDA-graph capturable); out and mass are then views of the workspace. validate: check the
-    values on the host first (`wise_torch.attention.check_call`). NaN in q, k or v gives NaN
+    values on the host first (`wise_torch.decode_check.check_call`). NaN in q, k or v gives NaN
     outputs; a SPARSE head that selects no causal block (outside the contract) gives NaN
     outputs when not validated.
     """

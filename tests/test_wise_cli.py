@@ -19,7 +19,7 @@ def wise(*args, timeout=300, interpret=True, stdin=""):
     if not interpret:
         env.pop("TRITON_INTERPRET", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, "-m", "wise_core.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "wise", *args], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=timeout, input=stdin)
 
 
@@ -105,7 +105,7 @@ def test_version_and_serve_help():
 
 
 def test_cli_module_does_not_import_a_framework():
-    code = ("import sys, wise_core.cli; wise_core.cli.build_parser(); "
+    code = ("import sys, wise.cli; wise.cli.build_parser(); "
             "print(sorted({'torch', 'jax', 'aiohttp'} & set(sys.modules)))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
