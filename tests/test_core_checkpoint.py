@@ -200,3 +200,38 @@ def test_sharded_errors(tmp_path, checkpoint):
     (tmp_path / "model.safetensors.index.json").write_text("{}")
     with pytest.raises(CheckpointError, match="malformed index"):
         load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("where", ["outside", "absolute", "subdir"])
+def test_an_index_may_name_only_files_of_its_directory(tmp_path, checkpoint, where):
+    """A shard elsewhere (.., an absolute path, a subfolder) is refused before it is opened,
+    even when the file is there and valid."""
+    save_checkpoint(tmp_path / "ckpt", checkpoint, max_shard_bytes=100_000)
+    index_path = tmp_path / "ckpt" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    moved = {"outside": tmp_path / shard, "absolute": tmp_path / "abs" / shard,
+             "subdir": tmp_path / "ckpt" / "sub" / shard}[where]
+    moved.parent.mkdir(exist_ok=True)
+    (tmp_path / "ckpt" / shard).rename(moved)
+    named = {"outside": f"../{shard}", "absolute": str(moved), "subdir": f"sub/{shard}"}[where]
+    index["weight_map"] = {n: named if f == shard else f for n, f in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="is not a file name in the checkpoint directory"):
+        load_checkpoint(tmp_path / "ckpt")
+
+
+def test_a_tokenizer_that_is_not_the_models_is_refused(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    config = dataclasses.replace(CONFIG, eos_token_id=256)          # the byte tokenizer's <|endoftext|>
+    save_checkpoint(tmp_path, Checkpoint(config, random_tensors(config, seed=1), byte_tokenizer()))
+    assert load_checkpoint(tmp_path).tokenizer is not None          # the model's own: accepted
+    big = Tokenizer(models.WordLevel({f"t{i}": i for i in range(config.vocab_size + 10)}, unk_token="t0"))
+    big.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(CheckpointError, match=f"has {config.vocab_size + 10} tokens, more than the model's vocab_size"):
+        load_checkpoint(tmp_path)
+    small = Tokenizer(models.WordLevel({f"t{i}": i for i in range(8)}, unk_token="t0"))
+    small.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(CheckpointError, match="no token for the model's eos_token_id 256"):
+        load_checkpoint(tmp_path)

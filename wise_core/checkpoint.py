@@ -116,6 +116,9 @@ def index_weights(directory: Path) -> dict[str, TensorInfo]:
             raise CheckpointError(f"{index}: malformed index ({e!r})") from None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index}: malformed index (weight_map must map tensor names to files)")
+        outside = sorted(f for f in set(weight_map.values()) if f != Path(f).name or f in ("", ".", ".."))
+        if outside:   # a shard is a file of this directory, never a path elsewhere
+            raise CheckpointError(f"{index}: shard {outside[0]!r} is not a file name in the checkpoint directory")
         tensors: dict[str, TensorInfo] = {}
         for shard in sorted(set(weight_map.values())):
             if not (directory / shard).is_file():
@@ -170,7 +173,25 @@ def open_checkpoint(path_or_name: str | Path) -> Checkpoint | CheckpointFiles:
     validate_tensors(config, tensors, str(directory))
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    return CheckpointFiles(config, tensors, load_tokenizer(directory), str(directory))
+    tokenizer = load_tokenizer(directory)
+    if tokenizer is not None:
+        check_tokenizer(tokenizer, config, str(directory))
+    return CheckpointFiles(config, tensors, tokenizer, str(directory))
+
+
+def check_tokenizer(tokenizer: Tokenizer, config: ModelConfig, source: str = "") -> None:
+    """A tokenizer that cannot be this model's is a CheckpointError: one whose ids reach past the
+    model's vocabulary, or that has no token for the model's eos id (its text would decode to
+    nothing the model means). A smaller vocabulary is fine (models pad theirs)."""
+    where = f"{source}: " if source else ""
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if size > config.vocab_size:
+        raise CheckpointError(f"{where}tokenizer.json has {size} tokens, more than the model's vocab_size "
+                              f"{config.vocab_size}: it is not this model's tokenizer")
+    eos = config.eos_token_id
+    if eos is not None and tokenizer.id_to_token(eos) is None:
+        raise CheckpointError(f"{where}tokenizer.json has no token for the model's eos_token_id {eos} "
+                              f"(its {size} tokens): it is not this model's tokenizer")
 
 
 def load_checkpoint(path_or_name: str | Path) -> Checkpoint:

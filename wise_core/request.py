@@ -57,6 +57,12 @@ class SamplingParams:
                 not isinstance(t, numbers.Integral) or isinstance(t, bool) for t in stops):
             raise ValueError(f"SamplingParams.stop_token_ids must be a sequence of integer ids, got {stops!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+        # numpy scalars pass the checks above; the engines get plain Python numbers
+        object.__setattr__(self, "max_tokens", int(self.max_tokens))
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", int(self.seed))
 
 
 def prompts_with_params(prompts, params, array_types: tuple[type, ...] = ()) -> list:

@@ -45,6 +45,7 @@ from tokenizers import Tokenizer
 
 from wise_core.buckets import batch_bucket, context_bucket, context_buckets, decode_buckets
 from wise_core.config import ModelConfig, WiseConfig
+from wise_core.generate_args import check_seed
 from wise_core.request import (MAX_SEED, EngineStats, RequestOutput, SamplingParams,  # noqa: F401 (its names)
                                prompts_with_params)
 from wise_core.tokenizer import encode_text
@@ -267,8 +268,7 @@ class LLM:
                             ("num_pages", num_pages)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < MAX_SEED):
-            raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed!r}")
+        seed = check_seed(seed)
         if layers not in ("unstacked", "stacked"):
             raise ValueError(f"layers must be 'unstacked' or 'stacked', got {layers!r}")
         dtype = (params.params if isinstance(params, sharding.MeshParams) else params).embed_tokens.dtype
@@ -282,6 +282,9 @@ class LLM:
         self.mesh = mesh
         self.kernel = resolve_kernel(kernel if kernel is not None else (wise_config.kernel if wise_config else "auto"))
         self.page_size, self.attention, self.unroll = page_size, attention, unroll
+        if max_model_len is not None and max_model_len > config.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                             f"({config.max_position_embeddings})")
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.max_pages = -(-self.max_model_len // page_size)
         self.widths = context_buckets(self.max_pages)
@@ -438,6 +441,7 @@ class LLM:
         for slot, request in rows:
             if request.finish_reason is not None:   # stopped on a stop id, or aborted: the token is dropped
                 continue
+            _check_finite(logprob[slot], request)
             request.add(int(token[slot]), float(logprob[slot]), None if logits is None else logits[slot])
             if request.finish_reason is not None:
                 if not done[slot]:           # a stop id the device does not watch for
@@ -465,6 +469,7 @@ class LLM:
                                                jnp.float32(p.top_p), jnp.int32(request.next_forced()),
                                                sampling=request.sampling)
             request.dispatched = 1
+            _check_finite(logprob, request)
             request.add(int(token), float(logprob), logits if request.keep_logits else None)
             if request.finish_reason is not None:
                 self._retire(request)
@@ -505,16 +510,28 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run prompts (strings or token-id lists) to completion -> RequestOutput per prompt, in
         prompt order. params: one SamplingParams for all, or one per prompt."""
-        ids = [self.add_request(p, sp) for p, sp in prompts_with_params(prompts, params, (jax.Array,))]
+        ids = []
+        try:
+            for p, sp in prompts_with_params(prompts, params, (jax.Array,)):
+                ids.append(self.add_request(p, sp))
+        except BaseException:        # a bad prompt: none of this call's requests stays queued
+            for rid in ids:
+                self.abort(rid)
+            raise
         return self.run_until_done(ids, use_tqdm=use_tqdm)
 
     def run_until_done(self, request_ids: list[int], *, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Step until the given (unfinished) requests finish -> their final outputs, in the order given."""
+        """Step until the given (unfinished) requests finish -> their final outputs, in the order
+        given. KeyError for an id that is not an unfinished request (it would never finish)."""
+        unknown = [r for r in request_ids if r not in self._requests]
+        if unknown:
+            raise KeyError(f"no unfinished request {unknown[0]}")
         wanted = [self._requests[i] for i in request_ids]
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
-            bar = tqdm(total=len(wanted), desc="requests", unit="req", dynamic_ncols=True)
+            bar = tqdm(total=len(wanted), desc="requests", unit="req", dynamic_ncols=True,
+                       disable=None)   # None: no bar without a terminal
         while any(r.finish_reason is None for r in wanted):
             finished = sum(o.finished for o in self.step() if o.request_id in request_ids)
             if bar is not None:
@@ -542,6 +559,13 @@ class LLM:
             decode_s=self._decode_s, decode_steps=self._decode_steps, decode_tokens=self._decode_tokens,
             step_programs=len(self._programs), step_program_bound=4 * len(self.row_buckets) * len(self.widths), step_build_s=self._build_s,
             pool_sizing=self.pool_sizing)
+
+
+def _check_finite(logprob, request: _Request) -> None:
+    """A NaN log-prob means NaN logits (log_softmax spreads one NaN to every token): an error, as
+    in wise_torch, never a token taken from them."""
+    if np.isnan(logprob):
+        raise FloatingPointError(f"the model's logits are NaN for request {request.id}")
 
 
 def encode(prompt, config: ModelConfig, tokenizer: Tokenizer | None, what: str) -> list[int]:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from wise_core.config import SpeculativeConfig, WiseConfig
+from wise_core.generate_args import check_seed
 from wise_core.request import EngineStats, prompts_with_params
 from wise_core.tokenizer import encode_text
 from wise_torch.engine import distributed
@@ -70,6 +71,7 @@ class LLM:
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  speculative_config: SpeculativeConfig | None = None, tensor_parallel_size: int = 1):
         _positive_int("tensor_parallel_size", tensor_parallel_size)
+        seed = check_seed(seed)
         if tensor_parallel_size > 1 and speculative_config is not None:
             raise ValueError("speculative decoding does not run with tensor_parallel_size > 1")
         if isinstance(model, (str, Path)):
@@ -338,17 +340,29 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run prompts (strings or token-id lists) to completion -> RequestOutput per prompt, in
         prompt order. params: one SamplingParams for all, or one per prompt."""
-        ids = [self.add_request(p, sp) for p, sp in prompts_with_params(prompts, params, (torch.Tensor,))]
+        ids = []
+        try:
+            for p, sp in prompts_with_params(prompts, params, (torch.Tensor,)):
+                ids.append(self.add_request(p, sp))
+        except BaseException:        # a bad prompt: none of this call's requests stays queued
+            for rid in ids:
+                self.abort(rid)
+            raise
         return self.run_until_done(ids, use_tqdm=use_tqdm)
 
     def run_until_done(self, request_ids: list[int], *, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Step until the given requests finish -> their final outputs, in the order given."""
+        """Step until the given (unfinished) requests finish -> their final outputs, in the order
+        given. KeyError for an id that is not an unfinished request (it would never finish)."""
+        unknown = [r for r in request_ids if r not in self.sequences]
+        if unknown:
+            raise KeyError(f"no unfinished request {unknown[0]}")
         wanted = set(request_ids)
         final: dict[int, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
-            bar = tqdm(total=len(wanted), desc="requests", unit="req", dynamic_ncols=True)
+            bar = tqdm(total=len(wanted), desc="requests", unit="req", dynamic_ncols=True,
+                       disable=None)   # None: no bar without a terminal
         while len(final) < len(wanted):
             for out in self.step():
                 if out.finished and out.request_id in wanted:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from wise_torch.attention import select_blocks
@@ -18,14 +19,15 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
            generators: list[torch.Generator | None]) -> torch.Tensor:
     """logits: float32[batch, vocab] -> int64[batch] on the logits' device.
 
-    temperature 0: argmax (ties to the lower id). Otherwise Gumbel-max over
+    temperature 0 (or one that is 0 in float32, as in wise_jax): argmax (ties to the lower id).
+    Otherwise Gumbel-max over
     (logits - max) / temperature: the scaled logits are <= 0, so no temperature overflows them
     (a tiny temperature is greedy, a huge one near-uniform), restricted to the smallest prefix
     of tokens ranked by probability that reaches top_p (the WISE selection rule). Row i draws
     its noise from generators[i]. NaN logits stay NaN (argmax then points at one).
     """
     tokens = logits.argmax(-1)
-    rows = [i for i, t in enumerate(temperatures) if t > 0]
+    rows = [i for i, t in enumerate(temperatures) if np.float32(t) > 0]   # 0 in float32 (1e-50): greedy
     if not rows:
         return tokens
     index = torch.tensor(rows, device=logits.device)

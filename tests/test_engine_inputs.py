@@ -1,0 +1,91 @@
+"""Bad inputs and edge values at both engines (wise_torch.LLM, wise_jax.LLM), one test per case
+run once per framework: each is a clear error naming the problem, or the correct result, and
+nothing is left queued or held."""
+
+import numpy as np
+import pytest
+
+from wise_core.checkpoint import random_tensors
+from wise_core.config import PRESETS
+from wise_core.request import SamplingParams
+
+CONFIG = PRESETS["test-tiny"]
+PROMPTS = [[5, 9, 2, 7, 1, 3], [4, 4, 8, 1]]
+
+
+def tensors(nan: bool = False) -> dict:
+    t = random_tensors(CONFIG, seed=3, std=0.08)
+    if nan:
+        t["model.norm.weight"] = np.full_like(t["model.norm.weight"], np.nan)   # every logit NaN
+    return t
+
+
+def engine(framework: str, nan: bool = False, **kw):
+    if framework == "torch":
+        import wise_torch
+        return wise_torch.LLM(wise_torch.from_tensors(CONFIG, tensors(nan)), num_pages=16, page_size=32, **kw)
+    import wise_jax
+    return wise_jax.LLM(wise_jax.from_checkpoint_tensors(CONFIG, tensors(nan)), CONFIG, num_pages=16, page_size=32,
+                        max_num_seqs=4, **kw)
+
+
+FRAMEWORKS = ["torch", "jax"]
+
+
+@pytest.fixture(scope="module", params=FRAMEWORKS)
+def llm(request):
+    return engine(request.param, max_model_len=256)
+
+
+def tokens(llm, params):
+    return [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def test_numpy_numbers_are_plain_python_in_sampling_params(llm):
+    """A numpy seed (or max_tokens, temperature) passes the checks and reaches the engine as a
+    Python number: generation runs, and gives what the Python values give."""
+    p = SamplingParams(max_tokens=np.int64(5), temperature=np.float32(0.8), seed=np.int64(7), ignore_eos=True)
+    assert type(p.seed) is int and type(p.max_tokens) is int and type(p.temperature) is float
+    want = tokens(llm, SamplingParams(max_tokens=5, temperature=float(np.float32(0.8)), seed=7, ignore_eos=True))
+    assert tokens(llm, p) == want and all(len(t) == 5 for t in want)
+    assert not llm.has_unfinished()
+
+
+def test_a_temperature_that_underflows_float32_is_greedy(llm):
+    greedy = tokens(llm, SamplingParams(max_tokens=6, ignore_eos=True))
+    for tiny in (1e-50, 1e-300):       # positive and finite in Python, 0 in float32
+        for top_p in (1.0, 0.9):
+            assert tokens(llm, SamplingParams(max_tokens=6, temperature=tiny, top_p=top_p, seed=1,
+                                              ignore_eos=True)) == greedy
+
+
+def test_run_until_done_refuses_an_id_that_would_never_finish(llm):
+    done = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    for rid in (done.request_id, 10 ** 6):
+        with pytest.raises(KeyError, match=f"no unfinished request {rid}"):
+            llm.run_until_done([rid])
+
+
+def test_generate_with_a_bad_later_prompt_queues_nothing(llm):
+    with pytest.raises((ValueError, TypeError)):
+        llm.generate([PROMPTS[0], [1, CONFIG.vocab_size + 5]], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert not llm.has_unfinished() and llm.stats().waiting == 0
+    assert llm.stats().free_pages == llm.stats().total_pages
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_engine_seed_and_max_model_len_are_checked(framework):
+    for seed, error, match in ((-1, ValueError, r"seed must be in \[0, 2\*\*63\)"),
+                               (2 ** 64, ValueError, r"seed must be in \[0, 2\*\*63\)"),
+                               (1.5, TypeError, "seed must be an int or None")):
+        with pytest.raises(error, match=match):
+            engine(framework, seed=seed)
+    with pytest.raises(ValueError, match=r"max_model_len 2048 exceeds the model's max_position_embeddings \(1024\)"):
+        engine(framework, max_model_len=2048)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_nan_logits_are_an_error_not_a_token(framework):
+    llm = engine(framework, nan=True, max_model_len=256)
+    with pytest.raises(FloatingPointError, match="logits are NaN for request 0"):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4), use_tqdm=False)
