@@ -2,6 +2,8 @@
 run once per framework: each is a clear error naming the problem, or the correct result, and
 nothing is left queued or held."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -20,12 +22,12 @@ def tensors(nan: bool = False) -> dict:
     return t
 
 
-def engine(framework: str, nan: bool = False, **kw):
+def engine(framework: str, nan: bool = False, config=CONFIG, **kw):
     if framework == "torch":
         import wise_torch
-        return wise_torch.LLM(wise_torch.from_tensors(CONFIG, tensors(nan)), num_pages=16, page_size=32, **kw)
+        return wise_torch.LLM(wise_torch.from_tensors(config, tensors(nan)), num_pages=16, page_size=32, **kw)
     import wise_jax
-    return wise_jax.LLM(wise_jax.from_checkpoint_tensors(CONFIG, tensors(nan)), CONFIG, num_pages=16, page_size=32,
+    return wise_jax.LLM(wise_jax.from_checkpoint_tensors(config, tensors(nan)), config, num_pages=16, page_size=32,
                         max_num_seqs=4, **kw)
 
 
@@ -89,3 +91,14 @@ def test_nan_logits_are_an_error_not_a_token(framework):
     llm = engine(framework, nan=True, max_model_len=256)
     with pytest.raises(FloatingPointError, match="logits are NaN for request 0"):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4), use_tqdm=False)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_huge_max_position_embeddings_costs_only_what_max_model_len_needs(framework):
+    """2**24 positions in the config (a RoPE table of them would be 8 GiB in torch): the model
+    loads, and with max_model_len 256 gives the tokens of the same weights under a config of
+    1,024 positions."""
+    huge = dataclasses.replace(CONFIG, max_position_embeddings=2 ** 24)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = tokens(engine(framework, max_model_len=256), params)
+    assert tokens(engine(framework, config=huge, max_model_len=256), params) == want

@@ -229,3 +229,23 @@ def test_chunked_prefill_matches_full_sequence_forward():
                 diff, bound = rounding.model_difference(torch.stack(seq.logits), want, model.config,
                                                         keys=len(p) + 1)  # fp32: SDPA vs chunked SDPA
                 assert diff <= bound, (diff, bound)
+
+
+def test_the_rope_table_grows_to_what_a_call_needs(monkeypatch):
+    """A model starts with ROPE_ROWS rows of RoPE; a longer forward grows the table, to logits
+    bitwise those of a model built with the whole table (a row does not depend on the length)."""
+    from wise_torch import model as model_module
+
+    config, tensors = PRESETS["test-tiny"], random_tensors(PRESETS["test-tiny"], seed=2, std=0.08)
+    ids = torch.randint(0, config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    whole = wt.from_tensors(config, tensors)
+    whole.build_rope_table(config.max_position_embeddings)
+    monkeypatch.setattr(model_module, "ROPE_ROWS", 16)
+    short = wt.from_tensors(config, tensors)
+    assert short.cos_sin.shape[0] == 16
+    with torch.inference_mode():
+        logits = short(ids)
+        assert short.cos_sin.shape[0] == 40
+        assert torch.equal(logits, whole(ids))
+    with pytest.raises(ValueError, match="exceed max_position_embeddings"):
+        short.rope_rows(config.max_position_embeddings + 1)

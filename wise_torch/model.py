@@ -212,6 +212,9 @@ class DecodeContext(PagedContext):
 
 
 # -- the model ------------------------------------------------------------------------------------
+ROPE_ROWS = 8192   # RoPE rows a model starts with (not max_position_embeddings: 2**24 of them are 8 GiB)
+
+
 class OuroForCausalLM(nn.Module):
     """Ouro decoder with its LM head. `config` (ModelConfig), `tokenizer` (or None)."""
 
@@ -227,11 +230,24 @@ class OuroForCausalLM(nn.Module):
         # local heads and o_proj / down_proj outputs are all-reduced. None: the whole model.
         self.tp = None
 
-    def build_rope_table(self) -> None:
-        """The RoPE table float32[max_position_embeddings, head_dim] on the weights' device."""
+    def build_rope_table(self, positions: int | None = None) -> None:
+        """The RoPE table float32[positions, head_dim] on the weights' device (None: ROPE_ROWS, at
+        most max_position_embeddings; `rope_rows` grows it). A row does not depend on the
+        table's length, so a longer table holds the same values."""
         c = self.config
-        self.cos_sin = rope_table(c.max_position_embeddings, c.head_dim, c.rope_theta,
-                                  device=self.model.embed_tokens.weight.device)
+        rows = min(c.max_position_embeddings, ROPE_ROWS if positions is None else positions)
+        self.cos_sin = rope_table(rows, c.head_dim, c.rope_theta, device=self.model.embed_tokens.weight.device)
+
+    def rope_rows(self, positions: int) -> None:
+        """Make the RoPE table hold `positions` rows (positions <= max_position_embeddings),
+        rebuilding it when it is shorter. The engine calls it with max_model_len before it captures
+        a graph (a graph keeps the table it was captured with); positions past the table read NaN
+        in the fused kernel, never another row."""
+        if positions > self.config.max_position_embeddings:
+            raise ValueError(f"{positions} positions exceed max_position_embeddings "
+                             f"({self.config.max_position_embeddings})")
+        if self.cos_sin.shape[0] < positions:
+            self.build_rope_table(positions)
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -295,6 +311,7 @@ class OuroForCausalLM(nn.Module):
         if seq > self.config.max_position_embeddings:
             raise ValueError(f"sequence of {seq} tokens exceeds max_position_embeddings "
                              f"({self.config.max_position_embeddings})")
+        self.rope_rows(seq)
         bad = input_ids[(input_ids < 0) | (input_ids >= self.config.vocab_size)]
         if bad.numel():  # one host sync: forward is the full-sequence ground truth, not the hot path
             raise ValueError(f"input_ids hold ids {sorted(set(bad.tolist()))[:5]} outside the vocabulary "

@@ -94,6 +94,7 @@ class ModelRunner:
         block_size = (wise_config or WiseConfig()).block_size
         self.page_size = page_size
         self.max_pages = -(-max_model_len // page_size)
+        model.rope_rows(min(self.max_pages * page_size, config.max_position_embeddings))   # before any graph
         max_blocks = self.max_pages * page_size // block_size
         self.cache = PagedKVCache.for_model(config, num_pages=num_pages, page_size=page_size, dtype=self.dtype,
                                             device=self.device)
