@@ -154,3 +154,20 @@ def test_bad_requests_are_named_errors(params, prompts):
     too_long = dataclasses.replace(CONFIG, max_position_embeddings=50)
     with pytest.raises(ValueError, match="exceeds max_position_embeddings"):
         wise_jax.prefill(params, too_long, prompt, page_size=PAGE)
+
+
+def test_llm_takes_a_model_by_name_with_its_tokenizer():
+    """LLM("ouro-py-3m") as wise_torch.LLM takes it: config, weights (float32 on a CPU) and the
+    checkpoint's tokenizer, so string prompts work; a config beside a name is an error."""
+    config, params, tokenizer = wise_jax.load_model("ouro-py-3m", with_tokenizer=True)
+    llm = LLM("ouro-py-3m", max_num_seqs=2, max_model_len=128, num_pages=8)
+    assert llm.config == config and llm.tokenizer is not None
+    assert llm.params.embed_tokens.dtype == jnp.float32
+    out = llm.generate(["def add(a, b):"], SamplingParams(max_tokens=6), use_tqdm=False)[0]
+    want = LLM(params, config, tokenizer=tokenizer, max_num_seqs=2, max_model_len=128, num_pages=8).generate(
+        ["def add(a, b):"], SamplingParams(max_tokens=6), use_tqdm=False)[0]
+    assert out.token_ids == want.token_ids and out.text == want.text and out.text
+    with pytest.raises(ValueError, match="config comes from the checkpoint"):
+        LLM("ouro-py-3m", config)
+    with pytest.raises(ValueError, match="dtype applies to a model loaded by name"):
+        LLM(params, config, dtype=jnp.bfloat16)

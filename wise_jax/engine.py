@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import random
 import time
+from pathlib import Path
 from typing import Sequence
 
 import jax
@@ -54,6 +55,7 @@ from wise_jax import serving
 from wise_jax import sharding
 from wise_jax import wise_state as ws
 from wise_jax.attention import resolve_kernel
+from wise_jax.loading import load_model
 from wise_jax.params import Params, stack_layers, unstack_layers
 from wise_jax.sampling import sample
 from wise_jax.serving import DEFAULT_PAGE_SIZE, TRACES
@@ -231,7 +233,9 @@ class _Request:
 class LLM:
     """The engine (module docstring).
 
-    params, config: the model (`wise_jax.load_model`); wise_config: WISE decode (None: dense);
+    params, config: the model (`wise_jax.load_model`), or params a checkpoint directory or
+    built-in model name and config None (loaded here with its tokenizer, in `dtype`: None is
+    bfloat16 on a GPU, float32 otherwise); wise_config: WISE decode (None: dense);
     num_pages: pages in the pool (None: 70 % of the device memory less what is in use on a GPU, at most 1 GiB on
     a CPU, and never more than max_num_seqs * max_pages); page_size: tokens per page, a multiple
     of the WISE block size; max_num_seqs: cache rows (a step runs its batch bucket of them);
@@ -249,11 +253,23 @@ class LLM:
     its KV heads; `params` is then kept in the mesh layout, a `sharding.MeshParams`).
     """
 
-    def __init__(self, params: Params, config: ModelConfig, *, wise_config: WiseConfig | None = None,
-                 num_pages: int | None = None, page_size: int = DEFAULT_PAGE_SIZE, max_num_seqs: int = 64,
-                 max_model_len: int | None = None, kernel: str | None = None, tokenizer: Tokenizer | None = None,
-                 attention: str = "auto", layers: str = "unstacked", unroll: int | bool = 1,
-                 seed: int | None = None, mesh=None):
+    def __init__(self, params: Params | str | Path, config: ModelConfig | None = None, *,
+                 wise_config: WiseConfig | None = None, num_pages: int | None = None,
+                 page_size: int = DEFAULT_PAGE_SIZE, max_num_seqs: int = 64, max_model_len: int | None = None,
+                 kernel: str | None = None, tokenizer: Tokenizer | None = None, attention: str = "auto",
+                 layers: str = "unstacked", unroll: int | bool = 1, seed: int | None = None, mesh=None,
+                 dtype=None):
+        if isinstance(params, (str, Path)):
+            if config is not None:
+                raise ValueError("config comes from the checkpoint when the model is given by name or directory")
+            if dtype is None:
+                dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+            config, params, found = load_model(params, dtype=dtype, with_tokenizer=True,
+                                               layers="unstacked" if layers == "unstacked" and mesh is None
+                                               else "stacked")
+            tokenizer = found if tokenizer is None else tokenizer
+        elif dtype is not None:
+            raise ValueError("dtype applies to a model loaded by name; these params are already built")
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
         per_device = config if mesh is None else sharding.local_config(config, sharding.tp_size(mesh))

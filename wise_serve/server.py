@@ -15,7 +15,8 @@ cancels a request's handler the moment its client disconnects, which is where th
 request is aborted and its pages freed.
 
 Lifecycle: the engine runs in its own thread (wise_serve.engine_loop). On SIGTERM (or SIGINT)
-the server stops listening, refuses new completions with 503, and lets in-flight requests
+the server stops listening (a new connection is refused; a completion asked on a connection
+already open gets a 503), and lets in-flight requests
 finish for up to `shutdown_timeout` seconds; whatever is left then (or at a second signal) is
 aborted: a stream ends with a chunk whose finish_reason is "abort" and `[DONE]`, a
 non-streaming request gets a 503 naming how far it got. Then the process exits.
