@@ -68,8 +68,11 @@ def test_generate_prompts_and_params_are_paired_or_refused():
     assert prompts_with_params(["x", [1, 2]], a) == [("x", a), ([1, 2], a)]
     assert prompts_with_params(("x", "y"), [a, b]) == [("x", a), ("y", b)]
     assert prompts_with_params(["x"], None) == [("x", None)]
-    for bad in ("text", np.arange(3), [], None, 7):
-        with pytest.raises(TypeError, match="non-empty list of strings or token-id lists"):
+    # One prompt, as vLLM takes it: a string, or a list of token ids.
+    assert prompts_with_params("text", a) == [("text", a)]
+    assert prompts_with_params([1, 2, 3], a) == [([1, 2, 3], a)]
+    for bad in (np.arange(3), [], None, 7):
+        with pytest.raises(TypeError, match="a string, a token-id list, or a non-empty list of them"):
             prompts_with_params(bad, a)
 
     class Array:  # an engine's own array type is refused as a bare prompt too

@@ -102,3 +102,38 @@ def test_a_huge_max_position_embeddings_costs_only_what_max_model_len_needs(fram
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     want = tokens(engine(framework, max_model_len=256), params)
     assert tokens(engine(framework, config=huge, max_model_len=256), params) == want
+
+
+def test_vllm_shaped_outputs_and_single_prompts(llm):
+    """generate takes one string or one token-id list as vLLM's does; each output has vLLM's
+    `outputs[0]` (text, token_ids, finish_reason, stop_reason) beside today's fields."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=True)
+    [one] = llm.generate(PROMPTS[0], params, use_tqdm=False)
+    [same] = llm.generate([PROMPTS[0]], params, use_tqdm=False)
+    assert one.token_ids == same.token_ids and one.prompt_token_ids == PROMPTS[0]
+    [completion] = one.outputs
+    assert (completion.index, completion.token_ids, completion.finish_reason, completion.stop_reason) == (
+        0, one.token_ids, "length", None)
+    assert completion.logprobs == one.logprobs and len(completion.logprobs) == 4
+    assert llm.get_tokenizer() is None and one.prompt is None and completion.text is None
+    stop = one.token_ids[1]
+    [stopped] = llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True, stop_token_ids=[stop]),
+                             use_tqdm=False)
+    cut = one.token_ids[:one.token_ids.index(stop) + 1]
+    assert stopped.token_ids == cut and stopped.outputs[0].stop_reason == stop == stopped.stop_reason
+    assert stopped.finish_reason == "stop"
+    with pytest.raises(TypeError, match="a string, a token-id list, or a non-empty list of them"):
+        llm.generate(np.asarray(PROMPTS[0]), params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_string_prompt_and_its_text_through_the_model_tokenizer(framework):
+    if framework == "torch":
+        import wise_torch
+        llm = wise_torch.LLM("ouro-py-3m", num_pages=8, max_model_len=128)
+    else:
+        import wise_jax
+        llm = wise_jax.LLM("ouro-py-3m", num_pages=8, max_model_len=128, max_num_seqs=2)
+    [out] = llm.generate("def add(a, b):", SamplingParams(max_tokens=5), use_tqdm=False)
+    assert out.prompt == "def add(a, b):" and out.outputs[0].text == out.text
+    assert out.text == llm.get_tokenizer().decode(out.token_ids)

@@ -119,6 +119,7 @@ def test_cli_module_does_not_import_a_framework():
     (("--temperature", "nan"), "temperature must be finite and >= 0"),
     (("--top-p", "0"), "top_p must be in (0, 1], got 0.0"),
     (("--wise", "--eta", "1.5"), "WiseConfig.eta must be in (0, 1], got 1.5"),
+    (("--threads", "0"), "--threads must be a positive integer, got 0"),
 ])
 def test_generate_argument_errors_before_any_framework_loads(args, message):
     """Named errors, exit status 1; dense decode never silently ignores WISE settings."""
@@ -135,3 +136,19 @@ def test_generate_errors_that_need_the_model():
                     "--max-new-tokens", "1", interpret=False)
     assert env_free.returncode == 1, env_free.stderr
     assert "the Triton kernel needs a CUDA device or TRITON_INTERPRET=1" in env_free.stderr
+
+
+def test_threads_sets_the_torch_threads_and_defaults_to_the_physical_cores():
+    """--threads N runs torch on N threads (the same greedy text); the default is the physical
+    cores, which --help names."""
+    from wise.cli import physical_cores
+
+    cores = physical_cores()
+    assert 1 <= cores <= (os.cpu_count() or 1)
+    assert f"{cores} here" in " ".join(wise("generate", "--help").stdout.split())
+    args = ("generate", "--prompt", "def f(", "--device", "cpu", "--max-new-tokens", "4", "--json")
+    one, default = wise(*args, "--threads", "1"), wise(*args)
+    assert one.returncode == default.returncode == 0, one.stderr + default.stderr
+    one, default = json.loads(one.stdout), json.loads(default.stdout)
+    assert one["text"] == default["text"]
+    assert (one["stats"]["batch"]["threads"], default["stats"]["batch"]["threads"]) == (1, cores)

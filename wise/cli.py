@@ -47,17 +47,38 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernel", choices=KERNELS, default=None,
                         help="WISE decode-attention kernel (needs --wise; default: auto, the framework's GPU "
                              "kernel on GPU, the reference on CPU)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature; 0 is greedy, the default (as SamplingParams; the server's "
+                             "default is 1, as OpenAI's)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and activations (default: float32)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto: the GPU when there is one (default: auto)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads of the torch backend (default: the physical cores, "
+                             f"{physical_cores()} here; jax keeps XLA's own)")
     output = parser.add_mutually_exclusive_group()
     output.add_argument("--stream", action="store_true",
                         help="print the text token by token as it is generated (torch, one prompt)")
     output.add_argument("--json", action="store_true",
                         help="print one JSON object per prompt: prompt, text, token_ids, finish_reason, stats")
+
+
+def physical_cores() -> int:
+    """Physical CPU cores (distinct (package, core) pairs of /proc/cpuinfo; os.cpu_count() where
+    that says nothing): more threads than cores contend on a shared machine."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    cores = set()
+    for block in text.split("\n\n"):
+        fields = dict(line.split(":", 1) for line in block.splitlines() if ":" in line)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        if "core id" in fields:
+            cores.add((fields.get("physical id"), fields["core id"]))
+    return len(cores) or os.cpu_count() or 1
 
 
 # -- prompts ----------------------------------------------------------------------------------------
@@ -106,6 +127,7 @@ def _generate_torch(args, wise_config: WiseConfig | None, prompts: list[str], on
     from wise_core.detokenize import TextStream
     from wise_torch.engine.sampler import seed_for
 
+    torch.set_num_threads(args.threads or physical_cores())
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: torch sees no CUDA device")
@@ -155,7 +177,8 @@ def _generate_torch(args, wise_config: WiseConfig | None, prompts: list[str], on
     s = llm.stats()
     stats = dict(prefill_s=s.prefill_s, prefill_tokens=s.prompt_tokens, decode_s=s.decode_s,
                  decode_tokens=s.decode_tokens, decode_tokens_per_s=s.decode_tokens_per_s,
-                 preemptions=s.preemptions, fallbacks=s.fallbacks, density=s.density)
+                 preemptions=s.preemptions, fallbacks=s.fallbacks, density=s.density,
+                 threads=torch.get_num_threads())
     return results, stats
 
 
@@ -203,6 +226,8 @@ def run_generate(args) -> int:
     wise_config = wise_settings(args)
     check_sampling(args.temperature, args.top_p)
     check_seed(args.seed)
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be a positive integer, got {args.threads}")
     prompts = read_prompts(args)
     if args.stream and (args.backend != "torch" or len(prompts) > 1):
         raise ValueError("--stream prints one prompt's tokens as they come, with --backend torch")

@@ -66,12 +66,16 @@ class SamplingParams:
 
 
 def prompts_with_params(prompts, params, array_types: tuple[type, ...] = ()) -> list:
-    """`LLM.generate`'s arguments checked and paired: prompts a non-empty list (or tuple) of
-    strings or token-id lists (a bare string or array, of `array_types`, is refused); params one
-    SamplingParams (or None) for all, or a list of one per prompt. Returns [(prompt, params)]."""
-    if isinstance(prompts, (str, np.ndarray) + tuple(array_types)) or not isinstance(prompts, (list, tuple)) \
+    """`LLM.generate`'s arguments checked and paired: prompts one string, one list of token ids,
+    or a non-empty list (or tuple) of strings or token-id lists (an array, of `array_types`, is
+    refused: pass a list); params one SamplingParams (or None) for all, or a list of one per
+    prompt. Returns [(prompt, params)]."""
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompts)):
+        prompts = [prompts]                    # one prompt, as vLLM's generate takes it
+    if isinstance(prompts, (np.ndarray,) + tuple(array_types)) or not isinstance(prompts, (list, tuple)) \
             or not prompts:
-        raise TypeError("prompts must be a non-empty list of strings or token-id lists")
+        raise TypeError("prompts must be a string, a token-id list, or a non-empty list of them")
     if isinstance(params, (list, tuple)):
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
@@ -81,11 +85,27 @@ def prompts_with_params(prompts, params, array_types: tuple[type, ...] = ()) -> 
 
 
 @dataclasses.dataclass
+class CompletionOutput:
+    """One completion of a request, in vLLM's shape: index (0: a request has one), text (None
+    without a tokenizer), token_ids, logprobs (log p of each token, as RequestOutput.logprobs:
+    floats, not vLLM's top-k dicts), finish_reason, stop_reason (the stop id that ended it; None
+    for eos, the length, an abort, or while running)."""
+
+    index: int
+    text: str | None
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str | None
+    stop_reason: int | None
+
+
+@dataclasses.dataclass
 class RequestOutput:
     """What one request has produced so far. text decodes token_ids with the engine's tokenizer
     (None without one); logprobs: log p of each token (SamplingParams.logprobs, teacher
     forcing), else None. finish_reason: "length", "stop" (eos or a stop id), "abort", or None
-    while running. prompt_token_ids is the engine's own list: read it, do not change it."""
+    while running; stop_reason: the stop id that ended it (None for eos). prompt_token_ids is
+    the engine's own list: read it, do not change it. `outputs` and `prompt` give vLLM's shape."""
 
     request_id: int
     prompt_token_ids: list[int]
@@ -94,10 +114,20 @@ class RequestOutput:
     finish_reason: str | None
     logprobs: list[float] | None = None
     tokenizer: object = dataclasses.field(default=None, repr=False, compare=False)
+    stop_reason: int | None = None
 
     @property
     def text(self) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(self.token_ids)
+
+    @property
+    def prompt(self) -> str | None:
+        """The prompt as text (decoded from its ids; None without a tokenizer)."""
+        return None if self.tokenizer is None else self.tokenizer.decode(self.prompt_token_ids)
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        return [CompletionOutput(0, self.text, self.token_ids, self.logprobs, self.finish_reason, self.stop_reason)]
 
 
 @dataclasses.dataclass

@@ -205,6 +205,7 @@ class _Request:
         self.logits: list[np.ndarray] = []
         self.slot: int | None = None
         self.finish_reason: str | None = None
+        self.stop_reason: int | None = None
 
     @property
     def sampling(self) -> bool:
@@ -217,6 +218,7 @@ class _Request:
             self.logits.append(np.asarray(logits))
         if self.forced is None and (token == self.eos or token in self.params.stop_token_ids):
             self.finish_reason = "stop"
+            self.stop_reason = None if token == self.eos else token
         elif len(self.tokens) >= self.max_tokens:
             self.finish_reason = "length"
 
@@ -227,7 +229,7 @@ class _Request:
     def output(self, tokenizer) -> RequestOutput:
         logprobs = list(self.logprobs) if self.params.logprobs or self.forced is not None else None
         return RequestOutput(self.id, self.prompt, list(self.tokens), self.finish_reason is not None,
-                             self.finish_reason, logprobs, tokenizer)
+                             self.finish_reason, logprobs, tokenizer, self.stop_reason)
 
 
 class LLM:
@@ -563,6 +565,10 @@ class LLM:
         self._prompt_tokens = self._generated_tokens = self._decode_tokens = self._decode_steps = 0
         if self.state is not None:
             self.state = ws.reset_counters(self.state)
+
+    def get_tokenizer(self):
+        """The engine's tokenizer (None without one), as vLLM's LLM.get_tokenizer."""
+        return self.tokenizer
 
     def stats(self) -> EngineStats:
         """Pool, queue and counters (reads the device)."""

@@ -373,6 +373,10 @@ class LLM:
             bar.close()
         return [final[r] for r in request_ids]
 
+    def get_tokenizer(self):
+        """The engine's tokenizer (None without one), as vLLM's LLM.get_tokenizer."""
+        return self.tokenizer
+
     def stats(self) -> EngineStats:
         wise = self.runner.wise
         c = self.counters

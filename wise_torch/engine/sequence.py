@@ -45,6 +45,7 @@ class Sequence:
     status: Status = Status.WAITING
     finishing: bool = False
     finish_reason: str | None = None
+    stop_reason: int | None = None           # the stop id that ended it (None: eos or another reason)
     offloaded: tuple[torch.Tensor, torch.Tensor] | None = None
     forced: list[int] | None = None
     keep_logits: bool = False
@@ -90,10 +91,10 @@ class Sequence:
         """The host read the token at `index`: finish on a stop token (dropping any later
         token in flight) or on the token budget."""
         self.tokens[index] = token
-        stop = self.forced is None and (not self.params.ignore_eos and token in self.eos_token_ids
-                                        or token in self.params.stop_token_ids)
-        if stop:
+        eos = not self.params.ignore_eos and token in self.eos_token_ids
+        if self.forced is None and (eos or token in self.params.stop_token_ids):
             del self.tokens[index + 1:]
+            self.stop_reason = None if eos else token
             self.finish("stop")
         elif self.finishing and index == len(self.tokens) - 1:
             self.finish("length")
@@ -109,4 +110,4 @@ class RequestOutput(request.RequestOutput):
     def of(cls, seq: Sequence, tokenizer) -> "RequestOutput":
         want_logprobs = seq.params.logprobs or seq.forced is not None
         return cls(seq.request_id, seq.prompt, seq.output, seq.status is Status.FINISHED, seq.finish_reason,
-                   list(seq.logprobs) if want_logprobs else None, tokenizer)
+                   list(seq.logprobs) if want_logprobs else None, tokenizer, seq.stop_reason)
