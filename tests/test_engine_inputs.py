@@ -137,3 +137,19 @@ def test_a_string_prompt_and_its_text_through_the_model_tokenizer(framework):
     [out] = llm.generate("def add(a, b):", SamplingParams(max_tokens=5), use_tqdm=False)
     assert out.prompt == "def add(a, b):" and out.outputs[0].text == out.text
     assert out.text == llm.get_tokenizer().decode(out.token_ids)
+
+
+def test_top_k_and_min_p_sample_within_their_tokens(llm):
+    """vLLM's top_k and min_p: top_k 1 or min_p 1 leave only the most probable token, so sampling
+    at any temperature gives the greedy tokens; -1 means every token, as 0."""
+    greedy = tokens(llm, SamplingParams(max_tokens=6, ignore_eos=True))
+    for filters in (dict(top_k=1), dict(min_p=1.0), dict(top_k=1, min_p=0.5, top_p=0.5)):
+        assert tokens(llm, SamplingParams(max_tokens=6, temperature=1.5, seed=3, ignore_eos=True,
+                                          **filters)) == greedy, filters
+    free = SamplingParams(max_tokens=6, temperature=1.5, seed=3, ignore_eos=True)
+    assert SamplingParams(top_k=-1) == SamplingParams(top_k=0)
+    assert tokens(llm, dataclasses.replace(free, top_k=-1)) == tokens(llm, free)
+    for bad, match in ((dict(top_k=-2), "top_k must be an integer >= -1"), (dict(top_k=1.5), "top_k must be"),
+                       (dict(min_p=1.5), r"min_p must be in \[0, 1\]"), (dict(min_p=-0.1), "min_p must be")):
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**bad)

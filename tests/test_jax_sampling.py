@@ -75,3 +75,23 @@ def test_generate_at_a_tiny_temperature_is_greedy():
     run = functools.partial(wise_jax.generate, params, config, [[5, 17, 99, 3]], max_new_tokens=4,
                             eos_token_id=None, page_size=32)
     assert run(temperature=1e-10).tokens == run(temperature=0.0).tokens
+
+
+def test_min_p_then_top_k_then_top_p_restrict_the_draws():
+    """The filters of SamplingParams, in their order, on the row wise_torch's sampler test uses:
+    softmax 0.030 0.082 0.222 0.011 0.050 0.605."""
+    row = np.array([0.0, 1.0, 2.0, -1.0, 0.5, 3.0], np.float32)
+    batch = jnp.broadcast_to(jnp.asarray(row), (2000, 6))
+
+    def drawn(top_p=1.0, top_k=0, min_p=0.0):
+        return set(np.asarray(_sample(batch, jax.random.PRNGKey(4), jnp.float32(1.0), jnp.float32(top_p),
+                                      jnp.int32(top_k), jnp.float32(min_p))).tolist())
+    assert drawn() == set(range(6))
+    assert drawn(top_p=0.6) == {5} and drawn(top_p=0.7) == {5, 2}
+    assert drawn(top_k=3) == {5, 2, 1} and drawn(top_k=1) == {5}
+    assert drawn(min_p=0.3) == {5, 2} and drawn(min_p=1.0) == {5}
+    assert drawn(min_p=0.05) == {5, 2, 1, 4} and drawn(min_p=0.05, top_k=3, top_p=0.8) == {5, 2}
+    tied = np.array([1.0, 3.0, 3.0, 0.0], np.float32)            # top_k 1 of a tie: the lower id
+    assert set(np.asarray(_sample(jnp.broadcast_to(jnp.asarray(tied), (500, 4)), jax.random.PRNGKey(1),
+                                  jnp.float32(1.0), jnp.float32(1.0), jnp.int32(1),
+                                  jnp.float32(0.0))).tolist()) == {1}

@@ -26,6 +26,9 @@ def test_defaults_and_fields_reach_the_sampling_params():
     assert r.prompt == [3, 4] and r.stop == ("\n",) and r.stream and r.include_usage
     p = r.params
     assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.ignore_eos) == (5, 0.0, 0.5, 7, True)
+    assert (p.top_k, p.min_p) == (0, 0.0)
+    p = parse({"prompt": "hi", "top_k": 40, "min_p": 0.05}).params
+    assert (p.top_k, p.min_p) == (40, 0.05) and parse({"prompt": "hi", "top_k": -1}).params.top_k == 0
     assert parse({"prompt": [1]}, has_tokenizer=False).return_token_ids
 
 
@@ -46,6 +49,9 @@ BAD = [
     ({"prompt": "a", "top_p": 0}, "top_p", "top_p must be a number in (0, 1], got 0"),
     ({"prompt": "a", "top_p": 1.5}, "top_p", "got 1.5"),
     ({"prompt": "a", "seed": -1}, "seed", "seed must be an integer in [0, 2**63)"),
+    ({"prompt": "a", "top_k": -2}, "top_k", "top_k must be an integer >= -1 (-1 or 0: every token), got -2"),
+    ({"prompt": "a", "top_k": 2.5}, "top_k", "got 2.5"),
+    ({"prompt": "a", "min_p": 1.5}, "min_p", "min_p must be a number in [0, 1], got 1.5"),
     ({"prompt": "a", "model": "gpt-4"}, "model", "unknown model 'gpt-4': this server serves 'm'"),
     ({"prompt": 5}, "prompt", "prompt must be a string or a list of integer token ids, got int"),
     ({"prompt": [1, "x"]}, "prompt", "it holds 'x'"),

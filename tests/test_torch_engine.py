@@ -131,16 +131,26 @@ def test_sampler_from_tiny_to_huge_temperatures():
     logits[:, 2] += 0.5
     greedy = logits.argmax(-1)
     for t in (1e-30, 1e-10, 1e-6):                         # log space: never overflows, greedy in the limit
-        assert torch.equal(sample(logits, [t] * 4000, [1.0] * 4000, [g] * 4000), greedy)
+        assert torch.equal(sample(logits, [t] * 4000, [wt.SamplingParams()] * 4000, [g] * 4000), greedy)
     row = torch.tensor([[0.0, 1.0, 2.0, -1.0, 0.5, 3.0]])
     for t in (1.0, 1e3):                                   # the empirical distribution is softmax(row / t)
-        drawn = sample(row.expand(20000, 6), [t] * 20000, [1.0] * 20000, [g] * 20000)
+        drawn = sample(row.expand(20000, 6), [t] * 20000, [wt.SamplingParams()] * 20000, [g] * 20000)
         freq = torch.bincount(drawn, minlength=6).double() / 20000
         want = torch.softmax(row[0].double() / t, -1)
         # 5 binomial standard deviations of a frequency over 20000 draws
         assert bool(((freq - want).abs() <= 5 * (want * (1 - want) / 20000).sqrt() + 1e-12).all()), (t, freq, want)
-    nucleus = sample(row.expand(2000, 6), [1.0] * 2000, [0.6] * 2000, [g] * 2000)
-    assert set(nucleus.tolist()) <= {5, 2}                 # the smallest prefix reaching 0.6: tokens 5 then 2
+    def drawn(**filters):
+        return set(sample(row.expand(2000, 6), [1.0] * 2000, [wt.SamplingParams(**filters)] * 2000,
+                          [g] * 2000).tolist())
+    assert drawn(top_p=0.6) == {5} and drawn(top_p=0.7) == {5, 2}   # p(5) = 0.605, p(2) = 0.222
+    assert drawn(top_k=3) == {5, 2, 1} and drawn(top_k=1) == {5}
+    # min_p 0.3: p >= 0.3 p_max, i.e. logit >= 3 + ln 0.3 = 1.80: tokens 5 and 2
+    assert drawn(min_p=0.3) == {5, 2} and drawn(min_p=1.0) == {5}
+    # In order: min_p 0.05 keeps 4 tokens (0 and 3 fall below), top_k 3 three of them, top_p 0.8
+    # of those renormalised (0.665, 0.245, ...) two.
+    assert drawn(min_p=0.05) == {5, 2, 1, 4} and drawn(min_p=0.05, top_k=3, top_p=0.8) == {5, 2}
+    tied = torch.tensor([[1.0, 3.0, 3.0, 0.0]]).expand(500, 4)             # top_k 1 of a tie: the lower id
+    assert set(sample(tied, [1.0] * 500, [wt.SamplingParams(top_k=1)] * 500, [g] * 500).tolist()) == {1}
 
 
 def test_bad_inputs_are_named(model):

@@ -120,6 +120,8 @@ def test_cli_module_does_not_import_a_framework():
     (("--top-p", "0"), "top_p must be in (0, 1], got 0.0"),
     (("--wise", "--eta", "1.5"), "WiseConfig.eta must be in (0, 1], got 1.5"),
     (("--threads", "0"), "--threads must be a positive integer, got 0"),
+    (("--top-k", "-2"), "top_k must be an integer >= -1"),
+    (("--min-p", "2"), "min_p must be in [0, 1], got 2.0"),
 ])
 def test_generate_argument_errors_before_any_framework_loads(args, message):
     """Named errors, exit status 1; dense decode never silently ignores WISE settings."""
@@ -152,3 +154,12 @@ def test_threads_sets_the_torch_threads_and_defaults_to_the_physical_cores():
     one, default = json.loads(one.stdout), json.loads(default.stdout)
     assert one["text"] == default["text"]
     assert (one["stats"]["batch"]["threads"], default["stats"]["batch"]["threads"]) == (1, cores)
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_top_k_one_samples_the_greedy_text(backend):
+    args = ("generate", "--prompt", "def f(", "--device", "cpu", "--max-new-tokens", "6", "--json",
+            "--backend", backend)
+    greedy, top1 = wise(*args), wise(*args, "--temperature", "1.3", "--top-k", "1", "--seed", "5")
+    assert greedy.returncode == top1.returncode == 0, greedy.stderr + top1.stderr
+    assert json.loads(top1.stdout)["text"] == json.loads(greedy.stdout)["text"]

@@ -21,6 +21,7 @@ from wise_core import __version__
 from wise_core.checkpoint import BUILTIN_MODELS, DEFAULT_MODEL
 from wise_core.config import KERNELS, WiseConfig
 from wise_core.generate_args import check_sampling, check_seed
+from wise_core.request import SamplingParams
 from wise_core.tokenizer import encode_text
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -51,6 +52,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sampling temperature; 0 is greedy, the default (as SamplingParams; the server's "
                              "default is 1, as OpenAI's)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most probable tokens (default: 0, all)")
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="sample among tokens of probability >= min_p x the largest (default: 0, all)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and activations (default: float32)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -146,7 +150,8 @@ def _generate_torch(args, wise_config: WiseConfig | None, prompts: list[str], on
     requests = {}
     for i, prompt in enumerate(ids):
         params = wise_torch.SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
-                                           top_p=args.top_p, seed=seed_for(args.seed, i))
+                                           top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                                           seed=seed_for(args.seed, i))
         requests[llm.add_request(prompt, params)] = i
     results: list[dict | None] = [None] * len(ids)
     text = TextStream(tokenizer) if on_text is not None else None
@@ -198,7 +203,8 @@ def _generate_jax(args, wise_config: WiseConfig | None, prompts: list[str], on_t
         raise ValueError(f"model {args.model!r} has no tokenizer.json; `wise generate` needs one")
     ids = [encode_text(tokenizer, p, _prompt_name(args, i)) for i, p in enumerate(prompts)]
     out = wise_jax.generate(params, config, ids, max_new_tokens=args.max_new_tokens,
-                            temperature=args.temperature, top_p=args.top_p, eos_token_id=config.eos_token_id,
+                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            eos_token_id=config.eos_token_id,
                             wise_config=wise_config, key=jax.random.PRNGKey(args.seed))
     eos = config.eos_token_id
     results = [dict(text=tokenizer.decode(t), token_ids=list(t), prompt_tokens=len(p),
@@ -225,6 +231,7 @@ def wise_settings(args) -> WiseConfig | None:
 def run_generate(args) -> int:
     wise_config = wise_settings(args)
     check_sampling(args.temperature, args.top_p)
+    SamplingParams(top_k=args.top_k, min_p=args.min_p)        # their checks, before any framework loads
     check_seed(args.seed)
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be a positive integer, got {args.threads}")

@@ -18,8 +18,10 @@ class SamplingParams:
     """How one request decodes.
 
     max_tokens: tokens to generate (>= 1; the first comes from prefill); temperature 0 is
-    greedy, > 0 samples softmax(logits / temperature) restricted to top_p (the smallest prefix
-    of tokens ranked by probability reaching top_p, in (0, 1]); seed: an int in [0, 2**63)
+    greedy, > 0 samples softmax(logits / temperature) restricted, in this order, to the tokens
+    of probability >= min_p x the largest (min_p in [0, 1]; 0: all), to the top_k most probable
+    (0 or -1: all; ties to the lower id), and to top_p of what is left (the smallest prefix of
+    tokens ranked by probability reaching top_p, in (0, 1]), as vLLM's parameters; seed: an int in [0, 2**63)
     makes the request's samples reproducible whatever else runs beside it (None: the engine
     draws them: wise_torch from its generator, wise_jax from its seed and the request id);
     ignore_eos: keep going past the model's eos; stop_token_ids: more ids that end the
@@ -29,6 +31,8 @@ class SamplingParams:
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
@@ -38,7 +42,7 @@ class SamplingParams:
         if not isinstance(self.max_tokens, numbers.Integral) or isinstance(self.max_tokens, bool) \
                 or self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens must be a positive integer, got {self.max_tokens!r}")
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "min_p"):
             value = getattr(self, name)
             if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
                 raise ValueError(f"SamplingParams.{name} must be a finite number, got {value!r}")
@@ -46,6 +50,11 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+        if not isinstance(self.top_k, numbers.Integral) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise ValueError(f"SamplingParams.top_k must be an integer >= -1 (-1 or 0: every token), "
+                             f"got {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool)
                                       or not 0 <= self.seed < MAX_SEED):
             raise ValueError(f"SamplingParams.seed must be None or an integer in [0, 2**63), got {self.seed!r}")
@@ -61,6 +70,8 @@ class SamplingParams:
         object.__setattr__(self, "max_tokens", int(self.max_tokens))
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
+        object.__setattr__(self, "min_p", float(self.min_p))
+        object.__setattr__(self, "top_k", max(0, int(self.top_k)))     # -1, as vLLM's "all", is 0
         if self.seed is not None:
             object.__setattr__(self, "seed", int(self.seed))
 

@@ -71,13 +71,15 @@ def seed_key(seed: int) -> jax.Array:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["slots", "tokens", "remaining", "eos", "temperature", "top_p", "keys"],
+                   data_fields=["slots", "tokens", "remaining", "eos", "temperature", "top_p", "top_k", "min_p",
+                                "keys"],
                    meta_fields=[])
 @dataclasses.dataclass
 class Batch:
     """Per cache row, on the device: slots int32 (request id, -1 empty); tokens int32 (the next
     decode input); remaining int32 (tokens the row may still emit); eos int32 (-1: none);
-    temperature, top_p float32; keys uint32[rows, 2] (raw PRNG keys)."""
+    temperature, top_p, min_p float32, top_k int32 (SamplingParams); keys uint32[rows, 2] (raw PRNG
+    keys)."""
 
     slots: jax.Array
     tokens: jax.Array
@@ -85,6 +87,8 @@ class Batch:
     eos: jax.Array
     temperature: jax.Array
     top_p: jax.Array
+    top_k: jax.Array
+    min_p: jax.Array
     keys: jax.Array
 
 
@@ -92,17 +96,20 @@ def _empty_batch(rows: int) -> Batch:
     return Batch(slots=jnp.full((rows,), -1, jnp.int32), tokens=jnp.zeros((rows,), jnp.int32),
                  remaining=jnp.zeros((rows,), jnp.int32),
                  eos=jnp.full((rows,), -1, jnp.int32), temperature=jnp.zeros((rows,), jnp.float32),
-                 top_p=jnp.ones((rows,), jnp.float32), keys=jnp.zeros((rows, 2), jnp.uint32))
+                 top_p=jnp.ones((rows,), jnp.float32), top_k=jnp.zeros((rows,), jnp.int32),
+                 min_p=jnp.zeros((rows,), jnp.float32), keys=jnp.zeros((rows, 2), jnp.uint32))
 
 
-def _choose(logits, keys, temperature, top_p, forced, *, sampling: bool):
+def _choose(logits, keys, temperature, filters, forced, *, sampling: bool):
     """Per row: the forced token where forced >= 0, else a sample (greedy where temperature is 0;
-    with sampling=False every row is greedy and no sampling code runs). Returns (token int32[rows],
+    with sampling=False every row is greedy and no sampling code runs); filters: (top_p, top_k,
+    min_p) per row. Returns (token int32[rows],
     its log-prob float32[rows], the rows' next keys)."""
     split = jax.vmap(jax.random.split)(keys)                   # [rows, 2, 2]
     keys, sub = split[:, 0], split[:, 1]
     if sampling:
-        sampled = jax.vmap(lambda l, k, t, p: sample(l[None], k, t, p)[0])(logits, sub, temperature, top_p)
+        sampled = jax.vmap(lambda l, k, t, p, tk, mp: sample(l[None], k, t, p, tk, mp)[0])(
+            logits, sub, temperature, *filters)
     else:
         sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     token = jnp.where(forced >= 0, forced, sampled)
@@ -111,11 +118,12 @@ def _choose(logits, keys, temperature, top_p, forced, *, sampling: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("sampling",))
-def _first_token(logits, key, temperature, top_p, forced, *, sampling: bool):
-    """_choose for one prefilled request: logits float32[vocab] -> (token, logprob, next key)."""
+def _first_token(logits, key, temperature, filters, forced, *, sampling: bool):
+    """_choose for one prefilled request: logits float32[vocab], filters (top_p, top_k, min_p)
+    scalars -> (token, logprob, next key)."""
     TRACES["first_token"] += 1
-    token, logprob, keys = _choose(logits[None], key[None], temperature[None], top_p[None], forced[None],
-                                   sampling=sampling)
+    token, logprob, keys = _choose(logits[None], key[None], temperature[None], [f[None] for f in filters],
+                                   forced[None], sampling=sampling)
     return token[0], logprob[0], keys[0]
 
 
@@ -178,7 +186,8 @@ def _step(params: Params, cache: kvc.PagedKVCache, state, batch: Batch, forced, 
                                                 wise_config=wise_config, kernel=kernel, unroll=unroll, mesh=mesh,
                                                 width=width)
     live = (batch.slots >= 0) & ~cache.overflowed
-    token, logprob, keys = _choose(logits, batch.keys, batch.temperature, batch.top_p, forced, sampling=sampling)
+    token, logprob, keys = _choose(logits, batch.keys, batch.temperature, (batch.top_p, batch.top_k, batch.min_p),
+                                   forced, sampling=sampling)
     remaining = batch.remaining - live.astype(jnp.int32)
     done = live & ((remaining <= 0) | (token == batch.eos))
     cache = kvc.release(cache, done)
@@ -484,7 +493,8 @@ class LLM:
                                          attention=self.attention, unroll=self.unroll, mesh=self.mesh)
             p = request.params
             token, logprob, key = _first_token(logits, jnp.asarray(request.key), jnp.float32(p.temperature),
-                                               jnp.float32(p.top_p), jnp.int32(request.next_forced()),
+                                               (jnp.float32(p.top_p), jnp.int32(p.top_k), jnp.float32(p.min_p)),
+                                               jnp.int32(request.next_forced()),
                                                sampling=request.sampling)
             request.dispatched = 1
             _check_finite(logprob, request)
@@ -497,7 +507,8 @@ class LLM:
                 self._running[request.slot] = request
                 row = Batch(slots=jnp.int32(request.id), tokens=jnp.int32(request.tokens[-1]),
                             remaining=jnp.int32(request.max_tokens - 1), eos=jnp.int32(request.eos),
-                            temperature=jnp.float32(p.temperature), top_p=jnp.float32(p.top_p), keys=key)
+                            temperature=jnp.float32(p.temperature), top_p=jnp.float32(p.top_p),
+                            top_k=jnp.int32(p.top_k), min_p=jnp.float32(p.min_p), keys=key)
                 self.cache, self.batch = _admit(self.cache, self.batch, kv, jnp.int32(request.slot), row)
                 if bool(self.cache.overflowed):  # cannot happen after lifetime admission: reported at once
                     raise kvc.PoolExhaustedError(

@@ -81,8 +81,8 @@ def _prompt_list(prompts, what: str) -> list:
 
 
 def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int] | str], *,
-             max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-             eos_token_id=MODEL_EOS, wise_config: WiseConfig | None = None,
+             max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+             min_p: float = 0.0, eos_token_id=MODEL_EOS, wise_config: WiseConfig | None = None,
              key: jax.Array | None = None, return_logits: bool = False,
              tokenizer: Tokenizer | None = None, page_size: int = DEFAULT_PAGE_SIZE,
              kernel: str | None = None, mesh=None) -> GenerationOutput:
@@ -92,7 +92,8 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
     returns a checkpoint's; strings are encoded with `tokenizer.encode(s).ids`).
     A row stops after emitting eos_token_id (default MODEL_EOS: config.eos_token_id; None: never
     early). Bad arguments are errors naming them (`wise_core.generate_args`).
-    temperature 0 is greedy; otherwise sampling with top-p; prompt i samples with the key
+    temperature 0 is greedy; otherwise sampling with min_p, top_k and top_p (`SamplingParams`);
+    prompt i samples with the key
     fold_in(key, i) (key default PRNGKey(0)), so its tokens do not depend on the other prompts.
     kernel: decode-attention kernel (default: wise_config.kernel, or 'auto' when dense).
     mesh: a jax.sharding.Mesh with axis "tp" to split the heads over (`wise_jax.sharding`).
@@ -103,8 +104,8 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
     wise_config = check_wise_config(wise_config, config.total_ut_steps)
     eos = resolve_eos(eos_token_id, config.vocab_size, config.eos_token_id)
     stops = () if eos is None or eos == config.eos_token_id else (eos,)
-    sampling = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                              ignore_eos=eos != config.eos_token_id, stop_token_ids=stops)
+    sampling = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                              min_p=min_p, ignore_eos=eos != config.eos_token_id, stop_token_ids=stops)
     key = jax.random.PRNGKey(0) if key is None else key
 
     encoded = [encode(p, config, tokenizer, f"prompts[{n}]") for n, p in enumerate(prompts)]

@@ -5,8 +5,9 @@ naming the field and the problem. Unknown fields are rejected, not ignored: a mi
 `max_token` silently falling back to the default would be a silent wrong result. Fields of the
 OpenAI API that the engine does not implement (`n`, `best_of`, `logprobs`, penalties,
 `logit_bias`, `suffix`, `echo`) are accepted only at their neutral value. Defaults follow the
-OpenAI API (max_tokens 16, temperature 1, top_p 1). Extensions (as in vLLM): `ignore_eos`, and
-`return_token_ids` (each choice and stream chunk also carries the token ids).
+OpenAI API (max_tokens 16, temperature 1, top_p 1). Extensions (as in vLLM): `top_k` (-1 or 0:
+every token), `min_p` (0: off), `ignore_eos`, and `return_token_ids` (each choice and stream
+chunk also carries the token ids).
 
 The engine checks what only it knows (prompt length against max_model_len and the pool,
 token ids against the vocabulary); its ValueErrors become 400s too.
@@ -25,7 +26,7 @@ from wise_torch.engine.sequence import MAX_SEED, SamplingParams
 FIELDS = frozenset({
     "model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
     "echo", "n", "best_of", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "suffix", "user",
-    "ignore_eos", "return_token_ids"})
+    "ignore_eos", "return_token_ids", "top_k", "min_p"})
 MAX_STOP_STRINGS = 4          # as the OpenAI API
 DEFAULT_MAX_TOKENS = 16
 
@@ -139,6 +140,15 @@ def parse_completion(body: bytes, *, model_name: str, has_tokenizer: bool = True
     top_p = 1.0 if top_p is None else top_p
     if not _is_number(top_p) or not 0 < top_p <= 1:
         raise BadRequest(f"top_p must be a number in (0, 1], got {json.dumps(top_p):.40}", "top_p")
+    top_k = obj.get("top_k")
+    top_k = 0 if top_k is None else top_k
+    if not _is_int(top_k) or top_k < -1:
+        raise BadRequest(f"top_k must be an integer >= -1 (-1 or 0: every token), got {json.dumps(top_k):.40}",
+                         "top_k")
+    min_p = obj.get("min_p")
+    min_p = 0.0 if min_p is None else min_p
+    if not _is_number(min_p) or not 0 <= min_p <= 1:
+        raise BadRequest(f"min_p must be a number in [0, 1], got {json.dumps(min_p):.40}", "min_p")
     seed = obj.get("seed")
     if seed is not None and (not _is_int(seed) or not 0 <= seed < MAX_SEED):
         raise BadRequest(f"seed must be an integer in [0, 2**63), got {json.dumps(seed):.40}", "seed")
@@ -170,8 +180,8 @@ def parse_completion(body: bytes, *, model_name: str, has_tokenizer: bool = True
     user = obj.get("user")
     if user is not None and not isinstance(user, str):
         raise BadRequest(f"user must be a string, got {json.dumps(user):.40}", "user")
-    params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), seed=seed,
-                            ignore_eos=flags["ignore_eos"])
+    params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
+                            top_k=top_k, min_p=float(min_p), seed=seed, ignore_eos=flags["ignore_eos"])
     return CompletionRequest(prompt, params, tuple(stop), flags["stream"], include_usage,
                              flags["return_token_ids"] or not has_tokenizer)
 

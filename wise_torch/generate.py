@@ -105,12 +105,13 @@ def _stats(llm: LLM, new_tokens: int) -> GenerationStats:
 
 @torch.inference_mode()
 def generate(model: OuroForCausalLM, prompts, *, max_new_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, eos_token_id=MODEL_EOS, wise_config: WiseConfig | None = None,
+             top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, eos_token_id=MODEL_EOS, wise_config: WiseConfig | None = None,
              seed: int | None = None, return_logits: bool = False,
              page_size: int = DEFAULT_PAGE_SIZE, kernel: str | None = None) -> GenerationOutput:
     """Generate up to max_new_tokens per prompt (list of token-id lists, or strings with a tokenizer).
 
-    Greedy at temperature 0, else sampling with top-p (seed: reproducible samples; request i
+    Greedy at temperature 0, else sampling with min_p, top_k and top_p (`SamplingParams`; seed:
+    reproducible samples; request i
     draws from seed_for(seed, i)); a row stops at eos_token_id (default: the model's; None:
     never early). With wise_config, decode runs WISE. kernel: the decode attention (default:
     wise_config.kernel, or "auto" for dense decode).
@@ -123,8 +124,8 @@ def generate(model: OuroForCausalLM, prompts, *, max_new_tokens: int, temperatur
     ids = _token_lists(model, prompts, "prompts")
     _check_length(model, [len(p) for p in ids], [max_new_tokens] * len(ids), "prompts")
     stop = dict(ignore_eos=True, stop_token_ids=() if eos is None else (eos,))
-    params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                             seed=None if seed is None else seed_for(seed, i), **stop) for i in range(len(ids))]
+    params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                             min_p=min_p, seed=None if seed is None else seed_for(seed, i), **stop) for i in range(len(ids))]
     llm = _engine(model, ids, [max_new_tokens] * len(ids), wise_config, page_size, kernel)
     requests = [llm.add_request(p, sp, keep_logits=return_logits) for p, sp in zip(ids, params)]
     seqs = [llm.sequences[r] for r in requests]

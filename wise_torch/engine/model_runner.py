@@ -347,17 +347,16 @@ class ModelRunner:
         if not seqs:   # a step that samples nothing still marks when it is done
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return InFlight([], empty, empty.bool(), None, {})
-        temperatures, top_ps, generators = [], [], []
+        temperatures, generators = [], []
         for seq in seqs:
             p = seq.params
             temperatures.append(0.0 if seq.forced is not None else p.temperature)
-            top_ps.append(p.top_p)
             if p.temperature > 0 and p.seed is not None:
                 if seq.generator is None:
                     seq.generator = torch.Generator(device=self.device)
                 seq.generator.manual_seed(seed_for(p.seed, len(seq.tokens)))
             generators.append(seq.generator if p.seed is not None else self.generator)
-        tokens = sample(logits, temperatures, top_ps, generators)
+        tokens = sample(logits, temperatures, [s.params for s in seqs], generators)
         forced = [i for i, s in enumerate(seqs) if s.forced is not None]
         if forced:
             tokens[torch.tensor(forced, device=self.device)] = torch.tensor(

@@ -244,8 +244,8 @@ class Speculator:
     def _probs_inputs(self, seqs: list[Sequence], rows: list[int], repeat: int):
         temperature = torch.tensor([seqs[i].params.temperature for i in rows for _ in range(repeat)],
                                    dtype=torch.float32)
-        top_ps = [seqs[i].params.top_p for i in rows for _ in range(repeat)]
-        return temperature.to(self.device, non_blocking=True), top_ps
+        filters = [seqs[i].params for i in rows for _ in range(repeat)]
+        return temperature.to(self.device, non_blocking=True), filters
 
     def _index(self, xs: list[int]) -> torch.Tensor:
         index = torch.tensor(xs, dtype=torch.int64)
@@ -257,9 +257,9 @@ class Speculator:
         if not which:
             return
         rows = [sampled[s] for s in which]
-        temperature, top_ps = self._probs_inputs(seqs, rows, 1)
+        temperature, filters = self._probs_inputs(seqs, rows, 1)
         index = self._index(rows)
-        z = scaled_logits(logits[index], temperature, top_ps)
+        z = scaled_logits(logits[index], temperature, filters)
         u = torch.stack([self._uniform(seqs[i], len(seqs[i].tokens) + j, DRAFT, z.shape[1]) for i in rows])
         self.meta[j + 1, self._TOKEN, index] = (z - torch.log(-torch.log(u))).argmax(-1)
         draft_probs[self._index(which), j] = torch.softmax(z, -1)
@@ -268,8 +268,8 @@ class Speculator:
         """Rejection sampling for the sampled rows: overwrite their accepted counts and final tokens."""
         s, q, k = len(sampled), self.queries, self.num_draft
         index = self._index(sampled)
-        temperature, top_ps = self._probs_inputs(seqs, sampled, q)
-        p = torch.softmax(scaled_logits(logits[index].flatten(0, 1), temperature, top_ps), -1).view(s, q, -1)
+        temperature, filters = self._probs_inputs(seqs, sampled, q)
+        p = torch.softmax(scaled_logits(logits[index].flatten(0, 1), temperature, filters), -1).view(s, q, -1)
         d = drafts[index]                                                   # [s, k]
         p_d = p[:, :k].gather(2, d[..., None])[..., 0]
         q_d = draft_probs.gather(2, d[..., None])[..., 0]
