@@ -153,3 +153,55 @@ def test_top_k_and_min_p_sample_within_their_tokens(llm):
                        (dict(min_p=1.5), r"min_p must be in \[0, 1\]"), (dict(min_p=-0.1), "min_p must be")):
         with pytest.raises(ValueError, match=match):
             SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_stop_strings_end_the_text_before_them(framework):
+    """SamplingParams.stop, as vLLM's: the text ends before the first stop string, token_ids at
+    the token that completed it, stop_reason names it; without a tokenizer it is refused."""
+    if framework == "torch":
+        import wise_torch
+        llm = wise_torch.LLM("ouro-py-3m", num_pages=8, max_model_len=128)
+    else:
+        import wise_jax
+        llm = wise_jax.LLM("ouro-py-3m", num_pages=8, max_model_len=128, max_num_seqs=2)
+    tokenizer = llm.get_tokenizer()
+    prompt = "def add(a, b):"
+    [full] = llm.generate(prompt, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+    stop = full.text[4:6]
+    assert len(stop) == 2 and full.text.find(stop) >= 0, full.text
+    [cut] = llm.generate(prompt, SamplingParams(max_tokens=16, ignore_eos=True, stop=[stop, "\x00never"]),
+                         use_tqdm=False)
+    at = full.text.find(stop)
+    assert cut.text == cut.outputs[0].text == full.text[:at]
+    assert (cut.finish_reason, cut.stop_reason, cut.outputs[0].stop_reason) == ("stop", stop, stop)
+    n = len(cut.token_ids)
+    assert cut.token_ids == full.token_ids[:n] and stop in tokenizer.decode(cut.token_ids)
+    assert stop not in tokenizer.decode(cut.token_ids[:-1])        # the last token completed it
+    assert SamplingParams(stop="x").stop == ("x",)
+    with pytest.raises(ValueError, match="SamplingParams.stop must be a non-empty string"):
+        SamplingParams(stop=[""])
+    with pytest.raises(ValueError, match="SamplingParams.stop needs a tokenizer"):
+        engine(framework, max_model_len=256).add_request(PROMPTS[0], SamplingParams(stop=["a"]))
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_generate_functions_take_stop_strings(framework):
+    """wise_torch.generate / wise_jax.generate(stop=...): the texts end before the stop string."""
+    if framework == "torch":
+        import wise_torch
+        model = wise_torch.load_model("ouro-py-3m")
+
+        def run(**kw):
+            return wise_torch.generate(model, ["def add(a, b):"], max_new_tokens=16, eos_token_id=None, **kw)
+    else:
+        import wise_jax
+        config, params, tokenizer = wise_jax.load_model("ouro-py-3m", with_tokenizer=True)
+
+        def run(**kw):
+            return wise_jax.generate(params, config, ["def add(a, b):"], max_new_tokens=16, eos_token_id=None,
+                                     tokenizer=tokenizer, **kw)
+    [text] = run().texts
+    stop = text[4:6]
+    out = run(stop=[stop])
+    assert out.texts == [text[:text.find(stop)]] and len(out.tokens[0]) < 16

@@ -163,3 +163,17 @@ def test_top_k_one_samples_the_greedy_text(backend):
     greedy, top1 = wise(*args), wise(*args, "--temperature", "1.3", "--top-k", "1", "--seed", "5")
     assert greedy.returncode == top1.returncode == 0, greedy.stderr + top1.stderr
     assert json.loads(top1.stdout)["text"] == json.loads(greedy.stdout)["text"]
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_stop_ends_the_text_before_it(backend):
+    args = ("generate", "--prompt", "def add(a, b):", "--device", "cpu", "--max-new-tokens", "16", "--json",
+            "--backend", backend)
+    full = wise(*args)
+    assert full.returncode == 0, full.stderr
+    text = json.loads(full.stdout)["text"]
+    stop = text[4:6]
+    cut = wise(*args, "--stop", stop, "--stop", "\x01")
+    assert cut.returncode == 0, cut.stderr
+    out = json.loads(cut.stdout)
+    assert out["text"] == text[:text.find(stop)] and out["finish_reason"] == "stop"

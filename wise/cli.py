@@ -53,6 +53,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                              "default is 1, as OpenAI's)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most probable tokens (default: 0, all)")
+    parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                        help="end a prompt's text before TEXT (repeat for several)")
     parser.add_argument("--min-p", type=float, default=0.0,
                         help="sample among tokens of probability >= min_p x the largest (default: 0, all)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
@@ -151,10 +153,10 @@ def _generate_torch(args, wise_config: WiseConfig | None, prompts: list[str], on
     for i, prompt in enumerate(ids):
         params = wise_torch.SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
                                            top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                                           seed=seed_for(args.seed, i))
+                                           stop=tuple(args.stop), seed=seed_for(args.seed, i))
         requests[llm.add_request(prompt, params)] = i
     results: list[dict | None] = [None] * len(ids)
-    text = TextStream(tokenizer) if on_text is not None else None
+    text = TextStream(tokenizer, tuple(args.stop)) if on_text is not None else None
     bar = None
     if len(ids) > 1:
         from tqdm.auto import tqdm
@@ -204,12 +206,13 @@ def _generate_jax(args, wise_config: WiseConfig | None, prompts: list[str], on_t
     ids = [encode_text(tokenizer, p, _prompt_name(args, i)) for i, p in enumerate(prompts)]
     out = wise_jax.generate(params, config, ids, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                            eos_token_id=config.eos_token_id,
+                            stop=tuple(args.stop), eos_token_id=config.eos_token_id, tokenizer=tokenizer,
                             wise_config=wise_config, key=jax.random.PRNGKey(args.seed))
     eos = config.eos_token_id
-    results = [dict(text=tokenizer.decode(t), token_ids=list(t), prompt_tokens=len(p),
-                    finish_reason="stop" if eos is not None and t and t[-1] == eos else "length")
-               for p, t in zip(ids, out.tokens)]
+    results = [dict(text=text, token_ids=list(t), prompt_tokens=len(p),    # a stop string cut the text: "stop"
+                    finish_reason="stop" if (eos is not None and t and t[-1] == eos) or text != tokenizer.decode(t)
+                    else "length")
+               for p, t, text in zip(ids, out.tokens, out.texts)]
     stats = dataclasses.asdict(out.stats)
     stats["prefill_tokens"] = sum(map(len, ids))
     stats["decode_tokens"] = stats["new_tokens"] - len(ids)
@@ -231,7 +234,7 @@ def wise_settings(args) -> WiseConfig | None:
 def run_generate(args) -> int:
     wise_config = wise_settings(args)
     check_sampling(args.temperature, args.top_p)
-    SamplingParams(top_k=args.top_k, min_p=args.min_p)        # their checks, before any framework loads
+    SamplingParams(top_k=args.top_k, min_p=args.min_p, stop=tuple(args.stop))   # their checks, before a framework loads
     check_seed(args.seed)
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be a positive integer, got {args.threads}")

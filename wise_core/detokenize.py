@@ -1,5 +1,5 @@
 """A request's growing token ids as text: incremental detokenization and stop strings (used by
-`wise serve` and `wise generate --stream`).
+both engines for SamplingParams.stop, `wise serve` and `wise generate --stream`).
 
 Decoding token by token must not emit half a character (a byte-level tokenizer splits UTF-8
 characters across tokens) nor text that a later token changes. `TextStream` decodes a short
@@ -27,6 +27,7 @@ class TextStream:
         self.text = ""            # decoded so far, cut at a stop string
         self.sent = 0             # characters of text already handed out
         self.stopped = False      # a stop string was found
+        self.stop_reason: str | None = None   # the stop string found (the earliest in the text)
         self.num_tokens = 0       # tokens consumed (up to the one completing a stop string)
 
     def add(self, ids: list[int]) -> None:
@@ -59,9 +60,10 @@ class TextStream:
             return
         start = max(len(self.text) - self.hold, 0)
         self.text += delta
-        found = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        found = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
         if found:
-            self.text = self.text[:min(found)]
+            at, self.stop_reason = min(found, key=lambda f: f[0])
+            self.text = self.text[:at]
             self.stopped = True
 
     def delta(self, final: bool) -> str:

@@ -25,7 +25,9 @@ class SamplingParams:
     makes the request's samples reproducible whatever else runs beside it (None: the engine
     draws them: wise_torch from its generator, wise_jax from its seed and the request id);
     ignore_eos: keep going past the model's eos; stop_token_ids: more ids that end the
-    request; logprobs: report log p of each generated token.
+    request; stop: strings that end it (needs the engine's tokenizer): the text ends before the
+    first one found, the tokens at the one that completed it, stop_reason names it (as vLLM);
+    logprobs: report log p of each generated token.
     """
 
     max_tokens: int = 16
@@ -36,6 +38,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
     logprobs: bool = False
 
     def __post_init__(self) -> None:
@@ -66,6 +69,10 @@ class SamplingParams:
                 not isinstance(t, numbers.Integral) or isinstance(t, bool) for t in stops):
             raise ValueError(f"SamplingParams.stop_token_ids must be a sequence of integer ids, got {stops!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (tuple, list)) or not all(isinstance(x, str) and x for x in stop):
+            raise ValueError(f"SamplingParams.stop must be a non-empty string or a sequence of them, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
         # numpy scalars pass the checks above; the engines get plain Python numbers
         object.__setattr__(self, "max_tokens", int(self.max_tokens))
         object.__setattr__(self, "temperature", float(self.temperature))
@@ -99,15 +106,15 @@ def prompts_with_params(prompts, params, array_types: tuple[type, ...] = ()) -> 
 class CompletionOutput:
     """One completion of a request, in vLLM's shape: index (0: a request has one), text (None
     without a tokenizer), token_ids, logprobs (log p of each token, as RequestOutput.logprobs:
-    floats, not vLLM's top-k dicts), finish_reason, stop_reason (the stop id that ended it; None
-    for eos, the length, an abort, or while running)."""
+    floats, not vLLM's top-k dicts), finish_reason, stop_reason (the stop id or string that ended
+    it; None for eos, the length, an abort, or while running)."""
 
     index: int
     text: str | None
     token_ids: list[int]
     logprobs: list[float] | None
     finish_reason: str | None
-    stop_reason: int | None
+    stop_reason: int | str | None
 
 
 @dataclasses.dataclass
@@ -115,7 +122,8 @@ class RequestOutput:
     """What one request has produced so far. text decodes token_ids with the engine's tokenizer
     (None without one); logprobs: log p of each token (SamplingParams.logprobs, teacher
     forcing), else None. finish_reason: "length", "stop" (eos or a stop id), "abort", or None
-    while running; stop_reason: the stop id that ended it (None for eos). prompt_token_ids is
+    while running; stop_reason: the stop id or string that ended it (None for eos); a stop
+    string ends the text before it (token_ids keep the token that completed it). prompt_token_ids is
     the engine's own list: read it, do not change it. `outputs` and `prompt` give vLLM's shape."""
 
     request_id: int
@@ -125,10 +133,13 @@ class RequestOutput:
     finish_reason: str | None
     logprobs: list[float] | None = None
     tokenizer: object = dataclasses.field(default=None, repr=False, compare=False)
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None
+    cut_text: str | None = dataclasses.field(default=None, repr=False)   # the text a stop string ended
 
     @property
     def text(self) -> str | None:
+        if self.cut_text is not None:
+            return self.cut_text
         return None if self.tokenizer is None else self.tokenizer.decode(self.token_ids)
 
     @property

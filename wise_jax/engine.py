@@ -46,6 +46,7 @@ from tokenizers import Tokenizer
 
 from wise_core.buckets import batch_bucket, context_bucket, context_buckets, decode_buckets
 from wise_core.config import ModelConfig, WiseConfig
+from wise_core.detokenize import TextStream
 from wise_core.generate_args import check_seed
 from wise_core.request import (MAX_SEED, EngineStats, RequestOutput, SamplingParams,  # noqa: F401 (its names)
                                prompts_with_params)
@@ -214,7 +215,8 @@ class _Request:
         self.logits: list[np.ndarray] = []
         self.slot: int | None = None
         self.finish_reason: str | None = None
-        self.stop_reason: int | None = None
+        self.stop_reason: int | str | None = None
+        self.text: TextStream | None = None      # its text, when stop strings are watched
 
     @property
     def sampling(self) -> bool:
@@ -225,9 +227,13 @@ class _Request:
         self.logprobs.append(logprob)
         if self.keep_logits:
             self.logits.append(np.asarray(logits))
+        if self.text is not None and self.forced is None:
+            self.text.add([token])
         if self.forced is None and (token == self.eos or token in self.params.stop_token_ids):
             self.finish_reason = "stop"
             self.stop_reason = None if token == self.eos else token
+        elif self.text is not None and self.text.stopped:
+            self.finish_reason, self.stop_reason = "stop", self.text.stop_reason
         elif len(self.tokens) >= self.max_tokens:
             self.finish_reason = "length"
 
@@ -237,8 +243,9 @@ class _Request:
 
     def output(self, tokenizer) -> RequestOutput:
         logprobs = list(self.logprobs) if self.params.logprobs or self.forced is not None else None
+        cut = self.text.text if self.text is not None and self.text.stopped else None
         return RequestOutput(self.id, self.prompt, list(self.tokens), self.finish_reason is not None,
-                             self.finish_reason, logprobs, tokenizer, self.stop_reason)
+                             self.finish_reason, logprobs, tokenizer, self.stop_reason, cut)
 
 
 class LLM:
@@ -362,6 +369,10 @@ class LLM:
         eos = -1 if params.ignore_eos or forced is not None or self.config.eos_token_id is None \
             else self.config.eos_token_id
         request = _Request(rid, ids, params, eos, np.asarray(key, np.uint32), forced, keep_logits, self.page_size)
+        if params.stop:
+            if self.tokenizer is None:
+                raise ValueError("SamplingParams.stop needs a tokenizer, and this engine has none")
+            request.text = TextStream(self.tokenizer, params.stop)
         limit = min(self.max_model_len, self.config.max_position_embeddings)
         if len(ids) + request.max_tokens > limit:
             raise ValueError(f"the request needs {len(ids)} prompt + {request.max_tokens} new tokens, more than "

@@ -82,7 +82,7 @@ def _prompt_list(prompts, what: str) -> list:
 
 def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int] | str], *,
              max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-             min_p: float = 0.0, eos_token_id=MODEL_EOS, wise_config: WiseConfig | None = None,
+             min_p: float = 0.0, stop: Sequence[str] = (), eos_token_id=MODEL_EOS, wise_config: WiseConfig | None = None,
              key: jax.Array | None = None, return_logits: bool = False,
              tokenizer: Tokenizer | None = None, page_size: int = DEFAULT_PAGE_SIZE,
              kernel: str | None = None, mesh=None) -> GenerationOutput:
@@ -91,7 +91,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
     prompts: token-id lists, or strings with `tokenizer` (`load_model(..., with_tokenizer=True)`
     returns a checkpoint's; strings are encoded with `tokenizer.encode(s).ids`).
     A row stops after emitting eos_token_id (default MODEL_EOS: config.eos_token_id; None: never
-    early). Bad arguments are errors naming them (`wise_core.generate_args`).
+    early), or at a stop string (needs `tokenizer`; its text ends before it, `SamplingParams.stop`). Bad arguments are errors naming them (`wise_core.generate_args`).
     temperature 0 is greedy; otherwise sampling with min_p, top_k and top_p (`SamplingParams`);
     prompt i samples with the key
     fold_in(key, i) (key default PRNGKey(0)), so its tokens do not depend on the other prompts.
@@ -105,7 +105,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
     eos = resolve_eos(eos_token_id, config.vocab_size, config.eos_token_id)
     stops = () if eos is None or eos == config.eos_token_id else (eos,)
     sampling = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                              min_p=min_p, ignore_eos=eos != config.eos_token_id, stop_token_ids=stops)
+                              min_p=min_p, stop=tuple(stop), ignore_eos=eos != config.eos_token_id, stop_token_ids=stops)
     key = jax.random.PRNGKey(0) if key is None else key
 
     encoded = [encode(p, config, tokenizer, f"prompts[{n}]") for n, p in enumerate(prompts)]
@@ -121,7 +121,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
         llm.step()
     tokens = [r.tokens for r in requests]
     logits = [np.stack(r.logits).astype(np.float32) for r in requests] if return_logits else None
-    texts = None if tokenizer is None else [tokenizer.decode(t) for t in tokens]
+    texts = None if tokenizer is None else [r.output(tokenizer).text for r in requests]
     return GenerationOutput(tokens, texts, logits, _stats(llm, sum(map(len, tokens))))
 
 

@@ -105,16 +105,17 @@ def _stats(llm: LLM, new_tokens: int) -> GenerationStats:
 
 @torch.inference_mode()
 def generate(model: OuroForCausalLM, prompts, *, max_new_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, eos_token_id=MODEL_EOS, wise_config: WiseConfig | None = None,
+             top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, stop: tuple[str, ...] = (),
+             eos_token_id=MODEL_EOS, wise_config: WiseConfig | None = None,
              seed: int | None = None, return_logits: bool = False,
              page_size: int = DEFAULT_PAGE_SIZE, kernel: str | None = None) -> GenerationOutput:
     """Generate up to max_new_tokens per prompt (list of token-id lists, or strings with a tokenizer).
 
     Greedy at temperature 0, else sampling with min_p, top_k and top_p (`SamplingParams`; seed:
-    reproducible samples; request i
-    draws from seed_for(seed, i)); a row stops at eos_token_id (default: the model's; None:
-    never early). With wise_config, decode runs WISE. kernel: the decode attention (default:
-    wise_config.kernel, or "auto" for dense decode).
+    reproducible samples; request i draws from seed_for(seed, i)); a row stops at eos_token_id
+    (default: the model's; None: never early) or at a stop string (its text ends before it,
+    `SamplingParams.stop`). With wise_config, decode runs WISE. kernel: the decode attention
+    (default: wise_config.kernel, or "auto" for dense decode).
     """
     max_new_tokens = check_max_new_tokens(max_new_tokens)
     temperature, top_p = check_sampling(temperature, top_p)
@@ -123,15 +124,16 @@ def generate(model: OuroForCausalLM, prompts, *, max_new_tokens: int, temperatur
     eos = resolve_eos(eos_token_id, model.config.vocab_size, model.config.eos_token_id)
     ids = _token_lists(model, prompts, "prompts")
     _check_length(model, [len(p) for p in ids], [max_new_tokens] * len(ids), "prompts")
-    stop = dict(ignore_eos=True, stop_token_ids=() if eos is None else (eos,))
+    ends = dict(ignore_eos=True, stop_token_ids=() if eos is None else (eos,))
     params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                             min_p=min_p, seed=None if seed is None else seed_for(seed, i), **stop) for i in range(len(ids))]
+                             min_p=min_p, stop=tuple(stop), seed=None if seed is None else seed_for(seed, i),
+                             **ends) for i in range(len(ids))]
     llm = _engine(model, ids, [max_new_tokens] * len(ids), wise_config, page_size, kernel)
     requests = [llm.add_request(p, sp, keep_logits=return_logits) for p, sp in zip(ids, params)]
     seqs = [llm.sequences[r] for r in requests]
     outs = llm.run_until_done(requests)
     tokens = [o.token_ids for o in outs]
-    texts = None if model.tokenizer is None else [model.tokenizer.decode(t) for t in tokens]
+    texts = None if model.tokenizer is None else [o.text for o in outs]
     return GenerationOutput(tokens=tokens, texts=texts,
                             logits=[torch.stack(s.logits) for s in seqs] if return_logits else None,
                             stats=_stats(llm, sum(map(len, tokens))))

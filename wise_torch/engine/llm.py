@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from wise_core.config import SpeculativeConfig, WiseConfig
+from wise_core.detokenize import TextStream
 from wise_core.generate_args import check_seed
 from wise_core.request import EngineStats, prompts_with_params
 from wise_core.tokenizer import encode_text
@@ -227,6 +228,10 @@ class LLM:
                        forced=None if forced is None else list(forced), keep_logits=keep_logits)
         if forced is not None and not forced:
             raise ValueError("the forced continuation is empty")
+        if params.stop:
+            if self.tokenizer is None:
+                raise ValueError("SamplingParams.stop needs a tokenizer, and this engine has none")
+            seq.text = TextStream(self.tokenizer, params.stop)
         if self.speculator is not None:
             self.speculator.check_request(seq)
         if seq.max_length > self.max_model_len:

@@ -8,6 +8,7 @@ import enum
 import torch
 
 from wise_core import request
+from wise_core.detokenize import TextStream
 from wise_core.request import MAX_SEED, SamplingParams  # noqa: F401 (the engine's names)
 
 
@@ -45,7 +46,8 @@ class Sequence:
     status: Status = Status.WAITING
     finishing: bool = False
     finish_reason: str | None = None
-    stop_reason: int | None = None           # the stop id that ended it (None: eos or another reason)
+    stop_reason: int | str | None = None     # the stop id or string that ended it (None: eos or another reason)
+    text: TextStream | None = None           # its text, when stop strings are watched
     offloaded: tuple[torch.Tensor, torch.Tensor] | None = None
     forced: list[int] | None = None
     keep_logits: bool = False
@@ -92,9 +94,15 @@ class Sequence:
         token in flight) or on the token budget."""
         self.tokens[index] = token
         eos = not self.params.ignore_eos and token in self.eos_token_ids
+        if self.text is not None and self.forced is None:
+            self.text.add([token])
         if self.forced is None and (eos or token in self.params.stop_token_ids):
             del self.tokens[index + 1:]
             self.stop_reason = None if eos else token
+            self.finish("stop")
+        elif self.text is not None and self.text.stopped:
+            del self.tokens[index + 1:]
+            self.stop_reason = self.text.stop_reason
             self.finish("stop")
         elif self.finishing and index == len(self.tokens) - 1:
             self.finish("length")
@@ -109,5 +117,6 @@ class RequestOutput(request.RequestOutput):
     @classmethod
     def of(cls, seq: Sequence, tokenizer) -> "RequestOutput":
         want_logprobs = seq.params.logprobs or seq.forced is not None
+        cut = seq.text.text if seq.text is not None and seq.text.stopped else None
         return cls(seq.request_id, seq.prompt, seq.output, seq.status is Status.FINISHED, seq.finish_reason,
-                   list(seq.logprobs) if want_logprobs else None, tokenizer, seq.stop_reason)
+                   list(seq.logprobs) if want_logprobs else None, tokenizer, seq.stop_reason, cut)
