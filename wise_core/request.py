@@ -102,6 +102,21 @@ def prompts_with_params(prompts, params, array_types: tuple[type, ...] = ()) -> 
     return list(zip(prompts, params))
 
 
+def add_all(engine, pairs: list) -> list[int]:
+    """Queue each (prompt, params) of `prompts_with_params` on `engine` (its add_request) ->
+    their request ids; when one is refused, the ones this call queued are aborted before the
+    error goes on, so nothing of a failed call stays queued."""
+    ids = []
+    try:
+        for prompt, params in pairs:
+            ids.append(engine.add_request(prompt, params))
+    except BaseException:
+        for rid in ids:
+            engine.abort(rid)
+        raise
+    return ids
+
+
 @dataclasses.dataclass
 class CompletionOutput:
     """One completion of a request, in vLLM's shape: index (0: a request has one), text (None

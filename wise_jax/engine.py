@@ -49,7 +49,7 @@ from wise_core.config import ModelConfig, WiseConfig
 from wise_core.detokenize import TextStream
 from wise_core.generate_args import check_seed
 from wise_core.request import (MAX_SEED, EngineStats, RequestOutput, SamplingParams,  # noqa: F401 (its names)
-                               prompts_with_params)
+                               add_all, prompts_with_params)
 from wise_core.tokenizer import encode_text
 from wise_jax import kv_cache as kvc
 from wise_jax import serving
@@ -550,14 +550,7 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run prompts (strings or token-id lists) to completion -> RequestOutput per prompt, in
         prompt order. params: one SamplingParams for all, or one per prompt."""
-        ids = []
-        try:
-            for p, sp in prompts_with_params(prompts, params, (jax.Array,)):
-                ids.append(self.add_request(p, sp))
-        except BaseException:        # a bad prompt: none of this call's requests stays queued
-            for rid in ids:
-                self.abort(rid)
-            raise
+        ids = add_all(self, prompts_with_params(prompts, params, (jax.Array,)))
         return self.run_until_done(ids, use_tqdm=use_tqdm)
 
     def run_until_done(self, request_ids: list[int], *, use_tqdm: bool = False) -> list[RequestOutput]:

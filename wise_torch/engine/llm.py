@@ -23,7 +23,7 @@ import torch
 from wise_core.config import SpeculativeConfig, WiseConfig
 from wise_core.detokenize import TextStream
 from wise_core.generate_args import check_seed
-from wise_core.request import EngineStats, prompts_with_params
+from wise_core.request import EngineStats, add_all, prompts_with_params
 from wise_core.tokenizer import encode_text
 from wise_torch.engine import distributed
 from wise_torch.engine.block_manager import BlockManager
@@ -345,14 +345,7 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run prompts (strings or token-id lists) to completion -> RequestOutput per prompt, in
         prompt order. params: one SamplingParams for all, or one per prompt."""
-        ids = []
-        try:
-            for p, sp in prompts_with_params(prompts, params, (torch.Tensor,)):
-                ids.append(self.add_request(p, sp))
-        except BaseException:        # a bad prompt: none of this call's requests stays queued
-            for rid in ids:
-                self.abort(rid)
-            raise
+        ids = add_all(self, prompts_with_params(prompts, params, (torch.Tensor,)))
         return self.run_until_done(ids, use_tqdm=use_tqdm)
 
     def run_until_done(self, request_ids: list[int], *, use_tqdm: bool = False) -> list[RequestOutput]:
