@@ -63,9 +63,12 @@ from wise_jax.serving import DEFAULT_PAGE_SIZE, TRACES
 
 CPU_POOL_BYTES = 1 << 30       # num_pages=None on a CPU: a pool of at most 1 GiB
 # num_pages=None on a GPU: the pool fills this share of the memory jax may allocate, less what is
-# in use. XLA compiles a program against about 80 % of that memory (beyond it, it tries to
-# rematerialize, and warns); the pool, the weights and the step's temporaries stay below it.
+# in use. XLA still warns that it cannot rematerialize a program below its limit (on an H200,
+# 2026-12-04: 211.6 GiB counted against 123.9 GiB, as if the donated pool were held twice;
+# benchmarks/results/h200-2026-12-04/README.md); the warning costs compile time, not memory.
 GPU_POOL_FRACTION = 0.7
+
+
 def seed_key(seed: int) -> jax.Array:
     """A raw PRNG key for a seed in [0, 2**63) (jax.random.PRNGKey keeps only the low 32 bits)."""
     return jax.random.fold_in(jax.random.PRNGKey(seed & 0xFFFFFFFF), seed >> 32)

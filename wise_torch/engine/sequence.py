@@ -90,19 +90,16 @@ class Sequence:
         return len(self.tokens) - 1
 
     def resolve(self, index: int, token: int) -> None:
-        """The host read the token at `index`: finish on a stop token (dropping any later
-        token in flight) or on the token budget."""
+        """The host read the token at `index`: finish on a stop token or stop string (dropping
+        any later token in flight) or on the token budget."""
         self.tokens[index] = token
         eos = not self.params.ignore_eos and token in self.eos_token_ids
         if self.text is not None and self.forced is None:
             self.text.add([token])
-        if self.forced is None and (eos or token in self.params.stop_token_ids):
+        stop_id = self.forced is None and (eos or token in self.params.stop_token_ids)
+        if stop_id or (self.text is not None and self.text.stopped):
             del self.tokens[index + 1:]
-            self.stop_reason = None if eos else token
-            self.finish("stop")
-        elif self.text is not None and self.text.stopped:
-            del self.tokens[index + 1:]
-            self.stop_reason = self.text.stop_reason
+            self.stop_reason = (None if eos else token) if stop_id else self.text.stop_reason
             self.finish("stop")
         elif self.finishing and index == len(self.tokens) - 1:
             self.finish("length")
