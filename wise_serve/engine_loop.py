@@ -23,8 +23,8 @@ from typing import Callable
 
 import torch
 
-from wise_torch.engine.llm import LLM, EngineStats
-from wise_torch.engine.sequence import RequestOutput, SamplingParams
+from wise_core.request import EngineStats, RequestOutput, SamplingParams
+from wise_torch.engine.llm import LLM
 
 log = logging.getLogger("wise_serve")
 

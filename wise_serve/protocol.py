@@ -21,7 +21,7 @@ import math
 import time
 import uuid
 
-from wise_torch.engine.sequence import MAX_SEED, SamplingParams
+from wise_core.request import MAX_SEED, SamplingParams
 
 FIELDS = frozenset({
     "model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
