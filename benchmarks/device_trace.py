@@ -1,6 +1,6 @@
 """Device activity from a jax.profiler perfetto trace: kernel time per trace line, per kernel
 name and per group, and the span (first kernel's start to last kernel's end), per step.
-Shared by jax_decode_profile.py, kernel_profile.py and bench_pallas.py."""
+Shared by step_profile.py, kernel_profile.py and bench_pallas.py."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ def group_of(name: str) -> str:
     return "other"
 
 
-def device_activity(trace_dir: Path, steps: int) -> dict:
-    """Per-step device times (us) from the perfetto trace under trace_dir: per trace line
-    (events, busy), per kernel name on the busiest line kind, per group, and the span."""
+def device_lines(trace_dir: Path, *, host: bool = False) -> dict[str, list[dict]]:
+    """The device events ("X") of the perfetto trace under trace_dir (with host=True, the host's
+    too), per trace line ("process | thread"), each line in trace order."""
     files = list(trace_dir.rglob("perfetto_trace.json.gz"))
     if not files:
         raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
@@ -38,13 +38,25 @@ def device_activity(trace_dir: Path, steps: int) -> dict:
                or {pid for pid, name in processes.items() if not name.startswith("/host:")})
     lines: dict[str, list[dict]] = collections.defaultdict(list)
     for e in events:
-        if e.get("ph") == "X" and e["pid"] in devices:
+        if e.get("ph") == "X" and (host or e["pid"] in devices):
             lines[f"{processes[e['pid']]} | {threads.get((e['pid'], e['tid']), e['tid'])}"].append(e)
-    out = dict(processes=sorted(processes.values()), lines={}, kernels={}, groups={}, span_us=None, busy_us=None)
+    return dict(lines)
+
+
+def stream_kernels(lines: dict[str, list[dict]]) -> list[dict]:
+    """The kernels of `device_lines`: the events of its stream lines (every line if none is one)."""
+    streams = [line for line in lines if "stream" in line.lower()] or list(lines)
+    return [e for line in streams for e in lines[line]]
+
+
+def device_activity(trace_dir: Path, steps: int) -> dict:
+    """Per-step device times (us) from the perfetto trace under trace_dir: per trace line
+    (events, busy), per kernel name on the busiest line kind, per group, and the span."""
+    lines = device_lines(trace_dir)
+    out = dict(lines={}, kernels={}, groups={}, span_us=None, busy_us=None)
     for line, evs in lines.items():
         out["lines"][line] = dict(events_per_step=len(evs) / steps, busy_us=sum(e["dur"] for e in evs) / steps)
-    streams = [line for line in lines if "stream" in line.lower()] or list(lines)
-    kernels = [e for line in streams for e in lines[line]]
+    kernels = stream_kernels(lines)
     if kernels:
         by_name: dict[str, list[float]] = collections.defaultdict(list)
         for e in kernels:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark of the project, in parts, for one H200 (tp: two):
-#   bash benchmarks/gpu_suite.sh tests|train|bench|engine|jax|jax-bench|jax-tests|jax-profile|pallas|pallas-sweep|kernel-profile|tp OUTDIR [MODEL_DIR]
+#   bash benchmarks/gpu_suite.sh tests|train|bench|engine|jax|jax-bench|jax-tests|step-profile|pallas|pallas-sweep|kernel-profile|tp OUTDIR [MODEL_DIR]
 # tests: the `gpu`-marked pytest suite, the parity suite;
 # train: trains the built-in model (benchmarks/train_builtin.py) into OUTDIR/model;
 # engine: the torch engine's gpu tests, the fused-ops benchmark and the engine throughput
@@ -10,8 +10,10 @@
 #      (dense and WISE at 1K x 64, 4K x 20, 8K x 10, 1K x 1; a 32K x 2 prefill; JAX_ARMS, SHAPES,
 #      Q_SCALES override; each (shape, arm) warms up for about 40 s); jax-tests: JAX's gpu tests (engine,
 #      selection in generate, the Pallas kernel in generate, parity's kernel checks) and the decode
-#      contract compiled for the GPU; jax-profile: the JAX decode step under the profiler (dense and WISE
-#      at 4K x 20 and 1K x 1; SHAPES, Q_SCALES, JAX_ARMS override), about 4 minutes;
+#      contract compiled for the GPU;
+# step-profile: where a decode step's time goes, torch and JAX, dense and WISE, constructor defaults
+#               (benchmarks/step_profile.py at 1K x 64 and 1K x 1; SHAPES, Q_SCALES, FRAMEWORKS override),
+#               about 5 minutes;
 # pallas: both Pallas kernels' gpu tests (Triton-lowered, Mosaic GPU) and the kernel benchmark, about 4 minutes;
 # pallas-sweep: the kernel benchmark with both Pallas kernels' launch sweeps (PALLAS_SWEEP seconds per kernel
 #               and shape, default 40: about 2 + 0.1 x PALLAS_SWEEP minutes);
@@ -72,9 +74,9 @@ case $part in
       run decode_contract 120 python3 -m pytest -q tests/test_decode_contract.py -p no:cacheprovider -rfE
     fi
     ;;
-  jax-profile)
-    run jax_profile 300 python3 benchmarks/jax_decode_profile.py --shapes "${SHAPES:-4096x20,1024x1}" \
-        --q-scale "${Q_SCALES:-7.3,8}" --arms "${JAX_ARMS:-dense,wise}" --child-timeout 120 --out "$out/jax_profile"
+  step-profile)
+    run step_profile 560 python3 benchmarks/step_profile.py --frameworks "${FRAMEWORKS:-torch,jax}" \
+        --shapes "${SHAPES:-1024x64,1024x1}" --q-scale "${Q_SCALES:-8,8}" --child-timeout 150 --out "$out/step_profile"
     ;;
   pallas)
     run pallas_gpu_tests 150 python3 -m pytest -q -m gpu tests/test_pallas_decode.py tests/test_mosaic_decode.py \
@@ -102,5 +104,5 @@ case $part in
     run tp_jax 540 python3 benchmarks/jax_generate_bench.py --preset ouro-1.4b --arms dense,dense+tp2,wise,wise+tp2 \
         --shapes 1024x64,8192x20 --q-scale 8,7 --child-timeout 120 --out "$out/tp_jax"
     ;;
-  *) echo "unknown part $part (tests|train|bench|engine|jax|jax-bench|jax-tests|jax-profile|pallas|tp)" >&2; exit 2;;
+  *) echo "unknown part $part (tests|train|bench|engine|jax|jax-bench|jax-tests|step-profile|pallas|tp)" >&2; exit 2;;
 esac
