@@ -144,3 +144,22 @@ def test_data_parallel_two_devices_matches_one(tmp_path):
     # Basis: the two devices sum the batch's gradients in another order (an all-reduce of two
     # halves): float32 reassociation, ~1e-7 relative per step, through 3 Adam steps of lr <= 2e-3.
     np.testing.assert_allclose(np.load(out), one, rtol=0, atol=1e-5)
+
+
+def test_wise_train_command(tmp_path):
+    from wise import cli
+    from wise_core.checkpoint import load_checkpoint
+
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_bytes(STREAM.astype(np.uint8).tobytes())
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG.to_dict()))
+    out = tmp_path / "out"
+    argv = ["train", "--data", str(tmp_path / "text"), "--out", str(out), "--model-config", str(tmp_path / "config.json"),
+            "--batch", "2", "--seq-len", "32", "--max-steps", "2", "--warmup", "1", "--eval-windows", "4",
+            "--final-eval-windows", "4", "--compute-dtype", "float32"]
+    assert cli.main(argv) == 0
+    summary = json.loads((out / "metrics.json").read_text())["summary"]
+    assert summary["steps_done"] == 2 and summary["final"]["heldout_bytes"] == 4 * 32
+    assert load_checkpoint(out).config == CONFIG
+    assert cli.main(argv) == 0  # a second call resumes at the horizon: no step more
+    assert json.loads((out / "metrics.json").read_text())["summary"]["steps_done"] == 2

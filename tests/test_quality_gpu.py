@@ -1,6 +1,7 @@
 """On a GPU: the training script's cuDNN attention agrees with wise_jax's attention (values and
 gradients), and the smoke training run takes the cuDNN path. Run before training on an H200."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import train_builtin as tb  # noqa: E402
+from wise_jax import train as T  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs jax on a CUDA GPU")]
@@ -25,13 +27,13 @@ def test_cudnn_attention_matches_the_model_attention():
     def loss(attend, q, k, v):
         return jnp.sum(attend(q, k, v, 0, None)[0].astype(jnp.float32) * weight)
 
-    for attend in (tb.cudnn_attend, tb.dense_attend):
+    for attend in (T.cudnn_attend, T.dense_attend):
         assert attend(q, k, v, 0, None)[0].shape == q.shape
-    out_cudnn = np.asarray(tb.cudnn_attend(q, k, v, 0, None)[0], np.float32)
-    out_xla = np.asarray(tb.dense_attend(q, k, v, 0, None)[0], np.float32)
+    out_cudnn = np.asarray(T.cudnn_attend(q, k, v, 0, None)[0], np.float32)
+    out_xla = np.asarray(T.dense_attend(q, k, v, 0, None)[0], np.float32)
     np.testing.assert_allclose(out_cudnn, out_xla, atol=3e-2, rtol=3e-2)  # bf16 inputs and outputs
-    grads_cudnn = jax.jit(jax.grad(lambda *a: loss(tb.cudnn_attend, *a), argnums=(0, 1, 2)))(q, k, v)
-    grads_xla = jax.jit(jax.grad(lambda *a: loss(tb.dense_attend, *a), argnums=(0, 1, 2)))(q, k, v)
+    grads_cudnn = jax.jit(jax.grad(lambda *a: loss(T.cudnn_attend, *a), argnums=(0, 1, 2)))(q, k, v)
+    grads_xla = jax.jit(jax.grad(lambda *a: loss(T.dense_attend, *a), argnums=(0, 1, 2)))(q, k, v)
     for gc, gx in zip(grads_cudnn, grads_xla):
         gc, gx = np.asarray(gc, np.float32), np.asarray(gx, np.float32)
         assert np.linalg.norm(gc - gx) <= 0.05 * np.linalg.norm(gx)  # bf16: 5% in norm
@@ -39,6 +41,7 @@ def test_cudnn_attention_matches_the_model_attention():
 
 def test_smoke_training_on_the_gpu_uses_cudnn(tmp_path):
     log = tb.main(["--smoke", "--out", str(tmp_path), "--max-steps", "30", "--eval-every", "1000"])
-    assert log["attention"] == "cudnn" and not log["remat"]
-    assert log["final"]["steps"] == 30
-    assert log["final"]["heldout_bpb"] < log["history"][0]["heldout_bpb"] - 1.0  # it learned
+    assert log["train"]["attention"] == "cudnn" and not log["train"]["remat"]
+    assert log["steps_done"] == 30
+    evals = json.loads((tmp_path / "metrics.json").read_text())["evals"]
+    assert log["final"]["heldout_bpb"] < evals[0]["heldout_bpb"] - 1.0  # it learned

@@ -16,6 +16,8 @@ import qa_scoring  # noqa: E402
 import quality  # noqa: E402
 import train_builtin as tb  # noqa: E402
 import wise_jax  # noqa: E402
+from wise_core.train_config import TrainConfig  # noqa: E402
+from wise_jax import train as T  # noqa: E402
 from wise_core.checkpoint import load_checkpoint  # noqa: E402
 from wise_core.config import ModelConfig  # noqa: E402
 
@@ -27,7 +29,7 @@ TINY = ModelConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_hid
 def test_loop_losses_match_the_model_forward():
     params = wise_jax.init_params(TINY, jax.random.PRNGKey(1), std=0.2)
     tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 17), 0, 258)
-    ce, p = tb.loop_losses(params, TINY, tokens)
+    ce, p = T.loop_losses(params, TINY, tokens)
     logits, exits = wise_jax.forward_with_exits(params, TINY, tokens[:, :-1])
     expected = -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1)[..., 0]
     assert ce.shape == p.shape == (3, 2, 16)
@@ -40,13 +42,14 @@ def test_ouro_objective_on_hand_made_values():
     ce = jnp.array([[[2.0]], [[1.0]]])        # loops 2, batch 1, seq 1
     p = jnp.array([[[0.25]], [[0.75]]])
     entropy = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
-    assert float(tb.ouro_objective(ce, p, 0.1)) == pytest.approx(0.25 * 2 + 0.75 * 1 - 0.1 * entropy, rel=1e-6)
+    assert float(T.ouro_objective(ce, p, 0.1)) == pytest.approx(0.25 * 2 + 0.75 * 1 - 0.1 * entropy, rel=1e-6)
     one_hot = jnp.array([[[0.0]], [[1.0]]])  # xlogy keeps p = 0 finite
-    assert float(tb.ouro_objective(ce, one_hot, 0.1)) == pytest.approx(1.0)
+    assert float(T.ouro_objective(ce, one_hot, 0.1)) == pytest.approx(1.0)
 
 
 def test_learning_rate_schedule():
-    lr = lambda step, progress: tb.learning_rate(step, progress, peak=1.0, warmup=10, final_ratio=0.1)  # noqa: E731
+    train = TrainConfig(lr=1.0, warmup=10, final_lr_ratio=0.1, max_steps=1)
+    lr = lambda step, progress: T.learning_rate(train, step, progress)  # noqa: E731
     assert lr(0, 0.0) == pytest.approx(0.1)           # warmup: (step + 1) / warmup
     assert lr(9, 0.0) == pytest.approx(1.0)
     assert lr(100, 0.5) == pytest.approx(0.55)        # cosine midpoint between 1 and 0.1
@@ -54,21 +57,21 @@ def test_learning_rate_schedule():
 
 
 def test_weight_decay_skips_norms_and_biases():
-    flags = tb.decays(wise_jax.abstract_params(TINY))
+    flags = T.decays(wise_jax.abstract_params(TINY))
     assert flags.layers.qkv_proj and flags.embed_tokens and flags.lm_head
     assert not flags.layers.input_layernorm and not flags.norm and not flags.early_exit_gate_bias
 
 
 def test_train_step_reduces_loss_on_a_repeated_batch():
-    stream = jnp.asarray(np.frombuffer(b"def add(a, b):\n    return a + b\n" * 8, np.uint8).astype(np.uint16))
-    params, opt = tb.init_state(TINY, seed=0)
-    step = tb.make_train_step(TINY, seq_len=32, beta=0.05, weight_decay=0.0, clip=1.0)
-    offsets = jnp.array([0, 5], jnp.int32)
+    text = np.frombuffer(b"def add(a, b):\n    return a + b\n" * 8, np.uint8)
+    train = TrainConfig(batch=2, seq_len=32, weight_decay=0.0, max_steps=8)
+    step = T.make_train_step(TINY, train, len(text), T.mesh())
+    state, stream = T.init_state(TINY, train), jnp.asarray(text.astype(np.uint16))
     losses = []
     for _ in range(8):
-        params, opt, metrics = step(params, opt, stream, offsets, jnp.float32(1e-2))
+        state, metrics = step(state, stream, jnp.float32(1e-2))
         losses.append(float(metrics["loss"]))
-    assert int(opt.count) == 8
+    assert int(state.step) == 8
     assert losses[-1] < 0.8 * losses[0], losses
 
 
@@ -84,15 +87,16 @@ def smoke_model(tmp_path_factory):
 
 def test_smoke_training_writes_a_loadable_checkpoint(smoke_model):
     out, log = smoke_model
-    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "tokenizer.json",
-                                                "train_log.json", "loss_curve.png", "README.md"}
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "tokenizer.json", "metrics.json",
+                                                "train_log.json", "loss_curve.png", "README.md", "checkpoints"}
     assert "Held-out bits per byte (last loop)" in (out / "README.md").read_text()
     checkpoint = load_checkpoint(out)
     assert checkpoint.config == tb.SMOKE_MODEL
     saved = json.loads((out / "train_log.json").read_text())
-    assert saved["attention"] == "xla"  # the fallback after cuDNN failed
-    assert saved["final"]["steps"] == 4 and saved["final"]["tokens_seen"] == 4 * 4 * 256
-    assert saved["history"][-1]["step"] == 4 and 0 < saved["final"]["heldout_bpb"] < 9
+    assert saved["train"]["attention"] == "xla"  # the fallback after cuDNN failed
+    assert saved["steps_done"] == 4 and saved["tokens_seen"] == 4 * 4 * 256
+    evals = json.loads((out / "metrics.json").read_text())["evals"]
+    assert evals[-1]["step"] == 4 and 0 < saved["final"]["heldout_bpb"] < 9
     assert saved["versions"]["jax"] == jax.__version__
     for name, tensor in checkpoint.tensors.items():  # stored as bf16: the low 16 bits of each float32 are 0
         assert not np.any(np.asarray(tensor, np.float32).view(np.uint32) & 0xFFFF), name

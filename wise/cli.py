@@ -305,11 +305,25 @@ def run_serve(args) -> int:
     return run(args)
 
 
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    from wise_core.train_config import add_train_arguments as add  # argparse only
+
+    add(parser)
+
+
+def run_train(args) -> int:
+    from wise_jax.train import main
+
+    return main(args)
+
+
 COMMANDS = {
     "generate": ("generate text from prompts, dense or with WISE", add_generate_arguments, run_generate),
     "serve": ("serve OpenAI-compatible completions over HTTP (torch engine)", add_serve_arguments, run_serve),
     "parity": ("check that the torch and JAX implementations agree (python -m parity)", add_parity_arguments,
                run_parity),
+    "train": ("train an Ouro-shaped model in JAX (optax, orbax checkpoints, resumable)", add_train_arguments,
+              run_train),
 }
 
 

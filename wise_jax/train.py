@@ -40,68 +40,12 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from wise_core.config import ModelConfig
+from wise_core.train_config import TrainConfig
 from wise_jax import model as wm
 from wise_jax.params import Params, init_params
 from wise_jax.prefill_attention import causal_attention_reference
 
 N_BYTES = 256  # byte tokenizer: ids below are bytes (bits per byte counts these targets)
-OBJECTIVES = ("ouro", "last")
-ORDERS = ("random", "sequential")
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """Hyper-parameters of a run. batch: windows per micro-batch (global, split over devices);
-    accum: micro-batches per optimiser step; max_steps / minutes: the horizon (at least one)."""
-
-    objective: str = "ouro"
-    beta: float = 0.05
-    batch: int = 32
-    accum: int = 1
-    seq_len: int = 2048
-    lr: float = 2e-3
-    final_lr_ratio: float = 0.1
-    warmup: int = 200
-    weight_decay: float = 0.1
-    clip: float = 1.0
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    max_steps: int | None = None
-    minutes: float | None = None
-    seed: int = 0
-    order: str = "random"
-    compute_dtype: str = "bfloat16"
-    attention: str = "xla"
-    remat: bool = False
-    checkpoint_every: int = 0
-    eval_every_s: float = 15.0
-    eval_windows: int = 64
-    final_eval_windows: int = 512
-    peak_flops: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
-        if self.order not in ORDERS:
-            raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
-        if self.attention not in ATTENTION:
-            raise ValueError(f"attention must be one of {tuple(ATTENTION)}, got {self.attention!r}")
-        for name in ("batch", "accum", "seq_len", "warmup"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "warmup" else 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("lr", "clip", "eval_every_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
-        if self.max_steps is None and self.minutes is None:
-            raise ValueError("give a horizon: max_steps, minutes or both")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
-        if self.minutes is not None and not self.minutes > 0:
-            raise ValueError(f"minutes must be positive, got {self.minutes}")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
 
 
 # -- model and objective ----------------------------------------------------------------------------
@@ -470,3 +414,73 @@ def read_tokens(path: Path) -> np.ndarray:
     if path.suffix == ".npy":
         return np.load(path)
     return np.frombuffer(path.read_bytes(), np.uint8).astype(np.int64)
+
+
+def probe(config: ModelConfig, train: TrainConfig, stream: np.ndarray) -> str | None:
+    """None when one training step of `train` compiles and runs with a finite loss, else why not
+    (a setting to fall back from: no cuDNN, out of memory)."""
+    data_mesh = mesh()
+    try:
+        step = make_train_step(config, train, len(stream), data_mesh)
+        stream_dev = jax.device_put(jnp.asarray(np.asarray(stream).astype(np.int32)), NamedSharding(data_mesh, P()))
+        _, metrics = step(init_state(config, train), stream_dev, jnp.float32(0.0))
+        loss = float(metrics["loss"])
+    except Exception as e:  # compile or runtime failure of this setting
+        return str(e).splitlines()[0][:300]
+    return None if math.isfinite(loss) else f"first-step loss is {loss}"
+
+
+def run(config: ModelConfig, train: TrainConfig, stream: np.ndarray, heldout: np.ndarray, out: Path, *,
+        resume: bool = True, name: str = "wise_jax.train", log: Callable[[str], None] = print) -> dict:
+    """train_loop with checkpoints under out/checkpoints (resumed from when `resume`), then the
+    final held-out evaluation, the model in the HF layout (bf16) and metrics.json /
+    loss_curve.png in `out`. Returns the run's summary (also in metrics.json)."""
+    from wise_core.checkpoint import Checkpoint, save_checkpoint
+    from wise_core.tokenizer import byte_tokenizer
+    from wise_jax.params import to_checkpoint_tensors
+
+    out = Path(out)
+    checkpoints = out / "checkpoints"
+    if not resume and checkpoints.exists():
+        raise FileExistsError(f"{checkpoints} exists: pass resume to continue that run, or another out directory")
+    started = time.perf_counter()
+    state, steps, evals = train_loop(config, train, stream, heldout, checkpoint_dir=checkpoints, log=log)
+    final = held_out_metrics(make_eval_step(config, train), state.params,
+                             eval_windows(heldout, train.seq_len, train.final_eval_windows), train.batch)
+    tokens = int(state.step) * train.batch * train.accum * train.seq_len
+    train_s = steps[-1]["wall_s"] if steps else 0.0
+    rates = [s["mfu"] for s in steps[len(steps) // 10:] if s["mfu"] is not None]
+    summary = {"model": config.to_dict(), "train": dataclasses.asdict(train), "steps_done": int(state.step),
+               "tokens_seen": tokens, "train_s": train_s, "final": final, "devices": len(jax.devices()),
+               "device": jax.devices()[0].device_kind, "mean_mfu": float(np.mean(rates)) if rates else None,
+               "total_s": round(time.perf_counter() - started, 1)}
+    log(f"final held-out: {final['heldout_bpb']:.4f} bits per byte (last loop) over {final['heldout_bytes']:,} bytes")
+    save_checkpoint(out, Checkpoint(config, to_checkpoint_tensors(config, state.params), byte_tokenizer(), name),
+                    bf16=True)
+    write_metrics(out, steps, evals, {"summary": summary})
+    return summary
+
+
+BUILTIN_MODEL = ModelConfig(
+    vocab_size=258, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=4, head_dim=64, rope_theta=10_000.0,
+    rms_norm_eps=1e-6, max_position_embeddings=4096, total_ut_steps=4, early_exit_threshold=1.0,
+    tie_word_embeddings=False, bos_token_id=256, eos_token_id=256, pad_token_id=257)
+
+
+def main(args) -> int:
+    """`wise train`: the CLI's arguments -> run()."""
+    config = BUILTIN_MODEL
+    if args.model_config is not None:
+        config = ModelConfig.from_dict(json.loads(Path(args.model_config).read_text()))
+    train = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    stream = read_tokens(args.data)
+    if args.heldout is not None:
+        heldout = read_tokens(args.heldout)
+    else:
+        if not 0 < args.heldout_fraction < 1:
+            raise ValueError(f"--heldout-fraction must be in (0, 1), got {args.heldout_fraction}")
+        cut = int(len(stream) * (1 - args.heldout_fraction))
+        stream, heldout = stream[:cut], stream[cut:]
+    run(config, train, stream, heldout, args.out)
+    return 0
