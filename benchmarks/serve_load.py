@@ -364,7 +364,7 @@ def run_offline(args) -> dict:
     import torch
 
     from wise_serve.model import build_llm
-    from wise_torch.engine.sequence import SamplingParams
+    from wise_core.request import SamplingParams
 
     llm = build_llm(args)
     vocab = args.vocab_size or llm.model.config.vocab_size

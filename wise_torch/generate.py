@@ -15,13 +15,12 @@ import numpy as np
 import torch
 
 from wise_core.config import WiseConfig
-from wise_core.request import GenerationStats
 from wise_core.generate_args import (MODEL_EOS, check_max_new_tokens, check_sampling, check_seed, check_wise_config,
                                      resolve_eos)
+from wise_core.request import GenerationStats, SamplingParams
 from wise_core.tokenizer import encode_text
 from wise_torch.engine.llm import LLM
 from wise_torch.engine.sampler import seed_for
-from wise_torch.engine.sequence import SamplingParams
 from wise_torch.model import OuroForCausalLM
 
 

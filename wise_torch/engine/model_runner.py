@@ -33,11 +33,11 @@ import torch
 
 from wise_core.buckets import batch_bucket, context_bucket, context_buckets, decode_buckets
 from wise_core.config import WiseConfig
+from wise_core.engine.scheduler import Chunk
+from wise_core.engine.sequence import Sequence
 from wise_core.modes import DENSE
 from wise_torch.attention import prepare_decode_attention
 from wise_torch.engine.sampler import sample, seed_for
-from wise_torch.engine.scheduler import Chunk
-from wise_torch.engine.sequence import Sequence
 from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch, PrefillGroup
 from wise_torch.model import OuroForCausalLM
 from wise_torch.wise_state import WiseState

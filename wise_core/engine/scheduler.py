@@ -4,18 +4,21 @@ Each step every running sequence that has its prompt cached decodes one token (a
 prompt chunks fill the rest of the step's token budget: first the running sequences still
 prefilling, then waiting ones in arrival order (a preempted sequence first). When a decoding
 sequence needs a page and none is free, the newest running sequence is preempted: its K/V of
-every plane is offloaded to host memory and restored when it resumes, so it continues exactly
-as if it had never stopped.
+every plane is offloaded to host memory (by the framework's device side, `Step.preempted`) and
+restored when it resumes (`Step.resumed`), so it continues exactly as if it had never stopped.
+Slots (rows of the per-sequence device buffers) are handed out lowest first, so the rows in
+use stay at the bottom and a step sized by the highest one stays small.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections import deque
 from typing import Callable
 
-from wise_torch.engine.block_manager import BlockManager
-from wise_torch.engine.sequence import Sequence, Status
+from wise_core.engine.block_manager import BlockManager
+from wise_core.engine.sequence import Sequence, Status
 
 
 @dataclasses.dataclass
@@ -56,7 +59,7 @@ class Scheduler:
         self.lookahead: Callable[[Sequence], int] = lambda seq: 0
         self.ready: Callable[[Sequence], bool] = lambda seq: True
         self.running: list[Sequence] = []       # arrival order
-        self.free_slots: deque[int] = deque(range(max_num_seqs))
+        self.free_slots: list[int] = list(range(max_num_seqs))   # a heap: lowest first
         self.preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -75,12 +78,12 @@ class Scheduler:
 
     def _run(self, seq: Sequence) -> None:
         seq.status = Status.RUNNING
-        seq.slot = self.free_slots.popleft()    # never empty: running sequences <= max_num_seqs
+        seq.slot = heapq.heappop(self.free_slots)    # never empty: running sequences <= max_num_seqs
         self.running.append(seq)
 
     def _release_slot(self, seq: Sequence) -> None:
         if seq.slot >= 0:
-            self.free_slots.append(seq.slot)
+            heapq.heappush(self.free_slots, seq.slot)
             seq.slot = -1
 
     def has_work(self) -> bool:

@@ -3,13 +3,21 @@
 A page holds `page_size` tokens of one sequence in every (loop, layer) plane. Pages are taken
 as a sequence grows (prefill chunks, then one token per decode step), not reserved for its
 whole lifetime, and all return to the pool when it finishes, is aborted or is preempted.
+The manager only names pages (ints); the framework's device side holds their K/V.
+
+Prefix caching fits here later without changing its callers: a full page gets a content hash
+(of the hash of the page before it and its page_size token ids) and a reference count; `grow`
+first looks up a sequence's full prompt pages by hash and shares those it finds (count + 1,
+num_cached advanced past them), `release` and `trim` decrement counts and put a page whose
+count reaches 0 on an evictable list (still hashed) that `grow` takes from after the free
+pages. The scheduler's budget checks already go through `missing` and `num_free`.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from wise_torch.engine.sequence import Sequence
+from wise_core.engine.sequence import Sequence
 
 
 class BlockManager:

@@ -1,15 +1,12 @@
-"""Requests as the engine sees them: sampling parameters, sequences and their outputs."""
+"""Requests as the engine sees them: a sequence's tokens, pages and progress, and its output."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
 
-import torch
-
-from wise_core import request
 from wise_core.detokenize import TextStream
-from wise_core.request import MAX_SEED, SamplingParams  # noqa: F401 (the engine's names)
+from wise_core.request import RequestOutput, SamplingParams
 
 
 class Status(enum.Enum):
@@ -30,8 +27,9 @@ class Sequence:
     in the cache (prefill progress, then all but the last token while decoding); slot: the
     sequence's row in the engine's per-sequence device buffers while it runs; finishing: its
     last token is in flight (token budget reached); offloaded: the host copy of its K/V while
-    preempted. forced: tokens to feed instead of sampling (teacher forcing); keep_logits: keep
-    each step's float32 logits.
+    preempted (the framework's host arrays). forced: tokens to feed instead of sampling
+    (teacher forcing); keep_logits: keep each step's float32 logits (the framework's arrays);
+    generator: the framework's random state of the request (a torch.Generator, a JAX key).
     """
 
     request_id: int
@@ -48,12 +46,12 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None     # the stop id or string that ended it (None: eos or another reason)
     text: TextStream | None = None           # its text, when stop strings are watched
-    offloaded: tuple[torch.Tensor, torch.Tensor] | None = None
+    offloaded: tuple | None = None
     forced: list[int] | None = None
     keep_logits: bool = False
     logprobs: list[float] = dataclasses.field(default_factory=list)
-    logits: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    generator: torch.Generator | None = None
+    logits: list = dataclasses.field(default_factory=list)
+    generator: object = None
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)
@@ -108,12 +106,9 @@ class Sequence:
         self.status, self.finish_reason = Status.FINISHED, reason
 
 
-class RequestOutput(request.RequestOutput):
-    """`wise_core.request.RequestOutput`, made from the engine's Sequence."""
-
-    @classmethod
-    def of(cls, seq: Sequence, tokenizer) -> "RequestOutput":
-        want_logprobs = seq.params.logprobs or seq.forced is not None
-        cut = seq.text.text if seq.text is not None and seq.text.stopped else None
-        return cls(seq.request_id, seq.prompt, seq.output, seq.status is Status.FINISHED, seq.finish_reason,
-                   list(seq.logprobs) if want_logprobs else None, tokenizer, seq.stop_reason, cut)
+def output_of(seq: Sequence, tokenizer) -> RequestOutput:
+    """What `seq` has produced so far, as the engines return it."""
+    want_logprobs = seq.params.logprobs or seq.forced is not None
+    cut = seq.text.text if seq.text is not None and seq.text.stopped else None
+    return RequestOutput(seq.request_id, seq.prompt, seq.output, seq.status is Status.FINISHED, seq.finish_reason,
+                         list(seq.logprobs) if want_logprobs else None, tokenizer, seq.stop_reason, cut)

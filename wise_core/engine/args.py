@@ -1,0 +1,107 @@
+"""The engine arguments both frameworks take, with one set of defaults and one validation.
+
+    wise_torch.LLM(model, max_num_seqs=64)   # and wise_jax.LLM(params, config, max_num_seqs=64)
+
+Each engine takes these as keyword arguments beside its own (torch: cuda_graphs, dtype, device,
+speculative_config, tensor_parallel_size; JAX: tokenizer, attention, layers, unroll, mesh,
+dtype). The pool's size from device memory (num_pages=None) is the framework's measure of
+free memory through `pool_pages`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+from wise_core.config import WiseConfig
+from wise_core.generate_args import check_seed
+
+CPU_POOL_BYTES = 1 << 30       # num_pages=None on a CPU: a pool of at most 1 GiB of K/V
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineArgs:
+    """wise_config: decode with WISE (None: dense). num_pages: pages in the pool (None: sized
+    from free device memory, `pool_pages`); page_size: tokens per page, a multiple of the WISE
+    block size. max_num_seqs: requests decoding at once (rows of the per-sequence device
+    buffers). max_model_len: prompt + output tokens a request may hold (None: the model's
+    max_position_embeddings, at most the pool); it sizes page tables and WISE block tables.
+    max_num_batched_tokens: tokens one step runs (decode rows, then prompt chunks: chunked
+    prefill). kernel: the decode attention (None: wise_config.kernel, else "auto"). seed: the
+    random state of requests without their own seed (None: a random one)."""
+
+    wise_config: WiseConfig | None = None
+    num_pages: int | None = None
+    page_size: int = 128
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 8192
+    kernel: str | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.wise_config is not None and not isinstance(self.wise_config, WiseConfig):
+            raise TypeError(f"wise_config must be a WiseConfig or None, got {type(self.wise_config).__name__}")
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "num_pages", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None or name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+                positive_int(name, value)
+        if self.page_size % self.block_size:
+            raise ValueError(f"page_size must be a multiple of the block_size {self.block_size}, got {self.page_size}")
+        if self.kernel is not None and not isinstance(self.kernel, str):
+            raise TypeError(f"kernel must be a string or None, got {self.kernel!r}")
+        object.__setattr__(self, "seed", check_seed(self.seed))
+
+    @property
+    def block_size(self) -> int:
+        return (self.wise_config or WiseConfig()).block_size
+
+    @property
+    def decode_kernel(self) -> str:
+        """The kernel name asked for: kernel, else wise_config.kernel, else "auto"."""
+        if self.kernel is not None:
+            return self.kernel
+        return self.wise_config.kernel if self.wise_config is not None else "auto"
+
+    def checked_for(self, num_loops: int, max_position_embeddings: int) -> "EngineArgs":
+        """Self, checked against a model of `num_loops` loops and that many positions."""
+        if self.wise_config is not None:
+            self.wise_config.validate_for(num_loops)
+        if self.max_model_len is not None and self.max_model_len > max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                             f"({max_position_embeddings})")
+        return self
+
+    def model_len(self, max_position_embeddings: int, num_pages: int) -> int:
+        """max_model_len, or its default: the model's positions, at most what the pool holds."""
+        if self.max_model_len is not None:
+            return self.max_model_len
+        return min(max_position_embeddings, num_pages * self.page_size)
+
+    def pages_per_request(self, max_position_embeddings: int) -> int:
+        """The most pages one request can hold (max_model_len, or the model's positions)."""
+        return -(-(self.max_model_len or max_position_embeddings) // self.page_size)
+
+
+def pool_pages(budget_bytes: int, page_bytes: int, rule: str, most: int) -> tuple[int, str]:
+    """(pages, how they were sized) for num_pages=None: the pages of `page_bytes` that fit
+    `budget_bytes` (the framework's measure, described by `rule`), at most `most` (max_num_seqs
+    requests of max_model_len: more could never be held). ValueError when not one page fits."""
+    pages = min(most, budget_bytes // page_bytes)
+    if pages < 1:
+        raise ValueError(f"too little free device memory for one KV page ({page_bytes} bytes; {rule}); pass num_pages")
+    sizing = f"{rule}: {pages} pages of {page_bytes} bytes"
+    if pages == most and most * page_bytes < budget_bytes:
+        sizing += f", capped at max_num_seqs x pages per request ({most})"
+    return pages, sizing
+
+
+def cpu_pool(page_bytes: int, platform: str, most: int) -> tuple[int, str]:
+    """`pool_pages` on a CPU: CPU_POOL_BYTES of K/V."""
+    return pool_pages(CPU_POOL_BYTES, page_bytes, f"at most {CPU_POOL_BYTES / 2**30:.0f} GiB of K/V on a {platform}",
+                      most)
+
+
+def positive_int(name: str, value) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,314 @@
+"""The host side of both serving engines: requests, scheduling, the step loop, outputs, stats.
+
+    class LLM(LLMEngine):             # wise_torch.LLM, wise_jax.LLM
+        def __init__(...): ...; self._start(args, ...)
+        def _launch_decode(self, seqs): ...      # the device side, below
+
+`LLMEngine` holds the pool's bookkeeping (`BlockManager`), the `Scheduler`, the sequences and
+the counters, and runs the step: schedule, offload the preempted and restore the resumed,
+launch the decode rows and the prompt chunks (each sampled on the device), then read the
+tokens of the step before, which the device ran while this one was scheduled. A framework
+supplies only its device side, the methods marked "device side" below: run a decode step or
+prefill chunks and sample (returning an `InFlight`), copy a preempted sequence's K/V out and
+back, and its program and WISE counters.
+"""
+
+from __future__ import annotations
+
+import numbers
+import time
+from typing import Protocol
+
+from wise_core.detokenize import TextStream
+from wise_core.engine.args import EngineArgs
+from wise_core.engine.block_manager import BlockManager
+from wise_core.engine.scheduler import Chunk, Scheduler
+from wise_core.engine.sequence import Sequence, Status, output_of
+from wise_core.request import EngineStats, RequestOutput, SamplingParams, add_all, prompts_with_params
+from wise_core.tokenizer import encode_text
+
+COUNTERS = ("prompt_tokens", "generated_tokens", "prefill_s", "decode_s", "decode_steps", "decode_tokens")
+
+
+class InFlight(Protocol):
+    """What a launched step sampled, on its way to the host: rows [(sequence, token index)],
+    logits {row: float32[vocab]} of the rows that keep them, and `read` (waits for the step) ->
+    (tokens, NaN flag per row, log p per row or None)."""
+
+    rows: list
+    logits: dict
+
+    def read(self) -> tuple[list[int], list[bool], list[float] | None]: ...
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache (module docstring); see `EngineArgs` for the
+    arguments every engine takes."""
+
+    ARRAY_TYPES: tuple[type, ...] = ()   # the framework's array types (refused as a list of prompts)
+
+    def _start(self, args: EngineArgs, *, num_pages: int, pool_sizing: str, max_model_len: int, tokenizer,
+               vocab_size: int, eos_token_id: int | None) -> None:
+        """The host side over a pool of `num_pages` pages (args checked; pool_sizing says how
+        the pool was sized)."""
+        self.args, self.tokenizer, self.vocab_size, self.pool_sizing = args, tokenizer, vocab_size, pool_sizing
+        self.eos_token_ids = frozenset(() if eos_token_id is None else (eos_token_id,))
+        self.page_size, self.max_model_len = args.page_size, max_model_len
+        self.blocks = BlockManager(num_pages, args.page_size)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs=args.max_num_seqs,
+                                   max_num_batched_tokens=args.max_num_batched_tokens)
+        self.sequences: dict[int, Sequence] = {}
+        self.inflight: list[InFlight] = []      # the step launched last, not read yet
+        self.inflight_kind = self.previous_kind = None
+        self.next_id = 0
+        self.counters = dict.fromkeys(COUNTERS, 0)
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt, params: SamplingParams | None = None, *, forced: list[int] | None = None,
+                    keep_logits: bool = False) -> int:
+        """Queue a request (a string, or token ids) -> its request id. A request that can never
+        fit (longer than max_model_len or the whole pool) is a ValueError here.
+        forced: tokens fed instead of sampled ones, each scored (teacher forcing); keep_logits:
+        keep each step's float32 logits."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        ids = self._checked_ids(prompt, "prompt")
+        if forced is not None:
+            forced = self._checked_ids(forced, "forced continuation")
+        seq = Sequence(self.next_id, ids, params, self.eos_token_ids, arrival=self.next_id, forced=forced,
+                       keep_logits=keep_logits)
+        if params.stop:
+            if self.tokenizer is None:
+                raise ValueError("SamplingParams.stop needs a tokenizer, and this engine has none")
+            seq.text = TextStream(self.tokenizer, params.stop)
+        self._check_request(seq)
+        if seq.max_length > self.max_model_len:
+            raise ValueError(f"the request needs {len(ids)} prompt + {seq.max_length - len(ids)} new tokens, more "
+                             f"than max_model_len ({self.max_model_len})")
+        # The last token generated is never fed back, so max_length - 1 keys are the most held.
+        if self.blocks.pages_for(seq.max_length - 1) > self.blocks.num_pages:
+            raise ValueError(f"the request needs {self.blocks.pages_for(seq.max_length - 1)} pages of "
+                             f"{self.page_size} tokens, more than the pool's {self.blocks.num_pages}")
+        self._new_sequence(seq)
+        self.next_id += 1
+        self.sequences[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def _checked_ids(self, prompt, what: str) -> list[int]:
+        """A string (through the tokenizer) or a sequence / 1-D array of integer ids -> a
+        non-empty list of ids in the vocabulary, else an error naming the problem."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"the {what} is a string but the engine has no tokenizer; pass token ids")
+            ids = encode_text(self.tokenizer, prompt, what)
+        else:
+            if hasattr(prompt, "ndim") and hasattr(prompt, "tolist"):     # a numpy / torch / jax array
+                if prompt.ndim != 1:
+                    raise ValueError(f"the {what}'s token ids must be 1-D, got shape {tuple(prompt.shape)}")
+                prompt = prompt.tolist()
+            if not isinstance(prompt, (list, tuple)) or not all(
+                    isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+                raise TypeError(f"the {what} must be a string or a sequence of integer token ids, got {prompt!r:.80}")
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError(f"the {what} is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"the {what} holds token ids {bad[:5]} outside the vocabulary (size {self.vocab_size})")
+        return ids
+
+    def abort(self, request_id: int) -> RequestOutput:
+        """Stop a request now and free its pages; its output so far, finish_reason "abort"."""
+        seq = self.sequences.pop(request_id, None)
+        if seq is None:
+            raise KeyError(f"no unfinished request {request_id}")
+        self._remove(seq)
+        seq.finish("abort")
+        return output_of(seq, self.tokenizer)
+
+    def _remove(self, seq: Sequence) -> None:
+        self._forget(seq)
+        self.scheduler.remove(seq)
+
+    def output(self, request_id: int) -> RequestOutput:
+        """An unfinished request's output so far (a finished one's final output came from `step`)."""
+        if request_id not in self.sequences:
+            raise KeyError(f"no unfinished request {request_id}")
+        return output_of(self.sequences[request_id], self.tokenizer)
+
+    def prompt_token_ids(self, request_id: int) -> list[int]:
+        """An unfinished request's prompt ids (the engine's list: read it, do not change it)."""
+        if request_id not in self.sequences:
+            raise KeyError(f"no unfinished request {request_id}")
+        return self.sequences[request_id].prompt
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self.inflight)
+
+    # -- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule and launch one step (decode every running request one token, prefill chunks
+        of waiting ones), then read the tokens of the step before it, which the device ran while
+        this one was scheduled: returns the requests that produced a token or finished there.
+        The host thus trails the device by one step: a request that stops on a stop token or
+        string has run one more step, whose token is dropped."""
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        for seq, pages in plan.preempted:
+            self._offload(seq, pages)
+        for seq in plan.resumed:
+            if seq.offloaded is not None:
+                self._restore(seq)
+        launched: list[InFlight] = []
+        spoken: list[Sequence] = []     # the sequences of a speculative round, their tokens read already
+        made = None
+        if plan.decode:
+            made = self._speculate(plan.decode, spoken)
+            if made is None:
+                launched.append(self._launch_decode(plan.decode))
+                for seq in plan.decode:
+                    seq.num_cached = len(seq.tokens) - 1
+            else:
+                self.counters["generated_tokens"] += made
+        if plan.chunks:
+            launched.append(self._launch_prefill(plan.chunks))
+            for chunk in plan.chunks:
+                chunk.seq.num_cached = chunk.start + chunk.length
+            self.counters["prompt_tokens"] += sum(c.length for c in plan.chunks)
+        if not launched and made is None and not self.inflight and self.scheduler.has_work() and not plan.preempted:
+            raise RuntimeError("the scheduler made no progress although requests wait "
+                               f"({self.blocks.num_free} of {self.blocks.num_pages} pages free)")
+        previous, self.inflight = self.inflight, launched
+        self.inflight_kind = ("prefill" if plan.chunks else "decode") if launched else None
+        outputs = self._read(previous, spoken)
+        # A step's host time is spent waiting for the device to finish the step before it (or
+        # on this step's speculative round, which it reads).
+        kind = "decode" if made is not None else self.previous_kind if previous else self.inflight_kind
+        if kind == "decode":
+            self.counters["decode_s"] += time.perf_counter() - start
+            self.counters["decode_steps"] += 1
+            self.counters["decode_tokens"] += made if made is not None else sum(
+                len(f.rows) for f in previous or launched)
+        elif kind == "prefill":
+            self.counters["prefill_s"] += time.perf_counter() - start
+        self.previous_kind = self.inflight_kind
+        return outputs
+
+    def _read(self, records: list[InFlight], spoken: list[Sequence]) -> list[RequestOutput]:
+        """Read a finished step's tokens into their sequences; finished ones leave. `spoken`:
+        sequences that produced tokens already (a speculative round reads its own)."""
+        produced: dict[int, Sequence] = {seq.request_id: seq for seq in spoken}
+        for record in records:
+            tokens, nan, logprobs = record.read()
+            for i, (seq, index) in enumerate(record.rows):
+                if seq.status is Status.FINISHED:          # stopped or aborted meanwhile: the row ran for nothing
+                    continue
+                if nan[i]:
+                    raise FloatingPointError(f"the model's logits are NaN for request {seq.request_id}")
+                if logprobs is not None and (seq.params.logprobs or seq.forced is not None):
+                    seq.logprobs.append(logprobs[i])
+                if i in record.logits:
+                    seq.logits.append(record.logits[i])
+                seq.resolve(index, tokens[i])
+                produced[seq.request_id] = seq
+                self.counters["generated_tokens"] += 1
+        outputs = []
+        for seq in produced.values():
+            if seq.status is Status.FINISHED:
+                self._remove(seq)
+                del self.sequences[seq.request_id]
+            outputs.append(output_of(seq, self.tokenizer))
+        return outputs
+
+    # -- batch use --------------------------------------------------------------------------
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts (strings or token-id lists) to completion -> RequestOutput per prompt, in
+        prompt order. params: one SamplingParams for all, or one per prompt."""
+        ids = add_all(self, prompts_with_params(prompts, params, self.ARRAY_TYPES))
+        return self.run_until_done(ids, use_tqdm=use_tqdm)
+
+    def run_until_done(self, request_ids: list[int], *, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Step until the given (unfinished) requests finish -> their final outputs, in the order
+        given. KeyError for an id that is not an unfinished request (it would never finish)."""
+        unknown = [r for r in request_ids if r not in self.sequences]
+        if unknown:
+            raise KeyError(f"no unfinished request {unknown[0]}")
+        wanted = set(request_ids)
+        final: dict[int, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(wanted), desc="requests", unit="req", dynamic_ncols=True,
+                       disable=None)   # None: no bar without a terminal
+        while len(final) < len(wanted):
+            for out in self.step():
+                if out.finished and out.request_id in wanted:
+                    final[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [final[r] for r in request_ids]
+
+    # -- stats ------------------------------------------------------------------------------
+    def get_tokenizer(self):
+        """The engine's tokenizer (None without one), as vLLM's LLM.get_tokenizer."""
+        return self.tokenizer
+
+    def stats(self) -> EngineStats:
+        """Pool, queue and counters (reads the device's counters)."""
+        return EngineStats(
+            total_pages=self.blocks.num_pages, free_pages=self.blocks.num_free,
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            preemptions=self.scheduler.preemptions, pool_sizing=self.pool_sizing, **self.counters,
+            **self._device_stats())
+
+    def reset_stats(self) -> None:
+        """Zero the timing and token counters and the WISE counters."""
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self._reset_device_counters()
+
+    # -- hooks of the framework (defaults: nothing to do) ----------------------------------
+    def _check_request(self, seq: Sequence) -> None:
+        """Refuse a request this engine cannot run (a ValueError naming why)."""
+
+    def _new_sequence(self, seq: Sequence) -> None:
+        """A request is accepted: set up its framework state (its random key, ...)."""
+
+    def _speculate(self, seqs: list[Sequence], spoken: list[Sequence]) -> int | None:
+        """A speculative round over the decode rows, read at once (their sequences added to
+        `spoken`) -> the tokens it made; None: no speculation, the rows decode one token."""
+        return None
+
+    # -- the device side --------------------------------------------------------------------
+    def _launch_decode(self, seqs: list[Sequence]) -> InFlight:
+        """Launch one decode step of each sequence's last token (every loop) and sample its next
+        token on the device; nothing waits for the host."""
+        raise NotImplementedError
+
+    def _launch_prefill(self, chunks: list[Chunk]) -> InFlight:
+        """Launch the prompt chunks and sample the first token of those completing their prompt."""
+        raise NotImplementedError
+
+    def _offload(self, seq: Sequence, pages: list[int]) -> None:
+        """Copy the K/V of seq's cached tokens (every plane) out of `pages`, the pages it held,
+        into host memory (seq.offloaded; None when nothing is cached), before any later write."""
+        raise NotImplementedError
+
+    def _restore(self, seq: Sequence) -> None:
+        """Copy seq.offloaded back into its (new) pages; seq.offloaded becomes None."""
+        raise NotImplementedError
+
+    def _forget(self, seq: Sequence) -> None:
+        """A sequence leaves the engine: drop any device-side state held for it."""
+
+    def _device_stats(self) -> dict:
+        """The EngineStats fields of the device side: fallbacks, density and the step programs'."""
+        raise NotImplementedError
+
+    def _reset_device_counters(self) -> None:
+        """Zero the WISE counters."""
+        raise NotImplementedError
