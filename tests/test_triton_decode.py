@@ -20,7 +20,7 @@ from wise_core import rounding
 from wise_core.modes import DENSE, DISCOVER, DISCOVER_UNION, SPARSE
 from wise_torch.attention import decode_attention_reference
 from wise_torch.kernels.triton_decode import (DecodeWorkspace, KernelConfig, all_blocks_support,
-                                              config_for, decode_attention, kernel_launches)
+                                              config_for, decode_attention)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -316,40 +316,6 @@ def test_other_block_sizes(block_size, page_size):
     np.testing.assert_array_equal(after[[1, 3]], support[[1, 3]])
 
 
-def _reuse_call(case: Case, modes, support, ws, reuse: bool):
-    modes = torch.tensor(modes, dtype=torch.int32, device=case.q.device)
-    out, support_out = decode_attention(case.q, case.k_pages, case.v_pages, case.page_table, case.seq_lens, modes,
-                                        support, block_size=case.block_size, eta=ETA, workspace=ws, reuse=reuse)
-    return out.clone(), support_out
-
-
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_reuse_call_is_one_launch_with_the_two_launch_outputs(layout):
-    """A reuse call (no row discovers) merges its splits in the split kernel: outputs bitwise the
-    finish kernel's (the same merge code), the support untouched, the arrival counts back to 0."""
-    case = layout_case(layout)
-    ws = case.workspace()
-    held = random_support(case, 0.4, seed=3)
-    modes = [SPARSE, DENSE, SPARSE, DENSE]
-    two, _ = _reuse_call(case, modes, held.clone(), ws, reuse=False)
-    for _ in range(2):   # twice: the counts left by the first call are zeros
-        one, support_out = _reuse_call(case, modes, held.clone(), ws, reuse=True)
-        assert torch.equal(one, two)
-        assert torch.equal(support_out, held)
-        assert not ws.arrivals.any()
-    q, k, v, pt, lens = case.q, case.k_pages, case.v_pages, case.page_table, case.seq_lens
-    launches = kernel_launches(q, k, v, pt, lens, torch.tensor(modes, dtype=torch.int32, device=DEVICE),
-                               held, ws.out, ws.mass, ws, scale=1.0, eta=ETA, return_mass=False, reuse=True)
-    assert len(launches) == 1   # the split kernel alone
-
-
-def test_reuse_call_with_a_discovering_row_is_refused_when_validated():
-    case = layout_case("p32-mha-d64-fp32")
-    with pytest.raises(ValueError, match="reuse call must be SPARSE or DENSE"):
-        _reuse_call(case, [SPARSE, DISCOVER, DENSE, DENSE], random_support(case, 0.4, seed=4), case.workspace(),
-                    reuse=True)
-
-
 def test_default_workspace_and_table_config():
     """No workspace: one is allocated with the table's configuration; results agree."""
     case = layout_case("p32-mha-d64-fp32")
@@ -446,14 +412,6 @@ def test_gpu_modes_at_scale(heads, kv_heads, head_dim, page_size, dtype):
     sparse, _, _ = run(case, [SPARSE] * batch, held.clone(), workspace=ws)
     expected_sparse, _ = numpy_attention(case, held)
     assert_within(sparse.double().cpu().numpy(), expected_sparse, out_bounds(case))
-    sparse = sparse.clone()
-    mixed = [SPARSE, DENSE] * (batch // 2)
-    two, _ = _reuse_call(case, mixed, held.clone(), ws, reuse=False)
-    for _ in range(3):   # the in-kernel merge (atomics across programs) against the finish launch's
-        one, _ = _reuse_call(case, mixed, held.clone(), ws, reuse=True)
-        assert torch.equal(one, two)
-        assert not ws.arrivals.any()
-    assert torch.equal(_reuse_call(case, [SPARSE] * batch, held.clone(), ws, reuse=True)[0], sparse)
 
 
 @pytest.mark.gpu

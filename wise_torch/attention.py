@@ -63,7 +63,7 @@ def select_blocks(mass: torch.Tensor, eta: float) -> torch.Tensor:
 
 def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,
                                block_size: int, eta: float, scale: float | None = None,
-                               return_mass: bool = False, validate: bool = True, reuse: bool = False):
+                               return_mass: bool = False, validate: bool = True):
     """One query token per row against its paged keys, per row mode (docs/DESIGN.md).
 
     q: [batch, heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim];
@@ -73,11 +73,9 @@ def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes,
     mass float32[batch, heads, max_blocks] (the block mass of the probabilities attended).
     Every mode runs the same masked softmax, so DENSE, DISCOVER and a SPARSE row with every
     causal block selected are bitwise equal. validate: also check the values (`check_call`).
-    reuse: no row discovers (every mode SPARSE or DENSE: WISE's reuse loops, a dense decode),
-    checked with validate; kernels may run such a call in fewer launches.
     """
     check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size, eta=eta,
-               validate=validate, reuse=reuse)
+               validate=validate)
     batch, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     max_keys = page_table.shape[1] * page_size
@@ -157,9 +155,8 @@ def prepare_decode_attention(kernel: str, *, batches: list[int], heads: int, kv_
 
 def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,
                      block_size: int, eta: float, scale: float | None = None,
-                     return_mass: bool = False, kernel: str = "auto", validate: bool = True,
-                     reuse: bool = False):
+                     return_mass: bool = False, kernel: str = "auto", validate: bool = True):
     """`decode_attention_reference`'s contract, run by `kernel` ("auto", "reference", "triton")."""
     fn = resolve_kernel(kernel, q.device)
     return fn(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size,
-              eta=eta, scale=scale, return_mass=return_mass, validate=validate, reuse=reuse)
+              eta=eta, scale=scale, return_mass=return_mass, validate=validate)

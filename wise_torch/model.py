@@ -207,7 +207,7 @@ class DecodeContext(PagedContext):
         else:
             modes, support = self.modes[layer], self.wise.support_of(layer, self.batch.size, self.blocks)
         out, _ = self.attention(q, k_plane, v_plane, self.batch.page_table, self.batch.seq_lens, modes, support,
-                                block_size=self.block_size, eta=self.eta, reuse=self.role != "discover")
+                                block_size=self.block_size, eta=self.eta)
         return out
 
 

@@ -23,13 +23,6 @@ A program attends at most `split_keys` keys, so a long dense row costs more prog
 ones, and the sparse rows of a mixed batch are not paced by its longest dense row. The merge
 runs in its own launch (the launch boundary orders it after every split, no atomics), which
 keeps the selection's sort out of the split kernel's register budget.
-
-Reuse calls (`reuse=True`: no row discovers, every row SPARSE or DENSE: WISE's reuse loops, or a
-dense decode) need no mass and no selection, so they are one launch: a row's only split writes
-its output acc / sum itself; each split of a row of several stores its partials, then counts
-itself in (an acq_rel atomic add on the (row, kv_head)'s arrival count in the workspace), and the
-split that arrives last merges the row's splits with the finish's code (`_merge_head`, same
-operations in the same order) and resets the count. Outputs are the two-launch call's.
 """
 
 from __future__ import annotations
@@ -123,7 +116,6 @@ class DecodeWorkspace:
     part_l: torch.Tensor    # float32[max_batch, heads, max_splits]: per-split sum of exponentials
     stat_m: torch.Tensor    # float32[max_batch, heads, max_blocks]: block stats, reference max
     stat_l: torch.Tensor    # float32[max_batch, heads, max_blocks]: block stats, sum of exponentials
-    arrivals: torch.Tensor  # int32[max_batch, kv_heads]: splits of a reuse call's row done (0 between calls)
 
     @classmethod
     def allocate(cls, max_batch: int, heads: int, kv_heads: int, head_dim: int, max_blocks: int, *,
@@ -149,8 +141,7 @@ class DecodeWorkspace:
             part_m=torch.zeros(max_batch, heads, max_splits, **f32),
             part_l=torch.zeros(max_batch, heads, max_splits, **f32),
             stat_m=torch.zeros(max_batch, heads, max_blocks, **f32),
-            stat_l=torch.zeros(max_batch, heads, max_blocks, **f32),
-            arrivals=torch.zeros(max_batch, kv_heads, dtype=torch.int32, device=device))
+            stat_l=torch.zeros(max_batch, heads, max_blocks, **f32))
 
     @property
     def max_blocks(self) -> int:
@@ -223,10 +214,14 @@ def _select_ranked(mass, eta, NB_PAD: tl.constexpr):
 
 
 @triton.jit
-def _merge_head(row, head, heads, n_splits, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-                stride_ob, stride_oh, ws_splits, HEAD_DIM: tl.constexpr, S_CHUNK: tl.constexpr):
-    """Merge one head's splits in split order and store its output -> (max, sum), [1] each.
-    The partials are read past L1 (written by other programs of a reuse call's launch)."""
+def _finish_head(row, head, heads, mode, n_splits, n_causal, max_blocks, eta,
+                 out_ptr, mass_ptr, support_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+                 stat_m_ptr, stat_l_ptr,
+                 stride_ob, stride_oh, stride_mb, stride_mh, stride_sb, stride_sh,
+                 ws_blocks, ws_splits,
+                 HEAD_DIM: tl.constexpr, S_CHUNK: tl.constexpr, NB_PAD: tl.constexpr,
+                 RETURN_MASS: tl.constexpr):
+    """Merge one head's splits in split order; discovery rows: block mass and selection."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_s = tl.arange(0, S_CHUNK)
     part = (row * heads + head) * ws_splits
@@ -235,10 +230,10 @@ def _merge_head(row, head, heads, n_splits, out_ptr, part_acc_ptr, part_m_ptr, p
     acc = tl.zeros([HEAD_DIM], tl.float32)
     for c in range(0, n_splits, S_CHUNK):
         split_ok = c + offs_s < n_splits
-        m_s = tl.load(part_m_ptr + part + c + offs_s, mask=split_ok, other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(part_l_ptr + part + c + offs_s, mask=split_ok, other=0.0, cache_modifier=".cg")
+        m_s = tl.load(part_m_ptr + part + c + offs_s, mask=split_ok, other=float("-inf"))
+        l_s = tl.load(part_l_ptr + part + c + offs_s, mask=split_ok, other=0.0)
         acc_s = tl.load(part_acc_ptr + (part + c + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                        mask=split_ok[:, None], other=0.0, cache_modifier=".cg")
+                        mask=split_ok[:, None], other=0.0)
         m_new = tl.maximum(m_run, tl.max(m_s, 0, keep_dims=True))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_run - m_ref)
@@ -248,20 +243,6 @@ def _merge_head(row, head, heads, n_splits, out_ptr, part_acc_ptr, part_m_ptr, p
         m_run = m_new
     tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d,
              (acc / l_run).to(out_ptr.dtype.element_ty))
-    return m_run, l_run
-
-
-@triton.jit
-def _finish_head(row, head, heads, mode, n_splits, n_causal, max_blocks, eta,
-                 out_ptr, mass_ptr, support_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-                 stat_m_ptr, stat_l_ptr,
-                 stride_ob, stride_oh, stride_mb, stride_mh, stride_sb, stride_sh,
-                 ws_blocks, ws_splits,
-                 HEAD_DIM: tl.constexpr, S_CHUNK: tl.constexpr, NB_PAD: tl.constexpr,
-                 RETURN_MASS: tl.constexpr):
-    """Merge one head's splits in split order; discovery rows: block mass and selection."""
-    m_run, l_run = _merge_head(row, head, heads, n_splits, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-                               stride_ob, stride_oh, ws_splits, HEAD_DIM, S_CHUNK)
 
     is_disc = (mode == _DISCOVER) | (mode == _DISCOVER_UNION)
     blk = tl.arange(0, NB_PAD)
@@ -308,17 +289,14 @@ def _listed_blocks(support_ptr, row, kvh, is_sparse, n_causal, stride_sb, stride
 def _split_kernel(
         q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, modes_ptr, support_ptr,
         starts_ptr, blocks_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, stat_m_ptr, stat_l_ptr,
-        out_ptr, arrivals_ptr,
         kv_heads, max_blocks, qk_scale,
         stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_pt, stride_sb, stride_sh,
-        stride_ob, stride_oh, ws_blocks, ws_splits,
+        ws_blocks, ws_splits,
         HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK: tl.constexpr,
         PAGE: tl.constexpr, TILE_N: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, MIN_SPLITS: tl.constexpr,
-        NB_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_ALIGN: tl.constexpr,
-        REUSE: tl.constexpr, S_CHUNK: tl.constexpr):
-    """Steps 1 and 2 of the module docstring for program (row * kv_heads + kv_head, split);
-    REUSE: a reuse call's merge too (the module docstring's last paragraph)."""
+        NB_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_ALIGN: tl.constexpr):
+    """Steps 1 and 2 of the module docstring for program (row * kv_heads + kv_head, split)."""
     row = tl.program_id(0) // kv_heads
     kvh = tl.program_id(0) % kv_heads
     split = tl.program_id(1)
@@ -398,24 +376,11 @@ def _split_kernel(
                 tl.store(stat_m_ptr + stats + t + j, m_ref, mask=ok)
                 tl.store(stat_l_ptr + stats + t + j, block_sum, mask=ok)
 
-    if REUSE and n_splits == 1:  # the row's only split: its output (the finish's merge of one split)
-        tl.store(out_ptr + row * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
-                 (acc / _as_rows(l_i, BLOCK_G)).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
-    else:  # this split's partials, merged by the finish kernel or (REUSE) the last split to arrive
-        part = (row * heads + head) * ws_splits + split
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_ok[:, None])
-        tl.store(part_m_ptr + part[None, :], m_i, mask=g_ok[None, :])
-        tl.store(part_l_ptr + part[None, :], l_i, mask=g_ok[None, :])
-        if REUSE:
-            tl.debug_barrier()  # every thread's partials are stored before the count says so
-            count = row * kv_heads + kvh
-            arrived = tl.atomic_add(arrivals_ptr + count, 1, sem="acq_rel", scope="gpu")
-            if arrived == n_splits - 1:
-                tl.debug_barrier()
-                tl.store(arrivals_ptr + count, 0)
-                for g2 in tl.static_range(GROUP):
-                    _merge_head(row, kvh * GROUP + g2, heads, n_splits, out_ptr, part_acc_ptr, part_m_ptr,
-                                part_l_ptr, stride_ob, stride_oh, ws_splits, HEAD_DIM, S_CHUNK)
+    # This split's partials, merged by the finish kernel.
+    part = (row * heads + head) * ws_splits + split
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_ok[:, None])
+    tl.store(part_m_ptr + part[None, :], m_i, mask=g_ok[None, :])
+    tl.store(part_l_ptr + part[None, :], l_i, mask=g_ok[None, :])
 
 
 @triton.jit
@@ -469,7 +434,7 @@ def _check_kernel_inputs(q, k_pages, v_pages, page_table, seq_lens, modes, suppo
 def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,
                      block_size: int, eta: float, scale: float | None = None,
                      return_mass: bool = False, workspace: DecodeWorkspace | None = None,
-                     validate: bool = True, reuse: bool = False):
+                     validate: bool = True):
     """One query token per row against its paged keys, per-row WISE mode (docs/DESIGN.md).
 
     q: [batch, heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim]
@@ -479,13 +444,12 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
     float32[batch, heads, max_blocks] (discovery rows; zeros elsewhere).
     With a `workspace` and validate=False the call allocates nothing and does not sync
     (CUDA-graph capturable); out and mass are then views of the workspace. validate: check the
-    values on the host first (`wise_torch.decode_check.check_call`). reuse: no row discovers
-    (every mode SPARSE or DENSE, checked with validate): one launch (the module docstring's
-    reuse calls) unless return_mass. NaN in q, k or v gives NaN outputs; a SPARSE head that
-    selects no causal block (outside the contract) gives NaN outputs when not validated.
+    values on the host first (`wise_torch.decode_check.check_call`). NaN in q, k or v gives NaN
+    outputs; a SPARSE head that selects no causal block (outside the contract) gives NaN
+    outputs when not validated.
     """
     check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size, eta=eta,
-               validate=validate, reuse=reuse)
+               validate=validate)
     _check_kernel_inputs(q, k_pages, v_pages, page_table, seq_lens, modes, support)
     batch, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
@@ -499,17 +463,15 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
     if batch:
         for kernel, grid, args, kwargs in kernel_launches(
                 q, k_pages, v_pages, page_table, seq_lens, modes, support, out, mass, workspace,
-                scale=head_dim ** -0.5 if scale is None else scale, eta=eta, return_mass=return_mass,
-                reuse=reuse):
+                scale=head_dim ** -0.5 if scale is None else scale, eta=eta, return_mass=return_mass):
             kernel[grid](*args, **kwargs)
     return (out, support, mass) if return_mass else (out, support)
 
 
 def kernel_launches(q, k_pages, v_pages, page_table, seq_lens, modes, support, out, mass, ws, *,
-                    scale, eta, return_mass, reuse=False):
+                    scale, eta, return_mass):
     """[(kernel, grid, args, kwargs)] of a checked call in launch order: the split kernel, then
-    the finish kernel, or (reuse without return_mass) the split kernel alone (also used to
-    compile offline)."""
+    the finish kernel (also used to compile offline)."""
     batch, heads, head_dim = q.shape
     kv_heads = k_pages.shape[2]
     max_blocks = support.shape[2]
@@ -520,30 +482,27 @@ def kernel_launches(q, k_pages, v_pages, page_table, seq_lens, modes, support, o
     tile_n = max(config.tile_n, block_size)
     support = support.view(torch.uint8)
     partials = (ws.part_acc, ws.part_m, ws.part_l, ws.stat_m, ws.stat_l)
-    one_launch = reuse and not return_mass
     shared = dict(HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK=block_size,
-                  SPLIT_BLOCKS=split_blocks, MIN_SPLITS=config.min_splits, NB_PAD=triton.next_power_of_2(max_blocks),
-                  S_CHUNK=min(16, triton.next_power_of_2(max_splits)))
+                  SPLIT_BLOCKS=split_blocks, MIN_SPLITS=config.min_splits, NB_PAD=triton.next_power_of_2(max_blocks))
     split = (
         _split_kernel, (batch * kv_heads, max_splits),
         (q, k_pages, v_pages, page_table, seq_lens, modes, support, ws.starts, ws.blocks, *partials,
-         out, ws.arrivals, kv_heads, max_blocks, scale * math.log2(math.e),
+         kv_heads, max_blocks, scale * math.log2(math.e),
          q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
-         page_table.stride(0), support.stride(0), support.stride(1), out.stride(0), out.stride(1),
-         ws.max_blocks, ws.max_splits),
+         page_table.stride(0), support.stride(0), support.stride(1), ws.max_blocks, ws.max_splits),
         dict(shared, BLOCK_G=1 if group == 1 and not config.mha_dots else max(16, triton.next_power_of_2(group)),
              PAGE=k_pages.shape[1], TILE_N=tile_n,
              DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
              KV_ALIGN=16 if all(stride % 16 == 0 for stride in k_pages.stride()[:3]) else 1,
-             REUSE=one_launch, num_warps=config.num_warps, num_stages=config.num_stages))
-    if one_launch:
-        return [split]
+             num_warps=config.num_warps, num_stages=config.num_stages))
     finish = (
         _finish_kernel, (batch * heads,),
         (seq_lens, modes, support, out, mass, *partials, heads, max_blocks, eta,
          support.stride(0), support.stride(1), out.stride(0), out.stride(1), mass.stride(0), mass.stride(1),
          ws.max_blocks, ws.max_splits),
-        dict(shared, TILE_BLOCKS=tile_n // block_size, RETURN_MASS=return_mass, num_warps=4, num_stages=1))
+        dict(shared, TILE_BLOCKS=tile_n // block_size, S_CHUNK=min(16, triton.next_power_of_2(max_splits)),
+             RETURN_MASS=return_mass,
+             num_warps=4, num_stages=1))
     return [split, finish]
 
 
