@@ -22,6 +22,8 @@ Arms:
 - spec-wise, spec-loops (`--spec wise|loops --num-draft K`): the engine with lossless speculative
   decoding (`speculative_arms`); also reported: acceptance, tokens per round, and how many
   requests' greedy tokens differ from the dense arm's (every engine arm is compared);
+  `--accept-rate P,...` times them at set acceptances instead (spec-wise@P: real drafts and
+  verification, a seeded Bernoulli(P) accept; tokens not the model's);
 - old, old-wise: the pre-engine `wise_torch.generate` (dense / WISE), measured by running the old
   commit's own code, not a copy: a source tree of that commit (--old-src DIR; make one with
   `git archive OLD_COMMIT wise_core wise_torch | tar -x -C DIR`, or let --old-commit extract it
@@ -344,7 +346,7 @@ def _engine_worker(spec: dict) -> dict:
     import wise_torch
     from wise_core.config import WiseConfig
     model = _load_model(spec)
-    speculating = arm in speculative_arms.SPEC_ARMS
+    speculating = speculative_arms.is_spec(arm)
     prompts = _prompts(spec, model.config.vocab_size)
     if arm.endswith("-default"):
         llm = wise_torch.LLM(model, wise_config=WiseConfig() if arm == "wise-default" else None)
@@ -493,7 +495,7 @@ def row_of(spec: dict, result: dict, repeat: int | None, config, args) -> dict:
     density = {int(k): v for k, v in (r.get("density") or {}).items() if v is not None} or None
     # A speculative arm's roofline is dense decode's (its output is), whatever its draft reads.
     roof = roofline(config, args.dtype, spec["context"], spec["batch"], args.new_tokens,
-                    None if spec["arm"] in speculative_arms.SPEC_ARMS else density, args.hbm_tbps)
+                    None if speculative_arms.is_spec(spec["arm"]) else density, args.hbm_tbps)
     row.update({k: r.get(k) for k in ("decode_tokens_per_s", "ms_per_step", "prefill_s", "decode_tokens",
                                       "decode_steps", "fallbacks", "preemptions", "pages_returned", "counters",
                                       "acceptance_rate", "tokens_per_round", "tokens")})
@@ -525,7 +527,8 @@ def summarize(rows: list[dict]) -> list[dict]:
         dense = by_key.get((s["context"], s["batch"], base_of(s["arm"])))
         s["over_dense"] = s["decode_tokens_per_s"] / dense["decode_tokens_per_s"] if dense else None
         mine, reference = (tokens.get((s["context"], s["batch"], arm)) for arm in (s["arm"], "dense"))
-        s["differ"] = None if mine is None or reference is None else \
+        set_acceptance = (speculative_arms.method_and_rate(s["arm"]) or (None, None))[1] is not None
+        s["differ"] = None if mine is None or reference is None or set_acceptance else \
             speculative_arms.compare_tokens(reference, mine)["differ"]
     return out
 
@@ -607,7 +610,9 @@ def markdown(report: dict) -> str:
     lines += ["", "## Mean over repeats", "",
               "over dense: decode tok/s over the engine dense arm's (old-wise: over old's). differ: requests "
               "whose greedy tokens differ from the dense arm's. Speculative arms: ms/step is per round, "
-              "acceptance the drafts accepted, tok/round the tokens a request commits per round.", "",
+              "acceptance the drafts accepted, tok/round the tokens a request commits per round; "
+              "spec-METHOD@P arms accept each draft with probability P (timing only: their tokens are not "
+              "the model's, differ not counted).", "",
               "| ctx x batch | arm | decode tok/s | ms/step | share of roofline | over dense | density | differ | "
               "acceptance | tok/round |", "|" + "---|" * 10]
     for s in report["summary"]:

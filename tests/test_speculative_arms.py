@@ -76,3 +76,38 @@ def test_speculative_arms_end_to_end(tmp_path, monkeypatch):
     assert summary["spec-wise"]["differ"] == summary["spec-loops"]["differ"] == 0
     text = (tmp_path / "throughput.md").read_text()
     assert "| 64 x 3 | spec-loops |" in text and "tok/round" in text
+
+
+def test_set_acceptance_arms_flags_and_standing():
+    parser = tp.build_parser()
+    args = parser.parse_args(["--spec", "wise", "--spec", "loops", "--accept-rate", "0.706,0.971"])
+    assert sa.arms_of(args) == ["spec-wise@0.706", "spec-wise@0.971", "spec-loops@0.706", "spec-loops@0.971"]
+    for bad in (["--spec", "wise", "--accept-rate", "1.2"], ["--spec", "wise", "--accept-rate", "x"],
+                ["--accept-rate", "0.9"]):
+        with pytest.raises(SystemExit):
+            sa.arms_of(parser.parse_args(bad))
+    assert sa.method_and_rate("spec-wise@0.971") == ("wise", 0.971) and sa.method_and_rate("dense") is None
+    kw = sa.engine_kwargs("spec-loops@0.706", dict(num_draft=3, eta=0.9, kernel="reference"))
+    assert kw["speculative_config"].accept_rate == 0.706 and kw["wise_config"] is None
+    summary = [dict(context=4096, batch=20, arm="spec-wise@0.971", over_dense=1.2, differ=None),
+               dict(context=1024, batch=1, arm="spec-wise@0.971", over_dense=1.2, differ=None),
+               dict(context=8192, batch=10, arm="spec-loops@0.706", over_dense=1.05, differ=None),
+               dict(context=4096, batch=20, arm="spec-wise@0.9", over_dense=1.0, differ=None)]
+    assert [(t["target"], t["shape"], t["met"]) for t in sa.standing(summary)] == [
+        ("spec-wise@0.971 / dense >= 1.15", "4096x20", True),
+        ("spec-wise@0.971 / dense >= 1.30", "1024x1", False),
+        ("spec-loops@0.706 / dense >= 1.10", "8192x10", False)]
+
+
+def test_set_acceptance_arm_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    report = tp.main(["--preset", "test-tiny", "--dtype", "float32", "--device", "cpu", "--kernel", "reference",
+                      "--shapes", "64x3", "--q-scale", "2", "--new-tokens", "9", "--warmup-tokens", "2",
+                      "--page-size", "32", "--arms", "dense", "--spec", "wise", "--accept-rate", "1",
+                      "--num-draft", "2", "--repeats", "1", "--out", str(tmp_path)])
+    rows = {r["arm"]: r for r in report["rows"]}
+    r = rows["spec-wise@1"]
+    assert r["status"] == "ok" and r["pages_returned"] is True and r["decode_tokens"] == 3 * 8
+    assert r["acceptance_rate"] == 1.0 and r["tokens_per_round"] > 2   # every draft accepted: 3 a round
+    assert {s["arm"]: s for s in report["summary"]}["spec-wise@1"]["differ"] is None
+    assert "timing only" in (tmp_path / "throughput.md").read_text()

@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -268,3 +269,47 @@ def test_bad_speculative_settings_are_named(model):
     with pytest.raises(ValueError, match="forced continuation .* is scored, not speculated"):
         llm.add_request([1, 2], forced=[3, 4])
     assert engine(model).stats().acceptance_rate is None
+
+
+def _set_acceptance_rounds(rate: float, seed: int, num_draft: int, prompt_len: int, new: int) -> tuple[int, int]:
+    """(rounds, accepted drafts) of one request under SpeculativeConfig(accept_rate=rate,
+    accept_seed=seed), by hand: a round drafts min(num_draft, tokens left - 1), draws num_draft
+    uniforms, accepts the drafted prefix below the rate and commits it plus one token."""
+    rng = np.random.default_rng(seed)
+    length, end, rounds, accepted = prompt_len + 1, prompt_len + new, 0, 0
+    while length < end:
+        k = max(min(num_draft, end - length - 1), 0)
+        keep = rng.random((1, num_draft))[0, :k] < rate
+        n = int(np.cumprod(keep).sum())
+        rounds, accepted, length = rounds + 1, accepted + n, min(length + n + 1, end)
+    return rounds, accepted
+
+
+@pytest.mark.parametrize("spec", ["wise", "loops"])
+def test_set_acceptance_accepts_the_seeded_bernoulli_prefix(model, spec):
+    """accept_rate (timing only): the counts a hand-computed Bernoulli sequence gives, every page
+    back; at rate 0 the output is dense's (every draft rejected, the verification's greedy token
+    kept), at rate 1 every draft is accepted."""
+    prompt, new = prompts_of([40], model.config.vocab_size, seed=5)[0], 23
+    params = wt.SamplingParams(max_tokens=new, ignore_eos=True)
+    config, wise = SPECS[spec]
+    for rate, seed in ((0.5, 7), (0.0, 1), (1.0, 2)):
+        set_config = dataclasses.replace(config, accept_rate=rate, accept_seed=seed)
+        llm = wt.LLM(model, wise_config=wise, speculative_config=set_config, num_pages=64, page_size=32,
+                     max_num_seqs=8, max_model_len=256, kernel="reference")
+        [out] = llm.generate([prompt], params, use_tqdm=False)
+        s = llm.stats()
+        assert len(out.token_ids) == new and s.free_pages == s.total_pages and s.running == s.waiting == 0
+        assert (s.spec_rounds, s.accepted_tokens) == _set_acceptance_rounds(rate, seed, config.num_draft, 40, new)
+        if rate == 0.0:
+            assert out.token_ids == dense_tokens(model, [prompt], params)[0]
+        if rate == 1.0:
+            assert s.accepted_tokens == s.draft_tokens > 0
+
+
+def test_accept_rate_must_be_a_probability():
+    for bad in (1.5, -0.1, True, "0.9"):
+        with pytest.raises(ConfigError, match="accept_rate must be None or a probability"):
+            wt.SpeculativeConfig("wise", accept_rate=bad)
+    with pytest.raises(ConfigError, match="accept_seed must be a non-negative integer"):
+        wt.SpeculativeConfig("wise", accept_rate=0.5, accept_seed=-1)

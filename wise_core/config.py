@@ -256,11 +256,20 @@ class SpeculativeConfig:
     with (rejection sampling when sampling), so the output is the dense model's.
     draft_loops: "loops" only (None: half the model's loops); "wise" leaves it None or equal to
     the first reuse depth.
+    accept_rate: for timing only (`benchmarks/throughput.py --accept-rate`): each draft token
+    is accepted with this probability, a Bernoulli draw from numpy's generator seeded with
+    accept_seed (drawn per round as [rows, num_draft] in the round's row order, accepted as a
+    prefix), instead of by the dense model's agreement. The drafts and the verification pass
+    run as in a real round, so a round costs what a real one does, but the output is not the
+    model's: accepted drafts are kept whatever the model says, and the token after them is the
+    verification's greedy token. None (the default): lossless speculation.
     """
 
     method: str = "wise"
     num_draft: int = 4
     draft_loops: int | None = None
+    accept_rate: float | None = None
+    accept_seed: int = 0
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -271,6 +280,11 @@ class SpeculativeConfig:
         d = self.draft_loops
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
             raise ConfigError(f"SpeculativeConfig.draft_loops must be None or a positive integer, got {d!r}")
+        p = self.accept_rate
+        if p is not None and (not isinstance(p, (int, float)) or isinstance(p, bool) or not 0.0 <= p <= 1.0):
+            raise ConfigError(f"SpeculativeConfig.accept_rate must be None or a probability in [0, 1], got {p!r}")
+        if not isinstance(self.accept_seed, int) or isinstance(self.accept_seed, bool) or self.accept_seed < 0:
+            raise ConfigError(f"SpeculativeConfig.accept_seed must be a non-negative integer, got {self.accept_seed!r}")
 
     def verify_depth(self, num_loops: int, wise_config: WiseConfig | None) -> int:
         """The first loop verification recomputes (every loop before it is exact in the draft),

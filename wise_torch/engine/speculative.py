@@ -101,6 +101,7 @@ class Speculator:
             min_splits=lambda b: min_splits_for(b, c.num_key_value_heads))
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
         self.draw_generator = torch.Generator(device=device)
+        self.set_acceptance = None if config.accept_rate is None else np.random.default_rng(config.accept_seed)
         self.counters = SpeculativeCounters()
 
     def stats(self) -> dict[str, int]:
@@ -297,10 +298,16 @@ class Speculator:
         drafts = self.meta[1:, self._TOKEN, :m].t()                         # [m, k]
         j = torch.arange(q, device=self.device)
         valid = j[None, :k] < self.row_drafts[:m, None]
-        accepted = ((drafts == target[:, :k]) & valid).long().cumprod(1).sum(1)
-        final = target.gather(1, accepted[:, None])[:, 0]
-        if sampled:
-            self._accept_sampled(seqs, sampled, logits, draft_probs, drafts, accepted, final)
+        if self.set_acceptance is None:
+            accepted = ((drafts == target[:, :k]) & valid).long().cumprod(1).sum(1)
+            final = target.gather(1, accepted[:, None])[:, 0]
+            if sampled:
+                self._accept_sampled(seqs, sampled, logits, draft_probs, drafts, accepted, final)
+        else:   # SpeculativeConfig.accept_rate: a seeded Bernoulli prefix per row, for timing
+            keep = (self.set_acceptance.random((m, k)) < self.config.accept_rate) & (np.arange(k)[None, :] <
+                                                                                     np.array(ks)[:, None])
+            accepted = torch.from_numpy(keep.cumprod(1).sum(1)).to(self.device)
+            final = target.gather(1, accepted[:, None])[:, 0]
         padded = torch.cat([drafts, drafts[:, :1]], 1)
         emitted = torch.where(j[None, :] < accepted[:, None], padded, final[:, None])
         nan = (torch.isnan(logits).any(-1) & (j[None, :] <= accepted[:, None])).any(-1)
