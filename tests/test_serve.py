@@ -6,22 +6,18 @@ also checks that a request's tokens do not depend on what runs beside it.
 """
 
 import asyncio
-import http.client
 import importlib.util
 import json
-import os
 import random
 import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import aiohttp
 import pytest
 
 import wise_torch as wt
+from serve_cases import Server
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("serve_load", ROOT / "benchmarks" / "serve_load.py")
@@ -31,76 +27,6 @@ MAIN = dict(model="ouro-py-3m", num_pages=12, page_size=32, max_model_len=96, ma
 PROMPTS = ["def fib(n):", "import os\n", "class Stack:\n    def push(self, x):", "for i in range(10):",
            "    return", "# Copyright", "try:\n    import json\nexcept ImportError:", "x = [", "if __name__",
            "def __init__(self):\n        self."]
-
-
-class Server:
-    """`python -m wise_serve ...` on a free port, its log in a file."""
-
-    def __init__(self, tmp: Path, *args: str, cpu: bool = True):
-        self.log_path = tmp / "server.log"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {})}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        self.log = open(self.log_path, "w")
-        device = ["--device", "cpu", "--kernel", "reference"] if cpu else ["--device", "cuda"]
-        self.proc = subprocess.Popen([sys.executable, "-m", "wise_serve", "--port", "0", *device, "--seed", "0", *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            text = self.log_path.read_text()
-            if "listening on http://" in text:
-                self.url = text.split("listening on ")[1].split()[0]
-                self.host, port = self.url[len("http://"):].rsplit(":", 1)
-                self.port = int(port)
-                return
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({self.proc.returncode}):\n{text}")
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"the server did not start:\n{self.log_path.read_text()}")
-
-    def request(self, method: str, path: str, body=None, timeout: float = 120):
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
-        raw = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
-        conn.request(method, path, body=raw, headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        data = resp.read()
-        conn.close()
-        return resp.status, resp.getheader("Content-Type"), data
-
-    def post(self, body, path="/v1/completions"):
-        status, _, data = self.request("POST", path, body)
-        return status, json.loads(data)
-
-    def metrics(self) -> dict[str, float]:
-        status, ctype, data = self.request("GET", "/metrics")
-        assert status == 200 and ctype.startswith("text/plain; version=0.0.4")
-        out = {}
-        for line in data.decode().splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
-
-    def wait_idle(self, timeout: float = 60) -> dict[str, float]:
-        """/metrics once no request runs or waits and every page is free (or the last one)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            m = self.metrics()
-            idle = m["wise_requests_running"] == m["wise_requests_waiting"] == 0
-            if idle and m["wise_kv_pages_free"] == m["wise_kv_pages_total"] or time.monotonic() > deadline:
-                return m
-            time.sleep(0.05)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        return self.proc.returncode
 
 
 def server_args(cfg: dict, *extra: str) -> list[str]:
@@ -371,8 +297,14 @@ def test_wise_server_pool_limit_and_sigterm_drain(tmp_path):
                 short = [json.loads(x[6:]) for x in lines if x.startswith(b"data: {")]
                 assert short[-1]["choices"][0]["finish_reason"] == "length" and len(short) == 12
                 assert lines[-2:] == [b"data: [DONE]\n", b"\n"]                 # the stream's last event
-                with pytest.raises(OSError):                           # no longer listening
-                    socket.create_connection((s.host, s.port), timeout=5).close()
+                async with aiohttp.ClientSession() as fresh:            # a new connection: still listening
+                    for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                                         ("GET", "/health")):
+                        async with fresh.request(method, f"{s.url}{path}", json={"prompt": [1]}) as r:
+                            assert r.status == 503, path
+                            body = await r.json()
+                            assert "shutting down" in (body["status"] if path == "/health" else
+                                                       body["error"]["message"])
                 assert not long.done()
                 s.proc.send_signal(signal.SIGTERM)                     # a second signal aborts what is left
                 return await long

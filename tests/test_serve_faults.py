@@ -1,11 +1,15 @@
-"""The server in-process (aiohttp's test server) when the engine fails in a step."""
+"""The server in-process (aiohttp's test server): a failing engine step, speculation, slow tokenization
+and clients that leave, a model without a chat template."""
 
 import asyncio
 import json
+import threading
+import time
 
 from aiohttp.test_utils import TestClient, TestServer
 
 import wise_torch as wt
+from wise_serve.chat import load_chat_template
 from wise_serve.engine_loop import EngineLoop
 from wise_serve.server import CompletionServer
 
@@ -76,6 +80,84 @@ def test_speculative_engine_streams_one_chunk_per_token_with_dense_text():
             text = await (await client.get("/metrics")).text()
             values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("wise_spec_"))
             assert float(values["wise_spec_accepted_tokens_total"]) > 0     # some rounds gave several tokens
+        await engine.stop()
+
+    asyncio.run(run())
+
+
+class _BlockingTokenizer:
+    """A tokenizer whose encode waits for `release` (a slow tokenization), recording its texts."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.texts, self.release = tokenizer, [], threading.Event()
+
+    def encode(self, text, **kw):
+        self.texts.append(text)
+        assert self.release.wait(30)
+        return self.tokenizer.encode(text, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_tokenization_runs_off_the_event_loop_and_a_client_that_leaves_drops_it():
+    """One tokenizer worker, blocked on the first prompt: /health still answers at once; both
+    clients hang up; the queued prompt is never tokenized, the first's result is dropped, and
+    the engine never sees either request."""
+    llm = wt.LLM("random-tiny", num_pages=8, page_size=32, max_model_len=128, max_num_seqs=4, kernel="reference",
+                 cuda_graphs=False, device="cpu")
+
+    async def run():
+        engine = EngineLoop(llm, asyncio.get_running_loop())
+        engine.start()
+        server = CompletionServer(engine, model_name="random-tiny", tokenizer_workers=1)
+        slow = server.tokenizer = _BlockingTokenizer(llm.tokenizer)
+        async with TestClient(TestServer(server.app(), handler_cancellation=True)) as client:
+            body = {"max_tokens": 4, "temperature": 0}
+            first = asyncio.ensure_future(client.post("/v1/completions", json={**body, "prompt": "first"}))
+            second = asyncio.ensure_future(client.post("/v1/completions", json={**body, "prompt": "second"}))
+            while not slow.texts:
+                await asyncio.sleep(0.01)
+            start = time.perf_counter()
+            r = await client.get("/health")
+            # The event loop is free: /health takes milliseconds; 1 s is far from a blocked loop's 30 s.
+            assert r.status == 200 and time.perf_counter() - start < 1.0
+            await asyncio.sleep(0.1)                   # the second request waits for the one worker
+            second.cancel()
+            first.cancel()
+            while server.metrics.disconnects < 2:
+                await asyncio.sleep(0.01)
+            slow.release.set()
+            await asyncio.sleep(0.2)
+            assert slow.texts == ["first"]
+            stats = await engine.stats()
+            assert llm.next_id == 0 and stats.running == stats.waiting == 0
+            assert stats.free_pages == stats.total_pages
+            r = await client.post("/v1/completions", json={**body, "prompt": "third"})
+            assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 4
+        await engine.stop()
+
+    asyncio.run(run())
+
+
+def test_chat_without_a_template_is_a_400_saying_so():
+    llm = wt.LLM("random-tiny", num_pages=8, page_size=32, max_model_len=128, max_num_seqs=4, kernel="reference",
+                 cuda_graphs=False, device="cpu")
+    assert load_chat_template("random-tiny", None, tokenizer=llm.tokenizer, bos_token_id=256,
+                              eos_token_id=256) is None
+
+    async def run():
+        engine = EngineLoop(llm, asyncio.get_running_loop())
+        engine.start()
+        server = CompletionServer(engine, model_name="random-tiny")
+        async with TestClient(TestServer(server.app())) as client:
+            for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                               ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]})):
+                r = await client.post(path, json=body)
+                error = (await r.json())["error"]
+                assert r.status == 400 and error["param"] == "messages", path
+                assert "the model 'random-tiny' has no chat template" in error["message"]
+                assert "--chat-template FILE" in error["message"]
         await engine.stop()
 
     asyncio.run(run())

@@ -1,4 +1,5 @@
-"""wise_serve without a server: request validation, incremental text and stop strings, metrics text."""
+"""wise_serve without a server: request validation (completions, chat, tokenize), incremental text and stop
+strings, chat templates, metrics text."""
 
 import json
 import random
@@ -7,7 +8,7 @@ import pytest
 
 from wise_core.tokenizer import byte_tokenizer
 from wise_serve.metrics import Histogram
-from wise_serve.protocol import BadRequest, parse_completion
+from wise_serve.protocol import BadRequest, parse_chat, parse_completion, parse_detokenize, parse_tokenize
 from wise_core.detokenize import TextStream
 
 
@@ -18,18 +19,93 @@ def parse(body, **kw):
 
 def test_defaults_and_fields_reach_the_sampling_params():
     r = parse({"prompt": "hi"})
-    p = r.params
-    assert (r.prompt, p.max_tokens, p.temperature, p.top_p, r.stream) == ("hi", 16, 1.0, 1.0, False)
+    p = r.generation.params(1, 100)
+    assert (r.prompts, p.max_tokens, p.temperature, p.top_p, r.generation.stream) == (["hi"], 16, 1.0, 1.0, False)
+    assert not p.logprobs and not r.echo
     r = parse({"model": "m", "prompt": [[3, 4]], "max_tokens": 5, "temperature": 0, "top_p": 0.5, "seed": 7,
                "stop": "\n", "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
-               "n": 1, "echo": False, "logprobs": None, "presence_penalty": 0.0, "user": "u"})
-    assert r.prompt == [3, 4] and r.stop == ("\n",) and r.stream and r.include_usage
-    p = r.params
+               "n": 1, "echo": True, "presence_penalty": 0.0, "user": "u"})
+    g = r.generation
+    assert r.prompts == [[3, 4]] and r.echo and g.stop == ("\n",) and g.stream and g.include_usage
+    p = g.params(2, 100)
     assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.ignore_eos) == (5, 0.0, 0.5, 7, True)
     assert (p.top_k, p.min_p) == (0, 0.0)
-    p = parse({"prompt": "hi", "top_k": 40, "min_p": 0.05}).params
-    assert (p.top_k, p.min_p) == (40, 0.05) and parse({"prompt": "hi", "top_k": -1}).params.top_k == 0
-    assert parse({"prompt": [1]}, has_tokenizer=False).return_token_ids
+    p = parse({"prompt": "hi", "top_k": 40, "min_p": 0.05}).generation.params(1, 100)
+    assert (p.top_k, p.min_p) == (40, 0.05) and parse({"prompt": "hi", "top_k": -1}).generation.params(1, 9).top_k == 0
+    assert parse({"prompt": [1]}, has_tokenizer=False).generation.return_token_ids
+    assert parse({"prompt": "a", "logprobs": 0}).generation.params(1, 9).logprobs
+
+
+def test_several_prompts_keep_their_order():
+    assert parse({"prompt": ["a", "b", "c"]}).prompts == ["a", "b", "c"]
+    assert parse({"prompt": [[1, 2], [3]]}).prompts == [[1, 2], [3]]
+    assert parse({"prompt": ["a", [3]]}).prompts == ["a", [3]]
+
+
+def chat(body):
+    return parse_chat(json.dumps(body).encode(), model_name="m")
+
+
+def test_chat_fields():
+    r = chat({"messages": [{"role": "system", "content": "be brief"},
+                           {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                            "name": "x"}], "logprobs": True, "top_logprobs": 0, "max_completion_tokens": 7})
+    assert r.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb", "name": "x"}]
+    assert r.generation.params(3, 100).max_tokens == 7 and r.generation.logprobs
+    assert chat({"messages": [{"role": "user", "content": "hi"}]}).generation.params(30, 100).max_tokens == 70
+    with pytest.raises(BadRequest, match=r"the prompt holds 100 tokens: max_model_len \(100\) leaves no room"):
+        chat({"messages": [{"role": "user", "content": "hi"}]}).generation.params(100, 100)
+
+
+CHAT_BAD = [
+    ({}, "messages", "messages is required"),
+    ({"messages": []}, "messages", "messages must be a non-empty list"),
+    ({"messages": ["hi"]}, "messages", "messages[0] must be an object"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages", "messages[0].role must be one of"),
+    ({"messages": [{"role": "user"}]}, "messages", "messages[0].content is required"),
+    ({"messages": [{"role": "user", "content": 3}]}, "messages", "content must be a string or a non-empty list"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages",
+     '"image_url" parts are not supported'),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages", "unknown field 'tool_calls'"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2, "logprobs": True}, "top_logprobs",
+     "top_logprobs=2 is not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 0}, "top_logprobs",
+     "top_logprobs needs logprobs: true"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21, "logprobs": True}, "top_logprobs",
+     "top_logprobs must be an integer in [0, 20]"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs", "logprobs must be true or false"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "max_completion_tokens": 3}, "max_tokens",
+     "not both"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 3}, "n", "n=3 is not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools", "unknown field 'tools'"),
+    ({"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, "prompt", "unknown field 'prompt'"),
+]
+
+
+@pytest.mark.parametrize("body, param, message", CHAT_BAD, ids=[m for _, _, m in CHAT_BAD])
+def test_bad_chat_requests_name_the_problem(body, param, message):
+    with pytest.raises(BadRequest) as e:
+        chat(body)
+    assert message in str(e.value) and e.value.param == param
+
+
+TOKENIZE_BAD = [
+    (parse_tokenize, {}, "prompt", "give either prompt (a text) or messages"),
+    (parse_tokenize, {"prompt": "a", "messages": []}, "prompt", "not both or neither"),
+    (parse_tokenize, {"prompt": [1]}, "prompt", "prompt must be a string"),
+    (parse_tokenize, {"prompt": "a", "add_generation_prompt": True}, "add_generation_prompt", "messages only"),
+    (parse_detokenize, {"tokens": "ab"}, "tokens", "tokens must be a list of integer token ids"),
+    (parse_detokenize, {"tokens": [1, 300]}, "tokens", "ids [300] outside the vocabulary (size 258)"),
+    (parse_detokenize, {"tokens": [1], "x": 1}, "x", "unknown field 'x'"),
+]
+
+
+@pytest.mark.parametrize("fn, body, param, message", TOKENIZE_BAD, ids=[m for *_, m in TOKENIZE_BAD])
+def test_bad_tokenize_requests_name_the_problem(fn, body, param, message):
+    kw = {"vocab_size": 258} if fn is parse_detokenize else {}
+    with pytest.raises(BadRequest) as e:
+        fn(json.dumps(body).encode(), model_name="m", **kw)
+    assert message in str(e.value) and e.value.param == param
 
 
 BAD = [
@@ -53,10 +129,12 @@ BAD = [
     ({"prompt": "a", "top_k": 2.5}, "top_k", "got 2.5"),
     ({"prompt": "a", "min_p": 1.5}, "min_p", "min_p must be a number in [0, 1], got 1.5"),
     ({"prompt": "a", "model": "gpt-4"}, "model", "unknown model 'gpt-4': this server serves 'm'"),
-    ({"prompt": 5}, "prompt", "prompt must be a string or a list of integer token ids, got int"),
+    ({"prompt": 5}, "prompt", "prompt must be a string, a list of integer token ids, or a list of either, got int"),
     ({"prompt": [1, "x"]}, "prompt", "it holds 'x'"),
     ({"prompt": []}, "prompt", "prompt is empty"),
-    ({"prompt": ["a", "b"]}, "prompt", "prompt holds 2 prompts"),
+    ({"prompt": ["a", ""]}, "prompt", "prompt is empty"),
+    ({"prompt": [[1], []]}, "prompt", "prompt is empty"),
+    ({"prompt": [[1], [2, "x"]]}, "prompt", "it holds 'x'"),
     ({"prompt": "a", "stop": [""]}, "stop", "stop must be a non-empty string"),
     ({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
     ({"prompt": "a", "stream": "yes"}, "stream", "stream must be true or false"),
@@ -64,9 +142,15 @@ BAD = [
     ({"prompt": "a", "stream": True, "stream_options": {"x": 1}}, "stream_options", "the one key include_usage"),
     ({"prompt": "a", "n": 2}, "n", "n=2 is not supported"),
     ({"prompt": "a", "n": True}, "n", "n=true is not supported"),
-    ({"prompt": "a", "echo": True}, "echo", "echo (the prompt in the completion)=true is not supported"),
-    ({"prompt": "a", "logprobs": 1}, "logprobs", "logprobs=1 is not supported"),
-    ({"prompt": "a", "frequency_penalty": 0.5}, "frequency_penalty", "not supported"),
+    ({"prompt": "a", "echo": True, "logprobs": 0}, "echo", "echo with logprobs needs the prompt's logprobs"),
+    ({"prompt": "a", "echo": 1}, "echo", "echo must be true or false"),
+    ({"prompt": "a", "logprobs": 1}, "logprobs", "logprobs=1 is not supported: the engine reports the chosen"),
+    ({"prompt": "a", "logprobs": True}, "logprobs", "logprobs must be an integer >= 0"),
+    ({"prompt": "a", "logprobs": -1}, "logprobs", "logprobs must be an integer >= 0"),
+    ({"prompt": "a", "frequency_penalty": 0.5}, "frequency_penalty", "not supported by this server (the engine "
+                                                                     "has no penalties)"),
+    ({"prompt": "a", "logit_bias": {"1": 5}}, "logit_bias", "not supported"),
+    ({"prompt": "a", "best_of": 2}, "best_of", "not supported"),
 ]
 
 

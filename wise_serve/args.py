@@ -54,6 +54,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--served-model-name", default=None,
                         help="the model name requests give and /v1/models lists (default: --model)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="a Jinja chat template for /v1/chat/completions (default: the checkpoint's "
+                             "chat_template.jinja or tokenizer_config.json's chat_template; none: chat answers 400)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: a free port)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,

@@ -10,10 +10,17 @@ import logging
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp").setLevel(max(logging.WARNING, logging.getLogger().level))
+    from wise_serve.chat import load_chat_template
     from wise_serve.model import build_llm
     from wise_serve.server import serve
 
     llm = build_llm(args)
+    config = llm.model.config
+    template = load_chat_template(
+        args.model, args.chat_template, tokenizer=llm.tokenizer, bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id)
+    if template is not None and llm.tokenizer is None:
+        raise ValueError("--chat-template needs a model with a tokenizer (a chat is text)")
     asyncio.run(serve(llm, host=args.host, port=args.port, model_name=args.served_model_name or args.model,
-                      shutdown_timeout=args.shutdown_timeout))
+                      shutdown_timeout=args.shutdown_timeout, chat_template=template))
     return 0

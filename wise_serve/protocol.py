@@ -1,13 +1,15 @@
-"""The OpenAI completions API as the server speaks it: request validation and response shapes.
+"""The OpenAI API as the server speaks it: request validation and response shapes.
 
-`parse_completion` turns a request body into a `CompletionRequest` or raises `BadRequest`
-naming the field and the problem. Unknown fields are rejected, not ignored: a misspelt
-`max_token` silently falling back to the default would be a silent wrong result. Fields of the
-OpenAI API that the engine does not implement (`n`, `best_of`, `logprobs`, penalties,
-`logit_bias`, `suffix`, `echo`) are accepted only at their neutral value. Defaults follow the
-OpenAI API (max_tokens 16, temperature 1, top_p 1). Extensions (as in vLLM): `top_k` (-1 or 0:
-every token), `min_p` (0: off), `ignore_eos`, and `return_token_ids` (each choice and stream
-chunk also carries the token ids).
+`parse_completion` (/v1/completions), `parse_chat` (/v1/chat/completions), `parse_tokenize` and
+`parse_detokenize` (vLLM's /tokenize and /detokenize) turn a request body into a request object
+or raise `BadRequest` naming the field and the problem. Unknown fields are rejected, not
+ignored: a misspelt `max_token` silently falling back to the default would be a silent wrong
+result. Fields of the OpenAI API that the engine does not implement (`n`, `best_of`,
+penalties, `logit_bias`, `suffix`, top alternatives per token) are accepted only at their
+neutral value. Defaults follow the OpenAI API (completions: max_tokens 16; chat: what
+max_model_len leaves after the prompt, as vLLM; temperature 1, top_p 1). Extensions (as in
+vLLM): `top_k` (-1 or 0: every token), `min_p` (0: off), `ignore_eos`, and
+`return_token_ids` (each choice and stream chunk also carries the token ids).
 
 The engine checks what only it knows (prompt length against max_model_len and the pool,
 token ids against the vocabulary); its ValueErrors become 400s too.
@@ -23,12 +25,18 @@ import uuid
 
 from wise_core.request import MAX_SEED, SamplingParams
 
-FIELDS = frozenset({
-    "model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
-    "echo", "n", "best_of", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "suffix", "user",
-    "ignore_eos", "return_token_ids", "top_k", "min_p"})
+SAMPLING_FIELDS = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "logprobs",
+    "presence_penalty", "frequency_penalty", "logit_bias", "user", "ignore_eos", "return_token_ids", "top_k",
+    "min_p"})
+COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "echo", "best_of", "suffix"}
+CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "top_logprobs", "max_completion_tokens"}
 MAX_STOP_STRINGS = 4          # as the OpenAI API
-DEFAULT_MAX_TOKENS = 16
+DEFAULT_MAX_TOKENS = 16       # completions; chat's default is what max_model_len leaves
+MAX_TOP_LOGPROBS = 20         # chat's top_logprobs range in the OpenAI API
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+NO_PROMPT_LOGPROBS = ("echo with logprobs needs the prompt's logprobs, which the engine does not compute: "
+                      "ask for echo or for logprobs, not both")
 
 
 class BadRequest(ValueError):
@@ -40,15 +48,58 @@ class BadRequest(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class CompletionRequest:
-    """prompt: text or token ids; stop: strings that end the completion (not included in it)."""
+class Generation:
+    """What completions and chat share. sampling: SamplingParams' fields but max_tokens;
+    max_tokens None: what max_model_len leaves after the prompt (chat); stop: strings that end
+    the text (not included in it); logprobs: report each generated token's log probability."""
 
-    prompt: str | list[int]
-    params: SamplingParams
+    sampling: dict
+    max_tokens: int | None
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    logprobs: bool
+
+    def params(self, prompt_tokens: int, max_model_len: int) -> SamplingParams:
+        """The engine's SamplingParams for a prompt of `prompt_tokens` tokens."""
+        max_tokens = self.max_tokens
+        if max_tokens is None:
+            max_tokens = max_model_len - prompt_tokens
+            if max_tokens < 1:
+                raise BadRequest(f"the prompt holds {prompt_tokens} tokens: max_model_len ({max_model_len}) leaves "
+                                 f"no room for a completion", "messages")
+        return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **self.sampling)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionRequest:
+    """prompts: each a text or token ids (one choice each, in order); echo: the prompt's text
+    starts each choice's text."""
+
+    prompts: list[str | list[int]]
+    echo: bool
+    generation: Generation
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatRequest:
+    """messages: [{"role", "content": str, "name"?}], content parts joined as text."""
+
+    messages: list[dict]
+    generation: Generation
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizeRequest:
+    """Either prompt (a text) or messages (through the chat template); add_special_tokens: the
+    tokenizer's post-processing (default: true for a prompt, false for messages, as vLLM)."""
+
+    prompt: str | None
+    messages: list[dict] | None
+    add_special_tokens: bool
+    add_generation_prompt: bool
+    return_token_strs: bool
 
 
 def _is_int(x) -> bool:
@@ -76,28 +127,46 @@ def load_json(body: bytes) -> dict:
     return obj
 
 
-def _prompt(value) -> str | list[int]:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]                                   # a batch of one prompt
+def _known(obj: dict, fields: frozenset, model_name: str) -> None:
+    unknown = sorted(set(obj) - fields)
+    if unknown:
+        raise BadRequest(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}",
+                         unknown[0])
+    model = obj.get("model")
+    if model is not None and model != model_name:
+        raise BadRequest(f"unknown model {model!r:.80}: this server serves {model_name!r}", "model")
+
+
+def _token_ids(value, what: str) -> list[int]:
+    bad = [v for v in value if not _is_int(v)]
+    if bad:
+        raise BadRequest(f"{what} must be a string or a list of integer token ids; it holds {bad[0]!r:.40}", what)
+    if not value:
+        raise BadRequest(f"{what} is empty", what)
+    return value
+
+
+def _prompts(value) -> list[str | list[int]]:
+    """A prompt (a string or token ids) or a list of them -> the list."""
     if isinstance(value, str):
-        return value
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
+        prompts = [v if isinstance(v, str) else _token_ids(v, "prompt") for v in value]
+        for p in prompts:
+            if p == "":
+                raise BadRequest("prompt is empty", "prompt")
+        return prompts
     if isinstance(value, list):
-        if value and all(isinstance(v, (str, list)) for v in value):
-            raise BadRequest(f"prompt holds {len(value)} prompts; the server takes one prompt per request",
-                             "prompt")
-        bad = [v for v in value if not _is_int(v)]
-        if bad:
-            raise BadRequest(f"prompt must be a string or a list of integer token ids; it holds {bad[0]!r:.40}",
-                             "prompt")
-        if not value:
-            raise BadRequest("prompt is empty", "prompt")
-        return value
-    raise BadRequest(f"prompt must be a string or a list of integer token ids, got {type(value).__name__}",
-                     "prompt")
+        return [_token_ids(value, "prompt")]
+    raise BadRequest(f"prompt must be a string, a list of integer token ids, or a list of either, got "
+                     f"{type(value).__name__}", "prompt")
 
 
-NEUTRAL = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "suffix": "",
-           "echo": False, "logprobs": None}
+NEUTRAL = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "suffix": ""}
+WHY = {"n": "the engine makes one completion per prompt",
+       "best_of": "the engine makes one completion per prompt",
+       "presence_penalty": "the engine has no penalties", "frequency_penalty": "the engine has no penalties",
+       "logit_bias": "the engine has no logit bias", "suffix": "the model does not fill in the middle"}
 
 
 def _neutral(obj: dict) -> None:
@@ -106,32 +175,26 @@ def _neutral(obj: dict) -> None:
         value = obj.get(name)
         if value is None or (value == neutral and isinstance(value, bool) == isinstance(neutral, bool)):
             continue
-        what = "echo (the prompt in the completion)" if name == "echo" else name
-        raise BadRequest(f"{what}={json.dumps(value):.40} is not supported by this server", name)
+        raise BadRequest(f"{name}={json.dumps(value):.40} is not supported by this server ({WHY[name]})", name)
 
 
-def parse_completion(body: bytes, *, model_name: str, has_tokenizer: bool = True) -> CompletionRequest:
-    """Validate a /v1/completions body. model_name: the served model (a request may leave it out)."""
-    obj = load_json(body)
-    unknown = sorted(set(obj) - FIELDS)
-    if unknown:
-        raise BadRequest(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}",
-                         unknown[0])
-    model = obj.get("model")
-    if model is not None and model != model_name:
-        raise BadRequest(f"unknown model {model!r:.80}: this server serves {model_name!r}", "model")
-    if "prompt" not in obj:
-        raise BadRequest("prompt is required", "prompt")
-    prompt = _prompt(obj["prompt"])
-    if isinstance(prompt, str) and not has_tokenizer:
-        raise BadRequest("the model has no tokenizer: send the prompt as a list of token ids", "prompt")
+def _flag(obj: dict, name: str, default: bool = False) -> bool:
+    value = obj.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise BadRequest(f"{name} must be true or false, got {json.dumps(value):.40}", name)
+    return default if value is None else value
+
+
+def _max_tokens(obj: dict, name: str) -> int | None:
+    value = obj.get(name)
+    if value is not None and (not _is_int(value) or value <= 0):
+        raise BadRequest(f"{name} must be a positive integer, got {json.dumps(value):.40}", name)
+    return value
+
+
+def _generation(obj: dict, *, has_tokenizer: bool, logprobs: bool, max_tokens: int | None) -> Generation:
+    """The sampling fields both endpoints take (the logprobs fields are each endpoint's own)."""
     _neutral(obj)
-
-    max_tokens = obj.get("max_tokens")
-    if max_tokens is None:
-        max_tokens = DEFAULT_MAX_TOKENS
-    elif not _is_int(max_tokens) or max_tokens <= 0:
-        raise BadRequest(f"max_tokens must be a positive integer, got {json.dumps(max_tokens):.40}", "max_tokens")
     temperature = obj.get("temperature")
     temperature = 1.0 if temperature is None else temperature
     if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
@@ -161,16 +224,11 @@ def parse_completion(body: bytes, *, model_name: str, has_tokenizer: bool = True
         raise BadRequest(f"stop holds {len(stop)} strings, at most {MAX_STOP_STRINGS} are allowed", "stop")
     if stop and not has_tokenizer:
         raise BadRequest("stop strings need a tokenizer and the model has none", "stop")
-    flags = {}
-    for name in ("stream", "ignore_eos", "return_token_ids"):
-        value = obj.get(name)
-        if value is not None and not isinstance(value, bool):
-            raise BadRequest(f"{name} must be true or false, got {json.dumps(value):.40}", name)
-        flags[name] = bool(value)
+    stream = _flag(obj, "stream")
     options = obj.get("stream_options")
     include_usage = False
     if options is not None:
-        if not flags["stream"]:
+        if not stream:
             raise BadRequest("stream_options is only allowed with stream: true", "stream_options")
         if not isinstance(options, dict) or set(options) - {"include_usage"} or \
                 not isinstance(options.get("include_usage", False), bool):
@@ -180,10 +238,138 @@ def parse_completion(body: bytes, *, model_name: str, has_tokenizer: bool = True
     user = obj.get("user")
     if user is not None and not isinstance(user, str):
         raise BadRequest(f"user must be a string, got {json.dumps(user):.40}", "user")
-    params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                            top_k=top_k, min_p=float(min_p), seed=seed, ignore_eos=flags["ignore_eos"])
-    return CompletionRequest(prompt, params, tuple(stop), flags["stream"], include_usage,
-                             flags["return_token_ids"] or not has_tokenizer)
+    sampling = dict(temperature=float(temperature), top_p=float(top_p), top_k=top_k, min_p=float(min_p), seed=seed,
+                    ignore_eos=_flag(obj, "ignore_eos"))
+    return Generation(sampling, max_tokens, tuple(stop), stream, include_usage,
+                      _flag(obj, "return_token_ids") or not has_tokenizer, logprobs)
+
+
+def parse_completion(body: bytes, *, model_name: str, has_tokenizer: bool = True) -> CompletionRequest:
+    """Validate a /v1/completions body. model_name: the served model (a request may leave it out)."""
+    obj = load_json(body)
+    _known(obj, COMPLETION_FIELDS, model_name)
+    if "prompt" not in obj:
+        raise BadRequest("prompt is required", "prompt")
+    prompts = _prompts(obj["prompt"])
+    if not has_tokenizer and any(isinstance(p, str) for p in prompts):
+        raise BadRequest("the model has no tokenizer: send the prompt as a list of token ids", "prompt")
+    logprobs = obj.get("logprobs")
+    if logprobs is not None and (not _is_int(logprobs) or logprobs < 0):
+        raise BadRequest(f"logprobs must be an integer >= 0 (0: the chosen token's only), got "
+                         f"{json.dumps(logprobs):.40}", "logprobs")
+    if logprobs:
+        raise BadRequest(f"logprobs={logprobs} is not supported: the engine reports the chosen token's log "
+                         f"probability only (logprobs: 0), not the top {logprobs} alternatives", "logprobs")
+    echo = _flag(obj, "echo")
+    if echo and logprobs is not None:
+        raise BadRequest(NO_PROMPT_LOGPROBS, "echo")
+    if echo and not has_tokenizer:
+        raise BadRequest("echo needs a tokenizer (the prompt's text) and the model has none", "echo")
+    max_tokens = _max_tokens(obj, "max_tokens")
+    generation = _generation(obj, has_tokenizer=has_tokenizer, logprobs=logprobs is not None,
+                             max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
+    return CompletionRequest(prompts, echo, generation)
+
+
+def _content(value, where: str) -> str:
+    """A message's content: a string, or a list of text parts (joined with newlines, as vLLM)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        texts = []
+        for k, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise BadRequest(f"{where}.content[{k}] must be a text part {{\"type\": \"text\", \"text\": ...}}; "
+                                 f"{json.dumps(kind):.40} parts are not supported (the model reads text only)",
+                                 "messages")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise BadRequest(f"{where}.content must be a string or a non-empty list of text parts, got "
+                     f"{json.dumps(value):.40}", "messages")
+
+
+def parse_messages(value) -> list[dict]:
+    """OpenAI chat messages -> [{"role", "content", "name"?}] for the chat template."""
+    if not isinstance(value, list) or not value:
+        raise BadRequest(f"messages must be a non-empty list of messages, got {json.dumps(value):.40}", "messages")
+    out = []
+    for i, m in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise BadRequest(f"{where} must be an object with role and content, got {json.dumps(m):.40}", "messages")
+        unknown = sorted(set(m) - {"role", "content", "name"})
+        if unknown:
+            raise BadRequest(f"{where} has unknown field {unknown[0]!r} (a message takes role, content, name)",
+                             "messages")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise BadRequest(f"{where}.role must be one of {', '.join(sorted(CHAT_ROLES))}, got "
+                             f"{json.dumps(role):.40}", "messages")
+        if "content" not in m:
+            raise BadRequest(f"{where}.content is required", "messages")
+        message = {"role": role, "content": _content(m["content"], where)}
+        if m.get("name") is not None:
+            if not isinstance(m["name"], str):
+                raise BadRequest(f"{where}.name must be a string, got {json.dumps(m['name']):.40}", "messages")
+            message["name"] = m["name"]
+        out.append(message)
+    return out
+
+
+def parse_chat(body: bytes, *, model_name: str) -> ChatRequest:
+    """Validate a /v1/chat/completions body."""
+    obj = load_json(body)
+    _known(obj, CHAT_FIELDS, model_name)
+    if "messages" not in obj:
+        raise BadRequest("messages is required", "messages")
+    messages = parse_messages(obj["messages"])
+    logprobs = _flag(obj, "logprobs")
+    top = obj.get("top_logprobs")
+    if top is not None:
+        if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got "
+                             f"{json.dumps(top):.40}", "top_logprobs")
+        if not logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        if top:
+            raise BadRequest(f"top_logprobs={top} is not supported: the engine reports the chosen token's log "
+                             f"probability only (top_logprobs: 0)", "top_logprobs")
+    max_tokens, max_completion = _max_tokens(obj, "max_tokens"), _max_tokens(obj, "max_completion_tokens")
+    if max_tokens is not None and max_completion is not None:
+        raise BadRequest("give max_completion_tokens or max_tokens (its old name), not both", "max_tokens")
+    return ChatRequest(messages, _generation(obj, has_tokenizer=True, logprobs=logprobs,
+                                             max_tokens=max_completion if max_tokens is None else max_tokens))
+
+
+def parse_tokenize(body: bytes, *, model_name: str) -> TokenizeRequest:
+    """Validate a /tokenize body: {"prompt": str} or {"messages": [...]}, as vLLM's."""
+    obj = load_json(body)
+    _known(obj, frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                           "return_token_strs"}), model_name)
+    if ("prompt" in obj) == ("messages" in obj):
+        raise BadRequest("give either prompt (a text) or messages (a chat), not both or neither", "prompt")
+    prompt = obj.get("prompt")
+    if "prompt" in obj and not isinstance(prompt, str):
+        raise BadRequest(f"prompt must be a string, got {json.dumps(prompt):.40}", "prompt")
+    messages = parse_messages(obj["messages"]) if "messages" in obj else None
+    if messages is None and "add_generation_prompt" in obj:
+        raise BadRequest("add_generation_prompt applies to messages only", "add_generation_prompt")
+    return TokenizeRequest(prompt, messages, _flag(obj, "add_special_tokens", default=messages is None),
+                           _flag(obj, "add_generation_prompt", default=True), _flag(obj, "return_token_strs"))
+
+
+def parse_detokenize(body: bytes, *, model_name: str, vocab_size: int) -> list[int]:
+    """Validate a /detokenize body {"tokens": [ids]} -> the ids."""
+    obj = load_json(body)
+    _known(obj, frozenset({"model", "tokens"}), model_name)
+    tokens = obj.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
+        raise BadRequest(f"tokens must be a list of integer token ids, got {json.dumps(tokens):.40}", "tokens")
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise BadRequest(f"tokens holds ids {bad[:5]} outside the vocabulary (size {vocab_size})", "tokens")
+    return tokens
 
 
 # -- responses -----------------------------------------------------------------------------------
@@ -191,8 +377,9 @@ def error_body(message: str, *, kind: str = "invalid_request_error", param: str 
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
-def new_completion_id() -> str:
-    return f"cmpl-{uuid.uuid4().hex}"
+def new_id(prefix: str) -> str:
+    """A request id: "cmpl" (completions), "chatcmpl" (chat), "req" (other routes)."""
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -200,20 +387,52 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_body(cid: str, created: int, model: str, choice: dict, usage_: dict | None) -> dict:
-    """A completion (or one stream chunk: usage None, or the usage chunk: no choice)."""
-    body = {"id": cid, "object": "text_completion", "created": created, "model": model,
-            "choices": [] if choice is None else [choice]}
-    if usage_ is not None or choice is None:
+def completion_body(cid: str, created: int, model: str, choices: list[dict], usage_: dict | None, *,
+                    chat: bool = False, chunk: bool = False) -> dict:
+    """A completion, or one stream chunk (chunk: usage only when given, as the usage chunk has
+    no choice). object: text_completion, chat.completion or chat.completion.chunk."""
+    kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
+    body = {"id": cid, "object": kind, "created": created, "model": model, "choices": choices}
+    if usage_ is not None or not chunk:
         body["usage"] = usage_
     return body
 
 
-def choice(text: str, finish_reason: str | None, token_ids: list[int] | None = None) -> dict:
-    out = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def choice(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None = None,
+           logprobs: dict | None = None) -> dict:
+    """One completions choice (or its stream delta)."""
+    out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if token_ids is not None:
         out["token_ids"] = token_ids
     return out
+
+
+def chat_choice(index: int, message: dict, finish_reason: str | None, token_ids: list[int] | None = None,
+                logprobs: dict | None = None, *, delta: bool = False) -> dict:
+    """One chat choice: message {"role", "content"}, or in a stream chunk its delta."""
+    out = {"index": index, "delta" if delta else "message": message, "logprobs": logprobs,
+           "finish_reason": finish_reason}
+    if token_ids is not None:
+        out["token_ids"] = token_ids
+    return out
+
+
+def completion_logprobs(tokens: list[str], logprobs: list[float], offset: int) -> dict:
+    """Completions' logprobs object for tokens whose text starts at character `offset`:
+    text_offset counts the characters of the tokens before (as vLLM), top_logprobs holds each
+    chosen token alone (logprobs: 0)."""
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": logprobs,
+            "top_logprobs": [{t: lp} for t, lp in zip(tokens, logprobs)], "text_offset": offsets}
+
+
+def chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict:
+    """Chat's logprobs object: one entry per token, no alternatives (top_logprobs: 0)."""
+    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", errors="replace")),
+                         "top_logprobs": []} for t, lp in zip(tokens, logprobs)]}
 
 
 def model_card(name: str, *, max_model_len: int, vocab_size: int, created: int | None = None) -> dict:

@@ -1,48 +1,63 @@
-"""The HTTP server: OpenAI-compatible completions over the engine thread, on aiohttp.
+"""The HTTP server: the OpenAI API (completions, chat completions) over the engine thread, on aiohttp.
 
     wise serve --model ouro-py-3m --port 8000
     curl localhost:8000/v1/completions -d '{"prompt": "def fib(n):", "max_tokens": 32, "temperature": 0}'
 
-Routes: POST /v1/completions (JSON, or server-sent events with `stream`: one chunk per
-generated token, then `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus).
+Routes: POST /v1/completions and POST /v1/chat/completions (JSON, or server-sent events with
+`stream`: one chunk per generated token, then `data: [DONE]`), POST /tokenize and POST
+/detokenize (vLLM's), GET /v1/models, GET /health, GET /metrics (Prometheus). Every request
+gets one access-log line (logger "wise_serve.access": its id, status, prompt and completion
+tokens, latency) and its id in the X-Request-Id header.
 
 Why aiohttp (rather than FastAPI + uvicorn): one package is both the server and the load
 client (benchmarks/serve_load.py), so a machine without network gets the whole stack from one
 small set of wheels (aiohttp and its seven dependencies, no pydantic); request validation is
 the project's own (wise_serve.protocol), so every refusal is a 400 naming the field in our words
 rather than a framework's 422; streaming is a plain `StreamResponse`; and `handler_cancellation`
-cancels a request's handler the moment its client disconnects, which is where the engine
-request is aborted and its pages freed.
+cancels a request's handler the moment its client disconnects, which is where its pending
+tokenization is dropped and its engine request aborted, its pages freed.
+
+Tokenization (and chat-template rendering) runs in a pool of worker threads, never on the
+event loop nor in the engine thread; a text prompt longer than `max_prompt_bytes` (max_model_len
+x the vocabulary's longest token, in UTF-8 bytes: more text cannot fit max_model_len tokens) is
+refused before it is tokenized.
 
 Lifecycle: the engine runs in its own thread (wise_serve.engine_loop). On SIGTERM (or SIGINT)
-the server stops listening (a new connection is refused; a completion asked on a connection
-already open gets a 503), and lets in-flight requests
-finish for up to `shutdown_timeout` seconds; whatever is left then (or at a second signal) is
-aborted: a stream ends with a chunk whose finish_reason is "abort" and `[DONE]`, a
-non-streaming request gets a 503 naming how far it got. Then the process exits.
+the server drains: it keeps listening but answers every new request with a 503 (/health too),
+and lets in-flight requests finish for up to `shutdown_timeout` seconds; whatever is left then
+(or at a second signal) is aborted: a stream ends with a chunk whose finish_reason is "abort"
+and `[DONE]`, a non-streaming request gets a 503 naming how far it got. Then the process exits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
+import dataclasses
 import json
 import logging
 import signal
 import time
+from typing import Awaitable, Callable
 
 from aiohttp import web
 
+from wise_core.detokenize import TextStream
 from wise_serve import protocol
+from wise_serve.chat import ChatTemplate, TemplateError
 from wise_serve.engine_loop import EngineDead, EngineLoop, RequestHandle
 from wise_serve.metrics import ServerMetrics
-from wise_serve.protocol import BadRequest, CompletionRequest
-from wise_core.detokenize import TextStream
+from wise_serve.protocol import BadRequest, Generation
 from wise_torch.engine.llm import LLM
 
 log = logging.getLogger("wise_serve")
+access_log = logging.getLogger("wise_serve.access")
 
 MAX_BODY_BYTES = 16 << 20
 HANDOFF_SECONDS = 5.0      # after the drain: time aborted requests get to send their last chunk
+TOKENIZER_WORKERS = 2
+UNDRAINED = ("/health", "/metrics")   # answered during the drain (the others: 503)
 
 
 def _json(body: dict, status: int = 200) -> web.Response:
@@ -53,12 +68,24 @@ def _sse(body: dict) -> bytes:
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
-class _Timing:
-    """Arrival, first-token and last-token times of one request, observed into the histograms."""
+@dataclasses.dataclass
+class _Access:
+    """What a request's access-log line says beyond its status and latency."""
 
-    def __init__(self, metrics: ServerMetrics):
+    id: str
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+_ACCESS: contextvars.ContextVar[_Access] = contextvars.ContextVar("access")   # the request the task serves
+
+
+class _Timing:
+    """Arrival, first-token and last-token times of one engine request, observed into the histograms."""
+
+    def __init__(self, metrics: ServerMetrics, start: float):
         self.metrics = metrics
-        self.start = self.last = time.perf_counter()
+        self.start = self.last = start
         self.tokens = 0
 
     def got(self, n: int) -> None:
@@ -73,42 +100,204 @@ class _Timing:
         self.metrics.e2e.observe(time.perf_counter() - self.start)
 
 
+class _Choice:
+    """One prompt's completion as it arrives: its text (stop strings cut), tokens and logprobs.
+    prefix: text that starts the choice (echo: the prompt)."""
+
+    def __init__(self, index: int, handle: RequestHandle, tokenizer, generation: Generation, timing: _Timing,
+                 prefix: str = ""):
+        self.index, self.handle, self.timing, self.prefix = index, handle, timing, prefix
+        self.text = TextStream(tokenizer, generation.stop)
+        self.want_logprobs = generation.logprobs
+        self.logprobs: list[float] = []
+        self.reason: str | None = None
+
+    async def tokens(self):
+        """The tokens one at a time as they come -> (token id or None, finish reason or None);
+        the last has a reason (a finished output without a new token yields None)."""
+        while True:
+            out = await self.handle.next()
+            new = out.token_ids[len(self.text.ids):]     # several at once from a speculative round
+            for k, token in enumerate(new):
+                self.timing.got(1)
+                self.text.add([token])
+                if self.want_logprobs:
+                    at = len(self.text.ids) - 1
+                    if out.logprobs is None or len(out.logprobs) <= at:
+                        raise RuntimeError(f"the engine gave no log probability for token {at} of request "
+                                           f"{self.handle.request_id}, which asked for them")
+                    self.logprobs.append(out.logprobs[at])
+                if self.text.stopped:                    # the engine request is aborted by the handler
+                    yield token, self._end("stop")
+                    return
+                if out.finished and k == len(new) - 1:
+                    self.text.finish()
+                    yield token, self._end("stop" if self.text.stopped else out.finish_reason)
+                    return
+                yield token, None
+            if out.finished and not new:                 # aborted (shutdown) without a new token
+                yield None, self._end(out.finish_reason)
+                return
+
+    def _end(self, reason: str) -> str:
+        self.reason = reason
+        self.timing.end(reason)
+        return reason
+
+
+async def _each_token(choices: list[_Choice], on_token: Callable[[_Choice, int | None, str | None], Awaitable]):
+    """Run every choice to its end, awaiting on_token(choice, token, reason) for each token in
+    the order tokens arrive across the choices. EngineDead propagates."""
+    if len(choices) == 1:
+        async for token, reason in choices[0].tokens():
+            await on_token(choices[0], token, reason)
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: _Choice) -> None:
+        try:
+            async for item in c.tokens():
+                queue.put_nowait((c, item))
+        except EngineDead as e:
+            queue.put_nowait((c, e))
+        finally:
+            queue.put_nowait((c, None))
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+    try:
+        left = len(tasks)
+        while left:
+            c, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, EngineDead):
+                raise item
+            else:
+                await on_token(c, *item)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
 class CompletionServer:
-    def __init__(self, engine: EngineLoop, *, model_name: str):
+    def __init__(self, engine: EngineLoop, *, model_name: str, chat_template: ChatTemplate | None = None,
+                 tokenizer_workers: int = TOKENIZER_WORKERS):
         llm: LLM = engine.llm
-        self.engine, self.model_name = engine, model_name
+        self.engine, self.model_name, self.chat_template = engine, model_name, chat_template
         self.tokenizer = llm.tokenizer
-        self.card = protocol.model_card(model_name, max_model_len=llm.max_model_len,
-                                        vocab_size=llm.model.config.vocab_size)
+        self.max_model_len, self.vocab_size = llm.max_model_len, llm.model.config.vocab_size
+        self.card = protocol.model_card(model_name, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         self.metrics = ServerMetrics()
         self.draining = False
         self.in_flight = 0
+        self.workers = concurrent.futures.ThreadPoolExecutor(tokenizer_workers, thread_name_prefix="wise-tokenize")
+        self.longest_token_bytes = None if self.tokenizer is None else max(
+            len(self.tokenizer.decode([i], skip_special_tokens=False).encode("utf-8", errors="replace"))
+            for i in range(self.tokenizer.get_vocab_size(with_added_tokens=True)))
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        """The longest text prompt (UTF-8 bytes) that can fit max_model_len tokens."""
+        return self.max_model_len * self.longest_token_bytes
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._json_errors])
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._middleware])
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
+        app.on_cleanup.append(lambda _: asyncio.get_running_loop().run_in_executor(None, self.workers.shutdown))
         return app
 
     @web.middleware
-    async def _json_errors(self, request: web.Request, handler):
-        """HTTP errors (404, 405, 413, ...) and unexpected exceptions as OpenAI-shaped JSON."""
+    async def _middleware(self, request: web.Request, handler):
+        """The drain's 503s; HTTP errors (404, 405, 413, ...) and unexpected exceptions as
+        OpenAI-shaped JSON; the X-Request-Id header and the access-log line."""
+        access = _Access(protocol.new_id("req"))
+        _ACCESS.set(access)
+        start, status = time.perf_counter(), "-"
         try:
-            return await handler(request)
-        except web.HTTPException as e:
-            if e.status < 400:
-                raise
-            return self._error(e.status, e.text or e.reason)
-        except Exception as e:
-            log.exception("unhandled error in %s %s", request.method, request.path)
-            return self._error(500, f"internal error: {e!r}", kind="server_error")
+            if self.draining and request.path not in UNDRAINED:
+                response = self._error(503, "the server is shutting down", kind="server_error")
+            else:
+                try:
+                    response = await handler(request)
+                except web.HTTPException as e:
+                    if e.status < 400:
+                        status = e.status
+                        raise
+                    response = self._error(e.status, e.text or e.reason)
+                except Exception as e:
+                    log.exception("unhandled error in %s %s", request.method, request.path)
+                    response = self._error(500, f"internal error: {e!r}", kind="server_error")
+            if not response.prepared:
+                response.headers["X-Request-Id"] = access.id
+            status = response.status
+            return response
+        except asyncio.CancelledError:                 # the client disconnected (handler_cancellation)
+            status = "disconnected"
+            self.metrics.disconnects += 1
+            raise
+        finally:
+            tokens = "" if access.prompt_tokens is None else \
+                f" prompt_tokens={access.prompt_tokens} completion_tokens={access.completion_tokens}"
+            access_log.info('%s "%s %s" %s%s %.3fs', access.id, request.method, request.path_qs, status, tokens,
+                            time.perf_counter() - start)
 
     def _error(self, status: int, message: str, *, param: str | None = None,
                kind: str = "invalid_request_error") -> web.Response:
         self.metrics.rejected[status] += 1
         return _json(protocol.error_body(message, kind=kind, param=param), status)
+
+    def _bad(self, e: Exception) -> web.Response:
+        """A 400 from a BadRequest (its param) or the engine's own ValueError / TypeError."""
+        return self._error(400, str(e), param=e.param if isinstance(e, BadRequest) else None)
+
+    # -- tokenization, in the worker threads ------------------------------------------------------
+    async def _in_worker(self, fn, *args):
+        """fn(*args) in a tokenizer thread; a cancelled caller drops it if it has not started."""
+        return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
+
+    def _check_length(self, chars: int, nbytes: int | None, param: str) -> None:
+        bound = self.max_prompt_bytes
+        if (nbytes if nbytes is not None else chars) > bound:
+            size = f"{nbytes} bytes" if nbytes is not None else f"{chars} characters"
+            raise BadRequest(f"the {param} is {size}, more than the {bound} bytes (UTF-8) that can fit max_model_len "
+                             f"({self.max_model_len}) tokens of at most {self.longest_token_bytes} bytes each", param)
+
+    def _encode_now(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        try:
+            nbytes = len(text.encode("utf-8"))
+        except UnicodeEncodeError as e:
+            raise BadRequest(f"the {param} holds a lone surrogate {text[e.start]!r} at index {e.start}: not valid "
+                             f"Unicode text", param) from None
+        self._check_length(len(text), nbytes, param)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    async def _encode(self, text: str, *, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        """text -> token ids, in a worker thread once the bound is checked."""
+        self._check_length(len(text), None, param)            # bytes >= characters: a quick refusal
+        return await self._in_worker(self._encode_now, text, add_special_tokens, param)
+
+    async def _render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise BadRequest(f"the model {self.model_name!r} has no chat template (tokenizer_config.json's "
+                             f"chat_template): give one with wise serve --chat-template FILE, or use /v1/completions",
+                             "messages")
+        try:
+            return await self._in_worker(
+                lambda: self.chat_template.render(messages, add_generation_prompt=add_generation_prompt))
+        except TemplateError as e:
+            raise BadRequest(str(e), "messages") from None
+
+    def token_text(self, token: int) -> str:
+        """A token as logprobs name it: its text, or "token_id:N" without a tokenizer (as vLLM)."""
+        if self.tokenizer is None:
+            return f"token_id:{token}"
+        return self.tokenizer.decode([token], skip_special_tokens=False)
 
     # -- routes ---------------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
@@ -126,96 +315,180 @@ class CompletionServer:
         text = self.metrics.render(stats, healthy=self.engine.alive, draining=self.draining)
         return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        try:
+            req = protocol.parse_tokenize(await request.read(), model_name=self.model_name)
+            if self.tokenizer is None:
+                raise BadRequest("the model has no tokenizer", "prompt")
+            if req.messages is not None:
+                text = await self._render(req.messages, req.add_generation_prompt)
+                ids = await self._encode(text, add_special_tokens=req.add_special_tokens, param="messages")
+            else:
+                ids = await self._encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        except BadRequest as e:
+            return self._bad(e)
+        strs = [self.tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None
+        return _json({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        try:
+            ids = protocol.parse_detokenize(await request.read(), model_name=self.model_name,
+                                            vocab_size=self.vocab_size)
+            if self.tokenizer is None:
+                raise BadRequest("the model has no tokenizer", "tokens")
+        except BadRequest as e:
+            return self._bad(e)
+        return _json({"prompt": await self._in_worker(self.tokenizer.decode, ids)})
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        if self.draining:
-            return self._error(503, "the server is shutting down", kind="server_error")
-        timing = _Timing(self.metrics)
+        access = _ACCESS.get()
+        access.id = protocol.new_id("cmpl")
+        start = time.perf_counter()
         try:
             req = protocol.parse_completion(await request.read(), model_name=self.model_name,
                                             has_tokenizer=self.tokenizer is not None)
-            handle = await self.engine.add(req.prompt, req.params)
+            prompts = await asyncio.gather(*(self._prompt_ids(p) for p in req.prompts))
+        except (ValueError, TypeError) as e:
+            return self._bad(e)
+        prefixes = None
+        if req.echo:
+            prefixes = [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(req.prompts, prompts)]
+        return await self._generate(request, access, prompts, req.generation, start, chat=False, prefixes=prefixes)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        access = _ACCESS.get()
+        access.id = protocol.new_id("chatcmpl")
+        start = time.perf_counter()
+        try:
+            req = protocol.parse_chat(await request.read(), model_name=self.model_name)
+            text = await self._render(req.messages)
+            ids = await self._encode(text, add_special_tokens=False, param="messages")
+        except (ValueError, TypeError) as e:
+            return self._bad(e)
+        return await self._generate(request, access, [ids], req.generation, start, chat=True)
+
+    async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return await self._encode(prompt)
+        if len(prompt) > self.max_model_len:                # the engine thread checks the ids of what fits
+            raise BadRequest(f"the prompt holds {len(prompt)} token ids, more than max_model_len "
+                             f"({self.max_model_len})", "prompt")
+        return prompt
+
+    async def _add(self, prompts: list[list[int]], generation: Generation) -> list[RequestHandle]:
+        """Queue every prompt, or none: when one is refused the ones queued are aborted."""
+        handles = []
+        try:
+            for ids in prompts:
+                handles.append(await self.engine.add(ids, generation.params(len(ids), self.max_model_len)))
+        except BaseException:
+            for h in handles:
+                self.engine.abort(h.request_id)
+            raise
+        return handles
+
+    async def _generate(self, request: web.Request, access: _Access, prompts: list[list[int]],
+                        generation: Generation, start: float, *, chat: bool,
+                        prefixes: list[str] | None = None) -> web.StreamResponse:
+        try:
+            handles = await self._add(prompts, generation)
         except EngineDead as e:
             return self._error(503, str(e), kind="server_error")
         except (ValueError, TypeError) as e:           # BadRequest, and the engine's own checks
-            return self._error(400, str(e), param=getattr(e, "param", None) if isinstance(e, BadRequest) else None)
+            return self._bad(e)
+        choices = [_Choice(i, h, self.tokenizer, generation, _Timing(self.metrics, start),
+                           "" if prefixes is None else prefixes[i]) for i, h in enumerate(handles)]
+        access.prompt_tokens = sum(h.prompt_tokens for h in handles)
         self.in_flight += 1
         try:
-            if req.stream:
-                return await self._stream(request, req, handle, timing)
-            return await self._complete(req, handle, timing)
-        except asyncio.CancelledError:                 # the client disconnected (handler_cancellation)
-            self.metrics.disconnects += 1
-            raise
+            if generation.stream:
+                return await self._stream(request, access, choices, generation, chat)
+            return await self._complete(access, choices, generation, chat)
         finally:
             self.in_flight -= 1
-            if not handle.done:
-                self.engine.abort(handle.request_id)
+            access.completion_tokens = sum(c.text.num_tokens for c in choices)
+            for c in choices:
+                if not c.handle.done:
+                    self.engine.abort(c.handle.request_id)
 
-    async def _tokens(self, handle: RequestHandle, text: TextStream, timing: _Timing):
-        """The request's tokens one at a time as they come -> (token id or None, finish reason or
-        None); the last has a reason (a finished output without a new token yields None)."""
-        while True:
-            out = await handle.next()
-            new = out.token_ids[len(text.ids):]     # several at once from a speculative round
-            for k, token in enumerate(new):
-                timing.got(1)
-                text.add([token])
-                if text.stopped:                       # the engine request is aborted in `completions`
-                    yield token, "stop"
-                    return
-                if out.finished and k == len(new) - 1:
-                    text.finish()
-                    yield token, "stop" if text.stopped else out.finish_reason
-                    return
-                yield token, None
-            if out.finished and not new:               # aborted (shutdown) without a new token
-                yield None, out.finish_reason
-                return
+    def _logprobs(self, chat: bool, tokens: list[int], logprobs: list[float], offset: int) -> dict:
+        texts = [self.token_text(t) for t in tokens]
+        return protocol.chat_logprobs(texts, logprobs) if chat else protocol.completion_logprobs(texts, logprobs,
+                                                                                                  offset)
 
-    async def _complete(self, req: CompletionRequest, handle: RequestHandle, timing: _Timing) -> web.Response:
-        text = TextStream(self.tokenizer, req.stop)
-        reason = None
+    async def _complete(self, access: _Access, choices: list[_Choice], generation: Generation,
+                        chat: bool) -> web.Response:
+        async def nothing(*_):
+            pass
+
         try:
-            async for _, reason in self._tokens(handle, text, timing):
-                pass
+            await _each_token(choices, nothing)
         except EngineDead as e:
-            timing.end("error")
+            for c in choices:
+                if c.reason is None:
+                    c.timing.end("error")
             return self._error(500, str(e), kind="server_error")
-        timing.end(reason)
-        if reason == "abort":
-            return self._error(503, f"the server shut down before the request finished ({text.num_tokens} of "
-                                    f"{req.params.max_tokens} tokens generated)", kind="server_error")
-        body = protocol.completion_body(
-            protocol.new_completion_id(), int(time.time()), self.model_name,
-            protocol.choice(text.delta(final=True), reason, text.ids if req.return_token_ids else None),
-            protocol.usage(handle.prompt_tokens, text.num_tokens))
-        return _json(body)
+        if any(c.reason == "abort" for c in choices):
+            done = " + ".join(str(c.text.num_tokens) for c in choices)
+            return self._error(503, f"the server shut down before the request finished ({done} tokens generated, "
+                                    f"{len(choices)} prompt(s))", kind="server_error")
+        out = []
+        for c in choices:
+            text = c.prefix + c.text.delta(final=True)
+            ids = c.text.ids if generation.return_token_ids else None
+            logprobs = self._logprobs(chat, c.text.ids, c.logprobs, len(c.prefix)) if generation.logprobs else None
+            out.append(protocol.chat_choice(c.index, {"role": "assistant", "content": text}, c.reason, ids, logprobs)
+                       if chat else protocol.choice(c.index, text, c.reason, ids, logprobs))
+        return _json(protocol.completion_body(access.id, int(time.time()), self.model_name, out, protocol.usage(
+            access.prompt_tokens, sum(c.text.num_tokens for c in choices)), chat=chat))
 
-    async def _stream(self, request: web.Request, req: CompletionRequest, handle: RequestHandle,
-                      timing: _Timing) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    async def _stream(self, request: web.Request, access: _Access, choices: list[_Choice], generation: Generation,
+                      chat: bool) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Request-Id": access.id})
         await response.prepare(request)
-        cid, created = protocol.new_completion_id(), int(time.time())
-        text = TextStream(self.tokenizer, req.stop)
-        reason = None
+        created = int(time.time())
+        offsets = {c.index: len(c.prefix) for c in choices}
+
+        async def write(choice: dict) -> None:
+            chunk = protocol.completion_body(access.id, created, self.model_name, [choice], None, chat=chat,
+                                             chunk=True)
+            if generation.include_usage:
+                chunk["usage"] = None
+            await response.write(_sse(chunk))
+
+        async def on_token(c: _Choice, token: int | None, reason: str | None) -> None:
+            text = c.text.delta(final=reason is not None)
+            if c.prefix:                                  # echo: the prompt comes with the first token
+                text, c.prefix = c.prefix + text, ""
+            tokens = [] if token is None else [token]
+            ids = tokens if generation.return_token_ids else None
+            logprobs = None
+            if generation.logprobs:
+                logprobs = self._logprobs(chat, tokens, c.logprobs[-1:] if tokens else [], offsets[c.index])
+                offsets[c.index] += sum(len(self.token_text(t)) for t in tokens)
+            if chat:
+                await write(protocol.chat_choice(c.index, {"content": text}, reason, ids, logprobs, delta=True))
+            else:
+                await write(protocol.choice(c.index, text, reason, ids, logprobs))
+
         try:
             try:
-                async for token, reason in self._tokens(handle, text, timing):
-                    ids = None if not req.return_token_ids else [] if token is None else [token]
-                    chunk = protocol.completion_body(
-                        cid, created, self.model_name,
-                        protocol.choice(text.delta(final=reason is not None), reason, ids), None)
-                    if req.include_usage:
-                        chunk["usage"] = None
-                    await response.write(_sse(chunk))
+                if chat:                                  # the role first, as the OpenAI API streams it
+                    for c in choices:
+                        await write(protocol.chat_choice(c.index, {"role": "assistant", "content": ""}, None,
+                                                         delta=True))
+                await _each_token(choices, on_token)
             except EngineDead as e:
-                timing.end("error")
+                for c in choices:
+                    if c.reason is None:
+                        c.timing.end("error")
                 await response.write(_sse(protocol.error_body(str(e), kind="server_error")))
             else:
-                timing.end(reason)
-                if req.include_usage:
+                if generation.include_usage:
                     await response.write(_sse(protocol.completion_body(
-                        cid, created, self.model_name, None, protocol.usage(handle.prompt_tokens, text.num_tokens))))
+                        access.id, created, self.model_name, [], protocol.usage(
+                            access.prompt_tokens, sum(c.text.num_tokens for c in choices)), chat=chat, chunk=True)))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
         except ConnectionResetError:                   # the client went away between two tokens
@@ -224,13 +497,13 @@ class CompletionServer:
 
 
 async def serve(llm: LLM, *, host: str, port: int, model_name: str, shutdown_timeout: float,
-                ready=None) -> None:
+                chat_template: ChatTemplate | None = None, ready=None) -> None:
     """Serve until SIGTERM or SIGINT, then drain (see the module docstring). ready(url) is
     called once the socket listens."""
     loop = asyncio.get_running_loop()
     engine = EngineLoop(llm, loop)
     engine.start()
-    server = CompletionServer(engine, model_name=model_name)
+    server = CompletionServer(engine, model_name=model_name, chat_template=chat_template)
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -250,14 +523,14 @@ async def serve(llm: LLM, *, host: str, port: int, model_name: str, shutdown_tim
         mode = f"dense output, speculative {spec.method} drafts of {spec.num_draft} tokens"
     else:
         mode = "dense" if llm.wise_config is None else f"WISE eta {llm.wise_config.eta}"
-    log.info("listening on %s (model %r, %d KV pages of %d tokens, max_model_len %d, %s)", url, model_name,
-             llm.blocks.num_pages, llm.page_size, llm.max_model_len, mode)
+    chat = "no chat template" if chat_template is None else f"chat template {chat_template.origin}"
+    log.info("listening on %s (model %r, %d KV pages of %d tokens, max_model_len %d, %s, %s)", url, model_name,
+             llm.blocks.num_pages, llm.page_size, llm.max_model_len, mode, chat)
     if ready is not None:
         ready(url)
     sig = await signals.get()
     server.draining = True
-    await site.stop()
-    log.info("%s: no longer listening; %d request(s) in flight, up to %.1f s to finish",
+    log.info("%s: draining (new requests get a 503); %d request(s) in flight, up to %.1f s to finish",
              signal.Signals(sig).name, server.in_flight, shutdown_timeout)
     deadline = loop.time() + shutdown_timeout
     while server.in_flight and loop.time() < deadline and signals.empty():

@@ -1,0 +1,226 @@
+"""The official `openai` client against `wise serve` (a subprocess, CPU) on a checkpoint with a chat template.
+
+The checkpoint is the packaged ouro-py-3m written again with a tokenizer_config.json holding a
+chat template. Every text and logprob is compared with `LLM.generate` on the same prompt ids
+with an engine of the same settings (greedy), one request at a time.
+"""
+
+import json
+import re
+
+import openai
+import pytest
+
+import wise_torch as wt
+from serve_cases import Server
+from wise_core.checkpoint import load_checkpoint, save_checkpoint
+
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}"
+            "{% if m['role'] == 'tool' %}{{ raise_exception('no tools here') }}{% endif %}"
+            "# {{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}# assistant\n{% endif %}")
+ENGINE = dict(num_pages=12, page_size=32, max_model_len=96, max_num_seqs=8)
+# Logprobs: the same fp32 model on the same CPU, one request at a time in both engines; a
+# row's float32 reductions may still be ordered differently by batch shape, ~1e-6 relative.
+LOGPROB_ATOL = 1e-5
+
+
+def render(messages):
+    """TEMPLATE by hand: what the server must feed the engine."""
+    return "<|endoftext|>" + "".join(f"# {m['role']}\n{m['content']}\n" for m in messages) + "# assistant\n"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = save_checkpoint(tmp_path_factory.mktemp("chat") / "ouro-chat", load_checkpoint("ouro-py-3m"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "bos_token": "<|endoftext|>",
+                                                            "eos_token": {"content": "<|endoftext|>"}}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("serve"), "--model", str(checkpoint), "--served-model-name", "chatty",
+               *(x for k, v in ENGINE.items() for x in (f"--{k.replace('_', '-')}", str(v))))
+    yield s
+    assert s.stop() == 0, s.log_path.read_text()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    return wt.LLM(str(checkpoint), kernel="reference", cuda_graphs=False, device="cpu", **ENGINE)
+
+
+def offline(llm, prompt, max_tokens):
+    """-> the engine's RequestOutput for one prompt (text or ids), greedy, with logprobs."""
+    ids = prompt if isinstance(prompt, list) else llm.tokenizer.encode(prompt).ids
+    [out] = llm.generate([ids], wt.SamplingParams(max_tokens=max_tokens, logprobs=True), use_tqdm=False)
+    return out
+
+
+def test_completion_with_logprobs_equals_the_engine(client, llm):
+    want = offline(llm, "def fib(n):", 12)
+    r = client.completions.create(model="chatty", prompt="def fib(n):", max_tokens=12, temperature=0, logprobs=0)
+    [c] = r.choices
+    assert r.object == "text_completion" and r.id.startswith("cmpl-") and c.index == 0
+    assert c.text == want.text and c.finish_reason == want.finish_reason
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(want.prompt_token_ids), len(want.token_ids))
+    lp = c.logprobs
+    assert lp.tokens == [llm.tokenizer.decode([t], skip_special_tokens=False) for t in want.token_ids]
+    assert lp.token_logprobs == pytest.approx(want.logprobs, abs=LOGPROB_ATOL)
+    assert [list(d) for d in lp.top_logprobs] == [[t] for t in lp.tokens]
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+
+
+def test_several_prompts_one_choice_each_in_order(client, llm):
+    prompts = ["import os\n", "class Stack:", "x = ["]
+    r = client.completions.create(model="chatty", prompt=prompts, max_tokens=6, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    wants = [offline(llm, p, 6) for p in prompts]
+    assert [c.text for c in r.choices] == [w.text for w in wants]
+    assert r.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in wants)
+    assert r.usage.completion_tokens == sum(len(w.token_ids) for w in wants)
+    ids = [[100, 101, 102], [35, 32]]
+    r = client.completions.create(model="chatty", prompt=ids, max_tokens=4, temperature=0)
+    assert [c.text for c in r.choices] == [offline(llm, p, 4).text for p in ids]
+
+
+def test_several_prompts_stream_interleaved_with_their_index(client, llm):
+    prompts = ["def add(a, b):", "for i in"]
+    stream = client.completions.create(model="chatty", prompt=prompts, max_tokens=8, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    texts, reasons, usage = ["", ""], [None, None], None
+    for chunk in stream:
+        if not chunk.choices:
+            usage = chunk.usage
+        for c in chunk.choices:
+            assert reasons[c.index] is None                    # nothing after a choice's last chunk
+            texts[c.index] += c.text
+            reasons[c.index] = c.finish_reason
+    wants = [offline(llm, p, 8) for p in prompts]
+    assert texts == [w.text for w in wants] and reasons == [w.finish_reason for w in wants]
+    assert usage.completion_tokens == sum(len(w.token_ids) for w in wants)
+
+
+def test_echo_prepends_the_prompt(client, llm):
+    r = client.completions.create(model="chatty", prompt=["def f(x):", [65, 66, 67]], max_tokens=5, temperature=0,
+                                  echo=True)
+    assert r.choices[0].text == "def f(x):" + offline(llm, "def f(x):", 5).text
+    assert r.choices[1].text == "ABC" + offline(llm, [65, 66, 67], 5).text
+    chunks = list(client.completions.create(model="chatty", prompt="def f(x):", max_tokens=5, temperature=0,
+                                            echo=True, stream=True))
+    assert chunks[0].choices[0].text.startswith("def f(x):")
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+
+
+def test_streamed_completion_logprobs_equal_the_engine(client, llm):
+    want = offline(llm, "while True:", 10)
+    chunks = [c.choices[0] for c in client.completions.create(model="chatty", prompt="while True:", max_tokens=10,
+                                                              temperature=0, logprobs=0, stream=True)]
+    assert "".join(c.text for c in chunks) == want.text and len(chunks) == len(want.token_ids)
+    assert [lp for c in chunks for lp in c.logprobs.token_logprobs] == pytest.approx(want.logprobs, abs=LOGPROB_ATOL)
+    offsets = [o for c in chunks for o in c.logprobs.text_offset]
+    tokens = [t for c in chunks for t in c.logprobs.tokens]
+    assert offsets == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+
+
+MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def fib(n):"}]
+
+
+def test_chat_completion_renders_the_template_and_equals_the_engine(client, llm):
+    want = offline(llm, llm.tokenizer.encode(render(MESSAGES), add_special_tokens=False).ids, 10)
+    assert want.prompt_token_ids[0] == 256                     # bos_token is the special token, not its text
+    r = client.chat.completions.create(model="chatty", messages=MESSAGES, max_tokens=10, temperature=0,
+                                       logprobs=True, top_logprobs=0)
+    [c] = r.choices
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert c.message.role == "assistant" and c.message.content == want.text and c.finish_reason == want.finish_reason
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(want.prompt_token_ids), len(want.token_ids))
+    assert [e.logprob for e in c.logprobs.content] == pytest.approx(want.logprobs, abs=LOGPROB_ATOL)
+    assert all(e.top_logprobs == [] and bytes(e.bytes).decode() == e.token for e in c.logprobs.content)
+
+
+def test_chat_default_max_tokens_is_what_max_model_len_leaves(client):
+    r = client.chat.completions.create(model="chatty", messages=MESSAGES, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == ENGINE["max_model_len"]
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_chat_stream_sends_the_role_then_the_content(client, llm):
+    want = offline(llm, llm.tokenizer.encode(render(MESSAGES), add_special_tokens=False).ids, 8)
+    chunks = list(client.chat.completions.create(model="chatty", messages=MESSAGES, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    first, *rest, usage = chunks
+    assert first.choices[0].delta.role == "assistant" and first.choices[0].delta.content == ""
+    assert "".join(c.choices[0].delta.content for c in rest) == want.text and len(rest) == len(want.token_ids)
+    assert [c.choices[0].finish_reason for c in rest] == [None] * (len(rest) - 1) + [want.finish_reason]
+    assert usage.choices == [] and usage.usage.completion_tokens == len(want.token_ids)
+
+
+def test_tokenize_and_detokenize_round_trip(server, llm):
+    text = "def f(x):\n    return x  # é€"
+    status, body = server.post({"prompt": text, "return_token_strs": True}, "/tokenize")
+    ids = llm.tokenizer.encode(text).ids
+    assert status == 200 and body["tokens"] == ids and body["count"] == len(ids) and body["max_model_len"] == 96
+    assert body["token_strs"] == [llm.tokenizer.id_to_token(t) for t in ids]
+    status, body = server.post({"tokens": ids}, "/detokenize")
+    assert status == 200 and body == {"prompt": text}
+    status, body = server.post({"messages": MESSAGES}, "/tokenize")
+    assert status == 200 and body["tokens"] == llm.tokenizer.encode(render(MESSAGES), add_special_tokens=False).ids
+    assert body["token_strs"] is None
+
+
+BAD = [
+    ("completions", dict(prompt="a", n=2), "n=2 is not supported"),
+    ("completions", dict(prompt="a", logprobs=2), "logprobs=2 is not supported"),
+    ("completions", dict(prompt="a", echo=True, logprobs=0), "echo with logprobs needs the prompt's logprobs"),
+    ("completions", dict(prompt="a", frequency_penalty=0.5), "frequency_penalty=0.5 is not supported"),
+    ("completions", dict(prompt="a" * 1300), "the prompt is 1300 characters, more than the 1248 bytes"),
+    ("completions", dict(prompt=["a", "é" * 700]), "the prompt is 1400 bytes, more than the 1248 bytes"),
+    ("completions", dict(prompt=["a", "b" * 90], max_tokens=16), "more than max_model_len (96)"),
+    ("completions", dict(prompt=[[1]] * 2 + [list(range(97))]), "the prompt holds 97 token ids, more than"),
+    ("chat", dict(messages=MESSAGES, top_logprobs=2, logprobs=True), "top_logprobs=2 is not supported"),
+    ("chat", dict(messages=MESSAGES, n=3), "n=3 is not supported"),
+    ("chat", dict(messages=[{"role": "tool", "content": "x"}]), "the chat template refused the messages: no tools"),
+    ("chat", dict(messages=[{"role": "user", "content": "a" * 80}], max_tokens=None),      # null: the default
+     "the prompt holds 101 tokens: max_model_len (96) leaves no room for a completion"),
+    ("chat", dict(messages=[{"role": "user", "content": "a" * 2000}]), "the messages is 20"),
+]
+
+
+@pytest.mark.parametrize("endpoint, kw, message", BAD, ids=[m for *_, m in BAD])
+def test_bad_requests_are_400s_naming_the_problem(server, client, endpoint, kw, message):
+    create = client.completions.create if endpoint == "completions" else client.chat.completions.create
+    with pytest.raises(openai.BadRequestError) as e:
+        create(model="chatty", max_tokens=kw.pop("max_tokens", 4), **kw)
+    assert message in e.value.body["message"], e.value.body
+    m = server.wait_idle()                                    # nothing left queued or holding pages
+    assert m["wise_kv_pages_free"] == m["wise_kv_pages_total"]
+
+
+def test_one_access_log_line_per_request(server, client):
+    r = client.completions.create(model="chatty", prompt="import", max_tokens=3, temperature=0)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="chatty", prompt="a", max_tokens=3, n=2)
+    raw = client.chat.completions.with_raw_response.create(model="chatty", messages=MESSAGES, max_tokens=2)
+    chat_id = raw.parse().id
+    assert raw.headers["X-Request-Id"] == chat_id
+    server.request("GET", "/health")
+    log = server.log_path.read_text()
+    line = re.compile(r'wise_serve\.access: (\S+) "(\S+) (\S+)" (\S+)(?: prompt_tokens=(\d+) completion_tokens=(\d+))? '
+                      r'(\d+\.\d+)s$', re.M)
+    lines = {m[1]: m.groups() for m in line.finditer(log)}
+    got = lines[r.id]
+    assert got[1:6] == ("POST", "/v1/completions", "200", str(r.usage.prompt_tokens),
+                        str(r.usage.completion_tokens))
+    assert lines[chat_id][1:4] == ("POST", "/v1/chat/completions", "200")
+    assert any(m[2:4] == ("/v1/completions", "400") and m[4] is None for m in lines.values())
+    assert any(m[2:4] == ("/health", "200") for m in lines.values())
+    assert len(line.findall(log)) == sum("wise_serve.access:" in x for x in log.splitlines())
