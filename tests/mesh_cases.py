@@ -53,15 +53,16 @@ def assert_same_run(one, two, config, keys):
 def test_engine_on_the_mesh_gives_the_single_device_tokens(tiny, mesh, mode):
     config, params = tiny
     prompts = prompts_of([70, 3, 129, 40], config.vocab_size)
-    kw = dict(wise_config=MODES[mode], page_size=32, max_num_seqs=4, max_model_len=192, num_pages=24)
+    kw = dict(wise_config=MODES[mode], page_size=32, max_num_seqs=4, max_model_len=192, num_pages=24,
+              max_num_batched_tokens=64)          # the 129-token prompt prefills in chunks
     params_sp = wise_jax.SamplingParams(max_tokens=12, ignore_eos=True)
     outs = {}
     for name, m in (("one", None), ("two", mesh)):
         llm = wise_jax.LLM(params, config, mesh=m, **kw)
         ids = [llm.add_request(p, params_sp, keep_logits=True) for p in prompts]
-        records = [llm._requests[i] for i in ids]
-        llm.run_until_done(ids)
-        outs[name] = ([r.tokens for r in records], [np.stack(r.logits) for r in records], llm.stats(), llm)
+        seqs = [llm.sequences[i] for i in ids]
+        finals = llm.run_until_done(ids)
+        outs[name] = ([o.token_ids for o in finals], [np.stack(s.logits) for s in seqs], llm.stats(), llm)
     (tok1, log1, st1, _), (tok2, log2, st2, llm) = outs["one"], outs["two"]
     assert tok2 == tok1
     for a, b in zip(log1, log2):

@@ -119,14 +119,15 @@ def decode_memory(config, *, rows, max_pages, page_size, kernel, dtype):
     """(cache bytes, aliased bytes, temporary bytes) of the engine's compiled decode step."""
     params = jax.eval_shape(lambda: wise_jax.init_params(config, jax.random.PRNGKey(0), dtype=dtype))
     wise_config = WiseConfig(kernel=kernel)
-    cache = jax.eval_shape(lambda: kvc.create(config, batch=rows, max_pages=max_pages, num_pages=rows * max_pages,
-                                              page_size=page_size, dtype=dtype))
+    cache = jax.eval_shape(lambda: kvc.create(config, batch=1, max_pages=1, num_pages=rows * max_pages,
+                                              page_size=page_size, dtype=dtype))   # the engine's storage
     state = jax.eval_shape(lambda: ws.create(wise_config, slots=rows, layers=config.num_hidden_layers,
                                              heads=config.num_attention_heads,
                                              max_blocks=max_pages * page_size // wise_config.block_size))
+    row = jnp.zeros((rows,), jnp.int32)
+    inputs = engine.Rows(row, row, row, jnp.zeros((rows, max_pages), jnp.int32), row, jnp.zeros((), jnp.int32))
     compiled = engine._step.lower(
-        params, cache, state, jax.eval_shape(lambda: engine._empty_batch(rows)), jnp.zeros((rows,), jnp.int32),
-        config=config, wise_config=wise_config, kernel=kernel, unroll=1, sampling=False, keep_logits=False,
+        params, cache, state, row, inputs, engine._draw_of([None] * rows), config=config, wise_config=wise_config, kernel=kernel, unroll=1, sampling=False, keep_logits=False,
         rows=rows, width=max_pages).compile()
     memory = compiled.memory_analysis()
     cache_bytes = 2 * cache.k.dtype.itemsize * int(np.prod(cache.k.shape))
@@ -145,8 +146,9 @@ def test_decode_step_updates_the_donated_cache_in_place():
 
 
 def test_one_compilation_per_bucket(params):
-    """Prompts prefill at whole pages (one compilation per page count); the decode step compiles
-    once per engine shape (rows, pages), and greedy or sampling, whatever the lengths, limits,
+    """Prompts prefill at whole pages (one compilation per page count, and one of the write of
+    their pages); the first token and the decode step compile once per engine shape (rows,
+    pages), and greedy or sampling, whatever the lengths, limits,
     eos or sampling values in it. Caches are cleared first: an earlier test in the same process may
     have compiled the same prefill shape."""
     jax.clear_caches()
@@ -154,7 +156,7 @@ def test_one_compilation_per_bucket(params):
     before = wise_jax.trace_counts()
     wise_jax.generate(params, CONFIG, [rng.integers(0, 256, n).tolist() for n in (130, 145, 160)],
                       max_new_tokens=5, page_size=PAGE)                  # 5 pages each; 4 decode steps
-    assert _delta(before) == {"prefill": 1, "admit": 1, "step": 1}
+    assert _delta(before) == {"prefill": 1, "write_pages": 1, "first_token": 1, "step": 1}
     before = wise_jax.trace_counts()
     wise_jax.generate(params, CONFIG, [rng.integers(0, 256, n).tolist() for n in (131, 140, 155)],
                       max_new_tokens=20, eos_token_id=3, page_size=PAGE)
@@ -162,7 +164,7 @@ def test_one_compilation_per_bucket(params):
     before = wise_jax.trace_counts()                                    # sampling: the step's other variant
     wise_jax.generate(params, CONFIG, [rng.integers(0, 256, n).tolist() for n in (131, 140, 155)],
                       max_new_tokens=20, temperature=0.7, top_p=0.9, page_size=PAGE)
-    assert _delta(before) == {"step": 1}
+    assert _delta(before) == {"first_token": 1, "step": 1}
     before = wise_jax.trace_counts()
     wise_jax.generate(params, CONFIG, [rng.integers(0, 256, n).tolist() for n in (150, 140, 133)],
                       max_new_tokens=12, temperature=1.3, top_p=0.5, key=jax.random.PRNGKey(3), page_size=PAGE)
@@ -172,7 +174,7 @@ def test_one_compilation_per_bucket(params):
 def _delta(before: dict) -> dict:
     """New traces of the per-bucket programs since `before`."""
     after = wise_jax.trace_counts()
-    return {k: after[k] - before.get(k, 0) for k in ("prefill", "admit", "step") if after.get(k, 0) != before.get(k, 0)}
+    return {k: after[k] - before.get(k, 0) for k in ("prefill", "write_pages", "first_token", "step") if after.get(k, 0) != before.get(k, 0)}
 
 
 def test_stats_are_the_dataclass_of_wise_torch(dense):
@@ -238,7 +240,7 @@ def test_load_model_rejects_a_non_floating_dtype():
     ({"prompts": [[True, 2]]}, TypeError, "integer token ids"),
     ({"max_new_tokens": 0}, ValueError, "max_new_tokens"),
     ({"top_p": 0.0}, ValueError, "top_p"),
-    ({"page_size": 48}, ValueError, "multiple of block_size"),
+    ({"page_size": 48}, ValueError, "multiple of the block_size"),
     ({"kernel": "triton"}, ValueError, "unknown JAX decode-attention kernel"),
     ({"wise_config": WiseConfig(reuse_depths=(2, 4))}, ConfigError, "out of range"),
 ])

@@ -1,6 +1,6 @@
 """wise_jax.serving and wise_jax.engine: staggered admissions give each request the tokens
 `generate` gives it alone (dense and WISE), slot reuse and abort, pool accounting, one compiled
-step per engine, overflow that writes nothing and is reported at once, and bad requests. fp32,
+step per engine shape, a step short of pages that writes nothing and is reported, and bad requests. fp32,
 reference kernel."""
 
 import dataclasses
@@ -13,6 +13,7 @@ import pytest
 import wise_jax
 from wise_core.checkpoint import random_tensors
 from wise_core.config import PRESETS, WiseConfig
+from wise_jax import engine
 from wise_jax import kv_cache as kvc
 from wise_jax import wise_state as ws
 from wise_jax.engine import LLM, SamplingParams
@@ -52,12 +53,13 @@ def test_staggered_admissions_match_generate_alone(params, prompts, wise_config)
                 final[out.request_id] = out
 
     ids = [llm.add_request(prompts[0][0], greedy[0]), llm.add_request(prompts[1][0], greedy[1])]
-    first = llm.step()                                           # admits both: their first tokens
+    assert llm.step() == []                                      # both prefill; their tokens are read a step later
+    first = llm.step()
     assert [(o.request_id, len(o.token_ids)) for o in first] == [(ids[0], 1), (ids[1], 1)]
     step()
     ids.append(llm.add_request(prompts[2][0], greedy[2]))
     for _ in range(3):
-        step()                                                   # request 1 (4 tokens) ends; 2 joins its slot
+        step()                                                   # request 1 (4 tokens) ends; 2 takes its slot
     ids.append(llm.add_request(prompts[3][0], greedy[3]))
     step()
     aborted = llm.add_request(prompts[3][0], greedy[3])           # waits, then leaves
@@ -80,7 +82,9 @@ def test_staggered_admissions_match_generate_alone(params, prompts, wise_config)
         assert out.finished and out.finish_reason == "length" and out.prompt_token_ids == prompt
     stats = llm.stats()
     assert (stats.free_pages, stats.total_pages, stats.running, stats.waiting) == (6, 6, 0, 0)
-    assert stats.decode_tokens == sum(new for _, new in prompts) - len(prompts)
+    # Every token after a request's first is decoded; those of steps that also prefill count
+    # with prefill time (wise_core.engine.LLMEngine.step), the rest as decode tokens.
+    assert 0 < stats.decode_tokens < sum(new for _, new in prompts) - len(prompts)
     assert stats.generated_tokens == sum(new for _, new in prompts)
     assert stats.prompt_tokens == sum(len(p) for p, _ in prompts)
     if wise_config is not None:
@@ -108,15 +112,26 @@ def test_full_pool_step_writes_nothing(params):
         np.testing.assert_array_equal(np.asarray(a), b)
 
 
-def test_engine_reports_an_overflow_at_once(params, prompts):
-    """Admission keeps the pool from overflowing; should the device pool still run out, the step
-    that met it raises (here the engine's page budget is made to overstate its pool)."""
+def test_a_step_short_of_pages_writes_nothing_and_raises(params, prompts):
+    """The host's page bookkeeping keeps every decode step within its pages; should a step still
+    lack one (a row crossing into a page it was not given), it writes nothing and reading it
+    raises PoolExhaustedError."""
     llm = LLM(params, CONFIG, page_size=PAGE, max_num_seqs=2, max_model_len=3 * PAGE, num_pages=4)
-    llm.num_pages = 6                                            # admission now believes in 2 pages too many
-    for prompt, _ in prompts[:2]:
-        llm.add_request(prompt, SamplingParams(max_tokens=20, ignore_eos=True))
-    with pytest.raises(kvc.PoolExhaustedError, match="request 1's 3 prompt pages did not fit the pool"):
-        llm.step()                                               # both prompts: 3 + 3 pages > 4
+    rid = llm.add_request(prompts[0][0][:PAGE], SamplingParams(max_tokens=4, ignore_eos=True))
+    llm.step()                                                   # the prefill of one whole page
+    seq, held = llm.sequences[rid], jax.tree.map(np.asarray, llm.cache)
+    inputs = engine.Rows(tokens=np.asarray([7], np.int32), tags=np.zeros(1, np.int32),
+                         positions=np.asarray([PAGE], np.int32),              # its first key of page 2 ...
+                         table=np.asarray([seq.pages + [llm.cache.scratch_page]], np.int32),
+                         new_pages=np.asarray([llm.cache.scratch_page], np.int32),
+                         num_new=np.int32(0))                                 # ... with no page to start
+    llm.cache, _, llm.next_token, outputs = engine._step(
+        llm.params, llm.cache, None, llm.next_token, inputs, engine._draw_of([seq]), config=CONFIG,
+        wise_config=None, kernel=llm.kernel, unroll=1, sampling=False, keep_logits=False, rows=1, width=2)
+    with pytest.raises(kvc.PoolExhaustedError, match="did not fit"):
+        engine._InFlight([(seq, 0)], outputs, [0]).read()
+    for name in ("k", "v"):                                      # every page but the scratch page
+        np.testing.assert_array_equal(np.asarray(getattr(llm.cache, name))[:, :-1], getattr(held, name)[:, :-1])
 
 
 def test_bad_requests_are_named_errors(params, prompts):
@@ -132,7 +147,7 @@ def test_bad_requests_are_named_errors(params, prompts):
         llm.add_request(prompt, forced=[1, CONFIG.vocab_size])
     with pytest.raises(TypeError, match="integer token ids"):
         llm.add_request([1.5, 2])
-    with pytest.raises(ValueError, match="needs a tokenizer"):
+    with pytest.raises(ValueError, match="a string but the engine has no tokenizer"):
         llm.add_request("text")
     for kwargs, match in (({"max_tokens": 0}, "max_tokens"), ({"temperature": "0.5"}, "temperature"),
                           ({"temperature": float("nan")}, "temperature"), ({"top_p": 0.0}, "top_p"),
@@ -140,7 +155,7 @@ def test_bad_requests_are_named_errors(params, prompts):
                           ({"stop_token_ids": [1.5]}, "stop_token_ids")):
         with pytest.raises(ValueError, match=match):
             SamplingParams(**kwargs)
-    with pytest.raises(ValueError, match="page_size must be a positive multiple of block_size 32"):
+    with pytest.raises(ValueError, match="page_size must be a multiple of the block_size 32, got 48"):
         LLM(params, CONFIG, page_size=48)
     cache = kvc.create(CONFIG, batch=2, max_pages=3, num_pages=6, page_size=PAGE)
     _, kv = wise_jax.prefill(params, CONFIG, prompt, page_size=PAGE)

@@ -59,12 +59,13 @@ def pool_bucket(n: int) -> int:
 
 def _engine(params: Params, config: ModelConfig, lengths: list[int], *, wise_config, page_size, kernel,
             tokenizer, mesh) -> LLM:
-    """An engine that holds every request at once (`lengths`: prompt + new tokens of each)."""
+    """An engine that holds every request at once (`lengths`: prompt + new tokens of each), so
+    nothing is preempted."""
     pages = [-(-n // page_size) for n in lengths]
     rows = 1 << (len(lengths) - 1).bit_length()
     return LLM(params, config, wise_config=wise_config, page_size=page_size, max_num_seqs=rows,
-               max_model_len=pool_bucket(max(pages)) * page_size, num_pages=pool_bucket(sum(pages)),
-               kernel=kernel, tokenizer=tokenizer, mesh=mesh)
+               max_model_len=min(pool_bucket(max(pages)) * page_size, config.max_position_embeddings),
+               num_pages=pool_bucket(sum(pages)), kernel=kernel, tokenizer=tokenizer, mesh=mesh, seed=0)
 
 
 def _stats(llm: LLM, new_tokens: int) -> GenerationStats:
@@ -115,13 +116,13 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
                              f"exceed max_position_embeddings {config.max_position_embeddings}")
     llm = _engine(params, config, [len(ids) + max_new_tokens for ids in encoded], wise_config=wise_config,
                   page_size=page_size, kernel=kernel, tokenizer=tokenizer, mesh=mesh)
-    requests = [llm._requests[llm._add(p, sampling, key=jax.random.fold_in(key, n), keep_logits=return_logits)]
+    requests = [llm.add_request(p, sampling, keep_logits=return_logits, key=jax.random.fold_in(key, n))
                 for n, p in enumerate(encoded)]
-    while llm.has_unfinished():
-        llm.step()
-    tokens = [r.tokens for r in requests]
-    logits = [np.stack(r.logits).astype(np.float32) for r in requests] if return_logits else None
-    texts = None if tokenizer is None else [r.output(tokenizer).text for r in requests]
+    seqs = [llm.sequences[r] for r in requests]     # they leave llm.sequences when they finish
+    outs = llm.run_until_done(requests)
+    tokens = [o.token_ids for o in outs]
+    logits = [np.stack(s.logits).astype(np.float32) for s in seqs] if return_logits else None
+    texts = None if tokenizer is None else [o.text for o in outs]
     return GenerationOutput(tokens, texts, logits, _stats(llm, sum(map(len, tokens))))
 
 
@@ -148,8 +149,6 @@ def teacher_force(params: Params, config: ModelConfig, context_ids, continuation
                              f"max_position_embeddings {config.max_position_embeddings}")
     llm = _engine(params, config, [len(a) + len(b) for a, b in zip(contexts, continuations)],
                   wise_config=wise_config, page_size=page_size, kernel=kernel, tokenizer=tokenizer, mesh=mesh)
-    requests = [llm._requests[llm.add_request(a, forced=b)] for a, b in zip(contexts, continuations)]
-    while llm.has_unfinished():
-        llm.step()
-    logprobs = [np.asarray(r.logprobs, np.float32) for r in requests]
+    outs = llm.run_until_done([llm.add_request(a, forced=b) for a, b in zip(contexts, continuations)])
+    logprobs = [np.asarray(o.logprobs, np.float32) for o in outs]
     return ForcedOutput(logprobs, _stats(llm, sum(map(len, continuations))))
