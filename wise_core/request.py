@@ -180,7 +180,8 @@ class EngineStats:
     step_build_s the seconds spent making them (capture, or trace and compile), and
     step_memory_bytes the memory they hold beside the weights and the pool (torch: the graphs'
     shared pool; JAX: the compiled steps' temporaries). pool_sizing says how the page pool was
-    sized."""
+    sized. Prefix caching: prefix_cache_queries, the prompt tokens of the requests looked up,
+    and prefix_cache_hits, those found cached (their prefill skipped), since the engine started."""
 
     total_pages: int
     free_pages: int
@@ -203,6 +204,13 @@ class EngineStats:
     step_build_s: float = 0.0
     step_memory_bytes: int = 0
     pool_sizing: str = ""
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Prompt tokens found cached / prompt tokens looked up (None before any lookup)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else None
 
     @property
     def acceptance_rate(self) -> float | None:

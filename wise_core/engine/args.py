@@ -28,7 +28,10 @@ class EngineArgs:
     max_position_embeddings, at most the pool); it sizes page tables and WISE block tables.
     max_num_batched_tokens: tokens one step runs (decode rows, then prompt chunks: chunked
     prefill). kernel: the decode attention (None: wise_config.kernel, else "auto"). seed: the
-    random state of requests without their own seed (None: a random one)."""
+    random state of requests without their own seed (None: a random one).
+    enable_prefix_caching: share the K/V of full prompt pages across requests with the same
+    prefix, their prefill skipped (`wise_core.engine.block_manager`); the tokens are those of a
+    run without it."""
 
     wise_config: WiseConfig | None = None
     num_pages: int | None = None
@@ -38,6 +41,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 8192
     kernel: str | None = None
     seed: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.wise_config is not None and not isinstance(self.wise_config, WiseConfig):
@@ -48,6 +52,8 @@ class EngineArgs:
                 positive_int(name, value)
         if self.page_size % self.block_size:
             raise ValueError(f"page_size must be a multiple of the block_size {self.block_size}, got {self.page_size}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if self.kernel is not None and not isinstance(self.kernel, str):
             raise TypeError(f"kernel must be a string or None, got {self.kernel!r}")
         object.__setattr__(self, "seed", check_seed(self.seed))

@@ -1,33 +1,60 @@
-"""The page pool: which pages are free, which sequence holds which, growth as sequences grow.
+"""The page pool: which pages are free, which sequence holds which, growth as sequences grow,
+and automatic prefix caching.
 
 A page holds `page_size` tokens of one sequence in every (loop, layer) plane. Pages are taken
 as a sequence grows (prefill chunks, then one token per decode step), not reserved for its
-whole lifetime, and all return to the pool when it finishes, is aborted or is preempted.
-The manager only names pages (ints); the framework's device side holds their K/V.
+whole lifetime, and return to the pool when it finishes, is aborted or is preempted. The
+manager only names pages (ints); the framework's device side holds their K/V.
 
-Prefix caching fits here later without changing its callers: a full page gets a content hash
-(of the hash of the page before it and its page_size token ids) and a reference count; `grow`
-first looks up a sequence's full prompt pages by hash and shares those it finds (count + 1,
-num_cached advanced past them), `release` and `trim` decrement counts and put a page whose
-count reaches 0 on an evictable list (still hashed) that `grow` takes from after the free
-pages. The scheduler's budget checks already go through `missing` and `num_free`.
+Prefix caching (`prefix_caching=True`): a full page of prompt tokens whose K/V a prefill wrote
+gets a content key, a 128-bit BLAKE2b digest of the key of the page before it and its
+page_size token ids (so a key names the whole prefix up to the page's end), registered by
+`register` once the step that wrote it is launched (later steps run after it, in stream
+order). A new sequence first takes, through `match`, the longest run of its prompt's full pages
+whose keys are registered (at most all but one prompt token, so that a prefill computes the
+first token's logits): shared pages are counted (`refs`), and its prefill starts after them.
+Only prompt pages written by prefill are registered, never pages holding generated tokens: a
+WISE decode step writes K/V that a dense prefill of the same tokens would not, so a cached
+prefix always holds exactly the K/V its prompt would get without the cache. A page whose last
+holder lets go keeps its key on an evictable list (least recently released first) that `grow`
+takes from after the free pages, dropping the key.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from collections import OrderedDict, deque
+
+import numpy as np
 
 from wise_core.engine.sequence import Sequence
 
+_ROOT = b""   # the key before a prompt's first page
+
+
+def page_key(previous: bytes, tokens: list[int]) -> bytes:
+    """The content key of a full page of `tokens` after the page keyed `previous`."""
+    return hashlib.blake2b(previous + np.asarray(tokens, np.int64).tobytes(), digest_size=16).digest()
+
 
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int):
-        self.num_pages, self.page_size = num_pages, page_size
+    """num_pages pages of page_size tokens. refs[p]: sequences holding page p; a page on
+    neither list is held. Prefix-cache counters: query_tokens (prompt tokens of the sequences
+    matched) and hit_tokens (those found cached)."""
+
+    def __init__(self, num_pages: int, page_size: int, *, prefix_caching: bool = False):
+        self.num_pages, self.page_size, self.prefix_caching = num_pages, page_size, prefix_caching
         self.free: deque[int] = deque(range(num_pages))
+        self.refs = [0] * num_pages
+        self.key_of: dict[int, bytes] = {}          # registered page -> its key
+        self.cached: dict[bytes, int] = {}          # key -> registered page
+        self.evictable: OrderedDict[int, None] = OrderedDict()   # registered pages no one holds
+        self.query_tokens = self.hit_tokens = 0
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        """Pages `grow` can hand out: free ones and cached ones no sequence holds."""
+        return len(self.free) + len(self.evictable)
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -36,21 +63,78 @@ class BlockManager:
         """Pages `seq` still needs to hold `num_tokens` keys."""
         return max(self.pages_for(num_tokens) - len(seq.pages), 0)
 
+    def _take(self) -> int:
+        if self.free:
+            page = self.free.popleft()
+        else:   # the least recently released cached page: its key goes
+            page, _ = self.evictable.popitem(last=False)
+            del self.cached[self.key_of.pop(page)]
+        self.refs[page] = 1
+        return page
+
+    def _drop(self, pages: list[int]) -> None:
+        for page in pages:
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                if page in self.key_of:
+                    self.evictable[page] = None
+                else:
+                    self.free.append(page)
+
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Give `seq` the pages for `num_tokens` keys; False (and nothing taken) if too few are free."""
         needed = self.missing(seq, num_tokens)
-        if needed > len(self.free):
+        if needed > self.num_free:
             return False
-        seq.pages.extend(self.free.popleft() for _ in range(needed))
+        seq.pages.extend(self._take() for _ in range(needed))
         return True
+
+    def match(self, seq: Sequence) -> None:
+        """A new sequence (no pages, nothing cached) takes the registered pages of its prompt's
+        longest cached prefix of full pages, short of its last token, and starts after them."""
+        if not self.prefix_caching or seq.pages or seq.num_cached:
+            return
+        self.query_tokens += len(seq.prompt)
+        key = _ROOT
+        for i in range((len(seq.prompt) - 1) // self.page_size):
+            key = page_key(key, seq.prompt[i * self.page_size:(i + 1) * self.page_size])
+            page = self.cached.get(key)
+            if page is None:
+                break
+            if self.refs[page] == 0:
+                del self.evictable[page]
+            self.refs[page] += 1
+            seq.pages.append(page)
+        seq.num_cached = len(seq.pages) * self.page_size
+        self.hit_tokens += seq.num_cached
+
+    def unmatch(self, seq: Sequence) -> None:
+        """Undo `match` for a sequence that could not start (its pages back, counters too)."""
+        if not self.prefix_caching:
+            return
+        self.query_tokens -= len(seq.prompt)
+        self.hit_tokens -= seq.num_cached
+        self.release(seq)
+        seq.num_cached = 0
+
+    def register(self, seq: Sequence) -> None:
+        """Register `seq`'s full prompt pages whose K/V a launched prefill wrote (up to
+        num_cached): a later sequence with the same prefix can `match` them."""
+        if not self.prefix_caching:
+            return
+        key = _ROOT
+        for i in range(min(seq.num_cached, len(seq.prompt)) // self.page_size):
+            key = page_key(key, seq.prompt[i * self.page_size:(i + 1) * self.page_size])
+            if key not in self.cached:   # else: this page (matched), or another holding the same prefix
+                self.key_of[seq.pages[i]], self.cached[key] = key, seq.pages[i]
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Return the pages `seq` holds past those of its first `num_tokens` keys (speculative
         decoding rolls back the pages of rejected drafts)."""
         keep = self.pages_for(num_tokens)
-        self.free.extend(seq.pages[keep:])
+        self._drop(seq.pages[keep:])
         del seq.pages[keep:]
 
     def release(self, seq: Sequence) -> None:
-        self.free.extend(seq.pages)
+        self._drop(seq.pages)
         seq.pages = []

@@ -54,7 +54,7 @@ class LLMEngine:
         self.args, self.tokenizer, self.vocab_size, self.pool_sizing = args, tokenizer, vocab_size, pool_sizing
         self.eos_token_ids = frozenset(() if eos_token_id is None else (eos_token_id,))
         self.page_size, self.max_model_len = args.page_size, max_model_len
-        self.blocks = BlockManager(num_pages, args.page_size)
+        self.blocks = BlockManager(num_pages, args.page_size, prefix_caching=args.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=args.max_num_seqs,
                                    max_num_batched_tokens=args.max_num_batched_tokens)
         self.sequences: dict[int, Sequence] = {}
@@ -176,6 +176,7 @@ class LLMEngine:
             launched.append(self._launch_prefill(plan.chunks))
             for chunk in plan.chunks:
                 chunk.seq.num_cached = chunk.start + chunk.length
+                self.blocks.register(chunk.seq)     # its full prompt pages, for later requests
             self.counters["prompt_tokens"] += sum(c.length for c in plan.chunks)
         if not launched and made is None and not self.inflight and self.scheduler.has_work() and not plan.preempted:
             raise RuntimeError("the scheduler made no progress although requests wait "
@@ -263,7 +264,8 @@ class LLMEngine:
         return EngineStats(
             total_pages=self.blocks.num_pages, free_pages=self.blocks.num_free,
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-            preemptions=self.scheduler.preemptions, pool_sizing=self.pool_sizing, **self.counters,
+            preemptions=self.scheduler.preemptions, pool_sizing=self.pool_sizing,
+            prefix_cache_queries=self.blocks.query_tokens, prefix_cache_hits=self.blocks.hit_tokens, **self.counters,
             **self._device_stats())
 
     def reset_stats(self) -> None:

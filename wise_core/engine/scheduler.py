@@ -136,8 +136,13 @@ class Scheduler:
                     step.decode.append(seq)
                     budget -= 1
                     continue
+            fresh = seq.offloaded is None and not seq.pages
+            if fresh:
+                self.blocks.match(seq)                  # a cached prefix: its prefill starts after it
             length = min(len(seq.prompt) - seq.num_cached, budget)
             if not self.blocks.grow(seq, seq.num_cached + length):
+                if fresh:
+                    self.blocks.unmatch(seq)
                 break
             if seq.offloaded is None:
                 self.waiting.popleft()
