@@ -27,9 +27,12 @@ class SamplingParams:
     ignore_eos: keep going past the model's eos; stop_token_ids: more ids that end the
     request; stop: strings that end it (needs the engine's tokenizer): the text ends before the
     first one found, the tokens at the one that completed it, stop_reason names it (as vLLM);
-    logprobs: report log p of each generated token.
+    logprobs: report log p of each generated token. n: completions of the prompt (vLLM's n):
+    its prompt is prefilled once and the completions share its full pages; with a seed,
+    completion i samples as a request with seed + i would.
     """
 
+    n: int = 1
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
@@ -42,9 +45,10 @@ class SamplingParams:
     logprobs: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, numbers.Integral) or isinstance(self.max_tokens, bool) \
-                or self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be a positive integer, got {self.max_tokens!r}")
+        for name in ("n", "max_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"SamplingParams.{name} must be a positive integer, got {value!r}")
         for name in ("temperature", "top_p", "min_p"):
             value = getattr(self, name)
             if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
@@ -74,6 +78,7 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.stop must be a non-empty string or a sequence of them, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(stop))
         # numpy scalars pass the checks above; the engines get plain Python numbers
+        object.__setattr__(self, "n", int(self.n))
         object.__setattr__(self, "max_tokens", int(self.max_tokens))
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
@@ -81,6 +86,11 @@ class SamplingParams:
         object.__setattr__(self, "top_k", max(0, int(self.top_k)))     # -1, as vLLM's "all", is 0
         if self.seed is not None:
             object.__setattr__(self, "seed", int(self.seed))
+
+    def completion(self, index: int) -> SamplingParams:
+        """The params of completion `index` of an n > 1 request: n 1, seed + index (mod 2**63)."""
+        seed = None if self.seed is None else (self.seed + index) % MAX_SEED
+        return dataclasses.replace(self, n=1, seed=seed)
 
 
 def prompts_with_params(prompts, params, array_types: tuple[type, ...] = ()) -> list:
@@ -119,7 +129,7 @@ def add_all(engine, pairs: list) -> list[int]:
 
 @dataclasses.dataclass
 class CompletionOutput:
-    """One completion of a request, in vLLM's shape: index (0: a request has one), text (None
+    """One completion of a request, in vLLM's shape: index (its place among the request's n), text (None
     without a tokenizer), token_ids, logprobs (log p of each token, as RequestOutput.logprobs:
     floats, not vLLM's top-k dicts), finish_reason, stop_reason (the stop id or string that ended
     it; None for eos, the length, an abort, or while running)."""
@@ -139,7 +149,9 @@ class RequestOutput:
     forcing), else None. finish_reason: "length", "stop" (eos or a stop id), "abort", or None
     while running; stop_reason: the stop id or string that ended it (None for eos); a stop
     string ends the text before it (token_ids keep the token that completed it). prompt_token_ids is
-    the engine's own list: read it, do not change it. `outputs` and `prompt` give vLLM's shape."""
+    the engine's own list: read it, do not change it. `outputs` and `prompt` give vLLM's shape.
+    A request of n > 1 completions: `completions` holds each one's output (this one's fields are
+    the first's, but `finished`, which waits for all), and `outputs` lists them all."""
 
     request_id: int
     prompt_token_ids: list[int]
@@ -150,6 +162,7 @@ class RequestOutput:
     tokenizer: object = dataclasses.field(default=None, repr=False, compare=False)
     stop_reason: int | str | None = None
     cut_text: str | None = dataclasses.field(default=None, repr=False)   # the text a stop string ended
+    completions: list[RequestOutput] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def text(self) -> str | None:
@@ -164,7 +177,8 @@ class RequestOutput:
 
     @property
     def outputs(self) -> list[CompletionOutput]:
-        return [CompletionOutput(0, self.text, self.token_ids, self.logprobs, self.finish_reason, self.stop_reason)]
+        return [CompletionOutput(i, o.text, o.token_ids, o.logprobs, o.finish_reason, o.stop_reason)
+                for i, o in enumerate(self.completions or [self])]
 
 
 @dataclasses.dataclass
@@ -181,7 +195,9 @@ class EngineStats:
     step_memory_bytes the memory they hold beside the weights and the pool (torch: the graphs'
     shared pool; JAX: the compiled steps' temporaries). pool_sizing says how the page pool was
     sized. Prefix caching: prefix_cache_queries, the prompt tokens of the requests looked up,
-    and prefix_cache_hits, those found cached (their prefill skipped), since the engine started."""
+    and prefix_cache_hits, those found cached (their prefill skipped), since the engine started;
+    forked_prompt_tokens: prompt tokens the later completions of n > 1 requests took from their
+    first completion's pages instead of prefilling them."""
 
     total_pages: int
     free_pages: int
@@ -206,6 +222,7 @@ class EngineStats:
     pool_sizing: str = ""
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    forked_prompt_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:

@@ -315,8 +315,9 @@ class LLM(LLMEngine):
         """`LLMEngine.add_request`; key: the request's raw PRNG key (uint32[2]; `generate` gives
         prompt n fold_in(key, n)) instead of its seed's or the engine's."""
         request_id = super().add_request(prompt, params, forced=forced, keep_logits=keep_logits)
-        if key is not None:
-            self.sequences[request_id].generator = np.asarray(key, np.uint32)
+        if key is not None:     # completion i > 0 of an n > 1 request: fold_in(key, i)
+            for i, seq in enumerate(self._request(request_id)):
+                seq.generator = np.asarray(key if i == 0 else jax.random.fold_in(key, i), np.uint32)
         return request_id
 
     # -- the device side (LLMEngine's hooks) -------------------------------------------------

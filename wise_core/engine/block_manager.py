@@ -18,6 +18,10 @@ WISE decode step writes K/V that a dense prefill of the same tokens would not, s
 prefix always holds exactly the K/V its prompt would get without the cache. A page whose last
 holder lets go keeps its key on an evictable list (least recently released first) that `grow`
 takes from after the free pages, dropping the key.
+
+The completions of an n > 1 request share their first completion's full prompt pages
+(`fork`, with or without prefix caching): each prefills only the rest of its prompt (less than
+a page), so its first token is sampled from its own logits, and writes its own pages from there.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ def page_key(previous: bytes, tokens: list[int]) -> bytes:
 class BlockManager:
     """num_pages pages of page_size tokens. refs[p]: sequences holding page p; a page on
     neither list is held. Prefix-cache counters: query_tokens (prompt tokens of the sequences
-    matched) and hit_tokens (those found cached)."""
+    matched) and hit_tokens (those found cached); forked_tokens: prompt tokens completions took
+    from their first completion's pages."""
 
     def __init__(self, num_pages: int, page_size: int, *, prefix_caching: bool = False):
         self.num_pages, self.page_size, self.prefix_caching = num_pages, page_size, prefix_caching
@@ -49,7 +54,7 @@ class BlockManager:
         self.key_of: dict[int, bytes] = {}          # registered page -> its key
         self.cached: dict[bytes, int] = {}          # key -> registered page
         self.evictable: OrderedDict[int, None] = OrderedDict()   # registered pages no one holds
-        self.query_tokens = self.hit_tokens = 0
+        self.query_tokens = self.hit_tokens = self.forked_tokens = 0
 
     @property
     def num_free(self) -> int:
@@ -89,6 +94,30 @@ class BlockManager:
         seq.pages.extend(self._take() for _ in range(needed))
         return True
 
+    def shareable(self, seq: Sequence) -> int:
+        """Full pages of seq's prompt that a sequence with the same prompt may share: all short
+        of its last token, whose logits a prefill must compute."""
+        return (len(seq.prompt) - 1) // self.page_size
+
+    def fork(self, seq: Sequence, parent: Sequence) -> bool:
+        """A new sequence with parent's prompt takes parent's full prompt pages, whose prefill
+        is launched, and starts after them -> False (nothing taken) if parent holds none now."""
+        count = self.shareable(seq)
+        if seq.pages or seq.num_cached or parent.num_cached < count * self.page_size or len(parent.pages) < count:
+            return False
+        for page in parent.pages[:count]:
+            self.refs[page] += 1
+        seq.pages = parent.pages[:count]
+        seq.num_cached = count * self.page_size
+        self.forked_tokens += seq.num_cached
+        return count > 0
+
+    def unfork(self, seq: Sequence) -> None:
+        """Undo `fork` for a sequence that could not start."""
+        self.forked_tokens -= seq.num_cached
+        self.release(seq)
+        seq.num_cached = 0
+
     def match(self, seq: Sequence) -> None:
         """A new sequence (no pages, nothing cached) takes the registered pages of its prompt's
         longest cached prefix of full pages, short of its last token, and starts after them."""
@@ -96,7 +125,7 @@ class BlockManager:
             return
         self.query_tokens += len(seq.prompt)
         key = _ROOT
-        for i in range((len(seq.prompt) - 1) // self.page_size):
+        for i in range(self.shareable(seq)):
             key = page_key(key, seq.prompt[i * self.page_size:(i + 1) * self.page_size])
             page = self.cached.get(key)
             if page is None:

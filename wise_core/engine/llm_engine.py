@@ -15,6 +15,7 @@ back, and its program and WISE counters.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import time
 from typing import Protocol
@@ -57,7 +58,8 @@ class LLMEngine:
         self.blocks = BlockManager(num_pages, args.page_size, prefix_caching=args.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=args.max_num_seqs,
                                    max_num_batched_tokens=args.max_num_batched_tokens)
-        self.sequences: dict[int, Sequence] = {}
+        self.sequences: dict[int, Sequence] = {}    # every unfinished sequence, a completion's too
+        self.groups: dict[int, list[Sequence]] = {}  # an unfinished n > 1 request's completions
         self.inflight: list[InFlight] = []      # the step launched last, not read yet
         self.inflight_kind = self.previous_kind = None
         self.next_id = 0
@@ -67,7 +69,8 @@ class LLMEngine:
     def add_request(self, prompt, params: SamplingParams | None = None, *, forced: list[int] | None = None,
                     keep_logits: bool = False) -> int:
         """Queue a request (a string, or token ids) -> its request id. A request that can never
-        fit (longer than max_model_len or the whole pool) is a ValueError here.
+        fit (longer than max_model_len or the whole pool) is a ValueError here. params.n > 1 queues
+        n completions (sequences of their own) under the one id.
         forced: tokens fed instead of sampled ones, each scored (teacher forcing); keep_logits:
         keep each step's float32 logits."""
         params = SamplingParams() if params is None else params
@@ -76,25 +79,37 @@ class LLMEngine:
         ids = self._checked_ids(prompt, "prompt")
         if forced is not None:
             forced = self._checked_ids(forced, "forced continuation")
-        seq = Sequence(self.next_id, ids, params, self.eos_token_ids, arrival=self.next_id, forced=forced,
-                       keep_logits=keep_logits)
-        if params.stop:
-            if self.tokenizer is None:
-                raise ValueError("SamplingParams.stop needs a tokenizer, and this engine has none")
-            seq.text = TextStream(self.tokenizer, params.stop)
-        self._check_request(seq)
-        if seq.max_length > self.max_model_len:
-            raise ValueError(f"the request needs {len(ids)} prompt + {seq.max_length - len(ids)} new tokens, more "
+            if params.n > 1:
+                raise ValueError(f"a forced continuation is scored once: SamplingParams.n must be 1, got {params.n}")
+        seqs = [Sequence(self.next_id + i, ids, params.completion(i) if params.n > 1 else params,
+                         self.eos_token_ids, arrival=self.next_id + i, forced=forced, keep_logits=keep_logits)
+                for i in range(params.n)]
+        for seq in seqs:
+            if params.stop:
+                if self.tokenizer is None:
+                    raise ValueError("SamplingParams.stop needs a tokenizer, and this engine has none")
+                seq.text = TextStream(self.tokenizer, params.stop)
+            self._check_request(seq)
+        first = seqs[0]
+        if first.max_length > self.max_model_len:
+            raise ValueError(f"the request needs {len(ids)} prompt + {first.max_length - len(ids)} new tokens, more "
                              f"than max_model_len ({self.max_model_len})")
         # The last token generated is never fed back, so max_length - 1 keys are the most held.
-        if self.blocks.pages_for(seq.max_length - 1) > self.blocks.num_pages:
-            raise ValueError(f"the request needs {self.blocks.pages_for(seq.max_length - 1)} pages of "
+        if self.blocks.pages_for(first.max_length - 1) > self.blocks.num_pages:
+            raise ValueError(f"the request needs {self.blocks.pages_for(first.max_length - 1)} pages of "
                              f"{self.page_size} tokens, more than the pool's {self.blocks.num_pages}")
-        self._new_sequence(seq)
-        self.next_id += 1
-        self.sequences[seq.request_id] = seq
-        self.scheduler.add(seq)
-        return seq.request_id
+        if params.n > 1:
+            self.groups[first.request_id] = seqs
+            for seq in seqs:
+                seq.group = first.request_id
+            for seq in seqs[1:]:
+                seq.parent = first
+        for seq in seqs:
+            self._new_sequence(seq)
+            self.sequences[seq.request_id] = seq
+            self.scheduler.add(seq)
+        self.next_id += params.n
+        return first.request_id
 
     def _checked_ids(self, prompt, what: str) -> list[int]:
         """A string (through the tokenizer) or a sequence / 1-D array of integer ids -> a
@@ -119,14 +134,35 @@ class LLMEngine:
             raise ValueError(f"the {what} holds token ids {bad[:5]} outside the vocabulary (size {self.vocab_size})")
         return ids
 
-    def abort(self, request_id: int) -> RequestOutput:
-        """Stop a request now and free its pages; its output so far, finish_reason "abort"."""
-        seq = self.sequences.pop(request_id, None)
-        if seq is None:
+    def _request(self, request_id: int) -> list[Sequence]:
+        """The sequences of an unfinished request (its completions, for n > 1); KeyError if none."""
+        if request_id in self.groups:
+            return self.groups[request_id]
+        seq = self.sequences.get(request_id)
+        if seq is None or seq.group is not None:
             raise KeyError(f"no unfinished request {request_id}")
-        self._remove(seq)
-        seq.finish("abort")
-        return output_of(seq, self.tokenizer)
+        return [seq]
+
+    def _output(self, seqs: list[Sequence]) -> RequestOutput:
+        """The output so far of a request's sequences (its completions, for n > 1); a finished
+        n > 1 request leaves `groups`."""
+        if len(seqs) == 1:
+            return output_of(seqs[0], self.tokenizer)
+        outs = [output_of(seq, self.tokenizer) for seq in seqs]
+        finished = all(out.finished for out in outs)
+        if finished:
+            del self.groups[seqs[0].request_id]
+        return dataclasses.replace(outs[0], finished=finished, completions=outs)
+
+    def abort(self, request_id: int) -> RequestOutput:
+        """Stop a request now (every completion) and free its pages; its output so far,
+        finish_reason "abort"."""
+        seqs = self._request(request_id)
+        for seq in seqs:
+            if self.sequences.pop(seq.request_id, None) is not None:
+                self._remove(seq)
+                seq.finish("abort")
+        return self._output(seqs)
 
     def _remove(self, seq: Sequence) -> None:
         self._forget(seq)
@@ -134,15 +170,11 @@ class LLMEngine:
 
     def output(self, request_id: int) -> RequestOutput:
         """An unfinished request's output so far (a finished one's final output came from `step`)."""
-        if request_id not in self.sequences:
-            raise KeyError(f"no unfinished request {request_id}")
-        return output_of(self.sequences[request_id], self.tokenizer)
+        return self._output(self._request(request_id))
 
     def prompt_token_ids(self, request_id: int) -> list[int]:
         """An unfinished request's prompt ids (the engine's list: read it, do not change it)."""
-        if request_id not in self.sequences:
-            raise KeyError(f"no unfinished request {request_id}")
-        return self.sequences[request_id].prompt
+        return self._request(request_id)[0].prompt
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self.inflight)
@@ -215,13 +247,16 @@ class LLMEngine:
                 seq.resolve(index, tokens[i])
                 produced[seq.request_id] = seq
                 self.counters["generated_tokens"] += 1
-        outputs = []
+        requests = []
         for seq in produced.values():
             if seq.status is Status.FINISHED:
                 self._remove(seq)
                 del self.sequences[seq.request_id]
-            outputs.append(output_of(seq, self.tokenizer))
-        return outputs
+            if seq.group is None:
+                requests.append(seq)
+            elif seq.group not in requests:
+                requests.append(seq.group)
+        return [self._output([r] if isinstance(r, Sequence) else self.groups[r]) for r in requests]
 
     # -- batch use --------------------------------------------------------------------------
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, *,
@@ -234,9 +269,8 @@ class LLMEngine:
     def run_until_done(self, request_ids: list[int], *, use_tqdm: bool = False) -> list[RequestOutput]:
         """Step until the given (unfinished) requests finish -> their final outputs, in the order
         given. KeyError for an id that is not an unfinished request (it would never finish)."""
-        unknown = [r for r in request_ids if r not in self.sequences]
-        if unknown:
-            raise KeyError(f"no unfinished request {unknown[0]}")
+        for r in request_ids:
+            self._request(r)            # KeyError for an id that is not an unfinished request
         wanted = set(request_ids)
         final: dict[int, RequestOutput] = {}
         bar = None
@@ -265,7 +299,8 @@ class LLMEngine:
             total_pages=self.blocks.num_pages, free_pages=self.blocks.num_free,
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             preemptions=self.scheduler.preemptions, pool_sizing=self.pool_sizing,
-            prefix_cache_queries=self.blocks.query_tokens, prefix_cache_hits=self.blocks.hit_tokens, **self.counters,
+            prefix_cache_queries=self.blocks.query_tokens, prefix_cache_hits=self.blocks.hit_tokens,
+            forked_prompt_tokens=self.blocks.forked_tokens, **self.counters,
             **self._device_stats())
 
     def reset_stats(self) -> None:

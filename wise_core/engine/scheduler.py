@@ -7,7 +7,9 @@ sequence needs a page and none is free, the newest running sequence is preempted
 every plane is offloaded to host memory (by the framework's device side, `Step.preempted`) and
 restored when it resumes (`Step.resumed`), so it continues exactly as if it had never stopped.
 Slots (rows of the per-sequence device buffers) are handed out lowest first, so the rows in
-use stay at the bottom and a step sized by the highest one stays small.
+use stay at the bottom and a step sized by the highest one stays small. A new sequence starts
+after the full prompt pages it shares: its first completion's (an n > 1 request's later
+completions wait for that prefill), else a cached prefix (`BlockManager.fork`, `match`).
 """
 
 from __future__ import annotations
@@ -137,11 +139,19 @@ class Scheduler:
                     budget -= 1
                     continue
             fresh = seq.offloaded is None and not seq.pages
+            forked = False
             if fresh:
-                self.blocks.match(seq)                  # a cached prefix: its prefill starts after it
+                parent = seq.parent
+                if parent is not None and parent.status is not Status.FINISHED and not parent.prefilled:
+                    break                               # a completion starts once its first one's prefill is launched
+                forked = parent is not None and self.blocks.fork(seq, parent)
+                if not forked:
+                    self.blocks.match(seq)              # a cached prefix: its prefill starts after it
             length = min(len(seq.prompt) - seq.num_cached, budget)
             if not self.blocks.grow(seq, seq.num_cached + length):
-                if fresh:
+                if forked:
+                    self.blocks.unfork(seq)
+                elif fresh:
                     self.blocks.unmatch(seq)
                 break
             if seq.offloaded is None:

@@ -30,6 +30,9 @@ class Sequence:
     preempted (the framework's host arrays). forced: tokens to feed instead of sampling
     (teacher forcing); keep_logits: keep each step's float32 logits (the framework's arrays);
     generator: the framework's random state of the request (a torch.Generator, a JAX key).
+    group: the request id of the n > 1 request this sequence is a completion of (None: a
+    request of its own); parent: the group's first completion, whose full prompt pages this one
+    shares once their prefill is launched.
     """
 
     request_id: int
@@ -52,6 +55,8 @@ class Sequence:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     logits: list = dataclasses.field(default_factory=list)
     generator: object = None
+    group: int | None = None
+    parent: Sequence | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)
