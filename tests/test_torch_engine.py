@@ -1,7 +1,5 @@
-"""wise_torch.LLM: continuous batching, chunked prefill, preemption, aborts, sampling, errors.
-
-Every equality of tokens here is against `wise_torch.generate` run on the prompt alone (fp32,
-reference kernel, CPU)."""
+"""wise_torch.LLM beyond what both engines share (tests/test_engine.py): step outputs with stop
+tokens, logprobs and text, padding rows, the sampler, the torch engine's own arguments."""
 
 import math
 
@@ -14,79 +12,15 @@ from wise_core.config import PRESETS, WiseConfig
 from wise_torch.engine.sampler import sample
 from torch_cases import prompts_of
 
-WISE = WiseConfig(eta=0.5, kernel="reference")
-
-
 @pytest.fixture(scope="module")
 def model():
     config = PRESETS["test-tiny-gqa"]
     return wt.from_tensors(config, random_tensors(config, seed=0, std=0.08))
 
 
-def alone(model, prompt, n, wise_config):
-    return wt.generate(model, [prompt], max_new_tokens=n, eos_token_id=None, page_size=32, wise_config=wise_config,
-                       kernel="reference").tokens[0]
-
-
 def engine(model, wise_config=None, **kw):
     kw = {"num_pages": 64, "page_size": 32, "max_num_seqs": 8, "max_model_len": 256, "kernel": "reference", **kw}
     return wt.LLM(model, wise_config=wise_config, **kw)
-
-
-@pytest.mark.parametrize("wise_config", [None, WISE], ids=["dense", "wise"])
-def test_requests_joining_between_steps_get_their_tokens_alone(model, wise_config):
-    prompts = prompts_of([70, 3, 129, 40, 17], model.config.vocab_size)
-    news = [9, 14, 5, 11, 8]
-    llm = engine(model, wise_config, max_num_batched_tokens=64)   # long prompts prefill in chunks
-    ids, produced, step = {}, {}, 0
-    while len(ids) < len(prompts) or llm.has_unfinished():
-        if step % 3 == 0 and len(ids) < len(prompts):           # a new request every third step
-            i = len(ids)
-            ids[llm.add_request(prompts[i], wt.SamplingParams(max_tokens=news[i], ignore_eos=True))] = i
-        for out in llm.step():
-            produced[ids[out.request_id]] = out
-        step += 1
-    for i, prompt in enumerate(prompts):
-        assert produced[i].finished and produced[i].finish_reason == "length"
-        assert produced[i].token_ids == alone(model, prompt, news[i], wise_config)
-        assert produced[i].prompt_token_ids == prompt
-    stats = llm.stats()
-    assert stats.free_pages == stats.total_pages and stats.running == stats.waiting == 0
-    if wise_config is not None:
-        assert stats.fallbacks == 0 and 0 < stats.density[2] < 1 and stats.density[2] == stats.density[3]
-
-
-@pytest.mark.parametrize("wise_config", [None, WISE], ids=["dense", "wise"])
-def test_preemption_offloads_and_resumes_with_the_same_tokens(model, wise_config):
-    prompts = prompts_of([60, 50, 45, 33], model.config.vocab_size, seed=1)
-    params = wt.SamplingParams(max_tokens=40, ignore_eos=True)
-    llm = engine(model, wise_config, num_pages=8)        # 8 pages of 32: the four cannot all grow
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    stats = llm.stats()
-    assert stats.preemptions > 0
-    assert stats.free_pages == stats.total_pages == 8
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == alone(model, prompt, 40, wise_config)
-
-
-def test_abort_frees_pages_and_leaves_the_others_unchanged(model):
-    prompts = prompts_of([40, 30, 20], model.config.vocab_size, seed=2)
-    llm = engine(model)
-    params = wt.SamplingParams(max_tokens=12, ignore_eos=True)
-    ids = [llm.add_request(p, params) for p in prompts]
-    for _ in range(4):
-        llm.step()
-    held = llm.stats().free_pages
-    out = llm.abort(ids[1])
-    # 4 steps ran; the host has read 3 of their tokens (it trails the device by one step)
-    assert out.finished and out.finish_reason == "abort" and len(out.token_ids) == 3
-    assert llm.stats().free_pages == held + 2             # 34 keys in pages of 32
-    with pytest.raises(KeyError, match="no unfinished request"):
-        llm.abort(ids[1])
-    finals = llm.run_until_done([ids[0], ids[2]])
-    for prompt, final in zip([prompts[0], prompts[2]], finals):
-        assert final.token_ids == alone(model, prompt, 12, None)
-    assert llm.stats().free_pages == llm.stats().total_pages
 
 
 def test_step_outputs_stop_tokens_logprobs_and_text():
@@ -114,15 +48,6 @@ def test_padding_rows_write_only_the_scratch_page(model):
     k = llm.runner.cache.k
     assert not k[:, 3:8].any()                             # pages no request held stay untouched
     assert k[:, llm.runner.cache.scratch_page].any()       # the padding row wrote here
-
-
-def test_seeded_sampling_does_not_depend_on_the_batch(model):
-    prompts = prompts_of([12, 30, 7], model.config.vocab_size, seed=3)
-    params = [wt.SamplingParams(max_tokens=10, temperature=1.0, seed=s, ignore_eos=True) for s in (1, 2, 3)]
-    together = engine(model).generate(prompts, params, use_tqdm=False)
-    one = engine(model).generate([prompts[1]], params[1], use_tqdm=False)
-    assert together[1].token_ids == one[0].token_ids
-    assert together[0].token_ids != engine(model).generate([prompts[0]], params[1], use_tqdm=False)[0].token_ids
 
 
 def test_sampler_from_tiny_to_huge_temperatures():
@@ -154,21 +79,8 @@ def test_sampler_from_tiny_to_huge_temperatures():
 
 
 def test_bad_inputs_are_named(model):
-    llm = engine(model, num_pages=4, max_model_len=200)
-    with pytest.raises(ValueError, match=r"needs 150 prompt \+ 60 new tokens, more than max_model_len \(200\)"):
-        llm.add_request([1] * 150, wt.SamplingParams(max_tokens=60))
-    with pytest.raises(ValueError, match="needs 6 pages of 32 tokens, more than the pool's 4"):
-        llm.add_request([1] * 150, wt.SamplingParams(max_tokens=40))
-    with pytest.raises(ValueError, match=r"outside the vocabulary \(size 384\)"):
-        llm.add_request([1, 384])
-    with pytest.raises(ValueError, match="the prompt is empty"):
-        llm.add_request([])
-    with pytest.raises(TypeError, match="integer token ids"):
-        llm.add_request([1.5])
-    with pytest.raises(ValueError, match="has no tokenizer"):
-        llm.add_request("text")
-    with pytest.raises(TypeError, match="params must be SamplingParams"):
-        llm.add_request([1], {"max_tokens": 3})
+    """The torch engine's own arguments and SamplingParams' checks (the requests every engine
+    refuses: tests/test_engine.py)."""
     for bad, match in ((dict(max_tokens=0), "max_tokens must be a positive integer"),
                        (dict(temperature=-1.0), "temperature must be >= 0"),
                        (dict(temperature="0.5"), "temperature must be a finite number"),
