@@ -59,6 +59,7 @@ def test_ouro_dict_unchanged():
     ({"state_init": "normal"}, "state_init must be one of"),
     ({"qk_bias": 1}, "qk_bias must be a boolean"),
     ({"head_dim": 32}, r"num_attention_heads \* head_dim \(2 \* 32\) must equal hidden_size \(128\)"),
+    ({"num_key_value_heads": 1}, "one KV head per query head"),
     ({"early_exit_threshold": 0.5}, "a Huginn model has none"),
 ])
 def test_huginn_config_errors(change, message):

@@ -147,6 +147,9 @@ class ModelConfig:
                               f"got {self.state_init!r}")
         if not isinstance(self.qk_bias, bool):
             raise ConfigError(f"ModelConfig.qk_bias must be a boolean for a Huginn model, got {self.qk_bias!r}")
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise ConfigError(f"a Huginn model has one KV head per query head (its q and k biases share a shape); "
+                              f"got {self.num_attention_heads} heads, {self.num_key_value_heads} KV heads")
         if self.num_attention_heads * self.head_dim != self.hidden_size:
             raise ConfigError(
                 f"a Huginn model's heads span its width: num_attention_heads * head_dim "
