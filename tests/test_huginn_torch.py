@@ -1,0 +1,80 @@
+"""wise_torch.huginn: the Huginn forward in PyTorch against wise_core.huginn_reference on a
+random HF-layout checkpoint, the load-time RoPE reordering, the plane layout."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from wise_core import rounding
+from wise_core.checkpoint import Checkpoint, load_checkpoint, random_tensors, save_checkpoint
+from wise_core.config import PRESETS
+from wise_core.huginn_reference import huginn_forward, huginn_weights, initial_state
+from wise_torch.huginn import huginn_from_tensors, num_planes, plane_index, split_half_rows
+
+TINY = PRESETS["test-tiny-huginn"]
+
+
+def checkpoint(tmp_path, config=TINY):
+    tensors = random_tensors(config, seed=0, std=0.08)
+    rng = np.random.default_rng(1)
+    tensors = {k: v + np.float32(0.1) * rng.normal(size=v.shape).astype(np.float32) if "norm" in k else v
+               for k, v in tensors.items()}  # norm weights off 1
+    save_checkpoint(tmp_path / "ckpt", Checkpoint(config, tensors))
+    return load_checkpoint(tmp_path / "ckpt")
+
+
+def bound(config, num_steps, want, keys):
+    """`rounding.network_bound` of a float32 run against the float64 spec over the model's depth
+    (prelude + core * steps + coda sublayers) and its longest reduction."""
+    depth = config.n_layers_in_prelude + config.n_layers_in_recurrent_block * num_steps + config.n_layers_in_coda
+    width = max(2 * config.hidden_size, config.intermediate_size, keys)
+    return rounding.network_bound(scale=float(np.abs(want).max()), depth=depth, width=width)
+
+
+@pytest.mark.parametrize("qk_bias, tied", [(True, True), (False, False)])
+def test_forward_matches_reference(tmp_path, qk_bias, tied):
+    config = dataclasses.replace(TINY, qk_bias=qk_bias, tie_word_embeddings=tied)
+    ckpt = checkpoint(tmp_path, config)
+    model = huginn_from_tensors(config, ckpt.tensors)
+    ids = np.random.default_rng(2).integers(0, config.vocab_size, (2, 10))
+    with torch.inference_mode():
+        got = model(torch.tensor(ids), num_steps=5, seed=3).double().numpy()
+    weights = huginn_weights(config, ckpt.tensors)
+    for row in range(2):
+        want = huginn_forward(config, weights, ids[row], num_steps=5, seed=3)
+        assert np.abs(got[row] - want).max() <= bound(config, 5, want, 10)
+
+
+def test_explicit_and_zero_state(tmp_path):
+    ckpt = checkpoint(tmp_path)
+    model = huginn_from_tensors(TINY, ckpt.tensors)
+    weights = huginn_weights(TINY, ckpt.tensors)
+    ids = np.random.default_rng(4).integers(0, TINY.vocab_size, 6)
+    state = np.random.default_rng(5).normal(size=(6, TINY.hidden_size))
+    with torch.inference_mode():
+        got = model(torch.tensor(ids)[None], num_steps=2, state=torch.tensor(state)[None])[0].double().numpy()
+        seeded = model(torch.tensor(ids)[None], num_steps=2, seed=0)[0].double().numpy()
+    want = huginn_forward(TINY, weights, ids, num_steps=2, state=state)
+    assert np.abs(got - want).max() <= bound(TINY, 2, want, 6)
+    assert np.abs(seeded - want).max() > 1e-2  # the state is an input that matters
+    np.testing.assert_array_equal(model.initial_state(1, range(6), 0).numpy(),
+                                  initial_state(TINY, np.arange(6), 0).astype(np.float32))
+    with pytest.raises(ValueError, match=r"state must be \[1, 6, 128\]"):
+        model(torch.tensor(ids)[None], state=torch.zeros(6, 128))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model(torch.tensor([[384]]))
+
+
+def test_split_half_rows():
+    """Interleaved pairs (2j, 2j + 1) land at (j, j + d / 2) in every head."""
+    w = torch.arange(2 * 8).float()[:, None]
+    assert split_half_rows(w, 2, 8)[:, 0].tolist() == [0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15]
+
+
+def test_planes():
+    c = PRESETS["huginn-0125"]
+    got = [plane_index(c, "prelude", 0), plane_index(c, "prelude", 1), plane_index(c, "coda", 0),
+           plane_index(c, "coda", 1), plane_index(c, "core_block", 0, 0), plane_index(c, "core_block", 3, 31)]
+    assert got == [0, 1, 2, 3, 4, 4 + 31 * 4 + 3] and num_planes(c, 32) == 132
