@@ -10,8 +10,10 @@ import torch
 from wise_core import rounding
 from wise_core.checkpoint import Checkpoint, load_checkpoint, random_tensors, save_checkpoint
 from wise_core.config import PRESETS
-from wise_core.huginn_reference import huginn_forward, huginn_weights, initial_state
+from wise_core.huginn_reference import HuginnCache, huginn_forward, huginn_weights, initial_state
+from wise_torch.attention import decode_attention_reference
 from wise_torch.huginn import huginn_from_tensors, num_planes, plane_index, split_half_rows
+from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch, PrefillGroup
 
 TINY = PRESETS["test-tiny-huginn"]
 
@@ -78,3 +80,32 @@ def test_planes():
     got = [plane_index(c, "prelude", 0), plane_index(c, "prelude", 1), plane_index(c, "coda", 0),
            plane_index(c, "coda", 1), plane_index(c, "core_block", 0, 0), plane_index(c, "core_block", 3, 31)]
     assert got == [0, 1, 2, 3, 4, 4 + 31 * 4 + 3] and num_planes(c, 32) == 132
+
+
+def test_paged_prefill_and_decode_match_reference(tmp_path):
+    """Prefill 37 tokens into two pages of 32 (planes for 6 iterations, 4 run), then 3 dense decode
+    steps: each call's logits equal the reference's cached forward within rounding."""
+    ckpt = checkpoint(tmp_path)
+    model, weights = huginn_from_tensors(TINY, ckpt.tensors), huginn_weights(TINY, ckpt.tensors)
+    ids = np.random.default_rng(6).integers(0, TINY.vocab_size, 40)
+    cache = PagedKVCache(planes=num_planes(TINY, 6), num_pages=3, page_size=32, kv_heads=2, head_dim=64)
+    pages = torch.tensor([[2, 0]])
+    slot = lambda pos: int(pages[0, pos // 32]) * 32 + pos % 32  # noqa: E731
+    spec = HuginnCache()
+    with torch.inference_mode():
+        batch = PrefillBatch(torch.arange(37), torch.tensor([slot(p) for p in range(37)]),
+                             [PrefillGroup(0, 37, 1, torch.arange(37), pages)], torch.arange(37))
+        got = model.prefill(torch.tensor(ids[:37]), batch, cache, num_steps=4, state=model.initial_state(1, range(37), 9))
+        want = huginn_forward(TINY, weights, ids[:37], num_steps=4, cache=spec, seed=9)
+        assert np.abs(got.double().numpy() - want).max() <= bound(TINY, 4, want, 37)
+        for pos in range(37, 40):
+            step = DecodeBatch(positions=torch.tensor([pos]), seq_lens=torch.tensor([pos + 1], dtype=torch.int32),
+                               page_table=pages.int(), slot_mapping=torch.tensor([slot(pos)]), epochs=torch.tensor([pos]))
+            got = model.decode_step(torch.tensor(ids[pos:pos + 1]), step, cache, num_steps=4,
+                                    state=model.initial_state(1, range(pos, pos + 1), 9),
+                                    attention=decode_attention_reference, dense_modes=torch.zeros(1, dtype=torch.int32),
+                                    unused_support=torch.zeros(1, 2, 2, dtype=torch.bool))
+            want = huginn_forward(TINY, weights, ids[pos:pos + 1], num_steps=4, cache=spec, seed=9)
+            assert np.abs(got.double().numpy() - want).max() <= bound(TINY, 4, want, pos + 1), pos
+        with pytest.raises(ValueError, match="the cache holds 21 planes; 7 core iterations need 24"):
+            model.prefill(torch.tensor(ids[:37]), batch, cache, num_steps=7, state=model.initial_state(1, range(37), 9))

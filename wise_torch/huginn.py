@@ -14,7 +14,9 @@ on v), added before RoPE as released.
 
 K/V planes (`plane_index`): the prelude's layers, then the coda's, then (core iteration, core
 layer) for as many iterations as the cache holds: a cache sized for fewer iterations keeps
-every prelude and coda plane where it was.
+every prelude and coda plane where it was. `prefill` and `decode_step` run over the paged
+cache (`wise_torch.kv_cache`, `num_planes(config, max_steps)` planes) with Ouro's attention
+contexts, each plane index given as the loop of a one-layer context; decode is dense.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from torch import nn
 from wise_core.checkpoint import huginn_layers, validate_tensors
 from wise_core.config import ModelConfig
 from wise_core.huginn_reference import initial_state
+from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch
 from wise_torch.layers import rms_norm, rope_store_kv, rope_table, silu_mul
-from wise_torch.model import ROPE_ROWS, SequenceContext, logits_fp32
+from wise_torch.model import ROPE_ROWS, DecodeContext, PrefillContext, SequenceContext, logits_fp32
 
 
 def plane_index(config: ModelConfig, stack: str, layer: int, step: int = 0) -> int:
@@ -128,6 +131,10 @@ class HuginnForCausalLM(nn.Module):
         """Flat tokens ids int64[n] from initial state [n, hidden] -> the coda's normed output
         [n, hidden]."""
         c, t = self.config, self.transformer
+        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
+            raise ValueError(f"num_steps must be a non-negative integer, got {num_steps!r}")
+        if tuple(state.shape) != (ids.shape[0], c.hidden_size):
+            raise ValueError(f"state must be [{ids.shape[0]}, {c.hidden_size}], got {list(state.shape)}")
         embedded = t.wte(ids) * c.embed_scale
         for n, layer in enumerate(t.prelude):
             embedded = self.block(layer, embedded, ctx, plane_index(c, "prelude", n))
@@ -140,6 +147,33 @@ class HuginnForCausalLM(nn.Module):
         for n, layer in enumerate(t.coda):
             x = self.block(layer, x, ctx, plane_index(c, "coda", n))
         return rms_norm(x, t.ln_f, c.rms_norm_eps)
+
+    def paged(self, ctx, cache: PagedKVCache, num_steps: int):
+        """ctx with each plane index taken as its loop (see the module docstring), after checking
+        that the cache holds num_steps iterations' planes."""
+        need = num_planes(self.config, num_steps)
+        if cache.k.shape[0] < need:
+            raise ValueError(f"the cache holds {cache.k.shape[0]} planes; {num_steps} core iterations need {need}")
+        ctx.num_layers = 1
+        return ctx
+
+    def prefill(self, ids: torch.Tensor, batch: PrefillBatch, cache: PagedKVCache, *, num_steps: int,
+                state: torch.Tensor) -> torch.Tensor:
+        """Dense pass over prompt chunks (ids int64[n], flat; state [n, hidden]), storing the K/V
+        of every plane. Returns logits float32[len(batch.logit_index), vocab]."""
+        ctx = self.paged(PrefillContext(self.config, batch, cache), cache, num_steps)
+        h = self.run_tokens(ids, state.to(self.head_weight.dtype), ctx, num_steps)
+        return logits_fp32(h[batch.logit_index], self.head_weight)
+
+    def decode_step(self, tokens: torch.Tensor, batch: DecodeBatch, cache: PagedKVCache, *, num_steps: int,
+                    state: torch.Tensor, attention, dense_modes: torch.Tensor,
+                    unused_support: torch.Tensor) -> torch.Tensor:
+        """tokens int64[batch] at each row's position, state [batch, hidden] -> logits
+        float32[batch, vocab], every plane dense (`OuroForCausalLM.decode_step`'s other inputs)."""
+        ctx = DecodeContext(self.config, batch, cache, None, attention, dense_modes[:batch.size],
+                            unused_support[:batch.size])
+        h = self.run_tokens(tokens, state.to(self.head_weight.dtype), self.paged(ctx, cache, num_steps), num_steps)
+        return logits_fp32(h, self.head_weight)
 
     def initial_state(self, batch: int, positions: range, seed: int) -> torch.Tensor:
         """`wise_core.huginn_reference.initial_state` for `batch` rows at `positions` -> [batch *
@@ -158,8 +192,6 @@ class HuginnForCausalLM(nn.Module):
             raise ValueError(f"input_ids must be an integer tensor [batch, seq], got {input_ids.dtype}"
                              f"{list(input_ids.shape)}")
         num_steps = c.total_ut_steps if num_steps is None else num_steps
-        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
-            raise ValueError(f"num_steps must be a non-negative integer, got {num_steps!r}")
         batch, seq = input_ids.shape
         self.rope_rows(seq)
         bad = input_ids[(input_ids < 0) | (input_ids >= c.vocab_size)]
