@@ -75,8 +75,9 @@ def test_errors(tmp_path):
     bad = {**tensors, "transformer.adapter.weight": np.zeros((128, 128), np.float32)}
     del bad["transformer.coda.1.attn.qk_bias"]
     write_tensors(tmp_path / "model.safetensors", bad)
-    with pytest.raises(CheckpointError, match=r"missing tensor 'transformer.coda.1.attn.qk_bias' \(expected shape "
-                                              r"\(2, 1, 2, 64\)\).*'transformer.adapter.weight' has shape \(128, 128\)"):
+    with pytest.raises(CheckpointError, match=r"missing tensor 'transformer.coda.1.attn.qk_bias' \(expected "
+                                              r"shape \(2, 1, 2, 64\)\).*'transformer.adapter.weight' has shape "
+                                              r"\(128, 128\)"):
         open_checkpoint(tmp_path)
     ouro = random_tensors(PRESETS["test-tiny"], seed=0)
     with pytest.raises(CheckpointError, match="missing tensor 'transformer.adapter.weight'"):

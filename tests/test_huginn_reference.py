@@ -15,7 +15,8 @@ from torch.nn.attention import bias as attn_bias
 from wise_core import rounding
 from wise_core.checkpoint import Checkpoint, load_checkpoint, random_tensors, save_checkpoint
 from wise_core.config import PRESETS
-from wise_core.huginn_reference import HuginnCache, huginn_forward, huginn_weights, initial_state
+from wise_core.huginn_reference import (HuginnCache, huginn_forward, huginn_weights, initial_state, num_planes,
+                                        plane_index)
 
 TINY = PRESETS["test-tiny-huginn"]
 
@@ -200,3 +201,11 @@ def test_errors(tmp_path):
         huginn_forward(config, weights, [1], state=np.zeros((2, 128)))
     with pytest.raises(ValueError, match="needs a Huginn config"):
         huginn_weights(PRESETS["test-tiny"], ckpt.tensors)
+
+
+def test_planes():
+    """Prelude planes, then the coda's, then (iteration, core layer): huginn-0125 at 32 iterations has 132."""
+    c = PRESETS["huginn-0125"]
+    got = [plane_index(c, "prelude", 0), plane_index(c, "prelude", 1), plane_index(c, "coda", 0),
+           plane_index(c, "coda", 1), plane_index(c, "core_block", 0, 0), plane_index(c, "core_block", 3, 31)]
+    assert got == [0, 1, 2, 3, 4, 4 + 31 * 4 + 3] and num_planes(c, 32) == 132

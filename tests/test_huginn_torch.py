@@ -10,9 +10,9 @@ import torch
 from wise_core import rounding
 from wise_core.checkpoint import Checkpoint, load_checkpoint, random_tensors, save_checkpoint
 from wise_core.config import PRESETS
-from wise_core.huginn_reference import HuginnCache, huginn_forward, huginn_weights, initial_state
+from wise_core.huginn_reference import HuginnCache, huginn_forward, huginn_weights, initial_state, num_planes
 from wise_torch.attention import decode_attention_reference
-from wise_torch.huginn import huginn_from_tensors, num_planes, plane_index, split_half_rows
+from wise_torch.huginn import huginn_from_tensors, split_half_rows
 from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch, PrefillGroup
 
 TINY = PRESETS["test-tiny-huginn"]
@@ -75,13 +75,6 @@ def test_split_half_rows():
     assert split_half_rows(w, 2, 8)[:, 0].tolist() == [0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15]
 
 
-def test_planes():
-    c = PRESETS["huginn-0125"]
-    got = [plane_index(c, "prelude", 0), plane_index(c, "prelude", 1), plane_index(c, "coda", 0),
-           plane_index(c, "coda", 1), plane_index(c, "core_block", 0, 0), plane_index(c, "core_block", 3, 31)]
-    assert got == [0, 1, 2, 3, 4, 4 + 31 * 4 + 3] and num_planes(c, 32) == 132
-
-
 def test_paged_prefill_and_decode_match_reference(tmp_path):
     """Prefill 37 tokens into two pages of 32 (planes for 6 iterations, 4 run), then 3 dense decode
     steps: each call's logits equal the reference's cached forward within rounding."""
@@ -95,12 +88,14 @@ def test_paged_prefill_and_decode_match_reference(tmp_path):
     with torch.inference_mode():
         batch = PrefillBatch(torch.arange(37), torch.tensor([slot(p) for p in range(37)]),
                              [PrefillGroup(0, 37, 1, torch.arange(37), pages)], torch.arange(37))
-        got = model.prefill(torch.tensor(ids[:37]), batch, cache, num_steps=4, state=model.initial_state(1, range(37), 9))
+        state = model.initial_state(1, range(37), 9)
+        got = model.prefill(torch.tensor(ids[:37]), batch, cache, num_steps=4, state=state)
         want = huginn_forward(TINY, weights, ids[:37], num_steps=4, cache=spec, seed=9)
         assert np.abs(got.double().numpy() - want).max() <= bound(TINY, 4, want, 37)
         for pos in range(37, 40):
             step = DecodeBatch(positions=torch.tensor([pos]), seq_lens=torch.tensor([pos + 1], dtype=torch.int32),
-                               page_table=pages.int(), slot_mapping=torch.tensor([slot(pos)]), epochs=torch.tensor([pos]))
+                               page_table=pages.int(), slot_mapping=torch.tensor([slot(pos)]),
+                               epochs=torch.tensor([pos]))
             got = model.decode_step(torch.tensor(ids[pos:pos + 1]), step, cache, num_steps=4,
                                     state=model.initial_state(1, range(pos, pos + 1), 9),
                                     attention=decode_attention_reference, dense_modes=torch.zeros(1, dtype=torch.int32),
@@ -108,4 +103,4 @@ def test_paged_prefill_and_decode_match_reference(tmp_path):
             want = huginn_forward(TINY, weights, ids[pos:pos + 1], num_steps=4, cache=spec, seed=9)
             assert np.abs(got.double().numpy() - want).max() <= bound(TINY, 4, want, pos + 1), pos
         with pytest.raises(ValueError, match="the cache holds 21 planes; 7 core iterations need 24"):
-            model.prefill(torch.tensor(ids[:37]), batch, cache, num_steps=7, state=model.initial_state(1, range(37), 9))
+            model.prefill(torch.tensor(ids[:37]), batch, cache, num_steps=7, state=state)

@@ -1,8 +1,9 @@
 """Model and WISE configuration.
 
 `ModelConfig` holds the fields of an Ouro or a Huginn `config.json` (`architecture` says which);
-`WiseConfig` holds the WISE decode settings; `SpeculativeConfig` the lossless speculative decoding settings. All are frozen
-dataclasses, hashable, so they can be static arguments under jit.
+`WiseConfig` holds the WISE decode settings; `SpeculativeConfig` the lossless speculative
+decoding settings. All are frozen dataclasses, hashable, so they can be static arguments under
+jit.
 """
 
 from __future__ import annotations

@@ -12,11 +12,12 @@ positions p:
 Every layer is a sandwich block: x = norm_2(x + attn(norm_1(x))); x = norm_4(x + mlp(norm_3(x)))
 with RMS norms (eps rms_norm_eps); attn adds qk_bias to q and k, then RoPE on interleaved pairs
 (dims 2j, 2j + 1 rotate by the angle float32(p * f_j), f_j = theta ** (-2j / head_dim) rounded
-to float32: the released code's float32 table, whose float32 power may differ from f_j by an ulp), causal softmax attention scaled by head_dim ** -0.5; mlp is
-proj(silu(gate) * up) with fc's rows [gate; up].
+to float32: the released code's float32 table, whose float32 power may differ from f_j by an
+ulp), causal softmax attention scaled by head_dim ** -0.5; mlp is proj(silu(gate) * up) with
+fc's rows [gate; up].
 
-K/V is cached per plane (`plane`): one per prelude layer, one per (core iteration, core layer),
-one per coda layer; a call appends its positions to the planes it runs. A call deeper than an
+K/V is cached per plane (`plane_index`): one per prelude layer, one per coda layer, one per
+(core iteration, core layer); a call appends its positions to the planes it runs. A call deeper than an
 earlier one would read core planes that lack the earlier positions: that is an error here (the
 released code's adaptive-compute lookups fill such holes; not specified here yet).
 
@@ -37,18 +38,29 @@ from wise_core.checkpoint import huginn_layers, validate_tensors
 from wise_core.config import ModelConfig
 
 
-def plane(stack: str, layer: int, step: int = 0) -> tuple[str, int, int]:
-    """The K/V plane of a layer: ("prelude", layer, 0), ("core_block", layer, step) or ("coda",
-    layer, 0)."""
-    return (stack, step, layer) if stack == "core_block" else (stack, 0, layer)
+def plane_index(config: ModelConfig, stack: str, layer: int, step: int = 0) -> int:
+    """The K/V plane of a layer: the prelude's layers first, then the coda's, then the core
+    block's layers of iteration 0, 1, ... (a cache for fewer iterations keeps every prelude and
+    coda plane where it is)."""
+    prelude, core, coda = config.n_layers_in_prelude, config.n_layers_in_recurrent_block, config.n_layers_in_coda
+    if stack == "prelude":
+        return layer
+    if stack == "coda":
+        return prelude + layer
+    return prelude + coda + step * core + layer
+
+
+def num_planes(config: ModelConfig, max_steps: int) -> int:
+    """Planes of a cache for up to max_steps core iterations."""
+    return config.n_layers_in_prelude + config.n_layers_in_coda + max_steps * config.n_layers_in_recurrent_block
 
 
 @dataclasses.dataclass
 class HuginnCache:
-    """K/V per plane: planes[plane] = (k, v), each [positions, kv_heads, head_dim] float64;
-    length: positions seen (every call runs the prelude, so its planes hold them all)."""
+    """K/V per plane (`plane_index`): planes[plane] = (k, v), each [positions, kv_heads, head_dim]
+    float64; length: positions seen (every call runs the prelude, so its planes hold them all)."""
 
-    planes: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
+    planes: dict[int, tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
     length: int = 0
 
 
@@ -114,7 +126,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: np.ndarr
 
 
 def sandwich_block(config: ModelConfig, w: dict[str, np.ndarray], prefix: str, x: np.ndarray,
-                   positions: np.ndarray, cache: HuginnCache, key: tuple[str, int, int]) -> np.ndarray:
+                   positions: np.ndarray, cache: HuginnCache, key: int) -> np.ndarray:
     """One layer (weights `prefix`*) on x: [seq, hidden], appending its K/V to `cache` plane `key`."""
     eps, heads, d = config.rms_norm_eps, config.num_attention_heads, config.head_dim
     seq = x.shape[0]
@@ -149,12 +161,13 @@ def huginn_forward(config: ModelConfig, weights: dict[str, np.ndarray], tokens, 
     if tokens.min() < 0 or tokens.max() >= config.vocab_size:
         raise ValueError(f"token ids must be in [0, {config.vocab_size}), got {tokens.min()}..{tokens.max()}")
     cache = HuginnCache() if cache is None else cache
-    held = {step: len(cache.planes.get(plane("core_block", 0, step), ((),))[0]) for step in range(num_steps)}
+    held = {step: len(cache.planes.get(plane_index(config, "core_block", 0, step), ((),))[0])
+            for step in range(num_steps)}
     short = [step for step, n in held.items() if n != cache.length]
     if short:
         raise ValueError(f"core iteration {short[0]} holds K/V for {held[short[0]]} of the {cache.length} cached "
-                         f"positions (earlier calls ran fewer iterations): a deeper call needs adaptive-compute lookups, which the "
-                         f"reference does not specify")
+                         f"positions (earlier calls ran fewer iterations): a deeper call needs adaptive-compute "
+                         f"lookups, which the reference does not specify")
     positions = np.arange(cache.length, cache.length + len(tokens))
     if positions[-1] >= config.max_position_embeddings:
         raise ValueError(f"position {positions[-1]} is past max_position_embeddings "
@@ -168,7 +181,8 @@ def huginn_forward(config: ModelConfig, weights: dict[str, np.ndarray], tokens, 
     def run(stack, x, step=0):
         for name, n in huginn_layers(config):
             if name == stack:
-                x = sandwich_block(config, w, f"transformer.{stack}.{n}.", x, positions, cache, plane(stack, n, step))
+                x = sandwich_block(config, w, f"transformer.{stack}.{n}.", x, positions, cache,
+                                   plane_index(config, stack, n, step))
         return x
 
     embedded = run("prelude", w["transformer.wte.weight"][tokens] * config.embed_scale)

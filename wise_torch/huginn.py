@@ -12,9 +12,7 @@ the released rotation (q . k is unchanged: both are reordered alike; v and the o
 projection are not touched); and `qk_bias` becomes the bias of the fused qkv projection (zero
 on v), added before RoPE as released.
 
-K/V planes (`plane_index`): the prelude's layers, then the coda's, then (core iteration, core
-layer) for as many iterations as the cache holds: a cache sized for fewer iterations keeps
-every prelude and coda plane where it was. `prefill` and `decode_step` run over the paged
+K/V planes as `wise_core.huginn_reference.plane_index` lays them out. `prefill` and `decode_step` run over the paged
 cache (`wise_torch.kv_cache`, `num_planes(config, max_steps)` planes) with Ouro's attention
 contexts, each plane index given as the loop of a one-layer context; decode is dense.
 """
@@ -27,26 +25,10 @@ from torch import nn
 
 from wise_core.checkpoint import huginn_layers, validate_tensors
 from wise_core.config import ModelConfig
-from wise_core.huginn_reference import initial_state
+from wise_core.huginn_reference import initial_state, num_planes, plane_index
 from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch
 from wise_torch.layers import rms_norm, rope_store_kv, rope_table, silu_mul
 from wise_torch.model import ROPE_ROWS, DecodeContext, PrefillContext, SequenceContext, logits_fp32
-
-
-def plane_index(config: ModelConfig, stack: str, layer: int, step: int = 0) -> int:
-    """The K/V plane of a layer: prelude layers first, then the coda's, then the core block's
-    layers of iteration 0, 1, ..."""
-    prelude, core, coda = config.n_layers_in_prelude, config.n_layers_in_recurrent_block, config.n_layers_in_coda
-    if stack == "prelude":
-        return layer
-    if stack == "coda":
-        return prelude + layer
-    return prelude + coda + step * core + layer
-
-
-def num_planes(config: ModelConfig, max_steps: int) -> int:
-    """Planes of a cache for up to max_steps core iterations."""
-    return config.n_layers_in_prelude + config.n_layers_in_coda + max_steps * config.n_layers_in_recurrent_block
 
 
 class Attention(nn.Module):
