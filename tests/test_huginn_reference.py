@@ -170,6 +170,8 @@ def test_initial_state():
     assert abs(s.std() / scale - 0.986) < 0.03  # a normal truncated at 3 sigma has std 0.9866
     np.testing.assert_array_equal(initial_state(TINY, positions[5:7], seed=1), s[5:7])  # per position
     assert not np.array_equal(initial_state(TINY, positions, seed=2), s)
+    with pytest.raises(ValueError, match="seed must be a non-negative integer, got -1"):
+        initial_state(TINY, positions, seed=-1)
     zero = dataclasses.replace(TINY, state_init="zero")
     np.testing.assert_array_equal(initial_state(zero, positions, seed=1), 0.0)
 

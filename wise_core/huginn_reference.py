@@ -17,9 +17,9 @@ ulp), causal softmax attention scaled by head_dim ** -0.5; mlp is proj(silu(gate
 fc's rows [gate; up].
 
 K/V is cached per plane (`plane_index`): one per prelude layer, one per coda layer, one per
-(core iteration, core layer); a call appends its positions to the planes it runs. A call deeper than an
-earlier one would read core planes that lack the earlier positions: that is an error here (the
-released code's adaptive-compute lookups fill such holes; not specified here yet).
+(core iteration, core layer); a call appends its positions to the planes it runs. A call deeper
+than an earlier one would read core planes that lack the earlier positions: that is an error
+here (the released code's adaptive-compute lookups fill such holes; not specified here yet).
 
 The initial state (`initial_state`): "like-init" is what the released code uses at inference
 (init_scale 1): a normal truncated at 3 standard deviations, std sqrt(2 / (5 hidden)), times
@@ -76,7 +76,9 @@ def truncated_normal(rng: np.random.Generator, size: int, bound: float = 3.0) ->
 
 def initial_state(config: ModelConfig, positions, seed: int = 0) -> np.ndarray:
     """The core block's initial state at `positions` -> [len(positions), hidden] float64 (see the
-    module docstring: config.state_init "like-init" or "zero")."""
+    module docstring: config.state_init "like-init" or "zero"). seed: a non-negative int."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     positions = np.asarray(positions)
     if config.state_init == "zero":
         return np.zeros((len(positions), config.hidden_size))

@@ -12,9 +12,10 @@ the released rotation (q . k is unchanged: both are reordered alike; v and the o
 projection are not touched); and `qk_bias` becomes the bias of the fused qkv projection (zero
 on v), added before RoPE as released.
 
-K/V planes as `wise_core.huginn_reference.plane_index` lays them out. `prefill` and `decode_step` run over the paged
-cache (`wise_torch.kv_cache`, `num_planes(config, max_steps)` planes) with Ouro's attention
-contexts, each plane index given as the loop of a one-layer context; decode is dense.
+K/V planes as `wise_core.huginn_reference.plane_index` lays them out. `prefill` and
+`decode_step` run over the paged cache (`wise_torch.kv_cache`, `num_planes(config, max_steps)`
+planes) with Ouro's attention contexts, each plane index given as the loop of a one-layer
+context; decode is dense.
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ class HuginnForCausalLM(nn.Module):
         elif tuple(state.shape) != (batch, seq, c.hidden_size):
             raise ValueError(f"state must be [{batch}, {seq}, {c.hidden_size}], got {list(state.shape)}")
         else:
-            state = state.to(self.head_weight.dtype).reshape(batch * seq, c.hidden_size)
+            state = state.to(device=input_ids.device, dtype=self.head_weight.dtype).reshape(batch * seq, -1)
         ctx = SequenceContext(c, batch, seq, self.head_weight.dtype, input_ids.device)
         h = self.run_tokens(input_ids.flatten().long(), state, ctx, num_steps)
         return logits_fp32(h, self.head_weight).view(batch, seq, -1)
