@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import wise_jax
 from wise_core import rounding
 from wise_core.checkpoint import Checkpoint, load_checkpoint, random_tensors, save_checkpoint
 from wise_core.config import PRESETS
@@ -98,3 +99,10 @@ def test_prefill_and_decode_match_reference(tmp_path):
         assert np.abs(np.asarray(logits, np.float64) - want).max() <= bound(TINY, 4, want, pos + 1), pos
     with pytest.raises(ValueError, match="the cache holds 21 planes; 7 core iterations need 24"):
         decode_step(params, TINY, cache, jnp.asarray(ids[:1]), state, jnp.zeros(1, jnp.int32), num_steps=7)
+
+
+def test_ouro_loader_names_the_architecture(tmp_path):
+    """The Ouro model's loader refuses a Huginn checkpoint with an error naming the architecture."""
+    checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="Ouro params take architecture 'ouro', got 'huginn'"):
+        wise_jax.load_model(tmp_path / "ckpt")

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+import wise_torch
 from wise_core import rounding
 from wise_core.checkpoint import Checkpoint, load_checkpoint, random_tensors, save_checkpoint
 from wise_core.config import PRESETS
@@ -104,3 +105,10 @@ def test_paged_prefill_and_decode_match_reference(tmp_path):
             assert np.abs(got.double().numpy() - want).max() <= bound(TINY, 4, want, pos + 1), pos
         with pytest.raises(ValueError, match="the cache holds 21 planes; 7 core iterations need 24"):
             model.prefill(torch.tensor(ids[:37]), batch, cache, num_steps=7, state=state)
+
+
+def test_ouro_loader_names_the_architecture(tmp_path):
+    """The Ouro model's loader refuses a Huginn checkpoint with an error naming the architecture."""
+    checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="OuroForCausalLM runs architecture 'ouro', got 'huginn'"):
+        wise_torch.load_model(tmp_path / "ckpt")
