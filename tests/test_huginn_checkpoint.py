@@ -11,6 +11,7 @@ import pytest
 from wise_core.checkpoint import (Checkpoint, CheckpointError, expected_shapes, huginn_layers, load_checkpoint,
                                   open_checkpoint, random_tensors, save_checkpoint)
 from wise_core.config import PRESETS
+from wise_core.huginn_reference import huginn_weights
 from wise_core.safetensors_io import write_tensors
 
 HUGINN = PRESETS["huginn-0125"]
@@ -53,6 +54,9 @@ def test_write_and_read(tmp_path, bf16, shard):
     assert loaded.config == TINY and set(loaded.tensors) == set(tensors)
     for name, t in tensors.items():
         np.testing.assert_allclose(np.asarray(loaded.tensors[name], np.float32), t, rtol=2 ** -8 if bf16 else 0)
+    weights = huginn_weights(TINY, loaded.tensors)  # bf16 as released: the reference reads it in float64
+    assert weights["lm_head.weight"] is weights["transformer.wte.weight"]
+    assert all(w.dtype == np.float64 for w in weights.values())
 
 
 def test_released_extras_accepted_and_dropped(tmp_path):
