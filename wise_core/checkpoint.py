@@ -1,7 +1,7 @@
-"""Checkpoints in the HF Ouro layout: a directory with config.json, model.safetensors (or a
-sharded `model.safetensors.index.json`) and optionally tokenizer.json.
+"""Checkpoints in the HF Ouro or Huginn layout: a directory with config.json, model.safetensors
+(or a sharded `model.safetensors.index.json`) and optionally tokenizer.json.
 
-Tensors are named as in the released checkpoints (see `expected_shapes`). `open_checkpoint`
+Tensors are named as in the released checkpoints (see `expected_shapes`, `huginn_shapes`). `open_checkpoint`
 reads a directory as far as its headers and checks every tensor's name, shape and dtype against
 the config, reading no data (the frameworks' loaders then read the data straight into their
 dtype and device); `load_checkpoint` reads the tensors into numpy arrays as stored.
@@ -59,7 +59,10 @@ class CheckpointFiles:
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of an Ouro checkpoint with its shape ([out, in] for linear weights)."""
+    """Every tensor of a checkpoint of `config`'s architecture with its shape ([out, in] for
+    linear weights)."""
+    if config.architecture == "huginn":
+        return huginn_shapes(config)
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
     per_layer = {
@@ -79,6 +82,50 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+HUGINN_STACKS = ("prelude", "core_block", "coda")
+"""Huginn's layer stacks in order: transformer.{stack}.{i}.* (see `huginn_layers`)."""
+
+
+def huginn_layers(config: ModelConfig) -> list[tuple[str, int]]:
+    """(stack, index) of every Huginn layer in forward order, once (the core block's layers once,
+    though they run total_ut_steps times)."""
+    counts = (config.n_layers_in_prelude, config.n_layers_in_recurrent_block, config.n_layers_in_coda)
+    return [(stack, n) for stack, count in zip(HUGINN_STACKS, counts) for n in range(count)]
+
+
+def huginn_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a huginn-0125 checkpoint (the released RavenForCausalLM's names) with its
+    shape. Per layer: attn.Wqkv.weight stacks q, k, v rows; attn.qk_bias [2, 1, heads, head_dim]
+    holds q's then k's bias (when config.qk_bias); mlp.fc.weight stacks the gate's rows, then the
+    up projection's. transformer.adapter.weight [hidden, 2 hidden] maps [state, embedded input]
+    into the core block. The head is tied to transformer.wte when tie_word_embeddings."""
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    per_layer = {"norm_1.weight": (h,), "attn.Wqkv.weight": ((heads + 2 * kv) * d, h),
+                 "attn.proj.weight": (h, heads * d), "norm_2.weight": (h,), "mlp.fc.weight": (2 * i, h),
+                 "mlp.proj.weight": (h, i), "norm_3.weight": (h,), "norm_4.weight": (h,)}
+    if config.qk_bias:
+        per_layer["attn.qk_bias"] = (2, 1, heads, d)
+    shapes = {"transformer.wte.weight": (config.vocab_size, h), "transformer.adapter.weight": (h, 2 * h),
+              "transformer.ln_f.weight": (h,)}
+    for stack, n in huginn_layers(config):
+        for name, shape in per_layer.items():
+            shapes[f"transformer.{stack}.{n}.{name}"] = shape
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    return shapes
+
+
+def optional_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Tensors a checkpoint may carry beyond `expected_shapes`, which loading drops: a tied head's
+    lm_head.weight, and Huginn's persistent RoPE table freqs_cis [1, positions, 1, head_dim / 2,
+    2] (wise computes it)."""
+    out = {"lm_head.weight": (config.vocab_size, config.hidden_size)} if config.tie_word_embeddings else {}
+    if config.architecture == "huginn":
+        out["freqs_cis"] = (1, config.max_position_embeddings, 1, config.head_dim // 2, 2)
+    return out
+
+
 def _is_floating(dtype) -> bool:
     """A floating numpy dtype (ml_dtypes bfloat16 included), or a framework dtype that says it is
     floating (torch)."""
@@ -89,13 +136,14 @@ def _is_floating(dtype) -> bool:
 def validate_tensors(config: ModelConfig, tensors, source: str = "") -> None:
     """Raise CheckpointError naming every missing, extra, mis-shaped or non-floating tensor.
     tensors: name -> anything with .shape and .dtype (numpy arrays, TensorInfo, torch tensors)."""
-    expected = expected_shapes(config)
+    expected, optional = expected_shapes(config), optional_shapes(config)
     where = f"{source}: " if source else ""
     missing = sorted(set(expected) - set(tensors))
     # A tied checkpoint may still carry lm_head.weight equal to the embedding; accept it.
-    extra = sorted(set(tensors) - set(expected) - ({"lm_head.weight"} if config.tie_word_embeddings else set()))
+    extra = sorted(set(tensors) - set(expected) - set(optional))
     problems = [f"missing tensor {n!r} (expected shape {expected[n]})" for n in missing]
     problems += [f"unexpected tensor {n!r} (shape {tuple(tensors[n].shape)})" for n in extra]
+    expected = {**optional, **expected}
     for name in sorted(set(expected) & set(tensors)):
         if tuple(tensors[name].shape) != expected[name]:
             problems.append(f"tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {expected[name]}")
@@ -171,8 +219,8 @@ def open_checkpoint(path_or_name: str | Path) -> Checkpoint | CheckpointFiles:
         raise CheckpointError(f"{directory}: {e}") from None
     tensors = index_weights(directory)
     validate_tensors(config, tensors, str(directory))
-    if config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
+    for name in optional_shapes(config):
+        tensors.pop(name, None)
     tokenizer = load_tokenizer(directory)
     if tokenizer is not None:
         check_tokenizer(tokenizer, config, str(directory))
@@ -241,17 +289,22 @@ def save_checkpoint(path: str | Path, checkpoint: Checkpoint, *, bf16: bool = Fa
 
 
 def random_tensors(config: ModelConfig, seed: int = 0, std: float = 0.02) -> dict[str, np.ndarray]:
-    """Random Ouro weights: normal(0, std) matrices, unit norms, a zero-bias gate. float32."""
+    """Random weights: normal(0, std) matrices, unit norms, a zero-bias gate (Ouro), normal(0,
+    std) q / k biases (Huginn). float32."""
     rng = np.random.default_rng(seed)
     tensors = {}
     for name, shape in expected_shapes(config).items():
-        if name.endswith("norm.weight") or "layernorm" in name:
+        if name.endswith("norm.weight") or "layernorm" in name or _is_huginn_norm(name):
             tensors[name] = np.ones(shape, np.float32)
         elif name.endswith(".bias"):
             tensors[name] = np.zeros(shape, np.float32)
         else:
             tensors[name] = rng.normal(0.0, std, shape).astype(np.float32)
     return tensors
+
+
+def _is_huginn_norm(name: str) -> bool:
+    return name == "transformer.ln_f.weight" or name.rpartition(".")[0].rpartition(".")[2].startswith("norm_")
 
 
 RANDOM_TINY = dataclasses.replace(

@@ -1,8 +1,9 @@
 """Model and WISE configuration.
 
-`ModelConfig` holds the fields of an Ouro `config.json`; `WiseConfig` holds the WISE decode
-settings; `SpeculativeConfig` the lossless speculative decoding settings. All are frozen
-dataclasses, hashable, so they can be static arguments under jit.
+`ModelConfig` holds the fields of an Ouro or a Huginn `config.json` (`architecture` says which);
+`WiseConfig` holds the WISE decode settings; `SpeculativeConfig` the lossless speculative
+decoding settings. All are frozen dataclasses, hashable, so they can be static arguments under
+jit.
 """
 
 from __future__ import annotations
@@ -35,10 +36,36 @@ POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hi
 FLOAT_FIELDS = ("rope_theta", "rms_norm_eps", "early_exit_threshold")
 TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
+ARCHITECTURES = ("ouro", "huginn")
+HUGINN_INT_FIELDS = ("n_layers_in_prelude", "n_layers_in_recurrent_block", "n_layers_in_coda")
+HUGINN_FIELDS = HUGINN_INT_FIELDS + ("state_init", "qk_bias")
+STATE_INITS = ("like-init", "zero")
+"""Huginn's initial recurrent state: "like-init" (the released code at inference: a truncated
+normal like the weight init, times the embedding scale) or "zero"."""
+
+# Huginn config.json names (released RavenConfig) -> ModelConfig field.
+HUGINN_NAMES = {"n_embd": "hidden_size", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers",
+                "rope_base": "rope_theta", "norm_eps": "rms_norm_eps", "block_size": "max_position_embeddings",
+                "mean_recurrence": "total_ut_steps", "tie_embeddings": "tie_word_embeddings"}
+# The released RavenConfig's defaults for fields a Huginn config.json may leave out.
+HUGINN_DEFAULTS = {"rope_theta": 50_000.0, "tie_word_embeddings": True, "qk_bias": True, "state_init": "like-init"}
+# Huginn config.json fields that name a structure; wise implements these values only.
+HUGINN_FIXED = {"architecture_class_name": "RecurrentGPT", "block_class_name": "SandwichBlock",
+                "norm_class_name": "RMSNorm_llama", "mlp_class_name": "GatedMLP", "nonlin_name": "SiLU",
+                "injection_type": "linear", "bias": False}
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of an Ouro-style recurrent-depth decoder (HF `config.json` field names)."""
+    """Architecture of a recurrent-depth decoder (HF `config.json` field names).
+
+    architecture "ouro": `num_hidden_layers` shared layers run `total_ut_steps` times.
+    architecture "huginn" (huginn-0125): a prelude of `n_layers_in_prelude` layers, a core block
+    of `n_layers_in_recurrent_block` layers iterated `total_ut_steps` times (the released config's
+    `mean_recurrence`) on a recurrent state that starts as `state_init` says, a coda of
+    `n_layers_in_coda` layers; `num_hidden_layers` is their sum, `qk_bias` adds a learned bias to
+    q and k. The Huginn fields are None for Ouro.
+    """
 
     vocab_size: int
     hidden_size: int
@@ -56,8 +83,16 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
+    architecture: str = "ouro"
+    n_layers_in_prelude: int | None = None
+    n_layers_in_recurrent_block: int | None = None
+    n_layers_in_coda: int | None = None
+    state_init: str | None = None
+    qk_bias: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ConfigError(f"ModelConfig.architecture must be one of {ARCHITECTURES}, got {self.architecture!r}")
         for name in POSITIVE_INT_FIELDS:
             value = getattr(self, name)
             if not _is_int(value) or value <= 0:
@@ -89,24 +124,83 @@ class ModelConfig:
         if not 0.0 <= self.early_exit_threshold <= 1.0:
             raise ConfigError(
                 f"early_exit_threshold must be in [0, 1], got {self.early_exit_threshold}")
+        if self.architecture == "huginn":
+            self._check_huginn()
+        else:
+            given = [name for name in HUGINN_FIELDS if getattr(self, name) is not None]
+            if given:
+                raise ConfigError(f"{given[0]} is a Huginn field; an Ouro config leaves it None "
+                                  f"(set architecture='huginn' for a Huginn model)")
+
+    def _check_huginn(self) -> None:
+        for name in HUGINN_INT_FIELDS:
+            value = getattr(self, name)
+            if not _is_int(value) or value <= 0:
+                raise ConfigError(f"ModelConfig.{name} must be a positive integer for a Huginn model, got {value!r}")
+        layers = self.n_layers_in_prelude + self.n_layers_in_recurrent_block + self.n_layers_in_coda
+        if self.num_hidden_layers != layers:
+            raise ConfigError(
+                f"num_hidden_layers ({self.num_hidden_layers}) must be the prelude, core block and coda layers "
+                f"together ({self.n_layers_in_prelude} + {self.n_layers_in_recurrent_block} + "
+                f"{self.n_layers_in_coda} = {layers})")
+        if self.state_init not in STATE_INITS:
+            raise ConfigError(f"ModelConfig.state_init must be one of {STATE_INITS} for a Huginn model, "
+                              f"got {self.state_init!r}")
+        if not isinstance(self.qk_bias, bool):
+            raise ConfigError(f"ModelConfig.qk_bias must be a boolean for a Huginn model, got {self.qk_bias!r}")
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise ConfigError(f"a Huginn model has one KV head per query head (its q and k biases share a shape); "
+                              f"got {self.num_attention_heads} heads, {self.num_key_value_heads} KV heads")
+        if self.num_attention_heads * self.head_dim != self.hidden_size:
+            raise ConfigError(
+                f"a Huginn model's heads span its width: num_attention_heads * head_dim "
+                f"({self.num_attention_heads} * {self.head_dim}) must equal hidden_size ({self.hidden_size})")
+        if self.early_exit_threshold != 1.0:
+            raise ConfigError(f"early_exit_threshold is Ouro's learned exit gate; a Huginn model has none "
+                              f"(got {self.early_exit_threshold})")
 
     @property
     def num_loops(self) -> int:
-        """Recurrent depth: passes over the shared layers (`total_ut_steps`)."""
+        """Recurrent depth: passes over the shared layers (`total_ut_steps`; Huginn's core block
+        iterations)."""
         return self.total_ut_steps
+
+    @property
+    def embed_scale(self) -> float:
+        """Huginn multiplies its embeddings by sqrt(hidden_size) (Ouro: 1)."""
+        return math.sqrt(self.hidden_size) if self.architecture == "huginn" else 1.0
+
+    @property
+    def state_std(self) -> float:
+        """Huginn's "like-init" state: std of the truncated normal before `embed_scale`, the
+        released init's sqrt(2 / (5 hidden_size))."""
+        return math.sqrt(2.0 / (5.0 * self.hidden_size))
 
     @property
     def kv_groups(self) -> int:
         """Query heads served by one KV head."""
         return self.num_attention_heads // self.num_key_value_heads
 
+    @staticmethod
+    def is_huginn_dict(raw: dict[str, Any]) -> bool:
+        """A Huginn (released RavenConfig) config dict: its model_type, architectures or our
+        `architecture` field says so."""
+        return (raw.get("architecture") == "huginn" or raw.get("model_type") == "huginn_raven"
+                or "RavenForCausalLM" in (raw.get("architectures") or ()))
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        """Build from an HF Ouro config dict; unknown keys are ignored, missing required ones named,
-        every field's JSON type checked (see `__post_init__`). head_dim defaults to
+        """Build from an HF Ouro or Huginn config dict; unknown keys are ignored, missing required
+        ones named, every field's JSON type checked (see `__post_init__`). head_dim defaults to
         hidden_size // num_attention_heads, num_key_value_heads to num_attention_heads; an eos,
-        bos or pad id given as a list must list exactly one id."""
+        bos or pad id given as a list must list exactly one id. A Huginn dict (`is_huginn_dict`)
+        may use the released names (`HUGINN_NAMES`: n_embd, n_heads, mean_recurrence, ...); its
+        structural fields (`HUGINN_FIXED`), where present, must hold the values wise implements."""
         fields = {f.name: f for f in dataclasses.fields(cls)}
+        if cls.is_huginn_dict(raw):
+            raw = cls._huginn_names(raw)
+        elif raw.get("architecture", "ouro") != "ouro":
+            raise ConfigError(f"architecture must be one of {ARCHITECTURES}, got {raw['architecture']!r}")
         values: dict[str, Any] = {name: raw[name] for name in fields if raw.get(name) is not None}
         for name in TOKEN_FIELDS:
             if isinstance(values.get(name), list):  # HF allows a list of eos ids; wise takes one
@@ -124,6 +218,28 @@ class ModelConfig:
             raise ConfigError(f"config is missing the required field {missing[0]!r}")
         return cls(**values)
 
+    @staticmethod
+    def _huginn_names(raw: dict[str, Any]) -> dict[str, Any]:
+        """A Huginn config dict with the released names mapped onto ModelConfig's."""
+        for name, value in HUGINN_FIXED.items():
+            if name in raw and raw[name] != value:
+                raise ConfigError(f"Huginn config has {name}={raw[name]!r}; wise implements {name}={value!r} only")
+        out = dict(raw, architecture="huginn")
+        for released, ours in HUGINN_NAMES.items():
+            if raw.get(released) is None:
+                continue
+            if raw.get(ours) is not None and raw[ours] != raw[released]:
+                raise ConfigError(f"Huginn config gives {released}={raw[released]!r} and {ours}={raw[ours]!r}, "
+                                  f"which name the same field")
+            out[ours] = raw[released]
+        for name, value in HUGINN_DEFAULTS.items():
+            if out.get(name) is None:
+                out[name] = value
+        counts = [out.get(name) for name in HUGINN_INT_FIELDS]
+        if out.get("num_hidden_layers") is None and all(_is_int(c) for c in counts):
+            out["num_hidden_layers"] = sum(counts)
+        return out
+
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
@@ -138,10 +254,19 @@ class ModelConfig:
         return cls.from_dict(raw)
 
     def to_dict(self) -> dict[str, Any]:
-        """HF-style config dict (what `config.json` holds)."""
-        out: dict[str, Any] = {"architectures": ["OuroForCausalLM"], "model_type": "ouro",
-                               "hidden_act": "silu"}
-        out.update(dataclasses.asdict(self))
+        """HF-style config dict (what `config.json` holds): Ouro's field names, or for Huginn the
+        released RavenConfig's (`HUGINN_NAMES`, `HUGINN_FIXED`)."""
+        values = dataclasses.asdict(self)
+        if self.architecture == "huginn":
+            ours_to_released = {ours: released for released, ours in HUGINN_NAMES.items()}
+            out: dict[str, Any] = {"architectures": ["RavenForCausalLM"], "model_type": "huginn_raven",
+                                   **HUGINN_FIXED}
+            out.update({ours_to_released.get(k, k): v for k, v in values.items()
+                        if k not in ("architecture", "early_exit_threshold")})
+            out["num_attention_heads"] = self.num_attention_heads  # the released config keeps both names
+            return out
+        out = {"architectures": ["OuroForCausalLM"], "model_type": "ouro", "hidden_act": "silu"}
+        out.update({k: v for k, v in values.items() if k not in ("architecture",) + HUGINN_FIELDS})
         return out
 
 
@@ -166,6 +291,22 @@ PRESETS: dict[str, ModelConfig] = {
         vocab_size=384, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=10_000.0,
         rms_norm_eps=1e-6, max_position_embeddings=1024, total_ut_steps=4),
+    # huginn-0125 (tomg-group-umd), following the released RavenConfig; its generation config
+    # also stops on 65508 (wise takes one eos id).
+    "huginn-0125": ModelConfig(
+        vocab_size=65536, hidden_size=5280, intermediate_size=17920, num_hidden_layers=8,
+        num_attention_heads=55, num_key_value_heads=55, head_dim=96, rope_theta=50_000.0,
+        rms_norm_eps=1e-6, max_position_embeddings=4096, total_ut_steps=32, tie_word_embeddings=True,
+        bos_token_id=65504, eos_token_id=65505, pad_token_id=65509, architecture="huginn",
+        n_layers_in_prelude=2, n_layers_in_recurrent_block=4, n_layers_in_coda=2, state_init="like-init",
+        qk_bias=True),
+    # Huginn in small shapes for tests: prelude, core block and coda of different lengths.
+    "test-tiny-huginn": ModelConfig(
+        vocab_size=384, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=64, rope_theta=10_000.0,
+        rms_norm_eps=1e-6, max_position_embeddings=1024, total_ut_steps=4, tie_word_embeddings=True,
+        architecture="huginn", n_layers_in_prelude=1, n_layers_in_recurrent_block=3, n_layers_in_coda=2,
+        state_init="like-init", qk_bias=True),
 }
 
 

@@ -75,14 +75,17 @@ def page_bytes(config: ModelConfig, page_size: int, dtype) -> int:
 
 
 def create(config: ModelConfig, *, batch: int, max_pages: int, num_pages: int, page_size: int,
-           dtype=jnp.float32) -> PagedKVCache:
+           dtype=jnp.float32, planes: int | None = None) -> PagedKVCache:
     """An empty cache: zeroed storage (so unused pages hold finite values), every page free,
-    every page-table entry on the scratch page."""
+    every page-table entry on the scratch page. planes: None for Ouro's loops * layers (a Huginn
+    cache passes `wise_core.huginn_reference.num_planes`)."""
     for name, value in (("batch", batch), ("max_pages", max_pages), ("num_pages", num_pages),
                         ("page_size", page_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"PagedKVCache {name} must be a positive integer, got {value!r}")
-    planes = config.total_ut_steps * config.num_hidden_layers
+    planes = config.total_ut_steps * config.num_hidden_layers if planes is None else planes
+    if not isinstance(planes, int) or isinstance(planes, bool) or planes <= 0:
+        raise ValueError(f"PagedKVCache planes must be a positive integer, got {planes!r}")
     shape = (planes, num_pages + 1, page_size, config.num_key_value_heads, config.head_dim)
     return PagedKVCache(
         k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),

@@ -107,6 +107,9 @@ def to_checkpoint_tensors(config: ModelConfig, params: Params) -> dict[str, np.n
 
 def param_shapes(config: ModelConfig) -> Params:
     """The Params structure for `config` with shape tuples as leaves (the layout, not the values)."""
+    if config.architecture != "ouro":
+        raise ValueError(f"wise_jax's Ouro params take architecture 'ouro', got {config.architecture!r} (a Huginn "
+                         f"model runs through wise_jax.huginn; the engines do not run it yet)")
     hf = expected_shapes(config)
     return Params(
         embed_tokens=hf["model.embed_tokens.weight"],

@@ -220,6 +220,9 @@ class OuroForCausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, tokenizer=None):
         super().__init__()
+        if config.architecture != "ouro":
+            raise ValueError(f"OuroForCausalLM runs architecture 'ouro', got {config.architecture!r} (a Huginn "
+                             f"model runs through wise_torch.huginn; the engines do not run it yet)")
         self.config = config
         self.tokenizer = tokenizer
         self.model = OuroModel(config)

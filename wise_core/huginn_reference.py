@@ -1,0 +1,196 @@
+"""The numpy specification of the Huginn forward (huginn-0125's architecture), in float64.
+
+Tensors are the HF checkpoint's (`wise_core.checkpoint.huginn_shapes`). For tokens t at
+positions p:
+
+    e = prelude(wte[t] * sqrt(hidden))                   # n_layers_in_prelude layers
+    x = s0                                               # the initial state, `initial_state`
+    repeat num_steps times:                              # the core block, weights shared
+        x = core_block(adapter @ [x, e])                 # adapter: [hidden, 2 hidden]
+    logits = wte @ ln_f(coda(ln_f(x)))                   # ln_f twice; the head tied to wte
+
+Every layer is a sandwich block: x = norm_2(x + attn(norm_1(x))); x = norm_4(x + mlp(norm_3(x)))
+with RMS norms (eps rms_norm_eps); attn adds qk_bias to q and k, then RoPE on interleaved pairs
+(dims 2j, 2j + 1 rotate by the angle float32(p * f_j), f_j = theta ** (-2j / head_dim) rounded
+to float32: the released code's float32 table, whose float32 power may differ from f_j by an
+ulp), causal softmax attention scaled by head_dim ** -0.5; mlp is proj(silu(gate) * up) with
+fc's rows [gate; up].
+
+K/V is cached per plane (`plane_index`): one per prelude layer, one per coda layer, one per
+(core iteration, core layer); a call appends its positions to the planes it runs. A call deeper
+than an earlier one would read core planes that lack the earlier positions: that is an error
+here (the released code's adaptive-compute lookups fill such holes; not specified here yet).
+
+The initial state (`initial_state`): "like-init" is what the released code uses at inference
+(init_scale 1): a normal truncated at 3 standard deviations, std sqrt(2 / (5 hidden)), times
+sqrt(hidden); here drawn per position from numpy's generator seeded with (seed, position), so a
+token's state does not depend on how its prompt is split into calls. "zero" starts from zeros
+(the released code's init_scale 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from wise_core.checkpoint import huginn_layers, validate_tensors
+from wise_core.config import ModelConfig
+
+
+def plane_index(config: ModelConfig, stack: str, layer: int, step: int = 0) -> int:
+    """The K/V plane of a layer: the prelude's layers first, then the coda's, then the core
+    block's layers of iteration 0, 1, ... (a cache for fewer iterations keeps every prelude and
+    coda plane where it is)."""
+    prelude, core, coda = config.n_layers_in_prelude, config.n_layers_in_recurrent_block, config.n_layers_in_coda
+    if stack == "prelude":
+        return layer
+    if stack == "coda":
+        return prelude + layer
+    return prelude + coda + step * core + layer
+
+
+def num_planes(config: ModelConfig, max_steps: int) -> int:
+    """Planes of a cache for up to max_steps core iterations."""
+    return config.n_layers_in_prelude + config.n_layers_in_coda + max_steps * config.n_layers_in_recurrent_block
+
+
+@dataclasses.dataclass
+class HuginnCache:
+    """K/V per plane (`plane_index`): planes[plane] = (k, v), each [positions, kv_heads, head_dim]
+    float64; length: positions seen (every call runs the prelude, so its planes hold them all)."""
+
+    planes: dict[int, tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
+    length: int = 0
+
+
+def truncated_normal(rng: np.random.Generator, size: int, bound: float = 3.0) -> np.ndarray:
+    """Standard normal draws conditioned on |z| <= bound: out-of-range draws are drawn again."""
+    z = rng.standard_normal(size)
+    bad = np.abs(z) > bound
+    while bad.any():
+        z[bad] = rng.standard_normal(int(bad.sum()))
+        bad = np.abs(z) > bound
+    return z
+
+
+def initial_state(config: ModelConfig, positions, seed: int = 0) -> np.ndarray:
+    """The core block's initial state at `positions` -> [len(positions), hidden] float64 (see the
+    module docstring: config.state_init "like-init" or "zero"). seed: a non-negative int."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    positions = np.asarray(positions)
+    if config.state_init == "zero":
+        return np.zeros((len(positions), config.hidden_size))
+    scale = config.state_std * config.embed_scale
+    return np.stack([truncated_normal(np.random.default_rng((seed, int(p))), config.hidden_size) * scale
+                     for p in positions]).reshape(len(positions), config.hidden_size)
+
+
+def huginn_weights(config: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A checkpoint's tensors (any float dtype, bf16 included), checked against the config, as
+    float64; the tied head's lm_head.weight is wte's."""
+    if config.architecture != "huginn":
+        raise ValueError(f"huginn_weights needs a Huginn config, got architecture {config.architecture!r}")
+    validate_tensors(config, tensors)
+    out = {name: np.asarray(t, np.float64) for name, t in tensors.items() if name != "freqs_cis"}
+    if config.tie_word_embeddings:
+        out["lm_head.weight"] = out["transformer.wte.weight"]
+    return out
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight
+
+
+def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
+    """x: [seq, heads, head_dim]; rotates interleaved pairs (2j, 2j + 1) by position * inv_freq[j]."""
+    d = x.shape[-1]
+    inv_freq = (float(theta) ** (-np.arange(0, d, 2) / d)).astype(np.float32)
+    angle = np.outer(positions.astype(np.float32), inv_freq).astype(np.float64)  # float32 angles, as released
+    cos, sin = np.cos(angle)[:, None], np.sin(angle)[:, None]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = even * cos - odd * sin
+    out[..., 1::2] = odd * cos + even * sin
+    return out
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: np.ndarray) -> np.ndarray:
+    """q: [seq, heads, d]; k, v: [n_keys, heads, d] (keys at positions 0..n_keys-1) -> [seq, heads, d],
+    causal: query at position p reads keys <= p."""
+    scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(q.shape[-1])
+    causal = np.arange(k.shape[0])[None, :] <= q_positions[:, None]
+    scores = np.where(causal[None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("hqk,khd->qhd", probs, v)
+
+
+def sandwich_block(config: ModelConfig, w: dict[str, np.ndarray], prefix: str, x: np.ndarray,
+                   positions: np.ndarray, cache: HuginnCache, key: int) -> np.ndarray:
+    """One layer (weights `prefix`*) on x: [seq, hidden], appending its K/V to `cache` plane `key`."""
+    eps, heads, d = config.rms_norm_eps, config.num_attention_heads, config.head_dim
+    seq = x.shape[0]
+    qkv = rms_norm(x, w[prefix + "norm_1.weight"], eps) @ w[prefix + "attn.Wqkv.weight"].T
+    q, k, v = (part.reshape(seq, heads, d) for part in np.split(qkv, 3, axis=-1))
+    if config.qk_bias:
+        bias = w[prefix + "attn.qk_bias"]
+        q, k = q + bias[0, 0], k + bias[1, 0]
+    q, k = rope(q, positions, config.rope_theta), rope(k, positions, config.rope_theta)
+    old_k, old_v = cache.planes.get(key, (np.zeros((0, heads, d)), np.zeros((0, heads, d))))
+    k, v = np.concatenate([old_k, k]), np.concatenate([old_v, v])
+    cache.planes[key] = (k, v)
+    attn = attention(q, k, v, positions).reshape(seq, heads * d) @ w[prefix + "attn.proj.weight"].T
+    x = rms_norm(x + attn, w[prefix + "norm_2.weight"], eps)
+    gate, up = np.split(rms_norm(x, w[prefix + "norm_3.weight"], eps) @ w[prefix + "mlp.fc.weight"].T, 2, axis=-1)
+    mlp = (gate / (1.0 + np.exp(-gate)) * up) @ w[prefix + "mlp.proj.weight"].T
+    return rms_norm(x + mlp, w[prefix + "norm_4.weight"], eps)
+
+
+def huginn_forward(config: ModelConfig, weights: dict[str, np.ndarray], tokens, *, num_steps: int | None = None,
+                   cache: HuginnCache | None = None, seed: int = 0, state: np.ndarray | None = None) -> np.ndarray:
+    """Logits [seq, vocab] float64 of `tokens` (ints) at positions cache.length onwards, running the
+    core block num_steps times (default config.total_ut_steps). weights: `huginn_weights`.
+    cache: appended to (None: a fresh one, discarded). state: the initial state [seq, hidden]
+    (None: `initial_state` at these positions with `seed`)."""
+    tokens = np.asarray(tokens)
+    num_steps = config.total_ut_steps if num_steps is None else num_steps
+    if isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) or num_steps < 0:
+        raise ValueError(f"num_steps must be a non-negative integer, got {num_steps!r}")
+    if tokens.ndim != 1 or len(tokens) == 0 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"tokens must be a non-empty 1-D array of integer ids, got {tokens.dtype} {tokens.shape}")
+    if tokens.min() < 0 or tokens.max() >= config.vocab_size:
+        raise ValueError(f"token ids must be in [0, {config.vocab_size}), got {tokens.min()}..{tokens.max()}")
+    cache = HuginnCache() if cache is None else cache
+    held = {step: len(cache.planes.get(plane_index(config, "core_block", 0, step), ((),))[0])
+            for step in range(num_steps)}
+    short = [step for step, n in held.items() if n != cache.length]
+    if short:
+        raise ValueError(f"core iteration {short[0]} holds K/V for {held[short[0]]} of the {cache.length} cached "
+                         f"positions (earlier calls ran fewer iterations): a deeper call needs adaptive-compute "
+                         f"lookups, which the reference does not specify")
+    positions = np.arange(cache.length, cache.length + len(tokens))
+    if positions[-1] >= config.max_position_embeddings:
+        raise ValueError(f"position {positions[-1]} is past max_position_embeddings "
+                         f"({config.max_position_embeddings})")
+    if state is None:
+        state = initial_state(config, positions, seed)
+    elif np.shape(state) != (len(tokens), config.hidden_size):
+        raise ValueError(f"state must be [{len(tokens)}, {config.hidden_size}], got {np.shape(state)}")
+    w, eps = weights, config.rms_norm_eps
+
+    def run(stack, x, step=0):
+        for name, n in huginn_layers(config):
+            if name == stack:
+                x = sandwich_block(config, w, f"transformer.{stack}.{n}.", x, positions, cache,
+                                   plane_index(config, stack, n, step))
+        return x
+
+    embedded = run("prelude", w["transformer.wte.weight"][tokens] * config.embed_scale)
+    x = np.asarray(state, np.float64)
+    for step in range(num_steps):
+        x = run("core_block", np.concatenate([x, embedded], -1) @ w["transformer.adapter.weight"].T, step)
+    x = run("coda", rms_norm(x, w["transformer.ln_f.weight"], eps))
+    cache.length += len(tokens)
+    return rms_norm(x, w["transformer.ln_f.weight"], eps) @ w["lm_head.weight"].T

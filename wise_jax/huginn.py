@@ -1,0 +1,255 @@
+"""The Huginn recurrent-depth decoder (huginn-0125) as pure functions: the forward of
+`wise_core.huginn_reference`.
+
+embed * sqrt(hidden); the prelude; the core block `num_steps` times (a `lax.fori_loop`, the
+trip count may be traced) on the recurrent state, each iteration first mixing [state, embedded
+input] through the adapter; ln_f, the coda, ln_f, the head. Layers are sandwich blocks (norm
+after each residual add). The parameters are the checkpoint's with the changes
+`wise_torch.huginn` makes (`huginn_from_tensors`): q's and k's rows of each head reordered
+from the released interleaved RoPE pairs to split halves (so `wise_jax.model.apply_rope`
+applies the released rotation; q . k is unchanged), qk_bias as the bias of the fused qkv
+projection (zero on v); linear weights stored [in, out].
+
+`forward` (whole sequences), `prefill` (one prompt, returning every plane's K/V) and
+`decode_step` (one dense token per row against the paged cache, `wise_jax.kv_cache` created
+with `num_planes` planes) share `run_model`; the plane layout is
+`wise_core.huginn_reference.plane_index`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from wise_core.checkpoint import HUGINN_STACKS, huginn_layers, validate_tensors
+from wise_core import modes as M
+from wise_core.config import ModelConfig, WiseConfig
+from wise_core.huginn_reference import initial_state, num_planes, plane_index
+from wise_jax import kv_cache as kvc
+from wise_jax.attention import decode_attention
+from wise_jax.model import apply_rope, check_input_ids, rms_norm, rope
+from wise_jax.prefill_attention import causal_attention
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["qkv", "qkv_bias", "proj", "fc", "mlp_proj", "norm_1", "norm_2", "norm_3", "norm_4"],
+                   meta_fields=[])
+@dataclasses.dataclass
+class BlockParams:
+    """One sandwich block: qkv [hidden, 3 hidden] (q, k split-half ordered), qkv_bias [3 hidden]
+    or None, proj [hidden, hidden], fc [hidden, 2 intermediate] (gate | up), mlp_proj
+    [intermediate, hidden], norm_1..4 [hidden]."""
+
+    qkv: jax.Array
+    qkv_bias: jax.Array | None
+    proj: jax.Array
+    fc: jax.Array
+    mlp_proj: jax.Array
+    norm_1: jax.Array
+    norm_2: jax.Array
+    norm_3: jax.Array
+    norm_4: jax.Array
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["wte", "prelude", "adapter", "core_block", "coda", "ln_f", "lm_head"], meta_fields=[])
+@dataclasses.dataclass
+class HuginnParams:
+    """wte [vocab, hidden]; prelude, core_block, coda: tuples of BlockParams; adapter [2 hidden,
+    hidden]; ln_f [hidden]; lm_head [hidden, vocab], or None when tied to wte."""
+
+    wte: jax.Array
+    prelude: tuple[BlockParams, ...]
+    adapter: jax.Array
+    core_block: tuple[BlockParams, ...]
+    coda: tuple[BlockParams, ...]
+    ln_f: jax.Array
+    lm_head: jax.Array | None
+
+
+def split_half_rows(w: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
+    """Rows [heads * head_dim, ...] of one projection, each head's reordered from interleaved
+    pairs (2j, 2j + 1) to split halves (j, j + head_dim / 2)."""
+    order = np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
+    return w.reshape(heads, head_dim, *w.shape[1:])[:, order].reshape(w.shape)
+
+
+def huginn_from_tensors(config: ModelConfig, tensors: dict, dtype=jnp.float32) -> HuginnParams:
+    """HuginnParams in `dtype` from HF-named numpy arrays (validated against `config`; a tied
+    lm_head and freqs_cis are dropped)."""
+    validate_tensors(config, tensors)
+    heads, d, h = config.num_attention_heads, config.head_dim, config.hidden_size
+    t = {name: np.asarray(a, np.float32) for name, a in tensors.items()}
+
+    def array(x):
+        return jnp.asarray(x, dtype)
+
+    def block(prefix):
+        q, k, v = np.split(t[prefix + "attn.Wqkv.weight"], 3)
+        qkv = np.concatenate([split_half_rows(q, heads, d), split_half_rows(k, heads, d), v])
+        bias = None
+        if config.qk_bias:
+            qb, kb = t[prefix + "attn.qk_bias"].reshape(2, h)
+            bias = array(np.concatenate([split_half_rows(qb, heads, d), split_half_rows(kb, heads, d),
+                                         np.zeros(h, np.float32)]))
+        return BlockParams(array(qkv.T), bias, array(t[prefix + "attn.proj.weight"].T),
+                           array(t[prefix + "mlp.fc.weight"].T), array(t[prefix + "mlp.proj.weight"].T),
+                           *(array(t[prefix + f"norm_{i}.weight"]) for i in range(1, 5)))
+
+    stacks = {stack: tuple(block(f"transformer.{stack}.{n}.") for s, n in huginn_layers(config) if s == stack)
+              for stack in HUGINN_STACKS}
+    lm_head = None if config.tie_word_embeddings else array(t["lm_head.weight"].T)
+    return HuginnParams(array(t["transformer.wte.weight"]), stacks["prelude"],
+                        array(t["transformer.adapter.weight"].T), stacks["core_block"], stacks["coda"],
+                        array(t["transformer.ln_f.weight"]), lm_head)
+
+
+def sandwich_block(bp: BlockParams, config: ModelConfig, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                   attend: Callable) -> tuple[jax.Array, Any]:
+    """One layer. x: [batch, seq, hidden]; attend(q, k, v) -> (out, aux) with q, k, v, out
+    [batch, seq, heads, head_dim]. Returns (x, aux)."""
+    batch, seq, hidden = x.shape
+    heads, d, eps = config.num_attention_heads, config.head_dim, config.rms_norm_eps
+    qkv = rms_norm(x, bp.norm_1, eps) @ bp.qkv
+    if bp.qkv_bias is not None:
+        qkv = qkv + bp.qkv_bias
+    q, k, v = (part.reshape(batch, seq, heads, d) for part in jnp.split(qkv, 3, axis=-1))
+    a, aux = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+    x = rms_norm(a.reshape(batch, seq, hidden) @ bp.proj + x, bp.norm_2, eps)
+    gate, up = jnp.split(rms_norm(x, bp.norm_3, eps) @ bp.fc, 2, axis=-1)
+    return rms_norm((jax.nn.silu(gate) * up) @ bp.mlp_proj + x, bp.norm_4, eps), aux
+
+
+# attend(q, k, v, plane, carry) -> (out, carry); plane int32 (traced inside the core loop)
+Attend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+def run_model(params: HuginnParams, config: ModelConfig, input_ids: jax.Array, state: jax.Array, cos: jax.Array,
+              sin: jax.Array, num_steps, attend: Attend, carry: Any = None) -> tuple[jax.Array, Any]:
+    """input_ids int32[batch, seq], state [batch, seq, hidden] -> (the coda's normed output
+    [batch, seq, hidden], carry): the prelude, num_steps core iterations (a `lax.fori_loop`;
+    num_steps may be traced), the coda, each layer attending through `attend` with its plane
+    (`wise_core.huginn_reference.plane_index`)."""
+    c = config
+
+    def stack(blocks, x, carry, plane0, step=0):
+        for n, bp in enumerate(blocks):
+            x, carry = sandwich_block(bp, c, x, cos, sin,
+                                      lambda q, k, v, n=n: attend(q, k, v, plane0 + step * len(blocks) + n, carry))
+        return x, carry
+
+    embedded = params.wte.at[input_ids].get(mode="fill", fill_value=jnp.nan) * c.embed_scale
+    embedded, carry = stack(params.prelude, embedded, carry, plane_index(c, "prelude", 0))
+
+    def step(i, x_carry):
+        x = jnp.concatenate([x_carry[0], embedded], axis=-1) @ params.adapter
+        return stack(params.core_block, x, x_carry[1], plane_index(c, "core_block", 0), i)
+
+    x, carry = lax.fori_loop(0, num_steps, step, (state.astype(embedded.dtype), carry))
+    x, carry = stack(params.coda, rms_norm(x, params.ln_f, c.rms_norm_eps), carry, plane_index(c, "coda", 0))
+    return rms_norm(x, params.ln_f, c.rms_norm_eps), carry
+
+
+def head(params: HuginnParams, x: jax.Array) -> jax.Array:
+    """Normed output [..., hidden] -> float32 logits [..., vocab] (the head tied to wte unless untied)."""
+    w = params.wte.T if params.lm_head is None else params.lm_head
+    return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _forward(params: HuginnParams, config: ModelConfig, input_ids: jax.Array, num_steps: jax.Array,
+             state: jax.Array) -> jax.Array:
+    batch, seq = input_ids.shape
+    cos, sin = rope(jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq)), config.head_dim,
+                    config.rope_theta)
+
+    def attend(q, k, v, plane, carry):
+        return causal_attention(q, k, v), carry
+
+    x, _ = run_model(params, config, input_ids, state, cos, sin, num_steps, attend)
+    return head(params, x)
+
+
+def check_num_steps(num_steps) -> int:
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
+        raise ValueError(f"num_steps must be a non-negative integer, got {num_steps!r}")
+    return num_steps
+
+
+def forward(params: HuginnParams, config: ModelConfig, input_ids, *, num_steps: int | None = None, seed: int = 0,
+            state=None) -> jax.Array:
+    """input_ids int32[batch, seq] -> logits float32[batch, seq, vocab], the core block run
+    num_steps times (default total_ut_steps) from `state` [batch, seq, hidden] (None: the seeded
+    initial state of each position, `wise_core.huginn_reference.initial_state`)."""
+    input_ids = jnp.asarray(input_ids)
+    check_input_ids(config, input_ids, 2)
+    num_steps = check_num_steps(config.total_ut_steps if num_steps is None else num_steps)
+    batch, seq = input_ids.shape
+    if state is None:
+        state = np.broadcast_to(initial_state(config, np.arange(seq), seed), (batch, seq, config.hidden_size))
+    elif tuple(np.shape(state)) != (batch, seq, config.hidden_size):
+        raise ValueError(f"state must be [{batch}, {seq}, {config.hidden_size}], got {list(np.shape(state))}")
+    return _forward(params, config, input_ids, jnp.int32(num_steps), jnp.asarray(state, params.wte.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_steps"))
+def prefill(params: HuginnParams, config: ModelConfig, tokens: jax.Array, length: jax.Array, state: jax.Array, *,
+            num_steps: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Causal pass over one right-padded prompt, keeping the K/V of every plane
+    (`wise_jax.model.prefill`'s contract). tokens int32[seq] (valid up to length, int32[] >= 1); state [seq, hidden].
+    Returns (logits float32[vocab] at position length - 1, k, v [num_planes(config, num_steps),
+    seq, heads, head_dim] in the params' dtype)."""
+    seq = tokens.shape[0]
+    cos, sin = rope(jnp.arange(seq, dtype=jnp.int32)[None], config.head_dim, config.rope_theta)
+    dtype = params.wte.dtype
+    shape = (num_planes(config, num_steps), seq, config.num_attention_heads, config.head_dim)
+
+    def attend(q, k, v, plane, buffers):
+        buffers = tuple(lax.dynamic_update_index_in_dim(b, x[0].astype(dtype), plane, 0)
+                        for b, x in zip(buffers, (k, v)))
+        return causal_attention(q, k, v), buffers
+
+    x, (k, v) = run_model(params, config, tokens[None], state[None], cos, sin, num_steps, attend,
+                          (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
+    return head(params, lax.dynamic_index_in_dim(x[0], length - 1, 0, keepdims=False)), k, v
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_steps", "kernel"))
+def decode_step(params: HuginnParams, config: ModelConfig, cache: kvc.PagedKVCache, tokens: jax.Array,
+                state: jax.Array, slots: jax.Array, *, num_steps: int, kernel: str = "auto"
+                ) -> tuple[jax.Array, kvc.PagedKVCache]:
+    """One dense decode token per cache row (`wise_jax.model.decode_step`'s contract without
+    WISE): tokens int32[batch] at each row's position seq_lens, state [batch, hidden], slots
+    int32[batch] (-1: an empty row, a masked no-op). The cache holds
+    num_planes(config, >= num_steps) planes. Returns (logits float32[batch, vocab] (garbage for
+    masked rows), cache)."""
+    if cache.k.shape[0] < num_planes(config, num_steps):
+        raise ValueError(f"the cache holds {cache.k.shape[0]} planes; {num_steps} core iterations need "
+                         f"{num_planes(config, num_steps)}")
+    batch = tokens.shape[0]
+    active = slots >= 0
+    positions = cache.seq_lens
+    grow = active & ~cache.overflowed
+    cache, fits = kvc.try_reserve(cache, jnp.where(grow, positions + 1, positions))
+    live = grow & fits
+    seq_lens = jnp.where(live, cache.seq_lens, 1)
+    cos, sin = rope(positions[:, None], config.head_dim, config.rope_theta)
+    dense = WiseConfig()
+    modes = jnp.full((batch,), M.DENSE, jnp.int32)
+    support = jnp.zeros((batch, config.num_attention_heads, cache.capacity // dense.block_size), bool)
+
+    def attend(q, k, v, plane, cache):
+        cache = kvc.write_token(cache, plane, k[:, 0], v[:, 0], live)
+        k_pages, v_pages, page_table = kvc.plane_pages(cache, plane)
+        out, _ = decode_attention(q[:, 0], k_pages, v_pages, page_table, seq_lens, modes, support,
+                                  block_size=dense.block_size, eta=dense.eta, kernel=kernel, validate=False)
+        return out[:, None], cache
+
+    x, cache = run_model(params, config, tokens[:, None], state[:, None], cos, sin, num_steps, attend, cache)
+    return head(params, x[:, 0]), cache

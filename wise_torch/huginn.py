@@ -1,0 +1,237 @@
+"""The Huginn recurrent-depth decoder (huginn-0125) in PyTorch, token-major: the forward of
+`wise_core.huginn_reference`.
+
+A prelude embeds the tokens, a core block iterated num_steps times refines a recurrent state
+that each iteration mixes with the embedded input through the adapter, a coda and the tied head
+read it out. Layers are sandwich blocks (norm after each residual add).
+
+The model holds the checkpoint's tensors with two changes made at load (`huginn_state_dict`):
+q's and k's rows of each head are reordered from the released interleaved RoPE pairs (2j,
+2j + 1) to split halves (j, j + head_dim / 2), so the shared split-half `rope_store_kv` applies
+the released rotation (q . k is unchanged: both are reordered alike; v and the output
+projection are not touched); and `qk_bias` becomes the bias of the fused qkv projection (zero
+on v), added before RoPE as released.
+
+K/V planes as `wise_core.huginn_reference.plane_index` lays them out. `prefill` and
+`decode_step` run over the paged cache (`wise_torch.kv_cache`, `num_planes(config, max_steps)`
+planes) with Ouro's attention contexts, each plane index given as the loop of a one-layer
+context; decode is dense.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from wise_core.checkpoint import huginn_layers, validate_tensors
+from wise_core.config import ModelConfig
+from wise_core.huginn_reference import initial_state, num_planes, plane_index
+from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch
+from wise_torch.layers import rms_norm, rope_store_kv, rope_table, silu_mul
+from wise_torch.model import ROPE_ROWS, DecodeContext, PrefillContext, SequenceContext, logits_fp32
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h = config.hidden_size
+        self.qkv = nn.Linear(h, 3 * h, bias=config.qk_bias)
+        self.proj = nn.Linear(h, h, bias=False)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(silu_mul(self.fc(x)))
+
+
+class SandwichBlock(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.attn, self.mlp = Attention(config), MLP(config)
+        for n in range(1, 5):
+            self.register_parameter(f"norm_{n}", nn.Parameter(torch.ones(config.hidden_size)))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h = config.hidden_size
+        self.wte = nn.Embedding(config.vocab_size, h)
+        self.prelude = nn.ModuleList(SandwichBlock(config) for _ in range(config.n_layers_in_prelude))
+        self.adapter = nn.Linear(2 * h, h, bias=False)
+        self.core_block = nn.ModuleList(SandwichBlock(config) for _ in range(config.n_layers_in_recurrent_block))
+        self.coda = nn.ModuleList(SandwichBlock(config) for _ in range(config.n_layers_in_coda))
+        self.ln_f = nn.Parameter(torch.ones(h))
+
+
+class HuginnForCausalLM(nn.Module):
+    """Huginn decoder with its head (tied to wte unless the config unties it)."""
+
+    def __init__(self, config: ModelConfig, tokenizer=None):
+        super().__init__()
+        if config.architecture != "huginn":
+            raise ValueError(f"HuginnForCausalLM needs a Huginn config, got architecture {config.architecture!r}")
+        self.config, self.tokenizer = config, tokenizer
+        self.transformer = Transformer(config)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+
+    def build_rope_table(self, positions: int | None = None) -> None:
+        """The split-half RoPE table float32[positions, head_dim] (None: ROPE_ROWS, at most
+        max_position_embeddings): the released float32 angles."""
+        c = self.config
+        rows = min(c.max_position_embeddings, ROPE_ROWS if positions is None else positions)
+        self.cos_sin = rope_table(rows, c.head_dim, c.rope_theta, device=self.transformer.wte.weight.device)
+
+    def rope_rows(self, positions: int) -> None:
+        if positions > self.config.max_position_embeddings:
+            raise ValueError(f"{positions} positions exceed max_position_embeddings "
+                             f"({self.config.max_position_embeddings})")
+        if self.cos_sin.shape[0] < positions:
+            self.build_rope_table(positions)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight
+
+    def block(self, layer: SandwichBlock, x: torch.Tensor, ctx, plane: int) -> torch.Tensor:
+        """One sandwich block on flat tokens x [n, hidden], its K/V stored in plane `plane`."""
+        c = self.config
+        eps, heads, head_dim = c.rms_norm_eps, c.num_attention_heads, c.head_dim
+        q = rope_store_kv(layer.attn.qkv(rms_norm(x, layer.norm_1, eps)), ctx.positions, self.cos_sin,
+                          *ctx.planes(plane, 0), ctx.slot_mapping, heads=heads, kv_heads=heads, head_dim=head_dim)
+        x = rms_norm(layer.attn.proj(ctx.attend(q, plane, 0).flatten(1)) + x, layer.norm_2, eps)
+        return rms_norm(layer.mlp(rms_norm(x, layer.norm_3, eps)) + x, layer.norm_4, eps)
+
+    def run_tokens(self, ids: torch.Tensor, state: torch.Tensor, ctx, num_steps: int) -> torch.Tensor:
+        """Flat tokens ids int64[n] from initial state [n, hidden] -> the coda's normed output
+        [n, hidden]."""
+        c, t = self.config, self.transformer
+        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
+            raise ValueError(f"num_steps must be a non-negative integer, got {num_steps!r}")
+        if tuple(state.shape) != (ids.shape[0], c.hidden_size):
+            raise ValueError(f"state must be [{ids.shape[0]}, {c.hidden_size}], got {list(state.shape)}")
+        embedded = t.wte(ids) * c.embed_scale
+        for n, layer in enumerate(t.prelude):
+            embedded = self.block(layer, embedded, ctx, plane_index(c, "prelude", n))
+        x = state
+        for step in range(num_steps):
+            x = t.adapter(torch.cat([x, embedded], dim=-1))
+            for n, layer in enumerate(t.core_block):
+                x = self.block(layer, x, ctx, plane_index(c, "core_block", n, step))
+        x = rms_norm(x, t.ln_f, c.rms_norm_eps)
+        for n, layer in enumerate(t.coda):
+            x = self.block(layer, x, ctx, plane_index(c, "coda", n))
+        return rms_norm(x, t.ln_f, c.rms_norm_eps)
+
+    def paged(self, ctx, cache: PagedKVCache, num_steps: int):
+        """ctx with each plane index taken as its loop (see the module docstring), after checking
+        that the cache holds num_steps iterations' planes."""
+        need = num_planes(self.config, num_steps)
+        if cache.k.shape[0] < need:
+            raise ValueError(f"the cache holds {cache.k.shape[0]} planes; {num_steps} core iterations need {need}")
+        ctx.num_layers = 1
+        return ctx
+
+    def prefill(self, ids: torch.Tensor, batch: PrefillBatch, cache: PagedKVCache, *, num_steps: int,
+                state: torch.Tensor) -> torch.Tensor:
+        """Dense pass over prompt chunks (ids int64[n], flat; state [n, hidden]), storing the K/V
+        of every plane. Returns logits float32[len(batch.logit_index), vocab]."""
+        ctx = self.paged(PrefillContext(self.config, batch, cache), cache, num_steps)
+        h = self.run_tokens(ids, state.to(self.head_weight.dtype), ctx, num_steps)
+        return logits_fp32(h[batch.logit_index], self.head_weight)
+
+    def decode_step(self, tokens: torch.Tensor, batch: DecodeBatch, cache: PagedKVCache, *, num_steps: int,
+                    state: torch.Tensor, attention, dense_modes: torch.Tensor,
+                    unused_support: torch.Tensor) -> torch.Tensor:
+        """tokens int64[batch] at each row's position, state [batch, hidden] -> logits
+        float32[batch, vocab], every plane dense (`OuroForCausalLM.decode_step`'s other inputs)."""
+        ctx = DecodeContext(self.config, batch, cache, None, attention, dense_modes[:batch.size],
+                            unused_support[:batch.size])
+        h = self.run_tokens(tokens, state.to(self.head_weight.dtype), self.paged(ctx, cache, num_steps), num_steps)
+        return logits_fp32(h, self.head_weight)
+
+    def initial_state(self, batch: int, positions: range, seed: int) -> torch.Tensor:
+        """`wise_core.huginn_reference.initial_state` for `batch` rows at `positions` -> [batch *
+        len(positions), hidden] in the model's dtype (every row draws the same state)."""
+        state = torch.from_numpy(initial_state(self.config, np.asarray(positions), seed))
+        w = self.transformer.wte.weight
+        return state.to(device=w.device, dtype=w.dtype).repeat(batch, 1)
+
+    def forward(self, input_ids: torch.Tensor, *, num_steps: int | None = None, seed: int = 0,
+                state: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids: int64[batch, seq] -> logits float32[batch, seq, vocab], the core block run
+        num_steps times (default total_ut_steps) from `state` [batch, seq, hidden] (None: the
+        seeded initial state of each position)."""
+        c = self.config
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be an integer tensor [batch, seq], got {input_ids.dtype}"
+                             f"{list(input_ids.shape)}")
+        num_steps = c.total_ut_steps if num_steps is None else num_steps
+        batch, seq = input_ids.shape
+        self.rope_rows(seq)
+        bad = input_ids[(input_ids < 0) | (input_ids >= c.vocab_size)]
+        if bad.numel():
+            raise ValueError(f"input_ids hold ids {sorted(set(bad.tolist()))[:5]} outside the vocabulary "
+                             f"(size {c.vocab_size})")
+        if state is None:
+            state = self.initial_state(batch, range(seq), seed)
+        elif tuple(state.shape) != (batch, seq, c.hidden_size):
+            raise ValueError(f"state must be [{batch}, {seq}, {c.hidden_size}], got {list(state.shape)}")
+        else:
+            state = state.to(device=input_ids.device, dtype=self.head_weight.dtype).reshape(batch * seq, -1)
+        ctx = SequenceContext(c, batch, seq, self.head_weight.dtype, input_ids.device)
+        h = self.run_tokens(input_ids.flatten().long(), state, ctx, num_steps)
+        return logits_fp32(h, self.head_weight).view(batch, seq, -1)
+
+
+def split_half_rows(w: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """Rows [heads * head_dim, ...] of one projection, each head's reordered from interleaved
+    pairs (2j, 2j + 1) to split halves (j, j + head_dim / 2)."""
+    order = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+    return w.reshape(heads, head_dim, *w.shape[1:])[:, order].reshape(w.shape)
+
+
+def huginn_state_dict(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF-named checkpoint tensors -> the model's state dict (see the module docstring)."""
+    heads, d, h = config.num_attention_heads, config.head_dim, config.hidden_size
+    out = {"transformer.wte.weight": tensors["transformer.wte.weight"],
+           "transformer.adapter.weight": tensors["transformer.adapter.weight"],
+           "transformer.ln_f": tensors["transformer.ln_f.weight"]}
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = tensors["lm_head.weight"]
+    for stack, n in huginn_layers(config):
+        src, dst = f"transformer.{stack}.{n}.", f"transformer.{stack}.{n}."
+        q, k, v = tensors[src + "attn.Wqkv.weight"].split(h)
+        out[dst + "attn.qkv.weight"] = torch.cat([split_half_rows(q, heads, d), split_half_rows(k, heads, d), v])
+        if config.qk_bias:
+            bias = tensors[src + "attn.qk_bias"].reshape(2, h)
+            out[dst + "attn.qkv.bias"] = torch.cat([split_half_rows(bias[0], heads, d),
+                                                    split_half_rows(bias[1], heads, d), torch.zeros_like(bias[0])])
+        for name in ("attn.proj.weight", "mlp.fc.weight", "mlp.proj.weight"):
+            out[dst + name] = tensors[src + name]
+        for i in range(1, 5):
+            out[dst + f"norm_{i}"] = tensors[src + f"norm_{i}.weight"]
+    return out
+
+
+def huginn_from_tensors(config: ModelConfig, tensors: dict, *, tokenizer=None, dtype=torch.float32,
+                        device: torch.device | str = "cpu") -> HuginnForCausalLM:
+    """An eval-mode Huginn model from HF-named numpy arrays or torch tensors (validated against
+    `config`; a tied lm_head and freqs_cis are dropped)."""
+    validate_tensors(config, tensors)
+    weights = {name: (t if isinstance(t, torch.Tensor) else torch.from_numpy(np.asarray(t, np.float32)))
+               .to(device=device, dtype=dtype) for name, t in tensors.items()}
+    with torch.device("meta"):
+        model = HuginnForCausalLM(config, tokenizer)
+    model.load_state_dict(huginn_state_dict(config, weights), strict=True, assign=True)
+    model.build_rope_table()
+    return model.requires_grad_(False).eval()
+
