@@ -313,3 +313,43 @@ def test_accept_rate_must_be_a_probability():
             wt.SpeculativeConfig("wise", accept_rate=bad)
     with pytest.raises(ConfigError, match="accept_seed must be a non-negative integer"):
         wt.SpeculativeConfig("wise", accept_rate=0.5, accept_seed=-1)
+
+
+def test_adaptive_draft_count_follows_the_expected_tokens_per_cost():
+    config = wt.SpeculativeConfig("wise", num_draft=4, adaptive=True, draft_cost=0.75)
+    counts = [config.draft_count(100.0, 100.0 * a) for a in np.linspace(0, 1, 41)]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 4     # more acceptance, more drafts
+    # a = 0.9: 1 draft commits 1.9 tokens at cost 1.75 (1.0857), 2 drafts 2.71 at 2.5 (1.084)
+    assert config.draft_count(100.0, 90.0) == 1
+    assert config.draft_count(0.0, 0.0) == 1              # the prior (0.8): (1 + 0.8) / 1.75 > 1
+    assert config.draft_count(1.0, 0.0) == 0              # one rejected: 0.4
+    assert wt.SpeculativeConfig("wise", num_draft=4, adaptive=True, draft_cost=0.2).draft_count(0.0, 0.0) == 4
+    for bad in (0, -1.0, math.inf, True, "1"):
+        with pytest.raises(ConfigError, match="draft_cost must be a positive finite number"):
+            wt.SpeculativeConfig("wise", draft_cost=bad)
+    with pytest.raises(ConfigError, match="adaptive must be a bool"):
+        wt.SpeculativeConfig("wise", adaptive=1)
+
+
+@pytest.mark.parametrize("spec", ["wise", "loops"])
+def test_adaptive_drafting_equals_dense_and_follows_the_acceptance(model, spec):
+    """Greedy tokens equal dense whatever each round drafts; under a set acceptance of 0 a
+    request soon stops drafting (a probe now and then), at 1 it drafts num_draft."""
+    prompts = prompts_of([40, 70, 25], model.config.vocab_size, seed=8)
+    params = wt.SamplingParams(max_tokens=30, ignore_eos=True)
+    config, wise = SPECS[spec]
+    adaptive = dataclasses.replace(config, adaptive=True)
+    llm = wt.LLM(model, wise_config=wise, speculative_config=adaptive, num_pages=64, page_size=32, max_num_seqs=8,
+                 max_model_len=256, kernel="reference")
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == dense_tokens(model, prompts, params)
+    check_stats(llm, expect_rejections=False)
+    assert not llm.speculator.history                     # forgotten as the requests finished
+    per_round = {}
+    for rate in (0.0, 1.0):
+        set_llm = wt.LLM(model, wise_config=wise, speculative_config=dataclasses.replace(adaptive, accept_rate=rate),
+                         num_pages=64, page_size=32, max_num_seqs=8, max_model_len=256, kernel="reference")
+        set_llm.generate(prompts, params, use_tqdm=False)
+        s = check_stats(set_llm, expect_rejections=False)
+        per_round[rate] = s.draft_tokens / s.spec_rounds
+    assert per_round[0.0] < 0.5 and per_round[1.0] > config.num_draft - 1, per_round

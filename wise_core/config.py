@@ -385,6 +385,9 @@ class WiseConfig:
 SPECULATIVE_METHODS = ("wise", "loops")
 
 
+ADAPTIVE_PRIOR = (0.8, 1.0)   # adaptive drafting's prior: acceptance 0.8, worth one draft
+
+
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """Lossless speculative decoding: draft `num_draft` tokens cheaply, verify them densely.
@@ -404,6 +407,10 @@ class SpeculativeConfig:
     run as in a real round, so a round costs what a real one does, but the output is not the
     model's: accepted drafts are kept whatever the model says, and the token after them is the
     verification's greedy token. None (the default): lossless speculation.
+    adaptive: each request drafts, per round, the count in [0, num_draft] that maximises its
+    expected tokens per unit of time (`draft_count`) from its running acceptance; draft_cost:
+    a draft step's time in units of a dense step (the verification pass and the draft's loops
+    before the verify depth together cost about one), for `draft_count`.
     """
 
     method: str = "wise"
@@ -411,6 +418,8 @@ class SpeculativeConfig:
     draft_loops: int | None = None
     accept_rate: float | None = None
     accept_seed: int = 0
+    adaptive: bool = False
+    draft_cost: float = 0.75
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -426,6 +435,23 @@ class SpeculativeConfig:
             raise ConfigError(f"SpeculativeConfig.accept_rate must be None or a probability in [0, 1], got {p!r}")
         if not isinstance(self.accept_seed, int) or isinstance(self.accept_seed, bool) or self.accept_seed < 0:
             raise ConfigError(f"SpeculativeConfig.accept_seed must be a non-negative integer, got {self.accept_seed!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"SpeculativeConfig.adaptive must be a bool, got {self.adaptive!r}")
+        c = self.draft_cost
+        if not isinstance(c, (int, float)) or isinstance(c, bool) or not 0.0 < c < math.inf:
+            raise ConfigError(f"SpeculativeConfig.draft_cost must be a positive finite number, got {c!r}")
+
+    def draft_count(self, drafted: float, accepted: float) -> int:
+        """The drafts of an adaptive request's next round, from its (decayed) counts of drafts
+        proposed and accepted: with a per-draft acceptance a (their ratio, under a prior of 0.8
+        worth one draft), k drafts commit 1 + a + ... + a^k tokens in a round costing about
+        1 + k * draft_cost dense steps; the k in [0, num_draft] with the most tokens per cost
+        (the smallest on a tie). At k = 0 a round is a dense step, so a request whose drafts are
+        mostly rejected stops drafting until its decayed counts (`Speculator`) drift back to the
+        prior and it tries again."""
+        a = (accepted + ADAPTIVE_PRIOR[0]) / (drafted + ADAPTIVE_PRIOR[1])
+        rates = [sum(a ** i for i in range(k + 1)) / (1 + k * self.draft_cost) for k in range(self.num_draft + 1)]
+        return max(range(self.num_draft + 1), key=lambda k: (rates[k], -k))
 
     def verify_depth(self, num_loops: int, wise_config: WiseConfig | None) -> int:
         """The first loop verification recomputes (every loop before it is exact in the draft),

@@ -173,6 +173,8 @@ class LLM(LLMEngine):
 
     def _forget(self, seq: Sequence) -> None:
         self.runner.forget(seq)
+        if self.speculator is not None:
+            self.speculator.forget(seq)
 
     def _device_stats(self) -> dict:
         wise = self.runner.wise

@@ -2,7 +2,8 @@
 
 A round decodes a step's sequences (each with n tokens, n - 1 of them cached); d is the
 verify depth (`SpeculativeConfig.verify_depth`), D the model's loop count.
-1. Draft. Row i drafts k_i = min(num_draft, tokens it may still produce - 1) tokens. Draft
+1. Draft. Row i drafts k_i = min(num_draft, tokens it may still produce - 1) tokens (adaptive:
+   num_draft replaced by `SpeculativeConfig.draft_count` of the request's decayed counts). Draft
    step j (j = 0..k_i) feeds x_j (x_0 the last committed token, then the drafted ones) at
    position n - 1 + j, as a decode step over the rows with k_i >= j (rows sorted by k_i, so they
    are a prefix): method "wise" runs every loop (discovery dense, reuse sparse), "loops" the
@@ -51,6 +52,7 @@ from wise_torch.model import DecodeContext
 from wise_torch.verification import VerifyBatch, VerifyContext, prepare_verify_attention
 
 DRAFT, ACCEPT, RESIDUAL = 0, 1, 2   # purposes of a seeded request's random draws at one position
+HISTORY_DECAY = 0.8                  # adaptive drafting: the weight of a request's earlier rounds
 
 
 def draw_seed(seed: int, position: int, purpose: int) -> int:
@@ -103,6 +105,10 @@ class Speculator:
         self.draw_generator = torch.Generator(device=device)
         self.set_acceptance = None if config.accept_rate is None else np.random.default_rng(config.accept_seed)
         self.counters = SpeculativeCounters()
+        # Adaptive drafting: per request, drafts proposed and accepted, each round's added to the
+        # earlier ones decayed by HISTORY_DECAY (recent rounds weigh most; counts of a request
+        # that stopped drafting fade, so it tries again).
+        self.history: dict[int, tuple[float, float]] = {}
 
     def stats(self) -> dict[str, int]:
         """The EngineStats fields of speculation."""
@@ -111,8 +117,15 @@ class Speculator:
 
     def drafts_of(self, seq: Sequence) -> int:
         """Drafts of the sequence's next round (never more than it may still produce, less one):
-        the keys a round writes past its last token."""
-        return max(min(self.num_draft, seq.max_length - len(seq.tokens) - 1), 0)
+        the keys a round writes past its last token. Adaptive: `SpeculativeConfig.draft_count`
+        of the request's decayed counts."""
+        k = self.num_draft
+        if self.config.adaptive:
+            k = self.config.draft_count(*self.history.get(seq.request_id, (0.0, 0.0)))
+        return max(min(k, seq.max_length - len(seq.tokens) - 1), 0)
+
+    def forget(self, seq: Sequence) -> None:
+        self.history.pop(seq.request_id, None)
 
     @staticmethod
     def ready(seq: Sequence) -> bool:
@@ -325,6 +338,9 @@ class Speculator:
             c.rounds += 1
             c.drafted += ks[i]
             c.accepted += n_acc
+            if self.config.adaptive:
+                drafted, accepted = self.history.get(seq.request_id, (0.0, 0.0))
+                self.history[seq.request_id] = (HISTORY_DECAY * drafted + ks[i], HISTORY_DECAY * accepted + n_acc)
             for n, token in enumerate(row[1:n_acc + 2]):
                 if seq.params.logprobs:
                     seq.logprobs.append(logprobs[i][n])
