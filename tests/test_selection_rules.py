@@ -6,7 +6,6 @@ under jit with the config static; the decode-attention calls of every kernel run
 generate with a rule gives the tokens of generate whose every selection is computed by the
 numpy reference (a host callback), in both frameworks."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
