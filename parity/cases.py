@@ -15,6 +15,7 @@ import numpy as np
 
 from wise_core import modes as M
 from wise_core import reference as ref
+from wise_core import selection as rules
 from wise_core.config import PRESETS, ModelConfig
 
 DTYPES = ("float32", "bfloat16")
@@ -168,6 +169,10 @@ def selection_cases(seed: int = 0) -> list[SelectionCase]:
         SelectionCase("subnormal", f32([[0.0, 1e-40, 0.0], [1e-40, 2e-40, 0.0], [1e-39, 0.5, 1e-45]]), 0.95),
     ]
     return cases
+
+
+SELECTION_RULES = (rules.TopK(1), rules.TopK(4), rules.Threshold(0.01), rules.Threshold(0.25))
+"""The rules other than eta that `selection-rules` checks on the `selection_cases` masses."""
 
 
 # -- models and prompts -----------------------------------------------------------------------------

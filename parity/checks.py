@@ -34,6 +34,7 @@ from parity.suite import Suite
 from wise_core import modes as M
 from wise_core import reference as ref
 from wise_core import rounding
+from wise_core import selection as rules
 from wise_core.checkpoint import DEFAULT_MODEL
 
 SHOWN = 4  # differences spelled out per result
@@ -263,6 +264,42 @@ def check_selection_spec(suite: Suite):
         if name != "numpy-spec":
             yield Task(f"{name} vs numpy-spec", "random+adversarial", "float32",
                        functools.partial(_selection, suite, name))
+
+
+def _rule_vs_spec(suite: Suite, name: str, rule) -> Measured:
+    """Support bits of `name`'s select_blocks(mass, rule) that differ from the numpy spec's on every
+    selection case's masses. TopK has no sum: bitwise. Threshold compares each mass with
+    fraction * total, total a float32 sum of n_blocks masses in any order: a bit may differ only
+    where the block's mass lies within `rounding.selection_margin` of that."""
+    spec = suite.selectors["numpy-spec"]
+    unexplained, explained, lines = 0, 0, []
+    selection_cases = cases.selection_cases()
+    for case in selection_cases:
+        got, want = suite.selectors[name](case.mass, rule), spec(case.mass, rule)
+        if got.shape != want.shape or got.dtype != bool:
+            raise ValueError(f"{case.name}: got {got.dtype}{list(got.shape)}, want bool{list(want.shape)}")
+        mass = case.mass.astype(np.float64)
+        for *row, block in zip(*np.nonzero(got != want)):
+            m = mass[tuple(row)]
+            total = float(m.sum())
+            near = (isinstance(rule, rules.Threshold)
+                    and abs(m[block] - rule.fraction * total) <= rounding.selection_margin(m.size, total))
+            explained, unexplained = explained + near, unexplained + (not near)
+            lines.append(f"{case.name}: row {row} block {block} {'kept' if got[tuple(row)][block] else 'dropped'} "
+                         f"(spec: the opposite), mass {m[block]:.9g}" + (" within rounding of the threshold"
+                                                                         if near else ""))
+    detail = "; ".join(lines[:SHOWN]) or f"identical on {len(selection_cases)} cases"
+    return Measured(unexplained == 0, unexplained, 0, "support bits unexplained", detail)
+
+
+@check("selection-rules", "the other selection rules (wise_core.selection: top-k, threshold) of torch and JAX "
+                          "equal their numpy reference on the selection-spec masses (top-k bitwise)")
+def check_selection_rules(suite: Suite):
+    for name in suite.selectors:
+        if name != "numpy-spec":
+            for rule in cases.SELECTION_RULES:
+                yield Task(f"{name} vs numpy-spec", rule.describe(), "float32",
+                           functools.partial(_rule_vs_spec, suite, name, rule))
 
 
 # -- decode calls: all-blocks WISE is dense, bitwise ---------------------------------------------

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from wise_core import reference as ref
+from wise_core import selection as rules
 from wise_jax import attention as jax_attention
 from wise_torch import attention as torch_attention
 
@@ -106,22 +107,27 @@ def discover_impls(device: str) -> tuple[list[Impl], dict[str, str]]:
 
 
 def torch_selector(device: str):
-    """wise_torch's select_blocks on `device`, as mass (numpy) -> support (numpy)."""
-    def select(mass: np.ndarray, eta: float) -> np.ndarray:
-        return torch_attention.select_blocks(torch.from_numpy(np.array(mass)).to(device), eta).cpu().numpy()
+    """wise_torch's select_blocks on `device`, as (mass (numpy), rule) -> support (numpy); rule: an
+    eta number or a `wise_core.selection` rule."""
+    def select(mass: np.ndarray, rule) -> np.ndarray:
+        return torch_attention.select_blocks(torch.from_numpy(np.array(mass)).to(device), rule).cpu().numpy()
     return select
 
 
 _jax_select = jax.jit(jax_attention.select_blocks)  # eta traced: one compilation per mass shape
+_jax_select_rule = jax.jit(jax_attention.select_blocks, static_argnums=1)  # a rule object: static
 
 
-def jax_selector(mass: np.ndarray, eta: float) -> np.ndarray:
-    """wise_jax's select_blocks (jit-compiled) on the default JAX device."""
-    return np.asarray(_jax_select(jnp.asarray(mass), eta))
+def jax_selector(mass: np.ndarray, rule) -> np.ndarray:
+    """wise_jax's select_blocks (jit-compiled) on the default JAX device; rule: an eta number
+    (traced) or a `wise_core.selection` rule (static)."""
+    select = _jax_select_rule if isinstance(rule, rules.SelectionRule) else _jax_select
+    return np.asarray(select(jnp.asarray(mass), rule))
 
 
 def selectors(device: str) -> dict:
-    """name -> select(mass float32[..., n_blocks], eta) -> bool[..., n_blocks]; 'numpy-spec' first."""
+    """name -> select(mass float32[..., n_blocks], rule) -> bool[..., n_blocks] (rule: an eta number
+    or a `wise_core.selection` rule); 'numpy-spec' first."""
     return {"numpy-spec": ref.select_blocks, "torch": torch_selector(device), "jax": jax_selector}
 
 

@@ -15,6 +15,8 @@ import numbers
 from pathlib import Path
 from typing import Any
 
+from wise_core.selection import Custom, Eta, SelectionRule
+
 
 class ConfigError(ValueError):
     """An invalid or inconsistent configuration."""
@@ -327,6 +329,11 @@ class WiseConfig:
     reuse_depths: loops that attend only the support found by the discovery loops.
     kernel: attention implementation ("auto" picks the framework's fastest on the device).
     all_blocks: select every causal block (equivalence checks: WISE must then equal dense).
+    selection: None (the default): discovery keeps the eta rule's blocks; or another rule of
+    `wise_core.selection` (`TopK`, `Threshold`, `Custom`; a plain callable is taken as
+    `Custom(fn)`), which then replaces the eta rule (`eta` is unused). The GPU kernels compute
+    the eta rule in their finish step; under another rule they return the block mass and the
+    rule selects from it (`decode_attention(selection=...)`). `rule` is the rule in force.
     """
 
     block_size: int = 32
@@ -335,8 +342,18 @@ class WiseConfig:
     reuse_depths: tuple[int, ...] = (2, 3)
     kernel: str = "auto"
     all_blocks: bool = False
+    selection: SelectionRule | None = None
 
     def __post_init__(self) -> None:
+        sel = self.selection
+        if sel is not None and not isinstance(sel, SelectionRule):
+            if not callable(sel):
+                raise ConfigError(f"WiseConfig.selection must be None (the eta rule), a wise_core.selection rule "
+                                  f"(TopK, Threshold, Custom) or a function of the block mass, got {sel!r}")
+            object.__setattr__(self, "selection", Custom(sel))
+        if isinstance(sel, Eta):
+            raise ConfigError(f"WiseConfig.selection={sel!r}: give the eta rule as WiseConfig(eta={sel.eta!r}) "
+                              f"(selection takes the other rules: TopK, Threshold, Custom)")
         for name in ("discover_depths", "reuse_depths"):
             depths = getattr(self, name)
             if not isinstance(depths, (tuple, list)) or any(not _is_int(d) or d < 0 for d in depths):
@@ -366,6 +383,11 @@ class WiseConfig:
             raise ConfigError(f"WiseConfig.kernel must be one of {KERNELS}, got {self.kernel!r}")
         if not isinstance(self.all_blocks, bool):
             raise ConfigError(f"WiseConfig.all_blocks must be True or False, got {self.all_blocks!r}")
+
+    @property
+    def rule(self) -> SelectionRule:
+        """The selection rule in force: `selection`, or Eta(eta) when it is None."""
+        return Eta(self.eta) if self.selection is None else self.selection
 
     def validate_for(self, num_loops: int) -> None:
         """Check the depths against a model's loop count."""

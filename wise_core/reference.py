@@ -12,21 +12,25 @@ Both frameworks are tested against these functions. Conventions (shared by every
   That is the smallest ranked prefix whose mass reaches eta of the total, never empty.
   Implementations may sum in another order; they then agree except where a running sum lies
   within float32 rounding of the threshold. Masses below float32's smallest normal number
-  count as zero (GPU arithmetic and XLA on CPU flush such subnormals).
+  count as zero (GPU arithmetic and XLA on CPU flush such subnormals). That is the default rule
+  (`wise_core.selection.Eta`); `select_blocks(mass, rule)` is also the reference of the other
+  rules (`TopK`, `Threshold`, `Custom`), which rank the blocks the same way.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from wise_core import selection
 
-def select_blocks(mass: np.ndarray, eta: float) -> np.ndarray:
-    """mass: float[..., n_blocks] (non-negative) -> bool[..., n_blocks] support."""
+
+def select_blocks(mass: np.ndarray, rule) -> np.ndarray:
+    """mass: float[..., n_blocks] (finite, non-negative) -> bool[..., n_blocks] support chosen by
+    `rule` (a `wise_core.selection` rule, or a number: the eta rule with that eta)."""
+    rule = selection.as_rule(rule)
     mass = np.asarray(mass)
     if mass.ndim == 0 or mass.shape[-1] == 0:
         raise ValueError(f"mass must have a non-empty last (block) axis, got shape {mass.shape}")
-    if not 0.0 < eta <= 1.0:
-        raise ValueError(f"eta must be in (0, 1], got {eta}")
     mass = mass.astype(np.float32)
     if np.any(mass < 0) or not np.all(np.isfinite(mass)):
         raise ValueError("mass must be finite and non-negative")
@@ -34,10 +38,21 @@ def select_blocks(mass: np.ndarray, eta: float) -> np.ndarray:
     order = np.argsort(-mass, axis=-1, kind="stable")  # descending, ties to the lower index
     ranked = np.take_along_axis(mass, order, axis=-1)
     running = np.cumsum(ranked, axis=-1, dtype=np.float32)
-    threshold = np.float32(eta) * running[..., -1:]
-    before = np.concatenate([np.zeros_like(running[..., :1]), running[..., :-1]], axis=-1)
-    keep_ranked = before < threshold
-    keep_ranked[..., 0] = True
+    total = running[..., -1:]
+    if isinstance(rule, selection.Eta):
+        before = np.concatenate([np.zeros_like(running[..., :1]), running[..., :-1]], axis=-1)
+        keep_ranked = before < np.float32(rule.eta) * total
+    elif isinstance(rule, selection.TopK):
+        keep_ranked = np.broadcast_to(np.arange(mass.shape[-1]) < rule.k, mass.shape).copy()
+    elif isinstance(rule, selection.Threshold):
+        keep_ranked = (ranked >= np.float32(rule.fraction) * total) & (ranked > 0)
+    else:  # Custom: the user's choice, in block order
+        chosen = np.asarray(rule.fn(mass))
+        if chosen.shape != mass.shape or chosen.dtype != np.bool_:
+            raise ValueError(f"selection rule {rule.describe()!r} returned {chosen.dtype}{list(chosen.shape)}; "
+                             f"it must return bool{list(mass.shape)}")
+        keep_ranked = np.take_along_axis(chosen, order, axis=-1)
+    keep_ranked[..., 0] = True  # never empty
     keep = np.zeros_like(keep_ranked)
     np.put_along_axis(keep, order, keep_ranked, axis=-1)
     return keep

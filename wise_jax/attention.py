@@ -16,24 +16,50 @@ import jax.numpy as jnp
 from jax import lax
 
 from wise_core import modes as M
+from wise_core import selection as rules
 from wise_core.config import FRAMEWORK_KERNELS
 from wise_jax.decode_check import check_call
 
 KERNELS = FRAMEWORK_KERNELS["jax"]
 
 
-def select_blocks(mass: jax.Array, eta: float) -> jax.Array:
-    """mass: float[..., n_blocks] (non-negative) -> bool[..., n_blocks] support.
+def select_blocks(mass: jax.Array, rule) -> jax.Array:
+    """mass: float[..., n_blocks] (non-negative) -> bool[..., n_blocks] support chosen by `rule`:
+    a `wise_core.selection` rule (static), or an eta value (a number or an array, may be traced:
+    the eta rule) (`wise_core.reference.select_blocks`).
 
-    Rank blocks by mass descending (ties to the lower index); keep the block at rank r iff
-    r == 0 or the mass ranked before it is < eta * total (wise_core.reference.select_blocks)."""
+    Blocks are ranked by float32 mass descending (ties to the lower index); the first is always
+    kept. Eta: keep the block at rank r iff the mass ranked before it is < eta * total."""
     mass = mass.astype(jnp.float32)
     mass = jnp.where(mass < jnp.finfo(jnp.float32).tiny, jnp.float32(0), mass)  # flush subnormals
     order = jnp.argsort(-mass, axis=-1, stable=True)
-    running = jnp.cumsum(jnp.take_along_axis(mass, order, axis=-1), axis=-1)
-    before = jnp.concatenate([jnp.zeros_like(running[..., :1]), running[..., :-1]], axis=-1)
-    keep_ranked = (before < jnp.float32(eta) * running[..., -1:]).at[..., 0].set(True)
+    ranked = jnp.take_along_axis(mass, order, axis=-1)
+    running = jnp.cumsum(ranked, axis=-1)
+    total = running[..., -1:]
+    if not isinstance(rule, rules.SelectionRule) or isinstance(rule, rules.Eta):
+        eta = rule.eta if isinstance(rule, rules.Eta) else rule
+        before = jnp.concatenate([jnp.zeros_like(running[..., :1]), running[..., :-1]], axis=-1)
+        keep_ranked = before < jnp.float32(eta) * total
+    elif isinstance(rule, rules.TopK):
+        keep_ranked = jnp.broadcast_to(jnp.arange(mass.shape[-1]) < rule.k, mass.shape)
+    elif isinstance(rule, rules.Threshold):
+        keep_ranked = (ranked >= jnp.float32(rule.fraction) * total) & (ranked > 0)
+    else:
+        chosen = rule.fn(mass)
+        if getattr(chosen, "shape", None) != mass.shape or getattr(chosen, "dtype", None) != jnp.bool_:
+            got = f"{chosen.dtype}{list(chosen.shape)}" if hasattr(chosen, "shape") else type(chosen).__name__
+            raise ValueError(f"selection rule {rule.describe()!r} returned {got}; it must return "
+                             f"bool{list(mass.shape)}")
+        keep_ranked = jnp.take_along_axis(chosen, order, axis=-1)
+    keep_ranked = keep_ranked.at[..., 0].set(True)  # never empty
     return jnp.take_along_axis(keep_ranked, jnp.argsort(order, axis=-1), axis=-1)
+
+
+def update_support(modes: jax.Array, support: jax.Array, selected: jax.Array) -> jax.Array:
+    """support' of a decode call: `selected` for DISCOVER rows, support | selected for
+    DISCOVER_UNION rows, support elsewhere. modes int32[batch]; support, selected bool[batch, heads, blocks]."""
+    row = modes[:, None, None]
+    return jnp.where(row == M.DISCOVER, selected, jnp.where(row == M.DISCOVER_UNION, support | selected, support))
 
 
 def causal_blocks(seq_lens: jax.Array, block_size: int, n_blocks: int) -> jax.Array:
@@ -81,10 +107,7 @@ def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes,
     out = out.reshape(batch, heads, head_dim).astype(q.dtype)
 
     mass = probs.reshape(batch, heads, n_blocks, block_size).sum(-1)
-    selected = select_blocks(mass, eta)
-    row = modes[:, None, None]
-    new_support = jnp.where(row == M.DISCOVER, selected,
-                            jnp.where(row == M.DISCOVER_UNION, support | selected, support))
+    new_support = update_support(modes, support, select_blocks(mass, eta))
     return (out, new_support, mass) if return_mass else (out, new_support)
 
 
@@ -112,14 +135,26 @@ def attention_impl(kernel: str):
 
 def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size: int,
                      eta: float, scale: float | None = None, return_mass: bool = False,
-                     kernel: str = "auto", validate: bool = True, reuse: bool = False):
+                     kernel: str = "auto", validate: bool = True, reuse: bool = False,
+                     selection: rules.SelectionRule | None = None):
     """decode_attention_reference's contract, run by `kernel` ('reference', 'pallas' or 'auto').
     reuse: a call of WISE's reuse loops: every row SPARSE or DENSE (checked with validate), most
     of them SPARSE; support' is the support held and the mass zeros, as for any row that does
     not discover. The Mosaic GPU kernel then runs a launch for mostly SPARSE rows (several heads
     a program or longer splits, `mosaic_decode.launch_config`) and merges a row's splits in its
     split kernel, with no finish launch; outputs stay within the kernel's rounding bounds (a
-    DISCOVER row's output is NaN there when not validated: outside the contract)."""
-    return attention_impl(kernel)(q, k_pages, v_pages, page_table, seq_lens, modes, support,
-                                  block_size=block_size, eta=eta, scale=scale, return_mass=return_mass,
-                                  validate=validate, reuse=reuse)
+    DISCOVER row's output is NaN there when not validated: outside the contract).
+    selection: a rule other than eta (`wise_core.selection`; None or `Eta`: the eta rule of
+    `eta`, computed inside the call): the call returns its block mass and the discovery rows'
+    supports are the rule's selection of it (`update_support`), so every kernel runs any rule
+    unchanged."""
+    if isinstance(selection, rules.Eta):
+        eta, selection = selection.eta, None
+    fn = attention_impl(kernel)
+    if selection is None or reuse:  # a reuse call discovers nothing
+        return fn(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size, eta=eta,
+                  scale=scale, return_mass=return_mass, validate=validate, reuse=reuse)
+    out, _, mass = fn(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size, eta=eta,
+                      scale=scale, return_mass=True, validate=validate, reuse=reuse)
+    new_support = update_support(modes, support, select_blocks(mass, rules.as_rule(selection)))
+    return (out, new_support, mass) if return_mass else (out, new_support)

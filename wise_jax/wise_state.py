@@ -153,7 +153,7 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int, layer: 
 
     out, new_support = decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support,
                                         block_size=wise_config.block_size, eta=wise_config.eta, kernel=kernel,
-                                        validate=validate, reuse=role == "reuse")
+                                        validate=validate, reuse=role == "reuse", selection=wise_config.selection)
     causal = causal_blocks(seq_lens, wise_config.block_size, n_blocks)       # [batch, n_blocks]
 
     if role == "discover":

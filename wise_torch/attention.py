@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from wise_core import selection as rules
 from wise_core.config import FRAMEWORK_KERNELS
 from wise_core.modes import DISCOVER, DISCOVER_UNION, SPARSE
 from wise_torch.decode_check import check_call
@@ -41,24 +42,43 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, star
     return out.transpose(1, 2)
 
 
-def select_blocks(mass: torch.Tensor, eta: float) -> torch.Tensor:
-    """The WISE selection rule (`wise_core.reference.select_blocks`), vectorised.
+def select_blocks(mass: torch.Tensor, rule) -> torch.Tensor:
+    """A selection rule (`wise_core.selection`; a number: the eta rule with that eta), vectorised:
+    `wise_core.reference.select_blocks`'s.
 
     mass: float[..., n_blocks], non-negative (not checked: no host sync) -> bool[..., n_blocks].
-    Keeps the smallest prefix of the blocks ranked by mass (descending, ties to the lower
-    index) whose float32 mass reaches eta of the total; never empty.
+    Blocks are ranked by float32 mass, descending, ties to the lower index; the first is always
+    kept.
     """
-    if not 0.0 < eta <= 1.0:
-        raise ValueError(f"eta must be in (0, 1], got {eta}")
+    rule = rules.as_rule(rule)
     mass = mass.float()
     mass = torch.where(mass < torch.finfo(torch.float32).tiny, torch.zeros_like(mass), mass)  # flush subnormals
     ranked, order = torch.sort(mass, dim=-1, descending=True, stable=True)
     running = torch.cumsum(ranked, dim=-1)
-    threshold = running[..., -1:] * eta
-    before = torch.cat([torch.zeros_like(running[..., :1]), running[..., :-1]], dim=-1)
-    keep_ranked = before < threshold
-    keep_ranked[..., 0] = True
+    total = running[..., -1:]
+    if isinstance(rule, rules.Eta):
+        before = torch.cat([torch.zeros_like(running[..., :1]), running[..., :-1]], dim=-1)
+        keep_ranked = before < total * rule.eta
+    elif isinstance(rule, rules.TopK):
+        keep_ranked = (torch.arange(mass.shape[-1], device=mass.device) < rule.k).expand(mass.shape).clone()
+    elif isinstance(rule, rules.Threshold):
+        keep_ranked = (ranked >= total * rule.fraction) & (ranked > 0)
+    else:
+        chosen = rule.fn(mass)
+        if not isinstance(chosen, torch.Tensor) or chosen.shape != mass.shape or chosen.dtype != torch.bool:
+            got = f"{chosen.dtype}{list(chosen.shape)}" if isinstance(chosen, torch.Tensor) else type(chosen).__name__
+            raise ValueError(f"selection rule {rule.describe()!r} returned {got}; it must return a "
+                             f"torch.bool tensor of shape {list(mass.shape)}")
+        keep_ranked = torch.gather(chosen, -1, order)
+    keep_ranked[..., 0] = True  # never empty
     return torch.zeros_like(keep_ranked).scatter_(-1, order, keep_ranked)
+
+
+def update_support(modes: torch.Tensor, support: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+    """support' of a decode call: `selected` for DISCOVER rows, support | selected for
+    DISCOVER_UNION rows, support elsewhere. modes int32[batch]; support, selected bool[batch, heads, blocks]."""
+    rows = modes[:, None, None]
+    return torch.where(rows == DISCOVER, selected, torch.where(rows == DISCOVER_UNION, support | selected, support))
 
 
 def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,
@@ -98,10 +118,7 @@ def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes,
     out = torch.einsum("bkgs,bskd->bkgd", probs.reshape(batch, kv_heads, group, max_keys), v)
 
     mass = probs.reshape(batch, heads, max_blocks, block_size).sum(-1)
-    selected = select_blocks(mass, eta)
-    rows = modes[:, None, None]
-    support.copy_(torch.where(rows == DISCOVER, selected,
-                              torch.where(rows == DISCOVER_UNION, support | selected, support)))
+    support.copy_(update_support(modes, support, select_blocks(mass, eta)))
     out = out.reshape(batch, heads, head_dim).to(q.dtype)
     return (out, support, mass) if return_mass else (out, support)
 
@@ -131,32 +148,60 @@ def resolve_kernel(kernel: str, device: torch.device | str) -> Callable:
     return module.decode_attention
 
 
+def select_after(fn: Callable, selection: rules.SelectionRule) -> Callable:
+    """`fn` (a decode_attention implementation) running `selection` instead of the eta rule: the
+    call returns its block mass and the discovery rows' supports become the rule's selection of
+    it (`update_support`, onto a copy of the support held), so every kernel runs any rule
+    unchanged."""
+    selection = rules.as_rule(selection)
+
+    def call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, return_mass: bool = False, **kwargs):
+        held = support.clone()
+        out, _, mass = fn(q, k_pages, v_pages, page_table, seq_lens, modes, support, return_mass=True, **kwargs)
+        support.copy_(update_support(modes, held, select_blocks(mass, selection)))
+        return (out, support, mass) if return_mass else (out, support)
+    return call
+
+
+def _with_selection(fn: Callable, selection: rules.SelectionRule | None) -> Callable:
+    """fn for the eta rule (None or `Eta`: its eta is the call's), `select_after` for another."""
+    return fn if selection is None or isinstance(selection, rules.Eta) else select_after(fn, selection)
+
+
 def prepare_decode_attention(kernel: str, *, batches: list[int], heads: int, kv_heads: int, head_dim: int,
                              max_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str,
-                             min_splits: Callable[[int], int] = lambda batch: 1) -> dict[int, Callable]:
+                             min_splits: Callable[[int], int] = lambda batch: 1,
+                             selection: rules.SelectionRule | None = None) -> dict[int, Callable]:
     """Per batch size of `batches`, `kernel`'s decode attention for a decode loop that builds its
     inputs by construction: values not validated (validate=False), calls of up to that many rows
     and `max_blocks` blocks per row (any narrower support too: a decode step sized by its live
     context). Triton: one workspace shared by all, so that a call allocates nothing and never
     syncs, and `min_splits(batch)` programs per row at least, to fill the GPU when batches are
-    small (`prepare_verify_attention`'s pattern)."""
+    small (`prepare_verify_attention`'s pattern). selection: a rule other than eta runs as
+    `select_after` (None or `Eta`: the eta rule, of the calls' eta)."""
     fn = resolve_kernel(kernel, device)
     if fn is decode_attention_reference:
-        return dict.fromkeys(batches, functools.partial(fn, validate=False))
+        return dict.fromkeys(batches, _with_selection(functools.partial(fn, validate=False), selection))
     module = importlib.import_module(fn.__module__)
     configs = {b: dataclasses.replace(module.config_for(head_dim, dtype), min_splits=min_splits(b)) for b in batches}
     widest = max(configs.values(), key=lambda c: c.min_splits)
     workspace = module.DecodeWorkspace.allocate(
         max(batches), heads, kv_heads, head_dim, max_blocks, dtype=dtype, device=device, block_size=block_size,
         config=widest)
-    return {b: functools.partial(fn, workspace=dataclasses.replace(workspace, config=config), validate=False)
+    return {b: _with_selection(functools.partial(fn, workspace=dataclasses.replace(workspace, config=config),
+                                                 validate=False), selection)
             for b, config in configs.items()}
 
 
 def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,
                      block_size: int, eta: float, scale: float | None = None,
-                     return_mass: bool = False, kernel: str = "auto", validate: bool = True):
-    """`decode_attention_reference`'s contract, run by `kernel` ("auto", "reference", "triton")."""
-    fn = resolve_kernel(kernel, q.device)
+                     return_mass: bool = False, kernel: str = "auto", validate: bool = True,
+                     selection: rules.SelectionRule | None = None):
+    """`decode_attention_reference`'s contract, run by `kernel` ("auto", "reference", "triton").
+    selection: None or `Eta` (whose eta then replaces `eta`): the eta rule; another rule runs as
+    `select_after`."""
+    if isinstance(selection, rules.Eta):
+        eta, selection = selection.eta, None
+    fn = _with_selection(resolve_kernel(kernel, q.device), selection)
     return fn(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size,
               eta=eta, scale=scale, return_mass=return_mass, validate=validate)

@@ -108,7 +108,8 @@ class ModelRunner:
         self.attention = prepare_decode_attention(
             kernel, batches=self.buckets, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim, max_blocks=max_blocks, block_size=block_size, dtype=self.dtype,
-            device=self.device, min_splits=lambda b: min_splits_for(b, config.num_key_value_heads))
+            device=self.device, min_splits=lambda b: min_splits_for(b, config.num_key_value_heads),
+            selection=None if wise_config is None else wise_config.selection)
         # Static decode inputs (graph inputs) and their pinned host staging. The page table of a
         # step at (bucket, width) is the first bucket * width entries, as [bucket, width].
         pin = self.device.type == "cuda"
