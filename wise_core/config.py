@@ -415,13 +415,15 @@ class SpeculativeConfig:
     """Lossless speculative decoding: draft `num_draft` tokens cheaply, verify them densely.
 
     method "wise": a draft token runs the discovery loops densely (their K/V is exact and kept)
-    and the reuse loops sparsely (the WiseConfig's); "loops": a draft token runs loops
-    0..draft_loops-1 densely, then the LM head. Verification recomputes the loops from the
-    verify depth on (the first reuse depth for "wise", draft_loops for "loops") densely for the
-    num_draft + 1 positions of a round, and accepts the longest prefix the dense model agrees
-    with (rejection sampling when sampling), so the output is the dense model's.
-    draft_loops: "loops" only (None: half the model's loops); "wise" leaves it None or equal to
-    the first reuse depth.
+    and the reuse loops sparsely (the WiseConfig's), every loop or loops 0..draft_loops-1 only
+    (then the LM head); "loops": a draft token runs loops 0..draft_loops-1 densely, then the LM
+    head. Verification recomputes the loops from the verify depth on (the first reuse depth for
+    "wise", draft_loops for "loops") densely for the num_draft + 1 positions of a round, and
+    accepts the longest prefix the dense model agrees with (rejection sampling when sampling),
+    so the output is the dense model's. draft_loops: "loops": None is half the model's loops;
+    "wise": None is every loop, else in (first reuse depth, loops] (with
+    WiseConfig(discover_depths=(0,), reuse_depths=(1, 2, 3)) and draft_loops=2, a 2-loop draft
+    with WISE on its second loop).
     accept_rate: for timing only (`benchmarks/throughput.py --accept-rate`): each draft token
     is accepted with this probability, a Bernoulli draw from numpy's generator seeded with
     accept_seed (drawn per round as [rows, num_draft] in the round's row order, accepted as a
@@ -475,6 +477,12 @@ class SpeculativeConfig:
         rates = [sum(a ** i for i in range(k + 1)) / (1 + k * self.draft_cost) for k in range(self.num_draft + 1)]
         return max(range(self.num_draft + 1), key=lambda k: (rates[k], -k))
 
+    def draft_end(self, num_loops: int) -> int:
+        """Loops a draft token runs before the LM head (after `verify_depth` checked the config)."""
+        if self.method == "wise":
+            return num_loops if self.draft_loops is None else self.draft_loops
+        return max(num_loops // 2, 1) if self.draft_loops is None else self.draft_loops
+
     def verify_depth(self, num_loops: int, wise_config: WiseConfig | None) -> int:
         """The first loop verification recomputes (every loop before it is exact in the draft),
         checked against a model of `num_loops` loops and the engine's WiseConfig ("wise" needs
@@ -483,14 +491,15 @@ class SpeculativeConfig:
             if wise_config is None or not wise_config.reuse_depths:
                 raise ConfigError("speculative method 'wise' needs a WiseConfig with a reuse depth")
             depth = wise_config.reuse_depths[0]
-            if self.draft_loops is not None and self.draft_loops != depth:
-                raise ConfigError(f"speculative method 'wise' verifies from the first reuse depth {depth}; "
-                                  f"draft_loops={self.draft_loops} does not apply (leave it None)")
+            if self.draft_loops is not None and not depth < self.draft_loops <= num_loops:
+                raise ConfigError(f"speculative method 'wise' drafts with loops 0..draft_loops-1, its reuse loops "
+                                  f"from {depth} on sparse: draft_loops must be in [{depth + 1}, {num_loops}] "
+                                  f"(None: every loop), got {self.draft_loops}")
             return depth
         if wise_config is not None:
             raise ConfigError("speculative method 'loops' drafts with dense loops; pass no wise_config "
                               "(method 'wise' drafts with WISE)")
-        depth = max(num_loops // 2, 1) if self.draft_loops is None else self.draft_loops
+        depth = self.draft_end(num_loops)
         if not 1 <= depth < num_loops:
             raise ConfigError(f"SpeculativeConfig.draft_loops must be in [1, {num_loops - 1}] for a model with "
                               f"{num_loops} loops, got {depth}")

@@ -6,8 +6,9 @@ verify depth (`SpeculativeConfig.verify_depth`), D the model's loop count.
    num_draft replaced by `SpeculativeConfig.draft_count` of the request's decayed counts). Draft
    step j (j = 0..k_i) feeds x_j (x_0 the last committed token, then the drafted ones) at
    position n - 1 + j, as a decode step over the rows with k_i >= j (rows sorted by k_i, so they
-   are a prefix): method "wise" runs every loop (discovery dense, reuse sparse), "loops" the
-   loops before d then the LM head; a step in which every row is at its last position runs
+   are a prefix): method "wise" runs its loops (`SpeculativeConfig.draft_end`: every loop, or
+   the first draft_loops; discovery dense, reuse sparse), "loops" the loops before d, then the
+   LM head; a step in which every row is at its last position runs
    only the loops before d. Each step stores its K/V in the planes it runs and saves the hidden
    state after loop d - 1 for verification. The drafted token is chosen on the device (argmax,
    or a sample of the draft distribution q) and fed to the next step: no host sync.
@@ -79,6 +80,7 @@ class Speculator:
         model, c = runner.model, runner.model.config
         self.runner, self.blocks, self.config, self.model = runner, blocks, config, model
         self.depth = config.verify_depth(c.num_loops, None if runner.wise is None else runner.wise.config)
+        self.draft_end = config.draft_end(c.num_loops)
         self.num_draft = k = config.num_draft
         self.queries = q = k + 1
         rows = runner.buckets[-1]
@@ -140,8 +142,9 @@ class Speculator:
 
     # -- the model passes (graph bodies) -------------------------------------------------------------
     def _draft_forward(self, bucket: int, kind: str, width: int) -> torch.Tensor | None:
-        """One draft step of `bucket` rows of `width` pages from step_meta: "full" (every loop),
-        "head" (the loops before the verify depth, then the head) or "partial" (those loops
+        """One draft step of `bucket` rows of `width` pages from step_meta: "full" (the draft's
+        loops, `draft_end`, then the head), "head" (the loops before the verify depth, then the
+        head) or "partial" (those loops
         only) -> logits or None."""
         r, m, model = self.runner, self.step_meta[:, :bucket], self.model
         self.seq_lens[:bucket].copy_(m[self._SEQ_LEN])
@@ -155,7 +158,7 @@ class Speculator:
         if kind == "partial":
             return None
         if kind == "full":
-            h = model.run_loops(h, ctx, range(self.depth, model.config.num_loops))
+            h = model.run_loops(h, ctx, range(self.depth, self.draft_end))
         return model.logits(h)
 
     def _verify_forward(self, bucket: int, width: int) -> torch.Tensor:
