@@ -308,7 +308,7 @@ def mosaic_sweep_configs():
     tile_n x head_dim x 2 bytes, at most ~200 KB on an H200 for head_dim 128)."""
     base = MosaicConfig()
     C = MosaicConfig
-    # Ordered by the H200 sweeps of 2026-12-01 (mosaic_decode's docstring): closest to the
+    # Ordered by the H200 sweeps of 2026-12-01 (docs/kernels/mosaic_decode.md): closest to the
     # default first, the mma products (launch_config's for sparse), wgmma (slower there) and the
     # clearly slower shapes last.
     alternatives = [C(split_keys=2048), C(min_splits=2), C(min_splits=3),
