@@ -1,9 +1,9 @@
 """Timing of the Pallas WISE decode kernels, and of jax's Pallas paged attention, per mode.
 
-    python benchmarks/bench_pallas.py --out DIR            # on a GPU: Ouro-1.4B attention shapes
-    python benchmarks/bench_pallas.py --out DIR --sweep    # also other launch configurations
-    python benchmarks/bench_pallas.py --out DIR --smoke    # CPU, interpreters, tiny shapes
-    python benchmarks/bench_pallas.py --out DIR --impls mosaic --mosaic-config split_keys=2048,min_splits=2
+    python -m benchmarks.bench_pallas --out DIR            # on a GPU: Ouro-1.4B attention shapes
+    python -m benchmarks.bench_pallas --out DIR --sweep    # also other launch configurations
+    python -m benchmarks.bench_pallas --out DIR --smoke    # CPU, interpreters, tiny shapes
+    python -m benchmarks.bench_pallas --out DIR --impls mosaic --mosaic-config split_keys=2048,min_splits=2
 
 `bench_pallas(shapes, densities)` returns rows keyed impl, mode, ctx, batch, density, us, tbps
 (plus config, and error where a case failed); `benchmarks/kernel_bench.py` merges them with the
@@ -38,23 +38,18 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU
 
 import argparse
 import dataclasses
-import datetime
-import json
 import math
-import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
 
-_HERE = Path(__file__).resolve().parent  # runnable as a script from anywhere
-sys.path[:0] = [p for p in (str(_HERE.parent), str(_HERE)) if p not in sys.path]
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from device_trace import device_activity
+from benchmarks import report as rp
+from benchmarks.device_trace import device_activity
 from wise_core import modes as M
 from wise_jax.kernels import mosaic_decode, pallas_decode
 from wise_jax.kernels.mosaic_decode import MosaicConfig
@@ -68,7 +63,7 @@ BLOCK = 32
 JAX_PAGED_SETTINGS = ((4, 2), (8, 1), (8, 2), (16, 1))  # (k_splits, pages_per_compute_block)
 
 
-def _chains(step, chain):
+def chains_of(step, chain):
     """Jitted chains of `step(q, *rest, x) -> q'` of the lengths in `chain`, called as
     run(q, *rest, xs): call i takes xs[i] (distinct buffers of one value), so XLA can neither
     hoist a call's work on x out of the chain nor share it between calls -- a decode step's
@@ -84,8 +79,8 @@ def _chains(step, chain):
     return [(n, chained(n)) for n in chain]
 
 
-def _per_call(x, chain):
-    """max(chain) distinct copies of x, the last argument of `_chains`' runs."""
+def per_call(x, chain):
+    """max(chain) distinct copies of x, the last argument of `chains_of`'s runs."""
     return tuple(jnp.copy(x) for _ in range(max(chain)))
 
 
@@ -121,7 +116,7 @@ def _time_us(chains, args, *, repeats):
     return (medians[1] - medians[0]) / (long - short) * 1e6
 
 
-def _cache(key, ctx, batch, heads, head_dim, page_size, dtype):
+def decode_inputs(key, ctx, batch, heads, head_dim, page_size, dtype):
     """q, k_pages, v_pages, page_table (a shuffled pool), seq_lens (all ctx)."""
     if ctx % page_size:
         raise ValueError(f"ctx {ctx} is not a multiple of the page size {page_size}")
@@ -135,7 +130,7 @@ def _cache(key, ctx, batch, heads, head_dim, page_size, dtype):
     return q, k, v, page_table, jnp.full((batch,), ctx, jnp.int32)
 
 
-def _support(batch, heads, n_blocks, density, contiguous=False):
+def support_of(batch, heads, n_blocks, density, contiguous=False):
     """bool[batch, heads, n_blocks]: every block (density None), else max(1, round(density *
     n_blocks)) blocks per head: random ones (the same in every run), or with contiguous the
     first ones."""
@@ -170,7 +165,7 @@ def _attempt(rows, describe, measure):
                          error=f"{type(e).__name__}: {e}"[:500]))
 
 
-def _pallas_cases(densities, batch):
+def pallas_cases(densities, batch):
     """(mode name, density, per-row modes, support density or None)."""
     half = np.arange(batch) < batch // 2
     cases = [("dense", 1.0, np.full(batch, M.DENSE), None),
@@ -187,7 +182,7 @@ def _bench_kernel_shape(rows, impl, ctx, batch, densities, *, heads, head_dim, p
     """Rows of one kernel (impl "pallas" or "mosaic") at one shape: every mode under
     configs[0], dense and sparse under the others while the sweep's time lasts."""
     decode = {"pallas": pallas_decode, "mosaic": mosaic_decode}[impl].decode_attention
-    q, k, v, page_table, seq_lens = _cache(jax.random.key(ctx + batch), ctx, batch, heads,
+    q, k, v, page_table, seq_lens = decode_inputs(jax.random.key(ctx + batch), ctx, batch, heads,
                                            head_dim, page_size, dtype)
     n_blocks = ctx // BLOCK
     block_bytes = 2 * BLOCK * head_dim * jnp.dtype(dtype).itemsize  # K and V of one block, one head
@@ -206,12 +201,12 @@ def _bench_kernel_shape(rows, impl, ctx, batch, densities, *, heads, head_dim, p
                     return decode(q, k, v, page_table, seq_lens, modes, support, block_size=BLOCK,
                                   eta=0.95, interpret=interpret, config=config, validate=False,
                                   reuse=reuse)[0]
-                chains[config, reuse] = _chains(step, chain)
+                chains[config, reuse] = chains_of(step, chain)
             return chains[config, reuse]
 
         chains = {}
         name = impl if index == 0 else f"{impl}-config"
-        cases = _pallas_cases(densities, batch)
+        cases = pallas_cases(densities, batch)
         if impl == "mosaic":
             cases += [("sparse-plain", *case[1:]) for case in cases if case[0] == "sparse"]
         for mode, density, row_modes, support_density in cases:
@@ -223,7 +218,7 @@ def _bench_kernel_shape(rows, impl, ctx, batch, densities, *, heads, head_dim, p
                 launch = mosaic_decode.launch_config(
                     batch, heads, n_blocks, block_size=BLOCK, reuse=True,
                     n_sm=mosaic_decode.sm_count(interpret))
-            support = _support(batch, heads, n_blocks, support_density,
+            support = support_of(batch, heads, n_blocks, support_density,
                                contiguous=mode == "sparse-contiguous")
             attended = np.where(row_modes == M.SPARSE, np.asarray(support.sum((1, 2))),
                                 heads * n_blocks)
@@ -232,7 +227,7 @@ def _bench_kernel_shape(rows, impl, ctx, batch, densities, *, heads, head_dim, p
             def measure(modes=modes, support=support, attended=attended, mode=mode, density=density,
                         launch=launch, reuse=reuse):
                 us = _time_us(compiled(launch, reuse), (q, k, v, page_table, seq_lens, modes,
-                                                        _per_call(support, chain)), repeats=repeats)
+                                                        per_call(support, chain)), repeats=repeats)
                 return [_row(name, mode, ctx, batch, density, us,
                              float(attended.sum()) * block_bytes, str(launch))]
 
@@ -243,7 +238,7 @@ def _bench_jax_paged_shape(ctx, batch, *, heads, head_dim, page_size, dtype, int
                            repeats):
     """Rows of jax's paged attention, dense and contiguous, each the best setting that runs."""
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
-    q, k, v, page_table, _ = _cache(jax.random.key(ctx + batch), ctx, batch, heads, head_dim,
+    q, k, v, page_table, _ = decode_inputs(jax.random.key(ctx + batch), ctx, batch, heads, head_dim,
                                     page_size, dtype)
     k_heads_first, v_heads_first = k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3)
     pages = ctx // page_size
@@ -254,7 +249,7 @@ def _bench_jax_paged_shape(ctx, batch, *, heads, head_dim, page_size, dtype, int
         def step(q, k, v, page_table, lengths, k_splits=k_splits, per_block=per_block):
             return paged_attention(q, k, v, page_table, lengths, k_splits=k_splits,
                                    pages_per_compute_block=per_block, interpret=interpret)
-        chains[k_splits, per_block] = _chains(step, chain)  # compiled once, run for both modes
+        chains[k_splits, per_block] = chains_of(step, chain)  # compiled once, run for both modes
     rows = []
     for mode, density in (("dense", 1.0), ("contiguous", CONTIGUOUS)):
         lengths = jnp.full((batch,), max(1, round(density * ctx)), jnp.int32)
@@ -263,7 +258,7 @@ def _bench_jax_paged_shape(ctx, batch, *, heads, head_dim, page_size, dtype, int
             setting = f"k_splits={k_splits},pages_per_compute_block={per_block}"
             try:
                 us = _time_us(chains[k_splits, per_block],
-                              (q, k_heads_first, v_heads_first, page_table, _per_call(lengths, chain)),
+                              (q, k_heads_first, v_heads_first, page_table, per_call(lengths, chain)),
                               repeats=repeats)
             except Exception as e:  # a setting that does not run is skipped
                 errors.append(f"{setting}: {type(e).__name__}: {e}"[:300])
@@ -308,7 +303,7 @@ def mosaic_sweep_configs():
     tile_n x head_dim x 2 bytes, at most ~200 KB on an H200 for head_dim 128)."""
     base = MosaicConfig()
     C = MosaicConfig
-    # Ordered by the H200 sweeps of 2026-12-01 (mosaic_decode's docstring): closest to the
+    # Ordered by the H200 sweeps of 2026-12-01 (docs/kernels/mosaic_decode.md): closest to the
     # default first, the mma products (launch_config's for sparse), wgmma (slower there) and the
     # clearly slower shapes last.
     alternatives = [C(split_keys=2048), C(min_splits=2), C(min_splits=3),
@@ -422,15 +417,8 @@ def main(argv=None) -> None:
         rows = bench_pallas(shapes, tuple(float(d) for d in args.densities.split(",")),
                             impls=impls, sweep=args.sweep, sweep_seconds=args.sweep_seconds,
                             jax_paged=not args.no_jax_paged, mosaic_configs=args.mosaic_config)
-    args.out.mkdir(parents=True, exist_ok=True)
-    device = jax.devices()[0]
-    report = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
-                  device=getattr(device, "device_kind", str(device)), jax=jax.__version__,
-                  smoke=args.smoke, rows=rows)
-    (args.out / "bench_pallas.json").write_text(json.dumps(report, indent=1))
-    table = _table(rows)
-    (args.out / "bench_pallas.md").write_text(table + "\n")
-    print(table)
+    report = dict(date=rp.now(), environment=rp.environment("jax"), smoke=args.smoke, rows=rows)
+    print(rp.write_report(args.out, "bench_pallas", report, _table(rows) + "\n"), end="")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Checkpoint loading: wall time and peak host memory of `wise_torch.load_model` and
 `wise_jax.load_model` on an Ouro-1.4B-shaped bf16 checkpoint in two shards (2.87 GB).
 
-    python benchmarks/checkpoint_load_bench.py --out benchmarks/results/cpu-2026-12-01
-    python benchmarks/checkpoint_load_bench.py --smoke --out /tmp/clb     # tiny model, seconds
+    python -m benchmarks.checkpoint_load_bench --out benchmarks/results/cpu-2026-12-01
+    python -m benchmarks.checkpoint_load_bench --smoke --out /tmp/clb     # tiny model, seconds
 
 The checkpoint (random bf16 weights, `--dir`, written once and reused) is loaded into bf16 on
 the CPU, each load in a fresh process: time is `load_model` alone (imports excluded), peak RSS
@@ -25,19 +25,16 @@ import statistics
 import subprocess
 import sys
 import time
-from importlib import metadata
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks import report as rp
 
 TARGET_RATIO = 1.3
 TARGET_SECONDS = 6.0
 
 CHILD = r"""
 import json, sys, time
-sys.path.insert(0, sys.argv[1])
-framework, directory = sys.argv[2], sys.argv[3]
+framework, directory = sys.argv[1], sys.argv[2]
 if framework == "torch":
     import torch, wise_torch
     load = lambda: wise_torch.load_model(directory, dtype=torch.bfloat16)
@@ -94,7 +91,8 @@ def weight_bytes(directory: Path) -> int:
 
 
 def measure(source: Path, framework: str, directory: Path) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, str(source), framework, str(directory)],
+    # run in the checkout: `python -c` puts its working folder first on the path
+    out = subprocess.run([sys.executable, "-c", CHILD, framework, str(directory)], cwd=source,
                          capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     if out.returncode:
         raise RuntimeError(f"{framework} load failed:\n{out.stderr[-3000:]}")
@@ -116,13 +114,8 @@ class Row:
 
 
 def versions() -> dict:
-    out = {"python": platform.python_version()}
-    for package in ("numpy", "torch", "jax", "jaxlib", "safetensors", "ml_dtypes"):
-        try:
-            out[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            out[package] = None
-    return out
+    return {"python": platform.python_version(),
+            **{p: rp.version(p) for p in ("numpy", "torch", "jax", "jaxlib", "safetensors", "ml_dtypes")}}
 
 
 def markdown(rows: list[Row], size: int, info: dict) -> str:
@@ -166,7 +159,7 @@ def main(argv=None) -> int:
         with open(path, "rb") as f:
             while f.read(1 << 26):
                 pass
-    sources = [("this", ROOT)] + ([("baseline", args.baseline.resolve())] if args.baseline else [])
+    sources = [("this", rp.ROOT)] + ([("baseline", args.baseline.resolve())] if args.baseline else [])
     rows, load = [], [os.getloadavg()[0]]
     for version, source in sources:
         for framework in ("torch", "jax"):
@@ -186,10 +179,8 @@ def main(argv=None) -> int:
             "repeats": args.repeats, "versions": versions(), "load_average_1min": [round(x, 2) for x in load],
             "baseline": str(args.baseline) if args.baseline else None,
             "targets": {"peak_over_checkpoint": TARGET_RATIO, "seconds": TARGET_SECONDS}}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "checkpoint_load.json").write_text(
-        json.dumps({**info, "rows": [dataclasses.asdict(r) for r in rows]}, indent=1) + "\n")
-    (args.out / "checkpoint_load.md").write_text(markdown(rows, size, info))
+    rp.write_report(args.out, "checkpoint_load", {**info, "rows": [dataclasses.asdict(r) for r in rows]},
+                    markdown(rows, size, info))
     print(f"wrote {args.out}/checkpoint_load.{{json,md}}", file=sys.stderr)
     return 0
 

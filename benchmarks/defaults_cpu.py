@@ -9,7 +9,7 @@ tokens each with `LLM(model)` (the defaults, max_model_len = max_position_embedd
 call, then --repeats timed calls of `generate`; the best is reported. Writes defaults_cpu.json
 and defaults_cpu.md to --out.
 
-    python3 benchmarks/defaults_cpu.py --out benchmarks/results/cpu-2026-12-03/defaults
+    python -m benchmarks.defaults_cpu --out benchmarks/results/cpu-2026-12-03/defaults
 """
 
 from __future__ import annotations
@@ -18,12 +18,11 @@ import argparse
 import dataclasses
 import datetime
 import json
-import os
-import platform
 import subprocess
-import sys
 import time
 from pathlib import Path
+
+from benchmarks import report as rp
 
 ARMS = {"torch": ("dense", "wise", "spec-wise"), "jax": ("dense", "wise")}
 TARGET = 1.5   # the defaults within this factor of the tight max_model_len's time
@@ -87,8 +86,8 @@ def worker(spec: dict) -> dict:
 
 
 def run_one(spec: dict, timeout: float) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
+    env = rp.module_env(OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run(rp.module_command("defaults_cpu", "--worker", json.dumps(spec)),
                           env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         return dict(error=(done.stdout + done.stderr)[-1500:])
@@ -144,14 +143,11 @@ def main(argv=None) -> dict:
                 row["ratio"] = result["defaults"]["best_s"] / result["tight"]["best_s"]
             rows.append(row)
             print(engine, arm, {k: v.get("best_s", v.get("error", "")[-200:]) for k, v in result.items()}, flush=True)
+    env = rp.environment()
     report = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                  machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                          f"Python {platform.python_version()}", args={k: v for k, v in vars(args).items()
-                                                                       if k not in ("out", "worker")}, rows=rows)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "defaults_cpu.json").write_text(json.dumps(report, indent=1, default=str))
-    (args.out / "defaults_cpu.md").write_text(markdown(report))
-    print(markdown(report))
+                  machine=f"{env['cpu']}, {env['cpu_count']} cores, Python {env['python']}",
+                  args={k: v for k, v in vars(args).items() if k not in ("out", "worker")}, rows=rows)
+    print(rp.write_report(args.out, "defaults_cpu", report, markdown(report)))
     return report
 
 

@@ -1,7 +1,7 @@
 """The fused decode-path kernels of wise_torch.layers against the eager torch chains they replace.
 
-    python benchmarks/fused_ops_bench.py --out DIR            # on an H200: Ouro-1.4B shape, bf16
-    python benchmarks/fused_ops_bench.py --smoke --out DIR    # CPU: Triton interpreter, tiny shapes
+    python -m benchmarks.fused_ops_bench --out DIR            # on an H200: Ouro-1.4B shape, bf16
+    python -m benchmarks.fused_ops_bench --smoke --out DIR    # CPU: Triton interpreter, tiny shapes
 
 Per op and token count (1, 10, 20, 64 by default): microseconds per call of the fused Triton op
 and of the torch chain of today's model (wise_torch.model's ops, op for op), each captured in a
@@ -23,20 +23,15 @@ layer), plus 1 rms_norm. Writes fused_ops_bench.json and fused_ops_bench.md to -
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
-import json
 import os
 import platform
-import sys
 import traceback
 from pathlib import Path
 
-_HERE = Path(__file__).resolve().parent  # runnable as a script from anywhere
-sys.path[:0] = [p for p in (str(_HERE.parent), str(_HERE)) if p not in sys.path]
-
 import torch
 import torch.nn.functional as F
+
+from benchmarks import report as rp
 
 OURO = dict(hidden=2048, inter=5632, heads=16, kv_heads=16, head_dim=128, page_size=128, layers=24, loops=4)
 SMOKE = dict(hidden=128, inter=256, heads=2, kv_heads=2, head_dim=64, page_size=32, layers=2, loops=4)
@@ -242,7 +237,7 @@ def markdown(report: dict) -> str:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=_HERE / "results", help="directory for the JSON and markdown")
+    parser.add_argument("--out", type=Path, default=rp.RESULTS, help="directory for the JSON and markdown")
     parser.add_argument("--batches", type=parse_ints, default=None, help="token counts (default 1,10,20,64)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--reps", type=int, default=20, help="calls per CUDA graph")
@@ -254,18 +249,16 @@ def main(argv=None) -> dict:
         parser.error("without a CUDA GPU only --smoke runs (the Triton kernels need CUDA or the interpreter)")
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before wise_torch.kernels.fused is imported
-    from kernel_bench import Timer
+    from benchmarks.kernel_bench import Timer
 
     shape = SMOKE if args.smoke else OURO
     batches = args.batches or (SMOKE_BATCHES if args.smoke else BATCHES)
     dtype = getattr(torch, args.dtype)
     timer = Timer(device, reps=args.reps, replays=args.replays)
     report = dict(
-        date=datetime.datetime.now().isoformat(timespec="seconds"), host=platform.node(), dtype=args.dtype,
+        date=rp.now(), host=platform.node(), dtype=args.dtype,
         shape=shape, timing="CUDA-graph replay" if device == "cuda" else "eager (CPU smoke)",
-        environment=dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
-                         triton=importlib.metadata.version("triton"), python=platform.python_version()),
-        rows=[])
+        environment=rp.environment("torch"), rows=[])
     print(f"{'op':>20} {'tokens':>6} {'chain us':>9} {'fused us':>9} {'speedup':>8} {'check':>10}")
     with torch.inference_mode():
         for n in batches:
@@ -287,11 +280,7 @@ def main(argv=None) -> dict:
                     row["error"] = f"{type(e).__name__}: {e}"[:500]
                 report["rows"].append(row)
     report["per_step"] = per_step(report["rows"], shape)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fused_ops_bench.json").write_text(json.dumps(report, indent=2))
-    text = markdown(report)
-    (args.out / "fused_ops_bench.md").write_text(text)
-    print(text)
+    print(rp.write_report(args.out, "fused_ops_bench", report, markdown(report)))
     return report
 
 

@@ -1,7 +1,7 @@
 """The decode projections at a few rows: cuBLAS (`F.linear`) against a Triton skinny kernel
 (`gemv`, below) over a sweep of launches, as a share of HBM bandwidth.
 
-    python benchmarks/gemv_bench.py --out DIR          # on an H200
+    python -m benchmarks.gemv_bench --out DIR          # on an H200
 
 The kernel: program p of the grid [cdiv(n, block_n)] owns output columns [p * block_n, (p + 1) *
 block_n) of every row (at most MAX_ROWS); it walks k in `block_k` tiles, loading a [block_n,
@@ -19,7 +19,6 @@ Per shape the sweep's best launch at m = 1 and m = 8, and what one decode step's
 from __future__ import annotations
 
 import argparse
-import datetime
 import dataclasses
 import itertools
 import json
@@ -29,6 +28,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from benchmarks import report as rp
 
 MAX_ROWS = 8   # the most rows a call takes
 
@@ -171,17 +172,15 @@ def main(argv=None) -> dict:
                 print(json.dumps(row), flush=True)
         weights.clear()
         torch.cuda.empty_cache()
-    report = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
-                  environment=f"torch {torch.__version__}; {torch.cuda.get_device_name()}", rows=rows_out)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gemv_bench.json").write_text(json.dumps(report, indent=1))
-    (args.out / "gemv_bench.md").write_text(markdown(report, rows_list))
+    report = dict(date=rp.now(), environment=rp.environment("torch"), rows=rows_out)
+    rp.write_report(args.out, "gemv_bench", report, markdown(report, rows_list))
     return report
 
 
 def markdown(report: dict, rows_list: list[int]) -> str:
     ok = [r for r in report["rows"] if "us" in r]
-    out = [f"# Decode projections at few rows ({report['date']})", "", report["environment"], "",
+    env = report["environment"]
+    out = [f"# Decode projections at few rows ({report['date']})", "", f"torch {env['torch']}; {env['device']}", "",
            "us per call (share of 4.3 TB/s); triton: the sweep's best launch (block_n, block_k, warps, stages).", "",
            "| shape | m | cuBLAS | cuBLAS mv | triton best | launch | triton / cuBLAS |", "|---|---|---|---|---|---|---|"]
     step = {impl: {m: 0.0 for m in rows_list} for impl in ("cublas", "triton")}

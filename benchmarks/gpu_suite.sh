@@ -2,7 +2,7 @@
 # Every GPU test and benchmark of the project, in parts, for one H200 (tp: two):
 #   bash benchmarks/gpu_suite.sh tests|train|bench|engine|jax|jax-bench|jax-tests|step-profile|pallas|pallas-sweep|kernel-profile|tp OUTDIR [MODEL_DIR]
 # tests: the `gpu`-marked pytest suite, the parity suite;
-# train: trains the built-in model (benchmarks/train_builtin.py) into OUTDIR/model;
+# train: trains the built-in model (benchmarks.train_builtin) into OUTDIR/model;
 # engine: the torch engine's gpu tests, the fused-ops benchmark and the engine throughput
 #         benchmark (dense and WISE at 1K x 64, 4K x 20, 8K x 10, 1K x 1; ARMS, SHAPES, Q_SCALES override;
 #         SPEC adds speculative arms, e.g. SPEC="--spec wise --spec loops --num-draft 4");
@@ -12,7 +12,7 @@
 #      selection in generate, the Pallas kernel in generate, parity's kernel checks) and the decode
 #      contract compiled for the GPU;
 # step-profile: where a decode step's time goes, torch and JAX, dense and WISE, constructor defaults
-#               (benchmarks/step_profile.py at 1K x 64 and 1K x 1; SHAPES, Q_SCALES, FRAMEWORKS override),
+#               (benchmarks.step_profile at 1K x 64 and 1K x 1; SHAPES, Q_SCALES, FRAMEWORKS override),
 #               about 5 minutes;
 # pallas: both Pallas kernels' gpu tests (Triton-lowered, Mosaic GPU) and the kernel benchmark, about 4 minutes;
 # pallas-sweep: the kernel benchmark with both Pallas kernels' launch sweeps (PALLAS_SWEEP seconds per kernel
@@ -20,11 +20,12 @@
 # kernel-profile: each kernel of a Pallas decode-attention call under the profiler (both kernels, every
 #                 mode, the Ouro shapes; SHAPES, IMPLS override), about 3 minutes;
 # tp: on a host with two GPUs, the tensor-parallel gpu tests (torch and JAX) and the scaling benchmarks
-#     (1 and 2 GPUs, dense and WISE, Ouro-1.4B shape at 1K x 64 and 8K x 20: torch's tp_scaling.py, JAX's
+#     (1 and 2 GPUs, dense and WISE, Ouro-1.4B shape at 1K x 64 and 8K x 20: torch's benchmarks.tp_scaling, JAX's
 #     +tp2 arms); NCCL_NVLS_ENABLE=0 (NVLink multicast off); each `run` fits a 10-minute slot;
 # bench: the kernel benchmark (Triton, Pallas, cuDNN SDPA, FlashAttention-4 when importable) and
 #        the WISE quality run on MODEL_DIR when given.
-# Logs and results go to OUTDIR. The project runs from the source tree (PYTHONPATH).
+# Logs and results go to OUTDIR. The project runs from the source tree (PYTHONPATH), the benchmarks as
+# `python3 -m benchmarks.NAME` from its root.
 set -uo pipefail
 part=$1; out=$2; model=${3:-}
 cd "$(dirname "$0")/.."
@@ -45,26 +46,26 @@ case $part in
     run parity 150 python3 -m parity --json "$out/parity_h200.json" --details failures
     ;;
   train)
-    run train 540 python3 benchmarks/train_builtin.py --minutes "${TRAIN_MINUTES:-5}" --out "$out/model"
+    run train 540 python3 -m benchmarks.train_builtin --minutes "${TRAIN_MINUTES:-5}" --out "$out/model"
     ;;
   bench)
-    run kernel_bench 330 python3 benchmarks/kernel_bench.py --out "$out/kernel" --sweep-seconds 90
+    run kernel_bench 330 python3 -m benchmarks.kernel_bench --out "$out/kernel" --sweep-seconds 90
     if [ -n "$model" ]; then
-      run quality 120 python3 benchmarks/quality.py text --model "$model" --out "$out/quality" --quiet
+      run quality 120 python3 -m benchmarks.quality text --model "$model" --out "$out/quality" --quiet
     fi
     ;;
   engine)
     run torch_gpu_tests 420 python3 -m pytest -q -m gpu tests/test_torch_gpu.py tests/test_layers.py \
         tests/test_fused_compile.py tests/test_triton_decode.py tests/test_torch_speculative_gpu.py \
         -p no:cacheprovider -rfE -s
-    run fused_ops 120 python3 benchmarks/fused_ops_bench.py --out "$out/fused_ops"
-    run throughput 540 python3 benchmarks/throughput.py --preset ouro-1.4b --arms "${ARMS:-dense,wise}" \
+    run fused_ops 120 python3 -m benchmarks.fused_ops_bench --out "$out/fused_ops"
+    run throughput 540 python3 -m benchmarks.throughput --preset ouro-1.4b --arms "${ARMS:-dense,wise}" \
         --shapes "${SHAPES:-1024x64,4096x20,8192x10,1024x1}" --q-scale "${Q_SCALES:-8,7.3,7,8}" \
         --max-num-batched-tokens 81920 ${OLD_SRC:+--old-src "$OLD_SRC"} ${SPEC:-} --out "$out/throughput"
     ;;
   jax|jax-bench|jax-tests)
     if [ "$part" != jax-tests ]; then
-      run jax_throughput 560 python3 benchmarks/jax_generate_bench.py --preset ouro-1.4b --arms "${JAX_ARMS:-dense,wise}" \
+      run jax_throughput 560 python3 -m benchmarks.jax_generate_bench --preset ouro-1.4b --arms "${JAX_ARMS:-dense,wise}" \
           --shapes "${SHAPES:-1024x64,4096x20,8192x10,1024x1}" --q-scale "${Q_SCALES:-8,7.3,7,8}" \
           --prefill-shapes 32768x2 --child-timeout 150 --out "$out/jax_throughput"
     fi
@@ -75,33 +76,33 @@ case $part in
     fi
     ;;
   step-profile)
-    run step_profile 560 python3 benchmarks/step_profile.py --frameworks "${FRAMEWORKS:-torch,jax}" \
+    run step_profile 560 python3 -m benchmarks.step_profile --frameworks "${FRAMEWORKS:-torch,jax}" \
         --shapes "${SHAPES:-1024x64,1024x1}" --q-scale "${Q_SCALES:-8,8}" --child-timeout 150 --out "$out/step_profile"
     ;;
   pallas)
     run pallas_gpu_tests 150 python3 -m pytest -q -m gpu tests/test_pallas_decode.py tests/test_mosaic_decode.py \
         tests/test_pallas_lowering.py -p no:cacheprovider -rfE --durations=10
-    run kernel_bench 180 python3 benchmarks/kernel_bench.py --out "$out/kernel" --no-sweep --densities 0.13 \
+    run kernel_bench 180 python3 -m benchmarks.kernel_bench --out "$out/kernel" --no-sweep --densities 0.13 \
         --pallas-chain 2,16 --no-jax-paged
     ;;
   pallas-sweep)
     sweep=${PALLAS_SWEEP:-40}
-    run kernel_bench_sweep $((120 + 6 * sweep)) python3 benchmarks/kernel_bench.py --out "$out/kernel_sweep" --no-sweep \
+    run kernel_bench_sweep $((120 + 6 * sweep)) python3 -m benchmarks.kernel_bench --out "$out/kernel_sweep" --no-sweep \
         --densities 0.13 --pallas-chain 2,16 --no-jax-paged --pallas-sweep-seconds "$sweep"
     ;;
   kernel-profile)
-    run kernel_profile 300 python3 benchmarks/kernel_profile.py --out "$out/kernel_profile" \
+    run kernel_profile 300 python3 -m benchmarks.kernel_profile --out "$out/kernel_profile" \
         --shapes "${SHAPES:-1024x64,4096x20,8192x10}" --impls "${IMPLS:-pallas,mosaic}"
     ;;
   tp)
     export NCCL_NVLS_ENABLE=0
     run tp_gpu_tests 540 python3 -m pytest -q -m gpu tests/test_torch_tensor_parallel_gpu.py tests/test_jax_sharding_gpu.py \
         -p no:cacheprovider -rfE -s
-    run tp_scaling_1k 540 python3 benchmarks/tp_scaling.py --preset ouro-1.4b --shapes 1024x64 --q-scale 8 \
+    run tp_scaling_1k 540 python3 -m benchmarks.tp_scaling --preset ouro-1.4b --shapes 1024x64 --q-scale 8 \
         --child-timeout 240 --out "$out/tp_scaling_1k"
-    run tp_scaling_8k 540 python3 benchmarks/tp_scaling.py --preset ouro-1.4b --shapes 8192x20 --q-scale 7 \
+    run tp_scaling_8k 540 python3 -m benchmarks.tp_scaling --preset ouro-1.4b --shapes 8192x20 --q-scale 7 \
         --child-timeout 240 --out "$out/tp_scaling_8k"
-    run tp_jax 540 python3 benchmarks/jax_generate_bench.py --preset ouro-1.4b --arms dense,dense+tp2,wise,wise+tp2 \
+    run tp_jax 540 python3 -m benchmarks.jax_generate_bench --preset ouro-1.4b --arms dense,dense+tp2,wise,wise+tp2 \
         --shapes 1024x64,8192x20 --q-scale 8,7 --child-timeout 120 --out "$out/tp_jax"
     ;;
   *) echo "unknown part $part (tests|train|bench|engine|jax|jax-bench|jax-tests|step-profile|pallas|tp)" >&2; exit 2;;

@@ -1,16 +1,16 @@
 """Decode throughput of the JAX serving engine (wise_jax.LLM): dense, WISE, their variants, and prefill.
 
-    python benchmarks/jax_generate_bench.py --shapes 1024x64,4096x20,8192x10,1024x1 --q-scale 8,7.3,7,8 \\
+    python -m benchmarks.jax_generate_bench --shapes 1024x64,4096x20,8192x10,1024x1 --q-scale 8,7.3,7,8 \\
         --prefill-shapes 32768x2 --out benchmarks/results/DIR                           # on an H200
-    python benchmarks/jax_generate_bench.py --preset test-tiny --dtype float32 --kernel reference \\
+    python -m benchmarks.jax_generate_bench --preset test-tiny --dtype float32 --kernel reference \\
         --shapes 64x3 --new-tokens 6 --arms dense,wise --out /tmp/jb                    # CPU smoke
 
-Method: benchmarks/throughput.py's (the reference system's), and its code where the job is the
+Method: `benchmarks.throughput`'s (the reference system's), and its code where the job is the
 same (`run_cohort`, the roofline, the targets): a cohort of C concurrent requests of exactly L
 prompt tokens (random ids, seed fixed per shape), greedy, N output tokens each with ignore_eos;
 decode throughput counts the tokens generated after the step in which the whole cohort has its
 first token, over the time from that step to the last. Each (shape, arm) runs in a fresh process
-(this script with --worker) with the same KV pool (the cohort's pages + 1), after one untimed
+(this module with --worker) with the same KV pool (the cohort's pages + 1), after one untimed
 warm-up cohort of --warmup-tokens new tokens (it compiles the cohort's programs: its prefill,
 and the decode step at the cohort's batch bucket and context bucket), then --repeats timed
 cohorts, all printed. Compiled
@@ -47,25 +47,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
-import os
 import platform
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
 
-_HERE = Path(__file__).resolve().parent
-_ROOT = _HERE.parent
-if str(_HERE) not in sys.path:
-    sys.path.insert(0, str(_HERE))
-
-from throughput import (_density, _fmt, base_of, cohort_pages, engine_standing, parse_floats,  # noqa: E402
-                        parse_shapes, plot, prepare_old_src, roofline, run_cohort, stats_dict, table)
+from benchmarks import report as rp
+from benchmarks.throughput import (base_of, cohort_pages, density_text, engine_standing, parse_floats, parse_shapes,
+                                   plot, prepare_old_src, roofline, run_cohort, stats_dict, table)
 
 # dense-default / wise-default: `LLM(params, config)` / `LLM(params, config, wise_config=WiseConfig())`,
 # every other constructor argument at its default (pool, max_num_seqs, max_model_len, kernel).
@@ -124,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hbm-tbps", type=float, default=4.3, help="memory bandwidth of the roofline")
     p.add_argument("--child-timeout", type=float, default=600, help="seconds per (shape, arm) process")
     p.add_argument("--compile-cache", type=Path, help="persistent compilation cache (default: one per run)")
-    p.add_argument("--out", type=Path, default=_HERE / "results")
+    p.add_argument("--out", type=Path, default=rp.RESULTS)
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one (shape, arm) from a JSON spec file
     return p
 
@@ -146,15 +139,7 @@ def check_args(parser: argparse.ArgumentParser, args) -> list[float]:
 
 
 # -- workers (one process per (shape, arm)) ---------------------------------------------------------------------
-def _environment() -> dict:
-    import jax
-    import jaxlib
-    device = jax.devices()[0]
-    return dict(device=f"{device.platform}: {device.device_kind}", jax=jax.__version__, jaxlib=jaxlib.__version__,
-                python=platform.python_version(), xla_flags=os.environ.get("XLA_FLAGS", ""))
-
-
-def _setup(spec: dict):
+def cohort_setup(spec: dict):
     """(config, params, prompts) of the spec: random weights drawn on the device."""
     import jax
     import jax.numpy as jnp
@@ -180,7 +165,7 @@ def _engine_worker(spec: dict) -> dict:
     import wise_jax
     from wise_core.config import WiseConfig
     from wise_jax.params import split_projections
-    config, params, prompts = _setup(spec)
+    config, params, prompts = cohort_setup(spec)
     mode, options = parse_arm(spec["arm"])
     if "unfused" in options:
         params = split_projections(config, params)
@@ -216,10 +201,10 @@ def _engine_worker(spec: dict) -> dict:
 
 
 def _old_worker(spec: dict) -> dict:
-    """The pre-engine generate, imported from the old source tree (first on sys.path)."""
+    """The pre-engine generate, imported from the old source tree (first on the path: PYTHONPATH)."""
     import wise_jax
     from wise_core.config import WiseConfig
-    config, params, prompts = _setup(spec)
+    config, params, prompts = cohort_setup(spec)
     wise_config = WiseConfig(eta=spec["eta"], kernel=spec["kernel"]) if spec["arm"] == "old-wise" else None
 
     def run(tokens: int) -> dict:
@@ -244,35 +229,24 @@ def _old_worker(spec: dict) -> dict:
 
 def worker_main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    sys.path.insert(0, spec["old_src"] or str(_ROOT))
     try:
         result = (_old_worker if spec["arm"].startswith("old") else _engine_worker)(spec)
-        result["environment"] = _environment()
+        result["environment"] = rp.environment("jax")
     except Exception as e:  # reported in the row; the other arms go on
         traceback.print_exc()
         result = dict(status=f"error: {type(e).__name__}: {e}"[:800])
     Path(spec["result"]).write_text(json.dumps(result, default=str))
 
 
-def arm_env(arm: str, extra_flags: tuple[str, ...] = (), **extra: str) -> dict:
-    """The environment of an arm's worker process: this one's, with `extra` and the arm's XLA
-    flags (and `extra_flags`) added."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
+def arm_env(arm: str, extra_flags: tuple[str, ...] = (), first: str | None = None, **extra: str) -> dict:
+    """The environment of an arm's worker process: this one's, `first` (an old source tree) and
+    the repository on its path, with `extra` and the arm's XLA flags (and `extra_flags`) added."""
+    env = rp.module_env(first, PYTHONUNBUFFERED="1", **extra)
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
     flags = [XLA_FLAGS[o] for o in parse_arm(arm)[1] if o in XLA_FLAGS] + list(extra_flags)
     if flags:
         env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", "")] + flags).strip()
     return env
-
-
-def spawn(script: Path, spec_path: Path, env: dict, timeout: float):
-    """Run `script --worker spec_path` in a fresh process: its CompletedProcess, or a status dict
-    when it ran past `timeout` seconds."""
-    try:
-        return subprocess.run([sys.executable, str(Path(script).resolve()), "--worker", str(spec_path)],
-                              env=env, timeout=timeout, capture_output=True, text=True)
-    except subprocess.TimeoutExpired:
-        return dict(status=f"error: timed out after {timeout:.0f} s")
 
 
 def run_worker(spec: dict, timeout: float, workdir: Path, compile_cache: Path) -> dict:
@@ -281,11 +255,14 @@ def run_worker(spec: dict, timeout: float, workdir: Path, compile_cache: Path) -
     spec = dict(spec, result=str(workdir / f"{name}.result.json"))
     spec_path = workdir / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
-    env = arm_env(spec["arm"], JAX_COMPILATION_CACHE_DIR=str(compile_cache),
+    env = arm_env(spec["arm"], first=spec.get("old_src"), JAX_COMPILATION_CACHE_DIR=str(compile_cache),
                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    done = spawn(Path(__file__), spec_path, env, timeout)
-    if isinstance(done, dict):
-        return done
+    try:
+        done = subprocess.run(rp.module_command("jax_generate_bench", "--worker", str(spec_path)),
+                              cwd=workdir if spec.get("old_src") else None, env=env, timeout=timeout,
+                              capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        return dict(status=f"error: timed out after {timeout:.0f} s")
     log = (done.stdout + done.stderr).strip()
     if done.returncode != 0 or not Path(spec["result"]).exists():
         return dict(status=f"error: worker exited {done.returncode}: {log[-600:]}")
@@ -368,15 +345,15 @@ def markdown(report: dict) -> str:
               "|---|---|---|---|---|---|---|---|"]
     for s in report["summary"]:
         lines.append(f"| {s['context']} x {s['batch']} | {s['arm']} | {s['decode_tokens_per_s']:.1f} | "
-                     f"{s['ms_per_step']:.2f} | {s['roofline_share']:.0%} | {_fmt(s['over_dense'], '.2f')} | "
-                     f"{_fmt(s['over_base'], '.2f')} | {_density(s['density'])} |")
+                     f"{s['ms_per_step']:.2f} | {s['roofline_share']:.0%} | {rp.fmt(s['over_dense'], '.2f')} | "
+                     f"{rp.fmt(s['over_base'], '.2f')} | {density_text(s['density'])} |")
     prefill = [r for r in report["rows"] if r.get("prefill_only")]
     if prefill:
         lines += ["", "## Prefill", "", "| ctx x batch | repeat | prefill s | prompt tok/s | status |",
                   "|---|---|---|---|---|"]
         for r in prefill:
             lines.append(f"| {r['context']} x {r['batch']} | {'' if r['repeat'] is None else r['repeat'] + 1} | "
-                         f"{_fmt(r.get('prefill_s'), '.2f')} | {_fmt(r.get('prefill_tokens_per_s'), '.0f')} | "
+                         f"{rp.fmt(r.get('prefill_s'), '.2f')} | {rp.fmt(r.get('prefill_tokens_per_s'), '.0f')} | "
                          f"{r['status']} |")
     lines += ["", "## Targets", "", "| target | shape | measured | met |", "|---|---|---|---|"]
     for t in report["standing"]:
@@ -385,10 +362,7 @@ def markdown(report: dict) -> str:
 
 
 def write_report(report: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{STEM}.json").write_text(json.dumps(report, indent=2, default=str))
-    (out / f"{STEM}.md").write_text(markdown(report))
-    plot(report, out / f"{STEM}.png")
+    rp.write_report(out, STEM, report, markdown(report), lambda path: plot(report, path))
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -398,8 +372,6 @@ def main(argv: list[str] | None = None) -> dict | None:
         worker_main(args.worker)
         return None
     scales = check_args(parser, args)
-    if str(_ROOT) not in sys.path:
-        sys.path.insert(0, str(_ROOT))
     from wise_core.config import PRESETS
     if args.preset not in PRESETS:
         raise SystemExit(f"unknown --preset {args.preset!r}; one of {sorted(PRESETS)}")
@@ -411,7 +383,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     try:
         old = any(a.startswith("old") for a in args.arms)
         old_src = prepare_old_src(args, workdir, ("wise_core", "wise_jax")) if old else None
-        report = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), host=platform.node(),
+        report = dict(date=rp.now(), host=platform.node(),
                       model=f"random {args.preset} (std {args.std}, seed 0)", config=dataclasses.asdict(config),
                       old_src=old_src, args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                       environment=None, rows=[], summary=[], standing=[])
@@ -442,8 +414,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                 report["rows"].append(row)
                 print(f"{context:>6} x {batch:<4} {label:>16} {i + 1:>3} {row['decode_tokens_per_s']:>9.1f} "
                       f"{row['ms_per_step']:>8.2f} {row['roofline_tokens_per_s']:>10.0f} "
-                      f"{row['roofline_share']:>6.0%} {_density(row['density'])}  prefill "
-                      f"{_fmt(row['prefill_s'], '.2f')} s  remat warnings {row['remat_warnings']}", flush=True)
+                      f"{row['roofline_share']:>6.0%} {density_text(row['density'])}  prefill "
+                      f"{rp.fmt(row['prefill_s'], '.2f')} s  remat warnings {row['remat_warnings']}", flush=True)
             report["summary"] = summarize(report["rows"])
             report["standing"] = engine_standing(report["summary"])
             write_report(report, args.out)  # after every arm: a run cut short still leaves a report

@@ -1,6 +1,6 @@
 """Long prompts on a CPU: wise_jax.generate against wise_torch.generate, time and peak memory.
 
-    python benchmarks/jax_long_prompt_check.py --out benchmarks/results/DIR
+    python -m benchmarks.jax_long_prompt_check --out benchmarks/results/DIR
 
 The case of issue 12: a tiny random model (test-tiny: 2 layers x 4 loops, hidden 128, fp32, with
 max_position_embeddings raised to 16384) prefills prompts of 12,000 and 6,000 tokens and decodes
@@ -13,18 +13,15 @@ jax_long_prompt_check.json and .md to --out.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import resource
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-_HERE = Path(__file__).resolve().parent
-_ROOT = _HERE.parent
+from benchmarks import report as rp
+
 STEM = "jax_long_prompt_check"
 
 
@@ -42,7 +39,6 @@ def _case(args):
 
 
 def worker(args) -> dict:
-    sys.path.insert(0, str(_ROOT))
     config, tensors, prompts = _case(args)
     start = time.perf_counter()
     if args.worker == "jax":
@@ -71,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--frameworks", default="jax,torch")
     p.add_argument("--rss-limit-gb", type=float, default=3.0)
-    p.add_argument("--out", type=Path, default=_HERE / "results")
+    p.add_argument("--out", type=Path, default=rp.RESULTS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -79,9 +75,9 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     runs, load = {}, [os.getloadavg()[0]]
     for framework in args.frameworks.split(","):
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", framework, "--new-tokens",
-               str(args.new_tokens), "--lengths", ",".join(map(str, args.lengths))]
-        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        cmd = rp.module_command(STEM, "--worker", framework, "--new-tokens", str(args.new_tokens),
+                                "--lengths", ",".join(map(str, args.lengths)))
+        done = subprocess.run(cmd, capture_output=True, text=True, env=rp.module_env(JAX_PLATFORMS="cpu"))
         if done.returncode != 0:
             raise SystemExit(f"{framework} worker failed:\n{done.stderr[-3000:]}")
         runs[framework] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -89,15 +85,14 @@ def main(argv: list[str] | None = None) -> dict:
         r = runs[framework]
         print(f"{framework}: {r['wall_s']:.1f} s (prefill {r['prefill_s']:.1f} s, decode {r['decode_s']:.1f} s), "
               f"peak RSS {r['peak_rss_gb']:.2f} GB", flush=True)
-    report = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), host=platform.node(),
-                  python=platform.python_version(), cpus=os.cpu_count(), load_average=load, lengths=args.lengths,
+    env = rp.environment()
+    report = dict(date=rp.now(), host=env["host"], python=env["python"], cpus=env["cpu_count"],
+                  load_average=load, lengths=args.lengths,
                   new_tokens=args.new_tokens, runs=runs)
     if "jax" in runs:
         report["jax_within_rss_limit"] = runs["jax"]["peak_rss_gb"] <= args.rss_limit_gb
     if {"jax", "torch"} <= set(runs):
         report["same_tokens"] = runs["jax"]["tokens"] == runs["torch"]["tokens"]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{STEM}.json").write_text(json.dumps(report, indent=1) + "\n")
     lines = [f"# Long prompts on a CPU ({report['date']}, {report['host']}, python {report['python']})", "",
              f"test-tiny (2 layers x 4 loops, fp32, random weights), prompts of {args.lengths} tokens, "
              f"{args.new_tokens} greedy new tokens; each framework in its own process. {os.cpu_count()} CPUs; "
@@ -113,8 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "jax_within_rss_limit" in report:
         within = "yes" if report["jax_within_rss_limit"] else "NO"
         lines.append(f"JAX peak RSS within {args.rss_limit_gb} GB: {within}.")
-    (args.out / f"{STEM}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(rp.write_report(args.out, STEM, report, "\n".join(lines) + "\n"), end="")
     return report
 
 

@@ -1,7 +1,7 @@
 """Decode-attention benchmark: the Triton WISE kernel per mode against cuDNN SDPA and FlashAttention-4.
 
-    python benchmarks/kernel_bench.py                       # on an H200: Ouro-1.4B attention
-    python benchmarks/kernel_bench.py --smoke --out DIR     # CPU: Triton interpreter, tiny shapes
+    python -m benchmarks.kernel_bench                       # on an H200: Ouro-1.4B attention
+    python -m benchmarks.kernel_bench --smoke --out DIR     # CPU: Triton interpreter, tiny shapes
 
 Ouro-1.4B attention: 16 heads x head_dim 128, bf16, pages of 128 keys scattered over the pool,
 every row at seq_len = ctx; (ctx, batch) = 1K x 64, 4K x 20, 8K x 10. Per call time from a CUDA
@@ -17,7 +17,7 @@ attended / time:
 - impl "sdpa-cudnn" (torch SDPA, cuDNN backend, contiguous K/V): dense, and mode contiguous: the
   first density * ctx keys, the floor of a sparse kernel at that density;
 - impl "fa4" (flash_attn.cute paged decode, same pages), dense and contiguous, when importable;
-- the rows of benchmarks/bench_pallas.py's `bench_pallas` when JAX has a GPU: impl "pallas"
+- the rows of `benchmarks.bench_pallas.bench_pallas` when JAX has a GPU: impl "pallas"
   (the Triton-lowered Pallas kernel) and impl "mosaic" (its split kernel on Mosaic GPU), modes
   dense, discover, sparse, discover+sparse, and jax's paged attention; impl "pallas-best" is
   the faster of the two Pallas kernels per shape, mode and density (derived, for the targets).
@@ -34,22 +34,16 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX shares th
 
 import argparse
 import dataclasses
-import datetime
-import importlib.metadata
 import json
 import math
-import platform
-import sys
 import time
 import traceback
 from pathlib import Path
 
-_HERE = Path(__file__).resolve().parent  # runnable as a script from anywhere
-sys.path[:0] = [p for p in (str(_HERE.parent), str(_HERE)) if p not in sys.path]
-
 import torch
 import torch.nn.functional as F
 
+from benchmarks import report as rp
 from wise_core import modes as M
 
 BLOCK = 32
@@ -337,14 +331,14 @@ def bench_baselines(rows, p: Problem, densities, timer: Timer, notes) -> None:
 
 
 def bench_pallas_rows(shapes, densities, notes, **kwargs) -> list[dict]:
-    """benchmarks/bench_pallas.py's rows (kwargs: bench_pallas's), when JAX has a GPU."""
+    """`benchmarks.bench_pallas`'s rows (kwargs: bench_pallas's), when JAX has a GPU."""
     try:
         import jax
         if jax.default_backend() != "gpu":
             note = f"Pallas skipped: JAX runs on {jax.default_backend()}, not a GPU"
             notes.extend([note] if note not in notes else [])
             return []
-        from bench_pallas import bench_pallas
+        from benchmarks.bench_pallas import bench_pallas
         return bench_pallas(shapes, densities, **kwargs)
     except Exception as e:  # the Pallas rows are optional
         traceback.print_exc()
@@ -428,10 +422,6 @@ def pallas_against_triton(rows, shapes) -> list[dict]:
     return out
 
 
-def _fmt(x, spec=".1f"):
-    return "-" if x is None or x != x else format(x, spec)
-
-
 def markdown(report) -> str:
     env = report["environment"]
     lines = [f"# Decode-attention kernel benchmark ({report['date']})", "",
@@ -442,7 +432,7 @@ def markdown(report) -> str:
              "## Targets", "", "| target | ctx x batch | ratio | bound | result |", "|---|---|---|---|---|"]
     for t in report["standing"]:
         result = "n/a" if t["passed"] is None else ("pass" if t["passed"] else "FAIL")
-        lines.append(f"| {t['target']} | {t['ctx']} x {t['batch']} | {_fmt(t['ratio'], '.3f')} | "
+        lines.append(f"| {t['target']} | {t['ctx']} x {t['batch']} | {rp.fmt(t['ratio'], '.3f')} | "
                      f"{t['bound']} | {result} |")
     if report.get("pallas_vs_triton"):
         lines += ["", "## Pallas kernels against Triton", "",
@@ -453,8 +443,8 @@ def markdown(report) -> str:
                   "| mosaic / triton |", "|---|---|---|---|---|---|---|---|"]
         for e in report["pallas_vs_triton"]:
             lines.append(f"| {e['ctx']} x {e['batch']} | {e['mode']} | {e['density']:.2f} | "
-                         f"{_fmt(e['triton_us'])} | {_fmt(e['pallas_us'])} | {_fmt(e['mosaic_us'])} | "
-                         f"{_fmt(e['pallas_vs_triton'], '.3f')} | {_fmt(e['mosaic_vs_triton'], '.3f')} |")
+                         f"{rp.fmt(e['triton_us'])} | {rp.fmt(e['pallas_us'])} | {rp.fmt(e['mosaic_us'])} | "
+                         f"{rp.fmt(e['pallas_vs_triton'], '.3f')} | {rp.fmt(e['mosaic_vs_triton'], '.3f')} |")
     for kernel, best in [("triton", report["best_configs"])] + sorted(report.get("pallas_best_configs", {}).items()):
         if kernel != "triton" and not best["per_shape"]:
             continue
@@ -464,8 +454,8 @@ def markdown(report) -> str:
                   "over cuDNN SDPA dense.", "",
                   "| ctx x batch | mode | table's us | fastest us | ratio | fastest config |", "|---|---|---|---|---|---|"]
         for b in best["per_shape"]:
-            lines.append(f"| {b['ctx']} x {b['batch']} | {b['mode']} | {_fmt(b['table_us'])} | {_fmt(b['us'])} | "
-                         f"{_fmt(b['vs_cudnn_dense'], '.3f')} | {b['config']} |")
+            lines.append(f"| {b['ctx']} x {b['batch']} | {b['mode']} | {rp.fmt(b['table_us'])} | {rp.fmt(b['us'])} | "
+                         f"{rp.fmt(b['vs_cudnn_dense'], '.3f')} | {b['config']} |")
         if best["overall"]:
             lines += ["", "One configuration for every shape (tried at all of them), per mode: the three with the "
                       "smallest geometric mean of time over the shape's fastest.", "",
@@ -478,16 +468,13 @@ def markdown(report) -> str:
               "|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         lines.append(f"| {r['impl']} | {r['mode']} | {r['ctx']} x {r['batch']} | {r['density']:.2f} | "
-                     f"{_fmt(r['us'])} | {_fmt(r['tbps'], '.2f')} | {r.get('error') or r.get('config', '')} |")
+                     f"{rp.fmt(r['us'])} | {rp.fmt(r['tbps'], '.2f')} | {r.get('error') or r.get('config', '')} |")
     return "\n".join(lines) + "\n"
 
 
 def plot(rows, shapes, path: Path) -> None:
     """Time against density, one panel per shape; dense times as horizontal lines."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = rp.pyplot()
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
     curves = [("triton", "sparse"), ("triton", "sparse-contiguous"), ("triton", "discover+sparse"),
               ("sdpa-cudnn", "contiguous"), ("sdpa-cpu", "contiguous"), ("fa4", "contiguous"),
@@ -509,25 +496,17 @@ def plot(rows, shapes, path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "absent"
+    rp.save_png(fig, path, dpi=120)
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=_HERE / "results", help="directory for JSON, markdown, PNG")
+    parser.add_argument("--out", type=Path, default=rp.RESULTS, help="directory for JSON, markdown, PNG")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton interpreter)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the other launch configurations")
     parser.add_argument("--sweep-seconds", type=float, default=150.0,
                         help="time budget of the launch-configuration sweep, all shapes together")
-    parser.add_argument("--no-pallas", action="store_true", help="skip benchmarks/bench_pallas.py's rows")
+    parser.add_argument("--no-pallas", action="store_true", help="skip benchmarks.bench_pallas's rows")
     parser.add_argument("--pallas-sweep-seconds", type=float, default=0.0,
                         help="time budget of each Pallas kernel's launch sweep per shape (0: none)")
     parser.add_argument("--pallas-chain", default="4,16",
@@ -541,7 +520,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     mosaic_configs = []
     if args.mosaic_config:
-        from bench_pallas import parse_mosaic_config
+        from benchmarks.bench_pallas import parse_mosaic_config
         try:
             mosaic_configs = [parse_mosaic_config(text) for text in args.mosaic_config]
         except ValueError as e:
@@ -553,7 +532,6 @@ def main(argv=None) -> dict:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
     from wise_torch.kernels.triton_decode import config_for
 
-    import triton
     setup = SMOKE if args.smoke else FULL
     shapes = setup["shapes"]
     densities = tuple(sorted({float(d) for d in args.densities.split(",")} | {1.0}))
@@ -561,13 +539,11 @@ def main(argv=None) -> dict:
     table_config = config_for(setup["head_dim"], torch.bfloat16)
     configs = [table_config] + ([] if args.no_sweep else
                                 [c for c in sweep_configs() if c != table_config][:2 if args.smoke else None])
-    args.out.mkdir(parents=True, exist_ok=True)
-    report = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), smoke=args.smoke,
-                  environment=dict(device=torch.cuda.get_device_name() if device == "cuda" else platform.processor()
-                                   or "cpu", host=platform.node(), python=platform.python_version(),
-                                   torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
-                                   jax=_version("jax"), flash_attn_4=_version("flash-attn-4"),
-                                   heads=setup["heads"], head_dim=setup["head_dim"], dtype="bfloat16",
+    env = rp.environment("torch")
+    report = dict(date=rp.now(), smoke=args.smoke,
+                  environment=dict(env, device=env["device"] if device == "cuda" else env["cpu"],
+                                   jax=rp.version("jax") or "absent",
+                                   flash_attn_4=rp.version("flash-attn-4") or "absent", heads=setup["heads"], head_dim=setup["head_dim"], dtype="bfloat16",
                                    page_size=setup["page_size"],
                                    timing=f"CUDA-graph replay of {timer.reps} calls x {timer.replays}"
                                    if device == "cuda" else "one eager call (smoke)"),
@@ -611,11 +587,8 @@ def write_report(report, shapes, out: Path) -> str:
     report["best_configs"] = best_configs(report["rows"])
     report["pallas_vs_triton"] = pallas_against_triton(rows, shapes)
     report["pallas_best_configs"] = {k: best_configs(report["rows"], k) for k in PALLAS_IMPLS}
-    (out / "kernel_bench.json").write_text(json.dumps(report, indent=1))
-    text = markdown(report)
-    (out / "kernel_bench.md").write_text(text)
-    plot(report["rows"], shapes, out / "kernel_bench.png")
-    return text
+    return rp.write_report(out, "kernel_bench", report, markdown(report),
+                           lambda path: plot(report["rows"], shapes, path))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """Where a Pallas decode-attention call's time goes: each kernel of the call under the profiler.
 
-    python benchmarks/kernel_profile.py --out DIR                          # on a GPU: Ouro shapes
-    python benchmarks/kernel_profile.py --out DIR --impls mosaic --modes sparse --shapes 4096x20
-    python benchmarks/kernel_profile.py --out DIR --smoke                  # CPU, interpreters
-    python benchmarks/kernel_profile.py --out DIR --impls mosaic --mosaic-config min_splits=2
+    python -m benchmarks.kernel_profile --out DIR                          # on a GPU: Ouro shapes
+    python -m benchmarks.kernel_profile --out DIR --impls mosaic --modes sparse --shapes 4096x20
+    python -m benchmarks.kernel_profile --out DIR --smoke                  # CPU, interpreters
+    python -m benchmarks.kernel_profile --out DIR --impls mosaic --mosaic-config min_splits=2
 
-Per (shape, impl, mode) one jitted chain of --calls calls (bench_pallas.py's setup: 16 heads x
+Per (shape, impl, mode) one jitted chain of --calls calls (`benchmarks.bench_pallas`'s setup: 16 heads x
 head_dim 128, bf16, pages of 128 scattered over the pool, sparse at --density) runs once to
 compile, then once under `jax.profiler` (perfetto trace); each call has its own copy of the
 support, so no call's list is hoisted out of the chain. Reported per call: device time per
@@ -21,18 +21,13 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse
-import datetime
-import json
-import sys
 from pathlib import Path
-
-_HERE = Path(__file__).resolve().parent
-sys.path[:0] = [p for p in (str(_HERE.parent), str(_HERE)) if p not in sys.path]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-import bench_pallas as bp  # noqa: E402
+from benchmarks import bench_pallas as bp  # noqa: E402
+from benchmarks import report as rp  # noqa: E402
 from wise_jax.kernels import mosaic_decode, pallas_decode  # noqa: E402
 
 MODES = ("dense", "discover", "sparse", "discover+sparse")
@@ -49,28 +44,28 @@ def profile_case(impl, mode, ctx, batch, *, density, calls, heads, head_dim, pag
     (mosaic_config: the Mosaic kernel's launch, default MosaicConfig())."""
     decode = {"pallas": pallas_decode, "mosaic": mosaic_decode}[impl].decode_attention
     launch = dict(config=mosaic_config) if impl == "mosaic" and mosaic_config else {}
-    q, k, v, page_table, seq_lens = bp._cache(jax.random.key(ctx + batch), ctx, batch, heads,
+    q, k, v, page_table, seq_lens = bp.decode_inputs(jax.random.key(ctx + batch), ctx, batch, heads,
                                               head_dim, page_size, dtype)
     n_blocks = ctx // bp.BLOCK
-    cases = {name: (d, row_modes, sd) for name, d, row_modes, sd in bp._pallas_cases((density,), batch)}
+    cases = {name: (d, row_modes, sd) for name, d, row_modes, sd in bp.pallas_cases((density,), batch)}
     _, row_modes, support_density = cases[mode]
-    support = bp._support(batch, heads, n_blocks, support_density)
+    support = bp.support_of(batch, heads, n_blocks, support_density)
     modes = jnp.asarray(row_modes, jnp.int32)
 
     def step(q, k, v, page_table, seq_lens, modes, support):
         return decode(q, k, v, page_table, seq_lens, modes, support, block_size=bp.BLOCK,
                       eta=0.95, interpret=interpret, validate=False, **launch)[0]
 
-    (_, chain), = bp._chains(step, (calls,))
-    args = (q, k, v, page_table, seq_lens, modes, bp._per_call(support, (calls,)))
+    (_, chain), = bp.chains_of(step, (calls,))
+    args = (q, k, v, page_table, seq_lens, modes, bp.per_call(support, (calls,)))
     chain(*args).block_until_ready()  # compile and warm up
     return bp.chain_activity(chain, args, calls)
 
 
 def markdown(report: dict) -> str:
     out = [f"# Pallas decode-attention call profile ({report['date']})", "",
-           f"{report['device']}; jax {report['jax']}; {report['calls']} chained calls per case, "
-           f"sparse density {report['density']}; times in us per call; mosaic: "
+           f"{report['environment']['device']}; jax {report['environment']['jax']}; {report['calls']} chained "
+           f"calls per case, sparse density {report['density']}; times in us per call; mosaic: "
            f"`{report['mosaic_config']}`.", "",
            "| ctx x batch | impl | mode | busy | span | kernels (us per call) |", "|---|---|---|---|---|---|"]
     for r in report["rows"]:
@@ -109,11 +104,8 @@ def main(argv=None) -> dict:
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         p.error(f"unknown modes {unknown}; choose from {MODES}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    device = jax.devices()[0]
-    report = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
-                  device=getattr(device, "device_kind", str(device)), jax=jax.__version__,
-                  calls=args.calls, density=args.density, rows=[],
+    report = dict(date=rp.now(), environment=rp.environment("jax"), calls=args.calls,
+                  density=args.density, rows=[],
                   mosaic_config=repr(args.mosaic_config or mosaic_decode.MosaicConfig()))
     for ctx, batch in shapes:
         for impl in args.impls.split(","):
@@ -129,9 +121,8 @@ def main(argv=None) -> dict:
                     row["error"] = f"{type(e).__name__}: {e}"[:800]
                     print(f"{ctx} x {batch} {impl} {mode}: {row['error']}", flush=True)
                 report["rows"].append(row)
-                (args.out / "kernel_profile.json").write_text(json.dumps(report, indent=1))
-    (args.out / "kernel_profile.md").write_text(markdown(report))
-    print(markdown(report))
+                rp.write_json(args.out / "kernel_profile.json", report)  # a run cut short keeps its rows
+    print(rp.write_report(args.out, "kernel_profile", report, markdown(report)), end="")
     return report
 
 

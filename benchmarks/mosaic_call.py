@@ -1,27 +1,22 @@
 """One jitted Mosaic GPU decode-attention call, run a few times: the target for Nsight Compute
-and for Mosaic GPU's dumps (bench_pallas.py's setup: pages of 128 scattered over the pool,
+and for Mosaic GPU's dumps (`benchmarks.bench_pallas`'s setup: pages of 128 scattered over the pool,
 sparse at --density of each row's blocks per head).
 
     ncu -k regex:mosaic --launch-skip 1 --launch-count 1 --section Occupancy \\
-        python benchmarks/mosaic_call.py --shape 4096x20 --mode sparse
-    MOSAIC_GPU_DUMP_TO=DIR python benchmarks/mosaic_call.py --shape 4096x20 --calls 1  # PTX, ptxas, SASS
+        python -m benchmarks.mosaic_call --shape 4096x20 --mode sparse
+    MOSAIC_GPU_DUMP_TO=DIR python -m benchmarks.mosaic_call --shape 4096x20 --calls 1  # PTX, ptxas, SASS
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-_HERE = Path(__file__).resolve().parent
-sys.path[:0] = [p for p in (str(_HERE.parent), str(_HERE)) if p not in sys.path]
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-import bench_pallas as bp  # noqa: E402
-from wise_core import modes as M  # noqa: E402
-from wise_jax.kernels import mosaic_decode  # noqa: E402
+from benchmarks import bench_pallas as bp
+from wise_core import modes as M
+from wise_jax.kernels import mosaic_decode
 
 MODES = {"dense": M.DENSE, "discover": M.DISCOVER, "sparse": M.SPARSE}
 
@@ -44,10 +39,10 @@ def main(argv=None) -> jax.Array:
         p.error(f"--shape takes CTXxBATCH, e.g. 4096x20, got {args.shape!r}")
     if args.calls < 1:
         p.error(f"--calls must be at least 1, got {args.calls}")
-    q, k, v, page_table, seq_lens = bp._cache(jax.random.key(ctx + batch), ctx, batch, args.heads,
+    q, k, v, page_table, seq_lens = bp.decode_inputs(jax.random.key(ctx + batch), ctx, batch, args.heads,
                                               args.head_dim, args.page_size, jnp.bfloat16)
     n_blocks = ctx // bp.BLOCK
-    support = bp._support(batch, args.heads, n_blocks, args.density if args.mode == "sparse" else None)
+    support = bp.support_of(batch, args.heads, n_blocks, args.density if args.mode == "sparse" else None)
     modes = jnp.full((batch,), MODES[args.mode], jnp.int32)
     call = jax.jit(lambda *a: mosaic_decode.decode_attention(
         *a, block_size=bp.BLOCK, eta=0.95, config=args.config, validate=False)[0])

@@ -1,8 +1,8 @@
 """WISE against dense decode: quality on held-out text, and F1/EM on question answering.
 
-    python benchmarks/quality.py text [--model NAME_OR_DIR] [--n-contexts 200] [--etas 0.9 0.95 0.99]
-    python benchmarks/quality.py qa --model DIR --data file.jsonl [--etas 0.95] [--limit N]
-    python benchmarks/quality.py text --smoke --out /tmp/q     # a few tiny contexts, for a check
+    python -m benchmarks.quality text [--model NAME_OR_DIR] [--n-contexts 200] [--etas 0.9 0.95 0.99]
+    python -m benchmarks.quality qa --model DIR --data file.jsonl [--etas 0.95] [--limit N]
+    python -m benchmarks.quality text --smoke --out /tmp/q     # a few tiny contexts, for a check
 
 `text` (the default): contexts of `--min-context`..`--max-context` tokens cut at seeded offsets
 from the held-out stdlib files (`stdlib_corpus`; encoded with the model's tokenizer), each
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import platform
 import sys
 import time
@@ -37,13 +36,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-_HERE = Path(__file__).resolve().parent  # runnable as a script from anywhere: the repo and benchmarks/
-sys.path[:0] = [p for p in (str(_HERE.parent), str(_HERE)) if p not in sys.path]
-import qa_scoring  # noqa: E402
-import stdlib_corpus  # noqa: E402
-
-from wise_core.checkpoint import DEFAULT_MODEL  # noqa: E402
-from wise_core.config import WiseConfig  # noqa: E402
+from benchmarks import qa_scoring, stdlib_corpus
+from benchmarks import report as rp
+from wise_core.checkpoint import DEFAULT_MODEL
+from wise_core.config import WiseConfig
 
 
 # -- statistics -------------------------------------------------------------------------------
@@ -239,10 +235,7 @@ def text_markdown(result: dict) -> str:
 
 
 def text_plot(result: dict, path: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = rp.pyplot()
     rows = result["rows"]
     etas = [r["eta"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
@@ -262,8 +255,7 @@ def text_plot(result: dict, path: Path, title: str) -> None:
     ax2.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    rp.save_png(fig, path)
 
 
 # -- qa: F1 / EM ------------------------------------------------------------------------------
@@ -352,7 +344,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="auto: bfloat16 on GPU, float32 on CPU")
     common.add_argument("--batch", type=int, default=None, help="sequences per call")
-    common.add_argument("--out", type=Path, default=_HERE / "results")
+    common.add_argument("--out", type=Path, default=rp.RESULTS)
     common.add_argument("--seed", type=int, default=0)
     common.add_argument("--quiet", action="store_true", help="no progress bar")
     text = sub.add_parser("text", parents=[common], help="WISE vs dense on held-out stdlib source")
@@ -404,14 +396,11 @@ def main(argv=None) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "total_s": round(time.perf_counter() - started, 1),
     })
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     table = text_markdown(result) if args.task == "text" else qa_markdown(result)
     header = (f"# WISE vs dense: {args.task}, model {args.model}\n\n{backend.device}, backend {args.backend}, "
               f"kernel {args.kernel}, {backend.dtype}, {result['date']}\n\n")
-    (args.out / f"{stem}.md").write_text(header + table)
-    if args.task == "text":
-        text_plot(result, args.out / f"{stem}.png", f"WISE vs dense, {model_name}")
+    plot = (lambda path: text_plot(result, path, f"WISE vs dense, {model_name}")) if args.task == "text" else None
+    rp.write_report(args.out, stem, result, header + table, plot)
     print(table, end="")
     print(f"wrote {args.out / stem}.*", flush=True)
     return result

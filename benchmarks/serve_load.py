@@ -1,6 +1,6 @@
 """Load client for `wise serve`: N streaming completions at a fixed rate or concurrency.
 
-    python benchmarks/serve_load.py --url http://127.0.0.1:8000 --num-requests 256 --concurrency 64 \\
+    python -m benchmarks.serve_load --url http://127.0.0.1:8000 --num-requests 256 --concurrency 64 \\
         --prompt-len 1024 --output-len 128 --ignore-eos --out benchmarks/results/serve --label dense
 
 Prompts are random token ids (prompt lengths uniform in prompt_len * [1 - spread, 1 + spread],
@@ -25,7 +25,6 @@ import asyncio
 import dataclasses
 import datetime
 import json
-import platform
 import random
 import sys
 import time
@@ -33,9 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks import report as rp
 
 
 @dataclasses.dataclass
@@ -238,14 +235,8 @@ SERVER_COUNTERS = ("wise_preemptions_total", "wise_fallbacks_total", "wise_clien
 
 
 def environment() -> dict:
-    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "machine": platform.node(), "python": platform.python_version()}
-    try:
-        import aiohttp
-        env["aiohttp"] = aiohttp.__version__
-    except ImportError:
-        pass
-    return env
+    return dict(rp.environment(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                aiohttp=rp.version("aiohttp"))
 
 
 def markdown(report: dict) -> str:
@@ -278,10 +269,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(results: list[Result], path: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = rp.pyplot()
     done = [r for r in results if r.ok]
     series = (("time to first token", [r.ttft for r in done if r.ttft is not None]),
               ("time per output token", [r.tpot for r in done if r.tpot is not None]),
@@ -299,18 +287,14 @@ def plot(results: list[Result], path: Path, title: str) -> None:
         ax.set_ylabel("requests")
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    rp.save_png(fig, path)
 
 
 def write(report: dict, results: list[Result] | None, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"serve_load-{report['label']}"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(markdown(report))
-    if results is not None:
-        plot(results, stem.with_suffix(".png"), f"serve_load {report['label']}")
-    print(f"wrote {stem}.json/.md" + ("/.png" if results is not None else ""), file=sys.stderr)
+    stem = f"serve_load-{report['label']}"
+    plot_to = None if results is None else (lambda path: plot(results, path, f"serve_load {report['label']}"))
+    rp.write_report(out, stem, report, markdown(report), plot_to)
+    print(f"wrote {out / stem}.json/.md" + ("/.png" if results is not None else ""), file=sys.stderr)
 
 
 def summary_table(directory) -> str:

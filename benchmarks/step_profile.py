@@ -1,8 +1,8 @@
 """Where a decode step's time goes, in both engines: every kernel of a step put in one category.
 
-    python benchmarks/step_profile.py --frameworks torch,jax --shapes 1024x64,4096x20,8192x10,1024x1 \\
+    python -m benchmarks.step_profile --frameworks torch,jax --shapes 1024x64,4096x20,8192x10,1024x1 \\
         --q-scale 8,7.3,7,8 --out DIR                                                  # on an H200
-    python benchmarks/step_profile.py --preset test-tiny --dtype float32 --kernel reference \\
+    python -m benchmarks.step_profile --preset test-tiny --dtype float32 --kernel reference \\
         --shapes 64x2 --steps 2 --out /tmp/sp                                           # CPU smoke
 
 Each (framework, shape, arm) runs in a fresh process with the engine's constructor defaults
@@ -33,24 +33,19 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import datetime
 import gzip
 import json
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
 
-_HERE = Path(__file__).resolve().parent
-_ROOT = _HERE.parent
-sys.path[:0] = [p for p in (str(_ROOT), str(_HERE)) if p not in sys.path]
-
-from device_trace import device_lines, stream_kernels  # noqa: E402
-from throughput import parse_floats, parse_shapes  # noqa: E402
+from benchmarks import report as rp
+from benchmarks.device_trace import device_lines, stream_kernels
+from benchmarks.throughput import parse_floats, parse_shapes
 
 CATEGORIES = ("gemm", "attention, discovery loops", "attention, reuse loops", "selection / support bookkeeping",
               "norms / RoPE / KV writes / elementwise", "sampling and readback", "inputs")
@@ -181,11 +176,11 @@ def _torch_kernels(trace: Path, cpu: bool) -> list[Kernel]:
 
 def _torch_worker(spec: dict, tmp: Path) -> dict:
     import torch
-    import throughput
+    from benchmarks import throughput
     import wise_torch
     from wise_core.config import ModelConfig, WiseConfig
     config = ModelConfig(**spec["config"])
-    model = throughput._random_model(dict(dtype=spec["dtype"], device=spec["device"], std=spec["std"], seed=0,
+    model = throughput.random_model(dict(dtype=spec["dtype"], device=spec["device"], std=spec["std"], seed=0,
                                           q_scale=spec["q_scale"]), config)
     tight = dict(max_model_len=spec["context"] + spec["new_tokens"]) if spec["tight"] else {}
     kernel = {} if spec["kernel"] == "auto" else dict(kernel=spec["kernel"])
@@ -202,7 +197,7 @@ def _torch_worker(spec: dict, tmp: Path) -> dict:
             _timed(llm, spec["steps"], sync)
     prof.export_chrome_trace(str(tmp / "trace.json"))
     stats = llm.stats()
-    env = f"torch {torch.__version__}" + (f"; {torch.cuda.get_device_name()}" if cuda else "; cpu")
+    env = "torch {torch}; {device}".format(**rp.environment("torch"))
     return dict(environment=env, host_ms=host_ms, density=stats.density,
                 kernels=[dataclasses.asdict(k) for k in _torch_kernels(tmp / "trace.json", not cuda)])
 
@@ -244,10 +239,10 @@ def _jax_kernels(trace_dir: Path, hlo_dir: Path) -> list[Kernel]:
 
 def _jax_worker(spec: dict, tmp: Path) -> dict:
     import jax
-    import jax_generate_bench as bench
+    from benchmarks import jax_generate_bench as bench
     import wise_jax
     from wise_core.config import WiseConfig
-    config, params, prompts = bench._setup(dict(spec, seed=0))
+    config, params, prompts = bench.cohort_setup(dict(spec, seed=0))
     tight = dict(max_model_len=spec["context"] + spec["new_tokens"]) if spec["tight"] else {}
     kernel = {} if spec["kernel"] == "auto" else dict(kernel=spec["kernel"])
     llm = wise_jax.LLM(params, config, wise_config=WiseConfig() if spec["arm"] == "wise" else None, **tight,
@@ -257,7 +252,7 @@ def _jax_worker(spec: dict, tmp: Path) -> dict:
     host_ms = _timed(llm, spec["steps"], sync)
     with jax.profiler.trace(str(tmp / "trace"), create_perfetto_trace=True):
         _timed(llm, spec["steps"], sync)
-    env = f"jax {jax.__version__}; {jax.devices()[0].device_kind}"
+    env = "jax {jax}; {device}".format(**rp.environment("jax"))
     return dict(environment=env, host_ms=host_ms, density=llm.stats().density,
                 kernels=[dataclasses.asdict(k) for k in _jax_kernels(tmp / "trace", tmp / "hlo")])
 
@@ -281,12 +276,12 @@ def run(spec: dict, workdir: Path, timeout: float, hlo_out: Path | None = None) 
     (tmp / "hlo").mkdir(parents=True)
     spec = dict(spec, tmp=str(tmp), result=str(tmp / "result.json"))
     (tmp / "spec.json").write_text(json.dumps(spec))
-    env = dict(__import__("os").environ, PYTHONUNBUFFERED="1")
+    env = rp.module_env(PYTHONUNBUFFERED="1")
     if spec["framework"] == "jax":
         env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), f"--xla_dump_to={tmp / 'hlo'}",
                                      "--xla_dump_hlo_module_re=.*_step.*"]).strip()
     try:
-        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", str(tmp / "spec.json")],
+        done = subprocess.run(rp.module_command("step_profile", "--worker", str(tmp / "spec.json")),
                               env=env, timeout=timeout, capture_output=True, text=True)
     except subprocess.TimeoutExpired:
         return dict(status=f"error: timed out after {timeout:.0f} s")
@@ -363,7 +358,7 @@ def main(argv=None) -> dict:
         p.error("--frameworks takes torch,jax and --arms dense,wise")
     import torch
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    date = datetime.datetime.now().strftime("%Y-%m-%dT%H:%M:%S")
+    date = rp.now()
     workdir = Path(tempfile.mkdtemp(prefix="wise-step-profile-"))
     report = dict(date=date, args={k: str(v) for k, v in vars(args).items()}, shapes={})
     try:
@@ -381,13 +376,10 @@ def main(argv=None) -> dict:
                     print(f"{context} x {batch} {framework} {arm}: {result['status']}" +
                           (f", host {result['host_ms']:.2f} ms, kernels {result['kernel_ms']:.2f} ms"
                            if result["status"] == "ok" else ""), flush=True)
-            folder = args.out / f"{context}x{batch}"
-            folder.mkdir(parents=True, exist_ok=True)
             report["shapes"][f"{context}x{batch}"] = rows
-            (folder / "step_profile.json").write_text(json.dumps(dict(date=date, args=report["args"], rows=rows),
-                                                                 indent=1))
-            (folder / "step_profile.md").write_text(markdown((context, batch), rows,
-                                                             [r.get("environment", "") for r in rows], date))
+            rp.write_report(args.out / f"{context}x{batch}", "step_profile",
+                            dict(date=date, args=report["args"], rows=rows),
+                            markdown((context, batch), rows, [r.get("environment", "") for r in rows], date))
         return report
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

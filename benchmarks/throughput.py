@@ -1,8 +1,8 @@
 """Decode throughput of the serving engine (wise_torch.LLM): dense, WISE, FA4 and the pre-engine path.
 
-    python benchmarks/throughput.py --preset ouro-1.4b --shapes 1024x64,4096x20,8192x10 \\
+    python -m benchmarks.throughput --preset ouro-1.4b --shapes 1024x64,4096x20,8192x10 \\
         --q-scale 8,7.3,7 --old-src .old-src --out benchmarks/results/DIR            # on an H200
-    python benchmarks/throughput.py --preset test-tiny --dtype float32 --device cpu --kernel reference \\
+    python -m benchmarks.throughput --preset test-tiny --dtype float32 --device cpu --kernel reference \\
         --shapes 64x3 --new-tokens 6 --old-src . --out /tmp/tp                         # CPU smoke
 
 Method (the reference system's): a cohort of C concurrent requests of exactly L prompt tokens
@@ -10,7 +10,7 @@ Method (the reference system's): a cohort of C concurrent requests of exactly L 
 ignore_eos. The step loop is timed on the host: decode throughput counts only the tokens
 generated after the step in which the whole cohort has its first token, over the time from that
 step to the last; ms/step is that time over those steps; "prefill s" is the time from the first
-add_request to that step. Each (shape, arm) runs in a fresh process (this script with --worker),
+add_request to that step. Each (shape, arm) runs in a fresh process (this module with --worker),
 with an identical KV pool for every engine arm (num_pages = the cohort's pages + 1), one untimed
 warm-up cohort (--warmup-tokens new tokens: compiles kernels, captures graphs) and --repeats timed
 cohorts, all printed.
@@ -27,7 +27,7 @@ Arms:
 - old, old-wise: the pre-engine `wise_torch.generate` (dense / WISE), measured by running the old
   commit's own code, not a copy: a source tree of that commit (--old-src DIR; make one with
   `git archive OLD_COMMIT wise_core wise_torch | tar -x -C DIR`, or let --old-commit extract it
-  when git history is at hand) goes first on the worker's sys.path. Its timing is generate's
+  when git history is at hand) goes first on the worker's path (PYTHONPATH). Its timing is generate's
   own (GenerationStats: decode after the batched prefill that gives every row its first token,
   tokens after those first ones), after one untimed warm-up call; it sizes its own KV pool
   (the cohort's pages exactly).
@@ -50,23 +50,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import math
 import os
 import platform
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
 
-_HERE = Path(__file__).resolve().parent
-_ROOT = _HERE.parent
-sys.path[:0] = [p for p in (str(_HERE),) if p not in sys.path]
-import speculative_arms  # noqa: E402
+from benchmarks import report as rp
+from benchmarks import speculative_arms
 
 # dense-default / wise-default: the engine as `LLM(model)` / `LLM(model, wise_config=WiseConfig())`
 # build it, every constructor argument at its default (pool, max_num_seqs, max_model_len, kernel).
@@ -146,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--old-commit", default=OLD_COMMIT, help="commit to extract with git when --old-src is not given")
     p.add_argument("--hbm-tbps", type=float, default=HBM_TBPS, help="memory bandwidth of the roofline")
     p.add_argument("--child-timeout", type=float, default=600, help="seconds per (shape, arm) process")
-    p.add_argument("--out", type=Path, default=_HERE / "results")
+    p.add_argument("--out", type=Path, default=rp.RESULTS)
     speculative_arms.add_arguments(p)
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one (shape, arm) from a JSON spec file
     return p
@@ -257,13 +253,6 @@ def stats_dict(stats) -> dict:
 
 
 # -- workers (one process per (shape, arm)) ---------------------------------------------------------------------
-def _environment() -> dict:
-    import torch
-    import triton
-    return dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                torch=torch.__version__, triton=triton.__version__, python=platform.python_version())
-
-
 def _hf_tensor(name: str, shape, spec: dict, device):
     """The random HF tensor `name`: unit norms, a zero gate bias, else normal(0, std) from a
     generator seeded by the name (so the fused and the pre-engine layouts hold the same values),
@@ -279,7 +268,7 @@ def _hf_tensor(name: str, shape, spec: dict, device):
     return t * spec["q_scale"] if name.endswith("self_attn.q_proj.weight") else t
 
 
-def _random_model(spec: dict, config):
+def random_model(spec: dict, config):
     """Random weights drawn on the device (seconds, where writing and reading a 1.4B-parameter
     checkpoint per process takes minutes), for the engine's fused layout or the pre-engine one."""
     import torch
@@ -305,7 +294,7 @@ def _load_model(spec: dict):
     from wise_core.checkpoint import load_checkpoint
     from wise_core.config import ModelConfig
     if spec.get("random"):
-        return _random_model(spec, ModelConfig(**spec["random"]))
+        return random_model(spec, ModelConfig(**spec["random"]))
     checkpoint = load_checkpoint(spec["checkpoint"])
     tensors = dict(checkpoint.tensors)
     if spec["q_scale"] != 1.0:
@@ -387,7 +376,7 @@ def _engine_worker(spec: dict) -> dict:
 
 
 def _old_worker(spec: dict) -> dict:
-    """The pre-engine generate, imported from the old source tree (first on sys.path)."""
+    """The pre-engine generate, imported from the old source tree (first on the path: PYTHONPATH)."""
     import torch
     import wise_torch
     from wise_core.config import WiseConfig
@@ -415,16 +404,12 @@ def _old_worker(spec: dict) -> dict:
 
 def worker_main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    if spec.get("old_src"):
-        sys.path.insert(0, spec["old_src"])
-    elif str(_ROOT) not in sys.path:
-        sys.path.insert(0, str(_ROOT))
     if spec["device"] == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
         result = (_old_worker if spec["arm"].startswith("old") else _engine_worker)(spec)
         if result["status"] == "ok":
-            result["environment"] = _environment()
+            result["environment"] = rp.environment("torch")
     except Exception as e:  # reported in the row; the other arms go on
         traceback.print_exc()
         result = dict(status=f"error: {type(e).__name__}: {e}"[:800])
@@ -437,9 +422,10 @@ def run_worker(spec: dict, timeout: float, workdir: Path) -> dict:
     spec = dict(spec, result=str(workdir / f"{name}.result.json"))
     spec_path = workdir / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = rp.module_env(spec.get("old_src"), PYTHONUNBUFFERED="1")  # an old tree first on the path
     try:
-        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path)],
+        done = subprocess.run(rp.module_command("throughput", "--worker", str(spec_path)),
+                              cwd=workdir if spec.get("old_src") else None,
                               env=env, timeout=timeout, capture_output=True, text=True)
     except subprocess.TimeoutExpired:
         return dict(status=f"error: timed out after {timeout:.0f} s")
@@ -455,11 +441,12 @@ def run_worker(spec: dict, timeout: float, workdir: Path) -> dict:
 # -- the run ----------------------------------------------------------------------------------------------------
 def prepare_model(args) -> tuple:
     """(config, checkpoint or None, random recipe or None): --model as given, or random --preset
-    weights that each worker draws on its device (`_random_model`)."""
+    weights that each worker draws on its device (`random_model`)."""
     from wise_core.checkpoint import load_checkpoint
     from wise_core.config import PRESETS
-    if args.model:
-        return load_checkpoint(args.model).config, args.model, None
+    if args.model:  # a directory as an absolute path: an old arm's worker runs in another folder
+        model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
+        return load_checkpoint(model).config, model, None
     if args.preset not in PRESETS:
         raise SystemExit(f"unknown --preset {args.preset!r}; one of {sorted(PRESETS)}")
     config = PRESETS[args.preset]
@@ -478,7 +465,7 @@ def prepare_old_src(args, workdir: Path, packages=("wise_core", "wise_torch")) -
         return str(args.old_src.resolve())
     target = workdir / "old-src"
     target.mkdir()
-    archive = subprocess.run(["git", "-C", str(_ROOT), "archive", args.old_commit, *packages],
+    archive = subprocess.run(["git", "-C", str(rp.ROOT), "archive", args.old_commit, *packages],
                              capture_output=True)
     if archive.returncode != 0:
         return None
@@ -569,11 +556,8 @@ def engine_standing(summary: list[dict]) -> list[dict]:
     return out
 
 
-def _fmt(value, spec=".1f") -> str:
-    return "" if value is None else format(value, spec)
-
-
-def _density(density) -> str:
+def density_text(density) -> str:
+    """A density per reuse depth as '2: 0.287, 3: 0.287'."""
     return ", ".join(f"{d}: {x:.3f}" for d, x in sorted((density or {}).items()))
 
 
@@ -586,8 +570,8 @@ def table(rows: list[dict]) -> list[str]:
             lines.append(f"{head} | {r['status']} |" + " |" * 7)
             continue
         lines.append(f"{head} {r['repeat'] + 1} | {r['decode_tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | "
-                     f"{r['roofline_tokens_per_s']:.0f} | {r['roofline_share']:.0%} | {_density(r['density'])} | "
-                     f"{_fmt(r['prefill_s'], '.2f')} | {_fmt(r['fallbacks'], 'd')} | {_fmt(r['preemptions'], 'd')} |")
+                     f"{r['roofline_tokens_per_s']:.0f} | {r['roofline_share']:.0%} | {density_text(r['density'])} | "
+                     f"{rp.fmt(r['prefill_s'], '.2f')} | {rp.fmt(r['fallbacks'], 'd')} | {rp.fmt(r['preemptions'], 'd')} |")
     return lines
 
 
@@ -617,9 +601,9 @@ def markdown(report: dict) -> str:
               "acceptance | tok/round |", "|" + "---|" * 10]
     for s in report["summary"]:
         lines.append(f"| {s['context']} x {s['batch']} | {s['arm']} | {s['decode_tokens_per_s']:.1f} | "
-                     f"{s['ms_per_step']:.2f} | {s['roofline_share']:.0%} | {_fmt(s['over_dense'], '.2f')} | "
-                     f"{_density(s['density'])} | {_fmt(s.get('differ'), 'd')} | "
-                     f"{_fmt(s.get('acceptance_rate'), '.3f')} | {_fmt(s.get('tokens_per_round'), '.2f')} |")
+                     f"{s['ms_per_step']:.2f} | {s['roofline_share']:.0%} | {rp.fmt(s['over_dense'], '.2f')} | "
+                     f"{density_text(s['density'])} | {rp.fmt(s.get('differ'), 'd')} | "
+                     f"{rp.fmt(s.get('acceptance_rate'), '.3f')} | {rp.fmt(s.get('tokens_per_round'), '.2f')} |")
     lines += ["", "## Targets", "", "| target | shape | measured | met |", "|---|---|---|---|"]
     for t in report["standing"]:
         lines.append(f"| {t['target']} | {t['shape']} | {t['value']:.2f} | {'yes' if t['met'] else 'no'} |")
@@ -628,9 +612,7 @@ def markdown(report: dict) -> str:
 
 def plot(report: dict, path: Path) -> None:
     """tok/s per arm, one panel per shape, each arm's roofline as a dash over its bar."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = rp.pyplot()
     shapes = sorted({(s["context"], s["batch"]) for s in report["summary"]})
     if not shapes:
         return
@@ -647,17 +629,12 @@ def plot(report: dict, path: Path) -> None:
         ax.set_ylabel("decode tok/s")
     fig.suptitle("decode tok/s (bars; % of roofline) and bandwidth roofline (dashes)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    rp.save_png(fig, path)
 
 
 def write_report(report: dict, out: Path) -> str:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "throughput.json").write_text(json.dumps(report, indent=2, default=str))
-    text = markdown(report)
-    (out / "throughput.md").write_text(text)
-    plot(report, out / "throughput.png")
-    return text
+    """throughput.json, .md and .png in out; the markdown."""
+    return rp.write_report(out, "throughput", report, markdown(report), lambda path: plot(report, path))
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -667,12 +644,11 @@ def main(argv: list[str] | None = None) -> dict | None:
         worker_main(args.worker)
         return None
     scales = check_args(parser, args)
-    sys.path[:0] = [p for p in (str(_ROOT),) if p not in sys.path]
     workdir = Path(tempfile.mkdtemp(prefix="wise-throughput-"))
     try:
         config, checkpoint, recipe = prepare_model(args)
         old_src = prepare_old_src(args, workdir) if any(a.startswith("old") for a in args.arms) else None
-        report = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), host=platform.node(),
+        report = dict(date=rp.now(), host=platform.node(),
                       model=args.model or f"random {args.preset} (std {args.std}, seed 0)",
                       config=dataclasses.asdict(config), old_src=old_src,
                       args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -704,7 +680,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                     report["rows"].append(row)
                     print(f"{context:>6} x {batch:<4} {arm:>9} {i + 1:>3} {row['decode_tokens_per_s']:>9.1f} "
                           f"{row['ms_per_step']:>8.2f} {row['roofline_tokens_per_s']:>10.0f} "
-                          f"{row['roofline_share']:>6.0%} {_density(row['density'])}"
+                          f"{row['roofline_share']:>6.0%} {density_text(row['density'])}"
                           + (f" acceptance {row['acceptance_rate']:.3f}, {row['tokens_per_round']:.2f} tok/round"
                              if row.get("acceptance_rate") is not None else ""), flush=True)
                 report["summary"] = summarize(report["rows"])

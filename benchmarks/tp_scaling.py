@@ -1,8 +1,8 @@
 """Tensor-parallel scaling of the serving engine: decode throughput on 1 and N GPUs, dense and WISE.
 
-    NCCL_NVLS_ENABLE=0 python benchmarks/tp_scaling.py --preset ouro-1.4b --shapes 1024x64 --q-scale 8 \\
+    NCCL_NVLS_ENABLE=0 python -m benchmarks.tp_scaling --preset ouro-1.4b --shapes 1024x64 --q-scale 8 \\
         --out benchmarks/results/DIR/tp-1024x64                                          # on 2 x H200
-    python benchmarks/tp_scaling.py --preset test-tiny --dtype float32 --device cpu --kernel reference \\
+    python -m benchmarks.tp_scaling --preset test-tiny --dtype float32 --device cpu --kernel reference \\
         --shapes 64x3 --new-tokens 5 --out /tmp/tps                                      # CPU smoke (gloo)
 
 Method: throughput.py's -- a cohort of C concurrent requests of exactly L random prompt tokens,
@@ -25,19 +25,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import platform
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
-_HERE = Path(__file__).resolve().parent
-_ROOT = _HERE.parent
-sys.path[:0] = [p for p in (str(_HERE), str(_ROOT)) if p not in sys.path]
-import speculative_arms  # noqa: E402
-import throughput  # noqa: E402
+from benchmarks import report as rp
+from benchmarks import speculative_arms, throughput
 
 ARMS = ("dense", "wise")
 
@@ -82,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--hbm-tbps", type=float, default=throughput.HBM_TBPS)
     p.add_argument("--child-timeout", type=float, default=600)
-    p.add_argument("--out", type=Path, default=_HERE / "results")
+    p.add_argument("--out", type=Path, default=rp.RESULTS)
     return p
 
 
@@ -147,7 +141,7 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def markdown(report: dict) -> str:
     env, a = report.get("environment") or {}, report["args"]
-    fmt = throughput._fmt
+    fmt = rp.fmt
     lines = [f"# Tensor-parallel decode scaling ({report['date']})", "",
              f"{env.get('device', '?')} x {max(a['tensor_parallel_size'])}; torch {env.get('torch', '?')}; model "
              f"{report['model']}; {a['dtype']}; {a['new_tokens']} new tokens per request, {a['repeats']} repeats "
@@ -159,7 +153,7 @@ def markdown(report: dict) -> str:
     for s in report["summary"]:
         lines.append(f"| {s['context']} x {s['batch']} | {s['arm']} | {s['size']} | {s['decode_tokens_per_s']:.1f} | "
                      f"{s['ms_per_step']:.2f} | {s['roofline_share']:.0%} | {fmt(s['speedup'], '.2f')} | "
-                     f"{fmt(s['efficiency'], '.0%')} | {throughput._density(s['density'])} | {fmt(s['differ'], 'd')} |")
+                     f"{fmt(s['efficiency'], '.0%')} | {throughput.density_text(s['density'])} | {fmt(s['differ'], 'd')} |")
     lines += ["", "## Every run", "", "| ctx x batch | arm | GPUs | repeat | decode tok/s | ms/step | prefill s | "
               "fallbacks | preemptions | status |", "|" + "---|" * 10]
     for r in report["rows"]:
@@ -173,11 +167,8 @@ def markdown(report: dict) -> str:
 
 
 def write_report(report: dict, out: Path) -> str:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tp_scaling.json").write_text(json.dumps(report, indent=2, default=str))
-    text = markdown(report)
-    (out / "tp_scaling.md").write_text(text)
-    return text
+    """tp_scaling.json and .md in out; the markdown."""
+    return rp.write_report(out, "tp_scaling", report, markdown(report))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -187,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="wise-tp-scaling-"))
     try:
         config, checkpoint, recipe = throughput.prepare_model(args)
-        report = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), host=platform.node(),
+        report = dict(date=rp.now(), host=platform.node(),
                       model=args.model or f"random {args.preset} (std {args.std}, seed 0)",
                       config=dataclasses.asdict(config),
                       args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -1,7 +1,7 @@
 """Train the built-in Ouro-architecture model on the Python standard library's source (JAX).
 
-    python benchmarks/train_builtin.py --out /tmp/ouro-py-3m --minutes 5   # on an H200
-    python benchmarks/train_builtin.py --smoke --out /tmp/ouro-smoke       # CPU, under a minute
+    python -m benchmarks.train_builtin --out /tmp/ouro-py-3m --minutes 5   # on an H200
+    python -m benchmarks.train_builtin --smoke --out /tmp/ouro-smoke       # CPU, under a minute
 
 Data: `stdlib_corpus` (byte tokens, files held out by a hash of their path). Each step samples
 `--batch` windows of `--seq-len` + 1 tokens at random offsets of the training stream.
@@ -28,20 +28,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib.metadata
-import json
 import platform
-import sys
 from pathlib import Path
 
 import jax
 
-_HERE = Path(__file__).resolve().parent  # runnable as a script from anywhere: the repo and benchmarks/
-sys.path[:0] = [p for p in (str(_HERE.parent), str(_HERE)) if p not in sys.path]
-import stdlib_corpus  # noqa: E402
-
-from wise_core.train_config import TrainConfig  # noqa: E402
-from wise_jax import train as T  # noqa: E402
+from benchmarks import report as rp
+from benchmarks import stdlib_corpus
+from wise_core.train_config import TrainConfig
+from wise_jax import train as T
 
 MODEL = T.BUILTIN_MODEL
 SMOKE_MODEL = dataclasses.replace(MODEL, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -115,10 +110,10 @@ def main(argv=None) -> dict:
                       "heldout_tokens": int(len(heldout)), "heldout_fraction": stdlib_corpus.HELD_OUT_FRACTION},
            "machine": {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
                        "platform": platform.platform(), "python": platform.python_version()},
-           "versions": {n: importlib.metadata.version(n) for n in ("jax", "jaxlib", "numpy", "optax", "orbax-checkpoint")},
+           "versions": {n: rp.version(n) for n in ("jax", "jaxlib", "numpy", "optax", "orbax-checkpoint")},
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     out = Path(args.out)
-    (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
+    rp.write_json(out / "train_log.json", log)
     (out / "README.md").write_text(model_card(log))
     return log
 
@@ -133,7 +128,7 @@ def model_card(log: dict) -> str:
         f"hidden {m['hidden_size']}, {m['num_attention_heads']} heads x {m['head_dim']}, MLP "
         f"{m['intermediate_size']}, byte vocabulary of {m['vocab_size']} (<|endoftext|> = 256), "
         f"RoPE theta {m['rope_theta']:g}. Weights in bf16.\n\n"
-        f"Trained by `benchmarks/train_builtin.py` (`wise_jax.train`) on the Python {log['machine']['python']} "
+        f"Trained by `benchmarks.train_builtin` (`wise_jax.train`) on the Python {log['machine']['python']} "
         f"standard library's `*.py` files ({c['train_files']} files, {c['train_tokens']:,} tokens; "
         f"{c['heldout_files']} files held out by path hash) for {log['steps_done']:,} steps, "
         f"{log['tokens_seen']:,} tokens, {log['train_s']:.0f} s on {log['machine']['device']} ({log['date']}), "

@@ -43,8 +43,7 @@ def test_at_most_8_mb_and_bf16():
 
 
 def _heldout_sample(length: int, count: int) -> list[list[int]]:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import stdlib_corpus
+    from benchmarks import stdlib_corpus
 
     _, held = stdlib_corpus.split_files(stdlib_corpus.list_files())
     stream = stdlib_corpus.token_stream(held)

@@ -3,14 +3,11 @@ perfetto trace (which lines count as kernels, per-step sums, groups, span)."""
 
 import gzip
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import device_trace  # noqa: E402
+from benchmarks import device_trace
 
 
 def write_trace(folder: Path, events: list[dict]) -> None:

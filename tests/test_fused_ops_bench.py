@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "fused_ops_bench.py"
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the full benchmark")
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("fused_ops_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import fused_ops_bench  # TRITON_INTERPRET is set (conftest) before triton loads
+    return fused_ops_bench
 
 
 def test_smoke_run_writes_a_complete_report(tmp_path):

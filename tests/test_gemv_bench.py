@@ -4,15 +4,10 @@ cut so that n and k leave partial tiles."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-from gemv_bench import MAX_ROWS, GemvConfig, gemv, supports  # noqa: E402
+from benchmarks.gemv_bench import MAX_ROWS, GemvConfig, gemv, supports
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=1)

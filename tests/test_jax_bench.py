@@ -2,23 +2,15 @@
 PNG), and the arm grammar."""
 
 import argparse
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "jax_generate_bench.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("jax_generate_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["jax_generate_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import jax_generate_bench
+    return jax_generate_bench
 
 
 def test_wise_arm_end_to_end(bench, tmp_path):

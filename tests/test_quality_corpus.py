@@ -8,11 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
+from benchmarks import stdlib_corpus as corpus
+from wise_core.tokenizer import byte_tokenizer
 
-import stdlib_corpus as corpus  # noqa: E402
-from wise_core.tokenizer import byte_tokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_split_is_disjoint_complete_and_about_ten_percent():
@@ -28,13 +27,12 @@ def test_split_is_disjoint_complete_and_about_ten_percent():
 
 def test_split_does_not_depend_on_the_process_hash_seed():
     paths = [f"dir{i}/file{i}.py" for i in range(300)]
-    code = ("import sys; sys.path.insert(0, %r); import stdlib_corpus as c; "
-            "print(','.join(c.split_files([f'dir{i}/file{i}.py' for i in range(300)])[1]))"
-            % str(BENCHMARKS))
+    code = ("from benchmarks import stdlib_corpus as c; "
+            "print(','.join(c.split_files([f'dir{i}/file{i}.py' for i in range(300)])[1]))")
     outputs = set()
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+        result = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
                                 text=True, check=True)
         outputs.add(result.stdout.strip())
     assert outputs == {",".join(corpus.split_files(paths)[1])}

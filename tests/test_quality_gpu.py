@@ -2,18 +2,14 @@
 gradients), and the smoke training run takes the cuDNN path. Run before training on an H200."""
 
 import json
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import train_builtin as tb  # noqa: E402
-from wise_jax import train as T  # noqa: E402
+from benchmarks import train_builtin as tb
+from wise_jax import train as T
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs jax on a CUDA GPU")]

@@ -1,16 +1,12 @@
 """QA answer normalisation, EM/F1, data parsing, and the paired bootstrap."""
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import qa_scoring as qa  # noqa: E402
-from quality import paired_bootstrap  # noqa: E402
+from benchmarks import qa_scoring as qa
+from benchmarks.quality import paired_bootstrap
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -2,24 +2,19 @@
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import qa_scoring  # noqa: E402
-import quality  # noqa: E402
-import train_builtin as tb  # noqa: E402
-import wise_jax  # noqa: E402
-from wise_core.train_config import TrainConfig  # noqa: E402
-from wise_jax import train as T  # noqa: E402
-from wise_core.checkpoint import load_checkpoint  # noqa: E402
-from wise_core.config import ModelConfig  # noqa: E402
+import wise_jax
+from benchmarks import qa_scoring, quality
+from benchmarks import train_builtin as tb
+from wise_core.checkpoint import load_checkpoint
+from wise_core.config import ModelConfig
+from wise_core.train_config import TrainConfig
+from wise_jax import train as T
 
 TINY = ModelConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=2, num_key_value_heads=2, head_dim=16, rope_theta=10_000.0,

@@ -6,23 +6,17 @@ also checks that a request's tokens do not depend on what runs beside it.
 """
 
 import asyncio
-import importlib.util
 import json
 import random
 import signal
-import sys
-from pathlib import Path
 
 import aiohttp
 import pytest
 
 import wise_torch as wt
+from benchmarks import serve_load
 from serve_cases import Server
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("serve_load", ROOT / "benchmarks" / "serve_load.py")
-serve_load = sys.modules["serve_load"] = importlib.util.module_from_spec(_spec)   # dataclasses look it up
-_spec.loader.exec_module(serve_load)
 MAIN = dict(model="ouro-py-3m", num_pages=12, page_size=32, max_model_len=96, max_num_seqs=16)
 PROMPTS = ["def fib(n):", "import os\n", "class Stack:\n    def push(self, x):", "for i in range(10):",
            "    return", "# Copyright", "try:\n    import json\nexcept ImportError:", "x = [", "if __name__",

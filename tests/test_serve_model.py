@@ -1,9 +1,6 @@
 """wise_serve.model: the engine from `wise serve` arguments, and random weights for benchmarks."""
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,8 +8,6 @@ import torch
 from wise_core.config import PRESETS
 from wise_serve.args import add_serve_arguments
 from wise_serve.model import build_llm, dummy_model
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def args_of(*argv):
@@ -23,10 +18,8 @@ def args_of(*argv):
 
 
 def test_dummy_weights_are_those_of_the_throughput_benchmark():
-    spec = importlib.util.spec_from_file_location("throughput", ROOT / "benchmarks" / "throughput.py")
-    throughput = sys.modules["throughput"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(throughput)
-    theirs = throughput._random_model(dict(dtype="float32", device="cpu", seed=3, std=0.02, q_scale=5.0),
+    from benchmarks import throughput
+    theirs = throughput.random_model(dict(dtype="float32", device="cpu", seed=3, std=0.02, q_scale=5.0),
                                       PRESETS["test-tiny"]).state_dict()
     ours = dummy_model("test-tiny", dtype=torch.float32, device=torch.device("cpu"), q_scale=5.0, seed=3).state_dict()
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)

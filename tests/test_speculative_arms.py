@@ -3,26 +3,12 @@ spec-loops end to end (fresh worker processes) on a tiny model against the dense
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import types
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-tp = _load("throughput")
-sa = sys.modules["speculative_arms"]
+from benchmarks import speculative_arms as sa
+from benchmarks import throughput as tp
 
 
 def test_flags_and_engine_arguments():

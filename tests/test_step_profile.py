@@ -3,14 +3,10 @@ loops, GEMM-bounded inputs and sampling, fused ops, bookkeeping), per-step sums,
 lines, and one WISE arm of each framework end to end on a CPU."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import step_profile as sp  # noqa: E402
+from benchmarks import step_profile as sp
 
 ROLES = ("discover", "discover", "reuse", "reuse")
 

@@ -8,25 +8,14 @@ import importlib.util
 import json
 import shutil
 import subprocess
-import sys
 import types
 from pathlib import Path
 
 import pytest
 
+from benchmarks import throughput as tp
+
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "benchmarks" / "throughput.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("throughput", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-tp = _load()
 
 
 def test_arguments():

@@ -3,24 +3,9 @@ arm end to end on 1 and 2 ranks (fresh processes; the 2-rank engine over gloo)."
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("tp_scaling", ROOT / "benchmarks" / "tp_scaling.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-ts = _load()
+from benchmarks import tp_scaling as ts
 
 
 def test_arguments_and_per_gpu_roofline():

@@ -6,12 +6,8 @@ of 64); otherwise `pallas_decode` (the Triton lowering: every dtype and power-of
 the CI path). The choice is per call and covers every row of it (one backend per call keeps a
 SPARSE row with every block selected bitwise DENSE).
 
-The flag is on from H200 runs (2026-12-01, jax 0.11.2, `benchmarks/kernel_bench.py`, 16 heads x
-128, bf16, pages of 128, device time per call; benchmarks/results/h200-2026-12-01/
-kernels-list-kernel/): the Mosaic kernel took 0.73-0.84x the Triton-lowered kernel's time in
-dense, discover and discover+sparse at 1K x 64, 4K x 20 and 8K x 10, 0.92 / 0.91 / 0.83x in
-sparse at 13 %, and 0.88-0.94x the Triton kernel's (`wise_torch`) time in dense, discover and
-discover+sparse.
+The flag is on from H200 runs where the Mosaic kernel was the faster of the two in every
+mode (docs/kernels/mosaic_decode.md has the numbers).
 """
 
 from __future__ import annotations
