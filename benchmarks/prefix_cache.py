@@ -12,8 +12,8 @@ between the arms. Requests prefilled in the same step find nothing cached (a pag
 once the prefill that writes it is launched), so the first step's requests (as many as
 max_num_batched_tokens holds) compute the prefix; the later ones share it.
 
-    python3 benchmarks/prefix_cache.py --out benchmarks/results/cpu-2026-12-05/prefix-cache
-    python3 benchmarks/prefix_cache.py --engines torch --preset ouro-1.4b --out OUT   # a GPU, random bf16
+    python3 -m benchmarks.prefix_cache --out benchmarks/results/cpu-2026-12-05/prefix-cache
+    python3 -m benchmarks.prefix_cache --engines torch --preset ouro-1.4b --out OUT   # a GPU, random bf16
 """
 
 from __future__ import annotations
@@ -21,12 +21,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import subprocess
-import sys
 import time
 from pathlib import Path
+
+from benchmarks import report as rp
 
 
 def _prompts(spec: dict, vocab: int) -> list[list[int]]:
@@ -94,9 +93,8 @@ def worker(spec: dict) -> dict:
 
 
 def run_one(spec: dict, timeout: float) -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(rp.module_command("prefix_cache", "--worker", json.dumps(spec)),
+                          env=rp.module_env(PYTHONUNBUFFERED="1"), capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         return dict(error=(done.stdout + done.stderr)[-1500:])
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -162,14 +160,11 @@ def main(argv=None) -> dict:
             rows.append(row)
             print(engine, arm, {k: result.get(k) for k in ("wall_s", "prompt_tokens", "cache_hits", "error")},
                   flush=True)
+    env = rp.environment()
     report = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                  machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                          f"Python {platform.python_version()}",
+                  machine=f"{env['cpu']}, {env['cpu_count']} cores, Python {env['python']}", environment=env,
                   args={k: v for k, v in vars(args).items() if k not in ("out", "worker")}, rows=rows)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "prefix_cache.json").write_text(json.dumps(report, indent=1, default=str))
-    (args.out / "prefix_cache.md").write_text(markdown(report))
-    print(markdown(report))
+    print(rp.write_report(args.out, "prefix_cache", report, markdown(report)))
     return report
 
 

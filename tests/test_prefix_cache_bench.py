@@ -1,12 +1,8 @@
 """benchmarks/prefix_cache.py runs end to end at a tiny size and reports what it measured."""
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import prefix_cache  # noqa: E402
+from benchmarks import prefix_cache
 
 
 def test_shared_prefix_workload_reports_hits_and_equal_tokens(tmp_path):
