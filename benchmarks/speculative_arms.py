@@ -1,8 +1,10 @@
 """The speculative-decoding arms of the throughput benchmark (`benchmarks/throughput.py`).
 
-`--spec wise|loops --num-draft K [--draft-loops D]` adds the arm `spec-wise` or `spec-loops`:
-the engine with `SpeculativeConfig(method, num_draft=K, draft_loops=D)` (spec-wise drafts with
-the run's `WiseConfig(eta, kernel)`), timed like every engine arm. Per repeat it reports the
+`--spec wise|wise2|loops --num-draft K [--draft-loops D] [--adaptive-draft]` adds the arm
+`spec-wise`, `spec-wise2` or `spec-loops`: the engine with `SpeculativeConfig(method,
+num_draft=K, draft_loops=D, adaptive=...)` (spec-wise drafts with the run's `WiseConfig(eta,
+kernel)`; spec-wise2 with 2-loop WISE drafts, `WiseConfig(discover_depths=(0,),
+reuse_depths=(1,))` and draft_loops 2, verified from loop 1), timed like every engine arm. Per repeat it reports the
 acceptance rate and tokens per verification round of that cohort (differences of the engine's
 counters around it), and whether its greedy tokens equal the dense arm's token for token (the
 number of requests that differ). The issue's target: lossless speculation >= 1.15x dense decode
@@ -20,7 +22,7 @@ spec-loops@0.706 (its 2-loop-draft acceptance) >= 1.1x.
 
 from __future__ import annotations
 
-SPEC_ARMS = {"spec-wise": "wise", "spec-loops": "loops"}
+SPEC_ARMS = {"spec-wise": "wise", "spec-wise2": "wise2", "spec-loops": "loops"}
 SPEC_TARGETS = {4096: 1.15, 8192: 1.15}          # speculative / dense decode tok/s
 SET_TARGETS = {("wise", 0.971): (1.15, 1.3), ("loops", 0.706): (1.1, 1.1)}   # (4K and 8K, batch <= 4)
 _COUNTERS = ("spec_rounds", "draft_tokens", "accepted_tokens", "decode_tokens")
@@ -45,6 +47,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--num-draft", type=int, default=4, help="drafts per speculative round")
     parser.add_argument("--draft-loops", type=int, default=None,
                         help="loops of the 'loops' draft (default: half the model's loops)")
+    parser.add_argument("--adaptive-draft", action="store_true",
+                        help="each request chooses its drafts per round from its acceptance "
+                             "(SpeculativeConfig(adaptive=True))")
     parser.add_argument("--accept-rate", default="",
                         help="comma-separated set acceptances: time each speculative arm at each "
                              "(spec-METHOD@P; its tokens are not the model's)")
@@ -73,8 +78,12 @@ def engine_kwargs(arm: str, spec: dict) -> dict:
     draft_loops, eta, kernel; the set acceptance of a spec-METHOD@P arm)."""
     from wise_core.config import SpeculativeConfig, WiseConfig
     method, rate = method_and_rate(arm)
-    return dict(speculative_config=SpeculativeConfig(method, num_draft=spec["num_draft"],
-                                                     draft_loops=spec.get("draft_loops"), accept_rate=rate),
+    common = dict(num_draft=spec["num_draft"], accept_rate=rate, adaptive=spec.get("adaptive_draft", False))
+    if method == "wise2":
+        return dict(speculative_config=SpeculativeConfig("wise", draft_loops=2, **common),
+                    wise_config=WiseConfig(eta=spec["eta"], kernel=spec["kernel"], discover_depths=(0,),
+                                           reuse_depths=(1,)))
+    return dict(speculative_config=SpeculativeConfig(method, draft_loops=spec.get("draft_loops"), **common),
                 wise_config=WiseConfig(eta=spec["eta"], kernel=spec["kernel"]) if method == "wise" else None)
 
 

@@ -665,7 +665,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                             max_num_batched_tokens=args.max_num_batched_tokens,
                             new_tokens=args.new_tokens, warmup_tokens=args.warmup_tokens, repeats=args.repeats,
                             num_draft=args.num_draft, draft_loops=args.draft_loops,
-                            old_src=old_src if arm.startswith("old") else None)
+                            adaptive_draft=args.adaptive_draft, old_src=old_src if arm.startswith("old") else None)
                 if arm.startswith("old") and old_src is None:
                     result = dict(status=f"error: no old source tree (--old-src, or git history with {args.old_commit})")
                 else:

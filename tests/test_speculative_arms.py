@@ -23,6 +23,14 @@ def test_flags_and_engine_arguments():
         "loops", 1)
     kw = sa.engine_kwargs("spec-wise", dict(num_draft=5, eta=0.9, kernel="reference"))
     assert kw["wise_config"].eta == 0.9 and kw["speculative_config"].num_draft == 5
+    assert not kw["speculative_config"].adaptive
+    args = parser.parse_args(["--spec", "wise2", "--adaptive-draft", "--accept-rate", "0.9"])
+    assert sa.arms_of(args) == ["spec-wise2@0.9"]
+    kw = sa.engine_kwargs("spec-wise2@0.9", dict(num_draft=4, eta=0.9, kernel="reference", adaptive_draft=True))
+    config, wise = kw["speculative_config"], kw["wise_config"]
+    assert (config.method, config.draft_loops, config.adaptive, config.accept_rate) == ("wise", 2, True, 0.9)
+    assert (wise.discover_depths, wise.reuse_depths) == ((0,), (1,))
+    assert config.verify_depth(4, wise) == 1 and config.draft_end(4) == 2
 
 
 def test_cohort_counters_tokens_and_standing():
