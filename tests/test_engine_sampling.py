@@ -260,6 +260,29 @@ def test_speculation_refuses_processing():
     assert all(e[t].rank >= 1 for e, t in zip(out.outputs[0].logprobs, out.token_ids))
 
 
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_stop_strings_with_min_tokens_and_include_stop_str(framework):
+    """include_stop_str_in_output keeps the stop string in the text; with min_tokens past the
+    token that completed it, that occurrence does not stop the request."""
+    if framework == "torch":
+        import wise_torch
+        llm = wise_torch.LLM("ouro-py-3m", num_pages=8, max_model_len=128)
+    else:
+        import wise_jax
+        llm = wise_jax.LLM("ouro-py-3m", num_pages=8, max_model_len=128, max_num_seqs=2)
+    base = SamplingParams(max_tokens=16, ignore_eos=True)
+    [full] = llm.generate("def add(a, b):", base, use_tqdm=False)
+    stop = full.text[4:6]
+    at = full.text.find(stop)
+    [kept] = llm.generate("def add(a, b):", dataclasses.replace(base, stop=[stop], include_stop_str_in_output=True),
+                          use_tqdm=False)
+    assert kept.text == full.text[:at + len(stop)] and kept.stop_reason == stop
+    n = len(kept.token_ids)
+    [late] = llm.generate("def add(a, b):", dataclasses.replace(base, stop=[stop], min_tokens=n + 1), use_tqdm=False)
+    assert len(late.token_ids) > n and late.token_ids[:n] == kept.token_ids
+    assert len(late.text) > at              # not cut at the first occurrence (a later one may end it)
+
+
 class Chars:
     """A tokenizer of one character per id (ord)."""
 
