@@ -123,13 +123,18 @@ def test_logit_bias(llm):
                          ids=["repetition", "repetition<1", "presence", "frequency", "all"])
 def test_penalties_against_numpy(llm, penalty):
     """Greedy under each penalty is the argmax of the raw logits penalized in numpy over the
-    prompt and the tokens before, and the penalty changes the output."""
+    prompt and the tokens before, and the penalty changes the output. The prompts end with
+    their own greedy continuation, so the prompt's tokens compete from the first position."""
     base = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = [p + t[:4] for p, t in zip(PROMPTS, tokens(llm, base))]
     p = dataclasses.replace(base, **penalty)
-    results = run(llm, [p, p])
-    compared = sum(assert_greedy_of_processed(o, raw, prompt, p) for (o, raw), prompt in zip(results, PROMPTS))
+    results = run(llm, [p, p], prompts)
+    compared = sum(assert_greedy_of_processed(o, raw, prompt, p) for (o, raw), prompt in zip(results, prompts))
     assert compared >= 20
-    assert [o.token_ids for o, _ in results] != tokens(llm, base)
+    plain = tokens(llm, base, prompts)
+    assert [o.token_ids for o, _ in results] != plain
+    if penalty.get("repetition_penalty", 1) > 1:    # the prompt alone is penalized at the first position
+        assert [o.token_ids[0] for o, _ in results] != [t[0] for t in plain]
 
 
 def test_penalties_apply_before_sampling_filters(llm):
