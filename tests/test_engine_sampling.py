@@ -227,7 +227,7 @@ def test_bad_values_are_refused(llm):
 def test_processed_requests_preempted_resume_with_their_tokens(framework):
     """Too few pages for both requests: one is preempted and resumes (its logits state rebuilt
     from its tokens, maybe in another slot), giving the tokens it gets alone."""
-    p = SamplingParams(max_tokens=40, ignore_eos=True, repetition_penalty=1.5, presence_penalty=0.5,
+    p = SamplingParams(max_tokens=30, ignore_eos=True, repetition_penalty=1.5, presence_penalty=0.5,
                        logit_bias={11: 0.3})
     small = engine(framework, num_pages=3, max_model_len=64)
     together = tokens(small, p)
