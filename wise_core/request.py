@@ -246,8 +246,9 @@ class RequestOutput:
     def outputs(self) -> list[CompletionOutput]:
         logprobs = None
         if self.ranked is not None:
-            decode = (lambda t: None) if self.tokenizer is None else (lambda t: self.tokenizer.decode([t]))  # noqa: E731
-            logprobs = [{t: Logprob(lp, rank, decode(t)) for t, (lp, rank) in entry.items()} for entry in self.ranked]
+            tok = self.tokenizer
+            logprobs = [{t: Logprob(lp, rank, None if tok is None else tok.decode([t]))
+                         for t, (lp, rank) in entry.items()} for entry in self.ranked]
         return [CompletionOutput(0, self.text, self.token_ids, logprobs, self.finish_reason, self.stop_reason)]
 
 

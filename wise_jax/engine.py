@@ -9,20 +9,21 @@ preemption, stop rules, outputs and stats -- is `wise_core.engine`, shared with 
 names mirror wise_torch's engine. This module runs what it plans on the device:
 
 The decode step. One jit-compiled program per batch bucket, context bucket (`wise_core.buckets`),
-greedy / sampling, kept logits and extras (a row with logits processing or logprobs), compiled lazily, the first time a step needs it. A step
-runs cache rows = sequence slots [0, bucket), the smallest of 1, 2, 4, 8, 16, 32, ... holding
-the highest slot decoding (slots are handed out lowest first), so a step runs the rows in use,
-not max_num_seqs; the context bucket is the page-table width of the longest row, a
-power-of-two rung, so a step costs what its live context needs, not what max_model_len allows.
-The host gives each step its page table, lengths and the pages its rows start (the pool's
+greedy / sampling, kept logits and extras (a row with logits processing or logprobs), compiled
+lazily, the first time a step needs it. A step runs cache rows = sequence slots [0, bucket), the
+smallest of 1, 2, 4, 8, 16, 32, ... holding the highest slot decoding (slots are handed out
+lowest first), so a step runs the rows in use, not max_num_seqs; the context bucket is the
+page-table width of the longest row, a power-of-two rung, so a step costs what its live context
+needs, not what max_model_len allows. The host gives each step its page table, lengths and the pages its rows start (the pool's
 bookkeeping is the host's `BlockManager`; the device's free stack holds just those pages, in row
 order), and each row's token, or -1 for a token still on the device (the slot's last sampled
 token, `next_token`), so the host never waits before launching. The step runs
 `model.decode_step` (over a mesh, `sharding.decode_step`: the heads split over its "tp" axis)
 and samples on the device (per row: logits processing -- logit_bias, min_tokens, penalties over
 the per-slot `LogitsState` -- then temperature, top-p, top-k, min-p, the request's key folded
-with the token's index, or the forced token; every parameter traced, so no value recompiles). A row the host gave too few pages (a broken
-invariant) makes the step write nothing and raise PoolExhaustedError when it is read.
+with the token's index, or the forced token; every parameter traced, so no value recompiles).
+A row the host gave too few pages (a broken invariant) makes the step write nothing and raise
+PoolExhaustedError when it is read.
 
 Prefill. A chunk at position 0 is `serving.prefill` of its tokens (padded to whole pages), whose
 K/V are written into the request's pages; a later chunk is `chunked_prefill`, attending over the
@@ -55,7 +56,8 @@ from wise_core.engine import EngineArgs, LLMEngine
 from wise_core.engine.args import cpu_pool, pool_pages
 from wise_core.engine.scheduler import Chunk
 from wise_core.engine.sequence import Sequence, logits_rows
-from wise_core.request import MAX_LOGPROBS, MAX_SEED, EngineStats, RequestOutput, SamplingParams  # noqa: F401 (its names)
+from wise_core.request import (MAX_LOGPROBS, MAX_SEED, EngineStats, RequestOutput,  # noqa: F401 (its names)
+                               SamplingParams)
 from wise_core.tokenizer import encode_text
 from wise_jax import kv_cache as kvc
 from wise_jax import serving
@@ -249,8 +251,8 @@ class Rows:
                                              "mesh", "rows", "width"),
                    donate_argnames=("cache", "state", "next_token", "logits_state"))
 def _step(params: Params, cache: kvc.PagedKVCache, state, next_token, inputs: Rows, draw: Draw,
-          processing: Processing | None, logits_state: LogitsState | None, *, config: ModelConfig, wise_config,
-          kernel: str, unroll, sampling: bool, keep_logits: bool, mesh=None, rows: int, width: int):
+          processing: Processing | None = None, logits_state: LogitsState | None = None, *, config: ModelConfig,
+          wise_config, kernel: str, unroll, sampling: bool, keep_logits: bool, mesh=None, rows: int, width: int):
     """One decode step of slots [0, rows), the batch bucket, at context bucket `width` (module
     docstring); processing and logits_state None, or both given (`_choose`). Returns (cache,
     state, next_token, logits_state, (token, logprob, NaN flag, overflowed, logits or None,

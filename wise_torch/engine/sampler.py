@@ -116,12 +116,11 @@ class LogitsState:
                     buffer[seq.slot].copy_(torch.from_numpy(row))
                 self.owner[seq.slot] = seq
         slots = torch.tensor([s.slot for s in seqs], device=device)
-        per_row = lambda f, dtype=torch.float32: torch.tensor([f(s) for s in seqs], dtype=dtype, device=device)  # noqa: E731
-        return process_logits(
-            logits, self.prompt[slots], self.counts[slots], self.bias[slots], self.stops[slots],
-            per_row(lambda s: s.num_generated < s.params.min_tokens, torch.bool),
-            per_row(lambda s: s.params.repetition_penalty), per_row(lambda s: s.params.presence_penalty),
-            per_row(lambda s: s.params.frequency_penalty))
+        min_active = torch.tensor([s.num_generated < s.params.min_tokens for s in seqs], device=device)
+        penalties = torch.tensor([(s.params.repetition_penalty, s.params.presence_penalty, s.params.frequency_penalty)
+                                  for s in seqs], dtype=torch.float32, device=device)
+        return process_logits(logits, self.prompt[slots], self.counts[slots], self.bias[slots], self.stops[slots],
+                              min_active, *penalties.t())
 
     def count(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
         """The tokens int64[len(seqs)] just sampled for processed `seqs` join their counts."""
