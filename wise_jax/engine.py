@@ -8,22 +8,23 @@ The host side -- continuous batching, pages taken as a request grows, chunked pr
 preemption, stop rules, outputs and stats -- is `wise_core.engine`, shared with wise_torch; the
 names mirror wise_torch's engine. This module runs what it plans on the device:
 
-The decode step. One jit-compiled program per batch bucket, context bucket (`wise_core.buckets`),
-greedy / sampling, kept logits and extras (a row with logits processing or logprobs), compiled
-lazily, the first time a step needs it. A step runs cache rows = sequence slots [0, bucket), the
-smallest of 1, 2, 4, 8, 16, 32, ... holding the highest slot decoding (slots are handed out
-lowest first), so a step runs the rows in use, not max_num_seqs; the context bucket is the
-page-table width of the longest row, a power-of-two rung, so a step costs what its live context
-needs, not what max_model_len allows. The host gives each step its page table, lengths and the pages its rows start (the pool's
-bookkeeping is the host's `BlockManager`; the device's free stack holds just those pages, in row
-order), and each row's token, or -1 for a token still on the device (the slot's last sampled
-token, `next_token`), so the host never waits before launching. The step runs
-`model.decode_step` (over a mesh, `sharding.decode_step`: the heads split over its "tp" axis)
-and samples on the device (per row: logits processing -- logit_bias, min_tokens, penalties over
-the per-slot `LogitsState` -- then temperature, top-p, top-k, min-p, the request's key folded
-with the token's index, or the forced token; every parameter traced, so no value recompiles).
-A row the host gave too few pages (a broken invariant) makes the step write nothing and raise
-PoolExhaustedError when it is read.
+The decode step. One jit-compiled program per batch bucket, context bucket
+(`wise_core.buckets`), greedy / sampling, kept logits and extras (a row with logits processing
+or logprobs), compiled lazily, the first time a step needs it. A step runs cache rows =
+sequence slots [0, bucket), the smallest of 1, 2, 4, 8, 16, 32, ... holding the highest slot
+decoding (slots are handed out lowest first), so a step runs the rows in use, not max_num_seqs;
+the context bucket is the page-table width of the longest row, a power-of-two rung, so a step
+costs what its live context needs, not what max_model_len allows. The host gives each step its
+page table, lengths and the pages its rows start (the pool's bookkeeping is the host's
+`BlockManager`; the device's free stack holds just those pages, in row order), and each row's
+token, or -1 for a token still on the device (the slot's last sampled token, `next_token`), so
+the host never waits before launching. The step runs `model.decode_step` (over a mesh,
+`sharding.decode_step`: the heads split over its "tp" axis) and samples on the device (per row:
+logits processing -- logit_bias, min_tokens, penalties over the per-slot `LogitsState` -- then
+temperature, top-p, top-k, min-p, the request's key folded with the token's index, or the
+forced token; every parameter traced, so no value recompiles). A row the host gave too few
+pages (a broken invariant) makes the step write nothing and raise PoolExhaustedError when it is
+read.
 
 Prefill. A chunk at position 0 is `serving.prefill` of its tokens (padded to whole pages), whose
 K/V are written into the request's pages; a later chunk is `chunked_prefill`, attending over the
