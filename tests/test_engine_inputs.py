@@ -114,7 +114,8 @@ def test_vllm_shaped_outputs_and_single_prompts(llm):
     [completion] = one.outputs
     assert (completion.index, completion.token_ids, completion.finish_reason, completion.stop_reason) == (
         0, one.token_ids, "length", None)
-    assert completion.logprobs == one.logprobs and len(completion.logprobs) == 4
+    assert [e[t].logprob for e, t in zip(completion.logprobs, one.token_ids)] == one.logprobs
+    assert [list(e) for e in completion.logprobs] == [[t] for t in one.token_ids] and len(one.logprobs) == 4
     assert llm.get_tokenizer() is None and one.prompt is None and completion.text is None
     stop = one.token_ids[1]
     [stopped] = llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True, stop_token_ids=[stop]),

@@ -125,8 +125,8 @@ def test_a_step_short_of_pages_writes_nothing_and_raises(params, prompts):
                          table=np.asarray([seq.pages + [llm.cache.scratch_page]], np.int32),
                          new_pages=np.asarray([llm.cache.scratch_page], np.int32),
                          num_new=np.int32(0))                                 # ... with no page to start
-    llm.cache, _, llm.next_token, outputs = engine._step(
-        llm.params, llm.cache, None, llm.next_token, inputs, engine._draw_of([seq]), config=CONFIG,
+    llm.cache, _, llm.next_token, _, outputs = engine._step(
+        llm.params, llm.cache, None, llm.next_token, inputs, engine._draw_of([seq]), None, None, config=CONFIG,
         wise_config=None, kernel=llm.kernel, unroll=1, sampling=False, keep_logits=False, rows=1, width=2)
     with pytest.raises(kvc.PoolExhaustedError, match="did not fit"):
         engine._InFlight([(seq, 0)], outputs, [0]).read()

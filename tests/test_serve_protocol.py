@@ -33,7 +33,7 @@ def test_defaults_and_fields_reach_the_sampling_params():
     p = parse({"prompt": "hi", "top_k": 40, "min_p": 0.05}).generation.params(1, 100)
     assert (p.top_k, p.min_p) == (40, 0.05) and parse({"prompt": "hi", "top_k": -1}).generation.params(1, 9).top_k == 0
     assert parse({"prompt": [1]}, has_tokenizer=False).generation.return_token_ids
-    assert parse({"prompt": "a", "logprobs": 0}).generation.params(1, 9).logprobs
+    assert parse({"prompt": "a", "logprobs": 0}).generation.params(1, 9).logprobs == 0   # logprobs=True is k = 0
 
 
 def test_several_prompts_keep_their_order():

@@ -8,7 +8,8 @@ only when it does not end in U+FFFD (the replacement of an incomplete character)
 the whole output is decoded once more, so the completed text is exactly
 `tokenizer.decode(token_ids)`, the text `LLM.generate` gives. Stop strings end the text before
 their first occurrence; while streaming, the last `max(len(stop)) - 1` characters are held back
-until they cannot begin a stop string.
+until they cannot begin a stop string. With min_tokens, no stop string is looked for before that
+many tokens; include_stop keeps the stop string in the text (it ends after it).
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ REPLACEMENT = "\ufffd"
 
 
 class TextStream:
-    """tokenizer: has decode(ids) -> str (or None: no text, token ids only); stop: stop strings."""
+    """tokenizer: has decode(ids) -> str (or None: no text, token ids only); stop: stop strings
+    (min_tokens, include_stop: the module docstring)."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), *, min_tokens: int = 0, include_stop: bool = False):
         self.tokenizer, self.stop = tokenizer, stop
+        self.min_tokens, self.include_stop = min_tokens, include_stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.ids: list[int] = []
         self.prefix_offset = self.read_offset = 0
@@ -60,10 +63,12 @@ class TextStream:
             return
         start = max(len(self.text) - self.hold, 0)
         self.text += delta
+        if self.num_tokens < self.min_tokens:
+            return
         found = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
         if found:
             at, self.stop_reason = min(found, key=lambda f: f[0])
-            self.text = self.text[:at]
+            self.text = self.text[:at + len(self.stop_reason) if self.include_stop else at]
             self.stopped = True
 
     def delta(self, final: bool) -> str:

@@ -11,25 +11,42 @@ import numbers
 import numpy as np
 
 MAX_SEED = 2 ** 63
+MAX_LOGPROBS = 20     # the most alternatives SamplingParams.logprobs asks for (vLLM's default max_logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How one request decodes.
+    """How one request decodes, with vLLM's parameters, meanings and defaults.
 
-    max_tokens: tokens to generate (>= 1; the first comes from prefill); temperature 0 is
-    greedy, > 0 samples softmax(logits / temperature) restricted, in this order, to the tokens
-    of probability >= min_p x the largest (min_p in [0, 1]; 0: all), to the top_k most probable
-    (0 or -1: all; ties to the lower id), and to top_p of what is left (the smallest prefix of
-    tokens ranked by probability reaching top_p, in (0, 1]), as vLLM's parameters; seed: an int in [0, 2**63)
-    makes the request's samples reproducible whatever else runs beside it (None: the engine
-    draws them: wise_torch from its generator, wise_jax from its seed and the request id);
-    ignore_eos: keep going past the model's eos; stop_token_ids: more ids that end the
-    request; stop: strings that end it (needs the engine's tokenizer): the text ends before the
-    first one found, the tokens at the one that completed it, stop_reason names it (as vLLM);
-    logprobs: report log p of each generated token. n: completions of the prompt (vLLM's n):
-    its prompt is prefilled once and the completions share its full pages; with a seed,
-    completion i samples as a request with seed + i would.
+    max_tokens: tokens to generate (>= 1; the first comes from prefill); min_tokens: eos and
+    stop_token_ids cannot end the request before this many tokens (they are masked out of the
+    logits) and stop strings do not stop it before (<= max_tokens). temperature 0 is greedy,
+    > 0 samples softmax(logits / temperature) restricted, in this order, to the tokens of
+    probability >= min_p x the largest (min_p in [0, 1]; 0: all), to the top_k most probable (0
+    or -1: all; ties to the lower id), and to top_p of what is left (the smallest prefix of
+    tokens ranked by probability reaching top_p, in (0, 1]); seed: an int in [0, 2**63) makes
+    the request's samples reproducible whatever else runs beside it (None: the engine draws
+    them: wise_torch from its generator, wise_jax from its seed and the request id);
+    ignore_eos: keep going past the model's eos; stop_token_ids: more ids that end the request;
+    stop: strings that end it (needs the engine's tokenizer): the text ends before the first one
+    found (after it with include_stop_str_in_output), the tokens at the one that completed it,
+    stop_reason names it.
+
+    Logits processing, before temperature: logit_bias {token id: bias in [-100, 100]} is added
+    to the logits (OpenAI's range; values outside are refused, not clamped) and min_tokens masks
+    the stop ids; then repetition_penalty (> 0; 1: none) divides the positive and multiplies
+    the negative logits of every token in the prompt or the output so far (vLLM, HF), and
+    presence_penalty / frequency_penalty (in [-2, 2]) subtract presence x (count > 0) +
+    frequency x count over the output's tokens (OpenAI); then temperature, min_p, top_k, top_p.
+    Greedy decoding takes the argmax of the processed logits.
+
+    logprobs: None, or k in [0, MAX_LOGPROBS]: report log p of each generated token (under the
+    model's raw logits, before any processing: vLLM's default) with its rank and the k most
+    probable tokens (`CompletionOutput.logprobs`); True is taken as 0 and False as None (the
+    bool this field was). prompt_logprobs: only None (not computed).
+
+    n: completions of the prompt (vLLM's n): its prompt is prefilled once and the completions
+    share its full pages; with a seed, completion i samples as a request with seed + i would.
     """
 
     n: int = 1
@@ -42,14 +59,21 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
-    logprobs: bool = False
+    logprobs: int | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("n", "max_tokens"):
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"SamplingParams.{name} must be a positive integer, got {value!r}")
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
                 raise ValueError(f"SamplingParams.{name} must be a finite number, got {value!r}")
@@ -65,9 +89,34 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool)
                                       or not 0 <= self.seed < MAX_SEED):
             raise ValueError(f"SamplingParams.seed must be None or an integer in [0, 2**63), got {self.seed!r}")
-        for name in ("ignore_eos", "logprobs"):
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"SamplingParams.repetition_penalty must be > 0 (1: none), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"SamplingParams.min_tokens must be an integer in [0, max_tokens ({self.max_tokens})], "
+                             f"got {self.min_tokens!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
+        logprobs = (0 if self.logprobs else None) if isinstance(self.logprobs, bool) else self.logprobs
+        if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"SamplingParams.logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (the top "
+                             f"alternatives reported beside the chosen token), got {self.logprobs!r}")
+        object.__setattr__(self, "logprobs", None if logprobs is None else int(logprobs))
+        if self.prompt_logprobs is not None:
+            raise ValueError(f"SamplingParams.prompt_logprobs={self.prompt_logprobs!r} is not supported: the engines "
+                             "do not compute the prompt's log probabilities (pass None)")
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict) or not all(
+                    _is_int(t) and t >= 0 and isinstance(b, numbers.Real) and not isinstance(b, bool)
+                    and -100.0 <= b <= 100.0 for t, b in bias.items()):
+                raise ValueError(f"SamplingParams.logit_bias must be a dict of token ids (integers >= 0) to biases in "
+                                 f"[-100, 100], got {bias!r:.200}")
+            bias = {int(t): float(b) for t, b in bias.items()} or None
+            object.__setattr__(self, "logit_bias", bias)
         stops = self.stop_token_ids
         if not isinstance(stops, (tuple, list)) or any(
                 not isinstance(t, numbers.Integral) or isinstance(t, bool) for t in stops):
@@ -83,6 +132,9 @@ class SamplingParams:
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
         object.__setattr__(self, "min_p", float(self.min_p))
+        object.__setattr__(self, "min_tokens", int(self.min_tokens))
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+            object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "top_k", max(0, int(self.top_k)))     # -1, as vLLM's "all", is 0
         if self.seed is not None:
             object.__setattr__(self, "seed", int(self.seed))
@@ -91,6 +143,20 @@ class SamplingParams:
         """The params of completion `index` of an n > 1 request: n 1, seed + index (mod 2**63)."""
         seed = None if self.seed is None else (self.seed + index) % MAX_SEED
         return dataclasses.replace(self, n=1, seed=seed)
+
+    @property
+    def penalized(self) -> bool:
+        """Any penalty set: the logits need the request's token counts."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def processed(self) -> bool:
+        """The logits are processed before temperature (a penalty, logit_bias or min_tokens)."""
+        return self.penalized or self.logit_bias is not None or self.min_tokens > 0
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def prompts_with_params(prompts, params, array_types: tuple[type, ...] = ()) -> list:
@@ -127,17 +193,29 @@ def add_all(engine, pairs: list) -> list[int]:
     return ids
 
 
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """One token's entry in CompletionOutput.logprobs, as vLLM's: logprob (under the model's raw
+    logits), rank (1: the most probable; ties count against it), decoded_token (its text, None
+    without a tokenizer)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
 @dataclasses.dataclass
 class CompletionOutput:
-    """One completion of a request, in vLLM's shape: index (its place among the request's n), text (None
-    without a tokenizer), token_ids, logprobs (log p of each token, as RequestOutput.logprobs:
-    floats, not vLLM's top-k dicts), finish_reason, stop_reason (the stop id or string that ended
-    it; None for eos, the length, an abort, or while running)."""
+    """One completion of a request, in vLLM's shape: index (its place among the request's n),
+    text (None without a tokenizer), token_ids, logprobs (SamplingParams.logprobs k not None:
+    per position {token id: Logprob}, the chosen token first, then the k most probable; else
+    None), finish_reason, stop_reason (the stop id or string that ended it; None for eos, the
+    length, an abort, or while running)."""
 
     index: int
     text: str | None
     token_ids: list[int]
-    logprobs: list[float] | None
+    logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None
     stop_reason: int | str | None
 
@@ -145,13 +223,15 @@ class CompletionOutput:
 @dataclasses.dataclass
 class RequestOutput:
     """What one request has produced so far. text decodes token_ids with the engine's tokenizer
-    (None without one); logprobs: log p of each token (SamplingParams.logprobs, teacher
+    (None without one); logprobs: log p of each token (SamplingParams.logprobs not None, teacher
     forcing), else None. finish_reason: "length", "stop" (eos or a stop id), "abort", or None
     while running; stop_reason: the stop id or string that ended it (None for eos); a stop
     string ends the text before it (token_ids keep the token that completed it). prompt_token_ids is
-    the engine's own list: read it, do not change it. `outputs` and `prompt` give vLLM's shape.
-    A request of n > 1 completions: `completions` holds each one's output (this one's fields are
-    the first's, but `finished`, which waits for all), and `outputs` lists them all."""
+    the engine's own list: read it, do not change it. `outputs` and `prompt` give vLLM's shape;
+    ranked: per position {token id: (logprob, rank)} (SamplingParams.logprobs not None), what
+    `outputs` gives as Logprobs. A request of n > 1 completions: `completions` holds each one's
+    output (this one's fields are the first's, but `finished`, which waits for all), and
+    `outputs` lists them all."""
 
     request_id: int
     prompt_token_ids: list[int]
@@ -162,6 +242,7 @@ class RequestOutput:
     tokenizer: object = dataclasses.field(default=None, repr=False, compare=False)
     stop_reason: int | str | None = None
     cut_text: str | None = dataclasses.field(default=None, repr=False)   # the text a stop string ended
+    ranked: list[dict[int, tuple[float, int]]] | None = dataclasses.field(default=None, repr=False)
     completions: list[RequestOutput] | None = dataclasses.field(default=None, repr=False)
 
     @property
@@ -177,8 +258,16 @@ class RequestOutput:
 
     @property
     def outputs(self) -> list[CompletionOutput]:
-        return [CompletionOutput(i, o.text, o.token_ids, o.logprobs, o.finish_reason, o.stop_reason)
+        return [CompletionOutput(i, o.text, o.token_ids, o._logprob_entries(), o.finish_reason, o.stop_reason)
                 for i, o in enumerate(self.completions or [self])]
+
+    def _logprob_entries(self) -> list[dict[int, Logprob]] | None:
+        """`ranked` as vLLM's Logprobs (decoded with the tokenizer)."""
+        if self.ranked is None:
+            return None
+        tok = self.tokenizer
+        return [{t: Logprob(lp, rank, None if tok is None else tok.decode([t])) for t, (lp, rank) in entry.items()}
+                for entry in self.ranked]
 
 
 @dataclasses.dataclass

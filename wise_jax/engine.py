@@ -8,20 +8,23 @@ The host side -- continuous batching, pages taken as a request grows, chunked pr
 preemption, stop rules, outputs and stats -- is `wise_core.engine`, shared with wise_torch; the
 names mirror wise_torch's engine. This module runs what it plans on the device:
 
-The decode step. One jit-compiled program per batch bucket, context bucket (`wise_core.buckets`)
-and greedy / sampling / kept logits, compiled lazily, the first time a step needs it. A step
-runs cache rows = sequence slots [0, bucket), the smallest of 1, 2, 4, 8, 16, 32, ... holding
-the highest slot decoding (slots are handed out lowest first), so a step runs the rows in use,
-not max_num_seqs; the context bucket is the page-table width of the longest row, a
-power-of-two rung, so a step costs what its live context needs, not what max_model_len allows.
-The host gives each step its page table, lengths and the pages its rows start (the pool's
-bookkeeping is the host's `BlockManager`; the device's free stack holds just those pages, in row
-order), and each row's token, or -1 for a token still on the device (the slot's last sampled
-token, `next_token`), so the host never waits before launching. The step runs
-`model.decode_step` (over a mesh, `sharding.decode_step`: the heads split over its "tp" axis)
-and samples on the device (per row: temperature, top-p, top-k, min-p, the request's key folded
-with the token's index, or the forced token). A row the host gave too few pages (a broken
-invariant) makes the step write nothing and raise PoolExhaustedError when it is read.
+The decode step. One jit-compiled program per batch bucket, context bucket
+(`wise_core.buckets`), greedy / sampling, kept logits and extras (a row with logits processing
+or logprobs), compiled lazily, the first time a step needs it. A step runs cache rows =
+sequence slots [0, bucket), the smallest of 1, 2, 4, 8, 16, 32, ... holding the highest slot
+decoding (slots are handed out lowest first), so a step runs the rows in use, not max_num_seqs;
+the context bucket is the page-table width of the longest row, a power-of-two rung, so a step
+costs what its live context needs, not what max_model_len allows. The host gives each step its
+page table, lengths and the pages its rows start (the pool's bookkeeping is the host's
+`BlockManager`; the device's free stack holds just those pages, in row order), and each row's
+token, or -1 for a token still on the device (the slot's last sampled token, `next_token`), so
+the host never waits before launching. The step runs `model.decode_step` (over a mesh,
+`sharding.decode_step`: the heads split over its "tp" axis) and samples on the device (per row:
+logits processing -- logit_bias, min_tokens, penalties over the per-slot `LogitsState` -- then
+temperature, top-p, top-k, min-p, the request's key folded with the token's index, or the
+forced token; every parameter traced, so no value recompiles). A row the host gave too few
+pages (a broken invariant) makes the step write nothing and raise PoolExhaustedError when it is
+read.
 
 Prefill. A chunk at position 0 is `serving.prefill` of its tokens (padded to whole pages), whose
 K/V are written into the request's pages; a later chunk is `chunked_prefill`, attending over the
@@ -53,8 +56,9 @@ from wise_core.config import ModelConfig
 from wise_core.engine import EngineArgs, LLMEngine
 from wise_core.engine.args import cpu_pool, pool_pages
 from wise_core.engine.scheduler import Chunk
-from wise_core.engine.sequence import Sequence
-from wise_core.request import MAX_SEED, EngineStats, RequestOutput, SamplingParams  # noqa: F401 (its names)
+from wise_core.engine.sequence import Sequence, logits_rows
+from wise_core.request import (MAX_LOGPROBS, MAX_SEED, EngineStats, RequestOutput,  # noqa: F401 (its names)
+                               SamplingParams)
 from wise_core.tokenizer import encode_text
 from wise_jax import kv_cache as kvc
 from wise_jax import serving
@@ -64,7 +68,7 @@ from wise_jax.attention import resolve_kernel
 from wise_jax.chunked_prefill import sharded_prefill_chunk
 from wise_jax.loading import load_model
 from wise_jax.params import Params, stack_layers, unstack_layers
-from wise_jax.sampling import sample
+from wise_jax.sampling import LogitsState, process_logits, ranked, sample
 from wise_jax.serving import TRACES
 
 # num_pages=None on a GPU: the pool fills this share of the memory jax may allocate, less what is
@@ -114,28 +118,84 @@ def _draw_of(seqs: list[Sequence | None]) -> Draw:
     return Draw(keys, index, temperature, top_p, top_k, min_p, forced)
 
 
-def _choose(logits, draw: Draw, *, sampling: bool):
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["active", "min_active", "repetition", "presence", "frequency"], meta_fields=[])
+@dataclasses.dataclass
+class Processing:
+    """The logits processing of each row, in a step where some row is processed or asks for
+    logprobs: active bool[rows] (SamplingParams.processed, not forced), min_active bool[rows]
+    (fewer than min_tokens made), repetition, presence, frequency float32[rows] (its penalties)."""
+
+    active: jax.Array
+    min_active: jax.Array
+    repetition: jax.Array
+    presence: jax.Array
+    frequency: jax.Array
+
+
+def _processing_of(seqs: list[Sequence | None]) -> Processing:
+    """The Processing of rows `seqs` (None: a padding row), on the host, for their next token."""
+    rows = len(seqs)
+    active, min_active = np.zeros(rows, bool), np.zeros(rows, bool)
+    repetition, presence, frequency = np.ones(rows, np.float32), np.zeros(rows, np.float32), np.zeros(rows, np.float32)
+    for row, seq in enumerate(seqs):
+        if seq is None or seq.forced is not None or not seq.params.processed:
+            continue
+        p = seq.params
+        active[row], min_active[row] = True, seq.num_generated < p.min_tokens
+        repetition[row], presence[row], frequency[row] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
+    return Processing(active, min_active, repetition, presence, frequency)
+
+
+def _choose(logits, draw: Draw, processing: Processing | None = None, state: LogitsState | None = None, *,
+            sampling: bool):
     """Per row: the forced token where forced >= 0, else a sample (greedy where temperature is 0;
     with sampling=False every row is greedy and no sampling code runs) with the row's key
-    folded with its index. Returns (token int32[rows], its log-prob float32[rows])."""
+    folded with its index, of the logits processed where `processing` says (state: the rows'
+    LogitsState). Returns (token int32[rows], its log-prob float32[rows] under the raw logits,
+    ranked: None without processing, else (rank, top ids, top log p) of `ranked`)."""
+    chosen_from = logits
+    if processing is not None:   # a step with no processed row and no logprobs asked never runs this
+        p = processing
+        processed = process_logits(logits, state.prompt, state.counts, state.bias, state.stops, p.min_active,
+                                   p.repetition, p.presence, p.frequency)
+        chosen_from = jnp.where(p.active[:, None], processed, logits)
     if sampling:
         keys = jax.vmap(jax.random.fold_in)(draw.keys, draw.index)
         sampled = jax.vmap(lambda l, k, t, p, tk, mp: sample(l[None], k, t, p, tk, mp)[0])(
-            logits, keys, draw.temperature, draw.top_p, draw.top_k, draw.min_p)
+            chosen_from, keys, draw.temperature, draw.top_p, draw.top_k, draw.min_p)
     else:
-        sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        sampled = jnp.argmax(chosen_from, axis=-1).astype(jnp.int32)
     token = jnp.where(draw.forced >= 0, draw.forced, sampled)
     logprob = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token[:, None], axis=1)[:, 0]
-    return token, logprob
+    top = None if processing is None else ranked(logits, token, min(MAX_LOGPROBS, logits.shape[-1]))
+    return token, logprob, top
 
 
-@functools.partial(jax.jit, static_argnames=("sampling",), donate_argnames=("next_token",))
-def _first_token(next_token, logits, slot, draw: Draw, *, sampling: bool):
+def _counted(state: LogitsState, slots, token, active) -> LogitsState:
+    """state with each active row's token (slots, token, active [rows]) added to its slot's counts."""
+    return dataclasses.replace(state, counts=state.counts.at[slots, token].add(active.astype(jnp.int32)))
+
+
+@functools.partial(jax.jit, static_argnames=("sampling",), donate_argnames=("next_token", "logits_state"))
+def _first_token(next_token, logits, slot, draw: Draw, processing: Processing | None = None,
+                 logits_state: LogitsState | None = None, *, sampling: bool):
     """_choose for one prefilled request (logits float32[vocab], draw of one row), noted as its
-    slot's next decode input -> (next_token, (token, logprob, NaN flag))."""
+    slot's next decode input -> (next_token, logits_state, (token, logprob, NaN flag, ranked))."""
     TRACES["first_token"] += 1
-    token, logprob = _choose(logits[None], draw, sampling=sampling)
-    return next_token.at[slot].set(token[0]), (token, logprob, jnp.isnan(logprob))
+    rows = None if logits_state is None else logits_state.rows(slot[None])
+    token, logprob, top = _choose(logits[None], draw, processing, rows, sampling=sampling)
+    if logits_state is not None:
+        logits_state = _counted(logits_state, slot[None], token, processing.active)
+    return next_token.at[slot].set(token[0]), logits_state, (token, logprob, jnp.isnan(logprob), top)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _set_logits_rows(state: LogitsState, slot, prompt, counts, bias, stops) -> LogitsState:
+    """state with slot's rows set (`wise_core.engine.sequence.logits_rows`)."""
+    TRACES["set_logits_rows"] += 1
+    return LogitsState(state.prompt.at[slot].set(prompt), state.counts.at[slot].set(counts),
+                       state.bias.at[slot].set(bias), state.stops.at[slot].set(stops))
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -190,13 +250,15 @@ class Rows:
 
 @functools.partial(jax.jit, static_argnames=("config", "wise_config", "kernel", "unroll", "sampling", "keep_logits",
                                              "mesh", "rows", "width"),
-                   donate_argnames=("cache", "state", "next_token"))
-def _step(params: Params, cache: kvc.PagedKVCache, state, next_token, inputs: Rows, draw: Draw, *,
-          config: ModelConfig, wise_config, kernel: str, unroll, sampling: bool, keep_logits: bool, mesh=None,
-          rows: int, width: int):
+                   donate_argnames=("cache", "state", "next_token", "logits_state"))
+def _step(params: Params, cache: kvc.PagedKVCache, state, next_token, inputs: Rows, draw: Draw,
+          processing: Processing | None = None, logits_state: LogitsState | None = None, *, config: ModelConfig,
+          wise_config, kernel: str, unroll, sampling: bool, keep_logits: bool, mesh=None, rows: int, width: int):
     """One decode step of slots [0, rows), the batch bucket, at context bucket `width` (module
-    docstring). Returns (cache, state, next_token, (token, logprob, NaN flag, overflowed, logits
-    or None)), per row of the bucket; overflowed: a row's pages did not fit (nothing written)."""
+    docstring); processing and logits_state None, or both given (`_choose`). Returns (cache,
+    state, next_token, logits_state, (token, logprob, NaN flag, overflowed, logits or None,
+    ranked or None)), per row of the bucket; overflowed: a row's pages did not fit (nothing
+    written)."""
     TRACES["step"] += 1
     step_cache = dataclasses.replace(cache, page_table=inputs.table, seq_lens=inputs.positions,
                                      free_pages=inputs.new_pages, num_free=inputs.num_new,
@@ -206,14 +268,18 @@ def _step(params: Params, cache: kvc.PagedKVCache, state, next_token, inputs: Ro
     logits, step_cache, rows_state = sharding.decode_step(
         params, config, step_cache, rows_state, tokens, inputs.tags, wise_config=wise_config, kernel=kernel,
         unroll=unroll, mesh=mesh, width=width)
-    token, logprob = _choose(logits, draw, sampling=sampling)
+    slots = jnp.arange(rows)
+    logits_rows = None if logits_state is None else logits_state.rows(slots)
+    token, logprob, top = _choose(logits, draw, processing, logits_rows, sampling=sampling)
     live = inputs.tags >= 0
     next_token = next_token.at[:rows].set(jnp.where(live, token, next_token[:rows]))
+    if logits_state is not None:
+        logits_state = _counted(logits_state, slots, token, processing.active & live)
     cache = dataclasses.replace(cache, k=step_cache.k, v=step_cache.v)
     if state is not None:
         state = _state_rows(rows_state, rows, state)
-    return cache, state, next_token, (token, logprob, jnp.isnan(logprob), step_cache.overflowed,
-                                      logits if keep_logits else None)
+    return cache, state, next_token, logits_state, (token, logprob, jnp.isnan(logprob), step_cache.overflowed,
+                                                    logits if keep_logits else None, top)
 
 
 class _InFlight:
@@ -223,15 +289,17 @@ class _InFlight:
     def __init__(self, rows: list, outputs, at: list[int]):
         self.rows, self._outputs, self._at, self.logits = rows, outputs, at, {}
 
-    def read(self) -> tuple[list[int], list[bool], list[float]]:
-        token, logprob, nan, overflowed, logits = jax.device_get(self._outputs)
+    def read(self) -> tuple[list[int], list[bool], list[float], list[tuple] | None]:
+        token, logprob, nan, overflowed, logits, top = jax.device_get(self._outputs)
         if overflowed:
             raise kvc.PoolExhaustedError("a decode step's pages did not fit the pool or its context bucket; it "
                                          "wrote nothing")
         at = np.asarray(self._at, np.int64)
         self.logits = {i: np.asarray(logits[at[i]]) for i, (seq, _) in enumerate(self.rows)
                        if seq.keep_logits and logits is not None}
-        return token[at].tolist(), nan[at].tolist(), logprob[at].tolist()
+        if top is not None:
+            top = list(zip(*(x[at].tolist() for x in top)))
+        return token[at].tolist(), nan[at].tolist(), logprob[at].tolist(), top
 
 
 class LLM(LLMEngine):
@@ -298,7 +366,7 @@ class LLM(LLMEngine):
         self.max_pages = -(-self.max_model_len // self.page_size)
         self.widths = context_buckets(self.max_pages)
         self.row_buckets = decode_buckets(args.max_num_seqs)
-        self._programs: set[tuple] = set()     # decode programs made: (sampling, keep_logits, rows, width)
+        self._programs: set[tuple] = set()     # decode programs made: (sampling, keep_logits, rows, width, extras)
         self._build_s = 0.0
         # The storage of the pool; its page table is each step's (the host's bookkeeping).
         self.cache = sharding.create_cache(config, mesh, batch=1, max_pages=1, num_pages=num_pages,
@@ -308,6 +376,8 @@ class LLM(LLMEngine):
             heads=config.num_attention_heads, max_blocks=self.max_pages * self.page_size // args.block_size)
         self.next_token = jnp.zeros((args.max_num_seqs,), jnp.int32)
         self.next_epoch = 0
+        self.logits_state: LogitsState | None = None     # made when a request first needs it
+        self._logits_owner: dict[int, Sequence] = {}       # slot -> the sequence its logits state rows are of
         self._seed = random.randrange(MAX_SEED) if args.seed is None else args.seed
 
     def add_request(self, prompt, params: SamplingParams | None = None, *, forced: list[int] | None = None,
@@ -351,18 +421,42 @@ class LLM(LLMEngine):
         stack = np.full(rows, self.cache.scratch_page, np.int32)
         stack[:len(new_pages)] = new_pages[::-1]
         inputs = Rows(tokens, tags, positions, table, stack, np.int32(len(new_pages)))
+        extras = self._extras(seqs)
         program = dict(sampling=any(s.forced is None and s.params.temperature > 0 for s in seqs),
                        keep_logits=any(s.keep_logits for s in seqs), rows=rows, width=width)
         start, traces = time.perf_counter(), TRACES["step"]
-        self.cache, self.state, self.next_token, outputs = _step(
-            self.params, self.cache, self.state, self.next_token, inputs, _draw_of(by_slot), config=self.config,
-            wise_config=self.wise_config, kernel=self.kernel, unroll=self.unroll, mesh=self.mesh, **program)
+        self.cache, self.state, self.next_token, logits_state, outputs = _step(
+            self.params, self.cache, self.state, self.next_token, inputs, _draw_of(by_slot),
+            _processing_of(by_slot) if extras else None, self.logits_state if extras else None,
+            config=self.config, wise_config=self.wise_config, kernel=self.kernel, unroll=self.unroll, mesh=self.mesh,
+            **program)
+        if extras:
+            self.logits_state = logits_state
         if TRACES["step"] > traces:   # a program made for this step: its trace and compile
             self._build_s += time.perf_counter() - start
-            self._programs.add(tuple(program.values()))
+            self._programs.add(tuple(program.values()) + (extras,))
         return _InFlight([(seq, seq.expect()) for seq in seqs], outputs, [seq.slot for seq in seqs])
 
+    def _extras(self, seqs: list[Sequence]) -> bool:
+        """Whether a step over `seqs` processes logits or reports ranked logprobs; if so, the
+        logits state exists and holds the rows of every processed sequence among them.
+
+        Without such a row the step runs with processing and logits state None: the program of
+        a step of default requests is the one it was before logits processing existed (a
+        separate compiled program is made for steps with extras)."""
+        if not any(s.params.logprobs is not None or (s.forced is None and s.params.processed) for s in seqs):
+            return False
+        if self.logits_state is None:
+            self.logits_state = LogitsState.create(self.args.max_num_seqs, self.config.vocab_size)
+        for seq in seqs:
+            if seq.forced is None and seq.params.processed and self._logits_owner.get(seq.slot) is not seq:
+                self.logits_state = _set_logits_rows(self.logits_state, jnp.int32(seq.slot),
+                                                     *logits_rows(seq, self.config.vocab_size))
+                self._logits_owner[seq.slot] = seq
+        return True
+
     def _launch_prefill(self, chunks: list[Chunk]) -> _InFlight:
+        extras = self._extras([c.seq for c in chunks if c.completes])
         rows, outputs = [], []
         for chunk in chunks:
             seq = chunk.seq
@@ -378,15 +472,20 @@ class LLM(LLMEngine):
                 logits = self._continue_prompt(seq, tokens, chunk.start)
             if chunk.completes:
                 forced = seq.forced is not None
-                self.next_token, out = _first_token(self.next_token, logits, jnp.int32(seq.slot), _draw_of([seq]),
-                                                    sampling=not forced and seq.params.temperature > 0)
+                self.next_token, logits_state, out = _first_token(
+                    self.next_token, logits, jnp.int32(seq.slot), _draw_of([seq]),
+                    _processing_of([seq]) if extras else None, self.logits_state if extras else None,
+                    sampling=not forced and seq.params.temperature > 0)
+                if extras:
+                    self.logits_state = logits_state
                 outputs.append(out + (logits,))
                 rows.append((seq, seq.expect()))
         if not outputs:
-            return _InFlight([], (np.zeros(0, np.int32), np.zeros(0), np.zeros(0, bool), False, None), [])
+            return _InFlight([], (np.zeros(0, np.int32), np.zeros(0), np.zeros(0, bool), False, None, None), [])
         token, logprob, nan = (jnp.concatenate([o[i] for o in outputs]) for i in range(3))
-        logits = jnp.stack([o[3] for o in outputs]) if any(seq.keep_logits for seq, _ in rows) else None
-        return _InFlight(rows, (token, logprob, nan, False, logits), list(range(len(rows))))
+        top = None if not extras else tuple(jnp.concatenate([o[3][i] for o in outputs]) for i in range(3))
+        logits = jnp.stack([o[4] for o in outputs]) if any(seq.keep_logits for seq, _ in rows) else None
+        return _InFlight(rows, (token, logprob, nan, False, logits, top), list(range(len(rows))))
 
     def _continue_prompt(self, seq: Sequence, tokens: list[int], start: int) -> jax.Array:
         """Prefill `tokens` at positions [start, ...) of seq's prompt (`chunked_prefill`) -> the
@@ -415,7 +514,7 @@ class LLM(LLMEngine):
         state = self.state
         return dict(fallbacks=None if state is None else int(state.fallbacks),
                     density=None if state is None else state.density(self.wise_config),
-                    step_programs=len(self._programs), step_program_bound=4 * len(self.row_buckets) * len(self.widths),
+                    step_programs=len(self._programs), step_program_bound=8 * len(self.row_buckets) * len(self.widths),
                     step_build_s=self._build_s)
 
     def _reset_device_counters(self) -> None:

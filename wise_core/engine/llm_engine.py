@@ -24,7 +24,7 @@ from wise_core.detokenize import TextStream
 from wise_core.engine.args import EngineArgs
 from wise_core.engine.block_manager import BlockManager
 from wise_core.engine.scheduler import Chunk, Scheduler
-from wise_core.engine.sequence import Sequence, Status, output_of
+from wise_core.engine.sequence import Sequence, Status, output_of, ranked_entry
 from wise_core.request import EngineStats, RequestOutput, SamplingParams, add_all, prompts_with_params
 from wise_core.tokenizer import encode_text
 
@@ -34,12 +34,14 @@ COUNTERS = ("prompt_tokens", "generated_tokens", "prefill_s", "decode_s", "decod
 class InFlight(Protocol):
     """What a launched step sampled, on its way to the host: rows [(sequence, token index)],
     logits {row: float32[vocab]} of the rows that keep them, and `read` (waits for the step) ->
-    (tokens, NaN flag per row, log p per row or None)."""
+    (tokens, NaN flag per row, log p per row or None, ranked or None: per row (the token's rank,
+    the ids and log p of the most probable tokens, at least as many as any row's
+    SamplingParams.logprobs), when a row asks for logprobs)."""
 
     rows: list
     logits: dict
 
-    def read(self) -> tuple[list[int], list[bool], list[float] | None]: ...
+    def read(self) -> tuple[list[int], list[bool], list[float] | None, list[tuple] | None]: ...
 
 
 class LLMEngine:
@@ -81,6 +83,10 @@ class LLMEngine:
             forced = self._checked_ids(forced, "forced continuation")
             if params.n > 1:
                 raise ValueError(f"a forced continuation is scored once: SamplingParams.n must be 1, got {params.n}")
+        bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.logit_bias names token ids {bad[:5]} outside the vocabulary "
+                             f"(size {self.vocab_size})")
         seqs = [Sequence(self.next_id + i, ids, params.completion(i) if params.n > 1 else params,
                          self.eos_token_ids, arrival=self.next_id + i, forced=forced, keep_logits=keep_logits)
                 for i in range(params.n)]
@@ -88,7 +94,8 @@ class LLMEngine:
             if params.stop:
                 if self.tokenizer is None:
                     raise ValueError("SamplingParams.stop needs a tokenizer, and this engine has none")
-                seq.text = TextStream(self.tokenizer, params.stop)
+                seq.text = TextStream(self.tokenizer, params.stop, min_tokens=params.min_tokens,
+                                      include_stop=params.include_stop_str_in_output)
             self._check_request(seq)
         first = seqs[0]
         if first.max_length > self.max_model_len:
@@ -234,14 +241,16 @@ class LLMEngine:
         sequences that produced tokens already (a speculative round reads its own)."""
         produced: dict[int, Sequence] = {seq.request_id: seq for seq in spoken}
         for record in records:
-            tokens, nan, logprobs = record.read()
+            tokens, nan, logprobs, ranked = record.read()
             for i, (seq, index) in enumerate(record.rows):
                 if seq.status is Status.FINISHED:          # stopped or aborted meanwhile: the row ran for nothing
                     continue
                 if nan[i]:
                     raise FloatingPointError(f"the model's logits are NaN for request {seq.request_id}")
-                if logprobs is not None and (seq.params.logprobs or seq.forced is not None):
+                if logprobs is not None and (seq.params.logprobs is not None or seq.forced is not None):
                     seq.logprobs.append(logprobs[i])
+                if seq.params.logprobs is not None:
+                    seq.ranked.append(ranked_entry(seq.params, tokens[i], logprobs[i], *ranked[i]))
                 if i in record.logits:
                     seq.logits.append(record.logits[i])
                 seq.resolve(index, tokens[i])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+import numpy as np
+
 from wise_core.detokenize import TextStream
 from wise_core.request import RequestOutput, SamplingParams
 
@@ -53,6 +55,7 @@ class Sequence:
     forced: list[int] | None = None
     keep_logits: bool = False
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    ranked: list[dict[int, tuple[float, int]]] = dataclasses.field(default_factory=list)
     logits: list = dataclasses.field(default_factory=list)
     generator: object = None
     group: int | None = None
@@ -99,7 +102,8 @@ class Sequence:
         eos = not self.params.ignore_eos and token in self.eos_token_ids
         if self.text is not None and self.forced is None:
             self.text.add([token])
-        stop_id = self.forced is None and (eos or token in self.params.stop_token_ids)
+        stop_id = self.forced is None and (eos or token in self.params.stop_token_ids) \
+            and index - len(self.prompt) >= self.params.min_tokens
         if stop_id or (self.text is not None and self.text.stopped):
             del self.tokens[index + 1:]
             self.stop_reason = (None if eos else token) if stop_id else self.text.stop_reason
@@ -113,7 +117,39 @@ class Sequence:
 
 def output_of(seq: Sequence, tokenizer) -> RequestOutput:
     """What `seq` has produced so far, as the engines return it."""
-    want_logprobs = seq.params.logprobs or seq.forced is not None
+    want_logprobs = seq.params.logprobs is not None or seq.forced is not None
     cut = seq.text.text if seq.text is not None and seq.text.stopped else None
     return RequestOutput(seq.request_id, seq.prompt, seq.output, seq.status is Status.FINISHED, seq.finish_reason,
-                         list(seq.logprobs) if want_logprobs else None, tokenizer, seq.stop_reason, cut)
+                         list(seq.logprobs) if want_logprobs else None, tokenizer, seq.stop_reason, cut,
+                         list(seq.ranked) if seq.params.logprobs is not None else None)
+
+
+def ranked_entry(params, token: int, logprob: float, rank: int, top_ids: list[int], top_logprobs: list[float]
+                 ) -> dict[int, tuple[float, int]]:
+    """One position of RequestOutput.ranked: the chosen token's (logprob, rank), then the
+    params.logprobs most probable tokens' (ranks 1, 2, ...; the chosen one keeps its own entry)."""
+    entry = {token: (logprob, rank)}
+    for r, (t, lp) in enumerate(zip(top_ids[:params.logprobs], top_logprobs), 1):
+        entry.setdefault(t, (lp, r))
+    return entry
+
+
+def logits_rows(seq: Sequence, vocab_size: int) -> tuple[np.ndarray, ...]:
+    """A processed request's rows of the engines' per-slot logits state (its logit processing,
+    `SamplingParams`), from the tokens the host has read (none may be in flight): prompt
+    bool[vocab] (in the prompt), counts int32[vocab] (in the output), bias float32[vocab]
+    (logit_bias), stops bool[vocab] (the ids min_tokens masks: eos unless ignored, stop_token_ids)."""
+    p = seq.params
+    generated = seq.tokens[len(seq.prompt):]
+    if PENDING in generated:
+        raise RuntimeError(f"request {seq.request_id}'s logits state is rebuilt while a token is in flight")
+    prompt = np.zeros(vocab_size, bool)
+    prompt[seq.prompt] = True
+    counts = np.bincount(np.asarray(generated, np.int64), minlength=vocab_size).astype(np.int32)
+    bias = np.zeros(vocab_size, np.float32)
+    for t, b in (p.logit_bias or {}).items():
+        bias[t] = b
+    stops = np.zeros(vocab_size, bool)
+    ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(seq.eos_token_ids))
+    stops[[t for t in ids if 0 <= t < vocab_size]] = True
+    return prompt, counts, bias, stops

@@ -37,7 +37,7 @@ from wise_core.engine.scheduler import Chunk
 from wise_core.engine.sequence import Sequence
 from wise_core.modes import DENSE
 from wise_torch.attention import prepare_decode_attention
-from wise_torch.engine.sampler import sample, seed_for
+from wise_torch.engine.sampler import LogitsState, ranked, sample, seed_for
 from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch, PrefillGroup
 from wise_torch.model import OuroForCausalLM
 from wise_torch.wise_state import WiseState
@@ -55,15 +55,16 @@ def min_splits_for(rows: int, kv_heads: int, programs: int = 2048) -> int:
 
 class InFlight:
     """What a step sampled, on its way to the host: the rows' (sequence, token index), and
-    pinned host copies of the tokens (a NaN flag each), their log p (when asked) and kept
-    logits, enqueued after the sampling kernels; `read` waits for just those copies."""
+    pinned host copies of the tokens (a NaN flag each), their log p (when asked), their rank and
+    the most probable tokens (`ranked`, when asked) and kept logits, enqueued after the sampling
+    kernels; `read` waits for just those copies."""
 
     def __init__(self, rows: list, tokens: torch.Tensor, nan: torch.Tensor, logprobs: torch.Tensor | None,
-                 logits: dict[int, torch.Tensor]):
+                 logits: dict[int, torch.Tensor], top: tuple | None = None):
         pin = tokens.device.type == "cuda"
         self.rows = rows
         self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t, non_blocking=pin)
-                      for t in (tokens, nan, logprobs) if t is not None]
+                      for t in (tokens, nan, logprobs) + (top or ()) if t is not None]
         self.logits = {i: torch.empty(row.shape, dtype=row.dtype, pin_memory=pin).copy_(row, non_blocking=pin)
                        for i, row in logits.items()}
         self.event = None
@@ -71,11 +72,11 @@ class InFlight:
             self.event = torch.cuda.Event()
             self.event.record()
 
-    def read(self) -> tuple[list[int], list[bool], list[float] | None]:
+    def read(self) -> tuple[list[int], list[bool], list[float] | None, list[tuple] | None]:
         if self.event is not None:
             self.event.synchronize()
         host = [t.tolist() for t in self._host]
-        return host[0], host[1], host[2] if len(host) > 2 else None
+        return host[0], host[1], host[2] if len(host) > 2 else None, list(zip(*host[3:])) if len(host) > 3 else None
 
 
 class ModelRunner:
@@ -133,6 +134,7 @@ class ModelRunner:
         self.capture_s = 0.0   # time spent capturing graphs (decode and speculation)
         self.next_epoch = 0
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.logits_state: LogitsState | None = None    # made when a processed request first samples
 
     # -- decode -----------------------------------------------------------------------------
     def bucket(self, n: int) -> int:
@@ -344,7 +346,13 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> InFlight:
         """Sample each sequence's next token on the device (its forced token when
         teacher-forced), note it in the sequence slots' `next_token` and hold its place in the
-        sequence; log p of it and the logits where asked. Nothing waits for the host."""
+        sequence; log p of it (under the raw logits) and the logits where asked. Nothing waits
+        for the host.
+
+        Runs eagerly, outside the decode step's CUDA graph, on the logits it returns. The rows
+        of processed requests (`SamplingParams.processed`) go through `LogitsState.process`
+        first; when no row is, the logits go to `sample` untouched and no logits state is read
+        or made: a step of default requests does what it did before logits processing existed."""
         if not seqs:   # a step that samples nothing still marks when it is done
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return InFlight([], empty, empty.bool(), None, {})
@@ -357,16 +365,29 @@ class ModelRunner:
                     seq.generator = torch.Generator(device=self.device)
                 seq.generator.manual_seed(seed_for(p.seed, len(seq.tokens)))
             generators.append(seq.generator if p.seed is not None else self.generator)
-        tokens = sample(logits, temperatures, [s.params for s in seqs], generators)
+        processed = [i for i, s in enumerate(seqs) if s.forced is None and s.params.processed]
+        chosen_from = logits
+        if processed:
+            if self.logits_state is None:
+                self.logits_state = LogitsState(len(self.next_token), logits.shape[1], self.device)
+            index = torch.tensor(processed, device=self.device)
+            chosen_from = logits.index_copy(0, index, self.logits_state.process(logits[index],
+                                                                                [seqs[i] for i in processed]))
+        tokens = sample(chosen_from, temperatures, [s.params for s in seqs], generators)
         forced = [i for i, s in enumerate(seqs) if s.forced is not None]
         if forced:
             tokens[torch.tensor(forced, device=self.device)] = torch.tensor(
                 [seqs[i].forced[seqs[i].num_generated] for i in forced], device=self.device)
+        if processed:
+            self.logits_state.count([seqs[i] for i in processed], tokens[index])
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
         self.next_token.index_copy_(0, slots, tokens)
-        logprobs = None
-        if any(s.params.logprobs or s.forced is not None for s in seqs):
+        logprobs = top = None
+        if any(s.params.logprobs is not None or s.forced is not None for s in seqs):
             logprobs = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
+        asked = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+        if asked:
+            top = ranked(logits, tokens, min(max(asked), logits.shape[1]))
         kept = {i: logits[i] for i, s in enumerate(seqs) if s.keep_logits}
         rows = [(seq, seq.expect()) for seq in seqs]
-        return InFlight(rows, tokens, torch.isnan(logits).any(-1), logprobs, kept)
+        return InFlight(rows, tokens, torch.isnan(logits).any(-1), logprobs, kept, top)

@@ -1,10 +1,12 @@
-"""Next-token choice on the device: greedy, or sampling in log space with top-p."""
+"""Next-token choice on the device: logits processing (logit_bias, min_tokens, penalties), then
+greedy, or sampling in log space with min-p, top-k and top-p; the logprobs reported."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from wise_core.engine.sequence import Sequence, logits_rows
 from wise_torch.attention import select_blocks
 
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -57,3 +59,70 @@ def scaled_logits(logits: torch.Tensor, temperature: torch.Tensor, filters: list
             kept = select_blocks(torch.softmax(z[j], -1), f.top_p)
             z[j] = torch.where(kept, z[j], float("-inf"))
     return z
+
+
+def process_logits(logits: torch.Tensor, prompt: torch.Tensor, counts: torch.Tensor, bias: torch.Tensor,
+                   stops: torch.Tensor, min_active: torch.Tensor, repetition: torch.Tensor, presence: torch.Tensor,
+                   frequency: torch.Tensor) -> torch.Tensor:
+    """The logits processing of `SamplingParams`, before temperature, in vLLM's order: logits
+    float32[rows, vocab]; per row the request's logits state (prompt bool[rows, vocab]: in its
+    prompt; counts int32[rows, vocab]: in its output; bias float32[rows, vocab]: logit_bias;
+    stops bool[rows, vocab]: its stop ids), min_active bool[rows] (fewer than min_tokens made)
+    and its penalties float32[rows] -> processed logits: bias added and the stop ids -inf where
+    min_active; then the repetition penalty over the prompt's and the output's tokens (positive
+    logits divided, negative multiplied), then frequency x count + presence x (count > 0)
+    subtracted."""
+    z = torch.where(min_active[:, None] & stops, float("-inf"), logits + bias)
+    seen = prompt | (counts > 0)
+    r = repetition[:, None]
+    z = torch.where(seen, torch.where(z > 0, z / r, z * r), z)
+    return z - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+
+def ranked(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits float32[rows, vocab], tokens int64[rows] -> (rank int64[rows]: the tokens at least
+    as probable as the row's, itself included (1: the most probable); top ids int64[rows, k] and their log p
+    float32[rows, k], most probable first, ties to the lower id), under log_softmax(logits)."""
+    logp = torch.log_softmax(logits, -1)
+    rank = (logp >= logp.gather(1, tokens[:, None])).sum(-1)
+    if k == 0:
+        return rank, tokens[:, None][:, :0], logp[:, :0]
+    top = torch.sort(logp, dim=-1, descending=True, stable=True)
+    return rank, top.indices[:, :k], top.values[:, :k]
+
+
+class LogitsState:
+    """Per sequence slot, on the device, what `process_logits` needs of a processed request
+    (`SamplingParams.processed`): prompt bool, counts int32, bias float32 and stops bool
+    [slots, vocab] (`logits_rows`). A slot's rows are written from the host when a processed
+    request first samples in it (its first token, or after a preemption moved it), then its
+    counts grow on the device with each token sampled (`count`), so a token still in flight is
+    counted before the host reads it."""
+
+    def __init__(self, slots: int, vocab_size: int, device: torch.device):
+        self.prompt = torch.zeros(slots, vocab_size, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(slots, vocab_size, dtype=torch.int32, device=device)
+        self.bias = torch.zeros(slots, vocab_size, dtype=torch.float32, device=device)
+        self.stops = torch.zeros(slots, vocab_size, dtype=torch.bool, device=device)
+        self.owner: dict[int, Sequence] = {}     # slot -> the sequence its rows are of
+
+    def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """`process_logits` of `seqs` (processed requests, their rows of float32 `logits`)."""
+        device = logits.device
+        for seq in seqs:
+            if self.owner.get(seq.slot) is not seq:
+                for buffer, row in zip((self.prompt, self.counts, self.bias, self.stops),
+                                       logits_rows(seq, logits.shape[1])):
+                    buffer[seq.slot].copy_(torch.from_numpy(row))
+                self.owner[seq.slot] = seq
+        slots = torch.tensor([s.slot for s in seqs], device=device)
+        min_active = torch.tensor([s.num_generated < s.params.min_tokens for s in seqs], device=device)
+        penalties = torch.tensor([(s.params.repetition_penalty, s.params.presence_penalty, s.params.frequency_penalty)
+                                  for s in seqs], dtype=torch.float32, device=device)
+        return process_logits(logits, self.prompt[slots], self.counts[slots], self.bias[slots], self.stops[slots],
+                              min_active, *penalties.t())
+
+    def count(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
+        """The tokens int64[len(seqs)] just sampled for processed `seqs` join their counts."""
+        slots = torch.tensor([s.slot for s in seqs], device=tokens.device)
+        self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)

@@ -139,6 +139,11 @@ class Speculator:
         if seq.forced is not None:
             raise ValueError("a forced continuation (teacher forcing) is scored, not speculated; "
                              "use an LLM without speculative_config")
+        p = seq.params
+        if p.processed or p.logprobs:
+            raise ValueError("speculative decoding does not apply repetition/presence/frequency penalties, logit_bias, "
+                             "min_tokens or top logprobs (SamplingParams.logprobs > 0); use an LLM without "
+                             "speculative_config for these")
 
     # -- the model passes (graph bodies) -------------------------------------------------------------
     def _draft_forward(self, bucket: int, kind: str, width: int) -> torch.Tensor | None:
@@ -331,9 +336,11 @@ class Speculator:
         bad = [seqs[i].request_id for i, row in enumerate(host) if row[-1]]
         if bad:
             raise FloatingPointError(f"the model's logits are NaN for request(s) {bad}")
-        logprobs = None
-        if any(seq.params.logprobs for seq in seqs):
-            logprobs = torch.log_softmax(logits, -1).gather(2, emitted[..., None])[..., 0].tolist()
+        logprobs = ranks = None
+        if any(seq.params.logprobs is not None for seq in seqs):
+            logp = torch.log_softmax(logits, -1)
+            chosen = logp.gather(2, emitted[..., None])
+            logprobs, ranks = chosen[..., 0].tolist(), (logp >= chosen).sum(-1).tolist()
         committed = 0
         c = self.counters
         for i, (seq, row) in enumerate(zip(seqs, host)):
@@ -345,8 +352,9 @@ class Speculator:
                 drafted, accepted = self.history.get(seq.request_id, (0.0, 0.0))
                 self.history[seq.request_id] = (HISTORY_DECAY * drafted + ks[i], HISTORY_DECAY * accepted + n_acc)
             for n, token in enumerate(row[1:n_acc + 2]):
-                if seq.params.logprobs:
+                if seq.params.logprobs is not None:
                     seq.logprobs.append(logprobs[i][n])
+                    seq.ranked.append({token: (logprobs[i][n], ranks[i][n])})
                 if seq.keep_logits:
                     seq.logits.append(logits[i, n].cpu())
                 seq.resolve(seq.expect(), token)
