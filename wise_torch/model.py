@@ -9,7 +9,8 @@ splits them back, so the HF names stay the checkpoint format.
 Every entry point runs `run_tokens` over flat tokens `[n, hidden]` with an attention context
 that stores each plane's K/V and attends:
 - `forward`: full-sequence logits of `[batch, seq]` ids (the ground truth; no cache),
-- `prefill`: chunks of prompts against the paged cache (chunked prefill, dense),
+- `prefill`: chunks of prompts against the paged cache (chunked prefill, dense; grouped SDPA
+  or one packed varlen call per plane),
 - `decode_step`: one token per row against the paged cache, optionally with WISE.
 The junctions (residual + RMSNorm, RoPE + K/V store, SwiGLU) are the fused ops of
 `wise_torch.layers`; logits are float32. One rank's shard of a tensor-parallel model
@@ -157,13 +158,22 @@ class PagedContext:
 
 class PrefillContext(PagedContext):
     """Chunks of prompts (`PrefillBatch`): each chunk's K/V is stored in the paged cache, then
-    its queries attend causally to every cached key of their sequence up to themselves."""
+    its queries attend causally to every cached key of their sequence up to themselves.
+    attention: None, one SDPA per group of chunks of one (start, length) over K/V gathered from
+    the pages; else a varlen prefill attention (`prefill_attention_varlen_reference`'s
+    signature) run once per plane over the pool through `batch.varlen`."""
 
-    def __init__(self, config: ModelConfig, batch: PrefillBatch, cache: PagedKVCache):
+    def __init__(self, config: ModelConfig, batch: PrefillBatch, cache: PagedKVCache,
+                 attention: Callable | None = None):
         super().__init__(config.num_hidden_layers, batch, cache)
+        if attention is not None and batch.varlen is None:
+            raise ValueError("a varlen prefill attention needs the batch's VarlenPrefill (batch.varlen)")
+        self.attention = attention
 
     def attend(self, q: torch.Tensor, loop: int, layer: int) -> torch.Tensor:
         k_plane, v_plane = self.planes(loop, layer)
+        if self.attention is not None:
+            return self.attention(q, k_plane, v_plane, self.batch.varlen)
         out = torch.empty_like(q)
         for group in self.batch.groups:  # chunks of one (start, length): one attention call
             g, n, keys = group.count, group.length, group.start + group.length
@@ -327,11 +337,13 @@ class OuroForCausalLM(nn.Module):
             return logits
         return logits, exit_probabilities([g.view(batch, seq, 1) for g in gates])
 
-    def prefill(self, ids: torch.Tensor, batch: PrefillBatch, cache: PagedKVCache) -> torch.Tensor:
+    def prefill(self, ids: torch.Tensor, batch: PrefillBatch, cache: PagedKVCache, *,
+                attention: Callable | None = None) -> torch.Tensor:
         """Dense pass over prompt chunks (ids int64[n], flat), storing K/V of every plane.
-        Returns the logits float32[len(batch.logit_index), vocab] at the tokens `logit_index` names."""
+        Returns the logits float32[len(batch.logit_index), vocab] at the tokens `logit_index` names.
+        attention: `PrefillContext`'s (None: grouped SDPA; else a varlen one over batch.varlen)."""
         self._check_ids(ids, 1)
-        h = self.run_tokens(ids, PrefillContext(self.config, batch, cache))
+        h = self.run_tokens(ids, PrefillContext(self.config, batch, cache, attention))
         return self.logits(h[batch.logit_index])
 
     def decode_step(self, tokens: torch.Tensor, batch: DecodeBatch, cache: PagedKVCache, *,

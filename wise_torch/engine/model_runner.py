@@ -36,9 +36,9 @@ from wise_core.config import WiseConfig
 from wise_core.engine.scheduler import Chunk
 from wise_core.engine.sequence import Sequence
 from wise_core.modes import DENSE
-from wise_torch.attention import prepare_decode_attention
+from wise_torch.attention import prepare_decode_attention, resolve_prefill_attention
 from wise_torch.engine.sampler import sample, seed_for
-from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch, PrefillGroup
+from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch, PrefillGroup, VarlenPrefill
 from wise_torch.model import OuroForCausalLM
 from wise_torch.wise_state import WiseState
 
@@ -83,7 +83,7 @@ class ModelRunner:
 
     def __init__(self, model: OuroForCausalLM, *, wise_config: WiseConfig | None, num_pages: int, page_size: int,
                  max_num_seqs: int, max_model_len: int, use_graphs: bool, kernel: str, seed: int,
-                 workers=None):
+                 prefill_attention: str = "auto", workers=None):
         config = model.config
         # Tensor parallelism: the model's `tp` on every rank (None: one device); `workers` on rank
         # 0 (distributed.Workers), which follow its device-side calls.
@@ -93,6 +93,9 @@ class ModelRunner:
         self.model, self.config, self.device, self.dtype = model, config, weight.device, weight.dtype
         block_size = (wise_config or WiseConfig()).block_size
         self.page_size = page_size
+        # What prefill attention runs ("sdpa", "fa4", "reference") and its varlen function (None: SDPA).
+        self.prefill_attention, self.prefill_fn = resolve_prefill_attention(prefill_attention, self.device,
+                                                                            self.dtype)
         self.max_pages = -(-max_model_len // page_size)
         model.rope_rows(min(self.max_pages * page_size, config.max_position_embeddings))   # before any graph
         max_blocks = self.max_pages * page_size // block_size
@@ -271,14 +274,20 @@ class ModelRunner:
     def run_prefill(self, ids: list[int], positions: list[int], slots: list[int], groups: list[tuple],
                     logit_index: list[int]) -> torch.Tensor:
         """Every rank: the prefill of flat prompt tokens `ids` at `positions` into cache `slots`,
-        in groups (start, length, count, token index, pages) -> logits at `logit_index`."""
+        in groups (start, length, count, token index, pages) -> logits at `logit_index`. A group's
+        chunks hold consecutive runs of tokens, in the group order: the varlen chunks' order."""
         as_long = lambda xs: torch.tensor(xs, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
+        varlen = None
+        if self.prefill_fn is not None:
+            varlen = VarlenPrefill.build([(start, length, p) for start, length, _, _, pages in groups for p in pages],
+                                         page_size=self.page_size, scratch_page=self.cache.scratch_page,
+                                         device=self.device)
         batch = PrefillBatch(
             positions=as_long(positions), slot_mapping=as_long(slots),
             groups=[PrefillGroup(start, length, count, as_long(index), as_long(pages))
                     for start, length, count, index, pages in groups],
-            logit_index=as_long(logit_index))
-        return self.model.prefill(as_long(ids), batch, self.cache)
+            logit_index=as_long(logit_index), varlen=varlen)
+        return self.model.prefill(as_long(ids), batch, self.cache, attention=self.prefill_fn)
 
     # -- preemption -------------------------------------------------------------------------
     def offload(self, seq: Sequence, pages: list[int]) -> None:
