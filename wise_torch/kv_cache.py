@@ -104,7 +104,8 @@ class PrefillBatch:
     """Per-step metadata of chunked prefill over flat tokens: positions, slot_mapping int64[n];
     groups (list[PrefillGroup]); logit_index int64[m], the tokens whose logits are returned
     (the last prompt token of each chunk that completes its prompt); varlen: the same chunks as
-    one packed call (`VarlenPrefill`), for a varlen prefill attention (None: grouped SDPA only)."""
+    one packed call (`VarlenPrefill`) for a varlen prefill attention (None: grouped SDPA, which
+    reads groups)."""
 
     positions: torch.Tensor
     slot_mapping: torch.Tensor

@@ -284,8 +284,8 @@ class ModelRunner:
                                          device=self.device)
         batch = PrefillBatch(
             positions=as_long(positions), slot_mapping=as_long(slots),
-            groups=[PrefillGroup(start, length, count, as_long(index), as_long(pages))
-                    for start, length, count, index, pages in groups],
+            groups=[] if varlen is not None else [PrefillGroup(start, length, count, as_long(index), as_long(pages))
+                                                  for start, length, count, index, pages in groups],
             logit_index=as_long(logit_index), varlen=varlen)
         return self.model.prefill(as_long(ids), batch, self.cache, attention=self.prefill_fn)
 
