@@ -273,3 +273,39 @@ def test_fa4_prefill_equals_reference_on_gpu():
     # bf16 output (8-bit mantissa: 2^-8 relative rounding) of O(1) values; FA4 rounds P to bf16
     # before P @ V: 2e-2 bounds both.
     torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("budget", [200, 8192], ids=["chunked", "whole"])
+def test_engine_fa4_prefill_gives_sdpa_tokens_on_gpu(budget):
+    """The built-in model in bf16: FA4 prefill (chunks of 200 tokens, most starting mid-page, or
+    whole prompts) against grouped SDPA. The first tokens' logits agree within the bf16 bound of
+    the model; a differing token must be a near tie of SDPA's logits (top-2 gap within it)."""
+    if fa4.import_error() is not None:
+        pytest.skip(f"flash_attn.cute does not import: {fa4.import_error()}")
+    import wise_torch
+    from wise_core import rounding
+    from wise_core.checkpoint import TRAINED_MODEL
+    model = wise_torch.load_model(TRAINED_MODEL, dtype=torch.bfloat16, device="cuda")
+    g = np.random.default_rng(0)
+    prompts = [g.integers(0, model.config.vocab_size, n).tolist() for n in (300, 129, 700, 77)]
+
+    def run(arm):
+        llm = wise_torch.LLM(model, prefill_attention=arm, num_pages=64, page_size=128, max_num_seqs=4,
+                             max_model_len=1024, max_num_batched_tokens=budget, kernel="triton")
+        assert llm.stats().prefill_attention == arm
+        ids = [llm.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True), keep_logits=True) for p in prompts]
+        seqs = [llm.sequences[i] for i in ids]
+        out = {o.request_id: o.token_ids for o in llm.run_until_done(ids)}
+        return [out[i] for i in ids], [[t.float().cpu() for t in s.logits] for s in seqs]
+
+    (got, got_logits), (want, want_logits) = run("fa4"), run("sdpa")
+    for prompt, a, b, tokens, want_tokens in zip(prompts, got_logits, want_logits, got, want):
+        diff, bound = rounding.model_difference(a[0], b[0], model.config, keys=len(prompt), dtype="bfloat16")
+        assert diff <= bound, (len(prompt), diff, bound)
+        if tokens != want_tokens:
+            j = next(i for i, (x, y) in enumerate(zip(tokens, want_tokens)) if x != y)
+            top2 = torch.topk(b[j], 2).values
+            gap = float(top2[0] - top2[1])
+            assert gap <= bound, f"prompt of {len(prompt)}: token {j} differs with a top-2 gap {gap} > {bound}"
