@@ -1,9 +1,10 @@
 """Packed varlen prefill over the paged pool (wise_torch): the step's chunks as `VarlenPrefill`
 metadata (hand-computed values), the plain-torch varlen attention against one SDPA per
-request, the FlashAttention-4 call's arguments through a stand-in `flash_attn.cute` (FA4 itself
-runs only in the `gpu` test, on an H200), the choice of prefill attention ("auto" / "sdpa" /
-"fa4" / "reference") and its fallback, and the engine's tokens with the packed path equal to
-grouped SDPA's (chunked and whole prompts, dense and WISE, prefix caching on). CPU, fp32."""
+request, the FlashAttention-4 calls' arguments (prefill, and the dense decode arm) through a
+stand-in `flash_attn.cute` (FA4 itself runs only in the `gpu` tests, on an H200), the choice of
+prefill attention ("auto" / "sdpa" / "fa4" / "reference") and of dense decode, and their
+fallback, and the engine's tokens with the packed path equal to grouped SDPA's (chunked and
+whole prompts, dense and WISE, prefix caching on). CPU, fp32."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from wise_core.config import PRESETS, WiseConfig
 from wise_core.engine.scheduler import Chunk
 from wise_core.engine.sequence import Sequence
 from wise_core.request import SamplingParams
-from wise_torch.attention import prefill_attention, prefill_attention_varlen_reference, resolve_prefill_attention
+from wise_core.modes import DENSE
+from wise_torch.attention import (decode_attention_reference, prefill_attention, prefill_attention_varlen_reference,
+                                  resolve_dense_decode, resolve_prefill_attention)
 from wise_torch.engine.model_runner import ModelRunner
 from wise_torch.kernels import fa4
 from wise_torch.kv_cache import VarlenPrefill
@@ -143,7 +146,16 @@ def stand_in_fa4(calls):
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                                max_seqlen_k=None, seqused_q=None, seqused_k=None, page_table=None,
                                softmax_scale=None, causal=False, return_lse=False, **rest):
-        assert not rest and cu_seqlens_k is None and seqused_q is None and causal is True
+        assert not rest and cu_seqlens_k is None and seqused_q is None
+        if cu_seqlens_q is None:      # batched decode: q [batch, 1, heads, head_dim], its last position
+            assert q.dim() == 4 and q.shape[1] == 1 and max_seqlen_q is None
+            batch = q.shape[0]
+            cu = torch.arange(batch + 1, dtype=torch.int32)
+            out, lse = flash_attn_varlen_func(q[:, 0], k, v, cu_seqlens_q=cu, max_seqlen_q=1, seqused_k=seqused_k,
+                                              page_table=page_table, softmax_scale=softmax_scale, causal=True)
+            calls[-1] = ("decode", calls[-1])
+            return out[:, None], lse
+        assert causal is True and q.dim() == 3
         batch = cu_seqlens_q.shape[0] - 1
         total, heads, head_dim = q.shape
         num_pages, page_size, kv_heads, _ = k.shape
@@ -187,7 +199,49 @@ def test_engine_through_stand_in_fa4_gives_sdpa_tokens(model, monkeypatch, wise_
     assert got == want and calls
 
 
+def test_fa4_dense_decode_equals_reference_dense_rows(monkeypatch):
+    calls = []
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", stand_in_fa4(calls))
+    k_pages, v_pages, g = random_pool(3)
+    table = torch.tensor([[4, 1, 10], [7, 10, 10], [2, 3, 5]], dtype=torch.int32)
+    seq_lens = torch.tensor([13, 5, 24], dtype=torch.int32)
+    q = torch.randn(3, 4, 16, generator=g)
+    out = fa4.decode_attention_dense(q, k_pages, v_pages, table, seq_lens)
+    assert calls == [("decode", k_pages.data_ptr())]
+    support = torch.zeros(3, 4, 3, dtype=torch.bool)
+    modes = torch.full((3,), DENSE, dtype=torch.int32)
+    want, _ = decode_attention_reference(q, k_pages, v_pages, table, seq_lens, modes, support, block_size=8, eta=0.9)
+    # fp32 both, softmax over <= 24 keys of O(1) scores: rounding ~1e-7 relative; 1e-5 bounds it.
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("wise_config", [None, WiseConfig(eta=0.5, kernel="reference", discover_depths=(1,),
+                                                            reuse_depths=(2, 3))], ids=["dense", "wise"])
+def test_engine_dense_decode_through_stand_in_fa4_gives_kernel_tokens(model, monkeypatch, wise_config):
+    """Dense decode loops through FA4's paged decode (the stand-in: "fa4" itself needs CUDA)
+    give the decode kernel's tokens; with WISE only its dense loops (here loop 0) take it."""
+    calls = []
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", stand_in_fa4(calls))
+    prompts = shared_prompts()
+    want = run(model, prompts, "sdpa", wise_config)
+    got = run(model, prompts, "sdpa", wise_config, swap_decode=fa4.decode_attention_dense)
+    assert got == want and calls and all(c[0] == "decode" for c in calls)
+
+
 # -- the choice -------------------------------------------------------------------------------
+def test_resolve_dense_decode(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", stand_in_fa4([]))
+    assert resolve_dense_decode("kernel", "cpu", torch.float32) is None
+    assert resolve_dense_decode("fa4", "cuda", torch.bfloat16) is fa4.decode_attention_dense
+    with pytest.raises(RuntimeError, match="runs on a CUDA device"):
+        resolve_dense_decode("fa4", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="choose from"):
+        resolve_dense_decode("auto", "cuda", torch.bfloat16)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
+    with pytest.raises(RuntimeError, match="dense_decode='fa4' needs FlashAttention-4 .*flash-attn-4"):
+        resolve_dense_decode("fa4", "cuda", torch.bfloat16)
+
+
 def test_resolve_prefill_attention(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn.cute", stand_in_fa4([]))
     assert resolve_prefill_attention("sdpa", "cuda", torch.bfloat16) == ("sdpa", None)
@@ -197,7 +251,7 @@ def test_resolve_prefill_attention(monkeypatch):
     assert resolve_prefill_attention("fa4", "cuda", torch.float16) == ("fa4", fa4.prefill_attention_varlen)
     assert resolve_prefill_attention("auto", "cpu", torch.bfloat16) == ("sdpa", None)      # FA4 needs CUDA
     assert resolve_prefill_attention("auto", "cuda", torch.float32) == ("sdpa", None)      # ... and fp16/bf16
-    with pytest.raises(RuntimeError, match="CUDA device in float16 or bfloat16"):
+    with pytest.raises(RuntimeError, match="runs on a CUDA device in float16 or bfloat16"):
         resolve_prefill_attention("fa4", "cpu", torch.bfloat16)
     with pytest.raises(ValueError, match="choose from"):
         resolve_prefill_attention("flash", "cuda", torch.bfloat16)
@@ -229,20 +283,23 @@ def shared_prompts(n=5, common=75, seed=0):
     return [prefix + g.integers(0, CONFIG.vocab_size, 7 + 8 * i).tolist() for i in range(n)]
 
 
-def run(model, prompts, prefill_attention, wise_config, swap=None, **kw):
+def run(model, prompts, prefill_attention, wise_config, swap=None, swap_decode=None, **kw):
     """Greedy tokens of each prompt, in two waves (the second finds the first's prefix cached)."""
     import wise_torch
     llm = wise_torch.LLM(model, prefill_attention=prefill_attention, wise_config=wise_config, num_pages=64,
                          page_size=32, max_num_seqs=4, max_model_len=256, kernel="reference", **kw)
     if swap is not None:
         llm.runner.prefill_fn = swap
+    if swap_decode is not None:
+        llm.runner.dense_decode_fn = swap_decode
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     out = {}
     for wave in (prompts[:2], prompts[2:]):
         ids = {llm.add_request(p, params): p for p in wave}
         for o in llm.run_until_done(list(ids)):
             out[prompts.index(ids[o.request_id])] = o.token_ids
-    assert llm.stats().prefix_cache_hits > 0
+    assert llm.stats().prefix_cache_hits > 0 and llm.stats().prefill_attention == prefill_attention
+    llm.close()
     return [out[i] for i in range(len(prompts))]
 
 
@@ -252,6 +309,13 @@ def test_engine_packed_prefill_gives_grouped_sdpa_tokens(model, wise_config, bud
     prompts = shared_prompts()
     want = run(model, prompts, "sdpa", wise_config, max_num_batched_tokens=budget)
     assert run(model, prompts, "reference", wise_config, max_num_batched_tokens=budget) == want
+
+
+def test_two_ranks_packed_prefill_gives_grouped_sdpa_tokens(model):
+    """Tensor parallelism: each rank runs the packed call over its heads' pages."""
+    prompts = shared_prompts(n=3)
+    want = run(model, prompts, "sdpa", None, max_num_batched_tokens=24)
+    assert run(model, prompts, "reference", None, max_num_batched_tokens=24, tensor_parallel_size=2) == want
 
 
 # -- on an H200 -------------------------------------------------------------------------------
@@ -309,3 +373,27 @@ def test_engine_fa4_prefill_gives_sdpa_tokens_on_gpu(budget):
             top2 = torch.topk(b[j], 2).values
             gap = float(top2[0] - top2[1])
             assert gap <= bound, f"prompt of {len(prompt)}: token {j} differs with a top-2 gap {gap} > {bound}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_engine_fa4_dense_decode_gives_triton_tokens_on_gpu():
+    """The built-in model in bf16, CUDA graphs on: dense decode through FA4 gives the Triton
+    kernel's tokens."""
+    if fa4.import_error() is not None:
+        pytest.skip(f"flash_attn.cute does not import: {fa4.import_error()}")
+    import wise_torch
+    from wise_core.checkpoint import TRAINED_MODEL
+    model = wise_torch.load_model(TRAINED_MODEL, dtype=torch.bfloat16, device="cuda")
+    g = np.random.default_rng(1)
+    prompts = [g.integers(0, model.config.vocab_size, n).tolist() for n in (300, 129, 700, 77)]
+
+    def run_decode(dense_decode):
+        llm = wise_torch.LLM(model, dense_decode=dense_decode, num_pages=64, page_size=128, max_num_seqs=4,
+                             max_model_len=1024, kernel="triton", prefill_attention="sdpa")
+        ids = [llm.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in prompts]
+        out = {o.request_id: o.token_ids for o in llm.run_until_done(ids)}
+        assert llm.runner.use_graphs and llm.runner.graphs
+        return [out[i] for i in ids]
+
+    assert run_decode("fa4") == run_decode("kernel")

@@ -3,7 +3,8 @@
 Prefill runs as `resolve_prefill_attention` picks: "sdpa" (`prefill_attention` per group of
 chunks of one (start, length), over K/V gathered from the pages) or a packed varlen call over
 the paged pool (`VarlenPrefill`): "reference" (`prefill_attention_varlen_reference`, plain
-torch) or "fa4" (FlashAttention-4, `wise_torch.kernels.fa4`, same signature).
+torch) or "fa4" (FlashAttention-4, `wise_torch.kernels.fa4`, same signature). Dense decode
+loops may run through FA4's paged decode instead of the decode kernel (`resolve_dense_decode`).
 `decode_attention_reference` is the plain-torch reference of the decode contract in
 docs/DESIGN.md; `decode_attention` dispatches to it or to the Triton kernel
 (`wise_torch.kernels.triton_decode`, same signature).
@@ -98,18 +99,47 @@ def resolve_prefill_attention(name: str, device: torch.device | str,
     if name == "reference":
         return name, prefill_attention_varlen_reference
     from wise_torch.kernels import fa4
-    on_cuda, half = torch.device(device).type == "cuda", dtype in (torch.float16, torch.bfloat16)
     if name == "auto":
-        return ("fa4", fa4.prefill_attention_varlen) if on_cuda and half and fa4.import_error() is None \
-            else ("sdpa", None)
-    if not on_cuda or not half:
-        raise RuntimeError(f"FlashAttention-4 prefill runs on a CUDA device in float16 or bfloat16; the model is "
-                           f"{dtype} on {torch.device(device)}")
+        runs = fa4_unavailable("prefill_attention", device, dtype) is None
+        return ("fa4", fa4.prefill_attention_varlen) if runs else ("sdpa", None)
+    require_fa4("prefill_attention", device, dtype)
+    return name, fa4.prefill_attention_varlen
+
+
+def fa4_unavailable(what: str, device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """Why FlashAttention-4 cannot run `what` for `dtype` activations on `device`; None if it can."""
+    from wise_torch.kernels import fa4
+    if torch.device(device).type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return (f"{what}='fa4' runs on a CUDA device in float16 or bfloat16; the model is {dtype} on "
+                f"{torch.device(device)}")
     error = fa4.import_error()
     if error is not None:
-        raise RuntimeError(f"prefill_attention='fa4' needs FlashAttention-4 (pip package {fa4.PACKAGE!r}, module "
-                           f"{fa4.MODULE}), which does not import: {error}")
-    return name, fa4.prefill_attention_varlen
+        return (f"{what}='fa4' needs FlashAttention-4 (pip package {fa4.PACKAGE!r}, module {fa4.MODULE}), "
+                f"which does not import: {error}")
+    return None
+
+
+def require_fa4(what: str, device: torch.device | str, dtype: torch.dtype) -> None:
+    """Raise RuntimeError saying why FlashAttention-4 cannot run `what` here, if it cannot."""
+    reason = fa4_unavailable(what, device, dtype)
+    if reason is not None:
+        raise RuntimeError(reason)
+
+
+DENSE_DECODE = ("kernel", "fa4")
+
+
+def resolve_dense_decode(name: str, device: torch.device | str, dtype: torch.dtype) -> Callable | None:
+    """What runs the DENSE decode calls (no WISE, or a WISE config's dense loops): "kernel" ->
+    None (the decode kernel's dense rows); "fa4" -> `wise_torch.kernels.fa4.decode_attention_dense`
+    (an error where it cannot run). WISE calls stay on the decode kernel either way."""
+    if name not in DENSE_DECODE:
+        raise ValueError(f"dense_decode {name!r} is not available in wise_torch (choose from {DENSE_DECODE})")
+    if name == "kernel":
+        return None
+    require_fa4("dense_decode", device, dtype)
+    from wise_torch.kernels import fa4
+    return fa4.decode_attention_dense
 
 
 def select_blocks(mass: torch.Tensor, eta: float) -> torch.Tensor:

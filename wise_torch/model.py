@@ -187,13 +187,15 @@ class PrefillContext(PagedContext):
 class DecodeContext(PagedContext):
     """One decode step: writes each plane's K/V for the step's tokens, then runs decode
     attention with the modes of the loop (all DENSE without WISE). `attention` is a prepared
-    `decode_attention` (validation off: the engine builds its inputs by construction)."""
+    `decode_attention` (validation off: the engine builds its inputs by construction);
+    dense_attention, if given, runs the dense loops instead (`fa4.decode_attention_dense`'s
+    signature)."""
 
     def __init__(self, config: ModelConfig, batch: DecodeBatch, cache: PagedKVCache,
                  wise: WiseState | None, attention: Callable, dense_modes: torch.Tensor,
-                 unused_support: torch.Tensor):
+                 unused_support: torch.Tensor, dense_attention: Callable | None = None):
         super().__init__(config.num_hidden_layers, batch, cache)
-        self.wise, self.attention = wise, attention
+        self.wise, self.attention, self.dense_attention = wise, attention, dense_attention
         wise_config = wise.config if wise is not None else WiseConfig()
         self.block_size, self.eta = wise_config.block_size, wise_config.eta
         # The blocks the step's page table covers: the decode step's context bucket.
@@ -212,6 +214,8 @@ class DecodeContext(PagedContext):
 
     def attend(self, q: torch.Tensor, loop: int, layer: int) -> torch.Tensor:
         k_plane, v_plane = self.planes(loop, layer)
+        if self.role == "dense" and self.dense_attention is not None:
+            return self.dense_attention(q, k_plane, v_plane, self.batch.page_table, self.batch.seq_lens)
         if self.role == "dense":
             modes, support = self.dense_modes, self.unused_support
         else:
@@ -348,14 +352,14 @@ class OuroForCausalLM(nn.Module):
 
     def decode_step(self, tokens: torch.Tensor, batch: DecodeBatch, cache: PagedKVCache, *,
                     wise: WiseState | None, attention: Callable, dense_modes: torch.Tensor,
-                    unused_support: torch.Tensor) -> torch.Tensor:
+                    unused_support: torch.Tensor, dense_attention: Callable | None = None) -> torch.Tensor:
         """tokens: int64[batch], the token at each row's position -> logits float32[batch, vocab].
         With `wise`, loops follow its WiseConfig roles; without, every loop is DENSE.
         dense_modes int32[>= batch] (DENSE) and unused_support bool[>= batch, heads, >= blocks]
         are the constant inputs of dense calls. The step attends over batch.page_table's width
-        (its context bucket): every row's keys must lie in it."""
+        (its context bucket): every row's keys must lie in it. dense_attention: `DecodeContext`'s."""
         ctx = DecodeContext(self.config, batch, cache, wise, attention, dense_modes[:batch.size],
-                            unused_support[:batch.size])
+                            unused_support[:batch.size], dense_attention)
         return self.logits(self.run_tokens(tokens, ctx))
 
 

@@ -1,4 +1,5 @@
-"""FlashAttention-4 (pip package `flash-attn-4`, module `flash_attn.cute`) over the paged pool.
+"""FlashAttention-4 (pip package `flash-attn-4`, module `flash_attn.cute`) over the paged pool:
+packed prefill (`prefill_attention_varlen`) and dense decode rows (`decode_attention_dense`).
 
 `prefill_attention_varlen` is `wise_torch.attention.prefill_attention_varlen_reference`'s
 contract in one `flash_attn_varlen_func` call: the step's chunks packed as varlen queries
@@ -41,3 +42,15 @@ def prefill_attention_varlen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: to
         q, k_pages, v_pages, cu_seqlens_q=varlen.cu_seqlens_q, max_seqlen_q=varlen.max_seqlen_q,
         seqused_k=varlen.seqused_k, page_table=varlen.page_table, softmax_scale=scale, causal=True)
     return out
+
+
+def decode_attention_dense(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
+                           seq_lens: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+    """One query per row over all its paged keys (a DENSE decode row of
+    `wise_torch.attention.decode_attention_reference`): q [batch, heads, head_dim];
+    page_table int32[batch, width]; seq_lens int32[batch] -> [batch, heads, head_dim].
+    One FA4 call of q [batch, 1, heads, head_dim] with seqused_k; no split over keys (SplitKV is
+    not supported on sm90, so few long rows leave SMs idle)."""
+    out, _ = importlib.import_module(MODULE).flash_attn_varlen_func(
+        q[:, None], k_pages, v_pages, seqused_k=seq_lens, page_table=page_table, softmax_scale=scale)
+    return out[:, 0]
