@@ -161,7 +161,21 @@ def markdown(report: dict) -> str:
             continue
         lines.append(f"| {shape} | {r['arm']} | {r['budget']} | {r['ran']} | {r['prefill_s']:.3f} | "
                      f"{r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f} % | {r['steps']} | {r.get('same', '')} |")
+    ratios = chunked_over_whole(report["rows"])
+    if ratios:
+        lines += ["", "Chunked prefill against whole prompts (tokens/s of the chunked budget / whole):", "",
+                  "| L x B | arm | budget | chunked / whole |", "|---|---|---|---|"]
+        lines += [f"| {length} x {batch} | {arm} | {budget} | {ratio:.3f} |"
+                  for (length, batch, arm, budget), ratio in ratios.items()]
     return "\n".join(lines) + "\n"
+
+
+def chunked_over_whole(rows: list[dict]) -> dict:
+    """(L, B, arm, budget) -> tokens/s at that numeric budget over tokens/s at 'whole'."""
+    key = lambda r: (r["length"], r["batch"], r["arm"])  # noqa: E731
+    whole = {key(r): r["tokens_per_s"] for r in rows if r["budget"] == "whole" and "error" not in r}
+    return {(*key(r), r["budget"]): r["tokens_per_s"] / whole[key(r)]
+            for r in rows if r["budget"] != "whole" and "error" not in r and key(r) in whole}
 
 
 def environment(device: str) -> dict:

@@ -34,4 +34,7 @@ def test_prefill_bench_cpu_smoke(tmp_path):
         assert rows["reference", budget]["same"] == "2/2"      # the packed path's first tokens are SDPA's
         assert "CUDA device" in rows["fa4", budget]["error"]   # FA4 cannot run here: a row says why
     assert rows["sdpa", 24]["steps"] > rows["sdpa", "whole"]["steps"]   # 24-token chunks take more steps
-    assert "| 40 x 2 | reference | 24 | reference |" in (tmp_path / "prefill_bench.md").read_text()
+    md = (tmp_path / "prefill_bench.md").read_text()
+    assert "| 40 x 2 | reference | 24 | reference |" in md
+    ratio = rows["sdpa", 24]["tokens_per_s"] / rows["sdpa", "whole"]["tokens_per_s"]
+    assert f"| 40 x 2 | sdpa | 24 | {ratio:.3f} |" in md and "| 40 x 2 | fa4 | 24 |" not in md.split("Chunked")[1]
