@@ -286,7 +286,8 @@ class EngineStats:
     sized. Prefix caching: prefix_cache_queries, the prompt tokens of the requests looked up,
     and prefix_cache_hits, those found cached (their prefill skipped), since the engine started;
     forked_prompt_tokens: prompt tokens the later completions of n > 1 requests took from their
-    first completion's pages instead of prefilling them."""
+    first completion's pages instead of prefilling them. prefill_attention: the prefill
+    attention that runs (torch: "sdpa", "fa4" or "reference"; "" where the engine has no choice)."""
 
     total_pages: int
     free_pages: int
@@ -312,6 +313,7 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     forked_prompt_tokens: int = 0
+    prefill_attention: str = ""
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:

@@ -1,5 +1,10 @@
 """Attention: dense causal prefill, and paged single-token decode in the four WISE modes.
 
+Prefill runs as `resolve_prefill_attention` picks: "sdpa" (`prefill_attention` per group of
+chunks of one (start, length), over K/V gathered from the pages) or a packed varlen call over
+the paged pool (`VarlenPrefill`): "reference" (`prefill_attention_varlen_reference`, plain
+torch) or "fa4" (FlashAttention-4, `wise_torch.kernels.fa4`, same signature). Dense decode
+loops may run through FA4's paged decode instead of the decode kernel (`resolve_dense_decode`).
 `decode_attention_reference` is the plain-torch reference of the decode contract in
 docs/DESIGN.md; `decode_attention` dispatches to it or to the Triton kernel
 (`wise_torch.kernels.triton_decode`, same signature).
@@ -20,6 +25,7 @@ from wise_core import selection as rules
 from wise_core.config import FRAMEWORK_KERNELS
 from wise_core.modes import DISCOVER, DISCOVER_UNION, SPARSE
 from wise_torch.decode_check import check_call
+from wise_torch.kv_cache import VarlenPrefill
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: int = 0,
@@ -40,6 +46,101 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, star
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=not start,
         scale=scale, enable_gqa=q.shape[2] != k.shape[2])
     return out.transpose(1, 2)
+
+
+def prefill_attention_varlen_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                                       varlen: VarlenPrefill, *, scale: float | None = None) -> torch.Tensor:
+    """Causal attention of a step's packed prompt chunks over their paged keys (`VarlenPrefill`).
+
+    q: [total, heads, head_dim] (request r's queries at rows cu_seqlens_q[r]:cu_seqlens_q[r + 1]);
+    k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim] -> [total, heads, head_dim] in
+    q's dtype. The query at position p of a request attends its keys 0..p (p = its causal offset
+    seqused_k - chunk length, plus its index in the chunk). float32 math, one request at a time
+    after reading the metadata on the host: the CPU path and the oracle of the FA4 call.
+    """
+    total, heads, head_dim = q.shape
+    _, page_size, kv_heads, _ = k_pages.shape
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+    cu, used = varlen.cu_seqlens_q.tolist(), varlen.seqused_k.tolist()
+    if cu[0] != 0 or cu[-1] != total or len(cu) != len(used) + 1:
+        raise ValueError(f"cu_seqlens_q {cu} does not describe {len(used)} chunks of {total} queries")
+    group = heads // kv_heads
+    scale = head_dim ** -0.5 if scale is None else scale
+    out = torch.empty_like(q)
+    for r, keys in enumerate(used):
+        n = cu[r + 1] - cu[r]
+        start = keys - n
+        if start < 0 or -(-keys // page_size) > varlen.page_table.shape[1]:
+            raise ValueError(f"chunk {r}: {n} queries over {keys} keys in {varlen.page_table.shape[1]} pages")
+        pages = varlen.page_table[r, :-(-keys // page_size)].long()
+        k = k_pages[pages].flatten(0, 1)[:keys].float()                       # [keys, kv_heads, head_dim]
+        v = v_pages[pages].flatten(0, 1)[:keys].float()
+        qr = q[cu[r]:cu[r + 1]].float().view(n, kv_heads, group, head_dim)
+        scores = torch.einsum("nkgd,skd->kgns", qr, k) * scale
+        causal = torch.arange(keys, device=q.device)[None, :] <= start + torch.arange(n, device=q.device)[:, None]
+        probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        out[cu[r]:cu[r + 1]] = torch.einsum("kgns,skd->nkgd", probs, v).reshape(n, heads, head_dim).to(q.dtype)
+    return out
+
+
+PREFILL_ATTENTION = ("auto", "sdpa", "fa4", "reference")
+
+
+def resolve_prefill_attention(name: str, device: torch.device | str,
+                              dtype: torch.dtype) -> tuple[str, Callable | None]:
+    """The prefill attention `name` runs as for `dtype` activations on `device` -> (what runs,
+    its varlen function (`prefill_attention_varlen_reference`'s signature), None for "sdpa").
+    "auto": "fa4" on a CUDA device in float16/bfloat16 when flash_attn.cute imports, else
+    "sdpa". "fa4" where it cannot run raises, naming what is missing."""
+    if name not in PREFILL_ATTENTION:
+        raise ValueError(f"prefill attention {name!r} is not available in wise_torch (choose from {PREFILL_ATTENTION})")
+    if name == "sdpa":
+        return name, None
+    if name == "reference":
+        return name, prefill_attention_varlen_reference
+    from wise_torch.kernels import fa4
+    if name == "auto":
+        runs = fa4_unavailable("prefill_attention", device, dtype) is None
+        return ("fa4", fa4.prefill_attention_varlen) if runs else ("sdpa", None)
+    require_fa4("prefill_attention", device, dtype)
+    return name, fa4.prefill_attention_varlen
+
+
+def fa4_unavailable(what: str, device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """Why FlashAttention-4 cannot run `what` for `dtype` activations on `device`; None if it can."""
+    from wise_torch.kernels import fa4
+    if torch.device(device).type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return (f"{what}='fa4' runs on a CUDA device in float16 or bfloat16; the model is {dtype} on "
+                f"{torch.device(device)}")
+    error = fa4.import_error()
+    if error is not None:
+        return (f"{what}='fa4' needs FlashAttention-4 (pip package {fa4.PACKAGE!r}, module {fa4.MODULE}), "
+                f"which does not import: {error}")
+    return None
+
+
+def require_fa4(what: str, device: torch.device | str, dtype: torch.dtype) -> None:
+    """Raise RuntimeError saying why FlashAttention-4 cannot run `what` here, if it cannot."""
+    reason = fa4_unavailable(what, device, dtype)
+    if reason is not None:
+        raise RuntimeError(reason)
+
+
+DENSE_DECODE = ("kernel", "fa4")
+
+
+def resolve_dense_decode(name: str, device: torch.device | str, dtype: torch.dtype) -> Callable | None:
+    """What runs the DENSE decode calls (no WISE, or a WISE config's dense loops): "kernel" ->
+    None (the decode kernel's dense rows); "fa4" -> `wise_torch.kernels.fa4.decode_attention_dense`
+    (an error where it cannot run). WISE calls stay on the decode kernel either way."""
+    if name not in DENSE_DECODE:
+        raise ValueError(f"dense_decode {name!r} is not available in wise_torch (choose from {DENSE_DECODE})")
+    if name == "kernel":
+        return None
+    require_fa4("dense_decode", device, dtype)
+    from wise_torch.kernels import fa4
+    return fa4.decode_attention_dense
 
 
 def select_blocks(mass: torch.Tensor, rule) -> torch.Tensor:

@@ -54,15 +54,64 @@ class PrefillGroup:
 
 
 @dataclasses.dataclass
+class VarlenPrefill:
+    """A step's prompt chunks as one packed variable-length call over the paged pool
+    (FlashAttention's varlen layout): request r's chunk is the flat tokens
+    cu_seqlens_q[r]:cu_seqlens_q[r + 1], at positions seqused_k[r] - its length onward (the
+    chunk's causal offset, its cached prefix), attending keys 0..seqused_k[r] - 1 causally
+    (query at position p sees keys <= p), read through page_table[r].
+
+    cu_seqlens_q: int32[b + 1] (0 first, total queries last); seqused_k: int32[b];
+    page_table: int32[b, most pages of a request] (past a request's pages: the scratch page);
+    max_seqlen_q: the longest chunk (a host int: it sizes a kernel's grid).
+    """
+
+    cu_seqlens_q: torch.Tensor
+    seqused_k: torch.Tensor
+    page_table: torch.Tensor
+    max_seqlen_q: int
+
+    @classmethod
+    def build(cls, chunks: list[tuple[int, int, list[int]]], *, page_size: int, scratch_page: int,
+              device: torch.device | str = "cpu") -> "VarlenPrefill":
+        """chunks: (start, length, pages) of each request, in the order of their runs of flat
+        tokens; pages: the request's pages, at least those holding keys 0..start + length - 1."""
+        if not chunks:
+            raise ValueError("VarlenPrefill needs at least one chunk")
+        cu, used, tables = [0], [], []
+        for start, length, pages in chunks:
+            if start < 0 or length <= 0:
+                raise ValueError(f"a chunk needs start >= 0 and length > 0, got start {start}, length {length}")
+            need = -(-(start + length) // page_size)
+            if len(pages) < need:
+                raise ValueError(f"a chunk at {start}..{start + length - 1} needs {need} pages of {page_size}, "
+                                 f"got {len(pages)}")
+            cu.append(cu[-1] + length)
+            used.append(start + length)
+            tables.append(list(pages[:need]))
+        width = max(map(len, tables))
+        table = [t + [scratch_page] * (width - len(t)) for t in tables]
+        as_int32 = lambda xs: torch.tensor(xs, dtype=torch.int32).to(device, non_blocking=True)  # noqa: E731
+        return cls(as_int32(cu), as_int32(used), as_int32(table), max(length for _, length, _ in chunks))
+
+    @property
+    def size(self) -> int:
+        return self.seqused_k.shape[0]
+
+
+@dataclasses.dataclass
 class PrefillBatch:
     """Per-step metadata of chunked prefill over flat tokens: positions, slot_mapping int64[n];
     groups (list[PrefillGroup]); logit_index int64[m], the tokens whose logits are returned
-    (the last prompt token of each chunk that completes its prompt)."""
+    (the last prompt token of each chunk that completes its prompt); varlen: the same chunks as
+    one packed call (`VarlenPrefill`) for a varlen prefill attention (None: grouped SDPA, which
+    reads groups)."""
 
     positions: torch.Tensor
     slot_mapping: torch.Tensor
     groups: list[PrefillGroup]
     logit_index: torch.Tensor
+    varlen: VarlenPrefill | None = None
 
 
 class PagedKVCache:

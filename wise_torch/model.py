@@ -9,7 +9,8 @@ splits them back, so the HF names stay the checkpoint format.
 Every entry point runs `run_tokens` over flat tokens `[n, hidden]` with an attention context
 that stores each plane's K/V and attends:
 - `forward`: full-sequence logits of `[batch, seq]` ids (the ground truth; no cache),
-- `prefill`: chunks of prompts against the paged cache (chunked prefill, dense),
+- `prefill`: chunks of prompts against the paged cache (chunked prefill, dense; grouped SDPA
+  or one packed varlen call per plane),
 - `decode_step`: one token per row against the paged cache, optionally with WISE.
 The junctions (residual + RMSNorm, RoPE + K/V store, SwiGLU) are the fused ops of
 `wise_torch.layers`; logits are float32. One rank's shard of a tensor-parallel model
@@ -157,13 +158,22 @@ class PagedContext:
 
 class PrefillContext(PagedContext):
     """Chunks of prompts (`PrefillBatch`): each chunk's K/V is stored in the paged cache, then
-    its queries attend causally to every cached key of their sequence up to themselves."""
+    its queries attend causally to every cached key of their sequence up to themselves.
+    attention: None, one SDPA per group of chunks of one (start, length) over K/V gathered from
+    the pages; else a varlen prefill attention (`prefill_attention_varlen_reference`'s
+    signature) run once per plane over the pool through `batch.varlen`."""
 
-    def __init__(self, config: ModelConfig, batch: PrefillBatch, cache: PagedKVCache):
+    def __init__(self, config: ModelConfig, batch: PrefillBatch, cache: PagedKVCache,
+                 attention: Callable | None = None):
         super().__init__(config.num_hidden_layers, batch, cache)
+        if attention is not None and batch.varlen is None:
+            raise ValueError("a varlen prefill attention needs the batch's VarlenPrefill (batch.varlen)")
+        self.attention = attention
 
     def attend(self, q: torch.Tensor, loop: int, layer: int) -> torch.Tensor:
         k_plane, v_plane = self.planes(loop, layer)
+        if self.attention is not None:
+            return self.attention(q, k_plane, v_plane, self.batch.varlen)
         out = torch.empty_like(q)
         for group in self.batch.groups:  # chunks of one (start, length): one attention call
             g, n, keys = group.count, group.length, group.start + group.length
@@ -177,13 +187,15 @@ class PrefillContext(PagedContext):
 class DecodeContext(PagedContext):
     """One decode step: writes each plane's K/V for the step's tokens, then runs decode
     attention with the modes of the loop (all DENSE without WISE). `attention` is a prepared
-    `decode_attention` (validation off: the engine builds its inputs by construction)."""
+    `decode_attention` (validation off: the engine builds its inputs by construction);
+    dense_attention, if given, runs the dense loops instead (`fa4.decode_attention_dense`'s
+    signature)."""
 
     def __init__(self, config: ModelConfig, batch: DecodeBatch, cache: PagedKVCache,
                  wise: WiseState | None, attention: Callable, dense_modes: torch.Tensor,
-                 unused_support: torch.Tensor):
+                 unused_support: torch.Tensor, dense_attention: Callable | None = None):
         super().__init__(config.num_hidden_layers, batch, cache)
-        self.wise, self.attention = wise, attention
+        self.wise, self.attention, self.dense_attention = wise, attention, dense_attention
         wise_config = wise.config if wise is not None else WiseConfig()
         self.block_size, self.eta = wise_config.block_size, wise_config.eta
         # The blocks the step's page table covers: the decode step's context bucket.
@@ -202,6 +214,8 @@ class DecodeContext(PagedContext):
 
     def attend(self, q: torch.Tensor, loop: int, layer: int) -> torch.Tensor:
         k_plane, v_plane = self.planes(loop, layer)
+        if self.role == "dense" and self.dense_attention is not None:
+            return self.dense_attention(q, k_plane, v_plane, self.batch.page_table, self.batch.seq_lens)
         if self.role == "dense":
             modes, support = self.dense_modes, self.unused_support
         else:
@@ -327,23 +341,25 @@ class OuroForCausalLM(nn.Module):
             return logits
         return logits, exit_probabilities([g.view(batch, seq, 1) for g in gates])
 
-    def prefill(self, ids: torch.Tensor, batch: PrefillBatch, cache: PagedKVCache) -> torch.Tensor:
+    def prefill(self, ids: torch.Tensor, batch: PrefillBatch, cache: PagedKVCache, *,
+                attention: Callable | None = None) -> torch.Tensor:
         """Dense pass over prompt chunks (ids int64[n], flat), storing K/V of every plane.
-        Returns the logits float32[len(batch.logit_index), vocab] at the tokens `logit_index` names."""
+        Returns the logits float32[len(batch.logit_index), vocab] at the tokens `logit_index` names.
+        attention: `PrefillContext`'s (None: grouped SDPA; else a varlen one over batch.varlen)."""
         self._check_ids(ids, 1)
-        h = self.run_tokens(ids, PrefillContext(self.config, batch, cache))
+        h = self.run_tokens(ids, PrefillContext(self.config, batch, cache, attention))
         return self.logits(h[batch.logit_index])
 
     def decode_step(self, tokens: torch.Tensor, batch: DecodeBatch, cache: PagedKVCache, *,
                     wise: WiseState | None, attention: Callable, dense_modes: torch.Tensor,
-                    unused_support: torch.Tensor) -> torch.Tensor:
+                    unused_support: torch.Tensor, dense_attention: Callable | None = None) -> torch.Tensor:
         """tokens: int64[batch], the token at each row's position -> logits float32[batch, vocab].
         With `wise`, loops follow its WiseConfig roles; without, every loop is DENSE.
         dense_modes int32[>= batch] (DENSE) and unused_support bool[>= batch, heads, >= blocks]
         are the constant inputs of dense calls. The step attends over batch.page_table's width
-        (its context bucket): every row's keys must lie in it."""
+        (its context bucket): every row's keys must lie in it. dense_attention: `DecodeContext`'s."""
         ctx = DecodeContext(self.config, batch, cache, wise, attention, dense_modes[:batch.size],
-                            unused_support[:batch.size])
+                            unused_support[:batch.size], dense_attention)
         return self.logits(self.run_tokens(tokens, ctx))
 
 

@@ -44,7 +44,15 @@ class LLM(LLMEngine):
     max_model_len, max_num_batched_tokens, kernel ("auto", "reference", "triton"), seed), the
     same arguments and defaults as wise_jax.LLM's. num_pages=None sizes the pool from free
     device memory on CUDA (GPU_MEMORY_FRACTION of it less GPU_RESERVE_BYTES), CPU_POOL_BYTES of
-    K/V on a CPU. cuda_graphs: True, False or "auto" (on CUDA).
+    K/V on a CPU. cuda_graphs: True, False or "auto" (on CUDA). prefill_attention: "auto"
+    (FlashAttention-4 when flash_attn.cute imports and the model is float16/bfloat16 on CUDA,
+    else "sdpa"), "sdpa" (one SDPA per group of chunks of one (start, length), over K/V gathered
+    from the pages), "fa4" (every chunk of a step in one varlen call over the pages; an error
+    where it cannot run) or "reference" (that packed call in plain torch);
+    `stats().prefill_attention` says which runs. dense_decode: what runs the dense decode loops
+    (every loop without WISE, a WISE config's dense loops): "kernel" (the decode kernel) or "fa4"
+    (FlashAttention-4's paged decode; an error where it cannot run); WISE loops and speculative
+    drafts and verification stay on the kernel.
     speculative_config: lossless speculative decoding (`SpeculativeConfig`; method "wise" drafts
     with wise_config, default WiseConfig()): the output is dense decode's, the stats count
     acceptance. Forced continuations are not speculated.
@@ -62,7 +70,7 @@ class LLM(LLMEngine):
     def __init__(self, model: OuroForCausalLM | str | Path, *, cuda_graphs: bool | str = "auto",
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  speculative_config: SpeculativeConfig | None = None, tensor_parallel_size: int = 1,
-                 **engine_args):
+                 prefill_attention: str = "auto", dense_decode: str = "kernel", **engine_args):
         args = EngineArgs(**engine_args)
         positive_int("tensor_parallel_size", tensor_parallel_size)
         if tensor_parallel_size > 1 and speculative_config is not None:
@@ -94,12 +102,14 @@ class LLM(LLMEngine):
             self.workers, model = distributed.start(model, tensor_parallel_size)
             self._finalizer = weakref.finalize(self, self.workers.close)
         try:
-            self._build(model, args, cuda_graphs=cuda_graphs, speculative_config=speculative_config)
+            self._build(model, args, cuda_graphs=cuda_graphs, speculative_config=speculative_config,
+                        prefill_attention=prefill_attention, dense_decode=dense_decode)
         except BaseException:
             self.close()
             raise
 
-    def _build(self, model: OuroForCausalLM, args: EngineArgs, *, cuda_graphs, speculative_config) -> None:
+    def _build(self, model: OuroForCausalLM, args: EngineArgs, *, cuda_graphs, speculative_config,
+               prefill_attention, dense_decode) -> None:
         """The pool, host side and runner over `model` (under tensor parallelism rank 0's shard,
         the workers following); the arguments are __init__'s, checked."""
         config, weight = model.config, model.head_weight
@@ -118,7 +128,8 @@ class LLM(LLMEngine):
         settings = dict(wise_config=args.wise_config, num_pages=num_pages, page_size=args.page_size,
                         max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
                         use_graphs=cuda_graphs is True or (cuda_graphs == "auto" and self.device.type == "cuda"),
-                        kernel=kernel, seed=random.randrange(2 ** 63) if args.seed is None else args.seed)
+                        kernel=kernel, seed=random.randrange(2 ** 63) if args.seed is None else args.seed,
+                        prefill_attention=prefill_attention, dense_decode=dense_decode)
         if self.workers is not None:
             self.workers.send("settings", settings)
         self.runner = ModelRunner(model, **settings, workers=self.workers)
@@ -178,7 +189,8 @@ class LLM(LLMEngine):
 
     def _device_stats(self) -> dict:
         wise = self.runner.wise
-        return dict(fallbacks=None if wise is None else wise.fallbacks,
+        return dict(prefill_attention=self.runner.prefill_attention,
+                    fallbacks=None if wise is None else wise.fallbacks,
                     density=None if wise is None else self.runner.wise_density(), **self._program_stats(),
                     **({} if self.speculator is None else self.speculator.stats()))
 

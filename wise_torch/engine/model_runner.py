@@ -36,9 +36,9 @@ from wise_core.config import WiseConfig
 from wise_core.engine.scheduler import Chunk
 from wise_core.engine.sequence import Sequence
 from wise_core.modes import DENSE
-from wise_torch.attention import prepare_decode_attention
+from wise_torch.attention import prepare_decode_attention, resolve_dense_decode, resolve_prefill_attention
 from wise_torch.engine.sampler import LogitsState, ranked, sample, seed_for
-from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch, PrefillGroup
+from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch, PrefillGroup, VarlenPrefill
 from wise_torch.model import OuroForCausalLM
 from wise_torch.wise_state import WiseState
 
@@ -84,7 +84,7 @@ class ModelRunner:
 
     def __init__(self, model: OuroForCausalLM, *, wise_config: WiseConfig | None, num_pages: int, page_size: int,
                  max_num_seqs: int, max_model_len: int, use_graphs: bool, kernel: str, seed: int,
-                 workers=None):
+                 prefill_attention: str = "auto", dense_decode: str = "kernel", workers=None):
         config = model.config
         # Tensor parallelism: the model's `tp` on every rank (None: one device); `workers` on rank
         # 0 (distributed.Workers), which follow its device-side calls.
@@ -94,6 +94,11 @@ class ModelRunner:
         self.model, self.config, self.device, self.dtype = model, config, weight.device, weight.dtype
         block_size = (wise_config or WiseConfig()).block_size
         self.page_size = page_size
+        # What prefill attention runs ("sdpa", "fa4", "reference") and its varlen function (None: SDPA).
+        self.prefill_attention, self.prefill_fn = resolve_prefill_attention(prefill_attention, self.device,
+                                                                            self.dtype)
+        self.dense_decode = dense_decode   # "kernel" or "fa4": what runs the dense decode loops
+        self.dense_decode_fn = resolve_dense_decode(dense_decode, self.device, self.dtype)
         self.max_pages = -(-max_model_len // page_size)
         model.rope_rows(min(self.max_pages * page_size, config.max_position_embeddings))   # before any graph
         max_blocks = self.max_pages * page_size // block_size
@@ -158,7 +163,8 @@ class ModelRunner:
         batch = DecodeBatch(positions=m[1], seq_lens=self.seq_lens[:bucket],
                             page_table=self.table_view(self.page_table, bucket, width), slot_mapping=m[3], epochs=m[4])
         return self.model.decode_step(tokens, batch, self.cache, wise=self.wise, attention=self.attention[bucket],
-                                      dense_modes=self.dense_modes, unused_support=self.unused_support)
+                                      dense_modes=self.dense_modes, unused_support=self.unused_support,
+                                      dense_attention=self.dense_decode_fn)
 
     def _next_staging(self, bucket: int, width: int) -> tuple[np.ndarray, np.ndarray]:
         """The host staging of the next step as numpy views: meta int64[6, rows], table
@@ -274,14 +280,20 @@ class ModelRunner:
     def run_prefill(self, ids: list[int], positions: list[int], slots: list[int], groups: list[tuple],
                     logit_index: list[int]) -> torch.Tensor:
         """Every rank: the prefill of flat prompt tokens `ids` at `positions` into cache `slots`,
-        in groups (start, length, count, token index, pages) -> logits at `logit_index`."""
+        in groups (start, length, count, token index, pages) -> logits at `logit_index`. A group's
+        chunks hold consecutive runs of tokens, in the group order: the varlen chunks' order."""
         as_long = lambda xs: torch.tensor(xs, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
+        varlen = None
+        if self.prefill_fn is not None:
+            varlen = VarlenPrefill.build([(start, length, p) for start, length, _, _, pages in groups for p in pages],
+                                         page_size=self.page_size, scratch_page=self.cache.scratch_page,
+                                         device=self.device)
         batch = PrefillBatch(
             positions=as_long(positions), slot_mapping=as_long(slots),
-            groups=[PrefillGroup(start, length, count, as_long(index), as_long(pages))
-                    for start, length, count, index, pages in groups],
-            logit_index=as_long(logit_index))
-        return self.model.prefill(as_long(ids), batch, self.cache)
+            groups=[] if varlen is not None else [PrefillGroup(start, length, count, as_long(index), as_long(pages))
+                                                  for start, length, count, index, pages in groups],
+            logit_index=as_long(logit_index), varlen=varlen)
+        return self.model.prefill(as_long(ids), batch, self.cache, attention=self.prefill_fn)
 
     # -- preemption -------------------------------------------------------------------------
     def offload(self, seq: Sequence, pages: list[int]) -> None:

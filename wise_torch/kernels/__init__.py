@@ -1,1 +1,2 @@
-"""Triton kernels of wise_torch (imported lazily: `wise_torch.kernels.triton_decode` needs triton)."""
+"""Kernels of wise_torch, imported lazily: `triton_decode`, `triton_verify` and `fused` need
+triton, `fa4` imports flash-attn-4 on first use."""
