@@ -360,20 +360,19 @@ def wait_ready(url: str, timeout: float) -> None:
 
 # -- offline baseline ----------------------------------------------------------------------------
 def run_offline(args) -> dict:
-    """The workload on an in-process engine (the `wise serve` engine flags): every request queued at once."""
-    import torch
-
-    from wise_serve.model import build_llm
+    """The workload on an in-process engine (the `wise serve` engine flags, --backend among them):
+    every request queued at once."""
+    from wise_serve.model import build_llm, engine_context
     from wise_core.request import SamplingParams
 
     llm = build_llm(args)
-    vocab = args.vocab_size or llm.model.config.vocab_size
+    vocab = args.vocab_size or llm.vocab_size
     requests = workload(args, vocab, args.num_requests, args.workload_seed)
     warmup = workload(args, vocab, args.warmup_requests if args.warmup_requests is not None else args.concurrency,
                       args.workload_seed + 7)
 
     def run(reqs):
-        with torch.inference_mode():
+        with engine_context(args)():
             start = time.perf_counter()
             for r in reqs:
                 llm.add_request(r.prompt, SamplingParams(max_tokens=r.max_tokens, temperature=args.temperature,
