@@ -234,7 +234,8 @@ SERVER_GAUGES = ("wise_kv_pages_total", "wise_kv_pages_free", "wise_requests_run
                  "wise_process_resident_memory_bytes", 'wise_support_density{loop="2"}',
                  'wise_support_density{loop="3"}')
 SERVER_COUNTERS = ("wise_preemptions_total", "wise_fallbacks_total", "wise_client_disconnects_total",
-                   "wise_generation_tokens_total")  # reported as the run's increase
+                   "wise_generation_tokens_total", "wise_prefix_cache_queries_total",
+                   "wise_prefix_cache_hits_total")  # reported as the run's increase
 
 
 def environment() -> dict:
@@ -391,7 +392,9 @@ def run_offline(args) -> dict:
             "request_throughput": len(requests) / duration, "output_token_throughput": tokens / duration,
             "total_token_throughput": (tokens + prompt_tokens) / duration, "disconnected": 0, "failed": 0,
             "errors": {}, "engine": {"preemptions": stats.preemptions, "fallbacks": stats.fallbacks,
-                                     "density": stats.density, "total_pages": stats.total_pages}}
+                                     "density": stats.density, "total_pages": stats.total_pages,
+                                     "prefix_cache_queries": stats.prefix_cache_queries,
+                                     "prefix_cache_hits": stats.prefix_cache_hits}}
 
 
 def workload(args, vocab_size: int, n: int, seed: int, disconnect_fraction: float = 0.0) -> list[Request]:

@@ -219,9 +219,15 @@ def test_client_disconnects_abort_their_requests_and_free_their_pages(server):
                         r.close()                 # hang up mid-stream
                         break
             body = {"prompt": "def", "max_tokens": 90, "temperature": 0, "ignore_eos": True}
-            with pytest.raises(asyncio.TimeoutError):
-                await session.post(f"{server.url}/v1/completions", json=body,
-                                   timeout=aiohttp.ClientTimeout(total=0.3))
+            waiting = asyncio.ensure_future(session.post(f"{server.url}/v1/completions", json=body))
+            # Hang up once the engine runs it (its 90 tokens take the JAX engine about 0.2 s on CPU, a
+            # poll of /metrics a few ms).
+            while (await asyncio.to_thread(server.metrics))["wise_requests_running"] < 1:
+                assert not waiting.done(), "the request finished before it was seen running"
+                await asyncio.sleep(0.005)
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
 
     asyncio.run(run())
     m = server.wait_idle()
