@@ -31,6 +31,11 @@ class Server:
         self.log_path = tmp / "server.log"
         env = {**os.environ, "OMP_NUM_THREADS": "1", **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {})}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        # The servers of a test session share one persistent XLA compilation cache (pytest's base
+        # temporary directory): a jax server compiles a decode step another compiled only once.
+        env.setdefault("JAX_COMPILATION_CACHE_DIR", str(tmp.parent / "jax-compilation-cache"))
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
         self.log = open(self.log_path, "w")
         device = ["--device", "cpu", "--kernel", "reference"] if cpu else ["--device", "cuda"]
         self.proc = subprocess.Popen([sys.executable, "-m", "wise_serve", "--backend", backend, "--port", "0",
