@@ -1,12 +1,12 @@
 """The engine thread: drives `Engine.step()` beside the asyncio event loop.
 
 The engine is any `wise_core.engine.protocol.Engine` (wise_torch.LLM, wise_jax.LLM): this
-module uses that protocol only. An engine is not thread-safe, so one thread owns it. The event loop talks to it through a queue of
-commands (add a request, abort one, read the stats, ...), each a callable run in the engine
-thread between two steps, its result handed back through a future. While requests are
-unfinished the thread runs commands queued so far, then one step; idle, it blocks on the
-queue. Each step's outputs go back to the event loop in one `call_soon_threadsafe`, onto the
-asyncio queue of each request's `RequestHandle`.
+module uses that protocol only. An engine is not thread-safe, so one thread owns it. The event
+loop talks to it through a queue of commands (add a request, abort one, read the stats, ...),
+each a callable run in the engine thread between two steps, its result handed back through a
+future. While requests are unfinished the thread runs commands queued so far, then one step;
+idle, it blocks on the queue. Each step's outputs go back to the event loop in one
+`call_soon_threadsafe`, onto the asyncio queue of each request's `RequestHandle`.
 
 A request whose client went away is aborted (`Engine.abort` frees its pages at once). If a step
 raises, the engine is dead: every request in flight receives the exception, new requests are
