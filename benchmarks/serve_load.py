@@ -231,7 +231,8 @@ SERVER_GAUGES = ("wise_kv_pages_total", "wise_kv_pages_free", "wise_requests_run
                  "wise_process_resident_memory_bytes", 'wise_support_density{loop="2"}',
                  'wise_support_density{loop="3"}')
 SERVER_COUNTERS = ("wise_preemptions_total", "wise_fallbacks_total", "wise_client_disconnects_total",
-                   "wise_generation_tokens_total")  # reported as the run's increase
+                   "wise_generation_tokens_total", "wise_prefix_cache_queries_total",
+                   "wise_prefix_cache_hits_total")  # reported as the run's increase
 
 
 def environment() -> dict:
@@ -344,20 +345,19 @@ def wait_ready(url: str, timeout: float) -> None:
 
 # -- offline baseline ----------------------------------------------------------------------------
 def run_offline(args) -> dict:
-    """The workload on an in-process engine (the `wise serve` engine flags): every request queued at once."""
-    import torch
-
-    from wise_serve.model import build_llm
+    """The workload on an in-process engine (the `wise serve` engine flags, --backend among them):
+    every request queued at once."""
+    from wise_serve.model import build_llm, engine_context
     from wise_core.request import SamplingParams
 
     llm = build_llm(args)
-    vocab = args.vocab_size or llm.model.config.vocab_size
+    vocab = args.vocab_size or llm.vocab_size
     requests = workload(args, vocab, args.num_requests, args.workload_seed)
     warmup = workload(args, vocab, args.warmup_requests if args.warmup_requests is not None else args.concurrency,
                       args.workload_seed + 7)
 
     def run(reqs):
-        with torch.inference_mode():
+        with engine_context(args)():
             start = time.perf_counter()
             for r in reqs:
                 llm.add_request(r.prompt, SamplingParams(max_tokens=r.max_tokens, temperature=args.temperature,
@@ -376,7 +376,9 @@ def run_offline(args) -> dict:
             "request_throughput": len(requests) / duration, "output_token_throughput": tokens / duration,
             "total_token_throughput": (tokens + prompt_tokens) / duration, "disconnected": 0, "failed": 0,
             "errors": {}, "engine": {"preemptions": stats.preemptions, "fallbacks": stats.fallbacks,
-                                     "density": stats.density, "total_pages": stats.total_pages}}
+                                     "density": stats.density, "total_pages": stats.total_pages,
+                                     "prefix_cache_queries": stats.prefix_cache_queries,
+                                     "prefix_cache_hits": stats.prefix_cache_hits}}
 
 
 def workload(args, vocab_size: int, n: int, seed: int, disconnect_fraction: float = 0.0) -> list[Request]:

@@ -1,4 +1,5 @@
-"""`wise serve` as a subprocess on localhost, for the server's tests (CPU, fp32, reference kernel)."""
+"""`wise serve` as a subprocess on localhost, for the server's tests (CPU, fp32, reference kernel),
+on either backend, and the offline engine of the same settings to compare it with."""
 
 import http.client
 import json
@@ -10,18 +11,35 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+BACKENDS = ["torch", "jax"]
+
+
+def offline_engine(backend: str, model, **engine_args):
+    """The engine `wise serve --backend BACKEND --device cpu --kernel reference` builds (fp32,
+    eager), in this process."""
+    if backend == "torch":
+        import wise_torch
+        return wise_torch.LLM(model, kernel="reference", cuda_graphs=False, device="cpu", **engine_args)
+    import wise_jax
+    return wise_jax.LLM(model, kernel="reference", **engine_args)
 
 
 class Server:
-    """`python -m wise_serve ...` on a free port, its log in a file."""
+    """`python -m wise_serve --backend BACKEND ...` on a free port, its log in a file."""
 
-    def __init__(self, tmp: Path, *args: str, cpu: bool = True):
+    def __init__(self, tmp: Path, *args: str, cpu: bool = True, backend: str = "torch"):
         self.log_path = tmp / "server.log"
         env = {**os.environ, "OMP_NUM_THREADS": "1", **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {})}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        # The servers of a test session share one persistent XLA compilation cache (pytest's base
+        # temporary directory): a jax server compiles a decode step another compiled only once.
+        env.setdefault("JAX_COMPILATION_CACHE_DIR", str(tmp.parent / "jax-compilation-cache"))
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
         self.log = open(self.log_path, "w")
         device = ["--device", "cpu", "--kernel", "reference"] if cpu else ["--device", "cuda"]
-        self.proc = subprocess.Popen([sys.executable, "-m", "wise_serve", "--port", "0", *device, "--seed", "0", *args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "wise_serve", "--backend", backend, "--port", "0",
+                                      *device, "--seed", "0", *args],
                                      stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:

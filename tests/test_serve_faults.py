@@ -1,22 +1,28 @@
-"""The server in-process (aiohttp's test server): a failing engine step, speculation, slow tokenization
-and clients that leave, a model without a chat template."""
+"""The server in-process (aiohttp's test server): a failing engine step, speculation (torch), slow
+tokenization and clients that leave, a model without a chat template; the engine-facing cases
+once per backend."""
 
 import asyncio
 import json
 import threading
 import time
 
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-import wise_torch as wt
+from serve_cases import BACKENDS, offline_engine
 from wise_serve.chat import load_chat_template
 from wise_serve.engine_loop import EngineLoop
 from wise_serve.server import CompletionServer
 
 
-def test_a_failing_step_ends_every_request_with_an_error_and_the_server_reports_it():
-    llm = wt.LLM("random-tiny", num_pages=8, page_size=32, max_model_len=128, max_num_seqs=4, kernel="reference",
-                 cuda_graphs=False, device="cpu")
+def tiny_engine(backend: str):
+    return offline_engine(backend, "random-tiny", num_pages=8, page_size=32, max_model_len=128, max_num_seqs=4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_failing_step_ends_every_request_with_an_error_and_the_server_reports_it(backend):
+    llm = tiny_engine(backend)
     step, calls = llm.step, []
 
     def failing_step():
@@ -57,7 +63,9 @@ def test_a_failing_step_ends_every_request_with_an_error_and_the_server_reports_
 
 def test_speculative_engine_streams_one_chunk_per_token_with_dense_text():
     """A speculative round yields several tokens at once; the stream still has one chunk per token
-    and the text is dense decode's (lossless speculation)."""
+    and the text is dense decode's (lossless speculation; torch only)."""
+    import wise_torch as wt
+
     kw = dict(num_pages=16, page_size=32, max_model_len=128, max_num_seqs=4, kernel="reference", cuda_graphs=False,
               device="cpu")
     prompts = ["def add(a, b):\n    return", "    def __init__(self"]
@@ -100,12 +108,12 @@ class _BlockingTokenizer:
         return getattr(self.tokenizer, name)
 
 
-def test_tokenization_runs_off_the_event_loop_and_a_client_that_leaves_drops_it():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tokenization_runs_off_the_event_loop_and_a_client_that_leaves_drops_it(backend):
     """One tokenizer worker, blocked on the first prompt: /health still answers at once; both
     clients hang up; the queued prompt is never tokenized, the first's result is dropped, and
     the engine never sees either request."""
-    llm = wt.LLM("random-tiny", num_pages=8, page_size=32, max_model_len=128, max_num_seqs=4, kernel="reference",
-                 cuda_graphs=False, device="cpu")
+    llm = tiny_engine(backend)
 
     async def run():
         engine = EngineLoop(llm, asyncio.get_running_loop())
@@ -141,8 +149,7 @@ def test_tokenization_runs_off_the_event_loop_and_a_client_that_leaves_drops_it(
 
 
 def test_chat_without_a_template_is_a_400_saying_so():
-    llm = wt.LLM("random-tiny", num_pages=8, page_size=32, max_model_len=128, max_num_seqs=4, kernel="reference",
-                 cuda_graphs=False, device="cpu")
+    llm = tiny_engine("torch")
     assert load_chat_template("random-tiny", None, tokenizer=llm.tokenizer, bos_token_id=256,
                               eos_token_id=256) is None
 

@@ -1,20 +1,31 @@
-"""wise_serve.model: the engine from `wise serve` arguments, and random weights for benchmarks."""
+"""wise_serve.model: the engine of either backend from `wise serve` arguments, random weights for
+benchmarks; the flags of one backend's features refused with the other; one backend's engine
+built without importing the other framework."""
 
 import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from wise_core.config import PRESETS
+from wise_core.engine.protocol import Engine
 from wise_serve.args import add_serve_arguments
 from wise_serve.model import build_llm, dummy_model
+
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICE_ARGV = ["--device", "cpu", "--num-pages", "4", "--page-size", "32", "--max-model-len", "64",
+               "--max-num-seqs", "2"]
 
 
 def args_of(*argv):
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    return parser.parse_args(["--device", "cpu", "--num-pages", "4", "--page-size", "32", "--max-model-len", "64",
-                              "--max-num-seqs", "2", *argv])
+    return parser.parse_args([*DEVICE_ARGV, *argv])
 
 
 def test_dummy_weights_are_those_of_the_throughput_benchmark():
@@ -31,6 +42,43 @@ def test_build_llm_follows_the_flags():
     assert llm.wise_config.eta == 0.8 and llm.wise_config.kernel == "reference" and llm.tokenizer is None
     assert (llm.blocks.num_pages, llm.page_size, llm.max_model_len) == (4, 32, 64)
     assert llm.model.head_weight.dtype == torch.float32 and not llm.runner.use_graphs
+    assert isinstance(llm, Engine) and llm.args.enable_prefix_caching
+
+
+def test_build_llm_jax_follows_the_flags():
+    import wise_jax
+
+    llm = build_llm(args_of("--backend", "jax", "--model", "test-tiny", "--load-format", "dummy", "--wise", "--eta",
+                            "0.8", "--kernel", "reference", "--no-enable-prefix-caching"))
+    assert isinstance(llm, wise_jax.LLM) and isinstance(llm, Engine)
+    assert llm.wise_config.eta == 0.8 and llm.wise_config.kernel == "reference" and llm.get_tokenizer() is None
+    assert (llm.stats().total_pages, llm.page_size, llm.max_model_len) == (4, 32, 64)
+    assert llm.cache.k.dtype == "float32" and not llm.args.enable_prefix_caching
+    [out] = llm.generate([[1, 2, 3]], wise_jax.SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out.token_ids) == 3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--speculative", "wise"), "--speculative is a torch engine feature"),
+    (("--cuda-graphs", "off"), "--cuda-graphs is a torch engine feature"),
+    (("--kernel", "triton"), "--kernel triton is not a jax kernel"),
+])
+def test_torch_only_flags_are_refused_with_jax(argv, message):
+    with pytest.raises(ValueError, match=message):
+        build_llm(args_of("--backend", "jax", "--model", "test-tiny", "--load-format", "dummy", *argv))
+
+
+@pytest.mark.parametrize("backend, other", [("jax", "torch"), ("torch", "jax")])
+def test_one_backend_serves_without_importing_the_other(backend, other):
+    argv = [*DEVICE_ARGV, "--backend", backend, "--model", "test-tiny", "--load-format", "dummy"]
+    code = (f"import argparse, sys; from wise_serve.args import add_serve_arguments; "
+            f"from wise_serve.model import build_llm; import wise_serve.server, wise_serve.cli; "
+            f"p = argparse.ArgumentParser(); add_serve_arguments(p); "
+            f"build_llm(p.parse_args({argv!r})).generate([[1, 2]], use_tqdm=False); "
+            f"assert '{other}' not in sys.modules, sorted(m for m in sys.modules if m.startswith('{other}'))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -38,6 +86,7 @@ def test_build_llm_follows_the_flags():
     (("--load-format", "dummy"), "--load-format dummy needs --model to be a preset"),
     (("--q-scale", "4"), "--q-scale applies to --load-format dummy only"),
     (("--model", "no-such-model"), "unknown model 'no-such-model'"),
+    (("--kernel", "pallas"), "--kernel pallas is not a torch kernel"),
 ])
 def test_bad_flags_are_named(argv, message):
     with pytest.raises(ValueError, match=message):

@@ -1,8 +1,9 @@
-"""The official `openai` client against `wise serve` (a subprocess, CPU) on a checkpoint with a chat template.
+"""The official `openai` client against `wise serve` (a subprocess, CPU) on a checkpoint with a chat
+template, once per backend (`--backend torch`, `--backend jax`).
 
 The checkpoint is the packaged ouro-py-3m written again with a tokenizer_config.json holding a
 chat template. Every text and logprob is compared with `LLM.generate` on the same prompt ids
-with an engine of the same settings (greedy), one request at a time.
+with an engine of the same backend and settings (greedy), one request at a time.
 """
 
 import json
@@ -11,9 +12,9 @@ import re
 import openai
 import pytest
 
-import wise_torch as wt
-from serve_cases import Server
+from serve_cases import BACKENDS, Server, offline_engine
 from wise_core.checkpoint import load_checkpoint, save_checkpoint
+from wise_core.request import SamplingParams
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}"
             "{% if m['role'] == 'tool' %}{{ raise_exception('no tools here') }}{% endif %}"
@@ -38,10 +39,15 @@ def checkpoint(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
+def server(checkpoint, backend, tmp_path_factory):
     s = Server(tmp_path_factory.mktemp("serve"), "--model", str(checkpoint), "--served-model-name", "chatty",
-               *(x for k, v in ENGINE.items() for x in (f"--{k.replace('_', '-')}", str(v))))
+               *(x for k, v in ENGINE.items() for x in (f"--{k.replace('_', '-')}", str(v))), backend=backend)
     yield s
     assert s.stop() == 0, s.log_path.read_text()
 
@@ -52,14 +58,14 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def llm(checkpoint):
-    return wt.LLM(str(checkpoint), kernel="reference", cuda_graphs=False, device="cpu", **ENGINE)
+def llm(checkpoint, backend):
+    return offline_engine(backend, str(checkpoint), **ENGINE)
 
 
 def offline(llm, prompt, max_tokens):
     """-> the engine's RequestOutput for one prompt (text or ids), greedy, with logprobs."""
     ids = prompt if isinstance(prompt, list) else llm.tokenizer.encode(prompt).ids
-    [out] = llm.generate([ids], wt.SamplingParams(max_tokens=max_tokens, logprobs=True), use_tqdm=False)
+    [out] = llm.generate([ids], SamplingParams(max_tokens=max_tokens, logprobs=True), use_tqdm=False)
     return out
 
 
@@ -198,6 +204,7 @@ BAD = [
 @pytest.mark.parametrize("endpoint, kw, message", BAD, ids=[m for *_, m in BAD])
 def test_bad_requests_are_400s_naming_the_problem(server, client, endpoint, kw, message):
     create = client.completions.create if endpoint == "completions" else client.chat.completions.create
+    kw = dict(kw)                                             # the case's own dict serves every backend
     with pytest.raises(openai.BadRequestError) as e:
         create(model="chatty", max_tokens=kw.pop("max_tokens", 4), **kw)
     assert message in e.value.body["message"], e.value.body

@@ -1,6 +1,8 @@
 """The `wise` command line, run as a subprocess on CPU."""
 
+import ast
 import json
+import math
 import os
 import subprocess
 import sys
@@ -33,12 +35,30 @@ def test_generate_torch_on_cpu(extra):
 
 
 def test_generate_jax_on_cpu():
-    pytest.importorskip("jax")
-    if not hasattr(__import__("wise_jax"), "generate"):
-        pytest.skip("wise_jax.generate is not available")
     result = wise("generate", "--backend", "jax", "--prompt", "hi", "--max-new-tokens", "2", "--device", "cpu")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("hi") and "[jax] prefill: 2 tokens in" in result.stderr
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_logprobs_are_printed_per_token_and_match_json(backend):
+    """--logprobs: one row per generated token (id, log p, text) after the text; --json gives the
+    same values in full; each is a log probability (finite, <= 0)."""
+    args = ("generate", "--prompt", "def fib(n):", "--device", "cpu", "--max-new-tokens", "5", "--backend", backend,
+            "--logprobs")
+    text, js = wise(*args), wise(*args, "--json")
+    assert text.returncode == js.returncode == 0, text.stderr + js.stderr
+    out = json.loads(js.stdout)
+    logprobs, ids = out["logprobs"], out["token_ids"]
+    assert len(logprobs) == len(ids) == 5 and all(math.isfinite(x) and x <= 0 for x in logprobs)
+    lines = text.stdout.splitlines()
+    header = lines.index("# token id, log p, text")
+    assert "\n".join(lines[:header]) == "def fib(n):" + out["text"]
+    rows = [line.split(maxsplit=2) for line in lines[header + 1:]]
+    assert [int(r[0]) for r in rows] == ids
+    # The table rounds to 4 decimals: each row is within 5e-5 of the full value.
+    assert all(abs(float(r[1]) - x) <= 5e-5 for r, x in zip(rows, logprobs))
+    assert "".join(ast.literal_eval(r[2]) for r in rows) == out["text"]       # each token's text, quoted
 
 
 def test_errors_and_help():
@@ -48,6 +68,8 @@ def test_errors_and_help():
     help_text = " ".join(result.stdout.split())
     assert result.returncode == 0 and "built-in model name: ouro-py-3m, random-tiny" in help_text
     assert "'ouro-py-3m' is a small model trained on Python source" in help_text
+    assert "sampling temperature; 0 is greedy, the default" in help_text
+    assert "--logprobs print each generated token's log p" in help_text
     assert wise().returncode == 2  # a command is required
 
 

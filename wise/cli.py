@@ -1,27 +1,33 @@
 """The `wise` command line. Backends (torch, jax) are imported only when a command runs.
 
 Subcommands are listed in `COMMANDS` (name -> (help, add_arguments, run)); `run(args)` returns
-the exit status. `wise generate` runs the torch engine (`wise_torch.LLM`) or `wise_jax.generate`
-on one prompt (--prompt TEXT, or - for standard input) or a batch (--prompt-file: one prompt a
-line, or JSONL objects with a "prompt" field), printing the text (--stream: as it comes) or one
-JSON object per prompt (--json); `wise serve` is the completions server (wise_serve).
+the exit status. `wise generate` runs the engine of --backend (`wise_torch.LLM` or
+`wise_jax.LLM`, through the engine protocol `wise_core.engine.protocol.Engine`) on one prompt
+(--prompt TEXT, or - for standard input) or a batch (--prompt-file: one prompt a line, or JSONL
+objects with a "prompt" field), printing the text (--stream: as it comes; --logprobs: each
+token's log p after it) or one JSON object per prompt (--json); `wise serve` is the completions
+server (wise_serve, either backend).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable, ContextManager
 
 from wise_core import __version__
 from wise_core.checkpoint import BUILTIN_MODELS, DEFAULT_MODEL
 from wise_core.config import KERNELS, WiseConfig
+from wise_core.detokenize import TextStream
+from wise_core.engine.protocol import Engine
 from wise_core.generate_args import check_sampling, check_seed
-from wise_core.request import SamplingParams
+from wise_core.request import MAX_SEED, SamplingParams
 from wise_core.tokenizer import encode_text
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -64,9 +70,12 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads of the torch backend (default: the physical cores, "
                              f"{physical_cores()} here; jax keeps XLA's own)")
+    parser.add_argument("--logprobs", action="store_true",
+                        help="print each generated token's log p under the model (natural log of its softmax, "
+                             "before temperature and filters) after the text; with --json a \"logprobs\" list")
     output = parser.add_mutually_exclusive_group()
     output.add_argument("--stream", action="store_true",
-                        help="print the text token by token as it is generated (torch, one prompt)")
+                        help="print the text token by token as it is generated (one prompt)")
     output.add_argument("--json", action="store_true",
                         help="print one JSON object per prompt: prompt, text, token_ids, finish_reason, stats")
 
@@ -123,22 +132,56 @@ def _prompt_name(args, i: int) -> str:
     return "--prompt" if args.prompt is not None else f"--prompt-file prompt {i + 1}"
 
 
-def _generate_torch(args, wise_config: WiseConfig | None, prompts: list[str], on_text=None) -> tuple[list, dict]:
-    """Run the prompts on the torch engine -> (per prompt: dict of text, token_ids, finish_reason,
-    prompt_tokens, ttft_s, latency_s; the engine's stats as a dict). on_text(delta): called as the
-    (single) prompt's text grows."""
+@dataclasses.dataclass
+class Backend:
+    """A loaded model of one framework: its tokenizer, engine(**EngineArgs) -> the framework's
+    `LLM` over it (an `Engine`), context: what the engine runs in, threads: the CPU threads
+    (None: the framework's own)."""
+
+    tokenizer: object
+    engine: Callable[..., Engine]
+    context: Callable[[], ContextManager]
+    threads: int | None
+
+
+def _torch_backend(args) -> Backend:
     import torch
 
     import wise_torch
-    from wise_core.detokenize import TextStream
-    from wise_torch.engine.sampler import seed_for
 
     torch.set_num_threads(args.threads or physical_cores())
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: torch sees no CUDA device")
     model = wise_torch.load_model(args.model, dtype=args.dtype, device=device)
-    tokenizer = model.tokenizer
+    return Backend(model.tokenizer, lambda **kw: wise_torch.LLM(model, **kw), torch.inference_mode,
+                   torch.get_num_threads())
+
+
+def _jax_backend(args) -> Backend:
+    if args.device == "cpu":
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    try:
+        import jax
+
+        import wise_jax
+    except ImportError as e:
+        raise RuntimeError(f"--backend jax needs jax and the wise_jax package: {e}") from e
+    if args.device == "cuda" and jax.default_backend() != "gpu":
+        raise RuntimeError(f"--device cuda: jax runs on {jax.default_backend()!r}, not a GPU")
+    config, params, tokenizer = wise_jax.load_model(args.model, dtype=args.dtype, with_tokenizer=True,
+                                                    layers="unstacked")
+    return Backend(tokenizer, lambda **kw: wise_jax.LLM(params, config, tokenizer=tokenizer, **kw),
+                   contextlib.nullcontext, None)
+
+
+def _generate(args, wise_config: WiseConfig | None, prompts: list[str], on_text=None) -> tuple[list, dict]:
+    """Run the prompts on the --backend engine -> (per prompt: dict of text, token_ids,
+    finish_reason, logprobs (None without --logprobs), prompt_tokens, ttft_s, latency_s; the
+    engine's stats as a dict). Prompt i samples with seed --seed + i, so its tokens do not depend
+    on the other prompts. on_text(delta): called as the (single) prompt's text grows."""
+    backend = (_torch_backend if args.backend == "torch" else _jax_backend)(args)
+    tokenizer = backend.tokenizer
     if tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer.json; `wise generate` needs one")
     ids = [encode_text(tokenizer, p, _prompt_name(args, i)) for i, p in enumerate(prompts)]
@@ -147,22 +190,23 @@ def _generate_torch(args, wise_config: WiseConfig | None, prompts: list[str], on
     # Every request at once: the pool they need (as wise_torch.generate); a larger batch queues
     # in a pool sized by the engine's default.
     num_pages = sum(-(-n // page_size) for n in lengths) if len(ids) <= max_num_seqs else None
-    llm = wise_torch.LLM(model, wise_config=wise_config, num_pages=num_pages, page_size=page_size,
+    llm = backend.engine(wise_config=wise_config, num_pages=num_pages, page_size=page_size,
                          max_num_seqs=max_num_seqs, max_model_len=max(lengths), seed=args.seed)
     requests = {}
     for i, prompt in enumerate(ids):
-        params = wise_torch.SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
-                                           top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                                           stop=tuple(args.stop), seed=seed_for(args.seed, i))
+        params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, min_p=args.min_p, stop=tuple(args.stop),
+                                seed=(args.seed + i) % MAX_SEED, logprobs=args.logprobs)
         requests[llm.add_request(prompt, params)] = i
     results: list[dict | None] = [None] * len(ids)
     text = TextStream(tokenizer, tuple(args.stop)) if on_text is not None else None
     bar = None
     if len(ids) > 1:
         from tqdm.auto import tqdm
-        bar = tqdm(total=len(ids), desc="prompts", unit="prompt", dynamic_ncols=True, file=sys.stderr)
+        bar = tqdm(total=len(ids), desc="prompts", unit="prompt", dynamic_ncols=True, file=sys.stderr,
+                   disable=None)   # None: no bar without a terminal
     start, first = time.perf_counter(), {}
-    with torch.inference_mode():
+    with backend.context():
         while llm.has_unfinished():
             for out in llm.step():
                 now = time.perf_counter()
@@ -175,8 +219,10 @@ def _generate_torch(args, wise_config: WiseConfig | None, prompts: list[str], on
                 if out.finished:
                     i = requests[out.request_id]
                     results[i] = dict(text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
-                                      prompt_tokens=len(ids[i]), ttft_s=first[out.request_id] - start,
-                                      latency_s=now - start)
+                                      logprobs=out.logprobs, prompt_tokens=len(ids[i]),
+                                      token_texts=[tokenizer.decode([t], skip_special_tokens=False)
+                                                   for t in out.token_ids] if args.logprobs else None,
+                                      ttft_s=first[out.request_id] - start, latency_s=now - start)
                     if bar is not None:
                         bar.update(1)
     if bar is not None:
@@ -184,38 +230,7 @@ def _generate_torch(args, wise_config: WiseConfig | None, prompts: list[str], on
     s = llm.stats()
     stats = dict(prefill_s=s.prefill_s, prefill_tokens=s.prompt_tokens, decode_s=s.decode_s,
                  decode_tokens=s.decode_tokens, decode_tokens_per_s=s.decode_tokens_per_s,
-                 preemptions=s.preemptions, fallbacks=s.fallbacks, density=s.density,
-                 threads=torch.get_num_threads())
-    return results, stats
-
-
-def _generate_jax(args, wise_config: WiseConfig | None, prompts: list[str], on_text=None) -> tuple[list, dict]:
-    if args.device == "cpu":
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    try:
-        import jax
-
-        import wise_jax
-    except ImportError as e:
-        raise RuntimeError(f"--backend jax needs jax and the wise_jax package: {e}") from e
-    if args.device == "cuda" and jax.default_backend() != "gpu":
-        raise RuntimeError(f"--device cuda: jax runs on {jax.default_backend()!r}, not a GPU")
-    config, params, tokenizer = wise_jax.load_model(args.model, dtype=args.dtype, with_tokenizer=True)
-    if tokenizer is None:
-        raise ValueError(f"model {args.model!r} has no tokenizer.json; `wise generate` needs one")
-    ids = [encode_text(tokenizer, p, _prompt_name(args, i)) for i, p in enumerate(prompts)]
-    out = wise_jax.generate(params, config, ids, max_new_tokens=args.max_new_tokens,
-                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                            stop=tuple(args.stop), eos_token_id=config.eos_token_id, tokenizer=tokenizer,
-                            wise_config=wise_config, key=jax.random.PRNGKey(args.seed))
-    eos = config.eos_token_id
-    results = [dict(text=text, token_ids=list(t), prompt_tokens=len(p),    # a stop string cut the text: "stop"
-                    finish_reason="stop" if (eos is not None and t and t[-1] == eos) or text != tokenizer.decode(t)
-                    else "length")
-               for p, t, text in zip(ids, out.tokens, out.texts)]
-    stats = dataclasses.asdict(out.stats)
-    stats["prefill_tokens"] = sum(map(len, ids))
-    stats["decode_tokens"] = stats["new_tokens"] - len(ids)
+                 preemptions=s.preemptions, fallbacks=s.fallbacks, density=s.density, threads=backend.threads)
     return results, stats
 
 
@@ -239,9 +254,10 @@ def run_generate(args) -> int:
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be a positive integer, got {args.threads}")
     prompts = read_prompts(args)
-    if args.stream and (args.backend != "torch" or len(prompts) > 1):
-        raise ValueError("--stream prints one prompt's tokens as they come, with --backend torch")
-    backend = _generate_torch if args.backend == "torch" else _generate_jax
+    if args.stream and len(prompts) > 1:
+        raise ValueError("--stream prints one prompt's tokens as they come: give one --prompt")
+    if args.stream and args.logprobs:
+        raise ValueError("--logprobs prints each token's log p after the text: drop --stream (or use --json)")
     on_text = None
     if args.stream:
         started = []
@@ -251,20 +267,27 @@ def run_generate(args) -> int:
                 started.append(print(prompts[0], end=""))
             print(delta, end="", flush=True)
 
-    results, stats = backend(args, wise_config, prompts, on_text)
+    results, stats = _generate(args, wise_config, prompts, on_text)
     for i, (prompt, r) in enumerate(zip(prompts, results)):
         if args.json:
             per = {k: r[k] for k in ("ttft_s", "latency_s") if k in r}
-            print(json.dumps({"index": i, "prompt": prompt, "text": r["text"], "token_ids": r["token_ids"],
-                              "finish_reason": r["finish_reason"],
-                              "stats": dict(prompt_tokens=r["prompt_tokens"], completion_tokens=len(r["token_ids"]),
-                                            **per, batch=stats)}))
+            row = {"index": i, "prompt": prompt, "text": r["text"], "token_ids": r["token_ids"],
+                   "finish_reason": r["finish_reason"]}
+            if args.logprobs:
+                row["logprobs"] = r["logprobs"]
+            row["stats"] = dict(prompt_tokens=r["prompt_tokens"], completion_tokens=len(r["token_ids"]), **per,
+                                batch=stats)
+            print(json.dumps(row))
         elif args.stream:
             print()
         else:
             if len(prompts) > 1:
                 print(f"### prompt {i + 1} of {len(prompts)} ({r['finish_reason']})")
             print(prompt + r["text"])
+            if args.logprobs:
+                print("# token id, log p, text")
+                for token, logprob, piece in zip(r["token_ids"], r["logprobs"], r["token_texts"]):
+                    print(f"{token:8d} {logprob:10.4f}  {piece!r}")
     prefill_tokens, prefill_s, decode_s = stats["prefill_tokens"], stats["prefill_s"], stats["decode_s"]
     line = (f"prefill: {prefill_tokens} tokens in {prefill_s:.3f} s ({prefill_tokens / prefill_s:.1f} tokens/s); "
             f"decode: {stats['decode_tokens']} tokens in {decode_s:.3f} s "
@@ -319,7 +342,8 @@ def run_train(args) -> int:
 
 COMMANDS = {
     "generate": ("generate text from prompts, dense or with WISE", add_generate_arguments, run_generate),
-    "serve": ("serve OpenAI-compatible completions over HTTP (torch engine)", add_serve_arguments, run_serve),
+    "serve": ("serve OpenAI-compatible completions over HTTP (--backend torch or jax)", add_serve_arguments,
+              run_serve),
     "parity": ("check that the torch and JAX implementations agree (python -m parity)", add_parity_arguments,
                run_parity),
     "train": ("train an Ouro-shaped model in JAX (optax, orbax checkpoints, resumable)", add_train_arguments,

@@ -1,23 +1,31 @@
-"""Command-line arguments of `wise serve` (argparse only: building the parser imports no framework)."""
+"""Command-line arguments of `wise serve` (argparse only: building the parser imports no framework).
+
+`--backend torch|jax` picks the engine (`wise_torch.LLM` or `wise_jax.LLM`); the flags of one
+framework's features (speculative decoding and CUDA graphs: torch) are refused with the other
+rather than ignored, as is a decode kernel the backend does not have.
+"""
 
 from __future__ import annotations
 
 import argparse
 
 from wise_core.checkpoint import BUILTIN_MODELS, DEFAULT_MODEL
-from wise_core.config import PRESETS, WiseConfig
+from wise_core.config import FRAMEWORK_KERNELS, KERNELS, PRESETS, WiseConfig
 
-TORCH_KERNELS = ("auto", "reference", "triton")   # wise_torch.attention.TORCH_KERNELS
+BACKENDS = ("torch", "jax")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The model and engine settings (shared by `wise serve` and the load client's offline run)."""
+    parser.add_argument("--backend", choices=BACKENDS, default="torch",
+                        help="the engine's framework: torch (wise_torch.LLM) or jax (wise_jax.LLM) (default: torch)")
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"checkpoint directory (HF Ouro layout) or built-in model: "
                              f"{', '.join(sorted(BUILTIN_MODELS))}; with --load-format dummy a preset: "
                              f"{', '.join(sorted(PRESETS))} (default: {DEFAULT_MODEL!r})")
     parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
-                        help="dummy: random weights of the preset --model, made on the device (benchmarks)")
+                        help="dummy: random weights of the preset --model (benchmarks; torch draws them on the "
+                             "device, jax on the host)")
     parser.add_argument("--q-scale", type=float, default=1.0,
                         help="dummy weights: multiply q_proj by this, for peaked attention (default: 1)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
@@ -27,11 +35,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wise", action="store_true", help="decode with WISE (default: dense decode)")
     parser.add_argument("--eta", type=float, default=None,
                         help=f"WISE mass fraction kept per head (default: {WiseConfig.eta}); needs --wise")
-    parser.add_argument("--kernel", choices=TORCH_KERNELS, default="auto",
-                        help="decode-attention kernel (default: auto, Triton on CUDA, the reference on CPU)")
+    parser.add_argument("--kernel", choices=KERNELS, default="auto",
+                        help="decode-attention kernel: torch auto, reference, triton; jax auto, reference, pallas "
+                             "(default: auto, the framework's GPU kernel on a GPU, the reference on CPU)")
     parser.add_argument("--speculative", choices=("wise", "loops"), default=None,
                         help="lossless speculative decoding (the output is dense decode's): drafts by WISE "
-                             "(--eta, --kernel set it) or by the first --draft-loops loops")
+                             "(--eta, --kernel set it) or by the first --draft-loops loops (torch)")
     parser.add_argument("--num-draft", type=int, default=4, help="speculative: tokens drafted per round (default: 4)")
     parser.add_argument("--draft-loops", type=int, default=None,
                         help="--speculative loops: loops a draft runs (default: half the model's)")
@@ -44,8 +53,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "the pool)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
                         help="prompt tokens one step prefills (chunked prefill; default: 8192)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="share the K/V of full prompt pages across requests with the same prefix "
+                             "(default: on; --no-enable-prefix-caching turns it off)")
     parser.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
-                        help="CUDA-graph decode (default: auto, on with CUDA)")
+                        help="CUDA-graph decode (torch; default: auto, on with CUDA)")
     parser.add_argument("--seed", type=int, default=None,
                         help="the generator of requests without a seed (default: random)")
 
@@ -66,7 +78,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_engine_arguments(args: argparse.Namespace) -> None:
-    """Combinations argparse cannot check (ValueError naming the flag)."""
+    """Combinations argparse cannot check (ValueError naming the flag), the backend's among them."""
+    if args.kernel not in FRAMEWORK_KERNELS[args.backend]:
+        raise ValueError(f"--kernel {args.kernel} is not a {args.backend} kernel "
+                         f"(--backend {args.backend}: {', '.join(FRAMEWORK_KERNELS[args.backend])})")
+    if args.backend == "jax":
+        for flag, given in (("--speculative", args.speculative is not None),
+                            ("--cuda-graphs", args.cuda_graphs != "auto")):
+            if given:
+                raise ValueError(f"{flag} is a torch engine feature: drop it or use --backend torch")
     if args.eta is not None and not (args.wise or args.speculative == "wise"):
         raise ValueError("--eta needs --wise (or --speculative wise)")
     if args.wise and args.speculative == "loops":

@@ -1,13 +1,14 @@
-"""The engine thread: drives `LLM.step()` beside the asyncio event loop.
+"""The engine thread: drives `Engine.step()` beside the asyncio event loop.
 
-`LLM` is not thread-safe, so one thread owns it. The event loop talks to it through a queue of
-commands (add a request, abort one, read the stats, ...), each a callable run in the engine
-thread between two steps, its result handed back through a future. While requests are
-unfinished the thread runs commands queued so far, then one step; idle, it blocks on the
-queue. Each step's outputs go back to the event loop in one `call_soon_threadsafe`, onto the
-asyncio queue of each request's `RequestHandle`.
+The engine is any `wise_core.engine.protocol.Engine` (wise_torch.LLM, wise_jax.LLM): this
+module uses that protocol only. An engine is not thread-safe, so one thread owns it. The event
+loop talks to it through a queue of commands (add a request, abort one, read the stats, ...),
+each a callable run in the engine thread between two steps, its result handed back through a
+future. While requests are unfinished the thread runs commands queued so far, then one step;
+idle, it blocks on the queue. Each step's outputs go back to the event loop in one
+`call_soon_threadsafe`, onto the asyncio queue of each request's `RequestHandle`.
 
-A request whose client went away is aborted (`LLM.abort` frees its pages at once). If a step
+A request whose client went away is aborted (`Engine.abort` frees its pages at once). If a step
 raises, the engine is dead: every request in flight receives the exception, new requests are
 refused (`EngineDead`), and commands still run so that nothing waits forever.
 """
@@ -16,15 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
-from typing import Callable
+from typing import Callable, ContextManager
 
-import torch
-
+from wise_core.engine.protocol import Engine
 from wise_core.request import EngineStats, RequestOutput, SamplingParams
-from wise_torch.engine.llm import LLM
 
 log = logging.getLogger("wise_serve")
 
@@ -53,8 +53,12 @@ class RequestHandle:
 
 
 class EngineLoop:
-    def __init__(self, llm: LLM, loop: asyncio.AbstractEventLoop):
-        self.llm, self.loop = llm, loop
+    """The thread that owns `llm` (module docstring). context: entered by the thread around all
+    it does (the backend's, e.g. torch.inference_mode; wise_serve.model.engine_context)."""
+
+    def __init__(self, llm: Engine, loop: asyncio.AbstractEventLoop,
+                 context: Callable[[], ContextManager] = contextlib.nullcontext):
+        self.llm, self.loop, self.context = llm, loop, context
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.handles: dict[int, RequestHandle] = {}   # engine thread only
         self.error: BaseException | None = None
@@ -88,7 +92,7 @@ class EngineLoop:
             if self.error is not None:
                 raise EngineDead(f"the engine failed: {self.error!r}")
             rid = self.llm.add_request(prompt, params)
-            handle = RequestHandle(rid, len(self.llm.sequences[rid].prompt))
+            handle = RequestHandle(rid, len(self.llm.prompt_token_ids(rid)))
             self.handles[rid] = handle
             return handle
 
@@ -172,7 +176,8 @@ class EngineLoop:
 
     def _run(self) -> None:
         try:
-            self._serve()
+            with self.context():
+                self._serve()
         except BaseException as e:             # a bug outside the step: fail loudly, hang nobody
             log.exception("the engine thread stopped")
             self._fail(e)
@@ -185,25 +190,24 @@ class EngineLoop:
                 future.set_exception(EngineDead("the engine thread has stopped"))
 
     def _serve(self) -> None:
-        with torch.inference_mode():
-            while not self._stopping:
-                busy = self.error is None and self.llm.has_unfinished()
-                self._run_commands(block=not busy)
-                if self._stopping or self.error is not None or not self.llm.has_unfinished():
+        while not self._stopping:
+            busy = self.error is None and self.llm.has_unfinished()
+            self._run_commands(block=not busy)
+            if self._stopping or self.error is not None or not self.llm.has_unfinished():
+                continue
+            try:
+                outputs = self.llm.step()
+            except Exception as e:
+                log.exception("the engine failed in a step; no more completions are served")
+                self._fail(e)
+                continue
+            items = []
+            for out in outputs:
+                handle = self.handles.get(out.request_id)
+                if handle is None:
                     continue
-                try:
-                    outputs = self.llm.step()
-                except Exception as e:
-                    log.exception("the engine failed in a step; no more completions are served")
-                    self._fail(e)
-                    continue
-                items = []
-                for out in outputs:
-                    handle = self.handles.get(out.request_id)
-                    if handle is None:
-                        continue
-                    if out.finished:
-                        del self.handles[out.request_id]
-                    items.append((handle, out))
-                if items:
-                    self._deliver(items)
+                if out.finished:
+                    del self.handles[out.request_id]
+                items.append((handle, out))
+            if items:
+                self._deliver(items)

@@ -1,6 +1,9 @@
 """Prometheus text exposition (format 0.0.4) of the engine's stats and the server's own counters.
 
-Engine-side values come from `LLM.stats()` read in the engine thread at scrape time; request
+Engine-side values come from `Engine.stats()` read in the engine thread at scrape time (the
+automatic prefix cache among them: `wise_prefix_cache_queries_total`, the prompt tokens looked
+up, `wise_prefix_cache_hits_total`, those found cached, and their ratio
+`wise_prefix_cache_hit_rate`, as vLLM's `vllm:prefix_cache_queries` / `_hits`); request
 latencies (time to first token, time per output token, end to end) are observed by the server
 as it hands tokens to clients. Every name starts with `wise_`.
 """
@@ -96,8 +99,19 @@ class ServerMetrics:
                     ("wise_decode_tokens_per_second", "gauge",
                      "Decode tokens per second of decode time since the engine started.", s.decode_tokens_per_s),
                     ("wise_prefill_tokens_per_second", "gauge",
-                     "Prompt tokens per second of prefill time since the engine started.", s.prefill_tokens_per_s)):
+                     "Prompt tokens per second of prefill time since the engine started.", s.prefill_tokens_per_s),
+                    ("wise_step_programs", "gauge",
+                     "Decode-step programs made so far (torch: CUDA graphs, 0 when eager; jax: compiled steps).",
+                     s.step_programs),
+                    ("wise_prefix_cache_queries_total", "counter",
+                     "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+                    ("wise_prefix_cache_hits_total", "counter",
+                     "Prompt tokens found in the prefix cache (their prefill skipped).", s.prefix_cache_hits)):
                 metric(name, kind, help_, [({}, value)])
+            rate = s.prefix_cache_hit_rate            # None before any lookup: no sample
+            metric("wise_prefix_cache_hit_rate", "gauge",
+                   "Prefix cache hits / queries (prompt tokens) since the engine started.",
+                   [] if rate is None else [({}, rate)])
             if s.fallbacks is not None:
                 metric("wise_fallbacks_total", "counter",
                        "WISE (token, layer) pairs that attended densely at a reuse loop for want of a complete "

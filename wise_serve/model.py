@@ -1,34 +1,85 @@
 """The engine a server (or the load client's offline baseline) runs, from command-line arguments.
 
+`build_llm(args)` returns an `Engine` (`wise_core.engine.protocol`) of `--backend`:
+`wise_torch.LLM` or `wise_jax.LLM`, with the same engine arguments (`engine_arguments`). This
+is the one module of wise_serve that imports a framework, each inside the builder of its
+backend, so that `--backend jax` never imports torch and `--backend torch` never imports jax;
+the rest of the server speaks to the engine through the protocol only.
+
 `--load-format dummy` builds a preset architecture (wise_core.config.PRESETS, e.g. ouro-1.4b)
-with random weights made on the device, in seconds: the load benchmark's workload when no
-checkpoint is at hand (as vLLM's `--load-format dummy`). `--q-scale S` multiplies q_proj by S,
-which peaks a random model's attention so that WISE has a small support to find.
+with random weights, in seconds: the load benchmark's workload when no checkpoint is at hand
+(as vLLM's `--load-format dummy`). torch draws them on the device (`dummy_model`: the values
+benchmarks/throughput.py's random models hold); jax on the host (`wise_core.checkpoint.
+random_tensors`), so the two backends' dummy weights differ. `--q-scale S` multiplies q_proj by
+S, which peaks a random model's attention so that WISE has a small support to find.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import zlib
+from typing import Callable, ContextManager
 
-import torch
-
-from wise_core.checkpoint import expected_shapes
-from wise_core.config import PRESETS, SpeculativeConfig, WiseConfig
+from wise_core.checkpoint import expected_shapes, open_checkpoint, random_tensors
+from wise_core.config import PRESETS, ModelConfig, SpeculativeConfig, WiseConfig
+from wise_core.engine.protocol import Engine
 from wise_serve.args import check_engine_arguments
-from wise_torch.engine.llm import LLM
-from wise_torch.loading import from_tensors, load_model
-from wise_torch.model import OuroForCausalLM
 
 DUMMY_STD = 0.02
 
 
-def dummy_model(preset: str, *, dtype: torch.dtype, device: torch.device, q_scale: float = 1.0,
-                seed: int = 0) -> OuroForCausalLM:
-    """Random weights of a preset architecture, drawn on `device`: normal(0, 0.02) matrices from
-    a generator seeded by the tensor's name and `seed` (the values benchmarks/throughput.py's
-    random models hold), unit norms, zero gate bias; q_proj scaled by q_scale. No tokenizer
-    (prompts are token ids)."""
+def build_llm(args: argparse.Namespace) -> Engine:
+    """The engine of `wise serve` from wise_serve.args.add_engine_arguments' arguments (checked
+    first: a ValueError names a bad flag before any framework loads)."""
+    check_engine_arguments(args)
+    return _torch_engine(args) if args.backend == "torch" else _jax_engine(args)
+
+
+def engine_context(args: argparse.Namespace) -> Callable[[], ContextManager]:
+    """What the engine thread runs in: torch.inference_mode for torch (no autograd bookkeeping
+    in the steps), nothing for jax."""
+    if args.backend == "torch":
+        import torch
+
+        return torch.inference_mode
+    return contextlib.nullcontext
+
+
+def engine_arguments(args: argparse.Namespace) -> dict:
+    """The `wise_core.engine.EngineArgs` of the flags (both backends take them)."""
+    uses_wise = args.wise or args.speculative == "wise"
+    return dict(wise_config=WiseConfig(eta=args.eta, kernel=args.kernel) if uses_wise else None,
+                num_pages=args.num_pages, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
+                max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                kernel=None if uses_wise else args.kernel, seed=args.seed,
+                enable_prefix_caching=args.enable_prefix_caching)
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    """The ModelConfig of --model, read without a framework (a preset for dummy weights, else
+    the checkpoint's config.json)."""
+    return PRESETS[args.model] if args.load_format == "dummy" else open_checkpoint(args.model).config
+
+
+def describe(args: argparse.Namespace) -> str:
+    """How the engine decodes, for the server's start-up line."""
+    if args.speculative is not None:
+        return f"{args.backend}, dense output, speculative {args.speculative} drafts of {args.num_draft} tokens"
+    return f"{args.backend}, " + (f"WISE eta {args.eta}" if args.wise else "dense")
+
+
+# -- torch ------------------------------------------------------------------------------------------
+def dummy_model(preset: str, *, dtype, device, q_scale: float = 1.0, seed: int = 0):
+    """Random weights of a preset architecture, drawn on `device` (a torch.device) in `dtype`
+    (a torch.dtype) -> an OuroForCausalLM: normal(0, 0.02) matrices from a generator seeded by
+    the tensor's name and `seed` (the values benchmarks/throughput.py's random models hold),
+    unit norms, zero gate bias; q_proj scaled by q_scale. No tokenizer (prompts are token ids)."""
+    import torch
+
+    from wise_torch.loading import from_tensors
+
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r} for --load-format dummy (presets: {', '.join(sorted(PRESETS))})")
     config = PRESETS[preset]
@@ -47,35 +98,49 @@ def dummy_model(preset: str, *, dtype: torch.dtype, device: torch.device, q_scal
     return from_tensors(config, tensors, dtype=dtype, device=device)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
+def _torch_engine(args: argparse.Namespace) -> Engine:
+    import torch
+
+    from wise_torch.engine.llm import LLM
+    from wise_torch.loading import load_model
+
+    if args.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: torch sees no CUDA device")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
-def build_llm(args: argparse.Namespace) -> LLM:
-    """The engine of `wise serve` from wise_serve.args.add_engine_arguments' arguments."""
-    check_engine_arguments(args)
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
+    device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.load_format == "dummy":
         model = dummy_model(args.model, dtype=dtype, device=device, q_scale=args.q_scale, seed=args.seed or 0)
     else:
         model = load_model(args.model, dtype=dtype, device=device)
-    uses_wise = args.wise or args.speculative == "wise"
-    wise_config = WiseConfig(eta=args.eta, kernel=args.kernel) if uses_wise else None
     speculative = None if args.speculative is None else SpeculativeConfig(
         args.speculative, num_draft=args.num_draft, draft_loops=args.draft_loops)
     cuda_graphs = {"auto": "auto", "on": True, "off": False}[args.cuda_graphs]
-    return LLM(model, wise_config=wise_config, num_pages=args.num_pages, page_size=args.page_size,
-               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-               max_num_batched_tokens=args.max_num_batched_tokens, cuda_graphs=cuda_graphs,
-               kernel=None if uses_wise else args.kernel, seed=args.seed, speculative_config=speculative)
+    return LLM(model, cuda_graphs=cuda_graphs, speculative_config=speculative, **engine_arguments(args))
+
+
+# -- jax --------------------------------------------------------------------------------------------
+def _jax_engine(args: argparse.Namespace) -> Engine:
+    if args.device == "cpu":
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")    # before jax starts its backends
+    try:
+        import jax
+
+        import wise_jax
+    except ImportError as e:
+        raise RuntimeError(f"--backend jax needs jax and the wise_jax package: {e}") from e
+    platform = jax.default_backend()
+    if args.device == "cuda" and platform != "gpu":
+        raise RuntimeError(f"--device cuda: jax runs on {platform!r}, not a GPU")
+    if args.device == "cpu" and platform != "cpu":
+        raise RuntimeError(f"--device cpu: jax runs on {platform!r} (JAX_PLATFORMS={os.environ['JAX_PLATFORMS']!r})")
+    dtype = None if args.dtype == "auto" else args.dtype    # None: bfloat16 on a GPU, float32 otherwise
+    if args.load_format != "dummy":
+        return wise_jax.LLM(args.model, dtype=dtype, **engine_arguments(args))
+    config = PRESETS[args.model]      # a preset: check_engine_arguments
+    tensors = random_tensors(config, seed=args.seed or 0, std=DUMMY_STD)
+    for name, t in tensors.items():
+        if name.endswith("self_attn.q_proj.weight"):
+            t *= args.q_scale
+    dtype = dtype or ("bfloat16" if platform == "gpu" else "float32")
+    return wise_jax.LLM(wise_jax.from_checkpoint_tensors(config, tensors, dtype), config, **engine_arguments(args))

@@ -1,6 +1,6 @@
 """The HTTP server: the OpenAI API (completions, chat completions) over the engine thread, on aiohttp.
 
-    wise serve --model ouro-py-3m --port 8000
+    wise serve --model ouro-py-3m --port 8000            # --backend jax: the JAX engine
     curl localhost:8000/v1/completions -d '{"prompt": "def fib(n):", "max_tokens": 32, "temperature": 0}'
 
 Routes: POST /v1/completions and POST /v1/chat/completions (JSON, or server-sent events with
@@ -22,6 +22,10 @@ event loop nor in the engine thread; a text prompt longer than `max_prompt_bytes
 x the vocabulary's longest token, in UTF-8 bytes: more text cannot fit max_model_len tokens) is
 refused before it is tokenized.
 
+The engine is any `wise_core.engine.protocol.Engine` (wise_torch.LLM or wise_jax.LLM); the
+server uses that protocol only (its tokenizer, vocab_size, max_model_len, page_size,
+wise_config, requests and stats).
+
 Lifecycle: the engine runs in its own thread (wise_serve.engine_loop). On SIGTERM (or SIGINT)
 the server drains: it keeps listening but answers every new request with a 503 (/health too),
 and lets in-flight requests finish for up to `shutdown_timeout` seconds; whatever is left then
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import dataclasses
 import json
@@ -44,12 +49,12 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 from wise_core.detokenize import TextStream
+from wise_core.engine.protocol import Engine
 from wise_serve import protocol
 from wise_serve.chat import ChatTemplate, TemplateError
 from wise_serve.engine_loop import EngineDead, EngineLoop, RequestHandle
 from wise_serve.metrics import ServerMetrics
 from wise_serve.protocol import BadRequest, Generation
-from wise_torch.engine.llm import LLM
 
 log = logging.getLogger("wise_serve")
 access_log = logging.getLogger("wise_serve.access")
@@ -182,10 +187,10 @@ async def _each_token(choices: list[_Choice], on_token: Callable[[_Choice, int |
 class CompletionServer:
     def __init__(self, engine: EngineLoop, *, model_name: str, chat_template: ChatTemplate | None = None,
                  tokenizer_workers: int = TOKENIZER_WORKERS):
-        llm: LLM = engine.llm
+        llm: Engine = engine.llm
         self.engine, self.model_name, self.chat_template = engine, model_name, chat_template
-        self.tokenizer = llm.tokenizer
-        self.max_model_len, self.vocab_size = llm.max_model_len, llm.model.config.vocab_size
+        self.tokenizer = llm.get_tokenizer()
+        self.max_model_len, self.vocab_size = llm.max_model_len, llm.vocab_size
         self.card = protocol.model_card(model_name, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         self.metrics = ServerMetrics()
         self.draining = False
@@ -496,12 +501,16 @@ class CompletionServer:
         return response
 
 
-async def serve(llm: LLM, *, host: str, port: int, model_name: str, shutdown_timeout: float,
-                chat_template: ChatTemplate | None = None, ready=None) -> None:
+async def serve(llm: Engine, *, host: str, port: int, model_name: str, shutdown_timeout: float,
+                chat_template: ChatTemplate | None = None, ready=None, description: str | None = None,
+                engine_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
     """Serve until SIGTERM or SIGINT, then drain (see the module docstring). ready(url) is
-    called once the socket listens."""
+    called once the socket listens; description: how the engine decodes, for the start-up line
+    (default: dense or WISE, from its wise_config); engine_context: what the engine thread runs
+    in (`EngineLoop`)."""
     loop = asyncio.get_running_loop()
-    engine = EngineLoop(llm, loop)
+    pages = llm.stats().total_pages                  # before the engine thread owns it
+    engine = EngineLoop(llm, loop, engine_context)
     engine.start()
     server = CompletionServer(engine, model_name=model_name, chat_template=chat_template)
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
@@ -518,14 +527,11 @@ async def serve(llm: LLM, *, host: str, port: int, model_name: str, shutdown_tim
     signals: asyncio.Queue[int] = asyncio.Queue()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, signals.put_nowait, sig)
-    if llm.speculator is not None:
-        spec = llm.speculator.config
-        mode = f"dense output, speculative {spec.method} drafts of {spec.num_draft} tokens"
-    else:
-        mode = "dense" if llm.wise_config is None else f"WISE eta {llm.wise_config.eta}"
+    if description is None:
+        description = "dense" if llm.wise_config is None else f"WISE eta {llm.wise_config.eta}"
     chat = "no chat template" if chat_template is None else f"chat template {chat_template.origin}"
     log.info("listening on %s (model %r, %d KV pages of %d tokens, max_model_len %d, %s, %s)", url, model_name,
-             llm.blocks.num_pages, llm.page_size, llm.max_model_len, mode, chat)
+             pages, llm.page_size, llm.max_model_len, description, chat)
     if ready is not None:
         ready(url)
     sig = await signals.get()
