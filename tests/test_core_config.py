@@ -146,8 +146,11 @@ def test_speculative_config_verify_depth():
     assert SpeculativeConfig("loops", draft_loops=3).verify_depth(4, None) == 3
     with pytest.raises(ConfigError, match="needs a WiseConfig with a reuse depth"):
         SpeculativeConfig("wise").verify_depth(4, WiseConfig(reuse_depths=()))
-    with pytest.raises(ConfigError, match="draft_loops=1 does not apply"):
-        SpeculativeConfig("wise", draft_loops=1).verify_depth(4, wise)
+    for draft_loops in (1, 2, 5):        # the draft's loops must hold a reuse loop and be the model's
+        with pytest.raises(ConfigError, match=r"draft_loops must be in \[3, 4\]"):
+            SpeculativeConfig("wise", draft_loops=draft_loops).verify_depth(4, wise)
+    assert SpeculativeConfig("wise", draft_loops=3).verify_depth(4, wise) == 2
+    assert SpeculativeConfig("wise", draft_loops=3).draft_end(4) == 3 and SpeculativeConfig("wise").draft_end(4) == 4
     with pytest.raises(ConfigError, match="pass no wise_config"):
         SpeculativeConfig("loops").verify_depth(4, wise)
     with pytest.raises(ConfigError, match=r"draft_loops must be in \[1, 3\]"):
