@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from wise_core.checkpoint import random_tensors
+from engine_cases import FRAMEWORKS, Framework, drained
 from wise_core.config import PRESETS, WiseConfig
 from wise_core.request import SamplingParams
 
@@ -20,36 +20,9 @@ WISE = WiseConfig(eta=0.5, kernel="reference")
 MODES = pytest.mark.parametrize("wise_config", [None, WISE], ids=["dense", "wise"])
 
 
-class Torch:
-    def __init__(self, tensors):
-        import wise_torch
-        self.wt, self.model = wise_torch, wise_torch.from_tensors(CONFIG, tensors)
-
-    def engine(self, **kw):
-        return self.wt.LLM(self.model, **kw)
-
-    def alone(self, prompt, n, wise_config):
-        return self.wt.generate(self.model, [prompt], max_new_tokens=n, eos_token_id=None, page_size=PAGE,
-                                wise_config=wise_config, kernel="reference").tokens[0]
-
-
-class Jax:
-    def __init__(self, tensors):
-        import wise_jax
-        self.wj, self.params = wise_jax, wise_jax.from_checkpoint_tensors(CONFIG, tensors)
-
-    def engine(self, **kw):
-        return self.wj.LLM(self.params, CONFIG, **kw)
-
-    def alone(self, prompt, n, wise_config):
-        return self.wj.generate(self.params, CONFIG, [prompt], max_new_tokens=n, eos_token_id=None, page_size=PAGE,
-                                wise_config=wise_config, kernel="reference").tokens[0]
-
-
-@pytest.fixture(scope="module", params=["torch", "jax"])
+@pytest.fixture(scope="module", params=FRAMEWORKS)
 def fw(request):
-    tensors = random_tensors(CONFIG, seed=0, std=0.08)
-    return Torch(tensors) if request.param == "torch" else Jax(tensors)
+    return Framework(request.param, CONFIG, seed=0)
 
 
 def engine(fw, wise_config=None, **kw):
@@ -60,13 +33,6 @@ def engine(fw, wise_config=None, **kw):
 def prompts_of(lengths, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in lengths]
-
-
-def drained(llm):
-    stats = llm.stats()
-    assert stats.free_pages == stats.total_pages and stats.running == stats.waiting == 0
-    assert not llm.has_unfinished()
-    return stats
 
 
 @MODES
@@ -84,7 +50,7 @@ def test_requests_joining_between_steps_get_their_tokens_alone(fw, wise_config):
         step += 1
     for i, prompt in enumerate(prompts):
         assert produced[i].finished and produced[i].finish_reason == "length"
-        assert produced[i].token_ids == fw.alone(prompt, news[i], wise_config)
+        assert produced[i].token_ids == fw.alone(prompt, news[i], wise_config, page_size=PAGE)
         assert produced[i].prompt_token_ids == prompt
     stats = drained(llm)
     assert stats.preemptions == 0
@@ -103,7 +69,7 @@ def test_a_prompt_longer_than_a_step_prefills_in_chunks_with_the_unchunked_token
         llm.step()
         cached.append(seq.num_cached)
     assert cached == [40, 80, 120, 150]
-    assert llm.run_until_done([rid])[0].token_ids == fw.alone(prompt, 8, wise_config)
+    assert llm.run_until_done([rid])[0].token_ids == fw.alone(prompt, 8, wise_config, page_size=PAGE)
     assert drained(llm).prompt_tokens == 150
 
 
@@ -115,7 +81,7 @@ def test_preemption_offloads_and_resumes_with_the_same_tokens(fw, wise_config):
     stats = drained(llm)
     assert stats.preemptions > 0 and stats.total_pages == 8
     for prompt, out in zip(prompts, outs):
-        assert out.token_ids == fw.alone(prompt, 40, wise_config)
+        assert out.token_ids == fw.alone(prompt, 40, wise_config, page_size=PAGE)
     if wise_config is not None:
         assert stats.fallbacks == 0
 
@@ -147,7 +113,7 @@ def test_abort_frees_pages_and_leaves_the_others_unchanged(fw):
         llm.abort(ids[1])
     finals = llm.run_until_done([ids[0], ids[2]])
     for prompt, final in zip([prompts[0], prompts[2]], finals):
-        assert final.token_ids == fw.alone(prompt, 12, None)
+        assert final.token_ids == fw.alone(prompt, 12, None, page_size=PAGE)
     drained(llm)
 
 

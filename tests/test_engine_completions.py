@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from wise_core.checkpoint import random_tensors
+from engine_cases import FRAMEWORKS, Framework, drained
 from wise_core.config import PRESETS, WiseConfig
 from wise_core.request import SamplingParams
 from torch_cases import prompts_of
@@ -16,30 +16,14 @@ CONFIG = PRESETS["test-tiny"]
 PROMPT = prompts_of([70], CONFIG.vocab_size, seed=4)[0]      # 2 full pages of 32 and 6 tokens
 
 
-@pytest.fixture(scope="module", params=["torch", "jax"])
+@pytest.fixture(scope="module", params=FRAMEWORKS)
 def model(request):
-    tensors = random_tensors(CONFIG, seed=3, std=0.08)
-    if request.param == "torch":
-        import wise_torch
-        return "torch", wise_torch.from_tensors(CONFIG, tensors)
-    import wise_jax
-    return "jax", wise_jax.from_checkpoint_tensors(CONFIG, tensors)
+    return Framework(request.param, CONFIG, seed=3)
 
 
 def engine(model, **kw):
     kw = {"num_pages": 32, "page_size": 32, "max_num_seqs": 8, "max_model_len": 160, "kernel": "reference", **kw}
-    framework, weights = model
-    if framework == "torch":
-        import wise_torch
-        return wise_torch.LLM(weights, **kw)
-    import wise_jax
-    return wise_jax.LLM(weights, CONFIG, **kw)
-
-
-def drained(llm):
-    s = llm.stats()
-    assert s.free_pages == s.total_pages and s.running == s.waiting == 0 and not llm.has_unfinished()
-    return s
+    return model.engine(**kw)
 
 
 @pytest.mark.parametrize("caching", [True, False], ids=["cache", "no-cache"])

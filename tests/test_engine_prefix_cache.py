@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from wise_core.checkpoint import random_tensors
+from engine_cases import FRAMEWORKS, Framework, drained
 from wise_core.config import PRESETS, WiseConfig
 from wise_core.request import SamplingParams
 from torch_cases import prompts_of
@@ -18,24 +18,9 @@ WISE = WiseConfig(eta=0.9, kernel="reference")
 CONFIG = PRESETS["test-tiny-gqa"]
 
 
-@pytest.fixture(scope="module", params=["torch", "jax"])
+@pytest.fixture(scope="module", params=FRAMEWORKS)
 def model(request):
-    """(framework, its model) of one set of random weights."""
-    tensors = random_tensors(CONFIG, seed=3, std=0.08)
-    if request.param == "torch":
-        import wise_torch
-        return "torch", wise_torch.from_tensors(CONFIG, tensors)
-    import wise_jax
-    return "jax", wise_jax.from_checkpoint_tensors(CONFIG, tensors)
-
-
-def engine(model, **kw):
-    framework, weights = model
-    if framework == "torch":
-        import wise_torch
-        return wise_torch.LLM(weights, **kw)
-    import wise_jax
-    return wise_jax.LLM(weights, CONFIG, **kw)
+    return Framework(request.param, CONFIG, seed=3)
 
 
 def shared_prompts(vocab, n=6, common=75, seed=0):
@@ -50,7 +35,7 @@ def run(model, prompts, *, waves=2, abort=None, **kw):
     """Tokens of each prompt, queued in `waves` (a wave after the one before finished, so its
     prefix is cached), and the engine."""
     kw = {"num_pages": 64, "page_size": 32, "max_num_seqs": 8, "max_model_len": 256, "kernel": "reference", **kw}
-    llm = engine(model, **kw)
+    llm = model.engine(**kw)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     out = {}
     size = -(-len(prompts) // waves)
@@ -62,8 +47,7 @@ def run(model, prompts, *, waves=2, abort=None, **kw):
             ids.pop(next(iter(ids)))
         for o in llm.run_until_done(list(ids)):
             out[ids[o.request_id]] = o.token_ids
-    s = llm.stats()
-    assert s.free_pages == s.total_pages and s.running == s.waiting == 0
+    drained(llm)
     return [out.get(i) for i in range(len(prompts))], llm
 
 
@@ -103,4 +87,4 @@ def test_identical_prompts_and_one_page_prompts(model):
 
 def test_enable_prefix_caching_must_be_a_bool(model):
     with pytest.raises(TypeError, match="enable_prefix_caching must be a bool"):
-        engine(model, num_pages=8, enable_prefix_caching=1)
+        model.engine(num_pages=8, enable_prefix_caching=1)
