@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import subprocess
 import time
 from pathlib import Path
 
@@ -86,12 +85,7 @@ def worker(spec: dict) -> dict:
 
 
 def run_one(spec: dict, timeout: float) -> dict:
-    env = rp.module_env(OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run(rp.module_command("defaults_cpu", "--worker", json.dumps(spec)),
-                          env=env, capture_output=True, text=True, timeout=timeout)
-    if done.returncode != 0:
-        return dict(error=(done.stdout + done.stderr)[-1500:])
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return rp.run_worker("defaults_cpu", spec, timeout, OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
 
 
 def markdown(report: dict) -> str:

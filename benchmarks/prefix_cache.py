@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import time
 from pathlib import Path
 
@@ -93,11 +92,7 @@ def worker(spec: dict) -> dict:
 
 
 def run_one(spec: dict, timeout: float) -> dict:
-    done = subprocess.run(rp.module_command("prefix_cache", "--worker", json.dumps(spec)),
-                          env=rp.module_env(PYTHONUNBUFFERED="1"), capture_output=True, text=True, timeout=timeout)
-    if done.returncode != 0:
-        return dict(error=(done.stdout + done.stderr)[-1500:])
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return rp.run_worker("prefix_cache", spec, timeout, PYTHONUNBUFFERED="1")
 
 
 def _quantile(values: list[float], q: float) -> float:

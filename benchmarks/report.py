@@ -8,6 +8,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 from typing import Callable
@@ -101,3 +102,13 @@ def module_env(first: str | None = None, **extra: str) -> dict:
     """os.environ with PYTHONPATH = [first,] the repository, then what it held; plus extra."""
     paths = [p for p in (first, str(ROOT), os.environ.get("PYTHONPATH")) if p]
     return dict(os.environ, PYTHONPATH=os.pathsep.join(paths), **extra)
+
+
+def run_worker(module: str, spec: dict, timeout: float, **env: str) -> dict:
+    """Run `python -m benchmarks.MODULE --worker JSON(spec)` (`module_env` with env) -> the JSON
+    object its last line of output prints, or {"error": the end of its output} if it failed."""
+    done = subprocess.run(module_command(module, "--worker", json.dumps(spec)), env=module_env(**env),
+                          capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        return dict(error=(done.stdout + done.stderr)[-1500:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
