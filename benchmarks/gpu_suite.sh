@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark of the project, in parts, for one H200 (tp: two):
-#   bash benchmarks/gpu_suite.sh tests|train|bench|engine|jax|jax-bench|jax-tests|step-profile|pallas|pallas-sweep|kernel-profile|tp OUTDIR [MODEL_DIR]
+#   bash benchmarks/gpu_suite.sh tests|train|bench|engine|jax|jax-bench|jax-tests|step-profile|pallas|pallas-sweep|kernel-profile|tp|fa4|prefix|drafts OUTDIR [MODEL_DIR]
 # tests: the `gpu`-marked pytest suite, the parity suite;
 # train: trains the built-in model (benchmarks.train_builtin) into OUTDIR/model;
 # engine: the torch engine's gpu tests, the fused-ops benchmark and the engine throughput
@@ -22,6 +22,14 @@
 # tp: on a host with two GPUs, the tensor-parallel gpu tests (torch and JAX) and the scaling benchmarks
 #     (1 and 2 GPUs, dense and WISE, Ouro-1.4B shape at 1K x 64 and 8K x 20: torch's benchmarks.tp_scaling, JAX's
 #     +tp2 arms); NCCL_NVLS_ENABLE=0 (NVLink multicast off); each `run` fits a 10-minute slot;
+# fa4: FlashAttention-4 from the wheels in .whl-fa4 (parts a and b stashed by their stash.sh in earlier
+#      calls on the same machine; this part runs part c's install.sh when it is there), then its gpu tests
+#      (packed varlen prefill and dense decode against SDPA / Triton) and the prefill benchmark (SDPA and
+#      FA4, whole prompts and 2,048-token chunks, 1K x 64 to 32K x 2), about 9 minutes;
+# prefix: prefix caching on and off on a shared-system-prompt workload (64 requests, a 1,024-token common
+#         prefix, 128 own tokens), torch and JAX, Ouro-1.4B shape, random bf16 weights;
+# drafts: each speculative draft kind on the trained built-in model (bf16, CUDA graphs): acceptance,
+#         tokens per round, tokens against dense;
 # bench: the kernel benchmark (Triton, Pallas, cuDNN SDPA, FlashAttention-4 when importable) and
 #        the WISE quality run on MODEL_DIR when given.
 # Logs and results go to OUTDIR. The project runs from the source tree (PYTHONPATH), the benchmarks as
@@ -105,5 +113,19 @@ case $part in
     run tp_jax 540 python3 -m benchmarks.jax_generate_bench --preset ouro-1.4b --arms dense,dense+tp2,wise,wise+tp2 \
         --shapes 1024x64,8192x20 --q-scale 8,7 --child-timeout 120 --out "$out/tp_jax"
     ;;
-  *) echo "unknown part $part (tests|train|bench|engine|jax|jax-bench|jax-tests|step-profile|pallas|tp)" >&2; exit 2;;
+  fa4)
+    if [ -f .whl-fa4/c/install.sh ]; then run fa4_install 240 bash .whl-fa4/c/install.sh; fi
+    export PYTHONPATH=/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+    run fa4_gpu_tests 180 python3 -m pytest -q -m gpu tests/test_torch_prefill_varlen.py -p no:cacheprovider -rfE
+    run prefill_bench 360 python3 -m benchmarks.prefill_bench --out "$out/prefill"
+    ;;
+  prefix)
+    run prefix_cache 560 python3 -m benchmarks.prefix_cache --preset ouro-1.4b --engines "${FRAMEWORKS:-torch,jax}" \
+        --timeout 270 --out "$out/prefix_cache"
+    ;;
+  drafts)
+    run draft_kinds 300 python3 -m benchmarks.draft_kinds --dtype bfloat16 --prompts 64 --length 256 \
+        --new-tokens 128 --out "$out/draft_kinds"
+    ;;
+  *) echo "unknown part $part (tests|train|bench|engine|jax|jax-bench|jax-tests|step-profile|pallas|pallas-sweep|kernel-profile|tp|fa4|prefix|drafts)" >&2; exit 2;;
 esac

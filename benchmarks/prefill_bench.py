@@ -1,7 +1,7 @@
 """Prefill throughput of the serving engine (wise_torch.LLM) by prefill attention: tokens/s and MFU.
 
-    python benchmarks/prefill_bench.py --out benchmarks/results/DIR                    # on an H200
-    python benchmarks/prefill_bench.py --preset test-tiny --dtype float32 --device cpu \\
+    python3 -m benchmarks.prefill_bench --out benchmarks/results/DIR                    # on an H200
+    python3 -m benchmarks.prefill_bench --preset test-tiny --dtype float32 --device cpu \\
         --shapes 64x3 --arms sdpa,reference,fa4 --budgets 32,whole --repeats 1 --out /tmp/pb   # CPU smoke
 
 Method: a cohort of B requests of exactly L random prompt tokens (seeded per shape, the same for
@@ -30,12 +30,13 @@ prefill_bench.json and prefill_bench.md to --out.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import time
 import traceback
 from pathlib import Path
+
+from benchmarks import report as rp
+from benchmarks.throughput import random_model
+from wise_core.config import PRESETS
 
 PEAK_TFLOPS = 790.0
 
@@ -70,22 +71,6 @@ def model_flops(config, length: int, batch: int) -> float:
     attention = 4 * c.num_attention_heads * c.head_dim * length * (length + 1) // 2 * planes
     head = 2 * c.hidden_size * c.vocab_size
     return float(batch * (linear + attention + head))
-
-
-def random_model(preset: str, dtype: str, device: str, std: float, seed: int):
-    """Random weights at a preset's shape, drawn on the device: normal(0, std), unit norms."""
-    import torch
-    import wise_torch
-    from wise_core.checkpoint import expected_shapes
-    from wise_core.config import PRESETS
-    config = PRESETS[preset]
-    g = torch.Generator(device=device).manual_seed(seed)
-    tensors = {}
-    for name, shape in expected_shapes(config).items():
-        t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-        tensors[name] = t.fill_(1.0) if "norm" in name else t.zero_() if name.endswith(".bias") else \
-            t.normal_(0.0, std, generator=g)
-    return wise_torch.from_tensors(config, tensors, dtype=getattr(torch, dtype), device=device)
 
 
 def prompts_of(length: int, batch: int, vocab: int, seed: int) -> list[list[int]]:
@@ -178,15 +163,9 @@ def chunked_over_whole(rows: list[dict]) -> dict:
             for r in rows if r["budget"] != "whole" and "error" not in r and key(r) in whole}
 
 
-def environment(device: str) -> dict:
-    import importlib.metadata
-    import torch
-    try:
-        fa4 = importlib.metadata.version("flash-attn-4")
-    except importlib.metadata.PackageNotFoundError:
-        fa4 = "not installed"
-    name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
-    return dict(device=name, torch=torch.__version__, python=platform.python_version(), flash_attn_4=fa4)
+def environment() -> dict:
+    """`benchmarks.report.environment` and the installed flash-attn-4 version."""
+    return dict(rp.environment("torch"), flash_attn_4=rp.version("flash-attn-4") or "not installed")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -205,7 +184,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     arms = args.arms.split(",")
-    model = random_model(args.preset, args.dtype, args.device, args.std, args.seed)
+    model = random_model(dict(dtype=args.dtype, device=args.device, std=args.std, seed=args.seed, q_scale=1.0),
+                         PRESETS[args.preset])
     rows = []
     for length, batch in args.shapes:
         for budget in args.budgets:
@@ -223,12 +203,9 @@ def main(argv: list[str] | None = None) -> dict:
                     row["same"] = f"{sum(a == b for a, b in zip(row['first_tokens'], first))}/{batch}"
                 rows.append(row)
                 print({k: v for k, v in row.items() if k not in ("first_tokens", "runs")}, flush=True)
-    report = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  environment=environment(args.device),
+    report = dict(date=rp.now(), environment=environment(),
                   args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, rows=rows)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "prefill_bench.json").write_text(json.dumps(report, indent=1))
-    (args.out / "prefill_bench.md").write_text(markdown(report))
+    rp.write_report(args.out, "prefill_bench", report, markdown(report))
     print(markdown(report))
     return report
 

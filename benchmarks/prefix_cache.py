@@ -43,11 +43,11 @@ def _engine_factory(spec: dict):
     if spec["engine"] == "torch":
         import torch
         import wise_torch
-        if spec["preset"]:
-            config = PRESETS[spec["preset"]]
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-            dtype = torch.bfloat16 if device == "cuda" else torch.float32
-            model = wise_torch.from_tensors(config, random_tensors(config, seed=0), dtype=dtype, device=device)
+        if spec["preset"]:              # drawn on the device, as the throughput benchmark's
+            from benchmarks.throughput import random_model
+            cuda = torch.cuda.is_available()
+            model = random_model(dict(dtype="bfloat16" if cuda else "float32", device="cuda" if cuda else "cpu",
+                                      std=0.02, seed=0, q_scale=1.0), PRESETS[spec["preset"]])
         else:
             model = wise_torch.load_model(spec["model"])
         return (lambda: wise_torch.LLM(model, **kw)), wise_torch.SamplingParams, model.config.vocab_size

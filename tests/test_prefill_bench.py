@@ -1,13 +1,9 @@
 """benchmarks/prefill_bench.py runs end to end at a tiny size on a CPU and reports what it measured."""
 
 import json
-import sys
 import types
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import prefill_bench  # noqa: E402
+from benchmarks import prefill_bench
 
 
 def test_model_flops_by_hand():
