@@ -207,14 +207,14 @@ def test_n_with_a_seed_equals_single_requests_with_seed_plus_i(client):
 
 def test_several_prompts_with_n_index_prompt_times_n_plus_i_and_stream_the_same(client):
     prompts = ["import os\n", "x = ["]
-    kw = dict(model="chatty", max_tokens=6, temperature=2.0, seed=3)
+    kw = dict(model="chatty", max_tokens=6, temperature=2.0, seed=3, logprobs=2)
     r = client.completions.create(prompt=prompts, n=2, **kw)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     for p, prompt in enumerate(prompts):
         for i in range(2):
             assert r.choices[p * 2 + i].text == client.completions.create(prompt=prompt, **{**kw, "seed": 3 + i}
                                                                           ).choices[0].text
-    texts, reasons, usage = [""] * 4, [None] * 4, None
+    texts, reasons, tops, usage = [""] * 4, [None] * 4, [[] for _ in range(4)], None
     for chunk in client.completions.create(prompt=prompts, n=2, stream=True, stream_options={"include_usage": True},
                                            **kw):
         if not chunk.choices:
@@ -223,7 +223,12 @@ def test_several_prompts_with_n_index_prompt_times_n_plus_i_and_stream_the_same(
             assert reasons[c.index] is None                        # nothing after a choice's last chunk
             texts[c.index] += c.text
             reasons[c.index] = c.finish_reason
+            tops[c.index] += c.logprobs.top_logprobs
     assert texts == [c.text for c in r.choices] and reasons == [c.finish_reason for c in r.choices]
+    for top, c in zip(tops, r.choices):                            # two runs: batch shapes may differ
+        assert [list(d) for d in top] == [list(d) for d in c.logprobs.top_logprobs]
+        assert [v for d in top for v in d.values()] == pytest.approx(
+            [v for d in c.logprobs.top_logprobs for v in d.values()], abs=LOGPROB_ATOL)
     assert usage.completion_tokens == r.usage.completion_tokens
 
 
