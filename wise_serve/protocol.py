@@ -63,7 +63,7 @@ class BadRequest(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Generation:
-    """What completions and chat share. sampling: SamplingParams' fields but max_tokens;
+    """What completions and chat share. sampling: SamplingParams' fields but max_tokens, stop, logprobs;
     max_tokens None: what max_model_len leaves after the prompt (chat); stop: strings that end
     the text (not included in it, unless sampling's include_stop_str_in_output); logprobs: None,
     or k: report each generated token's log probability with the k most probable tokens'."""
