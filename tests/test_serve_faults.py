@@ -85,6 +85,10 @@ def test_speculative_engine_streams_one_chunk_per_token_with_dense_text():
                 assert [c["token_ids"] for c in chunks] == [[t] for t in want.token_ids]
                 assert "".join(c["text"] for c in chunks) == want.text
                 assert chunks[-1]["finish_reason"] == want.finish_reason
+            for field, value in (("presence_penalty", 0.5), ("logprobs", 2)):   # the engine's refusals: 400s
+                r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, field: value})
+                body = await r.json()
+                assert r.status == 400 and "speculative decoding does not apply" in body["error"]["message"], body
             text = await (await client.get("/metrics")).text()
             values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("wise_spec_"))
             assert float(values["wise_spec_accepted_tokens_total"]) > 0     # some rounds gave several tokens

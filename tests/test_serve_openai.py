@@ -1,5 +1,6 @@
 """The official `openai` client against `wise serve` (a subprocess, CPU) on a checkpoint with a chat
-template, once per backend (`--backend torch`, `--backend jax`).
+template, once per backend (`--backend torch`, `--backend jax`): completions and chat, n,
+penalties, logit_bias and top logprobs.
 
 The checkpoint is the packaged ouro-py-3m written again with a tokenizer_config.json holding a
 chat template. Every text and logprob is compared with `LLM.generate` on the same prompt ids
@@ -183,17 +184,132 @@ def test_tokenize_and_detokenize_round_trip(server, llm):
     assert body["token_strs"] is None
 
 
+def completion_ids(llm, prompt, max_tokens, **params):
+    """-> the engine's RequestOutput for one prompt (text or ids), greedy unless params say otherwise."""
+    ids = prompt if isinstance(prompt, list) else llm.tokenizer.encode(prompt).ids
+    [out] = llm.generate([ids], SamplingParams(max_tokens=max_tokens, **params), use_tqdm=False)
+    return out
+
+
+def test_n_with_a_seed_equals_single_requests_with_seed_plus_i(client):
+    """The engine's rule: completion i of a seeded n request samples as a request of seed + i;
+    stop strings end each completion on its own."""
+    kw = dict(model="chatty", prompt="def fib(n):", max_tokens=10, temperature=2.0, stop=["\n\n", ")"])
+    r = client.completions.create(n=3, seed=11, **kw)
+    singles = [client.completions.create(seed=11 + i, **kw) for i in range(3)]
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [(c.text, c.finish_reason) for c in r.choices] == [(s.choices[0].text, s.choices[0].finish_reason)
+                                                              for s in singles]
+    assert len({c.text for c in r.choices}) > 1                   # sampled: the completions differ
+    assert r.usage.prompt_tokens == singles[0].usage.prompt_tokens  # the prompt counts once
+    assert r.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+
+
+def test_several_prompts_with_n_index_prompt_times_n_plus_i_and_stream_the_same(client):
+    prompts = ["import os\n", "x = ["]
+    kw = dict(model="chatty", max_tokens=6, temperature=2.0, seed=3, logprobs=2)
+    r = client.completions.create(prompt=prompts, n=2, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for p, prompt in enumerate(prompts):
+        for i in range(2):
+            assert r.choices[p * 2 + i].text == client.completions.create(prompt=prompt, **{**kw, "seed": 3 + i}
+                                                                          ).choices[0].text
+    texts, reasons, tops, usage = [""] * 4, [None] * 4, [[] for _ in range(4)], None
+    for chunk in client.completions.create(prompt=prompts, n=2, stream=True, stream_options={"include_usage": True},
+                                           **kw):
+        if not chunk.choices:
+            usage = chunk.usage
+        for c in chunk.choices:
+            assert reasons[c.index] is None                        # nothing after a choice's last chunk
+            texts[c.index] += c.text
+            reasons[c.index] = c.finish_reason
+            tops[c.index] += c.logprobs.top_logprobs
+    assert texts == [c.text for c in r.choices] and reasons == [c.finish_reason for c in r.choices]
+    for top, c in zip(tops, r.choices):                            # two runs: batch shapes may differ
+        assert [list(d) for d in top] == [list(d) for d in c.logprobs.top_logprobs]
+        assert [v for d in top for v in d.values()] == pytest.approx(
+            [v for d in c.logprobs.top_logprobs for v in d.values()], abs=LOGPROB_ATOL)
+    assert usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_chat_n_streamed_equals_non_streamed(client):
+    kw = dict(model="chatty", messages=MESSAGES, max_tokens=6, temperature=2.0, seed=5, n=2)
+    r = client.chat.completions.create(**kw)
+    assert [c.index for c in r.choices] == [0, 1] and r.choices[0].message.content != r.choices[1].message.content
+    single = client.chat.completions.create(**{**kw, "n": 1, "seed": 6})
+    assert single.choices[0].message.content == r.choices[1].message.content
+    texts, roles = ["", ""], [None, None]
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            roles[c.index] = roles[c.index] or c.delta.role
+            texts[c.index] += c.delta.content or ""
+    assert roles == ["assistant"] * 2 and texts == [c.message.content for c in r.choices]
+
+
+PROCESSED = [dict(presence_penalty=1.5, frequency_penalty=1.0, extra_body={"repetition_penalty": 1.5}),
+             dict(logit_bias={"41": 6.0, "10": -100}, extra_body={"min_tokens": 8}),
+             dict(stop=[" "], extra_body={"include_stop_str_in_output": True, "min_tokens": 3})]   # "\n  "
+
+
+@pytest.mark.parametrize("kw", PROCESSED, ids=["penalties", "logit_bias+min_tokens", "include_stop"])
+def test_penalties_logit_bias_and_stop_options_decode_as_the_engine(client, llm, kw):
+    """Greedy: the server's tokens and text equal the offline engine's under the same
+    SamplingParams, and differ from plain greedy decoding (the fields take effect)."""
+    extra = kw.get("extra_body", {})
+    params = {**{k: v for k, v in kw.items() if k != "extra_body"}, **extra}
+    if "logit_bias" in params:
+        params["logit_bias"] = {int(t): b for t, b in params["logit_bias"].items()}
+    want = completion_ids(llm, "def fib(n):", 12, **params)
+    plain = completion_ids(llm, "def fib(n):", 12)
+    r = client.completions.create(model="chatty", prompt="def fib(n):", max_tokens=12, temperature=0,
+                                  **{**kw, "extra_body": {**extra, "return_token_ids": True}})
+    [c] = r.choices
+    assert (c.model_extra["token_ids"], c.text, c.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    assert (want.token_ids, want.text) != (plain.token_ids, plain.text)
+    if "stop" in params:                                          # the stop string ends the text, kept in it
+        assert c.text.endswith(" ") and len(want.token_ids) == 3 and c.finish_reason == "stop"
+
+
+def test_top_logprobs_equal_the_engines(client, llm):
+    text = lambda t: llm.tokenizer.decode([t], skip_special_tokens=False)   # noqa: E731
+    [want] = completion_ids(llm, "class Stack:", 6, logprobs=5).outputs
+    r = client.completions.create(model="chatty", prompt="class Stack:", max_tokens=6, temperature=0, logprobs=5)
+    got = r.choices[0].logprobs.top_logprobs
+    assert len(got) == len(want.logprobs) == 6
+    for entry, g in zip(want.logprobs, got):
+        assert len(entry) in (5, 6)                               # the top 5, and the chosen one if not among them
+        assert g == pytest.approx({text(t): lp.logprob for t, lp in entry.items()}, abs=LOGPROB_ATOL)
+    ids = llm.tokenizer.encode(render(MESSAGES), add_special_tokens=False).ids
+    [want] = completion_ids(llm, ids, 5, logprobs=3).outputs
+    r = client.chat.completions.create(model="chatty", messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True,
+                                       top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(want.logprobs) == 5
+    for entry, e in zip(want.logprobs, content):
+        top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:3]
+        assert [a.token for a in e.top_logprobs] == [text(t) for t, _ in top]
+        assert [a.logprob for a in e.top_logprobs] == pytest.approx([lp.logprob for _, lp in top], abs=LOGPROB_ATOL)
+        assert all(bytes(a.bytes).decode() == a.token for a in e.top_logprobs)
+
+
 BAD = [
-    ("completions", dict(prompt="a", n=2), "n=2 is not supported"),
-    ("completions", dict(prompt="a", logprobs=2), "logprobs=2 is not supported"),
+    ("completions", dict(prompt="a", n=2, best_of=3), "best_of=3 is not supported by this server"),
+    ("completions", dict(prompt="a", n=0), "n must be an integer in [1, 128], got 0"),
+    ("completions", dict(prompt="a", logprobs=21), "logprobs must be an integer in [0, 20]"),
     ("completions", dict(prompt="a", echo=True, logprobs=0), "echo with logprobs needs the prompt's logprobs"),
-    ("completions", dict(prompt="a", frequency_penalty=0.5), "frequency_penalty=0.5 is not supported"),
+    ("completions", dict(prompt="a", frequency_penalty=2.5), "frequency_penalty must be a number in [-2, 2], got 2.5"),
+    ("completions", dict(prompt="a", presence_penalty=-3), "presence_penalty must be a number in [-2, 2], got -3"),
+    ("completions", dict(prompt="a", extra_body={"repetition_penalty": 0}), "repetition_penalty must be a number in"),
+    ("completions", dict(prompt="a", logit_bias={"1": 100.5}), "logit_bias['1'] must be a number in [-100, 100]"),
+    ("completions", dict(prompt="a", logit_bias={"258": 1}), "logit_bias names token ids [258] outside the vocab"),
+    ("completions", dict(prompt="a", extra_body={"min_tokens": 5}), "min_tokens (5) is more than max_tokens (4)"),
     ("completions", dict(prompt="a" * 1300), "the prompt is 1300 characters, more than the 1248 bytes"),
     ("completions", dict(prompt=["a", "é" * 700]), "the prompt is 1400 bytes, more than the 1248 bytes"),
     ("completions", dict(prompt=["a", "b" * 90], max_tokens=16), "more than max_model_len (96)"),
     ("completions", dict(prompt=[[1]] * 2 + [list(range(97))]), "the prompt holds 97 token ids, more than"),
-    ("chat", dict(messages=MESSAGES, top_logprobs=2, logprobs=True), "top_logprobs=2 is not supported"),
-    ("chat", dict(messages=MESSAGES, n=3), "n=3 is not supported"),
+    ("chat", dict(messages=MESSAGES, top_logprobs=21, logprobs=True), "top_logprobs must be an integer in [0, 20]"),
+    ("chat", dict(messages=MESSAGES, n=129), "n must be an integer in [1, 128], got 129"),
+    ("chat", dict(messages=MESSAGES, logit_bias={"x": 1}), "logit_bias keys must be token ids"),
     ("chat", dict(messages=[{"role": "tool", "content": "x"}]), "the chat template refused the messages: no tools"),
     ("chat", dict(messages=[{"role": "user", "content": "a" * 80}], max_tokens=None),      # null: the default
      "the prompt holds 101 tokens: max_model_len (96) leaves no room for a completion"),
@@ -215,7 +331,7 @@ def test_bad_requests_are_400s_naming_the_problem(server, client, endpoint, kw, 
 def test_one_access_log_line_per_request(server, client):
     r = client.completions.create(model="chatty", prompt="import", max_tokens=3, temperature=0)
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="chatty", prompt="a", max_tokens=3, n=2)
+        client.completions.create(model="chatty", prompt="a", max_tokens=3, n=0)
     raw = client.chat.completions.with_raw_response.create(model="chatty", messages=MESSAGES, max_tokens=2)
     chat_id = raw.parse().id
     assert raw.headers["X-Request-Id"] == chat_id

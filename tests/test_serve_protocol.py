@@ -34,6 +34,24 @@ def test_defaults_and_fields_reach_the_sampling_params():
     assert (p.top_k, p.min_p) == (40, 0.05) and parse({"prompt": "hi", "top_k": -1}).generation.params(1, 9).top_k == 0
     assert parse({"prompt": [1]}, has_tokenizer=False).generation.return_token_ids
     assert parse({"prompt": "a", "logprobs": 0}).generation.params(1, 9).logprobs == 0   # logprobs=True is k = 0
+    assert parse({"prompt": "a"}).generation.params(1, 9).logprobs is None
+
+
+def test_n_penalties_logit_bias_and_top_logprobs_reach_the_sampling_params():
+    r = parse({"prompt": "a", "n": 3, "best_of": 3, "presence_penalty": -2, "frequency_penalty": 1.5,
+               "repetition_penalty": 1.2, "logit_bias": {"5": -100, "7": 2.5}, "min_tokens": 4,
+               "include_stop_str_in_output": True, "logprobs": 5, "stop": "x"}, vocab_size=8)
+    p = r.generation.params(1, 100)
+    assert (p.n, p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (3, -2.0, 1.5, 1.2)
+    assert (p.logit_bias, p.min_tokens, p.include_stop_str_in_output, p.logprobs) == ({5: -100.0, 7: 2.5}, 4, True, 5)
+    assert p.stop == ("x",)
+    g = chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 20, "n": 2}).generation
+    assert (g.logprobs, g.params(1, 100).n) == (20, 2)
+    assert chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True}).generation.logprobs == 0
+    assert chat({"messages": [{"role": "user", "content": "x"}], "logprobs": False}).generation.logprobs is None
+    with pytest.raises(BadRequest, match=r"min_tokens \(5\) is more than max_tokens \(4\)") as e:
+        parse({"prompt": "a", "min_tokens": 5, "max_tokens": 4}).generation.params(1, 100)
+    assert e.value.param == "min_tokens"
 
 
 def test_several_prompts_keep_their_order():
@@ -51,7 +69,7 @@ def test_chat_fields():
                            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
                             "name": "x"}], "logprobs": True, "top_logprobs": 0, "max_completion_tokens": 7})
     assert r.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb", "name": "x"}]
-    assert r.generation.params(3, 100).max_tokens == 7 and r.generation.logprobs
+    assert r.generation.params(3, 100).max_tokens == 7 and r.generation.logprobs == 0
     assert chat({"messages": [{"role": "user", "content": "hi"}]}).generation.params(30, 100).max_tokens == 70
     with pytest.raises(BadRequest, match=r"the prompt holds 100 tokens: max_model_len \(100\) leaves no room"):
         chat({"messages": [{"role": "user", "content": "hi"}]}).generation.params(100, 100)
@@ -67,8 +85,6 @@ CHAT_BAD = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages",
      '"image_url" parts are not supported'),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages", "unknown field 'tool_calls'"),
-    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2, "logprobs": True}, "top_logprobs",
-     "top_logprobs=2 is not supported"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 0}, "top_logprobs",
      "top_logprobs needs logprobs: true"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21, "logprobs": True}, "top_logprobs",
@@ -76,7 +92,7 @@ CHAT_BAD = [
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs", "logprobs must be true or false"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "max_completion_tokens": 3}, "max_tokens",
      "not both"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 3}, "n", "n=3 is not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n", "n must be an integer in [1, 128], got 0"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools", "unknown field 'tools'"),
     ({"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, "prompt", "unknown field 'prompt'"),
 ]
@@ -140,24 +156,38 @@ BAD = [
     ({"prompt": "a", "stream": "yes"}, "stream", "stream must be true or false"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream"),
     ({"prompt": "a", "stream": True, "stream_options": {"x": 1}}, "stream_options", "the one key include_usage"),
-    ({"prompt": "a", "n": 2}, "n", "n=2 is not supported"),
-    ({"prompt": "a", "n": True}, "n", "n=true is not supported"),
+    ({"prompt": "a", "n": 129}, "n", "n must be an integer in [1, 128], got 129"),
+    ({"prompt": "a", "n": True}, "n", "n must be an integer in [1, 128], got true"),
+    ({"prompt": "a", "n": 2, "best_of": 3}, "best_of", "best_of=3 is not supported by this server (it returns every"),
+    ({"prompt": "a", "best_of": 2}, "best_of", "best_of must equal n (1) or be left out"),
     ({"prompt": "a", "echo": True, "logprobs": 0}, "echo", "echo with logprobs needs the prompt's logprobs"),
     ({"prompt": "a", "echo": 1}, "echo", "echo must be true or false"),
-    ({"prompt": "a", "logprobs": 1}, "logprobs", "logprobs=1 is not supported: the engine reports the chosen"),
-    ({"prompt": "a", "logprobs": True}, "logprobs", "logprobs must be an integer >= 0"),
-    ({"prompt": "a", "logprobs": -1}, "logprobs", "logprobs must be an integer >= 0"),
-    ({"prompt": "a", "frequency_penalty": 0.5}, "frequency_penalty", "not supported by this server (the engine "
-                                                                     "has no penalties)"),
-    ({"prompt": "a", "logit_bias": {"1": 5}}, "logit_bias", "not supported"),
-    ({"prompt": "a", "best_of": 2}, "best_of", "not supported"),
+    ({"prompt": "a", "logprobs": 21}, "logprobs", "logprobs must be an integer in [0, 20]"),
+    ({"prompt": "a", "logprobs": True}, "logprobs", "logprobs must be an integer in [0, 20]"),
+    ({"prompt": "a", "logprobs": -1}, "logprobs", "logprobs must be an integer in [0, 20]"),
+    ({"prompt": "a", "frequency_penalty": 2.5}, "frequency_penalty", "frequency_penalty must be a number in [-2, 2], "
+                                                                     "got 2.5"),
+    ({"prompt": "a", "presence_penalty": -3}, "presence_penalty", "presence_penalty must be a number in [-2, 2]"),
+    ({"prompt": "a", "presence_penalty": "1"}, "presence_penalty", "presence_penalty must be a number"),
+    ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be a number in (0, "
+                                                                      "inf], got 0"),
+    ({"prompt": "a", "logit_bias": {"1": 101}}, "logit_bias", "logit_bias['1'] must be a number in [-100, 100], "
+                                                               "got 101"),
+    ({"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias", "logit_bias keys must be token ids"),
+    ({"prompt": "a", "logit_bias": {"-1": 1}}, "logit_bias", "logit_bias keys must be token ids"),
+    ({"prompt": "a", "logit_bias": [1]}, "logit_bias", "logit_bias must be an object"),
+    ({"prompt": "a", "logit_bias": {"1": 1, "300": 1}}, "logit_bias", "logit_bias names token ids [300] outside the "
+                                                                       "vocabulary (size 258)"),
+    ({"prompt": "a", "min_tokens": -1}, "min_tokens", "min_tokens must be an integer >= 0, got -1"),
+    ({"prompt": "a", "include_stop_str_in_output": 1}, "include_stop_str_in_output", "must be true or false"),
+    ({"prompt": "a", "suffix": "x"}, "suffix", "the model does not fill in the middle"),
 ]
 
 
 @pytest.mark.parametrize("body, param, message", BAD, ids=[m for _, _, m in BAD])
 def test_bad_requests_name_the_problem(body, param, message):
     with pytest.raises(BadRequest) as e:
-        parse(body)
+        parse(body, vocab_size=258)
     assert message in str(e.value) and e.value.param == param
 
 

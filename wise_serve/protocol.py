@@ -4,12 +4,23 @@
 `parse_detokenize` (vLLM's /tokenize and /detokenize) turn a request body into a request object
 or raise `BadRequest` naming the field and the problem. Unknown fields are rejected, not
 ignored: a misspelt `max_token` silently falling back to the default would be a silent wrong
-result. Fields of the OpenAI API that the engine does not implement (`n`, `best_of`,
-penalties, `logit_bias`, `suffix`, top alternatives per token) are accepted only at their
-neutral value. Defaults follow the OpenAI API (completions: max_tokens 16; chat: what
-max_model_len leaves after the prompt, as vLLM; temperature 1, top_p 1). Extensions (as in
-vLLM): `top_k` (-1 or 0: every token), `min_p` (0: off), `ignore_eos`, and
-`return_token_ids` (each choice and stream chunk also carries the token ids).
+result. Out-of-range values are refused, never clamped. Defaults follow the OpenAI API
+(completions: max_tokens 16; chat: what max_model_len leaves after the prompt, as vLLM;
+temperature 1, top_p 1).
+
+The OpenAI fields map onto the engine's SamplingParams: `n` (completions of each prompt, in
+[1, 128]: one engine request whose prompt is prefilled once; with a seed, completion i samples
+as seed + i; choice index = prompt index x n + completion index), `presence_penalty` and
+`frequency_penalty` (in [-2, 2]), `logit_bias` ({token id as a string: bias in [-100, 100]},
+ids checked against the vocabulary), completions' `logprobs: k` and chat's `top_logprobs: k`
+(k in [0, 20]: the chosen token's log probability, under the model's raw logits, with the k
+most probable tokens'). `best_of` is accepted only equal to `n` (every completion made is
+returned: none is chosen over another), `suffix` only empty (the model does not fill in the
+middle), echo with logprobs not at all (the prompt's logprobs are not computed). Extensions
+(as in vLLM): `top_k` (-1 or 0: every token), `min_p` (0: off), `ignore_eos`,
+`repetition_penalty` (> 0; 1: none), `min_tokens` (no eos, stop id or stop string ends a
+completion before), `include_stop_str_in_output`, and `return_token_ids` (each choice and
+stream chunk also carries the token ids).
 
 The engine checks what only it knows (prompt length against max_model_len and the pool,
 token ids against the vocabulary); its ValueErrors become 400s too.
@@ -23,17 +34,20 @@ import math
 import time
 import uuid
 
-from wise_core.request import MAX_SEED, SamplingParams
+from wise_core.request import MAX_LOGPROBS, MAX_SEED, SamplingParams
 
 SAMPLING_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "logprobs",
     "presence_penalty", "frequency_penalty", "logit_bias", "user", "ignore_eos", "return_token_ids", "top_k",
-    "min_p"})
+    "min_p", "repetition_penalty", "min_tokens", "include_stop_str_in_output"})
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "top_logprobs", "max_completion_tokens"}
 MAX_STOP_STRINGS = 4          # as the OpenAI API
 DEFAULT_MAX_TOKENS = 16       # completions; chat's default is what max_model_len leaves
-MAX_TOP_LOGPROBS = 20         # chat's top_logprobs range in the OpenAI API
+MAX_TOP_LOGPROBS = MAX_LOGPROBS   # chat's top_logprobs range in the OpenAI API; completions' logprobs as vLLM
+MAX_N = 128                   # the OpenAI API's range of n
+MAX_PENALTY = 2.0             # presence and frequency penalties: [-2, 2] (OpenAI)
+MAX_LOGIT_BIAS = 100.0        # logit_bias values: [-100, 100] (OpenAI)
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 NO_PROMPT_LOGPROBS = ("echo with logprobs needs the prompt's logprobs, which the engine does not compute: "
                       "ask for echo or for logprobs, not both")
@@ -49,9 +63,10 @@ class BadRequest(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Generation:
-    """What completions and chat share. sampling: SamplingParams' fields but max_tokens;
+    """What completions and chat share. sampling: SamplingParams' fields but max_tokens, stop, logprobs;
     max_tokens None: what max_model_len leaves after the prompt (chat); stop: strings that end
-    the text (not included in it); logprobs: report each generated token's log probability."""
+    the text (not included in it, unless sampling's include_stop_str_in_output); logprobs: None,
+    or k: report each generated token's log probability with the k most probable tokens'."""
 
     sampling: dict
     max_tokens: int | None
@@ -59,7 +74,11 @@ class Generation:
     stream: bool
     include_usage: bool
     return_token_ids: bool
-    logprobs: bool
+    logprobs: int | None
+
+    @property
+    def n(self) -> int:
+        return self.sampling["n"]
 
     def params(self, prompt_tokens: int, max_model_len: int) -> SamplingParams:
         """The engine's SamplingParams for a prompt of `prompt_tokens` tokens."""
@@ -69,7 +88,10 @@ class Generation:
             if max_tokens < 1:
                 raise BadRequest(f"the prompt holds {prompt_tokens} tokens: max_model_len ({max_model_len}) leaves "
                                  f"no room for a completion", "messages")
-        return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **self.sampling)
+        if self.sampling["min_tokens"] > max_tokens:
+            raise BadRequest(f"min_tokens ({self.sampling['min_tokens']}) is more than max_tokens ({max_tokens})",
+                             "min_tokens")
+        return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, stop=self.stop, **self.sampling)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,11 +184,8 @@ def _prompts(value) -> list[str | list[int]]:
                      f"{type(value).__name__}", "prompt")
 
 
-NEUTRAL = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "suffix": ""}
-WHY = {"n": "the engine makes one completion per prompt",
-       "best_of": "the engine makes one completion per prompt",
-       "presence_penalty": "the engine has no penalties", "frequency_penalty": "the engine has no penalties",
-       "logit_bias": "the engine has no logit bias", "suffix": "the model does not fill in the middle"}
+NEUTRAL = {"suffix": ""}
+WHY = {"suffix": "the model does not fill in the middle"}
 
 
 def _neutral(obj: dict) -> None:
@@ -176,6 +195,54 @@ def _neutral(obj: dict) -> None:
         if value is None or (value == neutral and isinstance(value, bool) == isinstance(neutral, bool)):
             continue
         raise BadRequest(f"{name}={json.dumps(value):.40} is not supported by this server ({WHY[name]})", name)
+
+
+def _number(obj: dict, name: str, default: float, low: float, high: float, *, open_low: bool = False) -> float:
+    """A number field in [low, high] ((low, high] with open_low), default when absent or null."""
+    value = obj.get(name)
+    if value is None:
+        return default
+    if not _is_number(value) or not (low < value if open_low else low <= value) or not value <= high:
+        where = f"{'(' if open_low else '['}{low:g}, {high:g}]"
+        raise BadRequest(f"{name} must be a number in {where}, got {json.dumps(value):.40}", name)
+    return float(value)
+
+
+def _n(obj: dict) -> int:
+    n = obj.get("n")
+    n = 1 if n is None else n
+    if not _is_int(n) or not 1 <= n <= MAX_N:
+        raise BadRequest(f"n must be an integer in [1, {MAX_N}], got {json.dumps(n):.40}", "n")
+    best_of = obj.get("best_of")
+    if best_of is not None and (not _is_int(best_of) or best_of != n):
+        raise BadRequest(f"best_of={json.dumps(best_of):.40} is not supported by this server (it returns every "
+                         f"completion it makes, none chosen over another: best_of must equal n ({n}) or be left "
+                         f"out)", "best_of")
+    return n
+
+
+def _logit_bias(obj: dict, vocab_size: int | None) -> dict[int, float] | None:
+    """{"token id": bias} -> {id: bias}; ids in the vocabulary (when vocab_size is given), biases in [-100, 100]."""
+    value = obj.get("logit_bias")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise BadRequest(f"logit_bias must be an object of token ids (strings) to biases, got "
+                         f"{json.dumps(value):.40}", "logit_bias")
+    bias = {}
+    for key, b in value.items():
+        if not (key.isascii() and key.isdigit()):
+            raise BadRequest(f"logit_bias keys must be token ids (decimal integers >= 0), got {key!r:.40}",
+                             "logit_bias")
+        if not _is_number(b) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+            raise BadRequest(f"logit_bias[{key!r:.20}] must be a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                             f"got {json.dumps(b):.40}", "logit_bias")
+        bias[int(key)] = float(b)
+    bad = sorted(t for t in bias if vocab_size is not None and t >= vocab_size)
+    if bad:
+        raise BadRequest(f"logit_bias names token ids {bad[:5]} outside the vocabulary (size {vocab_size})",
+                         "logit_bias")
+    return bias or None
 
 
 def _flag(obj: dict, name: str, default: bool = False) -> bool:
@@ -192,9 +259,11 @@ def _max_tokens(obj: dict, name: str) -> int | None:
     return value
 
 
-def _generation(obj: dict, *, has_tokenizer: bool, logprobs: bool, max_tokens: int | None) -> Generation:
+def _generation(obj: dict, *, has_tokenizer: bool, logprobs: int | None, max_tokens: int | None,
+                vocab_size: int | None) -> Generation:
     """The sampling fields both endpoints take (the logprobs fields are each endpoint's own)."""
     _neutral(obj)
+    n = _n(obj)
     temperature = obj.get("temperature")
     temperature = 1.0 if temperature is None else temperature
     if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
@@ -238,14 +307,25 @@ def _generation(obj: dict, *, has_tokenizer: bool, logprobs: bool, max_tokens: i
     user = obj.get("user")
     if user is not None and not isinstance(user, str):
         raise BadRequest(f"user must be a string, got {json.dumps(user):.40}", "user")
-    sampling = dict(temperature=float(temperature), top_p=float(top_p), top_k=top_k, min_p=float(min_p), seed=seed,
-                    ignore_eos=_flag(obj, "ignore_eos"))
+    min_tokens = obj.get("min_tokens")
+    min_tokens = 0 if min_tokens is None else min_tokens
+    if not _is_int(min_tokens) or min_tokens < 0:
+        raise BadRequest(f"min_tokens must be an integer >= 0, got {json.dumps(min_tokens):.40}", "min_tokens")
+    sampling = dict(n=n, temperature=float(temperature), top_p=float(top_p), top_k=top_k, min_p=float(min_p),
+                    seed=seed, ignore_eos=_flag(obj, "ignore_eos"),
+                    presence_penalty=_number(obj, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+                    frequency_penalty=_number(obj, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+                    repetition_penalty=_number(obj, "repetition_penalty", 1.0, 0.0, math.inf, open_low=True),
+                    logit_bias=_logit_bias(obj, vocab_size), min_tokens=min_tokens,
+                    include_stop_str_in_output=_flag(obj, "include_stop_str_in_output"))
     return Generation(sampling, max_tokens, tuple(stop), stream, include_usage,
                       _flag(obj, "return_token_ids") or not has_tokenizer, logprobs)
 
 
-def parse_completion(body: bytes, *, model_name: str, has_tokenizer: bool = True) -> CompletionRequest:
-    """Validate a /v1/completions body. model_name: the served model (a request may leave it out)."""
+def parse_completion(body: bytes, *, model_name: str, has_tokenizer: bool = True,
+                     vocab_size: int | None = None) -> CompletionRequest:
+    """Validate a /v1/completions body. model_name: the served model (a request may leave it out);
+    vocab_size: logit_bias ids are checked against it (None: not checked here)."""
     obj = load_json(body)
     _known(obj, COMPLETION_FIELDS, model_name)
     if "prompt" not in obj:
@@ -254,20 +334,18 @@ def parse_completion(body: bytes, *, model_name: str, has_tokenizer: bool = True
     if not has_tokenizer and any(isinstance(p, str) for p in prompts):
         raise BadRequest("the model has no tokenizer: send the prompt as a list of token ids", "prompt")
     logprobs = obj.get("logprobs")
-    if logprobs is not None and (not _is_int(logprobs) or logprobs < 0):
-        raise BadRequest(f"logprobs must be an integer >= 0 (0: the chosen token's only), got "
-                         f"{json.dumps(logprobs):.40}", "logprobs")
-    if logprobs:
-        raise BadRequest(f"logprobs={logprobs} is not supported: the engine reports the chosen token's log "
-                         f"probability only (logprobs: 0), not the top {logprobs} alternatives", "logprobs")
+    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
+        raise BadRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (the most probable tokens listed "
+                         f"beside the chosen one), got {json.dumps(logprobs):.40}", "logprobs")
     echo = _flag(obj, "echo")
     if echo and logprobs is not None:
         raise BadRequest(NO_PROMPT_LOGPROBS, "echo")
     if echo and not has_tokenizer:
         raise BadRequest("echo needs a tokenizer (the prompt's text) and the model has none", "echo")
     max_tokens = _max_tokens(obj, "max_tokens")
-    generation = _generation(obj, has_tokenizer=has_tokenizer, logprobs=logprobs is not None,
-                             max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
+    generation = _generation(obj, has_tokenizer=has_tokenizer, logprobs=logprobs,
+                             max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+                             vocab_size=vocab_size)
     return CompletionRequest(prompts, echo, generation)
 
 
@@ -317,8 +395,8 @@ def parse_messages(value) -> list[dict]:
     return out
 
 
-def parse_chat(body: bytes, *, model_name: str) -> ChatRequest:
-    """Validate a /v1/chat/completions body."""
+def parse_chat(body: bytes, *, model_name: str, vocab_size: int | None = None) -> ChatRequest:
+    """Validate a /v1/chat/completions body (vocab_size: as parse_completion's)."""
     obj = load_json(body)
     _known(obj, CHAT_FIELDS, model_name)
     if "messages" not in obj:
@@ -332,14 +410,12 @@ def parse_chat(body: bytes, *, model_name: str) -> ChatRequest:
                              f"{json.dumps(top):.40}", "top_logprobs")
         if not logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
-        if top:
-            raise BadRequest(f"top_logprobs={top} is not supported: the engine reports the chosen token's log "
-                             f"probability only (top_logprobs: 0)", "top_logprobs")
     max_tokens, max_completion = _max_tokens(obj, "max_tokens"), _max_tokens(obj, "max_completion_tokens")
     if max_tokens is not None and max_completion is not None:
         raise BadRequest("give max_completion_tokens or max_tokens (its old name), not both", "max_tokens")
-    return ChatRequest(messages, _generation(obj, has_tokenizer=True, logprobs=logprobs,
-                                             max_tokens=max_completion if max_tokens is None else max_tokens))
+    return ChatRequest(messages, _generation(obj, has_tokenizer=True, logprobs=(top or 0) if logprobs else None,
+                                             max_tokens=max_completion if max_tokens is None else max_tokens,
+                                             vocab_size=vocab_size))
 
 
 def parse_tokenize(body: bytes, *, model_name: str) -> TokenizeRequest:
@@ -417,22 +493,30 @@ def chat_choice(index: int, message: dict, finish_reason: str | None, token_ids:
     return out
 
 
-def completion_logprobs(tokens: list[str], logprobs: list[float], offset: int) -> dict:
+def completion_logprobs(tokens: list[str], logprobs: list[float], offset: int,
+                        top: list[list[tuple[str, float]]]) -> dict:
     """Completions' logprobs object for tokens whose text starts at character `offset`:
-    text_offset counts the characters of the tokens before (as vLLM), top_logprobs holds each
-    chosen token alone (logprobs: 0)."""
+    text_offset counts the characters of the tokens before (as vLLM); top: per token
+    [(text, logprob)], the chosen token then the k most probable (as vLLM: k + 1 entries, or k
+    when the chosen is among them; tokens of the same text share one entry)."""
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    return {"tokens": tokens, "token_logprobs": logprobs,
-            "top_logprobs": [{t: lp} for t, lp in zip(tokens, logprobs)], "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": [dict(entry) for entry in top],
+            "text_offset": offsets}
 
 
-def chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict:
-    """Chat's logprobs object: one entry per token, no alternatives (top_logprobs: 0)."""
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", errors="replace")),
-                         "top_logprobs": []} for t, lp in zip(tokens, logprobs)]}
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(tokens: list[str], logprobs: list[float], top: list[list[tuple[str, float]]]) -> dict:
+    """Chat's logprobs object: one entry per token; top: per token the k most probable
+    [(text, logprob)], most probable first."""
+    return {"content": [{"token": t, "logprob": lp, "bytes": _bytes(t),
+                         "top_logprobs": [{"token": a, "logprob": alp, "bytes": _bytes(a)} for a, alp in entry]}
+                        for t, lp, entry in zip(tokens, logprobs, top)]}
 
 
 def model_card(name: str, *, max_model_len: int, vocab_size: int, created: int | None = None) -> dict:

@@ -4,8 +4,10 @@
     curl localhost:8000/v1/completions -d '{"prompt": "def fib(n):", "max_tokens": 32, "temperature": 0}'
 
 Routes: POST /v1/completions and POST /v1/chat/completions (JSON, or server-sent events with
-`stream`: one chunk per generated token, then `data: [DONE]`), POST /tokenize and POST
-/detokenize (vLLM's), GET /v1/models, GET /health, GET /metrics (Prometheus). Every request
+`stream`: one chunk per generated token of each choice, then `data: [DONE]`), POST
+/tokenize and POST /detokenize (vLLM's), GET /v1/models, GET /health, GET /metrics
+(Prometheus). Each prompt is one engine request of `n` completions (one choice each, its stop
+strings applied by a TextStream of its own). Every request
 gets one access-log line (logger "wise_serve.access": its id, status, prompt and completion
 tokens, latency) and its id in the X-Request-Id header.
 
@@ -50,6 +52,7 @@ from aiohttp import web
 
 from wise_core.detokenize import TextStream
 from wise_core.engine.protocol import Engine
+from wise_core.request import RequestOutput
 from wise_serve import protocol
 from wise_serve.chat import ChatTemplate, TemplateError
 from wise_serve.engine_loop import EngineDead, EngineLoop, RequestHandle
@@ -106,43 +109,49 @@ class _Timing:
 
 
 class _Choice:
-    """One prompt's completion as it arrives: its text (stop strings cut), tokens and logprobs.
-    prefix: text that starts the choice (echo: the prompt)."""
+    """One completion as it arrives (completion `completion` of the engine request `handle`):
+    its text (the server's own TextStream: stop strings cut, min_tokens and
+    include_stop_str_in_output as the engine applies them), tokens and logprobs. index: the
+    choice's index in the response; prefix: text that starts the choice (echo: the prompt)."""
 
-    def __init__(self, index: int, handle: RequestHandle, tokenizer, generation: Generation, timing: _Timing,
-                 prefix: str = ""):
-        self.index, self.handle, self.timing, self.prefix = index, handle, timing, prefix
-        self.text = TextStream(tokenizer, generation.stop)
-        self.want_logprobs = generation.logprobs
+    def __init__(self, index: int, handle: RequestHandle, completion: int, tokenizer, generation: Generation,
+                 timing: _Timing, prefix: str = ""):
+        self.index, self.handle, self.completion, self.timing, self.prefix = index, handle, completion, timing, prefix
+        self.text = TextStream(tokenizer, generation.stop, min_tokens=generation.sampling["min_tokens"],
+                               include_stop=generation.sampling["include_stop_str_in_output"])
+        self.want_logprobs = generation.logprobs is not None
         self.logprobs: list[float] = []
+        self.ranked: list[dict[int, tuple[float, int]]] = []   # per token: the chosen's and the top k's (logprob, rank)
         self.reason: str | None = None
 
-    async def tokens(self):
-        """The tokens one at a time as they come -> (token id or None, finish reason or None);
-        the last has a reason (a finished output without a new token yields None)."""
-        while True:
-            out = await self.handle.next()
-            new = out.token_ids[len(self.text.ids):]     # several at once from a speculative round
-            for k, token in enumerate(new):
-                self.timing.got(1)
-                self.text.add([token])
-                if self.want_logprobs:
-                    at = len(self.text.ids) - 1
-                    if out.logprobs is None or len(out.logprobs) <= at:
-                        raise RuntimeError(f"the engine gave no log probability for token {at} of request "
-                                           f"{self.handle.request_id}, which asked for them")
-                    self.logprobs.append(out.logprobs[at])
-                if self.text.stopped:                    # the engine request is aborted by the handler
-                    yield token, self._end("stop")
-                    return
-                if out.finished and k == len(new) - 1:
-                    self.text.finish()
-                    yield token, self._end("stop" if self.text.stopped else out.finish_reason)
-                    return
-                yield token, None
-            if out.finished and not new:                 # aborted (shutdown) without a new token
-                yield None, self._end(out.finish_reason)
-                return
+    def feed(self, request: RequestOutput) -> list[tuple[int | None, str | None]]:
+        """The engine request's output so far -> this completion's new tokens, each (token id
+        or None, finish reason or None); the last has a reason (a finished output without a new
+        token gives None). Nothing once the choice has ended."""
+        if self.reason is not None:
+            return []
+        out = request.completions[self.completion] if request.completions else request
+        new = out.token_ids[len(self.text.ids):]         # several at once from a speculative round
+        items = []
+        for k, token in enumerate(new):
+            self.timing.got(1)
+            self.text.add([token])
+            if self.want_logprobs:
+                at = len(self.text.ids) - 1
+                if out.logprobs is None or out.ranked is None or len(out.ranked) <= at:
+                    raise RuntimeError(f"the engine gave no log probability for token {at} of request "
+                                       f"{self.handle.request_id}, which asked for them")
+                self.logprobs.append(out.logprobs[at])
+                self.ranked.append(out.ranked[at])
+            if self.text.stopped:                        # the engine stops it too (the same stop strings)
+                return items + [(token, self._end("stop"))]
+            if out.finished and k == len(new) - 1:
+                self.text.finish()
+                return items + [(token, self._end("stop" if self.text.stopped else out.finish_reason))]
+            items.append((token, None))
+        if out.finished and not new:                     # aborted (shutdown) without a new token
+            items.append((None, self._end(out.finish_reason)))
+        return items
 
     def _end(self, reason: str) -> str:
         self.reason = reason
@@ -152,33 +161,47 @@ class _Choice:
 
 async def _each_token(choices: list[_Choice], on_token: Callable[[_Choice, int | None, str | None], Awaitable]):
     """Run every choice to its end, awaiting on_token(choice, token, reason) for each token in
-    the order tokens arrive across the choices. EngineDead propagates."""
-    if len(choices) == 1:
-        async for token, reason in choices[0].tokens():
-            await on_token(choices[0], token, reason)
+    the order tokens arrive across the engine requests (and, within one output of a request of
+    n completions, in completion order). EngineDead propagates."""
+    requests: dict[int, list[_Choice]] = {}
+    for c in choices:
+        requests.setdefault(c.handle.request_id, []).append(c)
+
+    async def tokens(group: list[_Choice]):
+        while any(c.reason is None for c in group):
+            out = await group[0].handle.next()
+            for c in group:
+                for token, reason in c.feed(out):
+                    yield c, token, reason
+            if out.finished and any(c.reason is None for c in group):
+                raise RuntimeError(f"request {out.request_id} finished with a completion of no finish reason")
+
+    if len(requests) == 1:
+        async for item in tokens(choices):
+            await on_token(*item)
         return
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(c: _Choice) -> None:
+    async def pump(group: list[_Choice]) -> None:
         try:
-            async for item in c.tokens():
-                queue.put_nowait((c, item))
+            async for item in tokens(group):
+                queue.put_nowait(item)
         except EngineDead as e:
-            queue.put_nowait((c, e))
+            queue.put_nowait(e)
         finally:
-            queue.put_nowait((c, None))
+            queue.put_nowait(None)
 
-    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+    tasks = [asyncio.ensure_future(pump(group)) for group in requests.values()]
     try:
         left = len(tasks)
         while left:
-            c, item = await queue.get()
+            item = await queue.get()
             if item is None:
                 left -= 1
             elif isinstance(item, EngineDead):
                 raise item
             else:
-                await on_token(c, *item)
+                await on_token(*item)
     finally:
         for t in tasks:
             t.cancel()
@@ -351,7 +374,7 @@ class CompletionServer:
         start = time.perf_counter()
         try:
             req = protocol.parse_completion(await request.read(), model_name=self.model_name,
-                                            has_tokenizer=self.tokenizer is not None)
+                                            has_tokenizer=self.tokenizer is not None, vocab_size=self.vocab_size)
             prompts = await asyncio.gather(*(self._prompt_ids(p) for p in req.prompts))
         except (ValueError, TypeError) as e:
             return self._bad(e)
@@ -365,7 +388,7 @@ class CompletionServer:
         access.id = protocol.new_id("chatcmpl")
         start = time.perf_counter()
         try:
-            req = protocol.parse_chat(await request.read(), model_name=self.model_name)
+            req = protocol.parse_chat(await request.read(), model_name=self.model_name, vocab_size=self.vocab_size)
             text = await self._render(req.messages)
             ids = await self._encode(text, add_special_tokens=False, param="messages")
         except (ValueError, TypeError) as e:
@@ -381,7 +404,9 @@ class CompletionServer:
         return prompt
 
     async def _add(self, prompts: list[list[int]], generation: Generation) -> list[RequestHandle]:
-        """Queue every prompt, or none: when one is refused the ones queued are aborted."""
+        """Queue every prompt (one engine request of generation.n completions each), or none: when
+        one is refused (a ValueError of the engine's, e.g. penalties with speculative decoding)
+        the ones queued are aborted."""
         handles = []
         try:
             for ids in prompts:
@@ -401,8 +426,9 @@ class CompletionServer:
             return self._error(503, str(e), kind="server_error")
         except (ValueError, TypeError) as e:           # BadRequest, and the engine's own checks
             return self._bad(e)
-        choices = [_Choice(i, h, self.tokenizer, generation, _Timing(self.metrics, start),
-                           "" if prefixes is None else prefixes[i]) for i, h in enumerate(handles)]
+        n = generation.n
+        choices = [_Choice(i * n + j, h, j, self.tokenizer, generation, _Timing(self.metrics, start),
+                           "" if prefixes is None else prefixes[i]) for i, h in enumerate(handles) for j in range(n)]
         access.prompt_tokens = sum(h.prompt_tokens for h in handles)
         self.in_flight += 1
         try:
@@ -412,14 +438,21 @@ class CompletionServer:
         finally:
             self.in_flight -= 1
             access.completion_tokens = sum(c.text.num_tokens for c in choices)
-            for c in choices:
-                if not c.handle.done:
-                    self.engine.abort(c.handle.request_id)
+            for h in handles:
+                if not h.done:
+                    self.engine.abort(h.request_id)
 
-    def _logprobs(self, chat: bool, tokens: list[int], logprobs: list[float], offset: int) -> dict:
+    def _logprobs(self, chat: bool, k: int, tokens: list[int], logprobs: list[float],
+                  ranked: list[dict[int, tuple[float, int]]], offset: int) -> dict:
+        """The logprobs object of `tokens` (chosen), their log probabilities and ranked entries
+        (the chosen token's, then the k most probable: RequestOutput.ranked)."""
         texts = [self.token_text(t) for t in tokens]
-        return protocol.chat_logprobs(texts, logprobs) if chat else protocol.completion_logprobs(texts, logprobs,
-                                                                                                  offset)
+        if chat:          # the k most probable, most probable first (a chosen token outside them is not listed)
+            top = [[(self.token_text(t), lp) for t, (lp, _) in sorted(entry.items(), key=lambda e: -e[1][0])[:k]]
+                   for entry in ranked]
+            return protocol.chat_logprobs(texts, logprobs, top)
+        top = [[(self.token_text(t), lp) for t, (lp, _) in entry.items()] for entry in ranked]
+        return protocol.completion_logprobs(texts, logprobs, offset, top)
 
     async def _complete(self, access: _Access, choices: list[_Choice], generation: Generation,
                         chat: bool) -> web.Response:
@@ -436,12 +469,13 @@ class CompletionServer:
         if any(c.reason == "abort" for c in choices):
             done = " + ".join(str(c.text.num_tokens) for c in choices)
             return self._error(503, f"the server shut down before the request finished ({done} tokens generated, "
-                                    f"{len(choices)} prompt(s))", kind="server_error")
+                                    f"{len(choices)} completion(s))", kind="server_error")
         out = []
         for c in choices:
             text = c.prefix + c.text.delta(final=True)
             ids = c.text.ids if generation.return_token_ids else None
-            logprobs = self._logprobs(chat, c.text.ids, c.logprobs, len(c.prefix)) if generation.logprobs else None
+            logprobs = None if generation.logprobs is None else \
+                self._logprobs(chat, generation.logprobs, c.text.ids, c.logprobs, c.ranked, len(c.prefix))
             out.append(protocol.chat_choice(c.index, {"role": "assistant", "content": text}, c.reason, ids, logprobs)
                        if chat else protocol.choice(c.index, text, c.reason, ids, logprobs))
         return _json(protocol.completion_body(access.id, int(time.time()), self.model_name, out, protocol.usage(
@@ -469,8 +503,10 @@ class CompletionServer:
             tokens = [] if token is None else [token]
             ids = tokens if generation.return_token_ids else None
             logprobs = None
-            if generation.logprobs:
-                logprobs = self._logprobs(chat, tokens, c.logprobs[-1:] if tokens else [], offsets[c.index])
+            if generation.logprobs is not None:
+                last = slice(-1, None) if tokens else slice(0)
+                logprobs = self._logprobs(chat, generation.logprobs, tokens, c.logprobs[last], c.ranked[last],
+                                          offsets[c.index])
                 offsets[c.index] += sum(len(self.token_text(t)) for t in tokens)
             if chat:
                 await write(protocol.chat_choice(c.index, {"content": text}, reason, ids, logprobs, delta=True))
