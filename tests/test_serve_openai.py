@@ -205,6 +205,16 @@ def test_n_with_a_seed_equals_single_requests_with_seed_plus_i(client):
     assert r.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
 
 
+def assert_same_top(a: dict, b: dict) -> None:
+    """One position's top logprobs from two runs whose batches differ: the same values (within
+    LOGPROB_ATOL, ranked), and the same tokens but at a near tie at the cut-off, where a token
+    of one run only has the logprob of the other's last within LOGPROB_ATOL."""
+    assert sorted(a.values(), reverse=True) == pytest.approx(sorted(b.values(), reverse=True), abs=LOGPROB_ATOL)
+    for x, y in ((a, b), (b, a)):
+        for token in x.keys() - y.keys():
+            assert abs(x[token] - min(y.values())) <= 2 * LOGPROB_ATOL, (a, b)
+
+
 def test_several_prompts_with_n_index_prompt_times_n_plus_i_and_stream_the_same(client):
     prompts = ["import os\n", "x = ["]
     kw = dict(model="chatty", max_tokens=6, temperature=2.0, seed=3, logprobs=2)
@@ -226,9 +236,9 @@ def test_several_prompts_with_n_index_prompt_times_n_plus_i_and_stream_the_same(
             tops[c.index] += c.logprobs.top_logprobs
     assert texts == [c.text for c in r.choices] and reasons == [c.finish_reason for c in r.choices]
     for top, c in zip(tops, r.choices):                            # two runs: batch shapes may differ
-        assert [list(d) for d in top] == [list(d) for d in c.logprobs.top_logprobs]
-        assert [v for d in top for v in d.values()] == pytest.approx(
-            [v for d in c.logprobs.top_logprobs for v in d.values()], abs=LOGPROB_ATOL)
+        assert len(top) == len(c.logprobs.top_logprobs)
+        for streamed, whole in zip(top, c.logprobs.top_logprobs):
+            assert_same_top(streamed, whole)
     assert usage.completion_tokens == r.usage.completion_tokens
 
 

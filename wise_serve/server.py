@@ -488,6 +488,7 @@ class CompletionServer:
         await response.prepare(request)
         created = int(time.time())
         offsets = {c.index: len(c.prefix) for c in choices}
+        sent = {c.index: 0 for c in choices}       # tokens streamed per choice (feed may add several at once)
 
         async def write(choice: dict) -> None:
             chunk = protocol.completion_body(access.id, created, self.model_name, [choice], None, chat=chat,
@@ -502,10 +503,11 @@ class CompletionServer:
                 text, c.prefix = c.prefix + text, ""
             tokens = [] if token is None else [token]
             ids = tokens if generation.return_token_ids else None
+            at = slice(sent[c.index], sent[c.index] + len(tokens))      # this token's place in the choice
+            sent[c.index] += len(tokens)
             logprobs = None
             if generation.logprobs is not None:
-                last = slice(-1, None) if tokens else slice(0)
-                logprobs = self._logprobs(chat, generation.logprobs, tokens, c.logprobs[last], c.ranked[last],
+                logprobs = self._logprobs(chat, generation.logprobs, tokens, c.logprobs[at], c.ranked[at],
                                           offsets[c.index])
                 offsets[c.index] += sum(len(self.token_text(t)) for t in tokens)
             if chat:
