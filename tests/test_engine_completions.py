@@ -57,6 +57,21 @@ def test_greedy_completions_beside_other_requests_and_preemption(model):
     assert s.preemptions > 0 and s.forked_prompt_tokens > 0
 
 
+def test_a_prompt_shorter_than_a_page_prefills_its_completions_together(model):
+    """Nothing to share (no full page short of the last token): the completions do not wait for
+    the first one's prefill, and each is a single request's sample."""
+    prompt = PROMPT[:20]
+    llm = engine(model)
+    rid = llm.add_request(prompt, SamplingParams(n=2, max_tokens=4, temperature=0.9, seed=5, ignore_eos=True))
+    llm.step()
+    assert all(seq.num_cached == 20 for seq in llm._request(rid))     # both prefilled in the first step
+    out = llm.run_until_done([rid])[0]
+    assert drained(llm).forked_prompt_tokens == 0
+    singles = engine(model).generate([prompt] * 2, [SamplingParams(max_tokens=4, temperature=0.9, seed=5 + i,
+                                                                   ignore_eos=True) for i in range(2)], use_tqdm=False)
+    assert [c.token_ids for c in out.outputs] == [s.token_ids for s in singles]
+
+
 def test_abort_ends_every_completion_and_frees_the_pages(model):
     llm = engine(model)
     rid = llm.add_request(PROMPT, SamplingParams(n=4, max_tokens=30, ignore_eos=True))

@@ -142,7 +142,8 @@ class Scheduler:
             forked = False
             if fresh:
                 parent = seq.parent
-                if parent is not None and parent.status is not Status.FINISHED and not parent.prefilled:
+                if parent is not None and parent.status is not Status.FINISHED and not parent.prefilled \
+                        and self.blocks.shareable(seq):
                     break                               # a completion starts once its first one's prefill is launched
                 forked = parent is not None and self.blocks.fork(seq, parent)
                 if not forked:
