@@ -2,7 +2,7 @@
 # Every GPU test and benchmark of the project, in parts, for one H200 (tp: two):
 #   bash benchmarks/gpu_suite.sh tests|train|bench|engine|jax|jax-bench|jax-tests|step-profile|pallas|pallas-sweep|kernel-profile|tp|fa4|prefix|drafts OUTDIR [MODEL_DIR]
 # tests: the `gpu`-marked pytest suite, the parity suite;
-# train: trains the built-in model (benchmarks.train_builtin) into OUTDIR/model;
+# train: trains the built-in model (benchmarks.train.train_builtin) into OUTDIR/model;
 # engine: the torch engine's gpu tests, the fused-ops benchmark and the engine throughput
 #         benchmark (dense and WISE at 1K x 64, 4K x 20, 8K x 10, 1K x 1; ARMS, SHAPES, Q_SCALES override;
 #         SPEC adds speculative arms, e.g. SPEC="--spec wise --spec loops --num-draft 4");
@@ -12,7 +12,7 @@
 #      selection in generate, the Pallas kernel in generate, parity's kernel checks) and the decode
 #      contract compiled for the GPU;
 # step-profile: where a decode step's time goes, torch and JAX, dense and WISE, constructor defaults
-#               (benchmarks.step_profile at 1K x 64 and 1K x 1; SHAPES, Q_SCALES, FRAMEWORKS override),
+#               (benchmarks.profile.step_profile at 1K x 64 and 1K x 1; SHAPES, Q_SCALES, FRAMEWORKS override),
 #               about 5 minutes;
 # pallas: both Pallas kernels' gpu tests (Triton-lowered, Mosaic GPU) and the kernel benchmark, about 4 minutes;
 # pallas-sweep: the kernel benchmark with both Pallas kernels' launch sweeps (PALLAS_SWEEP seconds per kernel
@@ -20,7 +20,7 @@
 # kernel-profile: each kernel of a Pallas decode-attention call under the profiler (both kernels, every
 #                 mode, the Ouro shapes; SHAPES, IMPLS override), about 3 minutes;
 # tp: on a host with two GPUs, the tensor-parallel gpu tests (torch and JAX) and the scaling benchmarks
-#     (1 and 2 GPUs, dense and WISE, Ouro-1.4B shape at 1K x 64 and 8K x 20: torch's benchmarks.tp_scaling, JAX's
+#     (1 and 2 GPUs, dense and WISE, Ouro-1.4B shape at 1K x 64 and 8K x 20: torch's benchmarks.engine.tp_scaling, JAX's
 #     +tp2 arms); NCCL_NVLS_ENABLE=0 (NVLink multicast off); each `run` fits a 10-minute slot;
 # fa4: FlashAttention-4 from the wheels in .whl-fa4 (parts a and b stashed by their stash.sh in earlier
 #      calls on the same machine; this part runs part c's install.sh when it is there), then its gpu tests
@@ -33,7 +33,7 @@
 # bench: the kernel benchmark (Triton, Pallas, cuDNN SDPA, FlashAttention-4 when importable) and
 #        the WISE quality run on MODEL_DIR when given.
 # Logs and results go to OUTDIR. The project runs from the source tree (PYTHONPATH), the benchmarks as
-# `python3 -m benchmarks.NAME` from its root.
+# `python3 -m benchmarks.GROUP.NAME` from its root.
 set -uo pipefail
 part=$1; out=$2; model=${3:-}
 cd "$(dirname "$0")/.."
@@ -54,26 +54,26 @@ case $part in
     run parity 150 python3 -m parity --json "$out/parity_h200.json" --details failures
     ;;
   train)
-    run train 540 python3 -m benchmarks.train_builtin --minutes "${TRAIN_MINUTES:-5}" --out "$out/model"
+    run train 540 python3 -m benchmarks.train.train_builtin --minutes "${TRAIN_MINUTES:-5}" --out "$out/model"
     ;;
   bench)
-    run kernel_bench 330 python3 -m benchmarks.kernel_bench --out "$out/kernel" --sweep-seconds 90
+    run kernel_bench 330 python3 -m benchmarks.kernels.kernel_bench --out "$out/kernel" --sweep-seconds 90
     if [ -n "$model" ]; then
-      run quality 120 python3 -m benchmarks.quality text --model "$model" --out "$out/quality" --quiet
+      run quality 120 python3 -m benchmarks.quality.evaluate text --model "$model" --out "$out/quality" --quiet
     fi
     ;;
   engine)
     run torch_gpu_tests 420 python3 -m pytest -q -m gpu tests/test_torch_gpu.py tests/test_layers.py \
         tests/test_fused_compile.py tests/test_triton_decode.py tests/test_torch_speculative_gpu.py \
         -p no:cacheprovider -rfE -s
-    run fused_ops 120 python3 -m benchmarks.fused_ops_bench --out "$out/fused_ops"
-    run throughput 540 python3 -m benchmarks.throughput --preset ouro-1.4b --arms "${ARMS:-dense,wise}" \
+    run fused_ops 120 python3 -m benchmarks.kernels.fused_ops_bench --out "$out/fused_ops"
+    run throughput 540 python3 -m benchmarks.engine.throughput --preset ouro-1.4b --arms "${ARMS:-dense,wise}" \
         --shapes "${SHAPES:-1024x64,4096x20,8192x10,1024x1}" --q-scale "${Q_SCALES:-8,7.3,7,8}" \
         --max-num-batched-tokens 81920 ${OLD_SRC:+--old-src "$OLD_SRC"} ${SPEC:-} --out "$out/throughput"
     ;;
   jax|jax-bench|jax-tests)
     if [ "$part" != jax-tests ]; then
-      run jax_throughput 560 python3 -m benchmarks.jax_generate_bench --preset ouro-1.4b --arms "${JAX_ARMS:-dense,wise}" \
+      run jax_throughput 560 python3 -m benchmarks.engine.jax_generate_bench --preset ouro-1.4b --arms "${JAX_ARMS:-dense,wise}" \
           --shapes "${SHAPES:-1024x64,4096x20,8192x10,1024x1}" --q-scale "${Q_SCALES:-8,7.3,7,8}" \
           --prefill-shapes 32768x2 --child-timeout 150 --out "$out/jax_throughput"
     fi
@@ -84,47 +84,47 @@ case $part in
     fi
     ;;
   step-profile)
-    run step_profile 560 python3 -m benchmarks.step_profile --frameworks "${FRAMEWORKS:-torch,jax}" \
+    run step_profile 560 python3 -m benchmarks.profile.step_profile --frameworks "${FRAMEWORKS:-torch,jax}" \
         --shapes "${SHAPES:-1024x64,1024x1}" --q-scale "${Q_SCALES:-8,8}" --child-timeout 150 --out "$out/step_profile"
     ;;
   pallas)
     run pallas_gpu_tests 150 python3 -m pytest -q -m gpu tests/test_pallas_decode.py tests/test_mosaic_decode.py \
         tests/test_pallas_lowering.py -p no:cacheprovider -rfE --durations=10
-    run kernel_bench 180 python3 -m benchmarks.kernel_bench --out "$out/kernel" --no-sweep --densities 0.13 \
+    run kernel_bench 180 python3 -m benchmarks.kernels.kernel_bench --out "$out/kernel" --no-sweep --densities 0.13 \
         --pallas-chain 2,16 --no-jax-paged
     ;;
   pallas-sweep)
     sweep=${PALLAS_SWEEP:-40}
-    run kernel_bench_sweep $((120 + 6 * sweep)) python3 -m benchmarks.kernel_bench --out "$out/kernel_sweep" --no-sweep \
+    run kernel_bench_sweep $((120 + 6 * sweep)) python3 -m benchmarks.kernels.kernel_bench --out "$out/kernel_sweep" --no-sweep \
         --densities 0.13 --pallas-chain 2,16 --no-jax-paged --pallas-sweep-seconds "$sweep"
     ;;
   kernel-profile)
-    run kernel_profile 300 python3 -m benchmarks.kernel_profile --out "$out/kernel_profile" \
+    run kernel_profile 300 python3 -m benchmarks.profile.kernel_profile --out "$out/kernel_profile" \
         --shapes "${SHAPES:-1024x64,4096x20,8192x10}" --impls "${IMPLS:-pallas,mosaic}"
     ;;
   tp)
     export NCCL_NVLS_ENABLE=0
     run tp_gpu_tests 540 python3 -m pytest -q -m gpu tests/test_torch_tensor_parallel_gpu.py tests/test_jax_sharding_gpu.py \
         -p no:cacheprovider -rfE -s
-    run tp_scaling_1k 540 python3 -m benchmarks.tp_scaling --preset ouro-1.4b --shapes 1024x64 --q-scale 8 \
+    run tp_scaling_1k 540 python3 -m benchmarks.engine.tp_scaling --preset ouro-1.4b --shapes 1024x64 --q-scale 8 \
         --child-timeout 240 --out "$out/tp_scaling_1k"
-    run tp_scaling_8k 540 python3 -m benchmarks.tp_scaling --preset ouro-1.4b --shapes 8192x20 --q-scale 7 \
+    run tp_scaling_8k 540 python3 -m benchmarks.engine.tp_scaling --preset ouro-1.4b --shapes 8192x20 --q-scale 7 \
         --child-timeout 240 --out "$out/tp_scaling_8k"
-    run tp_jax 540 python3 -m benchmarks.jax_generate_bench --preset ouro-1.4b --arms dense,dense+tp2,wise,wise+tp2 \
+    run tp_jax 540 python3 -m benchmarks.engine.jax_generate_bench --preset ouro-1.4b --arms dense,dense+tp2,wise,wise+tp2 \
         --shapes 1024x64,8192x20 --q-scale 8,7 --child-timeout 120 --out "$out/tp_jax"
     ;;
   fa4)
     if [ -f .whl-fa4/c/install.sh ]; then run fa4_install 240 bash .whl-fa4/c/install.sh; fi
     export PYTHONPATH=/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
     run fa4_gpu_tests 180 python3 -m pytest -q -m gpu tests/test_torch_prefill_varlen.py -p no:cacheprovider -rfE
-    run prefill_bench 360 python3 -m benchmarks.prefill_bench --out "$out/prefill"
+    run prefill_bench 360 python3 -m benchmarks.engine.prefill_bench --out "$out/prefill"
     ;;
   prefix)
-    run prefix_cache 560 python3 -m benchmarks.prefix_cache --preset ouro-1.4b --engines "${FRAMEWORKS:-torch,jax}" \
+    run prefix_cache 560 python3 -m benchmarks.engine.prefix_cache --preset ouro-1.4b --engines "${FRAMEWORKS:-torch,jax}" \
         --timeout 270 --out "$out/prefix_cache"
     ;;
   drafts)
-    run draft_kinds 300 python3 -m benchmarks.draft_kinds --dtype bfloat16 --prompts 64 --length 256 \
+    run draft_kinds 300 python3 -m benchmarks.engine.draft_kinds --dtype bfloat16 --prompts 64 --length 256 \
         --new-tokens 128 --out "$out/draft_kinds"
     ;;
   *) echo "unknown part $part (tests|train|bench|engine|jax|jax-bench|jax-tests|step-profile|pallas|pallas-sweep|kernel-profile|tp|fa4|prefix|drafts)" >&2; exit 2;;

@@ -92,9 +92,10 @@ def save_png(fig, path: Path, dpi: int = 110) -> None:
 
 
 def module_command(module: str, *args: str) -> list[str]:
-    """`python -m benchmarks.MODULE ARGS`: a worker process of a benchmark. Run it with
-    `module_env` (the repository on its path) from a folder outside the repository when `first`
-    must win over the repository's packages (`python -m` puts the working folder first)."""
+    """`python -m benchmarks.MODULE ARGS` (MODULE below `benchmarks`, e.g. "engine.throughput"): a
+    worker process of a benchmark. Run it with `module_env` (the repository on its path) from a
+    folder outside the repository when `first` must win over the repository's packages (`python
+    -m` puts the working folder first)."""
     return [sys.executable, "-m", f"benchmarks.{module}", *args]
 
 

@@ -1,7 +1,7 @@
 """The packaged trained model (wise_core/models/ouro-py-3m): registered as the default, small,
 trained, loadable in both frameworks, and `wise generate` continues a prompt with it.
 
-Skipped until the model is committed: benchmarks/train_builtin.py writes it (run on an H200).
+Skipped until the model is committed: benchmarks/train/train_builtin.py writes it (run on an H200).
 """
 
 import math
@@ -19,7 +19,7 @@ from wise_core import rounding
 PACKAGED = ckpt.PACKAGED_MODELS_DIR / ckpt.TRAINED_MODEL
 pytestmark = pytest.mark.skipif(
     not (PACKAGED / "config.json").exists(),
-    reason=f"no trained model packaged yet: {PACKAGED} is the output of benchmarks/train_builtin.py "
+    reason=f"no trained model packaged yet: {PACKAGED} is the output of benchmarks/train/train_builtin.py "
            "(trained on an H200), committed there")
 ROOT = Path(__file__).resolve().parent.parent
 MAX_BYTES = 8_000_000
@@ -43,7 +43,7 @@ def test_at_most_8_mb_and_bf16():
 
 
 def _heldout_sample(length: int, count: int) -> list[list[int]]:
-    from benchmarks import stdlib_corpus
+    from benchmarks.quality import stdlib_corpus
 
     _, held = stdlib_corpus.split_files(stdlib_corpus.list_files())
     stream = stdlib_corpus.token_stream(held)

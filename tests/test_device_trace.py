@@ -1,4 +1,4 @@
-"""benchmarks/device_trace.py: device lines, stream kernels and per-step activity of a made-up
+"""benchmarks/profile/device_trace.py: device lines, stream kernels and per-step activity of a made-up
 perfetto trace (which lines count as kernels, per-step sums, groups, span)."""
 
 import gzip
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import device_trace
+from benchmarks.profile import device_trace
 
 
 def write_trace(folder: Path, events: list[dict]) -> None:

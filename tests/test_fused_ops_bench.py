@@ -1,4 +1,4 @@
-"""benchmarks/fused_ops_bench.py --smoke: every code path of the H200 micro-benchmark at tiny shapes on CPU."""
+"""benchmarks/kernels/fused_ops_bench.py --smoke: every code path of the H200 micro-benchmark at tiny shapes on CPU."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs 
 
 
 def _load():
-    from benchmarks import fused_ops_bench  # TRITON_INTERPRET is set (conftest) before triton loads
+    from benchmarks.kernels import fused_ops_bench  # TRITON_INTERPRET is set (conftest) before triton loads
     return fused_ops_bench
 
 

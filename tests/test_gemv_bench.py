@@ -1,4 +1,4 @@
-"""benchmarks/gemv_bench.py's Triton skinny projection against float64 products, in the Triton
+"""benchmarks/kernels/gemv_bench.py's Triton skinny projection against float64 products, in the Triton
 interpreter on a CPU (tests/conftest.py sets TRITON_INTERPRET): float32 at small shapes, tiles
 cut so that n and k leave partial tiles."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.gemv_bench import MAX_ROWS, GemvConfig, gemv, supports
+from benchmarks.kernels.gemv_bench import MAX_ROWS, GemvConfig, gemv, supports
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=1)

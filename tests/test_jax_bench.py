@@ -1,4 +1,4 @@
-"""benchmarks/jax_generate_bench.py on CPU: one arm end to end in its worker process (JSON, markdown,
+"""benchmarks/engine/jax_generate_bench.py on CPU: one arm end to end in its worker process (JSON, markdown,
 PNG), and the arm grammar."""
 
 import argparse
@@ -9,7 +9,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def bench():
-    from benchmarks import jax_generate_bench
+    from benchmarks.engine import jax_generate_bench
     return jax_generate_bench
 
 

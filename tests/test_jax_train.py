@@ -43,7 +43,7 @@ def test_resume_is_bitwise_the_uninterrupted_run(tmp_path):
     assert [s["loss"] for s in resumed_steps] == [s["loss"] for s in steps]
 
 
-# -- the hand-written AdamW step that wise_jax.train replaced (benchmarks/train_builtin.py) --------
+# -- the hand-written AdamW step that wise_jax.train replaced (benchmarks/train/train_builtin.py) --------
 def handwritten_adamw(params, grads, mu, nu, count, lr, *, weight_decay, clip, b1=0.9, b2=0.95, eps=1e-8):
     grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
     scale = jnp.minimum(1.0, clip / (grad_norm + 1e-6))

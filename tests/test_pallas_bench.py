@@ -1,4 +1,4 @@
-"""benchmarks/bench_pallas.py runs every case of both Pallas kernels at a tiny shape in the
+"""benchmarks/kernels/bench_pallas.py runs every case of both Pallas kernels at a tiny shape in the
 interpreters (CPU)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import jax.numpy as jnp
 
-from benchmarks.bench_pallas import SWEEP_DENSITY, bench_pallas
+from benchmarks.kernels.bench_pallas import SWEEP_DENSITY, bench_pallas
 from wise_jax.kernels.mosaic_decode import MosaicConfig
 
 
@@ -45,7 +45,7 @@ def test_kernel_profile_smoke(tmp_path):
     on a CPU: busy and span are None), the Mosaic kernel with the launch asked for, and writes
     its report."""
     import json
-    from benchmarks import kernel_profile
+    from benchmarks.profile import kernel_profile
     report = kernel_profile.main(["--smoke", "--out", str(tmp_path), "--calls", "2",
                                   "--modes", "dense,sparse",
                                   "--mosaic-config", "min_splits=2,num_stages=1"])
@@ -61,7 +61,7 @@ def test_kernel_profile_smoke(tmp_path):
 def test_parse_mosaic_config():
     """--mosaic-config's NAME=VALUE items become a MosaicConfig; bad items are refused by name."""
     import pytest
-    from benchmarks.bench_pallas import parse_mosaic_config
+    from benchmarks.kernels.bench_pallas import parse_mosaic_config
     from wise_jax.kernels.mosaic_decode import MosaicConfig
     assert parse_mosaic_config("split_keys=2048,min_splits=2,products=reduce,list_launch=True") \
         == MosaicConfig(split_keys=2048, min_splits=2, products="reduce", list_launch=True)
@@ -78,7 +78,7 @@ def test_parse_mosaic_config():
 
 def test_mosaic_call_runs_in_the_interpreter():
     """mosaic_call.py (the Nsight Compute target) runs its call at a tiny shape on a CPU."""
-    from benchmarks import mosaic_call
+    from benchmarks.kernels import mosaic_call
     out = mosaic_call.main(["--shape", "128x2", "--heads", "2", "--head-dim", "64",
                             "--page-size", "32", "--calls", "1", "--density", "0.5"])
     assert out.shape == (2, 2, 64) and bool(jnp.isfinite(out.astype(jnp.float32)).all())
@@ -87,7 +87,7 @@ def test_mosaic_call_runs_in_the_interpreter():
 def test_mosaic_call_refuses_bad_arguments(capsys):
     """mosaic_call.py names a bad shape, call count or config instead of running."""
     import pytest
-    from benchmarks import mosaic_call
+    from benchmarks.kernels import mosaic_call
     for argv, message in ((["--shape", "40x"], "--shape takes CTXxBATCH"),
                           (["--calls", "0"], "--calls must be at least 1"),
                           (["--config", "split_keys=1000"], "power of two")):
@@ -100,7 +100,7 @@ def test_support_random_and_contiguous():
     """bench_pallas's supports: round(density * blocks) blocks per row and head, random ones
     (differing between heads) or, for sparse-contiguous, the first ones for every head."""
     import numpy as np
-    from benchmarks.bench_pallas import support_of
+    from benchmarks.kernels.bench_pallas import support_of
     random = np.asarray(support_of(2, 4, 40, 0.25))
     contiguous = np.asarray(support_of(2, 4, 40, 0.25, contiguous=True))
     assert (random.sum(-1) == 10).all() and (contiguous.sum(-1) == 10).all()

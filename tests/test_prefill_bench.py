@@ -1,9 +1,9 @@
-"""benchmarks/prefill_bench.py runs end to end at a tiny size on a CPU and reports what it measured."""
+"""benchmarks/engine/prefill_bench.py runs end to end at a tiny size on a CPU and reports what it measured."""
 
 import json
 import types
 
-from benchmarks import prefill_bench
+from benchmarks.engine import prefill_bench
 
 
 def test_model_flops_by_hand():

@@ -1,8 +1,8 @@
-"""benchmarks/prefix_cache.py runs end to end at a tiny size and reports what it measured."""
+"""benchmarks/engine/prefix_cache.py runs end to end at a tiny size and reports what it measured."""
 
 import json
 
-from benchmarks import prefix_cache
+from benchmarks.engine import prefix_cache
 
 
 def test_shared_prefix_workload_reports_hits_and_equal_tokens(tmp_path):

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import stdlib_corpus as corpus
+from benchmarks.quality import stdlib_corpus as corpus
 from wise_core.tokenizer import byte_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,7 +27,7 @@ def test_split_is_disjoint_complete_and_about_ten_percent():
 
 def test_split_does_not_depend_on_the_process_hash_seed():
     paths = [f"dir{i}/file{i}.py" for i in range(300)]
-    code = ("from benchmarks import stdlib_corpus as c; "
+    code = ("from benchmarks.quality import stdlib_corpus as c; "
             "print(','.join(c.split_files([f'dir{i}/file{i}.py' for i in range(300)])[1]))")
     outputs = set()
     for seed in ("1", "2"):

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import train_builtin as tb
+from benchmarks.train import train_builtin as tb
 from wise_jax import train as T
 
 pytestmark = [pytest.mark.gpu,

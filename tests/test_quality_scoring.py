@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks import qa_scoring as qa
-from benchmarks.quality import paired_bootstrap
+from benchmarks.quality import qa_scoring as qa
+from benchmarks.quality.evaluate import paired_bootstrap
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import wise_jax
-from benchmarks import qa_scoring, quality
-from benchmarks import train_builtin as tb
+from benchmarks.quality import qa_scoring, evaluate as quality
+from benchmarks.train import train_builtin as tb
 from wise_core.checkpoint import load_checkpoint
 from wise_core.config import ModelConfig
 from wise_core.train_config import TrainConfig

@@ -14,7 +14,7 @@ import signal
 import aiohttp
 import pytest
 
-from benchmarks import serve_load
+from benchmarks.serve import serve_load
 from serve_cases import BACKENDS, Server, offline_engine
 from wise_core.request import SamplingParams
 

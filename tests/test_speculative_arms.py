@@ -1,4 +1,4 @@
-"""The speculative arms of benchmarks/throughput.py on CPU: their pure parts, and spec-wise and
+"""The speculative arms of benchmarks/engine/throughput.py on CPU: their pure parts, and spec-wise and
 spec-loops end to end (fresh worker processes) on a tiny model against the dense arm."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import types
 
 import pytest
 
-from benchmarks import speculative_arms as sa
-from benchmarks import throughput as tp
+from benchmarks.engine import speculative_arms as sa
+from benchmarks.engine import throughput as tp
 
 
 def test_flags_and_engine_arguments():

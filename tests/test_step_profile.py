@@ -1,4 +1,4 @@
-"""benchmarks/step_profile.py: the categories of a made-up decode step (attention calls to their
+"""benchmarks/profile/step_profile.py: the categories of a made-up decode step (attention calls to their
 loops, GEMM-bounded inputs and sampling, fused ops, bookkeeping), per-step sums, HLO source
 lines, and one WISE arm of each framework end to end on a CPU."""
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks import step_profile as sp
+from benchmarks.profile import step_profile as sp
 
 ROLES = ("discover", "discover", "reuse", "reuse")
 

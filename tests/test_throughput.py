@@ -1,4 +1,4 @@
-"""benchmarks/throughput.py on CPU: arguments, the roofline arithmetic, the step-loop timing, the
+"""benchmarks/engine/throughput.py on CPU: arguments, the roofline arithmetic, the step-loop timing, the
 report, and the pre-engine arms end to end (fresh worker processes) on a tiny model."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import throughput as tp
+from benchmarks.engine import throughput as tp
 
 ROOT = Path(__file__).resolve().parents[1]
 

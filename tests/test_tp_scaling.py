@@ -1,11 +1,11 @@
-"""benchmarks/tp_scaling.py on CPU: arguments, the per-GPU roofline, the speedup arithmetic, and one
+"""benchmarks/engine/tp_scaling.py on CPU: arguments, the per-GPU roofline, the speedup arithmetic, and one
 arm end to end on 1 and 2 ranks (fresh processes; the 2-rank engine over gloo)."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks import tp_scaling as ts
+from benchmarks.engine import tp_scaling as ts
 
 
 def test_arguments_and_per_gpu_roofline():

@@ -1,4 +1,4 @@
-"""benchmarks/kernel_bench.py --smoke: every code path of the H200 benchmark at tiny shapes on CPU."""
+"""benchmarks/kernels/kernel_bench.py --smoke: every code path of the H200 benchmark at tiny shapes on CPU."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs 
 
 
 def _load():
-    from benchmarks import kernel_bench
+    from benchmarks.kernels import kernel_bench
     return kernel_bench
 
 

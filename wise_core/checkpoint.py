@@ -321,7 +321,7 @@ def _random_tiny() -> Checkpoint:
 
 # Trained models shipped in wise_core/models/<name>/ (checkpoint directories).
 PACKAGED_MODELS_DIR = Path(__file__).resolve().parent / "models"
-TRAINED_MODEL = "ouro-py-3m"  # trained on the stdlib's source by benchmarks/train_builtin.py
+TRAINED_MODEL = "ouro-py-3m"  # trained on the stdlib's source by benchmarks/train/train_builtin.py
 
 
 BUILTIN_MODELS = {"random-tiny": _random_tiny}

@@ -424,7 +424,7 @@ class SpeculativeConfig:
     "wise": None is every loop, else in (first reuse depth, loops] (with
     WiseConfig(discover_depths=(0,), reuse_depths=(1, 2, 3)) and draft_loops=2, a 2-loop draft
     with WISE on its second loop).
-    accept_rate: for timing only (`benchmarks/throughput.py --accept-rate`): each draft token
+    accept_rate: for timing only (`benchmarks/engine/throughput.py --accept-rate`): each draft token
     is accepted with this probability, a Bernoulli draw from numpy's generator seeded with
     accept_seed (drawn per round as [rows, num_draft] in the round's row order, accepted as a
     prefix), instead of by the dense model's agreement. The drafts and the verification pass

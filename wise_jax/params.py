@@ -159,7 +159,7 @@ def split_projections(config: ModelConfig, params: Params) -> Params:
     """The same weights with the fused projections split again: qkv_proj becomes the tuple
     (q, k, v) and gate_up_proj (gate, up), each [layers, in, out]. The model runs one GEMM per
     part for such params; this exists to measure what the fusion saves
-    (benchmarks/jax_generate_bench.py)."""
+    (benchmarks/engine/jax_generate_bench.py)."""
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     qkv, gate_up = params.layers.qkv_proj, params.layers.gate_up_proj
     layers = dataclasses.replace(

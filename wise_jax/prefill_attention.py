@@ -5,7 +5,7 @@ Implementations (`causal_attention(..., implementation=)`):
 - "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")`, cuDNN's fused flash attention.
   Chosen on a GPU for bf16 / fp16 with head_dim a multiple of 8 up to 128 (cuDNN's limits; it
   has no fp32 kernel). It is NVIDIA's tuned Hopper kernel, reached through jax.nn with its VJP,
-  and already carries training here (benchmarks/train_builtin.py). A Pallas flash prefill would
+  and already carries training here (benchmarks/train/train_builtin.py). A Pallas flash prefill would
   go through the deprecated Triton lowering, or Mosaic GPU, which cannot be compiled or checked
   on a machine without a GPU; neither would beat cuDNN on the H200.
 - "chunked": plain jnp, flash-style. Queries and keys in chunks of `CHUNK` positions; each
@@ -14,7 +14,7 @@ Implementations (`causal_attention(..., implementation=)`):
   Temporary memory is one [batch, heads, chunk, chunk] score tile plus the accumulators: linear
   in the sequence. Used on CPU and for fp32 on a GPU. Differentiable (static scans and conds).
 - "reference": the full [seq, seq] float32 softmax in jnp, the checked reference of the tests
-  (and the plain-XLA fallback of benchmarks/train_builtin.py).
+  (and the plain-XLA fallback of benchmarks/train/train_builtin.py).
 
 Shapes: q [batch, seq, heads, head_dim]; k, v [batch, seq, kv_heads, head_dim] with heads a
 multiple of kv_heads (query head h reads KV head h // (heads // kv_heads)); scale head_dim**-0.5;

@@ -9,7 +9,7 @@ the rest of the server speaks to the engine through the protocol only.
 `--load-format dummy` builds a preset architecture (wise_core.config.PRESETS, e.g. ouro-1.4b)
 with random weights, in seconds: the load benchmark's workload when no checkpoint is at hand
 (as vLLM's `--load-format dummy`). torch draws them on the device (`dummy_model`: the values
-benchmarks/throughput.py's random models hold); jax on the host (`wise_core.checkpoint.
+benchmarks/engine/throughput.py's random models hold); jax on the host (`wise_core.checkpoint.
 random_tensors`), so the two backends' dummy weights differ. `--q-scale S` multiplies q_proj by
 S, which peaks a random model's attention so that WISE has a small support to find.
 """
@@ -74,7 +74,7 @@ def describe(args: argparse.Namespace) -> str:
 def dummy_model(preset: str, *, dtype, device, q_scale: float = 1.0, seed: int = 0):
     """Random weights of a preset architecture, drawn on `device` (a torch.device) in `dtype`
     (a torch.dtype) -> an OuroForCausalLM: normal(0, 0.02) matrices from a generator seeded by
-    the tensor's name and `seed` (the values benchmarks/throughput.py's random models hold),
+    the tensor's name and `seed` (the values benchmarks/engine/throughput.py's random models hold),
     unit norms, zero gate bias; q_proj scaled by q_scale. No tokenizer (prompts are token ids)."""
     import torch
 

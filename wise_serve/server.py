@@ -12,7 +12,7 @@ gets one access-log line (logger "wise_serve.access": its id, status, prompt and
 tokens, latency) and its id in the X-Request-Id header.
 
 Why aiohttp (rather than FastAPI + uvicorn): one package is both the server and the load
-client (benchmarks/serve_load.py), so a machine without network gets the whole stack from one
+client (benchmarks/serve/serve_load.py), so a machine without network gets the whole stack from one
 small set of wheels (aiohttp and its seven dependencies, no pydantic); request validation is
 the project's own (wise_serve.protocol), so every refusal is a 400 naming the field in our words
 rather than a framework's 422; streaming is a plain `StreamResponse`; and `handler_cancellation`

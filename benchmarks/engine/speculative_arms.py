@@ -1,4 +1,4 @@
-"""The speculative-decoding arms of the throughput benchmark (`benchmarks/throughput.py`).
+"""The speculative-decoding arms of the throughput benchmark (`benchmarks/engine/throughput.py`).
 
 `--spec wise|wise2|loops --num-draft K [--draft-loops D] [--adaptive-draft]` adds the arm
 `spec-wise`, `spec-wise2` or `spec-loops`: the engine with `SpeculativeConfig(method,

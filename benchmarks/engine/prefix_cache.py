@@ -12,8 +12,8 @@ between the arms. Requests prefilled in the same step find nothing cached (a pag
 once the prefill that writes it is launched), so the first step's requests (as many as
 max_num_batched_tokens holds) compute the prefix; the later ones share it.
 
-    python3 -m benchmarks.prefix_cache --out benchmarks/results/cpu-2026-12-05/prefix-cache
-    python3 -m benchmarks.prefix_cache --engines torch --preset ouro-1.4b --out OUT   # a GPU, random bf16
+    python3 -m benchmarks.engine.prefix_cache --out benchmarks/results/cpu-2026-12-05/prefix-cache
+    python3 -m benchmarks.engine.prefix_cache --engines torch --preset ouro-1.4b --out OUT   # a GPU, random bf16
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _engine_factory(spec: dict):
         import torch
         import wise_torch
         if spec["preset"]:              # drawn on the device, as the throughput benchmark's
-            from benchmarks.throughput import random_model
+            from benchmarks.engine.throughput import random_model
             cuda = torch.cuda.is_available()
             model = random_model(dict(dtype="bfloat16" if cuda else "float32", device="cuda" if cuda else "cpu",
                                       std=0.02, seed=0, q_scale=1.0), PRESETS[spec["preset"]])
@@ -92,7 +92,7 @@ def worker(spec: dict) -> dict:
 
 
 def run_one(spec: dict, timeout: float) -> dict:
-    return rp.run_worker("prefix_cache", spec, timeout, PYTHONUNBUFFERED="1")
+    return rp.run_worker("engine.prefix_cache", spec, timeout, PYTHONUNBUFFERED="1")
 
 
 def _quantile(values: list[float], q: float) -> float:

@@ -1,7 +1,7 @@
 """The decode projections at a few rows: cuBLAS (`F.linear`) against a Triton skinny kernel
 (`gemv`, below) over a sweep of launches, as a share of HBM bandwidth.
 
-    python -m benchmarks.gemv_bench --out DIR          # on an H200
+    python -m benchmarks.kernels.gemv_bench --out DIR          # on an H200
 
 The kernel: program p of the grid [cdiv(n, block_n)] owns output columns [p * block_n, (p + 1) *
 block_n) of every row (at most MAX_ROWS); it walks k in `block_k` tiles, loading a [block_n,

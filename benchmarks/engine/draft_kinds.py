@@ -3,7 +3,7 @@ tokens equal to dense decode.
 
 Random weights give flat logits, so a draft's acceptance is only meaningful on a trained model:
 `ouro-py-3m` (4 shared layers x 4 loops, trained on the Python standard library). Prompts are
-the first L tokens of the stdlib's held-out `.py` files (`benchmarks.stdlib_corpus`); each arm
+the first L tokens of the stdlib's held-out `.py` files (`benchmarks.quality.stdlib_corpus`); each arm
 decodes N greedy tokens of every prompt with one engine and reports the acceptance, the tokens
 a round commits, the drafts a round proposes, the decode wall time, and the requests whose
 tokens differ from the dense arm's (on a CPU in float32 none should; in bfloat16 a near tie may
@@ -15,7 +15,7 @@ flip one). Arms: `SpeculativeConfig` kinds with WiseConfig(eta=0.95) where they 
   loops2   loops 0-1 dense, then the head, verified from loop 2
   ...-adaptive   the same with a per-request draft count (`SpeculativeConfig(adaptive=True)`)
 
-    python3 -m benchmarks.draft_kinds --out benchmarks/results/cpu-2026-12-05/draft-kinds
+    python3 -m benchmarks.engine.draft_kinds --out benchmarks/results/cpu-2026-12-05/draft-kinds
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from benchmarks import report as rp
-from benchmarks.stdlib_corpus import is_held_out, list_files, stdlib_root
+from benchmarks.quality.stdlib_corpus import is_held_out, list_files, stdlib_root
 
 KINDS = ("wise", "wise3", "wise2", "loops2")
 

@@ -1,6 +1,6 @@
 """Long prompts on a CPU: wise_jax.generate against wise_torch.generate, time and peak memory.
 
-    python -m benchmarks.jax_long_prompt_check --out benchmarks/results/DIR
+    python -m benchmarks.engine.jax_long_prompt_check --out benchmarks/results/DIR
 
 The case of issue 12: a tiny random model (test-tiny: 2 layers x 4 loops, hidden 128, fp32, with
 max_position_embeddings raised to 16384) prefills prompts of 12,000 and 6,000 tokens and decodes
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     runs, load = {}, [os.getloadavg()[0]]
     for framework in args.frameworks.split(","):
-        cmd = rp.module_command(STEM, "--worker", framework, "--new-tokens", str(args.new_tokens),
+        cmd = rp.module_command(f"engine.{STEM}", "--worker", framework, "--new-tokens", str(args.new_tokens),
                                 "--lengths", ",".join(map(str, args.lengths)))
         done = subprocess.run(cmd, capture_output=True, text=True, env=rp.module_env(JAX_PLATFORMS="cpu"))
         if done.returncode != 0:

@@ -1,8 +1,8 @@
 """Decode throughput of the serving engine (wise_torch.LLM): dense, WISE, FA4 and the pre-engine path.
 
-    python -m benchmarks.throughput --preset ouro-1.4b --shapes 1024x64,4096x20,8192x10 \\
+    python -m benchmarks.engine.throughput --preset ouro-1.4b --shapes 1024x64,4096x20,8192x10 \\
         --q-scale 8,7.3,7 --old-src .old-src --out benchmarks/results/DIR            # on an H200
-    python -m benchmarks.throughput --preset test-tiny --dtype float32 --device cpu --kernel reference \\
+    python -m benchmarks.engine.throughput --preset test-tiny --dtype float32 --device cpu --kernel reference \\
         --shapes 64x3 --new-tokens 6 --old-src . --out /tmp/tp                         # CPU smoke
 
 Method (the reference system's): a cohort of C concurrent requests of exactly L prompt tokens
@@ -62,7 +62,7 @@ import traceback
 from pathlib import Path
 
 from benchmarks import report as rp
-from benchmarks import speculative_arms
+from benchmarks.engine import speculative_arms
 
 # dense-default / wise-default: the engine as `LLM(model)` / `LLM(model, wise_config=WiseConfig())`
 # build it, every constructor argument at its default (pool, max_num_seqs, max_model_len, kernel).
@@ -346,7 +346,7 @@ def _engine_worker(spec: dict) -> dict:
             configs = dict(wise_config=WiseConfig(eta=spec["eta"], kernel=spec["kernel"]) if arm == "wise" else None)
         kernel = "fa4" if arm == "fa4" else spec["kernel"]
         extra = {"max_num_batched_tokens": spec["max_num_batched_tokens"]} if spec["max_num_batched_tokens"] else {}
-        if spec.get("tensor_parallel_size", 1) > 1:   # benchmarks/tp_scaling.py
+        if spec.get("tensor_parallel_size", 1) > 1:   # benchmarks/engine/tp_scaling.py
             extra["tensor_parallel_size"] = spec["tensor_parallel_size"]
         llm = wise_torch.LLM(model, **configs, num_pages=spec["num_pages"], page_size=spec["page_size"],
                              max_num_seqs=spec["batch"], cuda_graphs=CUDA_GRAPHS[spec["cuda_graphs"]], kernel=kernel,
@@ -424,7 +424,7 @@ def run_worker(spec: dict, timeout: float, workdir: Path) -> dict:
     spec_path.write_text(json.dumps(spec))
     env = rp.module_env(spec.get("old_src"), PYTHONUNBUFFERED="1")  # an old tree first on the path
     try:
-        done = subprocess.run(rp.module_command("throughput", "--worker", str(spec_path)),
+        done = subprocess.run(rp.module_command("engine.throughput", "--worker", str(spec_path)),
                               cwd=workdir if spec.get("old_src") else None,
                               env=env, timeout=timeout, capture_output=True, text=True)
     except subprocess.TimeoutExpired:

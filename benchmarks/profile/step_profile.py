@@ -1,8 +1,8 @@
 """Where a decode step's time goes, in both engines: every kernel of a step put in one category.
 
-    python -m benchmarks.step_profile --frameworks torch,jax --shapes 1024x64,4096x20,8192x10,1024x1 \\
+    python -m benchmarks.profile.step_profile --frameworks torch,jax --shapes 1024x64,4096x20,8192x10,1024x1 \\
         --q-scale 8,7.3,7,8 --out DIR                                                  # on an H200
-    python -m benchmarks.step_profile --preset test-tiny --dtype float32 --kernel reference \\
+    python -m benchmarks.profile.step_profile --preset test-tiny --dtype float32 --kernel reference \\
         --shapes 64x2 --steps 2 --out /tmp/sp                                           # CPU smoke
 
 Each (framework, shape, arm) runs in a fresh process with the engine's constructor defaults
@@ -44,8 +44,8 @@ import traceback
 from pathlib import Path
 
 from benchmarks import report as rp
-from benchmarks.device_trace import device_lines, stream_kernels
-from benchmarks.throughput import parse_floats, parse_shapes
+from benchmarks.profile.device_trace import device_lines, stream_kernels
+from benchmarks.engine.throughput import parse_floats, parse_shapes
 
 CATEGORIES = ("gemm", "attention, discovery loops", "attention, reuse loops", "selection / support bookkeeping",
               "norms / RoPE / KV writes / elementwise", "sampling and readback", "inputs")
@@ -176,7 +176,7 @@ def _torch_kernels(trace: Path, cpu: bool) -> list[Kernel]:
 
 def _torch_worker(spec: dict, tmp: Path) -> dict:
     import torch
-    from benchmarks import throughput
+    from benchmarks.engine import throughput
     import wise_torch
     from wise_core.config import ModelConfig, WiseConfig
     config = ModelConfig(**spec["config"])
@@ -239,7 +239,7 @@ def _jax_kernels(trace_dir: Path, hlo_dir: Path) -> list[Kernel]:
 
 def _jax_worker(spec: dict, tmp: Path) -> dict:
     import jax
-    from benchmarks import jax_generate_bench as bench
+    from benchmarks.engine import jax_generate_bench as bench
     import wise_jax
     from wise_core.config import WiseConfig
     config, params, prompts = bench.cohort_setup(dict(spec, seed=0))
@@ -281,7 +281,7 @@ def run(spec: dict, workdir: Path, timeout: float, hlo_out: Path | None = None) 
         env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), f"--xla_dump_to={tmp / 'hlo'}",
                                      "--xla_dump_hlo_module_re=.*_step.*"]).strip()
     try:
-        done = subprocess.run(rp.module_command("step_profile", "--worker", str(tmp / "spec.json")),
+        done = subprocess.run(rp.module_command("profile.step_profile", "--worker", str(tmp / "spec.json")),
                               env=env, timeout=timeout, capture_output=True, text=True)
     except subprocess.TimeoutExpired:
         return dict(status=f"error: timed out after {timeout:.0f} s")

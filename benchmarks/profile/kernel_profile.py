@@ -1,11 +1,11 @@
 """Where a Pallas decode-attention call's time goes: each kernel of the call under the profiler.
 
-    python -m benchmarks.kernel_profile --out DIR                          # on a GPU: Ouro shapes
-    python -m benchmarks.kernel_profile --out DIR --impls mosaic --modes sparse --shapes 4096x20
-    python -m benchmarks.kernel_profile --out DIR --smoke                  # CPU, interpreters
-    python -m benchmarks.kernel_profile --out DIR --impls mosaic --mosaic-config min_splits=2
+    python -m benchmarks.profile.kernel_profile --out DIR                          # on a GPU: Ouro shapes
+    python -m benchmarks.profile.kernel_profile --out DIR --impls mosaic --modes sparse --shapes 4096x20
+    python -m benchmarks.profile.kernel_profile --out DIR --smoke                  # CPU, interpreters
+    python -m benchmarks.profile.kernel_profile --out DIR --impls mosaic --mosaic-config min_splits=2
 
-Per (shape, impl, mode) one jitted chain of --calls calls (`benchmarks.bench_pallas`'s setup: 16 heads x
+Per (shape, impl, mode) one jitted chain of --calls calls (`benchmarks.kernels.bench_pallas`'s setup: 16 heads x
 head_dim 128, bf16, pages of 128 scattered over the pool, sparse at --density) runs once to
 compile, then once under `jax.profiler` (perfetto trace); each call has its own copy of the
 support, so no call's list is hoisted out of the chain. Reported per call: device time per
@@ -26,7 +26,7 @@ from pathlib import Path
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from benchmarks import bench_pallas as bp  # noqa: E402
+from benchmarks.kernels import bench_pallas as bp  # noqa: E402
 from benchmarks import report as rp  # noqa: E402
 from wise_jax.kernels import mosaic_decode, pallas_decode  # noqa: E402
 

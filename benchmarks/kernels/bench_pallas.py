@@ -1,12 +1,12 @@
 """Timing of the Pallas WISE decode kernels, and of jax's Pallas paged attention, per mode.
 
-    python -m benchmarks.bench_pallas --out DIR            # on a GPU: Ouro-1.4B attention shapes
-    python -m benchmarks.bench_pallas --out DIR --sweep    # also other launch configurations
-    python -m benchmarks.bench_pallas --out DIR --smoke    # CPU, interpreters, tiny shapes
-    python -m benchmarks.bench_pallas --out DIR --impls mosaic --mosaic-config split_keys=2048,min_splits=2
+    python -m benchmarks.kernels.bench_pallas --out DIR            # on a GPU: Ouro-1.4B attention shapes
+    python -m benchmarks.kernels.bench_pallas --out DIR --sweep    # also other launch configurations
+    python -m benchmarks.kernels.bench_pallas --out DIR --smoke    # CPU, interpreters, tiny shapes
+    python -m benchmarks.kernels.bench_pallas --out DIR --impls mosaic --mosaic-config split_keys=2048,min_splits=2
 
 `bench_pallas(shapes, densities)` returns rows keyed impl, mode, ctx, batch, density, us, tbps
-(plus config, and error where a case failed); `benchmarks/kernel_bench.py` merges them with the
+(plus config, and error where a case failed); `benchmarks/kernels/kernel_bench.py` merges them with the
 Triton kernel's rows of the same run. Shapes are (ctx, batch) at 16 heads x head_dim 128,
 bf16, pages of 128 keys scattered over the pool, every row at seq_len = ctx.
 
@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import report as rp
-from benchmarks.device_trace import device_activity
+from benchmarks.profile.device_trace import device_activity
 from wise_core import modes as M
 from wise_jax.kernels import mosaic_decode, pallas_decode
 from wise_jax.kernels.mosaic_decode import MosaicConfig

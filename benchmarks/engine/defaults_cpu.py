@@ -9,7 +9,7 @@ tokens each with `LLM(model)` (the defaults, max_model_len = max_position_embedd
 call, then --repeats timed calls of `generate`; the best is reported. Writes defaults_cpu.json
 and defaults_cpu.md to --out.
 
-    python -m benchmarks.defaults_cpu --out benchmarks/results/cpu-2026-12-03/defaults
+    python -m benchmarks.engine.defaults_cpu --out benchmarks/results/cpu-2026-12-03/defaults
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def worker(spec: dict) -> dict:
 
 
 def run_one(spec: dict, timeout: float) -> dict:
-    return rp.run_worker("defaults_cpu", spec, timeout, OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
+    return rp.run_worker("engine.defaults_cpu", spec, timeout, OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
 
 
 def markdown(report: dict) -> str:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Wheels of the `serve` extra (aiohttp and its dependencies, ~3 MB) for the H200's Python 3.12,
 # which has no network. Run from the project root on a machine with network; carry .whl-serve/
-# (ignored by git) to the H200, where benchmarks/serve_h200.sh installs it into /tmp/wise-serve-pkgs.
+# (ignored by git) to the H200, where benchmarks/serve/serve_h200.sh installs it into /tmp/wise-serve-pkgs.
 set -euo pipefail
 root=.whl-serve
 rm -rf "$root" && mkdir -p "$root"

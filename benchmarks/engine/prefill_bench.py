@@ -1,7 +1,7 @@
 """Prefill throughput of the serving engine (wise_torch.LLM) by prefill attention: tokens/s and MFU.
 
-    python3 -m benchmarks.prefill_bench --out benchmarks/results/DIR                    # on an H200
-    python3 -m benchmarks.prefill_bench --preset test-tiny --dtype float32 --device cpu \\
+    python3 -m benchmarks.engine.prefill_bench --out benchmarks/results/DIR                    # on an H200
+    python3 -m benchmarks.engine.prefill_bench --preset test-tiny --dtype float32 --device cpu \\
         --shapes 64x3 --arms sdpa,reference,fa4 --budgets 32,whole --repeats 1 --out /tmp/pb   # CPU smoke
 
 Method: a cohort of B requests of exactly L random prompt tokens (seeded per shape, the same for
@@ -35,7 +35,7 @@ import traceback
 from pathlib import Path
 
 from benchmarks import report as rp
-from benchmarks.throughput import random_model
+from benchmarks.engine.throughput import random_model
 from wise_core.config import PRESETS
 
 PEAK_TFLOPS = 790.0

@@ -1,8 +1,8 @@
 """Checkpoint loading: wall time and peak host memory of `wise_torch.load_model` and
 `wise_jax.load_model` on an Ouro-1.4B-shaped bf16 checkpoint in two shards (2.87 GB).
 
-    python -m benchmarks.checkpoint_load_bench --out benchmarks/results/cpu-2026-12-01
-    python -m benchmarks.checkpoint_load_bench --smoke --out /tmp/clb     # tiny model, seconds
+    python -m benchmarks.engine.checkpoint_load_bench --out benchmarks/results/cpu-2026-12-01
+    python -m benchmarks.engine.checkpoint_load_bench --smoke --out /tmp/clb     # tiny model, seconds
 
 The checkpoint (random bf16 weights, `--dir`, written once and reused) is loaded into bf16 on
 the CPU, each load in a fresh process: time is `load_model` alone (imports excluded), peak RSS
@@ -24,7 +24,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from benchmarks import report as rp

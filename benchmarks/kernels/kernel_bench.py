@@ -1,7 +1,7 @@
 """Decode-attention benchmark: the Triton WISE kernel per mode against cuDNN SDPA and FlashAttention-4.
 
-    python -m benchmarks.kernel_bench                       # on an H200: Ouro-1.4B attention
-    python -m benchmarks.kernel_bench --smoke --out DIR     # CPU: Triton interpreter, tiny shapes
+    python -m benchmarks.kernels.kernel_bench                       # on an H200: Ouro-1.4B attention
+    python -m benchmarks.kernels.kernel_bench --smoke --out DIR     # CPU: Triton interpreter, tiny shapes
 
 Ouro-1.4B attention: 16 heads x head_dim 128, bf16, pages of 128 keys scattered over the pool,
 every row at seq_len = ctx; (ctx, batch) = 1K x 64, 4K x 20, 8K x 10. Per call time from a CUDA
@@ -17,7 +17,7 @@ attended / time:
 - impl "sdpa-cudnn" (torch SDPA, cuDNN backend, contiguous K/V): dense, and mode contiguous: the
   first density * ctx keys, the floor of a sparse kernel at that density;
 - impl "fa4" (flash_attn.cute paged decode, same pages), dense and contiguous, when importable;
-- the rows of `benchmarks.bench_pallas.bench_pallas` when JAX has a GPU: impl "pallas"
+- the rows of `benchmarks.kernels.bench_pallas.bench_pallas` when JAX has a GPU: impl "pallas"
   (the Triton-lowered Pallas kernel) and impl "mosaic" (its split kernel on Mosaic GPU), modes
   dense, discover, sparse, discover+sparse, and jax's paged attention; impl "pallas-best" is
   the faster of the two Pallas kernels per shape, mode and density (derived, for the targets).
@@ -331,14 +331,14 @@ def bench_baselines(rows, p: Problem, densities, timer: Timer, notes) -> None:
 
 
 def bench_pallas_rows(shapes, densities, notes, **kwargs) -> list[dict]:
-    """`benchmarks.bench_pallas`'s rows (kwargs: bench_pallas's), when JAX has a GPU."""
+    """`benchmarks.kernels.bench_pallas`'s rows (kwargs: bench_pallas's), when JAX has a GPU."""
     try:
         import jax
         if jax.default_backend() != "gpu":
             note = f"Pallas skipped: JAX runs on {jax.default_backend()}, not a GPU"
             notes.extend([note] if note not in notes else [])
             return []
-        from benchmarks.bench_pallas import bench_pallas
+        from benchmarks.kernels.bench_pallas import bench_pallas
         return bench_pallas(shapes, densities, **kwargs)
     except Exception as e:  # the Pallas rows are optional
         traceback.print_exc()
@@ -506,7 +506,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-sweep", action="store_true", help="skip the other launch configurations")
     parser.add_argument("--sweep-seconds", type=float, default=150.0,
                         help="time budget of the launch-configuration sweep, all shapes together")
-    parser.add_argument("--no-pallas", action="store_true", help="skip benchmarks.bench_pallas's rows")
+    parser.add_argument("--no-pallas", action="store_true", help="skip benchmarks.kernels.bench_pallas's rows")
     parser.add_argument("--pallas-sweep-seconds", type=float, default=0.0,
                         help="time budget of each Pallas kernel's launch sweep per shape (0: none)")
     parser.add_argument("--pallas-chain", default="4,16",
@@ -520,7 +520,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     mosaic_configs = []
     if args.mosaic_config:
-        from benchmarks.bench_pallas import parse_mosaic_config
+        from benchmarks.kernels.bench_pallas import parse_mosaic_config
         try:
             mosaic_configs = [parse_mosaic_config(text) for text in args.mosaic_config]
         except ValueError as e:

@@ -1,6 +1,6 @@
 """Load client for `wise serve`: N streaming completions at a fixed rate or concurrency.
 
-    python -m benchmarks.serve_load --url http://127.0.0.1:8000 --num-requests 256 --concurrency 64 \\
+    python -m benchmarks.serve.serve_load --url http://127.0.0.1:8000 --num-requests 256 --concurrency 64 \\
         --prompt-len 1024 --output-len 128 --ignore-eos --out benchmarks/results/serve --label dense
 
 Prompts are random token ids (prompt lengths uniform in prompt_len * [1 - spread, 1 + spread],
@@ -300,7 +300,7 @@ def write(report: dict, results: list[Result] | None, out: Path) -> None:
 
 def summary_table(directory) -> str:
     """Markdown: per arm, offline and server (at a concurrency) throughput and latencies, from
-    the serve_load-ARM-{offline,conc,rate}.json files of benchmarks/serve_h200.sh."""
+    the serve_load-ARM-{offline,conc,rate}.json files of benchmarks/serve/serve_h200.sh."""
     d = Path(directory)
 
     def load(label):

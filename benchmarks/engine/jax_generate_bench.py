@@ -1,11 +1,11 @@
 """Decode throughput of the JAX serving engine (wise_jax.LLM): dense, WISE, their variants, and prefill.
 
-    python -m benchmarks.jax_generate_bench --shapes 1024x64,4096x20,8192x10,1024x1 --q-scale 8,7.3,7,8 \\
+    python -m benchmarks.engine.jax_generate_bench --shapes 1024x64,4096x20,8192x10,1024x1 --q-scale 8,7.3,7,8 \\
         --prefill-shapes 32768x2 --out benchmarks/results/DIR                           # on an H200
-    python -m benchmarks.jax_generate_bench --preset test-tiny --dtype float32 --kernel reference \\
+    python -m benchmarks.engine.jax_generate_bench --preset test-tiny --dtype float32 --kernel reference \\
         --shapes 64x3 --new-tokens 6 --arms dense,wise --out /tmp/jb                    # CPU smoke
 
-Method: `benchmarks.throughput`'s (the reference system's), and its code where the job is the
+Method: `benchmarks.engine.throughput`'s (the reference system's), and its code where the job is the
 same (`run_cohort`, the roofline, the targets): a cohort of C concurrent requests of exactly L
 prompt tokens (random ids, seed fixed per shape), greedy, N output tokens each with ignore_eos;
 decode throughput counts the tokens generated after the step in which the whole cohort has its
@@ -57,7 +57,7 @@ import traceback
 from pathlib import Path
 
 from benchmarks import report as rp
-from benchmarks.throughput import (base_of, cohort_pages, density_text, engine_standing, parse_floats, parse_shapes,
+from benchmarks.engine.throughput import (base_of, cohort_pages, density_text, engine_standing, parse_floats, parse_shapes,
                                    plot, prepare_old_src, roofline, run_cohort, stats_dict, table)
 
 # dense-default / wise-default: `LLM(params, config)` / `LLM(params, config, wise_config=WiseConfig())`,
@@ -258,7 +258,7 @@ def run_worker(spec: dict, timeout: float, workdir: Path, compile_cache: Path) -
     env = arm_env(spec["arm"], first=spec.get("old_src"), JAX_COMPILATION_CACHE_DIR=str(compile_cache),
                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     try:
-        done = subprocess.run(rp.module_command("jax_generate_bench", "--worker", str(spec_path)),
+        done = subprocess.run(rp.module_command("engine.jax_generate_bench", "--worker", str(spec_path)),
                               cwd=workdir if spec.get("old_src") else None, env=env, timeout=timeout,
                               capture_output=True, text=True)
     except subprocess.TimeoutExpired:

@@ -1,8 +1,8 @@
 """WISE against dense decode: quality on held-out text, and F1/EM on question answering.
 
-    python -m benchmarks.quality text [--model NAME_OR_DIR] [--n-contexts 200] [--etas 0.9 0.95 0.99]
-    python -m benchmarks.quality qa --model DIR --data file.jsonl [--etas 0.95] [--limit N]
-    python -m benchmarks.quality text --smoke --out /tmp/q     # a few tiny contexts, for a check
+    python -m benchmarks.quality.evaluate text [--model NAME_OR_DIR] [--n-contexts 200] [--etas 0.9 0.95 0.99]
+    python -m benchmarks.quality.evaluate qa --model DIR --data file.jsonl [--etas 0.95] [--limit N]
+    python -m benchmarks.quality.evaluate text --smoke --out /tmp/q     # a few tiny contexts, for a check
 
 `text` (the default): contexts of `--min-context`..`--max-context` tokens cut at seeded offsets
 from the held-out stdlib files (`stdlib_corpus`; encoded with the model's tokenizer), each
@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks import qa_scoring, stdlib_corpus
+from benchmarks.quality import qa_scoring, stdlib_corpus
 from benchmarks import report as rp
 from wise_core.checkpoint import DEFAULT_MODEL
 from wise_core.config import WiseConfig

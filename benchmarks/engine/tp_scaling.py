@@ -1,8 +1,8 @@
 """Tensor-parallel scaling of the serving engine: decode throughput on 1 and N GPUs, dense and WISE.
 
-    NCCL_NVLS_ENABLE=0 python -m benchmarks.tp_scaling --preset ouro-1.4b --shapes 1024x64 --q-scale 8 \\
+    NCCL_NVLS_ENABLE=0 python -m benchmarks.engine.tp_scaling --preset ouro-1.4b --shapes 1024x64 --q-scale 8 \\
         --out benchmarks/results/DIR/tp-1024x64                                          # on 2 x H200
-    python -m benchmarks.tp_scaling --preset test-tiny --dtype float32 --device cpu --kernel reference \\
+    python -m benchmarks.engine.tp_scaling --preset test-tiny --dtype float32 --device cpu --kernel reference \\
         --shapes 64x3 --new-tokens 5 --out /tmp/tps                                      # CPU smoke (gloo)
 
 Method: throughput.py's -- a cohort of C concurrent requests of exactly L random prompt tokens,
@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import report as rp
-from benchmarks import speculative_arms, throughput
+from benchmarks.engine import speculative_arms, throughput
 
 ARMS = ("dense", "wise")
 

@@ -1,10 +1,10 @@
 """One jitted Mosaic GPU decode-attention call, run a few times: the target for Nsight Compute
-and for Mosaic GPU's dumps (`benchmarks.bench_pallas`'s setup: pages of 128 scattered over the pool,
+and for Mosaic GPU's dumps (`benchmarks.kernels.bench_pallas`'s setup: pages of 128 scattered over the pool,
 sparse at --density of each row's blocks per head).
 
     ncu -k regex:mosaic --launch-skip 1 --launch-count 1 --section Occupancy \\
-        python -m benchmarks.mosaic_call --shape 4096x20 --mode sparse
-    MOSAIC_GPU_DUMP_TO=DIR python -m benchmarks.mosaic_call --shape 4096x20 --calls 1  # PTX, ptxas, SASS
+        python -m benchmarks.kernels.mosaic_call --shape 4096x20 --mode sparse
+    MOSAIC_GPU_DUMP_TO=DIR python -m benchmarks.kernels.mosaic_call --shape 4096x20 --calls 1  # PTX, ptxas, SASS
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from benchmarks import bench_pallas as bp
+from benchmarks.kernels import bench_pallas as bp
 from wise_core import modes as M
 from wise_jax.kernels import mosaic_decode
 

@@ -1,7 +1,7 @@
 """The fused decode-path kernels of wise_torch.layers against the eager torch chains they replace.
 
-    python -m benchmarks.fused_ops_bench --out DIR            # on an H200: Ouro-1.4B shape, bf16
-    python -m benchmarks.fused_ops_bench --smoke --out DIR    # CPU: Triton interpreter, tiny shapes
+    python -m benchmarks.kernels.fused_ops_bench --out DIR            # on an H200: Ouro-1.4B shape, bf16
+    python -m benchmarks.kernels.fused_ops_bench --smoke --out DIR    # CPU: Triton interpreter, tiny shapes
 
 Per op and token count (1, 10, 20, 64 by default): microseconds per call of the fused Triton op
 and of the torch chain of today's model (wise_torch.model's ops, op for op), each captured in a
@@ -249,7 +249,7 @@ def main(argv=None) -> dict:
         parser.error("without a CUDA GPU only --smoke runs (the Triton kernels need CUDA or the interpreter)")
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before wise_torch.kernels.fused is imported
-    from benchmarks.kernel_bench import Timer
+    from benchmarks.kernels.kernel_bench import Timer
 
     shape = SMOKE if args.smoke else OURO
     batches = args.batches or (SMOKE_BATCHES if args.smoke else BATCHES)

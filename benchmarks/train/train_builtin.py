@@ -1,7 +1,7 @@
 """Train the built-in Ouro-architecture model on the Python standard library's source (JAX).
 
-    python -m benchmarks.train_builtin --out /tmp/ouro-py-3m --minutes 5   # on an H200
-    python -m benchmarks.train_builtin --smoke --out /tmp/ouro-smoke       # CPU, under a minute
+    python -m benchmarks.train.train_builtin --out /tmp/ouro-py-3m --minutes 5   # on an H200
+    python -m benchmarks.train.train_builtin --smoke --out /tmp/ouro-smoke       # CPU, under a minute
 
 Data: `stdlib_corpus` (byte tokens, files held out by a hash of their path). Each step samples
 `--batch` windows of `--seq-len` + 1 tokens at random offsets of the training stream.
@@ -34,7 +34,7 @@ from pathlib import Path
 import jax
 
 from benchmarks import report as rp
-from benchmarks import stdlib_corpus
+from benchmarks.quality import stdlib_corpus
 from wise_core.train_config import TrainConfig
 from wise_jax import train as T
 
@@ -128,7 +128,7 @@ def model_card(log: dict) -> str:
         f"hidden {m['hidden_size']}, {m['num_attention_heads']} heads x {m['head_dim']}, MLP "
         f"{m['intermediate_size']}, byte vocabulary of {m['vocab_size']} (<|endoftext|> = 256), "
         f"RoPE theta {m['rope_theta']:g}. Weights in bf16.\n\n"
-        f"Trained by `benchmarks.train_builtin` (`wise_jax.train`) on the Python {log['machine']['python']} "
+        f"Trained by `benchmarks.train.train_builtin` (`wise_jax.train`) on the Python {log['machine']['python']} "
         f"standard library's `*.py` files ({c['train_files']} files, {c['train_tokens']:,} tokens; "
         f"{c['heldout_files']} files held out by path hash) for {log['steps_done']:,} steps, "
         f"{log['tokens_seen']:,} tokens, {log['train_s']:.0f} s on {log['machine']['device']} ({log['date']}), "

@@ -1,0 +1,1 @@
+"""Training the built-in model."""
