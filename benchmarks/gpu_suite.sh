@@ -63,8 +63,8 @@ case $part in
     fi
     ;;
   engine)
-    run torch_gpu_tests 420 python3 -m pytest -q -m gpu tests/test_torch_gpu.py tests/test_layers.py \
-        tests/test_fused_compile.py tests/test_triton_decode.py tests/test_torch_speculative_gpu.py \
+    run torch_gpu_tests 420 python3 -m pytest -q -m gpu tests/wise_torch/test_torch_gpu.py tests/wise_torch/test_layers.py \
+        tests/wise_torch/test_fused_compile.py tests/wise_torch/test_triton_decode.py tests/wise_torch/test_torch_speculative_gpu.py \
         -p no:cacheprovider -rfE -s
     run fused_ops 120 python3 -m benchmarks.kernels.fused_ops_bench --out "$out/fused_ops"
     run throughput 540 python3 -m benchmarks.engine.throughput --preset ouro-1.4b --arms "${ARMS:-dense,wise}" \
@@ -78,9 +78,9 @@ case $part in
           --prefill-shapes 32768x2 --child-timeout 150 --out "$out/jax_throughput"
     fi
     if [ "$part" != jax-bench ]; then
-      run jax_gpu_tests 240 python3 -m pytest -q -m gpu tests/test_jax_gpu.py tests/test_jax_selection_in_generate.py \
-          tests/test_kernels_in_generate_gpu.py tests/test_parity_gpu.py -p no:cacheprovider -rfE --durations=10
-      run decode_contract 120 python3 -m pytest -q tests/test_decode_contract.py -p no:cacheprovider -rfE
+      run jax_gpu_tests 240 python3 -m pytest -q -m gpu tests/wise_jax/test_jax_gpu.py tests/wise_jax/test_jax_selection_in_generate.py \
+          tests/parity/test_kernels_in_generate_gpu.py tests/parity/test_parity_gpu.py -p no:cacheprovider -rfE --durations=10
+      run decode_contract 120 python3 -m pytest -q tests/wise_core/test_decode_contract.py -p no:cacheprovider -rfE
     fi
     ;;
   step-profile)
@@ -88,8 +88,8 @@ case $part in
         --shapes "${SHAPES:-1024x64,1024x1}" --q-scale "${Q_SCALES:-8,8}" --child-timeout 150 --out "$out/step_profile"
     ;;
   pallas)
-    run pallas_gpu_tests 150 python3 -m pytest -q -m gpu tests/test_pallas_decode.py tests/test_mosaic_decode.py \
-        tests/test_pallas_lowering.py -p no:cacheprovider -rfE --durations=10
+    run pallas_gpu_tests 150 python3 -m pytest -q -m gpu tests/wise_jax/test_pallas_decode.py tests/wise_jax/test_mosaic_decode.py \
+        tests/wise_jax/test_pallas_lowering.py -p no:cacheprovider -rfE --durations=10
     run kernel_bench 180 python3 -m benchmarks.kernels.kernel_bench --out "$out/kernel" --no-sweep --densities 0.13 \
         --pallas-chain 2,16 --no-jax-paged
     ;;
@@ -104,7 +104,7 @@ case $part in
     ;;
   tp)
     export NCCL_NVLS_ENABLE=0
-    run tp_gpu_tests 540 python3 -m pytest -q -m gpu tests/test_torch_tensor_parallel_gpu.py tests/test_jax_sharding_gpu.py \
+    run tp_gpu_tests 540 python3 -m pytest -q -m gpu tests/wise_torch/test_torch_tensor_parallel_gpu.py tests/wise_jax/test_jax_sharding_gpu.py \
         -p no:cacheprovider -rfE -s
     run tp_scaling_1k 540 python3 -m benchmarks.engine.tp_scaling --preset ouro-1.4b --shapes 1024x64 --q-scale 8 \
         --child-timeout 240 --out "$out/tp_scaling_1k"
@@ -116,7 +116,7 @@ case $part in
   fa4)
     if [ -f .whl-fa4/c/install.sh ]; then run fa4_install 240 bash .whl-fa4/c/install.sh; fi
     export PYTHONPATH=/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
-    run fa4_gpu_tests 180 python3 -m pytest -q -m gpu tests/test_torch_prefill_varlen.py -p no:cacheprovider -rfE
+    run fa4_gpu_tests 180 python3 -m pytest -q -m gpu tests/wise_torch/test_torch_prefill_varlen.py -p no:cacheprovider -rfE
     run prefill_bench 360 python3 -m benchmarks.engine.prefill_bench --out "$out/prefill"
     ;;
   prefix)

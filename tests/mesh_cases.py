@@ -1,5 +1,5 @@
 """wise_jax over a 2-device mesh on CPU, against one device. Not collected by the suite: run by
-tests/test_jax_sharding.py in a subprocess whose XLA_FLAGS give it two host devices
+tests/wise_jax/test_jax_sharding.py in a subprocess whose XLA_FLAGS give it two host devices
 (--xla_force_host_platform_device_count=2), so the other tests keep one.
 
 Tolerances: each device's o_proj / down_proj output is a partial sum over its heads (MLP
@@ -17,6 +17,8 @@ from wise_core.checkpoint import random_tensors
 from wise_core.config import PRESETS, WiseConfig
 from wise_jax import serving, sharding
 
+from cases import prompts_of
+
 assert jax.device_count() == 2, "run with XLA_FLAGS=--xla_force_host_platform_device_count=2"
 
 MODES = {"dense": None, "wise": WiseConfig(eta=0.5, kernel="reference")}
@@ -31,11 +33,6 @@ def mesh():
 def tiny():
     config = PRESETS["test-tiny-gqa"]      # 4 query heads, 2 KV heads: one KV head and its 2 query heads a device
     return config, wise_jax.from_checkpoint_tensors(config, random_tensors(config, seed=0, std=0.08))
-
-
-def prompts_of(lengths, vocab, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, n).tolist() for n in lengths]
 
 
 def assert_same_run(one, two, config, keys):

@@ -6,7 +6,7 @@ MLIR built inside `plgpu.inline_mgpu` bodies, for what Pallas on Mosaic GPU does
 - `scores_mma`, `load_vt`, `pv_mma`: a tile's q.K and p.V on tensor cores, mma.sync m16n8k16 a
   warp (`MosaicConfig(products="mma")`).
 
-None of it runs in jax's GPU interpreter; the gpu tests of `tests/test_mosaic_decode.py` cover it
+None of it runs in jax's GPU interpreter; the gpu tests of `tests/wise_jax/test_mosaic_decode.py` cover it
 and its CPU lowering tests build it.
 """
 

@@ -1,4 +1,4 @@
-"""wise_torch.LLM beyond what both engines share (tests/test_engine.py): step outputs with stop
+"""wise_torch.LLM beyond what both engines share (tests/wise_core/engine/test_engine.py): step outputs with stop
 tokens, logprobs and text, padding rows, the sampler, the torch engine's own arguments."""
 
 import math
@@ -10,7 +10,7 @@ import wise_torch as wt
 from wise_core.checkpoint import random_tensors
 from wise_core.config import PRESETS, WiseConfig
 from wise_torch.engine.sampler import sample
-from torch_cases import prompts_of
+from cases import prompts_of
 
 @pytest.fixture(scope="module")
 def model():
@@ -80,7 +80,7 @@ def test_sampler_from_tiny_to_huge_temperatures():
 
 def test_bad_inputs_are_named(model):
     """The torch engine's own arguments and SamplingParams' checks (the requests every engine
-    refuses: tests/test_engine.py)."""
+    refuses: tests/wise_core/engine/test_engine.py)."""
     for bad, match in ((dict(max_tokens=0), "max_tokens must be a positive integer"),
                        (dict(temperature=-1.0), "temperature must be >= 0"),
                        (dict(temperature="0.5"), "temperature must be a finite number"),

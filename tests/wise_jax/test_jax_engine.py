@@ -1,4 +1,4 @@
-"""wise_jax.LLM beyond what both engines share (tests/test_engine.py): the logits of a prompt
+"""wise_jax.LLM beyond what both engines share (tests/wise_core/engine/test_engine.py): the logits of a prompt
 prefilled in chunks against `wise_jax.generate` of the prompt alone (fp32, reference kernel,
 CPU), whose prompt prefills in one chunk."""
 
@@ -10,6 +10,8 @@ from wise_core import rounding
 from wise_core.checkpoint import random_tensors
 from wise_core.config import PRESETS, WiseConfig
 
+from cases import prompts_of
+
 CONFIG = PRESETS["test-tiny"]
 PAGE = 32
 WISE = WiseConfig(eta=0.5, kernel="reference")
@@ -19,11 +21,6 @@ MODES = pytest.mark.parametrize("wise_config", [None, WISE], ids=["dense", "wise
 @pytest.fixture(scope="module")
 def params():
     return wise_jax.from_checkpoint_tensors(CONFIG, random_tensors(CONFIG, seed=5, std=0.08))
-
-
-def prompts_of(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in lengths]
 
 
 def alone(params, prompt, n, wise_config, **kw):
@@ -39,7 +36,7 @@ def engine(params, wise_config=None, **kw):
 @MODES
 def test_logits_of_a_prompt_prefilled_in_chunks_are_the_unchunked_ones(params, wise_config):
     """150 prompt tokens at 40 a step: four chunks, three of them starting mid-page."""
-    prompt = prompts_of([150])[0]
+    prompt = prompts_of([150], CONFIG.vocab_size)[0]
     llm = engine(params, wise_config, max_num_batched_tokens=40)
     rid = llm.add_request(prompt, wise_jax.SamplingParams(max_tokens=8, ignore_eos=True), keep_logits=True)
     seq = llm.sequences[rid]

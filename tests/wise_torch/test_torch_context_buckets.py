@@ -12,7 +12,7 @@ import wise_torch as wt
 from wise_core.checkpoint import random_tensors
 from wise_core.config import PRESETS, SpeculativeConfig, WiseConfig
 from wise_core.buckets import context_buckets
-from torch_cases import prompts_of
+from cases import prompts_of
 
 # Prompt lengths and budgets: the first row grows across a page (1 -> 2 pages of 32, the first
 # rung to the second), the others sit at 3 and 5 pages (rungs 4 and 8), so one batch spans

@@ -17,7 +17,7 @@ import pytest
 from wise_core.config import PRESETS
 from wise_jax import sharding
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_two_device_mesh_cases():

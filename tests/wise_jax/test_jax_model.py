@@ -3,7 +3,6 @@ input checks, prefill / insert / paged decode against the forward, teacher_force
 tolerances per assertion."""
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp

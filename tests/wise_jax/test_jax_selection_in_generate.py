@@ -12,10 +12,8 @@ model in float32 and bfloat16."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

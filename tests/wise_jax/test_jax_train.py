@@ -137,7 +137,7 @@ np.save(sys.argv[1], np.concatenate([np.ravel(x) for x in jax.tree.leaves(state.
 def test_data_parallel_two_devices_matches_one(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     out = tmp_path / "two.npy"
-    code = DATA_PARALLEL.format(tests=str(Path(__file__).parent))
+    code = DATA_PARALLEL.format(tests=str(Path(__file__).resolve().parents[1]))
     subprocess.run([sys.executable, "-c", code, str(out)], check=True, env=env, timeout=300)
     state, _, _ = T.train_loop(CONFIG, dataclasses.replace(TRAIN, checkpoint_every=0, max_steps=3), STREAM, log=quiet)
     one = np.concatenate([np.ravel(x) for x in jax.tree.leaves(state.params)])

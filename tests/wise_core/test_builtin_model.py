@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
     not (PACKAGED / "config.json").exists(),
     reason=f"no trained model packaged yet: {PACKAGED} is the output of benchmarks/train/train_builtin.py "
            "(trained on an H200), committed there")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MAX_BYTES = 8_000_000
 
 

@@ -10,7 +10,7 @@ import wise_torch as wt
 from wise_core import rounding
 from wise_core.checkpoint import random_tensors
 from wise_core.config import PRESETS, ConfigError, WiseConfig
-from torch_cases import prompts_of
+from cases import prompts_of
 
 
 @pytest.fixture(scope="module", params=["test-tiny", "test-tiny-gqa"])

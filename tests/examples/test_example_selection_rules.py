@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-PATH = Path(__file__).resolve().parent.parent / "examples" / "selection_rules.py"
+PATH = Path(__file__).resolve().parents[2] / "examples" / "selection_rules.py"
 
 
 @pytest.fixture(scope="module")

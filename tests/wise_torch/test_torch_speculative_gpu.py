@@ -14,7 +14,7 @@ from wise_core.checkpoint import random_tensors
 from wise_core.config import PRESETS, WiseConfig
 from wise_torch.kernels.triton_verify import verify_attention
 from wise_torch.verification import verify_attention_reference
-from torch_cases import prompts_of
+from cases import prompts_of
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -12,7 +12,7 @@ import pytest
 
 import wise_core
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def wise(*args, timeout=300, interpret=True, stdin=""):

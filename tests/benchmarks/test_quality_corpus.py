@@ -11,7 +11,7 @@ import pytest
 from benchmarks.quality import stdlib_corpus as corpus
 from wise_core.tokenizer import byte_tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_split_is_disjoint_complete_and_about_ten_percent():

@@ -10,7 +10,7 @@ import wise_torch as wt
 from wise_core import rounding
 from wise_core.checkpoint import random_tensors
 from wise_core.config import PRESETS, WiseConfig
-from torch_cases import prompts_of
+from cases import prompts_of
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -14,7 +14,7 @@ from wise_core import rounding
 from wise_core.checkpoint import random_tensors
 from wise_core.config import PRESETS, SpeculativeConfig, WiseConfig
 from wise_torch import parallel
-from torch_cases import prompts_of
+from cases import prompts_of
 
 WISE = WiseConfig(eta=0.5, kernel="reference")
 

@@ -7,9 +7,9 @@ one chunk."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
+from cases import prompts_of
 from engine_cases import FRAMEWORKS, Framework, drained
 from wise_core.config import PRESETS, WiseConfig
 from wise_core.request import SamplingParams
@@ -30,14 +30,9 @@ def engine(fw, wise_config=None, **kw):
     return fw.engine(wise_config=wise_config, **kw)
 
 
-def prompts_of(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in lengths]
-
-
 @MODES
 def test_requests_joining_between_steps_get_their_tokens_alone(fw, wise_config):
-    prompts = prompts_of([70, 3, 129, 40, 17], seed=1)
+    prompts = prompts_of([70, 3, 129, 40, 17], CONFIG.vocab_size, seed=1)
     news = [9, 14, 5, 11, 8]
     llm = engine(fw, wise_config, max_num_batched_tokens=64)   # long prompts prefill in chunks
     ids, produced, step = {}, {}, 0
@@ -61,7 +56,7 @@ def test_requests_joining_between_steps_get_their_tokens_alone(fw, wise_config):
 @MODES
 def test_a_prompt_longer_than_a_step_prefills_in_chunks_with_the_unchunked_tokens(fw, wise_config):
     """150 prompt tokens at 40 a step: four chunks, three of them starting mid-page."""
-    prompt = prompts_of([150], seed=2)[0]
+    prompt = prompts_of([150], CONFIG.vocab_size, seed=2)[0]
     llm = engine(fw, wise_config, max_num_batched_tokens=40)
     rid = llm.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
     seq, cached = llm.sequences[rid], []
@@ -75,7 +70,7 @@ def test_a_prompt_longer_than_a_step_prefills_in_chunks_with_the_unchunked_token
 
 @MODES
 def test_preemption_offloads_and_resumes_with_the_same_tokens(fw, wise_config):
-    prompts = prompts_of([60, 50, 45, 33], seed=3)
+    prompts = prompts_of([60, 50, 45, 33], CONFIG.vocab_size, seed=3)
     llm = engine(fw, wise_config, num_pages=8)          # 8 pages of 32: the four cannot all grow
     outs = llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)
     stats = drained(llm)
@@ -87,7 +82,7 @@ def test_preemption_offloads_and_resumes_with_the_same_tokens(fw, wise_config):
 
 
 def test_seeded_sampling_survives_preemption_and_does_not_depend_on_the_batch(fw):
-    prompts = prompts_of([60, 50, 45, 33], seed=4)
+    prompts = prompts_of([60, 50, 45, 33], CONFIG.vocab_size, seed=4)
     sampling = [SamplingParams(max_tokens=40, temperature=1.0, seed=s, ignore_eos=True) for s in range(4)]
     tight = engine(fw, num_pages=8)
     together = tight.generate(prompts, sampling, use_tqdm=False)
@@ -99,7 +94,7 @@ def test_seeded_sampling_survives_preemption_and_does_not_depend_on_the_batch(fw
 
 
 def test_abort_frees_pages_and_leaves_the_others_unchanged(fw):
-    prompts = prompts_of([40, 30, 20], seed=5)
+    prompts = prompts_of([40, 30, 20], CONFIG.vocab_size, seed=5)
     llm = engine(fw)
     ids = [llm.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]
     for _ in range(4):

@@ -10,7 +10,7 @@ import pytest
 from engine_cases import FRAMEWORKS, Framework, drained
 from wise_core.config import PRESETS, WiseConfig
 from wise_core.request import SamplingParams
-from torch_cases import prompts_of
+from cases import prompts_of
 
 CONFIG = PRESETS["test-tiny"]
 PROMPT = prompts_of([70], CONFIG.vocab_size, seed=4)[0]      # 2 full pages of 32 and 6 tokens

@@ -15,7 +15,7 @@ import pytest
 
 from benchmarks.engine import throughput as tp
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_arguments():

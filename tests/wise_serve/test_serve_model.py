@@ -17,7 +17,7 @@ from wise_serve.args import add_serve_arguments
 from wise_serve.model import build_llm, dummy_model
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEVICE_ARGV = ["--device", "cpu", "--num-pages", "4", "--page-size", "32", "--max-model-len", "64",
                "--max-num-seqs", "2"]
 

@@ -18,7 +18,7 @@ import wise_torch as wt
 from wise_core.checkpoint import random_tensors
 from wise_core.config import PRESETS, ConfigError, WiseConfig
 from wise_torch.model import SequenceContext
-from torch_cases import prompts_of
+from cases import prompts_of
 
 WISE = WiseConfig(eta=0.5, kernel="reference")
 SPECS = {"wise": (wt.SpeculativeConfig("wise", num_draft=3), WISE),

@@ -138,7 +138,7 @@ def test_decode_step_updates_the_donated_cache_in_place():
     """The cache is aliased to the output and never copied whole: temporaries stay far below it
     (they hold one plane's gathered keys and values per loop; 32 planes here).
     fp32 only: XLA on CPU converts a bf16 scatter's whole operand to fp32 (a GPU scatters bf16
-    natively; tests/test_jax_gpu.py checks bf16 there)."""
+    natively; tests/wise_jax/test_jax_gpu.py checks bf16 there)."""
     config = dataclasses.replace(CONFIG, num_hidden_layers=8)
     cache_bytes, aliased, temporary = decode_memory(config, rows=4, max_pages=20, page_size=PAGE,
                                                     kernel="reference", dtype=jnp.float32)

@@ -12,7 +12,7 @@ import pytest
 from engine_cases import FRAMEWORKS, Framework, drained
 from wise_core.config import PRESETS, WiseConfig
 from wise_core.request import SamplingParams
-from torch_cases import prompts_of
+from cases import prompts_of
 
 WISE = WiseConfig(eta=0.9, kernel="reference")
 CONFIG = PRESETS["test-tiny-gqa"]
