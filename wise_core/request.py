@@ -287,7 +287,9 @@ class EngineStats:
     and prefix_cache_hits, those found cached (their prefill skipped), since the engine started;
     forked_prompt_tokens: prompt tokens the later completions of n > 1 requests took from their
     first completion's pages instead of prefilling them. prefill_attention: the prefill
-    attention that runs (torch: "sdpa", "fa4" or "reference"; "" where the engine has no choice)."""
+    attention that runs (torch: "sdpa", "fa4" or "reference"; "" where the engine has no choice);
+    wise_decode: what runs the WISE loops (torch: "kernel", "fa4-union" or "reference-union"; ""
+    where the engine has no choice)."""
 
     total_pages: int
     free_pages: int
@@ -314,6 +316,7 @@ class EngineStats:
     prefix_cache_hits: int = 0
     forked_prompt_tokens: int = 0
     prefill_attention: str = ""
+    wise_decode: str = ""
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:

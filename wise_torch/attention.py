@@ -184,7 +184,7 @@ def update_support(modes: torch.Tensor, support: torch.Tensor, selected: torch.T
 
 def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,
                                block_size: int, eta: float, scale: float | None = None,
-                               return_mass: bool = False, validate: bool = True):
+                               return_mass: bool = False, validate: bool = True, reuse: bool = False):
     """One query token per row against its paged keys, per row mode (docs/DESIGN.md).
 
     q: [batch, heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim];
@@ -194,9 +194,10 @@ def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes,
     mass float32[batch, heads, max_blocks] (the block mass of the probabilities attended).
     Every mode runs the same masked softmax, so DENSE, DISCOVER and a SPARSE row with every
     causal block selected are bitwise equal. validate: also check the values (`check_call`).
+    reuse: a reuse loop's call, no row discovers (checked with validate): nothing is selected.
     """
     check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size, eta=eta,
-               validate=validate)
+               validate=validate, reuse=reuse)
     batch, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     max_keys = page_table.shape[1] * page_size
@@ -219,7 +220,8 @@ def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes,
     out = torch.einsum("bkgs,bskd->bkgd", probs.reshape(batch, kv_heads, group, max_keys), v)
 
     mass = probs.reshape(batch, heads, max_blocks, block_size).sum(-1)
-    support.copy_(update_support(modes, support, select_blocks(mass, eta)))
+    if not reuse:
+        support.copy_(update_support(modes, support, select_blocks(mass, eta)))
     out = out.reshape(batch, heads, head_dim).to(q.dtype)
     return (out, support, mass) if return_mass else (out, support)
 
@@ -256,7 +258,11 @@ def select_after(fn: Callable, selection: rules.SelectionRule) -> Callable:
     unchanged."""
     selection = rules.as_rule(selection)
 
-    def call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, return_mass: bool = False, **kwargs):
+    def call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, return_mass: bool = False,
+             reuse: bool = False, **kwargs):
+        if reuse:   # a reuse call selects nothing
+            return fn(q, k_pages, v_pages, page_table, seq_lens, modes, support, return_mass=return_mass,
+                      reuse=True, **kwargs)
         held = support.clone()
         out, _, mass = fn(q, k_pages, v_pages, page_table, seq_lens, modes, support, return_mass=True, **kwargs)
         support.copy_(update_support(modes, held, select_blocks(mass, selection)))
@@ -297,12 +303,14 @@ def prepare_decode_attention(kernel: str, *, batches: list[int], heads: int, kv_
 def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,
                      block_size: int, eta: float, scale: float | None = None,
                      return_mass: bool = False, kernel: str = "auto", validate: bool = True,
-                     selection: rules.SelectionRule | None = None):
+                     reuse: bool = False, selection: rules.SelectionRule | None = None):
     """`decode_attention_reference`'s contract, run by `kernel` ("auto", "reference", "triton").
-    selection: None or `Eta` (whose eta then replaces `eta`): the eta rule; another rule runs as
-    `select_after`."""
+    reuse: a call of WISE's reuse loops, every row SPARSE or DENSE (checked with validate):
+    support' is the support held, as for any row that does not discover (the Triton kernel then
+    skips its selection). selection: None or `Eta` (whose eta then replaces `eta`): the eta
+    rule; another rule runs as `select_after`."""
     if isinstance(selection, rules.Eta):
         eta, selection = selection.eta, None
     fn = _with_selection(resolve_kernel(kernel, q.device), selection)
     return fn(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size,
-              eta=eta, scale=scale, return_mass=return_mass, validate=validate)
+              eta=eta, scale=scale, return_mass=return_mass, validate=validate, reuse=reuse)

@@ -52,7 +52,12 @@ class LLM(LLMEngine):
     `stats().prefill_attention` says which runs. dense_decode: what runs the dense decode loops
     (every loop without WISE, a WISE config's dense loops): "kernel" (the decode kernel) or "fa4"
     (FlashAttention-4's paged decode; an error where it cannot run); WISE loops and speculative
-    drafts and verification stay on the kernel.
+    drafts and verification stay on the kernel. wise_decode: what runs the WISE loops: "kernel"
+    (the WiseConfig's decode kernel, the decode contract), or the reference system's
+    FlashAttention WISE decode (`wise_torch.union_decode`: reuse rows attend the union over heads
+    of their support at page granularity, discovery rows' block mass rebuilt from the
+    log-sum-exp): "fa4-union" (FlashAttention-4; an error where it cannot run) or
+    "reference-union" (the same in plain torch); `stats().wise_decode` says which runs.
     speculative_config: lossless speculative decoding (`SpeculativeConfig`; method "wise" drafts
     with wise_config, default WiseConfig()): the output is dense decode's, the stats count
     acceptance. Forced continuations are not speculated.
@@ -70,7 +75,8 @@ class LLM(LLMEngine):
     def __init__(self, model: OuroForCausalLM | str | Path, *, cuda_graphs: bool | str = "auto",
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  speculative_config: SpeculativeConfig | None = None, tensor_parallel_size: int = 1,
-                 prefill_attention: str = "auto", dense_decode: str = "kernel", **engine_args):
+                 prefill_attention: str = "auto", dense_decode: str = "kernel", wise_decode: str = "kernel",
+                 **engine_args):
         args = EngineArgs(**engine_args)
         positive_int("tensor_parallel_size", tensor_parallel_size)
         if tensor_parallel_size > 1 and speculative_config is not None:
@@ -103,13 +109,13 @@ class LLM(LLMEngine):
             self._finalizer = weakref.finalize(self, self.workers.close)
         try:
             self._build(model, args, cuda_graphs=cuda_graphs, speculative_config=speculative_config,
-                        prefill_attention=prefill_attention, dense_decode=dense_decode)
+                        prefill_attention=prefill_attention, dense_decode=dense_decode, wise_decode=wise_decode)
         except BaseException:
             self.close()
             raise
 
     def _build(self, model: OuroForCausalLM, args: EngineArgs, *, cuda_graphs, speculative_config,
-               prefill_attention, dense_decode) -> None:
+               prefill_attention, dense_decode, wise_decode) -> None:
         """The pool, host side and runner over `model` (under tensor parallelism rank 0's shard,
         the workers following); the arguments are __init__'s, checked."""
         config, weight = model.config, model.head_weight
@@ -129,7 +135,7 @@ class LLM(LLMEngine):
                         max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
                         use_graphs=cuda_graphs is True or (cuda_graphs == "auto" and self.device.type == "cuda"),
                         kernel=kernel, seed=random.randrange(2 ** 63) if args.seed is None else args.seed,
-                        prefill_attention=prefill_attention, dense_decode=dense_decode)
+                        prefill_attention=prefill_attention, dense_decode=dense_decode, wise_decode=wise_decode)
         if self.workers is not None:
             self.workers.send("settings", settings)
         self.runner = ModelRunner(model, **settings, workers=self.workers)
@@ -189,7 +195,7 @@ class LLM(LLMEngine):
 
     def _device_stats(self) -> dict:
         wise = self.runner.wise
-        return dict(prefill_attention=self.runner.prefill_attention,
+        return dict(prefill_attention=self.runner.prefill_attention, wise_decode=self.runner.wise_decode,
                     fallbacks=None if wise is None else wise.fallbacks,
                     density=None if wise is None else self.runner.wise_density(), **self._program_stats(),
                     **({} if self.speculator is None else self.speculator.stats()))

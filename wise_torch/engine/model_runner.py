@@ -37,6 +37,7 @@ from wise_core.engine.scheduler import Chunk
 from wise_core.engine.sequence import Sequence
 from wise_core.modes import DENSE
 from wise_torch.attention import prepare_decode_attention, resolve_dense_decode, resolve_prefill_attention
+from wise_torch.union_decode import resolve_wise_decode
 from wise_torch.engine.sampler import LogitsState, ranked, sample, seed_for
 from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch, PrefillGroup, VarlenPrefill
 from wise_torch.model import OuroForCausalLM
@@ -84,7 +85,8 @@ class ModelRunner:
 
     def __init__(self, model: OuroForCausalLM, *, wise_config: WiseConfig | None, num_pages: int, page_size: int,
                  max_num_seqs: int, max_model_len: int, use_graphs: bool, kernel: str, seed: int,
-                 prefill_attention: str = "auto", dense_decode: str = "kernel", workers=None):
+                 prefill_attention: str = "auto", dense_decode: str = "kernel", wise_decode: str = "kernel",
+                 workers=None):
         config = model.config
         # Tensor parallelism: the model's `tp` on every rank (None: one device); `workers` on rank
         # 0 (distributed.Workers), which follow its device-side calls.
@@ -116,6 +118,14 @@ class ModelRunner:
             head_dim=config.head_dim, max_blocks=max_blocks, block_size=block_size, dtype=self.dtype,
             device=self.device, min_splits=lambda b: min_splits_for(b, config.num_key_value_heads),
             selection=None if wise_config is None else wise_config.selection)
+        # What runs the WISE loops: the kernel above, or an arm of `wise_torch.union_decode`.
+        if wise_decode != "kernel" and wise_config is None:
+            raise ValueError(f"wise_decode={wise_decode!r} runs WISE loops; the engine has no wise_config")
+        self.wise_decode = wise_decode
+        union = resolve_wise_decode(wise_decode, self.device, self.dtype,
+                                    None if wise_config is None else wise_config.selection)
+        if union is not None:
+            self.attention = dict.fromkeys(self.buckets, union)
         # Static decode inputs (graph inputs) and their pinned host staging. The page table of a
         # step at (bucket, width) is the first bucket * width entries, as [bucket, width].
         pin = self.device.type == "cuda"

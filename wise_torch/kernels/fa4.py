@@ -1,5 +1,6 @@
 """FlashAttention-4 (pip package `flash-attn-4`, module `flash_attn.cute`) over the paged pool:
-packed prefill (`prefill_attention_varlen`) and dense decode rows (`decode_attention_dense`).
+packed prefill (`prefill_attention_varlen`) and dense decode rows (`decode_attention_dense`, also
+the paged call of `wise_torch.union_decode`).
 
 `prefill_attention_varlen` is `wise_torch.attention.prefill_attention_varlen_reference`'s
 contract in one `flash_attn_varlen_func` call: the step's chunks packed as varlen queries
@@ -45,12 +46,14 @@ def prefill_attention_varlen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: to
 
 
 def decode_attention_dense(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
-                           seq_lens: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+                           seq_lens: torch.Tensor, *, scale: float | None = None, return_lse: bool = False):
     """One query per row over all its paged keys (a DENSE decode row of
     `wise_torch.attention.decode_attention_reference`): q [batch, heads, head_dim];
-    page_table int32[batch, width]; seq_lens int32[batch] -> [batch, heads, head_dim].
+    page_table int32[batch, width]; seq_lens int32[batch] -> [batch, heads, head_dim], and with
+    return_lse the natural-log log-sum-exp of the scaled scores float32[batch, heads].
     One FA4 call of q [batch, 1, heads, head_dim] with seqused_k; no split over keys (SplitKV is
     not supported on sm90, so few long rows leave SMs idle)."""
-    out, _ = importlib.import_module(MODULE).flash_attn_varlen_func(
-        q[:, None], k_pages, v_pages, seqused_k=seq_lens, page_table=page_table, softmax_scale=scale)
-    return out[:, 0]
+    out, lse = importlib.import_module(MODULE).flash_attn_varlen_func(
+        q[:, None], k_pages, v_pages, seqused_k=seq_lens, page_table=page_table, softmax_scale=scale,
+        return_lse=return_lse)
+    return (out[:, 0], lse[..., 0]) if return_lse else out[:, 0]

@@ -1,0 +1,197 @@
+"""The reference system's FlashAttention WISE decode as an arm (`wise_torch.union_decode`): the
+compacted page table by hand, reuse rows against the contract's reference over the support
+widened to its page-granular head union, every block selected bitwise the dense call, the
+discovery mass rebuilt from the log-sum-exp against the softmax's block sums, the FA4 call
+through a stand-in `flash_attn.cute`, and the engine's `wise_decode` choice. CPU, fp32."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from wise_core.checkpoint import random_tensors
+from wise_core.config import PRESETS, WiseConfig
+from wise_core.modes import DENSE, DISCOVER, DISCOVER_UNION, SPARSE
+from wise_core.request import SamplingParams
+from wise_torch.attention import decode_attention_reference
+from wise_torch.union_decode import (block_mass_from_lse, decode_attention_union, paged_decode_reference,
+                                     resolve_wise_decode, union_page_table)
+
+from fa4_cases import stand_in_fa4
+
+PAGE, BLOCK = 8, 4          # two blocks a page
+HEADS, KV_HEADS, DIM = 4, 2, 16
+
+
+def random_call(seed, seq_lens, width=4, pages=12):
+    g = torch.Generator().manual_seed(seed)
+    shape = (pages, PAGE, KV_HEADS, DIM)
+    k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    table = torch.stack([torch.randperm(pages, generator=g)[:width] for _ in seq_lens]).to(torch.int32)
+    q = 2.0 * torch.randn(len(seq_lens), HEADS, DIM, generator=g)
+    return q, k, v, table, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+def test_union_page_table_by_hand():
+    table = torch.tensor([[10, 11, 12, 13]] * 4, dtype=torch.int32)
+    seq_lens = torch.tensor([20, 20, 20, 9], dtype=torch.int32)       # 3, 3, 3 and 2 pages; the last partly filled
+    modes = torch.tensor([SPARSE, SPARSE, DENSE, SPARSE], dtype=torch.int32)
+    support = torch.zeros(4, HEADS, 8, dtype=torch.bool)
+    support[0, 1, 0] = support[0, 3, 5] = True           # pages 0 and 2 (the last, 4 keys)
+    support[1, 0, 1] = support[1, 2, 3] = True           # pages 0 and 1 (not the last)
+    support[1, 2, 6] = True                              # page 3: past seq_lens, not counted
+    support[3, 0, 2] = True                              # page 1 only (the last, 1 key)
+    got, lens = union_page_table(table, seq_lens, modes, support, page_size=PAGE, block_size=BLOCK)
+    assert got[0, :2].tolist() == [10, 12] and lens[0] == 8 + 4
+    assert got[1, :2].tolist() == [10, 11] and lens[1] == 16
+    assert got[2].tolist() == [10, 11, 12, 13] and lens[2] == 20            # a DENSE row keeps its table
+    assert got[3, :1].tolist() == [11] and lens[3] == 1
+    assert sorted(got[0].tolist()) == [10, 11, 12, 13]                      # the rest: the row's pages, unread
+
+
+def widened(support, seq_lens, width):
+    """The contract's support that the union call attends: every block of a page that any head
+    selected, for every head, up to seq_lens."""
+    batch = support.shape[0]
+    per_page = PAGE // BLOCK
+    pages = support[..., :width * per_page].any(1).view(batch, width, per_page).any(-1)
+    blocks = pages.repeat_interleave(per_page, dim=1)
+    causal = torch.arange(width * per_page)[None, :] * BLOCK < seq_lens[:, None]
+    return (blocks & causal)[:, None, :].expand(-1, support.shape[1], -1).contiguous()
+
+
+def test_reuse_rows_attend_their_page_union():
+    seq_lens = [29, 17, 32, 5]
+    q, k, v, table, lens = random_call(0, seq_lens)
+    g = torch.Generator().manual_seed(1)
+    causal = torch.arange(8)[None, :] * BLOCK < lens[:, None]
+    support = (torch.rand(4, HEADS, 8, generator=g) < 0.3) & causal[:, None, :]
+    support[:, :, 0] = True                                                   # every head selects a block
+    modes = torch.full((4,), SPARSE, dtype=torch.int32)
+    held = support.clone()
+    out, after = decode_attention_union(q, k, v, table, lens, modes, support, block_size=BLOCK, eta=0.9,
+                                        paged_decode=paged_decode_reference, reuse=True)
+    assert torch.equal(after, held)                                           # a reuse call selects nothing
+    want, _ = decode_attention_reference(q, k, v, table, lens, modes, widened(held, lens, 4),
+                                         block_size=BLOCK, eta=0.9)
+    # fp32 both, softmax over <= 32 keys of O(10) scores, summed in another order: ~1e-6 relative.
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_every_block_selected_is_bitwise_the_dense_call():
+    q, k, v, table, lens = random_call(2, [31, 8, 19])
+    support = torch.ones(3, HEADS, 8, dtype=torch.bool)
+    modes = torch.full((3,), SPARSE, dtype=torch.int32)
+    out, _ = decode_attention_union(q, k, v, table, lens, modes, support, block_size=BLOCK, eta=0.9,
+                                    paged_decode=paged_decode_reference, reuse=True)
+    dense, _ = paged_decode_reference(q, k, v, table, lens)
+    assert torch.equal(out, dense)
+
+
+def test_mass_from_the_log_sum_exp_is_the_softmax_block_sums():
+    q, k, v, table, lens = random_call(3, [32, 13, 27])
+    _, lse = paged_decode_reference(q, k, v, table, lens)
+    got = block_mass_from_lse(q, k, table, lens, lse, block_size=BLOCK)
+    support = torch.zeros(3, HEADS, 8, dtype=torch.bool)
+    modes = torch.full((3,), DISCOVER, dtype=torch.int32)
+    _, _, want = decode_attention_reference(q, k, v, table, lens, modes, support, block_size=BLOCK, eta=0.9,
+                                            return_mass=True)
+    # fp32 probabilities <= 1 from exp(s - lse) against softmax: a few ulp each, 4 keys a block.
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+    assert torch.equal(got[1, :, 4:], torch.zeros(HEADS, 4))                 # blocks past seq_lens
+
+
+def test_discovery_rows_select_as_the_reference_does():
+    q, k, v, table, lens = random_call(4, [32, 21, 30, 9])
+    modes = torch.tensor([DISCOVER, DISCOVER_UNION, DENSE, DISCOVER], dtype=torch.int32)
+    held = torch.zeros(4, HEADS, 8, dtype=torch.bool)
+    held[1, :, 0] = True                                                      # a union row keeps what it had
+    ref_support, union_support = held.clone(), held.clone()
+    want_out, _, mass = decode_attention_reference(q, k, v, table, lens, modes, ref_support, block_size=BLOCK,
+                                                   eta=0.8, return_mass=True)
+    out, _, got_mass = decode_attention_union(q, k, v, table, lens, modes, union_support, block_size=BLOCK, eta=0.8,
+                                              paged_decode=paged_decode_reference, return_mass=True)
+    # The eta cut sits between ranked masses far apart compared with the 2e-6 mass error: the
+    # selections must agree exactly (a near tie would be reported by this margin check first).
+    ranked = mass.sort(-1, descending=True).values.cumsum(-1)
+    assert ((ranked - 0.8 * ranked[..., -1:]).abs() > 1e-4).all()
+    assert torch.equal(union_support, ref_support)
+    torch.testing.assert_close(got_mass, mass, rtol=0, atol=2e-6)           # basis: the mass test's
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)         # basis as above
+
+
+def test_reuse_refuses_discovery_rows_when_validated():
+    q, k, v, table, lens = random_call(5, [12])
+    support = torch.zeros(1, HEADS, 8, dtype=torch.bool)
+    with pytest.raises(ValueError, match="reuse call must be SPARSE or DENSE"):
+        decode_attention_union(q, k, v, table, lens, torch.tensor([DISCOVER], dtype=torch.int32), support,
+                               block_size=BLOCK, eta=0.9, paged_decode=paged_decode_reference, reuse=True)
+
+
+def test_fa4_union_calls_flash_attention_with_the_compacted_table(monkeypatch):
+    calls = []
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", stand_in_fa4(calls))
+    fn = resolve_wise_decode("fa4-union", "cuda", torch.bfloat16)   # the function; run on CPU tensors here
+    q, k, v, table, lens = random_call(6, [30, 14])
+    support = torch.zeros(2, HEADS, 8, dtype=torch.bool)
+    support[:, :, 1] = True
+    modes = torch.full((2,), SPARSE, dtype=torch.int32)
+    out, _ = fn(q, k, v, table, lens, modes, support.clone(), block_size=BLOCK, eta=0.9, reuse=True)
+    want, _ = decode_attention_union(q, k, v, table, lens, modes, support, block_size=BLOCK, eta=0.9,
+                                     paged_decode=paged_decode_reference, reuse=True)
+    assert calls == [("decode", k.data_ptr())]
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)     # basis as above
+    q, k, v, table, lens = random_call(7, [30, 14])
+    modes = torch.full((2,), DISCOVER, dtype=torch.int32)
+    got_support, want_support = torch.zeros(2, HEADS, 8, dtype=torch.bool), torch.zeros(2, HEADS, 8, dtype=torch.bool)
+    fn(q, k, v, table, lens, modes, got_support, block_size=BLOCK, eta=0.9)       # lse from the stand-in
+    decode_attention_reference(q, k, v, table, lens, modes, want_support, block_size=BLOCK, eta=0.9)
+    assert torch.equal(got_support, want_support)
+
+
+def test_resolve_wise_decode(monkeypatch):
+    assert resolve_wise_decode("kernel", "cpu", torch.float32) is None
+    with pytest.raises(ValueError, match="wise_decode 'union' is not available"):
+        resolve_wise_decode("union", "cpu", torch.float32)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", stand_in_fa4([]))
+    with pytest.raises(RuntimeError, match="CUDA device"):
+        resolve_wise_decode("fa4-union", "cpu", torch.float32)
+
+
+# -- the engine -------------------------------------------------------------------------------
+CONFIG = PRESETS["test-tiny-gqa"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    import wise_torch
+    return wise_torch.from_tensors(CONFIG, random_tensors(CONFIG, seed=0, std=0.08))
+
+
+def engine_tokens(model, wise_config, prompts, **kw):
+    import wise_torch
+    with wise_torch.LLM(model, wise_config=wise_config, num_pages=32, page_size=32, max_num_seqs=3,
+                        max_model_len=192, kernel="reference", **kw) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+        return [o.token_ids for o in outs], llm.stats()
+
+
+def test_engine_union_arm_with_every_block_is_dense(model):
+    from cases import prompts_of
+    prompts = prompts_of([70, 33, 101], CONFIG.vocab_size, seed=3)
+    dense, _ = engine_tokens(model, None, prompts)
+    every = WiseConfig(all_blocks=True, kernel="reference")
+    got, stats = engine_tokens(model, every, prompts, wise_decode="reference-union")
+    assert got == dense and stats.wise_decode == "reference-union"
+    peaked = WiseConfig(eta=0.5, kernel="reference")
+    _, stats = engine_tokens(model, peaked, prompts, wise_decode="reference-union")   # runs; its own semantics
+    assert stats.wise_decode == "reference-union" and engine_tokens(model, peaked, prompts)[1].wise_decode == "kernel"
+
+
+def test_engine_refuses_a_union_arm_without_wise(model):
+    import wise_torch
+    with pytest.raises(ValueError, match="no wise_config"):
+        wise_torch.LLM(model, num_pages=8, page_size=32, max_num_seqs=1, max_model_len=64,
+                       wise_decode="reference-union")
