@@ -19,7 +19,7 @@ import pytest
 
 from wise_core import modes as M
 from wise_core import reference as ref
-from wise_core import rounding
+from wise_core import rounding, split_plan
 from wise_jax.kernels.pallas_decode import KernelConfig, config_for, decode_attention
 
 BLOCK = 32
@@ -206,8 +206,8 @@ def test_sorted_selection_is_select_blocks(n):
     (1, 2, 32, 1, [1]),
 ])
 def test_split_rule_is_even_and_bounded(n_listed, tile_blocks, split_blocks, min_splits, sizes):
-    """_split_size: the fewest splits of at most split_blocks (at least min_splits where the
-    tiles allow), whole tiles each, as even as that allows; KernelConfig.max_splits bounds it."""
+    """_split_size: the fewest splits of at most split_blocks (up to min_splits for a short
+    row), whole tiles each, as even as that allows; KernelConfig.max_splits bounds it."""
     from wise_jax.kernels.pallas_decode import _split_size
     size = int(_split_size(jnp.int32(n_listed), tile_blocks=tile_blocks, split_blocks=split_blocks,
                            min_splits=min_splits))
@@ -216,6 +216,41 @@ def test_split_rule_is_even_and_bounded(n_listed, tile_blocks, split_blocks, min
     assert got == sizes
     config = KernelConfig(tile_n=32 * tile_blocks, split_keys=32 * split_blocks, min_splits=min_splits)
     assert len(got) <= config.max_splits(32, n_listed)
+
+
+def test_splits_are_the_split_plans():
+    """Each split's running max (the split kernel's m partial) is the max score over the keys
+    `wise_core.split_plan` gives it: rows of 11, 10, 6 and 2 blocks at up to 4 a split, tiles
+    of 2 and min_splits 3 (4 + 4 + 3, 4 + 4 + 2, 2 + 2 + 2, 2)."""
+    from wise_jax.kernels.pallas_decode import _split_call
+    spec = dict(COMBOS["page32-mha-d64-f32"], max_pages=12, seq_lens=[330, 300, 161, 33])
+    case = make_case(4, **spec)
+    config = KernelConfig(tile_n=64, split_keys=128, min_splits=3)
+    batch, heads, head_dim = case["q"].shape
+    modes = jnp.full((batch,), M.DENSE, jnp.int32)
+    outputs = _split_call(case["q"], case["k"], case["v"], case["page_table"], case["seq_lens"], modes,
+                          case["support"], block_size=BLOCK, scale=head_dim ** -0.5, config=config, finish=None,
+                          return_mass=False, interpret=True)
+    m = np.asarray(outputs[4], np.float64)  # [batch, heads, splits_pad]
+    assert m.shape[-1] == 4  # the grid's 3 splits (max_splits of 12 blocks), padded to a power of two
+    for b, n_keys in enumerate(spec["seq_lens"]):
+        q, keys, _ = _row_keys(case, b)
+        scores = np.einsum("hd,nhd->hn", q, keys) * np.log2(np.e) / np.sqrt(head_dim)  # MHA, base 2
+        plan = split_plan.split_plan(n_keys, tile_n=64, split_keys=128, min_splits=3, block_size=BLOCK)
+        for h in range(heads):
+            # float32 scores: rounding.score_error of scale |q| max |k| (Cauchy-Schwarz), base 2
+            bound = np.log2(np.e) * rounding.score_error(
+                np.linalg.norm(q[h]) * np.linalg.norm(keys[:, h], axis=-1).max() / np.sqrt(head_dim), head_dim)
+            for s, (lo, hi) in enumerate(plan):
+                assert abs(m[b, h, s] - scores[h, lo:hi].max()) <= bound, (b, h, s)
+
+
+def test_grid_of_the_plans_most_splits():
+    """min_splits past a row's tiles: the grid has the plan's most splits of the widest row (6
+    blocks, tiles of 4: 2 splits), not min_splits (8) programs a row; the modes' properties hold."""
+    config = KernelConfig(tile_n=128, split_keys=256, min_splits=8)
+    assert config.max_splits(BLOCK, 6) == 2
+    check_modes(COMBOS["page32-mha-d64-f32"], config=config)
 
 
 def test_fused_finish_equals_finish_launch():

@@ -5,9 +5,11 @@ interpreter's bf16 dots are not the GPU's, bf16 is checked by the gpu tests)."""
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
+from wise_core import rounding, split_plan
 from wise_torch.attention import prefill_attention
 from wise_torch.kernels.triton_verify import KernelConfig, VerifyWorkspace, verify_attention
 from wise_torch.verification import prepare_verify_attention, verify_attention_reference
@@ -49,6 +51,41 @@ def test_triton_matches_reference(heads, kv_heads, head_dim, page, n, min_splits
     out = verify_attention(q, k, v, table, starts, workspace=workspace)
     want = verify_attention_reference(q, k, v, table, starts)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=0)   # fp32, another summation order over <= 256 keys
+
+
+def test_triton_splits_are_the_split_plans():
+    """Rows the plan splits evenly where split_keys a split would leave a short last one (80
+    keys at up to 64 a split, tiles of 16: 48 + 32, not 64 + 16; 72 keys: 48 + 24, not 64 + 8):
+    each split's running max in the workspace is the max score over the plan's keys that the
+    query attends, and the output is the reference's."""
+    heads, kv_heads, head_dim, page, n = 2, 1, 16, 32, 2
+    q, k, v, table, starts = paged_problem(heads, kv_heads, head_dim, page, n, [78, 70, 30], seed=3)
+    config = KernelConfig(tile_n=16, split_keys=64)
+    workspace = VerifyWorkspace.allocate(3, n, heads, head_dim, 4 * page, dtype=q.dtype, device=DEVICE,
+                                         config=config)
+    workspace.part_m.fill_(float("nan"))
+    out = verify_attention(q, k, v, table, starts, workspace=workspace)
+    torch.testing.assert_close(out, verify_attention_reference(q, k, v, table, starts),
+                               atol=1e-5, rtol=0)  # fp32, another summation order over <= 128 keys
+    part_m = workspace.part_m.cpu().numpy().astype(np.float64)
+    base2 = np.log2(np.e) / np.sqrt(head_dim)
+    moved = False
+    for b, start in enumerate(starts.tolist()):
+        keys = k[table[b].long()].flatten(0, 1)[:start + n, 0].double().cpu().numpy()  # [n_keys, head_dim]
+        plan = split_plan.split_plan(start + n, tile_n=16, split_keys=64)
+        for qi in range(n):
+            for h in range(heads):
+                query = q[b, qi, h].double().cpu().numpy()
+                scores = (keys @ query * base2)[:start + qi + 1]  # the keys the query attends
+                # float32 scores: rounding.score_error of scale |q| max |k| (Cauchy-Schwarz), base 2
+                bound = np.log2(np.e) * rounding.score_error(
+                    np.linalg.norm(query) * np.linalg.norm(keys, axis=1).max() / np.sqrt(head_dim), head_dim)
+                got = part_m[b * n + qi, h]
+                for s, (lo, hi) in enumerate(plan):
+                    assert abs(got[s] - scores[lo:hi].max()) <= bound, (b, qi, h, s)
+                    moved |= abs(scores[s * 64:(s + 1) * 64].max() - scores[lo:hi].max()) > bound
+                assert np.isnan(got[len(plan):]).all(), f"row {b} ran more splits than the plan's"
+    assert moved, "the check should tell the plan's splits from the former ones"
 
 
 def test_prepared_per_batch_share_one_workspace():

@@ -16,7 +16,7 @@ import triton
 
 from parity.environment import widen_interpreted_bf16_dots
 from wise_core import reference as ref
-from wise_core import rounding
+from wise_core import rounding, split_plan
 from wise_core.modes import DENSE, DISCOVER, DISCOVER_UNION, SPARSE
 from wise_torch.attention import decode_attention_reference
 from wise_torch.kernels.triton_decode import (DecodeWorkspace, KernelConfig, all_blocks_support,
@@ -297,6 +297,44 @@ def test_min_splits_shrinks_splits_and_keeps_the_properties(layout):
     support = random_support(case, 0.6, seed=25)
     sparse, _, _ = run(case, [SPARSE] * batch, support.clone(), workspace=case.workspace(spread))
     assert_within(sparse.double().cpu().numpy(), numpy_attention(case, support)[0], out_bounds(case))
+
+
+def test_splits_are_the_split_plans():
+    """Rows the plan splits evenly where split_keys a split would leave a short last one (5
+    blocks at up to 4 a split: 3 + 2, not 4 + 1; 9 blocks: 3 + 3 + 3, not 4 + 4 + 1): each
+    split's running max in the workspace is the max score over the plan's keys (the splits past
+    the row's count untouched), and the outputs keep their properties."""
+    config = KernelConfig(tile_n=32, split_keys=128, num_warps=4, num_stages=2)  # a block a step, 4 a split
+    seq_lens = [150, 288, 97, 33]
+    case = make_case(seq_lens, seed=31)  # float32 MHA, head_dim 64
+    ws = case.workspace(config)
+    ws.part_m.fill_(float("nan"))
+    every = all_blocks_support(case.seq_lens, case.heads, case.max_blocks, BLOCK)
+    dense, _, _ = run(case, [DENSE] * len(seq_lens), every.clone(), workspace=ws)
+    part_m = ws.part_m.cpu().numpy().astype(np.float64)
+    head_dim = case.q.shape[2]
+    base2 = np.log2(np.e) / np.sqrt(head_dim)
+    moved = False
+    for b, n_keys in enumerate(seq_lens):
+        q = case.q[b].double().cpu().numpy()
+        k = case.keys(b)[0]
+        scores = np.einsum("hd,nhd->hn", q, k) * base2  # [heads, n_keys], MHA
+        # float32 scores: rounding.score_error of scale |q| max |k| (Cauchy-Schwarz), base 2
+        bound = np.log2(np.e) * np.array([rounding.score_error(np.linalg.norm(q[h]) / np.sqrt(head_dim)
+                                                               * np.linalg.norm(k[:, h], axis=-1).max(), head_dim)
+                                          for h in range(case.heads)])
+        plan = split_plan.split_plan(n_keys, tile_n=32, split_keys=128, block_size=BLOCK)
+        for s, (lo, hi) in enumerate(plan):
+            assert np.all(np.abs(part_m[b, :, s] - scores[:, lo:hi].max(1)) <= bound), (b, s)
+            old_hi = min((s + 1) * 128, n_keys)  # the former rule's split s: split_keys keys
+            moved |= bool(np.any(np.abs(scores[:, s * 128:old_hi].max(1) - scores[:, lo:hi].max(1)) > bound))
+        assert np.isnan(part_m[b, :, len(plan):]).all(), f"row {b} ran more splits than the plan's"
+    assert moved, "the check should tell the plan's splits from the former ones"
+    assert_within(dense.double().cpu().numpy(), numpy_attention(case)[0], out_bounds(case))
+    found, fresh, mass = run(case, [DISCOVER] * len(seq_lens), every.clone(), workspace=ws)
+    assert torch.equal(found, dense)
+    assert_selection(fresh.cpu().numpy(), mass.cpu().numpy())
+    assert torch.equal(run(case, [SPARSE] * len(seq_lens), every.clone(), workspace=ws)[0], dense)
 
 
 @pytest.mark.parametrize("block_size, page_size", [(16, 32), (64, 64)])

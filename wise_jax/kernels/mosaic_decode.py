@@ -1,9 +1,9 @@
 """Paged split-KV decode attention with per-row WISE modes, the split kernel on Mosaic GPU.
 
-The contract and the split rule are `wise_jax.kernels.pallas_decode`'s (its docstring); this
-module runs the split kernel, which reads the keys and values, as a Mosaic GPU kernel (`plgpu`,
-Hopper: TMA copies into a multi-stage shared-memory ring, mbarriers), for 16-bit q/K/V with
-head_dim a multiple of 64. A call is two launches, or one for a reuse call on a GPU (3.):
+The contract and the split plan (`wise_core.split_plan`) are `wise_jax.kernels.pallas_decode`'s;
+this module runs the split kernel, which reads the keys and values, as a Mosaic GPU kernel
+(`plgpu`, Hopper: TMA copies into a multi-stage shared-memory ring, mbarriers), for 16-bit
+q/K/V with head_dim a multiple of 64. A call is two launches, or one for a reuse call on a GPU (3.):
 
 1. Split kernel, grid (max_splits, batch, heads / rows), split-major (programs start in grid
    order, the last axis fastest: every row's first split before any second, so a sparse call's
@@ -447,7 +447,8 @@ def _list_in_kernel(support_ref, page_table_ref, list_smem, meta_smem, totals_sm
             total = arith.select(mine, memref.load(totals, at(c(w))), c(0))
             n_listed = arith.addi(n_listed, total)
             entry = arith.addi(entry, arith.select(cmp("slt", c(w), warp), total, c(0)))
-        # pallas_decode._split_size (a test holds the two lists bitwise equal)
+        # wise_core.split_plan.split_size, as pallas_decode._split_size (a test holds the two
+        # lists bitwise equal)
         n_splits = arith.maxsi(cdiv(n_listed, split_blocks), c(min_splits))
         per_split = arith.divsi(arith.addi(n_listed, arith.subi(n_splits, c(1))), n_splits)
         wanted = arith.muli(cdiv(per_split, tile_blocks), c(tile_blocks))

@@ -14,8 +14,9 @@ kernel over (batch, heads); nothing else runs on the device (no memset, no other
    0, 1, 2, ...; a sparse row selecting every causal block has the very same list, hence the
    same splits and accumulation order: the two are bitwise equal by construction. Splits past
    a row's list do nothing (a short or sparse row costs few programs); `split_size` depends on
-   the row's list length only: the fewest splits of at most `split_keys` keys, as even as whole
-   tiles allow (`min_splits` gives rows listing few blocks more, smaller splits).
+   the row's list length only, by `wise_core.split_plan`: the fewest splits of at most
+   `split_keys` keys, as even as whole tiles allow (`min_splits` gives rows listing few blocks
+   more, smaller splits).
 2. Attend. Online softmax in base 2 over the split's entries, `tile_n` keys per step, either
    as reductions or (`KernelConfig.dots`) as tensor-core dots with q padded to 16 rows, the
    Triton kernel's `mha_dots`. Discovery rows also store, per block, its sum of exponentials
@@ -67,6 +68,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from wise_core import modes as wise_modes
+from wise_core import split_plan
 from wise_jax.decode_check import check_call
 
 DOT_ROWS = 16  # q padded to this many rows for tensor-core dots (the smallest tl.dot tile)
@@ -104,14 +106,15 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig.{name} must be a positive integer, got {value!r}")
 
     def tile_blocks(self, block_size: int) -> int:
-        return max(self.tile_n, block_size) // block_size
+        return split_plan.split_units(block_size, self.tile_n, self.split_keys)[0]
 
     def split_blocks(self, block_size: int) -> int:
-        return max(self.split_keys, self.tile_n, block_size) // block_size
+        return split_plan.split_units(block_size, self.tile_n, self.split_keys)[1]
 
     def max_splits(self, block_size: int, max_blocks: int) -> int:
-        """Most splits of a row of max_blocks blocks (`_split_size`)."""
-        return max(-(-max_blocks // self.split_blocks(block_size)), min(self.min_splits, max_blocks))
+        """Most splits of a row of max_blocks blocks (`wise_core.split_plan`): the grid's split axis."""
+        return split_plan.max_splits(max_blocks, tile=self.tile_blocks(block_size),
+                                     split=self.split_blocks(block_size), min_splits=self.min_splits)
 
 
 # Fixed launch configurations per (head_dim, dtype), as the Triton kernel's table (a decode step
@@ -183,9 +186,9 @@ def _list_order(listed, n_listed, seq_len, *, block_size):
 
 
 def _split_size(n_listed, *, tile_blocks, split_blocks, min_splits):
-    """Blocks per split of a row listing n_listed blocks: its list in as few splits of at most
-    split_blocks as it takes (at least min_splits where the row has the tiles), as even as
-    whole tiles allow (33 blocks at 32 a split: 18 + 15, not 32 + 1)."""
+    """Blocks per split of a row listing n_listed blocks (`wise_core.split_plan.split_size`):
+    its list in as few splits of at most split_blocks as it takes (up to min_splits for a short
+    row), as even as whole tiles allow (33 blocks at 32 a split: 18 + 15, not 32 + 1)."""
     n_splits = jnp.maximum((n_listed + split_blocks - 1) // split_blocks, min_splits)
     per_split = (n_listed + n_splits - 1) // n_splits
     wanted = (per_split + tile_blocks - 1) // tile_blocks * tile_blocks

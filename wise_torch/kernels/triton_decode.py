@@ -6,10 +6,12 @@ Two launches per call. Split kernel: program (row, kv_head, split) of the grid
 
 1. List. The row's attended blocks are every causal block (DENSE, DISCOVER, DISCOVER_UNION) or
    the causal blocks selected by some query head of the KV group (SPARSE), numbered by a prefix
-   sum over the bits. Split s owns list entries [s * split_blocks, (s + 1) * split_blocks) and
-   writes their first-key cache offsets to the workspace. A dense row's list is 0, 1, 2, ...;
-   a sparse row selecting every causal block has the very same list, so the same splits and the
-   same accumulation order: the two are bitwise equal by construction.
+   sum over the bits. `wise_core.split_plan` cuts the list by its length alone (the fewest
+   splits of at most `split_keys` keys, as even as whole tiles allow): split s owns entries
+   [s * size, (s + 1) * size) and writes their first-key cache offsets to the workspace. A
+   dense row's list is 0, 1, 2, ...; a sparse row selecting every causal block has the very
+   same list, so the same splits and the same accumulation order: the two are bitwise equal
+   by construction.
 2. Attend. Loop over the split's entries, `tile_n` keys per iteration, online softmax in base 2
    for all query heads of the group at once (GQA: tensor-core dots; MHA: a reduction). Sparse
    GQA rows mask the blocks a head did not select. Discovery rows also store, per block, its
@@ -35,7 +37,9 @@ import triton
 import triton.language as tl
 
 from wise_core import modes as M
+from wise_core import split_plan
 from wise_torch.decode_check import check_call
+from wise_torch.kernels.triton_splits import merge_splits, splits
 
 _DISCOVER = tl.constexpr(M.DISCOVER)
 _DISCOVER_UNION = tl.constexpr(M.DISCOVER_UNION)
@@ -87,13 +91,15 @@ def config_for(head_dim: int, dtype: torch.dtype) -> KernelConfig:
     return CONFIGS.get((head_dim, dtype), KernelConfig())
 
 
-def _split_blocks(config: KernelConfig, block_size: int) -> int:
-    return max(config.split_keys, config.tile_n, block_size) // block_size
+def split_rule(config: KernelConfig, block_size: int) -> dict:
+    """The launch's split plan in blocks (`wise_core.split_plan`): tile, split, min_splits."""
+    tile, split = split_plan.split_units(block_size, config.tile_n, config.split_keys)
+    return dict(tile=tile, split=split, min_splits=config.min_splits)
 
 
 def _max_splits(config: KernelConfig, block_size: int, max_blocks: int) -> int:
-    """Most splits of a row of max_blocks blocks (see `_split_size`)."""
-    return max(-(-max_blocks // _split_blocks(config, block_size)), min(config.min_splits, max_blocks))
+    """Most splits of a row of max_blocks blocks: the grid's split axis."""
+    return split_plan.max_splits(max_blocks, **split_rule(config, block_size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,24 +229,8 @@ def _finish_head(row, head, heads, mode, n_splits, n_causal, max_blocks, eta,
                  RETURN_MASS: tl.constexpr):
     """Merge one head's splits in split order; discovery rows: block mass and selection."""
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_s = tl.arange(0, S_CHUNK)
-    part = (row * heads + head) * ws_splits
-    m_run = tl.full([1], float("-inf"), tl.float32)
-    l_run = tl.zeros([1], tl.float32)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
-    for c in range(0, n_splits, S_CHUNK):
-        split_ok = c + offs_s < n_splits
-        m_s = tl.load(part_m_ptr + part + c + offs_s, mask=split_ok, other=float("-inf"))
-        l_s = tl.load(part_l_ptr + part + c + offs_s, mask=split_ok, other=0.0)
-        acc_s = tl.load(part_acc_ptr + (part + c + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                        mask=split_ok[:, None], other=0.0)
-        m_new = tl.maximum(m_run, tl.max(m_s, 0, keep_dims=True))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_run - m_ref)
-        w = tl.exp2(m_s - m_ref)
-        l_run = l_run * alpha + tl.sum(l_s * w, 0, keep_dims=True)
-        acc = acc * alpha + tl.sum(acc_s * w[:, None], 0)
-        m_run = m_new
+    acc, m_run, l_run = merge_splits(part_acc_ptr, part_m_ptr, part_l_ptr, (row * heads + head) * ws_splits,
+                                     n_splits, HEAD_DIM, S_CHUNK)
     tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d,
              (acc / l_run).to(out_ptr.dtype.element_ty))
 
@@ -259,17 +249,6 @@ def _finish_head(row, head, heads, mode, n_splits, n_causal, max_blocks, eta,
         in_row = order < max_blocks
         held = tl.load(dst, mask=tl.where(mode == _DISCOVER_UNION, in_row, False), other=0)
         tl.store(dst, (kept | (held != 0)).to(tl.uint8), mask=in_row)
-
-
-@triton.jit
-def _split_size(n_listed, SPLIT_BLOCKS: tl.constexpr, TILE_BLOCKS: tl.constexpr, MIN_SPLITS: tl.constexpr):
-    """Blocks per split of a row listing n_listed blocks: SPLIT_BLOCKS, or fewer (whole tiles,
-    at least one) to give the row MIN_SPLITS splits."""
-    if MIN_SPLITS == 1:
-        return SPLIT_BLOCKS
-    else:
-        wanted = tl.cdiv(tl.cdiv(n_listed, MIN_SPLITS), TILE_BLOCKS) * TILE_BLOCKS
-        return tl.minimum(tl.maximum(wanted, TILE_BLOCKS), SPLIT_BLOCKS)
 
 
 @triton.jit
@@ -316,8 +295,7 @@ def _split_kernel(
     listed = _listed_blocks(support_ptr, row, kvh, is_sparse, n_causal, stride_sb, stride_sh,
                             GROUP, GROUP_PAD, NB_PAD)
     n_listed = tl.sum(listed.to(tl.int32), 0)
-    split_blocks = _split_size(n_listed, SPLIT_BLOCKS, TILE_N // BLOCK, MIN_SPLITS)
-    n_splits = tl.maximum(tl.cdiv(n_listed, split_blocks), 1)
+    split_blocks, n_splits = splits(n_listed, TILE_N // BLOCK, SPLIT_BLOCKS, MIN_SPLITS)
     if split >= n_splits:
         return
     offs_d = tl.arange(0, HEAD_DIM)
@@ -401,7 +379,7 @@ def _finish_kernel(
     listed = _listed_blocks(support_ptr, row, head // GROUP, mode == _SPARSE, n_causal, stride_sb, stride_sh,
                             GROUP, GROUP_PAD, NB_PAD)
     n_listed = tl.sum(listed.to(tl.int32), 0)
-    n_splits = tl.maximum(tl.cdiv(n_listed, _split_size(n_listed, SPLIT_BLOCKS, TILE_BLOCKS, MIN_SPLITS)), 1)
+    _, n_splits = splits(n_listed, TILE_BLOCKS, SPLIT_BLOCKS, MIN_SPLITS)
     _finish_head(row, head, heads, mode, n_splits, n_causal, max_blocks, eta,
                  out_ptr, mass_ptr, support_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
                  stat_m_ptr, stat_l_ptr,
@@ -477,13 +455,12 @@ def kernel_launches(q, k_pages, v_pages, page_table, seq_lens, modes, support, o
     max_blocks = support.shape[2]
     config, block_size = ws.config, ws.block_size
     group = heads // kv_heads
-    split_blocks = _split_blocks(config, block_size)
-    max_splits = _max_splits(config, block_size, max_blocks)
-    tile_n = max(config.tile_n, block_size)
+    rule = split_rule(config, block_size)
+    max_splits = split_plan.max_splits(max_blocks, **rule)
     support = support.view(torch.uint8)
     partials = (ws.part_acc, ws.part_m, ws.part_l, ws.stat_m, ws.stat_l)
     shared = dict(HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK=block_size,
-                  SPLIT_BLOCKS=split_blocks, MIN_SPLITS=config.min_splits, NB_PAD=triton.next_power_of_2(max_blocks))
+                  SPLIT_BLOCKS=rule["split"], MIN_SPLITS=rule["min_splits"], NB_PAD=triton.next_power_of_2(max_blocks))
     split = (
         _split_kernel, (batch * kv_heads, max_splits),
         (q, k_pages, v_pages, page_table, seq_lens, modes, support, ws.starts, ws.blocks, *partials,
@@ -491,7 +468,7 @@ def kernel_launches(q, k_pages, v_pages, page_table, seq_lens, modes, support, o
          q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
          page_table.stride(0), support.stride(0), support.stride(1), ws.max_blocks, ws.max_splits),
         dict(shared, BLOCK_G=1 if group == 1 and not config.mha_dots else max(16, triton.next_power_of_2(group)),
-             PAGE=k_pages.shape[1], TILE_N=tile_n,
+             PAGE=k_pages.shape[1], TILE_N=rule["tile"] * block_size,
              DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
              KV_ALIGN=16 if all(stride % 16 == 0 for stride in k_pages.stride()[:3]) else 1,
              num_warps=config.num_warps, num_stages=config.num_stages))
@@ -500,7 +477,7 @@ def kernel_launches(q, k_pages, v_pages, page_table, seq_lens, modes, support, o
         (seq_lens, modes, support, out, mass, *partials, heads, max_blocks, eta,
          support.stride(0), support.stride(1), out.stride(0), out.stride(1), mass.stride(0), mass.stride(1),
          ws.max_blocks, ws.max_splits),
-        dict(shared, TILE_BLOCKS=tile_n // block_size, S_CHUNK=min(16, triton.next_power_of_2(max_splits)),
+        dict(shared, TILE_BLOCKS=rule["tile"], S_CHUNK=min(16, triton.next_power_of_2(max_splits)),
              RETURN_MASS=return_mass,
              num_warps=4, num_stages=1))
     return [split, finish]

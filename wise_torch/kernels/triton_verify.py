@@ -4,12 +4,14 @@ n queries per row at positions starts[b] .. starts[b] + n - 1, each attending it
 to itself. Two launches per call, as the decode kernel (`triton_decode`):
 
 1. Split kernel, program (row, kv_head, split) of the grid [batch * kv_heads, max_splits]: the
-   split's keys [lo, hi) of the row (keys 0 .. starts + n - 1, `split_keys` per split, or fewer
-   to give a short row `min_splits` programs), `tile_n` keys per iteration, read once for every
+   split's keys [lo, hi) of the row (keys 0 .. starts + n - 1, cut by `wise_core.split_plan` in
+   keys: the fewest splits of at most `split_keys`, more for a short row given `min_splits`, as
+   even as whole tiles allow), `tile_n` keys per iteration, read once for every
    (query, head) of the KV group: the query tile is [n * group (padded), head_dim], so the
    scores are one tensor-core dot. Query i masks keys past starts + i. Online softmax in base 2;
    each split stores (acc, max, sum) per (query, head).
-2. Finish kernel, program (row, query, head): merges the row's splits in split order.
+2. Finish kernel, program (row, query, head): merges the row's splits in split order
+   (`triton_splits.merge_splits`, the decode kernel's merge).
 A split entirely past a query's last key leaves it (0, -inf, 0), which the merge ignores; key 0
 is in the first split, so every query attends at least one key.
 """
@@ -23,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from wise_core import split_plan
+from wise_torch.kernels.triton_splits import merge_splits, splits
 from wise_torch.verification import check_verify_args
 
 
@@ -62,8 +66,9 @@ def config_for(head_dim: int, dtype: torch.dtype) -> KernelConfig:
 
 
 def max_splits(config: KernelConfig, max_keys: int) -> int:
-    """Most splits of a row of max_keys keys (see `_split_size`)."""
-    return max(-(-max_keys // config.split_keys), min(config.min_splits, -(-max_keys // config.tile_n)))
+    """Most splits of a row of max_keys keys (`wise_core.split_plan` in keys): the grid's split axis."""
+    return split_plan.max_splits(max_keys, tile=config.tile_n, split=config.split_keys,
+                                 min_splits=config.min_splits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,12 +92,12 @@ class VerifyWorkspace:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"VerifyWorkspace.{name} must be a positive integer, got {value!r}")
         config = config_for(head_dim, dtype) if config is None else config
-        splits = max_splits(config, max_keys)
+        grid_splits = max_splits(config, max_keys)
         f32 = dict(dtype=torch.float32, device=device)
         return cls(config=config, out=torch.empty(max_batch, queries, heads, head_dim, dtype=dtype, device=device),
-                   part_acc=torch.zeros(max_batch * queries, heads, splits, head_dim, **f32),
-                   part_m=torch.zeros(max_batch * queries, heads, splits, **f32),
-                   part_l=torch.zeros(max_batch * queries, heads, splits, **f32))
+                   part_acc=torch.zeros(max_batch * queries, heads, grid_splits, head_dim, **f32),
+                   part_m=torch.zeros(max_batch * queries, heads, grid_splits, **f32),
+                   part_l=torch.zeros(max_batch * queries, heads, grid_splits, **f32))
 
     @property
     def num_splits(self) -> int:
@@ -114,17 +119,6 @@ class VerifyWorkspace:
 
 
 @triton.jit
-def _split_size(n_keys, SPLIT_KEYS: tl.constexpr, TILE_N: tl.constexpr, MIN_SPLITS: tl.constexpr):
-    """Keys per split of a row of n_keys keys: SPLIT_KEYS, or fewer (whole tiles, at least one)
-    to give the row MIN_SPLITS splits."""
-    if MIN_SPLITS == 1:
-        return SPLIT_KEYS
-    else:
-        wanted = tl.cdiv(tl.cdiv(n_keys, MIN_SPLITS), TILE_N) * TILE_N
-        return tl.minimum(tl.maximum(wanted, TILE_N), SPLIT_KEYS)
-
-
-@triton.jit
 def _split_kernel(
         q_ptr, k_ptr, v_ptr, page_table_ptr, starts_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
         kv_heads, max_keys, qk_scale,
@@ -139,7 +133,7 @@ def _split_kernel(
     heads = kv_heads * GROUP
     start = tl.load(starts_ptr + row)
     n_keys = tl.minimum(start + N_Q, max_keys)
-    split_keys = _split_size(n_keys, SPLIT_KEYS, TILE_N, MIN_SPLITS)
+    split_keys, _ = splits(n_keys, TILE_N, SPLIT_KEYS, MIN_SPLITS)
     lo = split * split_keys
     if lo >= n_keys:
         return
@@ -195,26 +189,9 @@ def _finish_kernel(
     row = pid // (heads * N_Q)
     start = tl.load(starts_ptr + row)
     n_keys = tl.minimum(start + N_Q, max_keys)
-    n_splits = tl.cdiv(n_keys, _split_size(n_keys, SPLIT_KEYS, TILE_N, MIN_SPLITS))
+    _, n_splits = splits(n_keys, TILE_N, SPLIT_KEYS, MIN_SPLITS)
+    acc, _, l_run = merge_splits(part_acc_ptr, part_m_ptr, part_l_ptr, pid * ws_splits, n_splits, HEAD_DIM, S_CHUNK)
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_s = tl.arange(0, S_CHUNK)
-    part = pid * ws_splits
-    m_run = tl.full([1], float("-inf"), tl.float32)
-    l_run = tl.zeros([1], tl.float32)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
-    for c in range(0, n_splits, S_CHUNK):
-        split_ok = c + offs_s < n_splits
-        m_s = tl.load(part_m_ptr + part + c + offs_s, mask=split_ok, other=float("-inf"))
-        l_s = tl.load(part_l_ptr + part + c + offs_s, mask=split_ok, other=0.0)
-        acc_s = tl.load(part_acc_ptr + (part + c + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                        mask=split_ok[:, None], other=0.0)
-        m_new = tl.maximum(m_run, tl.max(m_s, 0, keep_dims=True))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_run - m_ref)
-        w = tl.exp2(m_s - m_ref)
-        l_run = l_run * alpha + tl.sum(l_s * w, 0, keep_dims=True)
-        acc = acc * alpha + tl.sum(acc_s * w[:, None], 0)
-        m_run = m_new
     tl.store(out_ptr + row * stride_ob + qi * stride_on + head * stride_oh + offs_d,
              (acc / l_run).to(out_ptr.dtype.element_ty))
 
@@ -257,9 +234,9 @@ def verify_attention(q, k_pages, v_pages, page_table, starts, *, scale: float | 
         return out
     ws, config = workspace, workspace.config
     group = heads // kv_heads
-    splits = max_splits(config, max_keys)
+    grid_splits = max_splits(config, max_keys)
     scale = head_dim ** -0.5 if scale is None else scale
-    _split_kernel[(batch * kv_heads, splits)](
+    _split_kernel[(batch * kv_heads, grid_splits)](
         q, k_pages, v_pages, page_table, starts, ws.part_acc, ws.part_m, ws.part_l,
         kv_heads, max_keys, scale * math.log2(math.e),
         q.stride(0), q.stride(1), q.stride(2), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
@@ -272,5 +249,5 @@ def verify_attention(q, k_pages, v_pages, page_table, starts, *, scale: float | 
         starts, out, ws.part_acc, ws.part_m, ws.part_l, heads, max_keys,
         out.stride(0), out.stride(1), out.stride(2), ws.num_splits,
         N_Q=n, HEAD_DIM=head_dim, TILE_N=config.tile_n, SPLIT_KEYS=config.split_keys,
-        MIN_SPLITS=config.min_splits, S_CHUNK=min(16, triton.next_power_of_2(splits)), num_warps=4, num_stages=1)
+        MIN_SPLITS=config.min_splits, S_CHUNK=min(16, triton.next_power_of_2(grid_splits)), num_warps=4, num_stages=1)
     return out

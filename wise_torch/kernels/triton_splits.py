@@ -1,0 +1,48 @@
+"""The split plan and the merge of splits on the device, shared by the Triton split-KV kernels
+(`triton_decode`, `triton_verify`).
+
+`splits` is `wise_core.split_plan`'s rule for one row (tests/test_split_plan.py holds the two
+equal); `merge_splits` combines a (row, head)'s split partials in split order.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def splits(n, TILE: tl.constexpr, SPLIT: tl.constexpr, MIN_SPLITS: tl.constexpr):
+    """(size, count) of a row of n units (`wise_core.split_plan.split_size`, `split_count`):
+    units of each split but the last, splits that hold units (1 for an empty row)."""
+    wanted = tl.maximum(tl.cdiv(n, SPLIT), MIN_SPLITS)
+    size = tl.minimum(tl.maximum(tl.cdiv(tl.cdiv(n, wanted), TILE) * TILE, TILE), SPLIT)
+    return size, tl.maximum(tl.cdiv(n, size), 1)
+
+
+@triton.jit
+def merge_splits(part_acc_ptr, part_m_ptr, part_l_ptr, part, n_splits,
+                 HEAD_DIM: tl.constexpr, S_CHUNK: tl.constexpr):
+    """Splits [0, n_splits) of one (row, head), partials at `part` + split: acc float32
+    [.., HEAD_DIM] (unnormalised output), m (max score, base 2), l (sum of exponentials), merged
+    in split order, S_CHUNK at a time -> (acc [HEAD_DIM], m [1], l [1]); the output is acc / l.
+    A split without keys (0, -inf, 0) adds nothing."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_s = tl.arange(0, S_CHUNK)
+    m_run = tl.full([1], float("-inf"), tl.float32)
+    l_run = tl.zeros([1], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for c in range(0, n_splits, S_CHUNK):
+        split_ok = c + offs_s < n_splits
+        m_s = tl.load(part_m_ptr + part + c + offs_s, mask=split_ok, other=float("-inf"))
+        l_s = tl.load(part_l_ptr + part + c + offs_s, mask=split_ok, other=0.0)
+        acc_s = tl.load(part_acc_ptr + (part + c + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=split_ok[:, None], other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m_s, 0, keep_dims=True))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_ref)
+        w = tl.exp2(m_s - m_ref)
+        l_run = l_run * alpha + tl.sum(l_s * w, 0, keep_dims=True)
+        acc = acc * alpha + tl.sum(acc_s * w[:, None], 0)
+        m_run = m_new
+    return acc, m_run, l_run
