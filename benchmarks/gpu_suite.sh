@@ -24,8 +24,9 @@
 #     +tp2 arms); NCCL_NVLS_ENABLE=0 (NVLink multicast off); each `run` fits a 10-minute slot;
 # fa4: FlashAttention-4 from the wheels in .whl-fa4 (parts a and b stashed by their stash.sh in earlier
 #      calls on the same machine; this part runs part c's install.sh when it is there), then its gpu tests
-#      (packed varlen prefill and dense decode against SDPA / Triton) and the prefill benchmark (SDPA and
-#      FA4, whole prompts and 2,048-token chunks, 1K x 64 to 32K x 2), about 9 minutes;
+#      (packed varlen prefill and dense decode against SDPA / Triton, the union WISE arm) and the prefill
+#      benchmark (SDPA and FA4, whole prompts and 2,048-token chunks, 1K x 64 to 32K x 2), then decode
+#      throughput of dense, WISE, fa4 and wise-fa4 (the FlashAttention WISE arm), about 18 minutes;
 # prefix: prefix caching on and off on a shared-system-prompt workload (64 requests, a 1,024-token common
 #         prefix, 128 own tokens), torch and JAX, Ouro-1.4B shape, random bf16 weights;
 # drafts: each speculative draft kind on the trained built-in model (bf16, CUDA graphs): acceptance,
@@ -116,8 +117,11 @@ case $part in
   fa4)
     if [ -f .whl-fa4/c/install.sh ]; then run fa4_install 240 bash .whl-fa4/c/install.sh; fi
     export PYTHONPATH=/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
-    run fa4_gpu_tests 180 python3 -m pytest -q -m gpu tests/wise_torch/test_torch_prefill_varlen.py -p no:cacheprovider -rfE
+    run fa4_gpu_tests 180 python3 -m pytest -q -m gpu tests/wise_torch/test_torch_prefill_varlen.py \
+        tests/wise_torch/test_torch_union_decode.py -p no:cacheprovider -rfE
     run prefill_bench 360 python3 -m benchmarks.engine.prefill_bench --out "$out/prefill"
+    run fa4_decode 560 python3 -m benchmarks.engine.throughput --preset ouro-1.4b --arms dense,wise,fa4,wise-fa4 \
+        --shapes 1024x64,4096x20,8192x10 --q-scale 8,7.3,7 --out "$out/fa4_decode"
     ;;
   prefix)
     run prefix_cache 560 python3 -m benchmarks.engine.prefix_cache --preset ouro-1.4b --engines "${FRAMEWORKS:-torch,jax}" \

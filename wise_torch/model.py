@@ -186,8 +186,9 @@ class PrefillContext(PagedContext):
 
 class DecodeContext(PagedContext):
     """One decode step: writes each plane's K/V for the step's tokens, then runs decode
-    attention with the modes of the loop (all DENSE without WISE). `attention` is a prepared
-    `decode_attention` (validation off: the engine builds its inputs by construction);
+    attention with the modes of the loop (all DENSE without WISE); a loop that does not discover
+    calls it with reuse=True (no row selects). `attention` is a prepared `decode_attention`
+    (validation off: the engine builds its inputs by construction);
     dense_attention, if given, runs the dense loops instead (`fa4.decode_attention_dense`'s
     signature)."""
 
@@ -221,7 +222,7 @@ class DecodeContext(PagedContext):
         else:
             modes, support = self.modes[layer], self.wise.support_of(layer, self.batch.size, self.blocks)
         out, _ = self.attention(q, k_plane, v_plane, self.batch.page_table, self.batch.seq_lens, modes, support,
-                                block_size=self.block_size, eta=self.eta)
+                                block_size=self.block_size, eta=self.eta, reuse=self.role != "discover")
         return out
 
 

@@ -18,7 +18,11 @@ cohorts, all printed.
 Arms:
 - dense: the engine, Triton dense decode (`kernel=--kernel`, no WISE);
 - wise: the engine with WISE (`WiseConfig(eta, kernel=--kernel)`);
-- fa4: the engine with `kernel="fa4"` when `flash_attn.cute` imports (else a 'not importable' row);
+- fa4: the engine with FlashAttention-4 for prefill and dense decode (`prefill_attention="fa4"`,
+  `dense_decode="fa4"`) when `flash_attn.cute` imports (else a 'not importable' row);
+- wise-fa4: WISE as the reference system's FlashAttention path runs it (`wise_decode="fa4-union"`:
+  reuse rows over the page-granular head union of their support; not the decode contract), its
+  dense loops and prefill on FA4 too;
 - spec-wise, spec-loops (`--spec wise|loops --num-draft K`): the engine with lossless speculative
   decoding (`speculative_arms`); also reported: acceptance, tokens per round, and how many
   requests' greedy tokens differ from the dense arm's (every engine arm is compared);
@@ -66,7 +70,8 @@ from benchmarks.engine import speculative_arms
 
 # dense-default / wise-default: the engine as `LLM(model)` / `LLM(model, wise_config=WiseConfig())`
 # build it, every constructor argument at its default (pool, max_num_seqs, max_model_len, kernel).
-ARMS = ("dense", "wise", "dense-default", "wise-default", "fa4", "old", "old-wise")
+ARMS = ("dense", "wise", "dense-default", "wise-default", "fa4", "wise-fa4", "old", "old-wise")
+FA4_ARMS = ("fa4", "wise-fa4")
 OLD_COMMIT = "bef25e92fbb27d035f3f9973f69047951c897363"  # the last commit before the engine
 HBM_TBPS = 4.3
 CUDA_GRAPHS = {"auto": "auto", "on": True, "off": False}
@@ -326,7 +331,7 @@ def _reset_wise_counters(llm) -> bool:
 
 def _engine_worker(spec: dict) -> dict:
     arm = spec["arm"]
-    if arm == "fa4":
+    if arm in FA4_ARMS:
         try:
             import flash_attn.cute  # noqa: F401
         except Exception as e:  # not installed, or installed without its CUDA parts
@@ -343,8 +348,12 @@ def _engine_worker(spec: dict) -> dict:
         if speculating:
             configs = speculative_arms.engine_kwargs(arm, spec)
         else:
-            configs = dict(wise_config=WiseConfig(eta=spec["eta"], kernel=spec["kernel"]) if arm == "wise" else None)
-        kernel = "fa4" if arm == "fa4" else spec["kernel"]
+            configs = dict(wise_config=WiseConfig(eta=spec["eta"], kernel=spec["kernel"])
+                           if arm in ("wise", "wise-fa4") else None)
+        if arm in FA4_ARMS:
+            configs.update(prefill_attention="fa4", dense_decode="fa4",
+                           **({"wise_decode": "fa4-union"} if arm == "wise-fa4" else {}))
+        kernel = spec["kernel"]
         extra = {"max_num_batched_tokens": spec["max_num_batched_tokens"]} if spec["max_num_batched_tokens"] else {}
         if spec.get("tensor_parallel_size", 1) > 1:   # benchmarks/engine/tp_scaling.py
             extra["tensor_parallel_size"] = spec["tensor_parallel_size"]

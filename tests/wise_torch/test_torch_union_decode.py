@@ -195,3 +195,47 @@ def test_engine_refuses_a_union_arm_without_wise(model):
     with pytest.raises(ValueError, match="no wise_config"):
         wise_torch.LLM(model, num_pages=8, page_size=32, max_num_seqs=1, max_model_len=64,
                        wise_decode="reference-union")
+
+
+# -- on an H200, with FlashAttention-4 ------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fa4_union_on_gpu():
+    """The Ouro-1.4B attention shape in bf16 through FA4: every block selected is bitwise FA4's
+    dense call; a random support's rows equal the plain-torch union arm within bf16 rounding;
+    discovery supports equal the plain-torch arm's but for blocks at a near tie."""
+    from wise_torch.kernels import fa4
+    if fa4.import_error() is not None:
+        pytest.skip(f"flash_attn.cute does not import: {fa4.import_error()}")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    batch, heads, dim, page, block, width = 8, 16, 128, 128, 32, 16
+    lens = torch.randint(300, width * page, (batch,), generator=g, device="cuda").to(torch.int32)
+    k = torch.randn(batch * width + 4, page, heads, dim, generator=g, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    table = torch.randperm(batch * width + 4, generator=g, device="cuda")[:batch * width].view(batch, width)
+    table = table.to(torch.int32)
+    q = (4 * torch.randn(batch, heads, dim, generator=g, device="cuda")).to(torch.bfloat16)
+    fn = resolve_wise_decode("fa4-union", "cuda", torch.bfloat16)
+    blocks = width * page // block
+    causal = torch.arange(blocks, device="cuda")[None, :] * block < lens[:, None]
+    sparse = torch.full((batch,), SPARSE, dtype=torch.int32, device="cuda")
+    every = causal[:, None, :].expand(-1, heads, -1).contiguous()
+    out, _ = fn(q, k, v, table, lens, sparse, every.clone(), block_size=block, eta=0.95, reuse=True)
+    assert torch.equal(out, fa4.decode_attention_dense(q, k, v, table, lens))
+    support = (torch.rand(batch, heads, blocks, generator=g, device="cuda") < 0.1) & causal[:, None, :]
+    support[:, :, 0] = True
+    out, _ = fn(q, k, v, table, lens, sparse, support.clone(), block_size=block, eta=0.95, reuse=True)
+    want, _ = decode_attention_union(q, k, v, table, lens, sparse, support.clone(), block_size=block, eta=0.95,
+                                     paged_decode=paged_decode_reference, reuse=True, validate=False)
+    # FA4 rounds P to bf16 before P @ V and the output to bf16 (2^-8 relative each) on outputs
+    # of magnitude < 1 (averages of N(0, 1) values): 2e-2 absolute bounds both.
+    torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=2e-2)
+    disc = torch.full((batch,), DISCOVER, dtype=torch.int32, device="cuda")
+    got, ref = (torch.zeros(batch, heads, blocks, dtype=torch.bool, device="cuda") for _ in range(2))
+    _, _, got_mass = fn(q, k, v, table, lens, disc, got, block_size=block, eta=0.95, return_mass=True)
+    decode_attention_union(q, k, v, table, lens, disc, ref, block_size=block, eta=0.95,
+                           paged_decode=paged_decode_reference, validate=False)
+    differ = got != ref
+    # A block may differ only where the eta cut falls within the lse's rounding (FA4's bf16 P):
+    # at most a few (row, head)s of the 128.
+    assert differ.any(-1).sum() <= 4, f"{int(differ.any(-1).sum())} (row, head)s select differently"

@@ -247,6 +247,20 @@ def test_sparse_matches_masked_attention(layout):
     assert_within(out.double().cpu().numpy(), expected, out_bounds(case))
 
 
+def test_reuse_call_is_the_selecting_call_without_selection():
+    """reuse=True compiles the finish without the selection: SPARSE and DENSE rows give the same
+    outputs bitwise, the support is untouched, the mass zeros; a discovery row is refused."""
+    case = make_case([150, 97, 130, 64], heads=4, kv_heads=2, seed=9)
+    modes = [SPARSE, DENSE, SPARSE, DENSE]
+    support = random_support(case, 0.5, seed=10)
+    want, _, _ = run(case, modes, support.clone())
+    got, after, mass = run(case, modes, support.clone(), reuse=True)
+    assert torch.equal(got, want) and torch.equal(after, support)
+    assert torch.equal(mass, torch.zeros_like(mass))
+    with pytest.raises(ValueError, match="reuse call must be SPARSE or DENSE"):
+        run(case, [DISCOVER, DENSE, SPARSE, DENSE], support.clone(), reuse=True)
+
+
 def test_mixed_batch_rows_match_each_row_alone():
     case = make_case([150, 97, 130, 64, 33], heads=4, kv_heads=2, seed=7)
     modes = [DENSE, DISCOVER, DISCOVER_UNION, SPARSE, SPARSE]

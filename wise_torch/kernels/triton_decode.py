@@ -226,29 +226,34 @@ def _finish_head(row, head, heads, mode, n_splits, n_causal, max_blocks, eta,
                  stride_ob, stride_oh, stride_mb, stride_mh, stride_sb, stride_sh,
                  ws_blocks, ws_splits,
                  HEAD_DIM: tl.constexpr, S_CHUNK: tl.constexpr, NB_PAD: tl.constexpr,
-                 RETURN_MASS: tl.constexpr):
-    """Merge one head's splits in split order; discovery rows: block mass and selection."""
+                 RETURN_MASS: tl.constexpr, SELECT: tl.constexpr):
+    """Merge one head's splits in split order; discovery rows: block mass and selection (not
+    compiled without SELECT: a reuse call, where no row discovers)."""
     offs_d = tl.arange(0, HEAD_DIM)
     acc, m_run, l_run = merge_splits(part_acc_ptr, part_m_ptr, part_l_ptr, (row * heads + head) * ws_splits,
                                      n_splits, HEAD_DIM, S_CHUNK)
     tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d,
              (acc / l_run).to(out_ptr.dtype.element_ty))
 
-    is_disc = (mode == _DISCOVER) | (mode == _DISCOVER_UNION)
     blk = tl.arange(0, NB_PAD)
-    has_stat = tl.where(is_disc, blk < n_causal, False)
-    stat = (row * heads + head) * ws_blocks + blk
-    stat_m = tl.load(stat_m_ptr + stat, mask=has_stat, other=0.0)
-    stat_l = tl.load(stat_l_ptr + stat, mask=has_stat, other=0.0)
-    mass = tl.where(has_stat, stat_l * tl.exp2(stat_m - m_run) / l_run, 0.0)
-    if RETURN_MASS:
-        tl.store(mass_ptr + row * stride_mb + head * stride_mh + blk, mass, mask=blk < max_blocks)
-    if is_disc:
-        order, kept = _select_ranked(mass, eta, NB_PAD)
-        dst = support_ptr + row * stride_sb + head * stride_sh + order
-        in_row = order < max_blocks
-        held = tl.load(dst, mask=tl.where(mode == _DISCOVER_UNION, in_row, False), other=0)
-        tl.store(dst, (kept | (held != 0)).to(tl.uint8), mask=in_row)
+    if SELECT:
+        is_disc = (mode == _DISCOVER) | (mode == _DISCOVER_UNION)
+        has_stat = tl.where(is_disc, blk < n_causal, False)
+        stat = (row * heads + head) * ws_blocks + blk
+        stat_m = tl.load(stat_m_ptr + stat, mask=has_stat, other=0.0)
+        stat_l = tl.load(stat_l_ptr + stat, mask=has_stat, other=0.0)
+        mass = tl.where(has_stat, stat_l * tl.exp2(stat_m - m_run) / l_run, 0.0)
+        if RETURN_MASS:
+            tl.store(mass_ptr + row * stride_mb + head * stride_mh + blk, mass, mask=blk < max_blocks)
+        if is_disc:
+            order, kept = _select_ranked(mass, eta, NB_PAD)
+            dst = support_ptr + row * stride_sb + head * stride_sh + order
+            in_row = order < max_blocks
+            held = tl.load(dst, mask=tl.where(mode == _DISCOVER_UNION, in_row, False), other=0)
+            tl.store(dst, (kept | (held != 0)).to(tl.uint8), mask=in_row)
+    elif RETURN_MASS:
+        tl.store(mass_ptr + row * stride_mb + head * stride_mh + blk, tl.zeros([NB_PAD], tl.float32),
+                 mask=blk < max_blocks)
 
 
 @triton.jit
@@ -369,7 +374,7 @@ def _finish_kernel(
         stride_sb, stride_sh, stride_ob, stride_oh, stride_mb, stride_mh, ws_blocks, ws_splits,
         HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK: tl.constexpr,
         SPLIT_BLOCKS: tl.constexpr, TILE_BLOCKS: tl.constexpr, MIN_SPLITS: tl.constexpr,
-        NB_PAD: tl.constexpr, S_CHUNK: tl.constexpr, RETURN_MASS: tl.constexpr):
+        NB_PAD: tl.constexpr, S_CHUNK: tl.constexpr, RETURN_MASS: tl.constexpr, SELECT: tl.constexpr):
     """Step 3 of the module docstring for program (row * heads + head)."""
     row = tl.program_id(0) // heads
     head = tl.program_id(0) % heads
@@ -384,7 +389,7 @@ def _finish_kernel(
                  out_ptr, mass_ptr, support_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
                  stat_m_ptr, stat_l_ptr,
                  stride_ob, stride_oh, stride_mb, stride_mh, stride_sb, stride_sh,
-                 ws_blocks, ws_splits, HEAD_DIM, S_CHUNK, NB_PAD, RETURN_MASS)
+                 ws_blocks, ws_splits, HEAD_DIM, S_CHUNK, NB_PAD, RETURN_MASS, SELECT)
 
 
 def _check_kernel_inputs(q, k_pages, v_pages, page_table, seq_lens, modes, support) -> None:
@@ -412,7 +417,7 @@ def _check_kernel_inputs(q, k_pages, v_pages, page_table, seq_lens, modes, suppo
 def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,
                      block_size: int, eta: float, scale: float | None = None,
                      return_mass: bool = False, workspace: DecodeWorkspace | None = None,
-                     validate: bool = True):
+                     validate: bool = True, reuse: bool = False):
     """One query token per row against its paged keys, per-row WISE mode (docs/DESIGN.md).
 
     q: [batch, heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim]
@@ -424,10 +429,11 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
     (CUDA-graph capturable); out and mass are then views of the workspace. validate: check the
     values on the host first (`wise_torch.decode_check.check_call`). NaN in q, k or v gives NaN
     outputs; a SPARSE head that selects no causal block (outside the contract) gives NaN
-    outputs when not validated.
+    outputs when not validated. reuse: a reuse loop's call, every row SPARSE or DENSE (checked
+    with validate): the finish kernel is compiled without the selection (mass: zeros).
     """
     check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size, eta=eta,
-               validate=validate)
+               validate=validate, reuse=reuse)
     _check_kernel_inputs(q, k_pages, v_pages, page_table, seq_lens, modes, support)
     batch, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
@@ -441,13 +447,14 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
     if batch:
         for kernel, grid, args, kwargs in kernel_launches(
                 q, k_pages, v_pages, page_table, seq_lens, modes, support, out, mass, workspace,
-                scale=head_dim ** -0.5 if scale is None else scale, eta=eta, return_mass=return_mass):
+                scale=head_dim ** -0.5 if scale is None else scale, eta=eta, return_mass=return_mass,
+                reuse=reuse):
             kernel[grid](*args, **kwargs)
     return (out, support, mass) if return_mass else (out, support)
 
 
 def kernel_launches(q, k_pages, v_pages, page_table, seq_lens, modes, support, out, mass, ws, *,
-                    scale, eta, return_mass):
+                    scale, eta, return_mass, reuse: bool = False):
     """[(kernel, grid, args, kwargs)] of a checked call in launch order: the split kernel, then
     the finish kernel (also used to compile offline)."""
     batch, heads, head_dim = q.shape
@@ -478,7 +485,7 @@ def kernel_launches(q, k_pages, v_pages, page_table, seq_lens, modes, support, o
          support.stride(0), support.stride(1), out.stride(0), out.stride(1), mass.stride(0), mass.stride(1),
          ws.max_blocks, ws.max_splits),
         dict(shared, TILE_BLOCKS=rule["tile"], S_CHUNK=min(16, triton.next_power_of_2(max_splits)),
-             RETURN_MASS=return_mass,
+             RETURN_MASS=return_mass, SELECT=not reuse,
              num_warps=4, num_stages=1))
     return [split, finish]
 
