@@ -29,7 +29,8 @@ def causal_block_mask(seq_lens: torch.Tensor, max_blocks: int, block_size: int) 
 
 
 class WiseState:
-    """Supports, tags and counters for decode steps of up to `max_rows` rows."""
+    """Supports, tags and counters for decode steps of up to `max_rows` rows, one support per
+    layer run at each depth (`ModelConfig.loop_layers`: Ouro's layers, Huginn's core block)."""
 
     def __init__(self, config: WiseConfig, model_config: ModelConfig, *, max_rows: int, max_blocks: int,
                  device: torch.device | str = "cpu"):
@@ -40,7 +41,7 @@ class WiseState:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"WiseState: {name} must be a positive integer, got {value!r}")
         self.config = config
-        layers, heads = model_config.num_hidden_layers, model_config.num_attention_heads
+        layers, heads = model_config.loop_layers, model_config.num_attention_heads
         self.support = torch.zeros(layers, max_rows, heads, max_blocks, dtype=torch.bool, device=device)
         self.tag_epoch = torch.full((max_rows, layers), -1, dtype=torch.int64, device=device)
         self.depths_run = torch.zeros(max_rows, layers, dtype=torch.int32, device=device)
