@@ -337,6 +337,8 @@ class WiseConfig:
     eta: mass fraction the support must reach, in (0, 1].
     discover_depths: loops that attend densely and record block mass; selections are OR-ed.
     reuse_depths: loops that attend only the support found by the discovery loops.
+    On Huginn a depth is a core iteration (the prelude and coda attend densely; see
+    `huginn_wise_config`, docs/DESIGN.md "Huginn").
     kernel: attention implementation ("auto" picks the framework's fastest on the device).
     all_blocks: select every causal block (equivalence checks: WISE must then equal dense).
     selection: None (the default): discovery keeps the eta rule's blocks; or another rule of
