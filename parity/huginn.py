@@ -9,6 +9,8 @@ initial state (`wise_core.huginn_reference.initial_state`) of each position.
 
 from __future__ import annotations
 
+import functools
+
 from parity import environment  # noqa: F401  (before triton and jax are imported)
 
 import jax.numpy as jnp
@@ -21,7 +23,7 @@ from wise_core.modes import DENSE
 from wise_jax import huginn as jax_huginn
 from wise_jax import kv_cache as kvc
 from wise_jax import wise_state as jax_ws
-from wise_torch.attention import resolve_kernel
+from wise_torch.attention import decode_attention
 from wise_torch.huginn import HuginnForCausalLM
 from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch, PrefillGroup
 from wise_torch.wise_state import WiseState
@@ -42,7 +44,7 @@ def torch_generate(model: HuginnForCausalLM, prompts: list[list[int]], *, max_ne
                    seed: int = 0, wise_config: WiseConfig | None = None, kernel: str = "reference"):
     """Greedy tokens per prompt (max_new_tokens each, no early stop), their logits
     float32[max_new_tokens, vocab] per prompt (numpy), and the WiseState (None when dense).
-    kernel: `wise_torch.attention.resolve_kernel`'s name."""
+    kernel: `wise_torch.attention.decode_attention`'s (which runs the WiseConfig's selection rule)."""
     config, device = model.config, model.head_weight.device
     rows, pages = len(prompts), _pages(prompts, max_new_tokens)
     cache = PagedKVCache(planes=num_planes(config, num_steps), num_pages=rows * pages, page_size=PAGE_SIZE,
@@ -52,7 +54,8 @@ def torch_generate(model: HuginnForCausalLM, prompts: list[list[int]], *, max_ne
     blocks = _blocks(pages, wise_config)
     wise = None if wise_config is None else WiseState(wise_config, config, max_rows=rows, max_blocks=blocks,
                                                       device=device)
-    attention = resolve_kernel(kernel, device)
+    attention = functools.partial(decode_attention, kernel=kernel,
+                                  selection=None if wise_config is None else wise_config.selection)
 
     def slots(r, positions):
         return torch.tensor([int(table[r, p // PAGE_SIZE]) * PAGE_SIZE + p % PAGE_SIZE for p in positions],

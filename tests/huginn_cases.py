@@ -1,11 +1,14 @@
 """Helpers of the Huginn forward tests of both frameworks (a module, not a test file)."""
 
+import dataclasses
+
 import numpy as np
 
 from wise_core import rounding
 from wise_core.checkpoint import Checkpoint, load_checkpoint, random_tensors, save_checkpoint
 from wise_core.config import PRESETS, WiseConfig
 from wise_core.huginn_reference import HuginnCache, huginn_forward
+from wise_core.selection import TopK
 
 TINY = PRESETS["test-tiny-huginn"]
 
@@ -34,6 +37,7 @@ STEPS = 4
 WISE = WiseConfig(block_size=16, eta=0.8, discover_depths=(0, 1), reuse_depths=(3,), kernel="reference")
 """Discovery on iterations 0 and 1, iteration 2 dense, reuse on 3; 16-key blocks and eta 0.8 so a
 random tiny model's supports leave blocks out of 4 to 6 causal ones."""
+TOP2 = dataclasses.replace(WISE, selection=TopK(2))
 PROMPT_LENS, NEW_TOKENS, SEED = (66, 77), 8, 5
 
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from huginn_cases import NEW_TOKENS, SEED, STEPS, TINY, WISE, checkpoint, prompts, reference_generate
+from huginn_cases import NEW_TOKENS, SEED, STEPS, TINY, TOP2, WISE, checkpoint, prompts, reference_generate
 from parity.huginn import jax_generate
 from wise_core.config import ConfigError, WiseConfig
 from wise_core.huginn_reference import huginn_weights, num_planes
@@ -43,13 +43,15 @@ def test_all_blocks_wise_is_bitwise_dense(params):
     assert wise.density(ALL_BLOCKS)[3] == 1.0 and int(wise.fallbacks) == 0
 
 
-def test_wise_generation_equals_the_reference(params, ckpt):
-    """Greedy WISE tokens equal the float64 spec's (`huginn_forward(..., wise=)`), and WISE is
-    sparse on them: the reuse iteration attends fewer blocks than dense, with no fallback."""
+@pytest.mark.parametrize("wise_config", [WISE, TOP2], ids=["eta", "top-2"])
+def test_wise_generation_equals_the_reference(params, ckpt, wise_config):
+    """Greedy WISE tokens (the eta rule, and top-2 blocks) equal the float64 spec's
+    (`huginn_forward(..., wise=)`), and WISE is sparse on them: the reuse iteration attends fewer
+    blocks than dense, with no fallback."""
     weights = huginn_weights(TINY, ckpt.tensors)
-    tokens, _, wise = generate(params, WISE)
-    assert tokens == [reference_generate(TINY, weights, p, WISE) for p in prompts()]
-    assert wise.density(WISE)[3] < 0.9 and int(wise.fallbacks) == 0, wise.density(WISE)
+    tokens, _, wise = generate(params, wise_config)
+    assert tokens == [reference_generate(TINY, weights, p, wise_config) for p in prompts()]
+    assert wise.density(wise_config)[3] < 0.9 and int(wise.fallbacks) == 0, wise.density(wise_config)
 
 
 def test_depths_outside_the_iterations_are_refused(params):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from huginn_cases import NEW_TOKENS, SEED, STEPS, TINY, WISE, checkpoint, prompts, reference_generate
+from huginn_cases import NEW_TOKENS, SEED, STEPS, TINY, TOP2, WISE, checkpoint, prompts, reference_generate
 from parity.huginn import torch_generate
 from wise_core.config import PRESETS, ConfigError, WiseConfig
 from wise_core.huginn_reference import huginn_weights
@@ -42,13 +42,14 @@ def test_all_blocks_wise_is_bitwise_dense(model):
     assert wise.density()[3] == 1.0 and wise.fallbacks == 0
 
 
-def test_wise_generation_equals_the_reference(model, ckpt):
-    """Greedy WISE tokens equal the float64 spec's (`huginn_forward(..., wise=)`), and WISE is
-    sparse on them: the reuse iteration attends fewer blocks than dense, with no fallback, and its
-    logits differ from dense decode's."""
+@pytest.mark.parametrize("wise_config", [WISE, TOP2], ids=["eta", "top-2"])
+def test_wise_generation_equals_the_reference(model, ckpt, wise_config):
+    """Greedy WISE tokens (the eta rule, and top-2 blocks) equal the float64 spec's
+    (`huginn_forward(..., wise=)`), and WISE is sparse on them: the reuse iteration attends fewer
+    blocks than dense, with no fallback, and its logits differ from dense decode's."""
     weights = huginn_weights(TINY, ckpt.tensors)
-    tokens, logits, wise = generate(model, WISE)
-    assert tokens == [reference_generate(TINY, weights, p, WISE) for p in prompts()]
+    tokens, logits, wise = generate(model, wise_config)
+    assert tokens == [reference_generate(TINY, weights, p, wise_config) for p in prompts()]
     assert wise.density()[3] < 0.9 and wise.fallbacks == 0, wise.density()
     _, dense_logits, _ = generate(model)
     assert any(not np.array_equal(a, b) for a, b in zip(logits, dense_logits))
