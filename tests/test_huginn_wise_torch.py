@@ -2,6 +2,8 @@
 core plane (step, layer) as the state's (loop, layer)): every block selected equals dense decode
 bitwise; greedy WISE generation equals the numpy reference's tokens; bad depths are refused."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -59,6 +61,10 @@ def test_depths_outside_the_iterations_are_refused(model):
     """A WISE depth >= num_steps, or a WISE state of another model's layers, is an error naming it."""
     with pytest.raises(ConfigError, match=r"WISE depths \[3\] are out of range for num_steps=3 core iterations"):
         generate(model, WISE, num_steps=3)
+    with pytest.raises(ConfigError, match=r"WISE depths \[5\] are out of range for 4 core iterations"):
+        WiseState(dataclasses.replace(WISE, reuse_depths=(5,)), TINY, max_rows=1, max_blocks=6)
+    assert WiseState(dataclasses.replace(WISE, reuse_depths=(5,)), TINY, max_rows=1, max_blocks=6,
+                     num_loops=6).density() == {5: None}
     wise = WiseState(WISE, PRESETS["test-tiny"], max_rows=1, max_blocks=6)
     with pytest.raises(ValueError, match="the WISE state holds 2 layers; this model's core block has 3"):
         model.decode_step(torch.tensor([1]), None, None, num_steps=STEPS, state=None, attention=None,
