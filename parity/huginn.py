@@ -65,25 +65,27 @@ def torch_generate(model: HuginnForCausalLM, prompts: list[list[int]], *, max_ne
         return torch.cat([model.initial_state(1, range(p, p + 1), seed) for p in positions])
 
     logits = [[] for _ in prompts]
+    dense_modes = torch.full((rows,), DENSE, dtype=torch.int32, device=device)
+    unused_support = torch.zeros(rows, config.num_attention_heads, blocks, dtype=torch.bool, device=device)
     with torch.inference_mode():
         for r, prompt in enumerate(prompts):
             n, index = len(prompt), torch.arange(len(prompt), device=device)
-            batch = PrefillBatch(index, slots(r, range(n)), [PrefillGroup(0, n, 1, index, table[r:r + 1, :-(-n // PAGE_SIZE)])],
-                                 torch.tensor([n - 1], device=device))
+            group = PrefillGroup(0, n, 1, index, table[r:r + 1, :-(-n // PAGE_SIZE)])
+            batch = PrefillBatch(index, slots(r, range(n)), [group], torch.tensor([n - 1], device=device))
             logits[r].append(model.prefill(torch.tensor(prompt, device=device), batch, cache, num_steps=num_steps,
                                            state=state(range(n)))[0])
         positions = [len(p) for p in prompts]
         for _ in range(max_new_tokens - 1):
             step = DecodeBatch(positions=torch.tensor(positions, device=device),
                                seq_lens=torch.tensor(positions, dtype=torch.int32, device=device) + 1,
-                               page_table=table.int(), slot_mapping=torch.cat([slots(r, [p]) for r, p in enumerate(positions)]),
-                               epochs=torch.tensor([r * config.max_position_embeddings + p for r, p in enumerate(positions)],
-                                                   device=device))
-            out = model.decode_step(torch.stack([row[-1].argmax() for row in logits]), step, cache, num_steps=num_steps,
-                                    state=state(positions), attention=attention,
-                                    dense_modes=torch.full((rows,), DENSE, dtype=torch.int32, device=device),
-                                    unused_support=torch.zeros(rows, config.num_attention_heads, blocks, dtype=torch.bool,
-                                                               device=device), wise=wise)
+                               page_table=table.int(),
+                               slot_mapping=torch.cat([slots(r, [p]) for r, p in enumerate(positions)]),
+                               epochs=torch.tensor([r * config.max_position_embeddings + p
+                                                    for r, p in enumerate(positions)], device=device))
+            tokens = torch.stack([row[-1].argmax() for row in logits])
+            out = model.decode_step(tokens, step, cache, num_steps=num_steps, state=state(positions),
+                                    attention=attention, dense_modes=dense_modes, unused_support=unused_support,
+                                    wise=wise)
             for r in range(rows):
                 logits[r].append(out[r])
             positions = [p + 1 for p in positions]
@@ -116,9 +118,9 @@ def jax_generate(params: jax_huginn.HuginnParams, config: ModelConfig, prompts: 
     for _ in range(max_new_tokens - 1):
         state = jnp.asarray(np.concatenate([initial_state(config, [p], seed) for p in positions]), dtype)
         tokens = jnp.asarray([int(row[-1].argmax()) for row in logits], jnp.int32)
-        out, cache, wise = jax_huginn.decode_step(params, config, cache, tokens, state, jnp.arange(rows, dtype=jnp.int32),
-                                                  num_steps=num_steps, kernel=kernel, wise_config=wise_config,
-                                                  wise_state=wise)
+        out, cache, wise = jax_huginn.decode_step(params, config, cache, tokens, state,
+                                                  jnp.arange(rows, dtype=jnp.int32), num_steps=num_steps,
+                                                  kernel=kernel, wise_config=wise_config, wise_state=wise)
         out = np.asarray(out, np.float32)
         for r in range(rows):
             logits[r].append(out[r])
