@@ -184,7 +184,7 @@ MEDIUM = dataclasses.replace(
 
 MODELS: dict[str, tuple[ModelConfig, float]] = {
     "test-tiny": (PRESETS["test-tiny"], 0.08), "test-tiny-gqa": (PRESETS["test-tiny-gqa"], 0.08),
-    "medium-random": (MEDIUM, 0.03),
+    "medium-random": (MEDIUM, 0.03), "test-tiny-huginn": (PRESETS["test-tiny-huginn"], 0.08),
 }
 """Random-weight models (config, weight std), written as HF checkpoints; other names are loaded by
 `wise_core`. The std keeps attention peaked but not near-hard: larger weights make a random

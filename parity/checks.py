@@ -30,7 +30,7 @@ import numpy as np
 from parity import cases
 from parity.convert import bits, jax_to_torch, jax_weights, params_differences, tensor_differences, \
     torch_to_jax, torch_weights
-from parity.suite import Suite
+from parity.suite import HUGINN_MODEL, Suite
 from wise_core import modes as M
 from wise_core import reference as ref
 from wise_core import rounding
@@ -492,3 +492,35 @@ def check_end_to_end(suite: Suite):
     for run in suite.settings.e2e:
         case = f"{run.model} {run.mode}" + ("" if run.dtype == "float32" else " forced")
         yield Task(run.kernels, case, run.dtype, functools.partial(_end_to_end, suite, run))
+
+
+# -- Huginn: WISE over core iterations -------------------------------------------------------------
+def _huginn_all_blocks(suite: Suite, impl) -> Measured:
+    dense = suite.huginn_generate(impl.framework, impl.kernel, "dense")
+    wise = suite.huginn_generate(impl.framework, impl.kernel, "all-blocks")
+    pairs = [(f"prompt {i} tokens", np.asarray(w), np.asarray(d)) for i, (w, d) in
+             enumerate(zip(wise.tokens, dense.tokens))]
+    pairs += [(f"prompt {i} logits", w, d) for i, (w, d) in enumerate(zip(wise.logits, dense.logits))]
+    return bitwise(pairs)
+
+
+@check("huginn-all-blocks", "Huginn: WISE over core iterations with every block selected gives dense decode's "
+                            "tokens and logits, bitwise")
+def check_huginn_all_blocks(suite: Suite):
+    for impl in suite.impls:
+        if suite.settings.huginn_every_impl or impl.kernel == "reference":
+            yield Task(impl.name, HUGINN_MODEL, "float32", functools.partial(_huginn_all_blocks, suite, impl))
+
+
+def _huginn_end_to_end(suite: Suite, kernels: tuple[str, str], mode: str) -> Measured:
+    runs = [suite.huginn_generate(framework, kernel, mode) for framework, kernel in zip(("torch", "jax"), kernels)]
+    return compare_runs(suite.checkpoint(HUGINN_MODEL).config, *runs, "float32", False)
+
+
+@check("huginn-end-to-end", "Huginn: torch and JAX give the same greedy tokens, dense and WISE over core "
+                            "iterations, logits within the bound (float32)")
+def check_huginn_end_to_end(suite: Suite):
+    for kernels in suite.settings.huginn_kernels:
+        for mode in ("dense", "wise"):
+            yield Task(f"torch-{kernels[0]}|jax-{kernels[1]}", f"{HUGINN_MODEL} {mode}", "float32",
+                       functools.partial(_huginn_end_to_end, suite, kernels, mode))

@@ -15,13 +15,17 @@ import torch
 
 import wise_jax
 import wise_torch
-from parity import cases
+from parity import cases, huginn
 from parity.convert import DTYPES
 from parity.impls import Decoded, Impl, discover_impls, jax_backend
 from parity.impls import selectors as default_selectors
 from wise_core import modes as M
 from wise_core.checkpoint import DEFAULT_MODEL, Checkpoint, load_checkpoint, random_tensors, save_checkpoint
-from wise_core.config import WiseConfig
+from wise_core.config import WiseConfig, huginn_wise_config
+from wise_jax import huginn as jax_huginn
+from wise_torch import huginn as torch_huginn
+
+HUGINN_MODEL = "test-tiny-huginn"   # the Huginn rows' model (random weights, `cases.MODELS`)
 
 # decode_attention calls of the checks: name -> (row modes cycled over the batch, support input).
 CALLS = {
@@ -67,6 +71,10 @@ class Settings:
     equivalence_workload: cases.Workload
     e2e: tuple[EndToEnd, ...]
     wise_eta: float = 0.8                         # below the 0.95 default: random models' supports get sparse
+    huginn_workload: cases.Workload = cases.Workload((70,), 4)          # the Huginn rows (`HUGINN_MODEL`)
+    huginn_kernels: tuple[tuple[str, str], ...] = (("reference", "reference"),)   # torch|jax end to end
+    huginn_every_impl: bool = False   # Huginn all-blocks rows for every kernel (GPU), else the references
+    # (interpreted kernels on CPU: the same calls as Ouro's all-blocks rows, at many times their cost)
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -93,7 +101,9 @@ class Settings:
                 ("test-tiny-gqa", kernels, cases.Workload((70,), 3))]
             e2e = tuple(EndToEnd(m, *k, mode, "float32", w) for m, k, w in runs for mode in ("dense", "wise"))
             return cls(quick, device, cases.attention_cases(True), cases.DTYPES, "test-tiny-gqa",
-                       cases.Workload((40,), 3), e2e)
+                       cases.Workload((40,), 3), e2e,
+                       huginn_kernels=(("reference", "reference"),) + ((kernels,) if gpu else ()),
+                       huginn_every_impl=gpu)
         # Full shapes: one workload for the medium model, so the all-blocks check and the dense
         # end-to-end runs share their generations and compilations (the run must stay short on a GPU).
         work = cases.Workload((200, 700), 16)
@@ -103,7 +113,10 @@ class Settings:
             runs += [("medium-random", ("reference", "reference"), "dense", "float32"),
                      ("medium-random", kernels, "dense", "bfloat16"), ("medium-random", kernels, "wise", "bfloat16")]
         e2e = tuple(EndToEnd(model, *k, mode, dtype, work) for model, k, mode, dtype in runs)
-        return cls(quick, device, cases.attention_cases(False), cases.DTYPES, "medium-random", work, e2e)
+        return cls(quick, device, cases.attention_cases(False), cases.DTYPES, "medium-random", work, e2e,
+                   huginn_workload=cases.Workload((200, 700), 16),
+                   huginn_kernels=(("reference", "reference"),) + ((kernels,) if gpu else ()),
+                   huginn_every_impl=gpu)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +233,35 @@ class Suite:
         if mode == "all-blocks":
             return WiseConfig(kernel=kernel, all_blocks=True)
         raise ValueError(f"unknown generation mode {mode!r} (dense, wise, all-blocks)")
+
+    def huginn_models(self):
+        """(torch model, JAX params) of `HUGINN_MODEL` in float32 on the settings' device."""
+        def load():
+            ckpt = self.checkpoint(HUGINN_MODEL)
+            return (torch_huginn.huginn_from_tensors(ckpt.config, ckpt.tensors, device=self.settings.device),
+                    jax_huginn.huginn_from_tensors(ckpt.config, ckpt.tensors))
+        return self._once(("huginn",), load)
+
+    def huginn_generate(self, framework: str, kernel: str, mode: str) -> Generated:
+        """Greedy generation of `HUGINN_MODEL` (`parity.huginn`) over the settings' Huginn
+        workload, total_ut_steps core iterations: mode 'dense', 'wise' (`huginn_wise_config` with
+        `kernel` and the settings' eta) or 'all-blocks' (the same, every block selected)."""
+        def run() -> Generated:
+            config = self.checkpoint(HUGINN_MODEL).config
+            steps, work = config.total_ut_steps, self.settings.huginn_workload
+            wise_config = None if mode == "dense" else huginn_wise_config(
+                steps, kernel=kernel, eta=self.settings.wise_eta, all_blocks=mode == "all-blocks")
+            torch_model, params = self.huginn_models()
+            args = dict(max_new_tokens=work.max_new_tokens, num_steps=steps, wise_config=wise_config, kernel=kernel)
+            if framework == "torch":
+                tokens, logits, wise = huginn.torch_generate(torch_model, work.prompts(config.vocab_size), **args)
+                density = None if wise is None else wise.density()
+            else:
+                with jax_precision("float32"):
+                    tokens, logits, wise = huginn.jax_generate(params, config, work.prompts(config.vocab_size), **args)
+                density = None if wise is None else wise.density(wise_config)
+            return Generated(tokens, logits, density if mode == "wise" else None)
+        return self._once(("huginn-generate", framework, kernel, mode), run)
 
     def teacher_force(self, framework: str, model: str, kernel: str, mode: str, workload: cases.Workload,
                       dtype: str) -> Generated:

@@ -168,6 +168,12 @@ class ModelConfig:
         return self.total_ut_steps
 
     @property
+    def loop_layers(self) -> int:
+        """Layers run at each depth, those a WISE state holds supports for: Ouro's shared layers,
+        Huginn's core block (its prelude and coda attend densely)."""
+        return self.n_layers_in_recurrent_block if self.architecture == "huginn" else self.num_hidden_layers
+
+    @property
     def embed_scale(self) -> float:
         """Huginn multiplies its embeddings by sqrt(hidden_size) (Ouro: 1)."""
         return math.sqrt(self.hidden_size) if self.architecture == "huginn" else 1.0
@@ -319,6 +325,10 @@ FRAMEWORK_KERNELS = {"torch": ("auto", "reference", "triton"), "jax": ("auto", "
 plain reference, and its kernel."""
 
 
+MAX_DISCOVER_DEPTH = 30
+"""The deepest discovery depth: the WISE states record the discovery depths run as bits of an int32."""
+
+
 @dataclasses.dataclass(frozen=True)
 class WiseConfig:
     """WISE decode settings.
@@ -327,6 +337,8 @@ class WiseConfig:
     eta: mass fraction the support must reach, in (0, 1].
     discover_depths: loops that attend densely and record block mass; selections are OR-ed.
     reuse_depths: loops that attend only the support found by the discovery loops.
+    On Huginn a depth is a core iteration (the prelude and coda attend densely; see
+    `huginn_wise_config`, docs/DESIGN.md "Huginn").
     kernel: attention implementation ("auto" picks the framework's fastest on the device).
     all_blocks: select every causal block (equivalence checks: WISE must then equal dense).
     selection: None (the default): discovery keeps the eta rule's blocks; or another rule of
@@ -372,6 +384,9 @@ class WiseConfig:
         object.__setattr__(self, "eta", float(self.eta))
         if not self.discover_depths:
             raise ConfigError("WiseConfig.discover_depths must name at least one loop")
+        if self.discover_depths[-1] > MAX_DISCOVER_DEPTH:
+            raise ConfigError(f"discovery depth {self.discover_depths[-1]} is past {MAX_DISCOVER_DEPTH}: the WISE "
+                              f"state records the discovery depths run as bits of an int32")
         overlap = set(self.discover_depths) & set(self.reuse_depths)
         if overlap:
             raise ConfigError(f"loops {sorted(overlap)} are both discovery and reuse depths")
@@ -389,11 +404,13 @@ class WiseConfig:
         """The selection rule in force: `selection`, or Eta(eta) when it is None."""
         return Eta(self.eta) if self.selection is None else self.selection
 
-    def validate_for(self, num_loops: int) -> None:
-        """Check the depths against a model's loop count."""
+    def validate_for(self, num_loops: int, what: str | None = None) -> None:
+        """Check the depths against a loop count; `what` names that count in the error (default
+        "a model with N loops"; a Huginn decode: its num_steps core iterations)."""
         bad = [d for d in self.discover_depths + self.reuse_depths if d >= num_loops]
         if bad:
-            raise ConfigError(f"WISE depths {bad} are out of range for a model with {num_loops} loops")
+            what = f"a model with {num_loops} loops" if what is None else what
+            raise ConfigError(f"WISE depths {bad} are out of range for {what}")
 
     def depth_role(self, loop: int) -> str:
         """'discover', 'reuse' or 'dense' for loop index `loop`."""
@@ -402,6 +419,18 @@ class WiseConfig:
         if loop in self.reuse_depths:
             return "reuse"
         return "dense"
+
+
+def huginn_wise_config(num_steps: int = 32, **settings) -> WiseConfig:
+    """The WISE profile for Huginn at `num_steps` core iterations (huginn-0125's default r = 32):
+    discovery on iterations 0 and 1, reuse on 2 .. num_steps - 1; `settings`: the other WiseConfig
+    fields (block_size, eta, kernel, ...). This is the project's choice, mirroring Ouro's default
+    (discover the first two loops, reuse the rest), not a profile taken from the WISE paper (whose
+    Huginn discovery iterations are not stated in the material this project follows)."""
+    if not _is_int(num_steps) or num_steps < 3:
+        raise ConfigError(f"huginn_wise_config needs num_steps >= 3 core iterations (2 discover, 1 or more "
+                          f"reuse), got {num_steps!r}")
+    return WiseConfig(discover_depths=(0, 1), reuse_depths=tuple(range(2, num_steps)), **settings)
 
 
 SPECULATIVE_METHODS = ("wise", "loops")

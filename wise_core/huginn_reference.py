@@ -21,6 +21,14 @@ K/V is cached per plane (`plane_index`): one per prelude layer, one per coda lay
 than an earlier one would read core planes that lack the earlier positions: that is an error
 here (the released code's adaptive-compute lookups fill such holes; not specified here yet).
 
+WISE decode (`huginn_forward(..., wise=WiseConfig)`, one token a call): depths are core
+iterations. `WiseConfig.discover_depths` and `reuse_depths` index iterations 0..num_steps-1; the
+support is per (token, core layer, head), OR-ed over the discovery iterations; a reuse
+iteration attends only it; an iteration in neither set, and every prelude and coda layer, attends
+densely. Here every discovery iteration runs before the first reuse one (`WiseConfig` orders
+them, and a depth >= num_steps is an error), so a token's support is always complete; the
+frameworks' decode states fall back to dense where it is not, as for Ouro.
+
 The initial state (`initial_state`): "like-init" is what the released code uses at inference
 (init_scale 1): a normal truncated at 3 standard deviations, std sqrt(2 / (5 hidden)), times
 sqrt(hidden); here drawn per position from numpy's generator seeded with (seed, position), so a
@@ -31,11 +39,13 @@ token's state does not depend on how its prompt is split into calls. "zero" star
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import numpy as np
 
+from wise_core import reference as wise_ref
 from wise_core.checkpoint import huginn_layers, validate_tensors
-from wise_core.config import ModelConfig
+from wise_core.config import ModelConfig, WiseConfig
 
 
 def plane_index(config: ModelConfig, stack: str, layer: int, step: int = 0) -> int:
@@ -128,8 +138,10 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: np.ndarr
 
 
 def sandwich_block(config: ModelConfig, w: dict[str, np.ndarray], prefix: str, x: np.ndarray,
-                   positions: np.ndarray, cache: HuginnCache, key: int) -> np.ndarray:
-    """One layer (weights `prefix`*) on x: [seq, hidden], appending its K/V to `cache` plane `key`."""
+                   positions: np.ndarray, cache: HuginnCache, key: int, attend: Callable | None = None
+                   ) -> np.ndarray:
+    """One layer (weights `prefix`*) on x: [seq, hidden], appending its K/V to `cache` plane `key`.
+    attend(q, k, v) -> out [seq, heads, d] (None: causal `attention`)."""
     eps, heads, d = config.rms_norm_eps, config.num_attention_heads, config.head_dim
     seq = x.shape[0]
     qkv = rms_norm(x, w[prefix + "norm_1.weight"], eps) @ w[prefix + "attn.Wqkv.weight"].T
@@ -141,25 +153,55 @@ def sandwich_block(config: ModelConfig, w: dict[str, np.ndarray], prefix: str, x
     old_k, old_v = cache.planes.get(key, (np.zeros((0, heads, d)), np.zeros((0, heads, d))))
     k, v = np.concatenate([old_k, k]), np.concatenate([old_v, v])
     cache.planes[key] = (k, v)
-    attn = attention(q, k, v, positions).reshape(seq, heads * d) @ w[prefix + "attn.proj.weight"].T
+    out = attention(q, k, v, positions) if attend is None else attend(q, k, v)
+    attn = out.reshape(seq, heads * d) @ w[prefix + "attn.proj.weight"].T
     x = rms_norm(x + attn, w[prefix + "norm_2.weight"], eps)
     gate, up = np.split(rms_norm(x, w[prefix + "norm_3.weight"], eps) @ w[prefix + "mlp.fc.weight"].T, 2, axis=-1)
     mlp = (gate / (1.0 + np.exp(-gate)) * up) @ w[prefix + "mlp.proj.weight"].T
     return rms_norm(x + mlp, w[prefix + "norm_4.weight"], eps)
 
 
+def wise_attend(wise: WiseConfig, supports: dict[int, np.ndarray], step: int, layer: int) -> Callable | None:
+    """The attention of core layer `layer` at iteration `step` of one decode token under WISE
+    (None: dense, an iteration in neither depth set): `attend(q [1, heads, d], k, v)` for
+    `sandwich_block`. A discovery iteration attends densely and stores the selection of its
+    block mass (`wise_core.reference.select_blocks` with `wise.rule`; every causal block with
+    all_blocks) in supports[layer] bool[heads, n_blocks], OR-ed onto the earlier discovery
+    iterations' of this token; a reuse iteration attends only supports[layer]."""
+    role = wise.depth_role(step)
+    if role == "dense":
+        return None
+
+    def attend(q, k, v):
+        if role == "reuse":
+            out, _ = wise_ref.attention(q[0], k, v, block_size=wise.block_size, support=supports[layer])
+            return out[None]
+        out, mass = wise_ref.attention(q[0], k, v, block_size=wise.block_size)
+        selected = (wise_ref.all_blocks(k.shape[0], wise.block_size, mass.shape[:1], mass.shape[-1])
+                    if wise.all_blocks else wise_ref.select_blocks(mass, wise.rule))
+        supports[layer] = selected if step == wise.discover_depths[0] else supports[layer] | selected
+        return out[None]
+    return attend
+
+
 def huginn_forward(config: ModelConfig, weights: dict[str, np.ndarray], tokens, *, num_steps: int | None = None,
-                   cache: HuginnCache | None = None, seed: int = 0, state: np.ndarray | None = None) -> np.ndarray:
+                   cache: HuginnCache | None = None, seed: int = 0, state: np.ndarray | None = None,
+                   wise: WiseConfig | None = None) -> np.ndarray:
     """Logits [seq, vocab] float64 of `tokens` (ints) at positions cache.length onwards, running the
     core block num_steps times (default config.total_ut_steps). weights: `huginn_weights`.
     cache: appended to (None: a fresh one, discarded). state: the initial state [seq, hidden]
-    (None: `initial_state` at these positions with `seed`)."""
+    (None: `initial_state` at these positions with `seed`). wise: decode one token with WISE
+    over the core iterations (see the module docstring; its depths must be < num_steps)."""
     tokens = np.asarray(tokens)
     num_steps = config.total_ut_steps if num_steps is None else num_steps
     if isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) or num_steps < 0:
         raise ValueError(f"num_steps must be a non-negative integer, got {num_steps!r}")
     if tokens.ndim != 1 or len(tokens) == 0 or not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"tokens must be a non-empty 1-D array of integer ids, got {tokens.dtype} {tokens.shape}")
+    if wise is not None:
+        wise.validate_for(num_steps, f"num_steps={num_steps} core iterations")
+        if len(tokens) != 1:
+            raise ValueError(f"WISE decodes one token a call, got {len(tokens)} tokens (prefill densely)")
     if tokens.min() < 0 or tokens.max() >= config.vocab_size:
         raise ValueError(f"token ids must be in [0, {config.vocab_size}), got {tokens.min()}..{tokens.max()}")
     cache = HuginnCache() if cache is None else cache
@@ -180,11 +222,14 @@ def huginn_forward(config: ModelConfig, weights: dict[str, np.ndarray], tokens, 
         raise ValueError(f"state must be [{len(tokens)}, {config.hidden_size}], got {np.shape(state)}")
     w, eps = weights, config.rms_norm_eps
 
+    supports: dict[int, np.ndarray] = {}
+
     def run(stack, x, step=0):
         for name, n in huginn_layers(config):
             if name == stack:
+                attend = wise_attend(wise, supports, step, n) if wise is not None and stack == "core_block" else None
                 x = sandwich_block(config, w, f"transformer.{stack}.{n}.", x, positions, cache,
-                                   plane_index(config, stack, n, step))
+                                   plane_index(config, stack, n, step), attend)
         return x
 
     embedded = run("prelude", w["transformer.wte.weight"][tokens] * config.embed_scale)

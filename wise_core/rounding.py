@@ -116,11 +116,17 @@ def mass_bound_of(q, k, *, scale=None) -> float:
 
 
 def model_bound(config, *, scale: float, keys: int = 0, dtype="float32") -> float:
-    """`network_bound` of a ModelConfig: depth layers * loops, width its longest reduction (hidden
-    size, MLP width, or the `keys` attended)."""
-    width = max(config.hidden_size, config.intermediate_size, keys)
-    return network_bound(scale=scale, depth=config.num_hidden_layers * config.total_ut_steps, width=width,
-                         dtype=dtype)
+    """`network_bound` of a ModelConfig: depth layers * loops (Huginn: prelude + core block *
+    total_ut_steps + coda layers), width its longest reduction (hidden size, MLP width, Huginn's
+    adapter over 2 * hidden, or the `keys` attended)."""
+    if config.architecture == "huginn":
+        depth = (config.n_layers_in_prelude + config.n_layers_in_recurrent_block * config.total_ut_steps
+                 + config.n_layers_in_coda)
+        width = max(2 * config.hidden_size, config.intermediate_size, keys)
+    else:
+        depth = config.num_hidden_layers * config.total_ut_steps
+        width = max(config.hidden_size, config.intermediate_size, keys)
+    return network_bound(scale=scale, depth=depth, width=width, dtype=dtype)
 
 
 def model_difference(got, want, config, *, keys: int = 0, dtype="float32") -> tuple[float, float]:

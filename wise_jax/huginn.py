@@ -11,9 +11,11 @@ applies the released rotation; q . k is unchanged), qk_bias as the bias of the f
 projection (zero on v); linear weights stored [in, out].
 
 `forward` (whole sequences), `prefill` (one prompt, returning every plane's K/V) and
-`decode_step` (one dense token per row against the paged cache, `wise_jax.kv_cache` created
-with `num_planes` planes) share `run_model`; the plane layout is
-`wise_core.huginn_reference.plane_index`.
+`decode_step` (one token per row against the paged cache, `wise_jax.kv_cache` created with
+`num_planes` planes; dense, or WISE over the core iterations with Ouro's `wise_jax.wise_state`:
+core iteration `step` and core layer n are the state's (loop, layer), so `WiseConfig` depths
+index core iterations; the prelude and the coda attend densely) share `run_model`; the plane
+layout is `wise_core.huginn_reference.plane_index`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from wise_core import modes as M
 from wise_core.config import ModelConfig, WiseConfig
 from wise_core.huginn_reference import initial_state, num_planes, plane_index
 from wise_jax import kv_cache as kvc
+from wise_jax import wise_state as ws
 from wise_jax.attention import decode_attention
 from wise_jax.model import apply_rope, check_input_ids, rms_norm, rope
 from wise_jax.prefill_attention import causal_attention
@@ -126,22 +129,27 @@ def sandwich_block(bp: BlockParams, config: ModelConfig, x: jax.Array, cos: jax.
     return rms_norm((jax.nn.silu(gate) * up) @ bp.mlp_proj + x, bp.norm_4, eps), aux
 
 
-# attend(q, k, v, plane, carry) -> (out, carry); plane int32 (traced inside the core loop)
-Attend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+# attend(q, k, v, plane, carry, core) -> (out, carry); plane int32 (traced inside a fori_loop over
+# the core iterations); core: (step, core layer) of a core-block layer, None in the prelude and coda
+Attend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any, Any], tuple[jax.Array, Any]]
 
 
 def run_model(params: HuginnParams, config: ModelConfig, input_ids: jax.Array, state: jax.Array, cos: jax.Array,
-              sin: jax.Array, num_steps, attend: Attend, carry: Any = None) -> tuple[jax.Array, Any]:
+              sin: jax.Array, num_steps, attend: Attend, carry: Any = None, *,
+              unroll: bool = False) -> tuple[jax.Array, Any]:
     """input_ids int32[batch, seq], state [batch, seq, hidden] -> (the coda's normed output
     [batch, seq, hidden], carry): the prelude, num_steps core iterations (a `lax.fori_loop`;
-    num_steps may be traced), the coda, each layer attending through `attend` with its plane
-    (`wise_core.huginn_reference.plane_index`)."""
+    num_steps may be traced; unroll: a Python loop over a Python int num_steps, so that each
+    iteration's `attend` sees a static step and plane), the coda, each layer attending through
+    `attend` with its plane (`wise_core.huginn_reference.plane_index`)."""
     c = config
 
-    def stack(blocks, x, carry, plane0, step=0):
+    def stack(blocks, x, carry, plane0, step=None):
         for n, bp in enumerate(blocks):
+            core = None if step is None else (step, n)
+            plane = plane0 + n if step is None else plane0 + step * len(blocks) + n
             x, carry = sandwich_block(bp, c, x, cos, sin,
-                                      lambda q, k, v, n=n: attend(q, k, v, plane0 + step * len(blocks) + n, carry))
+                                      lambda q, k, v, plane=plane, core=core: attend(q, k, v, plane, carry, core))
         return x, carry
 
     embedded = params.wte.at[input_ids].get(mode="fill", fill_value=jnp.nan) * c.embed_scale
@@ -151,7 +159,13 @@ def run_model(params: HuginnParams, config: ModelConfig, input_ids: jax.Array, s
         x = jnp.concatenate([x_carry[0], embedded], axis=-1) @ params.adapter
         return stack(params.core_block, x, x_carry[1], plane_index(c, "core_block", 0), i)
 
-    x, carry = lax.fori_loop(0, num_steps, step, (state.astype(embedded.dtype), carry))
+    x_carry = (state.astype(embedded.dtype), carry)
+    if unroll:
+        for i in range(num_steps):
+            x_carry = step(i, x_carry)
+    else:
+        x_carry = lax.fori_loop(0, num_steps, step, x_carry)
+    x, carry = x_carry
     x, carry = stack(params.coda, rms_norm(x, params.ln_f, c.rms_norm_eps), carry, plane_index(c, "coda", 0))
     return rms_norm(x, params.ln_f, c.rms_norm_eps), carry
 
@@ -169,7 +183,7 @@ def _forward(params: HuginnParams, config: ModelConfig, input_ids: jax.Array, nu
     cos, sin = rope(jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq)), config.head_dim,
                     config.rope_theta)
 
-    def attend(q, k, v, plane, carry):
+    def attend(q, k, v, plane, carry, core):
         return causal_attention(q, k, v), carry
 
     x, _ = run_model(params, config, input_ids, state, cos, sin, num_steps, attend)
@@ -210,7 +224,7 @@ def prefill(params: HuginnParams, config: ModelConfig, tokens: jax.Array, length
     dtype = params.wte.dtype
     shape = (num_planes(config, num_steps), seq, config.num_attention_heads, config.head_dim)
 
-    def attend(q, k, v, plane, buffers):
+    def attend(q, k, v, plane, buffers, core):
         buffers = tuple(lax.dynamic_update_index_in_dim(b, x[0].astype(dtype), plane, 0)
                         for b, x in zip(buffers, (k, v)))
         return causal_attention(q, k, v), buffers
@@ -220,18 +234,27 @@ def prefill(params: HuginnParams, config: ModelConfig, tokens: jax.Array, length
     return head(params, lax.dynamic_index_in_dim(x[0], length - 1, 0, keepdims=False)), k, v
 
 
-@functools.partial(jax.jit, static_argnames=("config", "num_steps", "kernel"))
+@functools.partial(jax.jit, static_argnames=("config", "num_steps", "kernel", "wise_config"))
 def decode_step(params: HuginnParams, config: ModelConfig, cache: kvc.PagedKVCache, tokens: jax.Array,
-                state: jax.Array, slots: jax.Array, *, num_steps: int, kernel: str = "auto"
-                ) -> tuple[jax.Array, kvc.PagedKVCache]:
-    """One dense decode token per cache row (`wise_jax.model.decode_step`'s contract without
-    WISE): tokens int32[batch] at each row's position seq_lens, state [batch, hidden], slots
-    int32[batch] (-1: an empty row, a masked no-op). The cache holds
-    num_planes(config, >= num_steps) planes. Returns (logits float32[batch, vocab] (garbage for
-    masked rows), cache)."""
+                state: jax.Array, slots: jax.Array, *, num_steps: int, kernel: str = "auto",
+                wise_config: WiseConfig | None = None, wise_state: ws.WiseState | None = None
+                ) -> tuple[jax.Array, kvc.PagedKVCache, ws.WiseState | None]:
+    """One decode token per cache row (`wise_jax.model.decode_step`'s contract): tokens int32[batch]
+    at each row's position seq_lens, state [batch, hidden] (the initial recurrent state), slots
+    int32[batch] (the request each row serves, the WISE tag; -1: an empty row, a masked no-op).
+    The cache holds num_planes(config, >= num_steps) planes. wise_config: WISE over the core
+    iterations (its depths index them, each < num_steps) with `wise_state` (`wise_state.create`
+    with layers = the core block's); None: every plane dense. The core iterations run unrolled.
+    Returns (logits float32[batch, vocab] (garbage for masked rows), cache, wise_state)."""
     if cache.k.shape[0] < num_planes(config, num_steps):
         raise ValueError(f"the cache holds {cache.k.shape[0]} planes; {num_steps} core iterations need "
                          f"{num_planes(config, num_steps)}")
+    if wise_config is not None:
+        wise_config.validate_for(num_steps, f"num_steps={num_steps} core iterations")
+        if wise_state is None or wise_state.support.shape[0] != config.n_layers_in_recurrent_block:
+            got = "none" if wise_state is None else f"one of {wise_state.support.shape[0]} layers"
+            raise ValueError(f"WISE decode needs a wise_state of the core block's "
+                             f"{config.n_layers_in_recurrent_block} layers, got {got}")
     batch = tokens.shape[0]
     active = slots >= 0
     positions = cache.seq_lens
@@ -244,12 +267,23 @@ def decode_step(params: HuginnParams, config: ModelConfig, cache: kvc.PagedKVCac
     modes = jnp.full((batch,), M.DENSE, jnp.int32)
     support = jnp.zeros((batch, config.num_attention_heads, cache.capacity // dense.block_size), bool)
 
-    def attend(q, k, v, plane, cache):
+    def attend(q, k, v, plane, carry, core):
+        cache, wise_state = carry
         cache = kvc.write_token(cache, plane, k[:, 0], v[:, 0], live)
         k_pages, v_pages, page_table = kvc.plane_pages(cache, plane)
-        out, _ = decode_attention(q[:, 0], k_pages, v_pages, page_table, seq_lens, modes, support,
-                                  block_size=dense.block_size, eta=dense.eta, kernel=kernel, validate=False)
-        return out[:, None], cache
+        if wise_config is None or core is None:
+            out, _ = decode_attention(q[:, 0], k_pages, v_pages, page_table, seq_lens, modes, support,
+                                      block_size=dense.block_size, eta=dense.eta, kernel=kernel, validate=False)
+            return out[:, None], (cache, wise_state)
+        step, layer = core
+        if layer == 0 and wise_config.depth_role(step) == "reuse":   # every layer's counts at once
+            wise_state = ws.count_reuse(wise_state, wise_config, step, seq_lens, slots, live,
+                                        cache.capacity // wise_config.block_size)
+        out, wise_state = ws.wise_attention(wise_state, wise_config, step, layer, q[:, 0], k_pages, v_pages,
+                                            page_table, seq_lens, slots, live, kernel=kernel, validate=False,
+                                            count=False)
+        return out[:, None], (cache, wise_state)
 
-    x, cache = run_model(params, config, tokens[:, None], state[:, None], cos, sin, num_steps, attend, cache)
-    return head(params, x[:, 0]), cache
+    x, (cache, wise_state) = run_model(params, config, tokens[:, None], state[:, None], cos, sin, num_steps, attend,
+                                       (cache, wise_state), unroll=True)
+    return head(params, x[:, 0]), cache, wise_state

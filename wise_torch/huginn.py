@@ -15,7 +15,9 @@ on v), added before RoPE as released.
 K/V planes as `wise_core.huginn_reference.plane_index` lays them out. `prefill` and
 `decode_step` run over the paged cache (`wise_torch.kv_cache`, `num_planes(config, max_steps)`
 planes) with Ouro's attention contexts, each plane index given as the loop of a one-layer
-context; decode is dense.
+context. `decode_step` runs WISE over the core iterations with Ouro's `WiseState`
+(`HuginnDecodeContext`): core iteration `step` and core layer n are the state's (loop, layer),
+so `WiseConfig` depths index core iterations; the prelude and the coda attend densely.
 """
 
 from __future__ import annotations
@@ -30,6 +32,29 @@ from wise_core.huginn_reference import initial_state, num_planes, plane_index
 from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch
 from wise_torch.layers import rms_norm, rope_store_kv, rope_table, silu_mul
 from wise_torch.model import ROPE_ROWS, DecodeContext, PrefillContext, SequenceContext, logits_fp32
+from wise_torch.wise_state import WiseState
+
+
+class HuginnDecodeContext(DecodeContext):
+    """`DecodeContext` over Huginn's planes: a layer attends plane `plane` (`plane_index`), and a
+    core plane's WISE layer is its core layer. `begin_loop(step)` sets core iteration step's
+    roles, `end_loop(step)` tags its supports and returns to dense, so the prelude (before the
+    first iteration) and the coda (after the last) attend densely."""
+
+    def __init__(self, config: ModelConfig, batch: DecodeBatch, cache: PagedKVCache, wise: WiseState | None,
+                 attention, dense_modes: torch.Tensor, unused_support: torch.Tensor):
+        super().__init__(config, batch, cache, wise, attention, dense_modes, unused_support)
+        self.first_core, self.core_layers = plane_index(config, "core_block", 0), config.n_layers_in_recurrent_block
+
+    def planes(self, plane: int, layer: int = 0):
+        return self.cache.k[plane], self.cache.v[plane]
+
+    def end_loop(self, step: int) -> None:
+        super().end_loop(step)
+        self.role = "dense"
+
+    def attend(self, q: torch.Tensor, plane: int, layer: int = 0) -> torch.Tensor:
+        return super().attend(q, plane, (plane - self.first_core) % self.core_layers)
 
 
 class Attention(nn.Module):
@@ -123,9 +148,11 @@ class HuginnForCausalLM(nn.Module):
             embedded = self.block(layer, embedded, ctx, plane_index(c, "prelude", n))
         x = state
         for step in range(num_steps):
+            ctx.begin_loop(step)
             x = t.adapter(torch.cat([x, embedded], dim=-1))
             for n, layer in enumerate(t.core_block):
                 x = self.block(layer, x, ctx, plane_index(c, "core_block", n, step))
+            ctx.end_loop(step)
         x = rms_norm(x, t.ln_f, c.rms_norm_eps)
         for n, layer in enumerate(t.coda):
             x = self.block(layer, x, ctx, plane_index(c, "coda", n))
@@ -149,12 +176,19 @@ class HuginnForCausalLM(nn.Module):
         return logits_fp32(h[batch.logit_index], self.head_weight)
 
     def decode_step(self, tokens: torch.Tensor, batch: DecodeBatch, cache: PagedKVCache, *, num_steps: int,
-                    state: torch.Tensor, attention, dense_modes: torch.Tensor,
-                    unused_support: torch.Tensor) -> torch.Tensor:
+                    state: torch.Tensor, attention, dense_modes: torch.Tensor, unused_support: torch.Tensor,
+                    wise: WiseState | None = None) -> torch.Tensor:
         """tokens int64[batch] at each row's position, state [batch, hidden] -> logits
-        float32[batch, vocab], every plane dense (`OuroForCausalLM.decode_step`'s other inputs)."""
-        ctx = DecodeContext(self.config, batch, cache, None, attention, dense_modes[:batch.size],
-                            unused_support[:batch.size])
+        float32[batch, vocab] (`OuroForCausalLM.decode_step`'s other inputs). wise: WISE over the
+        core iterations (a `WiseState` of this config: its depths index core iterations, each
+        < num_steps); None: every plane dense."""
+        if wise is not None:
+            wise.config.validate_for(num_steps, f"num_steps={num_steps} core iterations")
+            if wise.num_layers != self.config.n_layers_in_recurrent_block:
+                raise ValueError(f"the WISE state holds {wise.num_layers} layers; this model's core block has "
+                                 f"{self.config.n_layers_in_recurrent_block}")
+        ctx = HuginnDecodeContext(self.config, batch, cache, wise, attention, dense_modes[:batch.size],
+                                  unused_support[:batch.size])
         h = self.run_tokens(tokens, state.to(self.head_weight.dtype), self.paged(ctx, cache, num_steps), num_steps)
         return logits_fp32(h, self.head_weight)
 

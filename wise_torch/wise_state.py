@@ -29,24 +29,29 @@ def causal_block_mask(seq_lens: torch.Tensor, max_blocks: int, block_size: int) 
 
 
 class WiseState:
-    """Supports, tags and counters for decode steps of up to `max_rows` rows."""
+    """Supports, tags and counters for decode steps of up to `max_rows` rows, one support per
+    layer run at each depth (`ModelConfig.loop_layers`: Ouro's layers, Huginn's core block).
+    num_loops: the depths a step may run (None: the model's `num_loops`; a Huginn decode of more
+    core iterations than total_ut_steps passes its num_steps)."""
 
     def __init__(self, config: WiseConfig, model_config: ModelConfig, *, max_rows: int, max_blocks: int,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", num_loops: int | None = None):
         if not isinstance(config, WiseConfig):
             raise TypeError(f"wise_config must be a WiseConfig, got {type(config).__name__}")
-        config.validate_for(model_config.num_loops)
+        num_loops = model_config.num_loops if num_loops is None else num_loops
+        config.validate_for(num_loops, None if model_config.architecture != "huginn" else
+                            f"{num_loops} core iterations (the WISE state's num_loops)")
         for name, value in (("max_rows", max_rows), ("max_blocks", max_blocks)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"WiseState: {name} must be a positive integer, got {value!r}")
         self.config = config
-        layers, heads = model_config.num_hidden_layers, model_config.num_attention_heads
+        layers, heads = model_config.loop_layers, model_config.num_attention_heads
         self.support = torch.zeros(layers, max_rows, heads, max_blocks, dtype=torch.bool, device=device)
         self.tag_epoch = torch.full((max_rows, layers), -1, dtype=torch.int64, device=device)
         self.depths_run = torch.zeros(max_rows, layers, dtype=torch.int32, device=device)
         self.fallback_count = torch.zeros((), dtype=torch.int64, device=device)
-        self.selected_blocks = torch.zeros(model_config.num_loops, dtype=torch.float64, device=device)
-        self.causal_blocks = torch.zeros(model_config.num_loops, dtype=torch.float64, device=device)
+        self.selected_blocks = torch.zeros(num_loops, dtype=torch.float64, device=device)
+        self.causal_blocks = torch.zeros(num_loops, dtype=torch.float64, device=device)
         self.complete_mask = sum(1 << d for d in config.discover_depths)
         self.discover_modes = torch.full((layers, max_rows), DISCOVER, dtype=torch.int32, device=device)
 

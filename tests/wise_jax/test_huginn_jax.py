@@ -72,8 +72,8 @@ def test_prefill_and_decode_match_reference(tmp_path):
                                 jnp.int32(0))
     for pos in range(37, 40):
         state = jnp.asarray(initial_state(TINY, [pos], 9), jnp.float32)
-        logits, cache = decode_step(params, TINY, cache, jnp.asarray(ids[pos:pos + 1]), state,
-                                    jnp.zeros(1, jnp.int32), num_steps=4, kernel="reference")
+        logits, cache, _ = decode_step(params, TINY, cache, jnp.asarray(ids[pos:pos + 1]), state,
+                                       jnp.zeros(1, jnp.int32), num_steps=4, kernel="reference")
         want = huginn_forward(TINY, weights, ids[pos:pos + 1], num_steps=4, cache=spec, seed=9)
         assert np.abs(np.asarray(logits, np.float64) - want).max() <= bound(TINY, 4, want, pos + 1), pos
     with pytest.raises(ValueError, match="the cache holds 21 planes; 7 core iterations need 24"):
