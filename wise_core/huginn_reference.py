@@ -18,8 +18,14 @@ fc's rows [gate; up].
 
 K/V is cached per plane (`plane_index`): one per prelude layer, one per coda layer, one per
 (core iteration, core layer); a call appends its positions to the planes it runs. A call deeper
-than an earlier one would read core planes that lack the earlier positions: that is an error
-here (the released code's adaptive-compute lookups fill such holes; not specified here yet).
+than an earlier one would read core planes that lack the earlier positions: that is an error.
+
+Adaptive depth (`huginn_forward(..., adaptive=AdaptiveDepth)`, one token a call): the released
+KL criterion (`AdaptiveDepth`); the coda and head run after each checked iteration without
+caching the coda's K/V, and once more, cached, on the exit state. A token that exits after
+iteration e writes its iteration-e K/V into the planes of iterations e + 1.. too: a later token
+reading it at iteration j reads iteration min(j, e), the latest it computed at that core layer,
+which is the released "latest-m4" lookup, with no lookup at read time.
 
 WISE decode (`huginn_forward(..., wise=WiseConfig)`, one token a call): depths are core
 iterations. `WiseConfig.discover_depths` and `reuse_depths` index iterations 0..num_steps-1; the
@@ -45,7 +51,7 @@ import numpy as np
 
 from wise_core import reference as wise_ref
 from wise_core.checkpoint import huginn_layers, validate_tensors
-from wise_core.config import ModelConfig, WiseConfig
+from wise_core.config import AdaptiveDepth, ModelConfig, WiseConfig
 
 
 def plane_index(config: ModelConfig, stack: str, layer: int, step: int = 0) -> int:
@@ -68,10 +74,13 @@ def num_planes(config: ModelConfig, max_steps: int) -> int:
 @dataclasses.dataclass
 class HuginnCache:
     """K/V per plane (`plane_index`): planes[plane] = (k, v), each [positions, kv_heads, head_dim]
-    float64; length: positions seen (every call runs the prelude, so its planes hold them all)."""
+    float64; length: positions seen (every call runs the prelude, so its planes hold them all);
+    depths: the core iterations each position computed (fewer than the call's num_steps where
+    it exited early: its later iterations' planes then hold its last computed iteration's K/V)."""
 
     planes: dict[int, tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
     length: int = 0
+    depths: list[int] = dataclasses.field(default_factory=list)
 
 
 def truncated_normal(rng: np.random.Generator, size: int, bound: float = 3.0) -> np.ndarray:
@@ -186,12 +195,15 @@ def wise_attend(wise: WiseConfig, supports: dict[int, np.ndarray], step: int, la
 
 def huginn_forward(config: ModelConfig, weights: dict[str, np.ndarray], tokens, *, num_steps: int | None = None,
                    cache: HuginnCache | None = None, seed: int = 0, state: np.ndarray | None = None,
-                   wise: WiseConfig | None = None) -> np.ndarray:
+                   wise: WiseConfig | None = None, adaptive: AdaptiveDepth | None = None) -> np.ndarray:
     """Logits [seq, vocab] float64 of `tokens` (ints) at positions cache.length onwards, running the
     core block num_steps times (default config.total_ut_steps). weights: `huginn_weights`.
     cache: appended to (None: a fresh one, discarded). state: the initial state [seq, hidden]
     (None: `initial_state` at these positions with `seed`). wise: decode one token with WISE
-    over the core iterations (see the module docstring; its depths must be < num_steps)."""
+    over the core iterations (see the module docstring; its depths must be < num_steps).
+    adaptive: decode one token with per-token adaptive depth (`AdaptiveDepth`; at most num_steps
+    iterations; cache.depths records how many ran). Prefill runs every iteration (the released
+    code's do_not_exit_in_prefill): a prompt's tokens then do not depend on how it is chunked."""
     tokens = np.asarray(tokens)
     num_steps = config.total_ut_steps if num_steps is None else num_steps
     if isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) or num_steps < 0:
@@ -202,6 +214,9 @@ def huginn_forward(config: ModelConfig, weights: dict[str, np.ndarray], tokens, 
         wise.validate_for(num_steps, f"num_steps={num_steps} core iterations")
         if len(tokens) != 1:
             raise ValueError(f"WISE decodes one token a call, got {len(tokens)} tokens (prefill densely)")
+    if adaptive is not None and len(tokens) != 1:
+        raise ValueError(f"adaptive depth decodes one token a call, got {len(tokens)} tokens (prefill runs every "
+                         f"iteration)")
     if tokens.min() < 0 or tokens.max() >= config.vocab_size:
         raise ValueError(f"token ids must be in [0, {config.vocab_size}), got {tokens.min()}..{tokens.max()}")
     cache = HuginnCache() if cache is None else cache
@@ -232,10 +247,51 @@ def huginn_forward(config: ModelConfig, weights: dict[str, np.ndarray], tokens, 
                                    plane_index(config, stack, n, step), attend)
         return x
 
+    def head(x):
+        x = run("coda", rms_norm(x, w["transformer.ln_f.weight"], eps))
+        return rms_norm(x, w["transformer.ln_f.weight"], eps) @ w["lm_head.weight"].T
+
     embedded = run("prelude", w["transformer.wte.weight"][tokens] * config.embed_scale)
     x = np.asarray(state, np.float64)
+    previous = None
+    steps = num_steps
     for step in range(num_steps):
         x = run("core_block", np.concatenate([x, embedded], -1) @ w["transformer.adapter.weight"].T, step)
-    x = run("coda", rms_norm(x, w["transformer.ln_f.weight"], eps))
+        if adaptive is not None and step >= adaptive.min_steps and step < num_steps - 1:
+            previous, exits = kl_exit(peek(cache, config, lambda: head(x)), previous, adaptive.threshold)
+            if exits:
+                steps = step + 1
+                break
+    for step in range(steps, num_steps):       # "latest-m4": the last computed iteration's K/V
+        for n in range(config.n_layers_in_recurrent_block):
+            k, v = cache.planes[plane_index(config, "core_block", n, steps - 1)]
+            old_k, old_v = cache.planes.get(plane_index(config, "core_block", n, step), (k[:0], v[:0]))
+            cache.planes[plane_index(config, "core_block", n, step)] = (
+                np.concatenate([old_k, k[-1:]]), np.concatenate([old_v, v[-1:]]))
+    logits = head(x)
     cache.length += len(tokens)
-    return rms_norm(x, w["transformer.ln_f.weight"], eps) @ w["lm_head.weight"].T
+    cache.depths += [steps] * len(tokens)
+    return logits
+
+
+def peek(cache: HuginnCache, config: ModelConfig, fn: Callable) -> np.ndarray:
+    """fn() with the coda's planes as they were before it (a check's coda run is not cached)."""
+    coda = [plane_index(config, "coda", n) for n in range(config.n_layers_in_coda)]
+    held = {p: cache.planes.get(p) for p in coda}
+    out = fn()
+    for p, kv in held.items():
+        if kv is None:
+            cache.planes.pop(p, None)
+        else:
+            cache.planes[p] = kv
+    return out
+
+
+def kl_exit(logits: np.ndarray, previous: np.ndarray | None, threshold: float) -> tuple[np.ndarray, bool]:
+    """The released KL criterion on the last position's logits [seq, vocab]: (its log
+    probabilities, whether KL(previous || them) < threshold); previous None: uniform."""
+    z = logits[-1] - logits[-1].max()
+    log_p = z - np.log(np.exp(z).sum())
+    if previous is None:
+        previous = np.full_like(log_p, -np.log(log_p.shape[0]))
+    return log_p, float((np.exp(previous) * (previous - log_p)).sum()) < threshold

@@ -1,7 +1,8 @@
 """wise_core.huginn_reference against a transcription of the released Huginn modeling code
 (recpre/raven_modeling_minimal.py: RavenForCausalLM.forward with a HuginnDynamicCache, "full"
-lookup), on HF-layout checkpoints written from random weights: prefill and cached decode at a
-fixed depth; the initial state; errors."""
+lookup; generate_with_adaptive_compute with the KL criterion and the "latest-m4" lookup), on
+HF-layout checkpoints written from random weights: prefill and cached decode at a fixed depth,
+adaptive depth; the initial state; errors."""
 
 import dataclasses
 import math
@@ -14,7 +15,7 @@ from torch.nn.attention import bias as attn_bias
 
 from wise_core import rounding
 from wise_core.checkpoint import Checkpoint, load_checkpoint, random_tensors, save_checkpoint
-from wise_core.config import PRESETS
+from wise_core.config import PRESETS, AdaptiveDepth
 from wise_core.huginn_reference import (HuginnCache, huginn_forward, huginn_weights, initial_state, num_planes,
                                         plane_index)
 
@@ -58,10 +59,7 @@ class ReleasedHuginn:
                                qk_r2[..., 1] * f[..., 0] + qk_r2[..., 0] * f[..., 1]], -1).flatten(3)
         q, k = torch.split(rotated, H, dim=2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if block_idx in self.cache:
-            k = torch.cat([self.cache[block_idx][0], k], dim=2)
-            v = torch.cat([self.cache[block_idx][1], v], dim=2)
-        self.cache[block_idx] = (k, v)
+        k, v = self.update(block_idx, k, v)
         if q.shape[2] < k.shape[2]:
             if q.shape[2] > 1:
                 bias = attn_bias.causal_lower_right(q.shape[2], k.shape[2])
@@ -71,6 +69,14 @@ class ReleasedHuginn:
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return F.linear(y.transpose(1, 2).reshape(B, S, E), self.t[p + "attn.proj.weight"])
+
+    def update(self, block_idx, k, v):
+        """The "full" lookup: the block's keys and values so far, these appended."""
+        if block_idx in self.cache:
+            k = torch.cat([self.cache[block_idx][0], k], dim=2)
+            v = torch.cat([self.cache[block_idx][1], v], dim=2)
+        self.cache[block_idx] = (k, v)
+        return k, v
 
     def block(self, x, p, freqs_cis, block_idx):
         x = self.norm(self.attn(self.norm(x, p + "norm_1.weight"), p, freqs_cis, block_idx) + x, p + "norm_2.weight")
@@ -211,3 +217,111 @@ def test_planes():
     got = [plane_index(c, "prelude", 0), plane_index(c, "prelude", 1), plane_index(c, "coda", 0),
            plane_index(c, "coda", 1), plane_index(c, "core_block", 0, 0), plane_index(c, "core_block", 3, 31)]
     assert got == [0, 1, 2, 3, 4, 4 + 31 * 4 + 3] and num_planes(c, 32) == 132
+
+
+class ReleasedAdaptive(ReleasedHuginn):
+    """generate_with_adaptive_compute for one sequence, transcribed: criterion "kl"
+    (KLExitEvaluator: KL(previous || current) of the last position's log-probabilities from the
+    coda and head after each iteration from min_steps on, previous starting uniform), checks off
+    in prefill (do_not_exit_in_prefill), and HuginnDynamicCache's per-position entries with the
+    "latest-m4" lookup, its hard-coded 2 prelude and 4 core layers taken from the config."""
+
+    def __init__(self, config, tensors, dtype):
+        super().__init__(config, tensors, dtype)
+        self.entries: dict[int, dict[int, tuple]] = {}
+        self.seen = 0
+
+    def update(self, block_idx, k, v):
+        if block_idx == 0:
+            self.seen += k.shape[2]
+        held = self.entries.setdefault(block_idx, {})
+        for i in range(k.shape[2]):
+            held[self.seen - k.shape[2] + i] = (k[:, :, i], v[:, :, i])
+        if len(held) == self.seen:
+            keys = [held[pos] for pos in range(self.seen)]
+        else:
+            P, C = self.c.n_layers_in_prelude, self.c.n_layers_in_recurrent_block
+            keys = []
+            for pos in range(self.seen):
+                if block_idx >= P:
+                    valid = [s for s in range(block_idx + 1) if pos in self.entries.get(s, {})]
+                    step = max(s for s in valid if s >= P and (s - P) % C == (block_idx - P) % C)
+                else:
+                    step = block_idx if pos in held else 0
+                keys.append(self.entries[step][pos])
+        return torch.stack([kv[0] for kv in keys], dim=2), torch.stack([kv[1] for kv in keys], dim=2)
+
+    def decode(self, token, pos, max_steps, state, threshold, min_steps):
+        """One token: (logits [vocab], iterations run)."""
+        c = self.c
+        freqs_cis = self.freqs_cis[:, pos:pos + 1]
+        x = F.embedding(torch.tensor([[token]]), self.t["transformer.wte.weight"]) * math.sqrt(c.hidden_size)
+        block_idx = -1
+        for n in range(c.n_layers_in_prelude):
+            block_idx += 1
+            x = self.block(x, f"transformer.prelude.{n}.", freqs_cis, block_idx)
+        embeds, x = x, torch.tensor(state)[None].to(self.dtype)
+        previous = torch.full((c.vocab_size,), 1.0 / c.vocab_size, dtype=self.dtype).log()
+        logits = None
+        for step in range(max_steps):
+            x = F.linear(torch.cat([x, embeds], dim=-1), self.t["transformer.adapter.weight"])
+            for n in range(c.n_layers_in_recurrent_block):
+                block_idx += 1
+                x = self.block(x, f"transformer.core_block.{n}.", freqs_cis, block_idx)
+            if step < min_steps:
+                continue
+            logits = self.head(x, freqs_cis)
+            log_probs = F.log_softmax(logits, dim=-1)
+            kl = F.kl_div(log_probs, previous, reduction="none", log_target=True).sum(dim=-1)
+            previous = log_probs
+            if kl < threshold:
+                return logits.double().numpy(), step + 1
+        return (self.head(x, freqs_cis) if logits is None else logits).double().numpy(), max_steps
+
+    def head(self, x, freqs_cis):
+        x = self.norm(x, "transformer.ln_f.weight")
+        block_idx = 0
+        for n in range(self.c.n_layers_in_coda):
+            block_idx -= 1
+            x = self.block(x, f"transformer.coda.{n}.", freqs_cis, block_idx)
+        return F.linear(self.norm(x, "transformer.ln_f.weight"), self.t["transformer.wte.weight"])[0, -1]
+
+
+def test_adaptive_depth_matches_released_transcription(tmp_path):
+    """Greedy decode with per-token KL exits after an 8-token prompt (prefill at full depth), 6
+    iterations at most, float64: the reference's tokens, exit depths and logits equal the
+    transcription's with its "latest-m4" lookups, and tokens exit at different depths (so later
+    tokens read positions whose later iterations were never computed)."""
+    ckpt = checkpoint(tmp_path)
+    config, weights = ckpt.config, huginn_weights(ckpt.config, ckpt.tensors)
+    prompt = np.random.default_rng(8).integers(0, config.vocab_size, 8)
+    steps, new = 6, 8
+    adaptive = AdaptiveDepth(threshold=0.15, min_steps=1)   # among this model's KLs (0.09 to 0.44): exits vary
+    released = ReleasedAdaptive(config, ckpt.tensors, torch.float64)
+    logits = released.forward(prompt, 0, steps, initial_state(config, np.arange(8), seed=3))
+    cache = HuginnCache()
+    want = huginn_forward(config, weights, prompt, num_steps=steps, cache=cache, seed=3)
+    assert np.abs(logits - want).max() <= bound(config, steps, want, 8, torch.float64)
+    token, depths = int(want[-1].argmax()), []
+    for pos in range(8, 8 + new):
+        got, depth_run = released.decode(token, pos, steps, initial_state(config, [pos], seed=3),
+                                         adaptive.threshold, adaptive.min_steps)
+        want = huginn_forward(config, weights, [token], num_steps=steps, cache=cache, seed=3, adaptive=adaptive)[0]
+        assert cache.depths[-1] == depth_run, pos
+        assert np.abs(got - want).max() <= bound(config, steps, want, pos + 1, torch.float64), pos
+        depths.append(depth_run)
+        token = int(want.argmax())
+        assert int(got.argmax()) == token
+    assert len(set(depths)) > 1 and min(depths) < steps, depths
+    assert cache.depths == [steps] * 8 + depths
+    assert all(len(cache.planes[plane_index(config, "core_block", n, s)][0]) == 8 + new
+               for n in range(config.n_layers_in_recurrent_block) for s in range(steps))
+
+
+def test_adaptive_depth_settings():
+    with pytest.raises(ValueError, match="threshold must be a finite number >= 0"):
+        AdaptiveDepth(threshold=float("nan"))
+    with pytest.raises(ValueError, match="min_steps must be a non-negative int"):
+        AdaptiveDepth(min_steps=-1)
+    with pytest.raises(ValueError, match="adaptive depth decodes one token a call"):
+        huginn_forward(TINY, {}, [1, 2], adaptive=AdaptiveDepth())
