@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from wise_core.config import ModelConfig, WiseConfig
+from wise_core.config import AdaptiveDepth, ModelConfig, WiseConfig
 from wise_core.huginn_reference import initial_state, num_planes
 from wise_core.modes import DENSE
 from wise_jax import huginn as jax_huginn
@@ -41,10 +41,13 @@ def _blocks(pages: int, wise_config: WiseConfig | None) -> int:
 
 
 def torch_generate(model: HuginnForCausalLM, prompts: list[list[int]], *, max_new_tokens: int, num_steps: int,
-                   seed: int = 0, wise_config: WiseConfig | None = None, kernel: str = "reference"):
+                   seed: int = 0, wise_config: WiseConfig | None = None, kernel: str = "reference",
+                   adaptive: AdaptiveDepth | None = None, depths: list[list[int]] | None = None):
     """Greedy tokens per prompt (max_new_tokens each, no early stop), their logits
     float32[max_new_tokens, vocab] per prompt (numpy), and the WiseState (None when dense).
-    kernel: `wise_torch.attention.decode_attention`'s (which runs the WiseConfig's selection rule)."""
+    kernel: `wise_torch.attention.decode_attention`'s (which runs the WiseConfig's selection rule).
+    adaptive: per-token adaptive depth in decode; depths, if given, gets each prompt's list of
+    the iterations its decode steps ran."""
     config, device = model.config, model.head_weight.device
     rows, pages = len(prompts), _pages(prompts, max_new_tokens)
     cache = PagedKVCache(planes=num_planes(config, num_steps), num_pages=rows * pages, page_size=PAGE_SIZE,
@@ -83,11 +86,14 @@ def torch_generate(model: HuginnForCausalLM, prompts: list[list[int]], *, max_ne
                                epochs=torch.tensor([r * config.max_position_embeddings + p
                                                     for r, p in enumerate(positions)], device=device))
             tokens = torch.stack([row[-1].argmax() for row in logits])
+            ran = torch.zeros(rows, dtype=torch.int32, device=device)
             out = model.decode_step(tokens, step, cache, num_steps=num_steps, state=state(positions),
                                     attention=attention, dense_modes=dense_modes, unused_support=unused_support,
-                                    wise=wise)
+                                    wise=wise, adaptive=adaptive, depths=ran)
             for r in range(rows):
                 logits[r].append(out[r])
+                if depths is not None:
+                    depths[r].append(int(ran[r]))
             positions = [p + 1 for p in positions]
     logits = [torch.stack(row).float() for row in logits]
     return [row.argmax(-1).tolist() for row in logits], [row.cpu().numpy() for row in logits], wise

@@ -46,13 +46,17 @@ def prompts(config=TINY):
     return [rng.integers(0, config.vocab_size, n).tolist() for n in PROMPT_LENS]
 
 
-def reference_generate(config, weights, prompt, wise):
+def reference_generate(config, weights, prompt, wise, adaptive=None, depths=None):
     """Greedy tokens of the float64 spec: a dense prefill of `prompt`, then NEW_TOKENS decode steps
-    (`huginn_forward(..., wise=wise)`, one token a call), STEPS iterations, initial state SEED."""
+    (`huginn_forward(..., wise=wise, adaptive=adaptive)`, one token a call), STEPS iterations,
+    initial state SEED. depths, if given, gets the iterations each decode step ran."""
     cache = HuginnCache()
     logits = huginn_forward(config, weights, prompt, num_steps=STEPS, cache=cache, seed=SEED)[-1]
     tokens = []
     for _ in range(NEW_TOKENS):
         tokens.append(int(np.argmax(logits)))
-        logits = huginn_forward(config, weights, tokens[-1:], num_steps=STEPS, cache=cache, seed=SEED, wise=wise)[0]
+        logits = huginn_forward(config, weights, tokens[-1:], num_steps=STEPS, cache=cache, seed=SEED, wise=wise,
+                                adaptive=adaptive)[0]
+    if depths is not None:
+        depths += cache.depths[len(prompt):]
     return tokens

@@ -22,12 +22,14 @@ so `WiseConfig` depths index core iterations; the prelude and the coda attend de
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 from torch import nn
 
 from wise_core.checkpoint import huginn_layers, validate_tensors
-from wise_core.config import ModelConfig
+from wise_core.config import AdaptiveDepth, ModelConfig
 from wise_core.huginn_reference import initial_state, num_planes, plane_index
 from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch
 from wise_torch.layers import rms_norm, rope_store_kv, rope_table, silu_mul
@@ -135,9 +137,11 @@ class HuginnForCausalLM(nn.Module):
         x = rms_norm(layer.attn.proj(ctx.attend(q, plane, 0).flatten(1)) + x, layer.norm_2, eps)
         return rms_norm(layer.mlp(rms_norm(x, layer.norm_3, eps)) + x, layer.norm_4, eps)
 
-    def run_tokens(self, ids: torch.Tensor, state: torch.Tensor, ctx, num_steps: int) -> torch.Tensor:
+    def run_tokens(self, ids: torch.Tensor, state: torch.Tensor, ctx, num_steps: int,
+                   adaptive: AdaptiveDepth | None = None, depths: torch.Tensor | None = None) -> torch.Tensor:
         """Flat tokens ids int64[n] from initial state [n, hidden] -> the coda's normed output
-        [n, hidden]."""
+        [n, hidden]. adaptive: per-token exits of a decode step (`AdaptiveDepth`; see
+        `decode_step`), the iterations each row ran written to depths int32[n]."""
         c, t = self.config, self.transformer
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
             raise ValueError(f"num_steps must be a non-negative integer, got {num_steps!r}")
@@ -147,16 +151,50 @@ class HuginnForCausalLM(nn.Module):
         for n, layer in enumerate(t.prelude):
             embedded = self.block(layer, embedded, ctx, plane_index(c, "prelude", n))
         x = state
+        exited = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+        last = torch.full((ids.shape[0],), num_steps - 1, dtype=torch.int64, device=ids.device)
+        previous = None
         for step in range(num_steps):
             ctx.begin_loop(step)
-            x = t.adapter(torch.cat([x, embedded], dim=-1))
+            new = t.adapter(torch.cat([x, embedded], dim=-1))
             for n, layer in enumerate(t.core_block):
-                x = self.block(layer, x, ctx, plane_index(c, "core_block", n, step))
+                new = self.block(layer, new, ctx, plane_index(c, "core_block", n, step))
             ctx.end_loop(step)
+            if adaptive is None:
+                x = new
+                continue
+            x = torch.where(exited[:, None], x, new)          # rows that exited ride along, held
+            self.hold_exited(ctx, exited, last, step)
+            if adaptive.min_steps <= step < num_steps - 1:
+                log_p = torch.log_softmax(logits_fp32(self.readout(x, ctx), self.head_weight), dim=-1)
+                if previous is None:
+                    previous = torch.full_like(log_p, -math.log(log_p.shape[-1]))
+                now = ~exited & ((previous.exp() * (previous - log_p)).sum(-1) < adaptive.threshold)
+                last = torch.where(now, step, last)
+                exited, previous = exited | now, log_p
+        if depths is not None:
+            depths.copy_(last + 1)
+        return self.readout(x, ctx)
+
+    def readout(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        """The coda over the core block's state x [n, hidden] -> its normed output [n, hidden]."""
+        c, t = self.config, self.transformer
         x = rms_norm(x, t.ln_f, c.rms_norm_eps)
         for n, layer in enumerate(t.coda):
             x = self.block(layer, x, ctx, plane_index(c, "coda", n))
         return rms_norm(x, t.ln_f, c.rms_norm_eps)
+
+    def hold_exited(self, ctx, exited: torch.Tensor, last: torch.Tensor, step: int) -> None:
+        """The released "latest-m4" lookup, written ahead: iteration `step`'s K/V of each row that
+        exited (after iteration last[row] < step) becomes its iteration-last K/V, at its slot."""
+        c = self.config
+        for n in range(c.n_layers_in_recurrent_block):
+            source = plane_index(c, "core_block", n, 0) + last * c.n_layers_in_recurrent_block   # int64[rows]
+            target = plane_index(c, "core_block", n, step)
+            for pool in (ctx.cache.k, ctx.cache.v):
+                flat = pool.view(pool.shape[0], -1, *pool.shape[3:])          # [planes, slots, kv_heads, head_dim]
+                held = flat[source, ctx.slot_mapping]
+                flat[target, ctx.slot_mapping] = torch.where(exited[:, None, None], held, flat[target, ctx.slot_mapping])
 
     def paged(self, ctx, cache: PagedKVCache, num_steps: int):
         """ctx with each plane index taken as its loop (see the module docstring), after checking
@@ -177,11 +215,16 @@ class HuginnForCausalLM(nn.Module):
 
     def decode_step(self, tokens: torch.Tensor, batch: DecodeBatch, cache: PagedKVCache, *, num_steps: int,
                     state: torch.Tensor, attention, dense_modes: torch.Tensor, unused_support: torch.Tensor,
-                    wise: WiseState | None = None) -> torch.Tensor:
+                    wise: WiseState | None = None, adaptive: AdaptiveDepth | None = None,
+                    depths: torch.Tensor | None = None) -> torch.Tensor:
         """tokens int64[batch] at each row's position, state [batch, hidden] -> logits
         float32[batch, vocab] (`OuroForCausalLM.decode_step`'s other inputs). wise: WISE over the
         core iterations (a `WiseState` of this config: its depths index core iterations, each
-        < num_steps); None: every plane dense."""
+        < num_steps); None: every plane dense. adaptive: per-token adaptive depth
+        (`wise_core.huginn_reference`'s): after each checked iteration the coda and head read
+        every row's state, a row exits on the KL criterion and rides along held (its state
+        frozen, its later iterations' K/V its exit iteration's); static shapes, every iteration
+        runs (graph-safe). depths: int32[batch], written with the iterations each row ran."""
         if wise is not None:
             wise.config.validate_for(num_steps, f"num_steps={num_steps} core iterations")
             if wise.num_layers != self.config.n_layers_in_recurrent_block:
@@ -189,7 +232,8 @@ class HuginnForCausalLM(nn.Module):
                                  f"{self.config.n_layers_in_recurrent_block}")
         ctx = HuginnDecodeContext(self.config, batch, cache, wise, attention, dense_modes[:batch.size],
                                   unused_support[:batch.size])
-        h = self.run_tokens(tokens, state.to(self.head_weight.dtype), self.paged(ctx, cache, num_steps), num_steps)
+        h = self.run_tokens(tokens, state.to(self.head_weight.dtype), self.paged(ctx, cache, num_steps), num_steps,
+                            adaptive, depths)
         return logits_fp32(h, self.head_weight)
 
     def initial_state(self, batch: int, positions: range, seed: int) -> torch.Tensor:
