@@ -101,9 +101,11 @@ def torch_generate(model: HuginnForCausalLM, prompts: list[list[int]], *, max_ne
 
 def jax_generate(params: jax_huginn.HuginnParams, config: ModelConfig, prompts: list[list[int]], *,
                  max_new_tokens: int, num_steps: int, seed: int = 0, wise_config: WiseConfig | None = None,
-                 kernel: str = "reference"):
+                 kernel: str = "reference", adaptive: AdaptiveDepth | None = None,
+                 depths: list[list[int]] | None = None):
     """`torch_generate` in JAX: (tokens per prompt, logits float32[max_new_tokens, vocab] per
-    prompt, the WiseState or None). A prompt is padded to whole pages for its prefill."""
+    prompt, the WiseState or None); adaptive and depths as there. A prompt is padded to whole
+    pages for its prefill."""
     rows, pages = len(prompts), _pages(prompts, max_new_tokens)
     dtype = params.wte.dtype
     cache = kvc.create(config, batch=rows, max_pages=pages, num_pages=rows * pages, page_size=PAGE_SIZE,
@@ -124,12 +126,15 @@ def jax_generate(params: jax_huginn.HuginnParams, config: ModelConfig, prompts: 
     for _ in range(max_new_tokens - 1):
         state = jnp.asarray(np.concatenate([initial_state(config, [p], seed) for p in positions]), dtype)
         tokens = jnp.asarray([int(row[-1].argmax()) for row in logits], jnp.int32)
-        out, cache, wise = jax_huginn.decode_step(params, config, cache, tokens, state,
-                                                  jnp.arange(rows, dtype=jnp.int32), num_steps=num_steps,
-                                                  kernel=kernel, wise_config=wise_config, wise_state=wise)
+        out, cache, wise, *ran = jax_huginn.decode_step(params, config, cache, tokens, state,
+                                                        jnp.arange(rows, dtype=jnp.int32), num_steps=num_steps,
+                                                        kernel=kernel, wise_config=wise_config, wise_state=wise,
+                                                        adaptive=adaptive)
         out = np.asarray(out, np.float32)
         for r in range(rows):
             logits[r].append(out[r])
+            if depths is not None:
+                depths[r].append(int(ran[0][r]))
         positions = [p + 1 for p in positions]
     if bool(cache.overflowed):
         raise RuntimeError(f"the cache of {rows * pages} pages overflowed")

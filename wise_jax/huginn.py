@@ -31,7 +31,7 @@ from jax import lax
 
 from wise_core.checkpoint import HUGINN_STACKS, huginn_layers, validate_tensors
 from wise_core import modes as M
-from wise_core.config import ModelConfig, WiseConfig
+from wise_core.config import AdaptiveDepth, ModelConfig, WiseConfig
 from wise_core.huginn_reference import initial_state, num_planes, plane_index
 from wise_jax import kv_cache as kvc
 from wise_jax import wise_state as ws
@@ -136,12 +136,14 @@ Attend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any, Any], tuple[
 
 def run_model(params: HuginnParams, config: ModelConfig, input_ids: jax.Array, state: jax.Array, cos: jax.Array,
               sin: jax.Array, num_steps, attend: Attend, carry: Any = None, *,
-              unroll: bool = False) -> tuple[jax.Array, Any]:
+              unroll: bool = False, between: Callable | None = None) -> tuple[jax.Array, Any]:
     """input_ids int32[batch, seq], state [batch, seq, hidden] -> (the coda's normed output
     [batch, seq, hidden], carry): the prelude, num_steps core iterations (a `lax.fori_loop`;
     num_steps may be traced; unroll: a Python loop over a Python int num_steps, so that each
     iteration's `attend` sees a static step and plane), the coda, each layer attending through
-    `attend` with its plane (`wise_core.huginn_reference.plane_index`)."""
+    `attend` with its plane (`wise_core.huginn_reference.plane_index`). between (unrolled only):
+    after iteration i, (x, carry) = between(i, new state, state before, carry, readout), where
+    readout(x, carry) -> (the coda's normed output, carry) runs the coda on a state."""
     c = config
 
     def stack(blocks, x, carry, plane0, step=None):
@@ -159,15 +161,18 @@ def run_model(params: HuginnParams, config: ModelConfig, input_ids: jax.Array, s
         x = jnp.concatenate([x_carry[0], embedded], axis=-1) @ params.adapter
         return stack(params.core_block, x, x_carry[1], plane_index(c, "core_block", 0), i)
 
+    def readout(x, carry):
+        x, carry = stack(params.coda, rms_norm(x, params.ln_f, c.rms_norm_eps), carry, plane_index(c, "coda", 0))
+        return rms_norm(x, params.ln_f, c.rms_norm_eps), carry
+
     x_carry = (state.astype(embedded.dtype), carry)
     if unroll:
         for i in range(num_steps):
-            x_carry = step(i, x_carry)
+            new = step(i, x_carry)
+            x_carry = new if between is None else between(i, new[0], x_carry[0], new[1], readout)
     else:
         x_carry = lax.fori_loop(0, num_steps, step, x_carry)
-    x, carry = x_carry
-    x, carry = stack(params.coda, rms_norm(x, params.ln_f, c.rms_norm_eps), carry, plane_index(c, "coda", 0))
-    return rms_norm(x, params.ln_f, c.rms_norm_eps), carry
+    return readout(*x_carry)
 
 
 def head(params: HuginnParams, x: jax.Array) -> jax.Array:
@@ -234,18 +239,21 @@ def prefill(params: HuginnParams, config: ModelConfig, tokens: jax.Array, length
     return head(params, lax.dynamic_index_in_dim(x[0], length - 1, 0, keepdims=False)), k, v
 
 
-@functools.partial(jax.jit, static_argnames=("config", "num_steps", "kernel", "wise_config"))
+@functools.partial(jax.jit, static_argnames=("config", "num_steps", "kernel", "wise_config", "adaptive"))
 def decode_step(params: HuginnParams, config: ModelConfig, cache: kvc.PagedKVCache, tokens: jax.Array,
                 state: jax.Array, slots: jax.Array, *, num_steps: int, kernel: str = "auto",
-                wise_config: WiseConfig | None = None, wise_state: ws.WiseState | None = None
-                ) -> tuple[jax.Array, kvc.PagedKVCache, ws.WiseState | None]:
+                wise_config: WiseConfig | None = None, wise_state: ws.WiseState | None = None,
+                adaptive: AdaptiveDepth | None = None):
     """One decode token per cache row (`wise_jax.model.decode_step`'s contract): tokens int32[batch]
     at each row's position seq_lens, state [batch, hidden] (the initial recurrent state), slots
     int32[batch] (the request each row serves, the WISE tag; -1: an empty row, a masked no-op).
     The cache holds num_planes(config, >= num_steps) planes. wise_config: WISE over the core
     iterations (its depths index them, each < num_steps) with `wise_state` (`wise_state.create`
     with layers = the core block's); None: every plane dense. The core iterations run unrolled.
-    Returns (logits float32[batch, vocab] (garbage for masked rows), cache, wise_state)."""
+    adaptive: per-token adaptive depth (`wise_core.huginn_reference`'s; `wise_torch.huginn`'s
+    decode_step: rows that exited ride along held, their later iterations' K/V their exit
+    iteration's). Returns (logits float32[batch, vocab] (garbage for masked rows), cache,
+    wise_state), and with adaptive also the iterations each row ran, int32[batch]."""
     if cache.k.shape[0] < num_planes(config, num_steps):
         raise ValueError(f"the cache holds {cache.k.shape[0]} planes; {num_steps} core iterations need "
                          f"{num_planes(config, num_steps)}")
@@ -284,6 +292,53 @@ def decode_step(params: HuginnParams, config: ModelConfig, cache: kvc.PagedKVCac
                                             count=False)
         return out[:, None], (cache, wise_state)
 
+    exits = AdaptiveExits(params, config, num_steps, adaptive, live)
     x, (cache, wise_state) = run_model(params, config, tokens[:, None], state[:, None], cos, sin, num_steps, attend,
-                                       (cache, wise_state), unroll=True)
-    return head(params, x[:, 0]), cache, wise_state
+                                       (cache, wise_state), unroll=True, between=None if adaptive is None else exits)
+    logits = head(params, x[:, 0])
+    return (logits, cache, wise_state) if adaptive is None else (logits, cache, wise_state, exits.last + 1)
+
+
+class AdaptiveExits:
+    """The exits of one decode step, run between its unrolled core iterations (`run_model`'s
+    between): rows exit on the released KL criterion (`AdaptiveDepth`) and ride along held."""
+
+    def __init__(self, params: HuginnParams, config: ModelConfig, num_steps: int, adaptive: AdaptiveDepth | None,
+                 live: jax.Array):
+        self.params, self.config, self.num_steps, self.adaptive, self.live = params, config, num_steps, adaptive, live
+        self.exited = jnp.zeros(live.shape, bool)
+        self.last = jnp.full(live.shape, num_steps - 1, jnp.int32)
+        self.previous = None
+
+    def __call__(self, i, new, old, carry, readout):
+        x = jnp.where(self.exited[:, None, None], old, new)
+        cache, wise_state = carry
+        cache = hold_exited(cache, self.config, self.exited & self.live, self.last, i)
+        if self.adaptive.min_steps <= i < self.num_steps - 1:
+            out, (cache, wise_state) = readout(x, (cache, wise_state))
+            log_p = jax.nn.log_softmax(head(self.params, out[:, 0]), axis=-1)
+            previous = (jnp.full_like(log_p, -np.log(log_p.shape[-1])) if self.previous is None else self.previous)
+            now = ~self.exited & ((jnp.exp(previous) * (previous - log_p)).sum(-1) < self.adaptive.threshold)
+            self.last = jnp.where(now, i, self.last)
+            self.exited, self.previous = self.exited | now, log_p
+        return x, (cache, wise_state)
+
+
+def hold_exited(cache: kvc.PagedKVCache, config: ModelConfig, exited: jax.Array, last: jax.Array,
+                step: int) -> kvc.PagedKVCache:
+    """The released "latest-m4" lookup, written ahead: iteration `step`'s K/V of each row that
+    exited (bool[batch], live rows only: after iteration last[row] < step) becomes its
+    iteration-last K/V, at its newest position (`kv_cache.write_token`'s slot; other rows touch
+    only the scratch page)."""
+    position = jnp.maximum(cache.seq_lens - 1, 0)
+    page = jnp.take_along_axis(cache.page_table, (position // cache.page_size)[:, None], axis=1)[:, 0]
+    page = jnp.where(exited, page, cache.scratch_page)
+    offset = position % cache.page_size
+    core = config.n_layers_in_recurrent_block
+    k, v = cache.k, cache.v
+    for n in range(core):
+        source = plane_index(config, "core_block", n, 0) + last * core
+        target = plane_index(config, "core_block", n, step)
+        k = k.at[target, page, offset].set(k[source, page, offset])
+        v = v.at[target, page, offset].set(v[source, page, offset])
+    return dataclasses.replace(cache, k=k, v=v)
