@@ -1,0 +1,64 @@
+"""Huginn's per-token adaptive depth in both frameworks' decode (`decode_step(adaptive=)`: the
+released KL exit criterion, rows that exited riding along held, later iterations reading the
+exit iteration's K/V) against the numpy reference's tokens and exit depths, alone and with
+WISE; a threshold no KL reaches is fixed depth bitwise. CPU, fp32, the reference kernels."""
+
+import numpy as np
+import pytest
+
+from huginn_cases import NEW_TOKENS, SEED, STEPS, TINY, WISE, checkpoint, prompts, reference_generate
+from parity.huginn import jax_generate, torch_generate
+from wise_core.config import AdaptiveDepth
+from wise_core.huginn_reference import huginn_weights
+
+ADAPTIVE = AdaptiveDepth(threshold=0.45)
+"""Among the KLs of this random model's successive iterations (about 0.3 to 0.7): rows exit
+after 2, 3 or all 4 iterations."""
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return checkpoint(tmp_path_factory.mktemp("huginn-adaptive"))
+
+
+@pytest.fixture(scope="module", params=["torch", "jax"])
+def generate(request, ckpt):
+    """generate(wise_config, adaptive) -> (tokens, logits, depths) of the framework's decode."""
+    if request.param == "torch":
+        from wise_torch.huginn import huginn_from_tensors
+        model = huginn_from_tensors(TINY, ckpt.tensors)
+        run = lambda **kw: torch_generate(model, prompts(), **kw)  # noqa: E731
+    else:
+        from wise_jax.huginn import huginn_from_tensors
+        params = huginn_from_tensors(TINY, ckpt.tensors)
+        run = lambda **kw: jax_generate(params, TINY, prompts(), **kw)  # noqa: E731
+
+    def generate(wise_config=None, adaptive=ADAPTIVE):
+        depths = [[] for _ in prompts()]
+        tokens, logits, _ = run(max_new_tokens=NEW_TOKENS, num_steps=STEPS, seed=SEED, wise_config=wise_config,
+                                adaptive=adaptive, depths=None if adaptive is None else depths)
+        return tokens, logits, depths
+    return generate
+
+
+@pytest.mark.parametrize("wise_config", [None, WISE], ids=["dense", "wise"])
+def test_adaptive_generation_equals_the_reference(generate, ckpt, wise_config):
+    """Both prompts decode in one batch, exiting at different iterations; tokens and exit depths
+    equal the float64 spec's, whose later tokens read the exited positions' held K/V."""
+    weights = huginn_weights(TINY, ckpt.tensors)
+    tokens, _, depths = generate(wise_config)
+    for prompt, got, ran in zip(prompts(), tokens, depths):
+        want_depths = []
+        assert got == reference_generate(TINY, weights, prompt, wise_config, ADAPTIVE, want_depths)
+        assert ran == want_depths[:NEW_TOKENS - 1]
+    flat = [d for row in depths for d in row]
+    assert min(flat) < STEPS and len(set(flat)) > 1, depths          # exits happen, at different depths
+
+
+def test_unreachable_threshold_is_fixed_depth_bitwise(generate):
+    """threshold 0: no KL is below it, so every row runs every iteration: fixed depth's logits."""
+    tokens, logits, depths = generate(adaptive=AdaptiveDepth(threshold=0.0))
+    fixed_tokens, fixed_logits, _ = generate(adaptive=None)
+    assert tokens == fixed_tokens and all(d == STEPS for row in depths for d in row)
+    for got, want in zip(logits, fixed_logits):
+        np.testing.assert_array_equal(got, want)
