@@ -1,6 +1,6 @@
 """Helpers of the tests that run each engine behaviour once per framework (a module, not a test
-file): one model of random weights per framework, its engine and its `generate` of a prompt
-alone, and the check that an engine has let everything go."""
+file): one model of random weights per framework, its engine, its full forward and its
+`generate` of a prompt alone, and the check that an engine has let everything go."""
 
 from __future__ import annotations
 
@@ -27,6 +27,16 @@ class Framework:
         if self.name == "torch":
             return self.lib.LLM(self.model, **engine_args)
         return self.lib.LLM(self.model, self.config, **engine_args)
+
+    def forward(self, ids: list[int]):
+        """The model's full-sequence forward of `ids` -> logits float32[len(ids), vocab] (numpy)."""
+        import numpy as np
+        if self.name == "torch":
+            import torch
+            with torch.no_grad():
+                return self.model(torch.tensor([ids]))[0].numpy()
+        import jax.numpy as jnp
+        return np.asarray(self.lib.forward(self.model, self.config, jnp.asarray([ids], jnp.int32))[0])
 
     def alone(self, prompt: list[int], n: int, wise_config, *, page_size: int = 32) -> list[int]:
         """The framework's `generate` of `prompt` alone: n greedy tokens, no eos, reference kernel."""

@@ -43,7 +43,13 @@ class SamplingParams:
     logprobs: None, or k in [0, MAX_LOGPROBS]: report log p of each generated token (under the
     model's raw logits, before any processing: vLLM's default) with its rank and the k most
     probable tokens (`CompletionOutput.logprobs`); True is taken as 0 and False as None (the
-    bool this field was). prompt_logprobs: only None (not computed).
+    bool this field was). prompt_logprobs: None, or k in [0, MAX_LOGPROBS]: score the prompt as
+    vLLM does (`RequestOutput.prompt_logprobs`): log p of each prompt token after the tokens
+    before it (float32 log_softmax of the prefill's raw logits at the position before), with its
+    rank and the k most probable tokens there. Such a request takes no cached prefix (automatic
+    prefix caching skips no part of its prefill: a cached page's logits were never computed),
+    so the scores are those of an engine without the cache; an n > 1 request scores its prompt
+    once.
 
     n: completions of the prompt (vLLM's n): its prompt is prefilled once and the completions
     share its full pages; with a seed, completion i samples as a request with seed + i would.
@@ -105,9 +111,12 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (the top "
                              f"alternatives reported beside the chosen token), got {self.logprobs!r}")
         object.__setattr__(self, "logprobs", None if logprobs is None else int(logprobs))
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"SamplingParams.prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (the "
+                             f"top alternatives reported beside each prompt token), got {self.prompt_logprobs!r}")
         if self.prompt_logprobs is not None:
-            raise ValueError(f"SamplingParams.prompt_logprobs={self.prompt_logprobs!r} is not supported: the engines "
-                             "do not compute the prompt's log probabilities (pass None)")
+            object.__setattr__(self, "prompt_logprobs", int(self.prompt_logprobs))
         bias = self.logit_bias
         if bias is not None:
             if not isinstance(bias, dict) or not all(
@@ -229,9 +238,11 @@ class RequestOutput:
     string ends the text before it (token_ids keep the token that completed it). prompt_token_ids is
     the engine's own list: read it, do not change it. `outputs` and `prompt` give vLLM's shape;
     ranked: per position {token id: (logprob, rank)} (SamplingParams.logprobs not None), what
-    `outputs` gives as Logprobs. A request of n > 1 completions: `completions` holds each one's
-    output (this one's fields are the first's, but `finished`, which waits for all), and
-    `outputs` lists them all."""
+    `outputs` gives as Logprobs; prompt_ranked: the same of prompt tokens 1, 2, ...
+    (SamplingParams.prompt_logprobs not None), what `prompt_logprobs` gives as Logprobs. A
+    request of n > 1 completions: `completions` holds each one's output (this one's fields are
+    the first's, but `finished`, which waits for all; the prompt is scored once, in the first's),
+    and `outputs` lists them all."""
 
     request_id: int
     prompt_token_ids: list[int]
@@ -244,6 +255,7 @@ class RequestOutput:
     cut_text: str | None = dataclasses.field(default=None, repr=False)   # the text a stop string ended
     ranked: list[dict[int, tuple[float, int]]] | None = dataclasses.field(default=None, repr=False)
     completions: list[RequestOutput] | None = dataclasses.field(default=None, repr=False)
+    prompt_ranked: list[dict[int, tuple[float, int]]] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def text(self) -> str | None:
@@ -258,16 +270,24 @@ class RequestOutput:
 
     @property
     def outputs(self) -> list[CompletionOutput]:
-        return [CompletionOutput(i, o.text, o.token_ids, o._logprob_entries(), o.finish_reason, o.stop_reason)
+        return [CompletionOutput(i, o.text, o.token_ids, o._as_logprobs(o.ranked), o.finish_reason, o.stop_reason)
                 for i, o in enumerate(self.completions or [self])]
 
-    def _logprob_entries(self) -> list[dict[int, Logprob]] | None:
-        """`ranked` as vLLM's Logprobs (decoded with the tokenizer)."""
-        if self.ranked is None:
+    @property
+    def prompt_logprobs(self) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's prompt_logprobs (SamplingParams.prompt_logprobs not None, else None): per prompt
+        token, None for the first, then {token id: Logprob}: the prompt token's, then the k most
+        probable at its position. A request still prefilling has the positions scored so far."""
+        entries = self._as_logprobs(self.prompt_ranked)
+        return None if entries is None else [None] + entries
+
+    def _as_logprobs(self, ranked: list[dict[int, tuple[float, int]]] | None) -> list[dict[int, Logprob]] | None:
+        """Ranked entries ({token id: (logprob, rank)}) as vLLM's Logprobs (decoded with the tokenizer)."""
+        if ranked is None:
             return None
         tok = self.tokenizer
         return [{t: Logprob(lp, rank, None if tok is None else tok.decode([t])) for t, (lp, rank) in entry.items()}
-                for entry in self.ranked]
+                for entry in ranked]
 
 
 @dataclasses.dataclass

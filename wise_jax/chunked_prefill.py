@@ -46,12 +46,13 @@ def prefix_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
 
 def prefill_chunk(params: Params, config: ModelConfig, k_pages: jax.Array, v_pages: jax.Array, tokens: jax.Array,
                   start: jax.Array, length: jax.Array, table: jax.Array, *, unroll: int | bool = 1,
-                  axis_name: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  axis_name: str | None = None, all_logits: bool = False) -> tuple:
     """The chunk (module docstring). k_pages, v_pages: the cache storage [planes, num_pages + 1,
     page_size, kv_heads, head_dim]; tokens int32[seq] (seq a multiple of page_size, valid up to
     `length`); start, length int32[]; table int32[pages] (the request's pages, holding at least
     start + seq positions; entries past its pages: the scratch page). Returns (logits
-    float32[vocab] after the chunk's last token, k_pages, v_pages)."""
+    float32[vocab] after the chunk's last token, k_pages, v_pages); all_logits: logits is
+    (those, the logits float32[seq, vocab] at every position of the chunk), as `model.prefill`."""
     params = stack_layers(params)
     seq = tokens.shape[0]
     page_size, scratch = k_pages.shape[2], k_pages.shape[1] - 1
@@ -71,20 +72,22 @@ def prefill_chunk(params: Params, config: ModelConfig, k_pages: jax.Array, v_pag
             return prefix_attention(q[0], *context, positions, page_size)[None], pages
         h, pages = run_loop(params, config, h, cos, sin, attend, pages, unroll=unroll, axis_name=axis_name)
     last = lax.dynamic_index_in_dim(h[0], length - 1, 0, keepdims=False)
-    return head(params, last), pages[0], pages[1]
+    logits = (head(params, last), head(params, h[0])) if all_logits else head(params, last)
+    return logits, pages[0], pages[1]
 
 
 def sharded_prefill_chunk(params, config: ModelConfig, k_pages, v_pages, tokens, start, length, table, *,
-                          unroll: int | bool = 1, mesh=None):
+                          unroll: int | bool = 1, mesh=None, all_logits: bool = False):
     """`prefill_chunk`; over a mesh (MeshParams, storage sharded on kv_heads) shard_map'd at the
     local config, as `sharding.prefill`."""
     if mesh is None:
-        return prefill_chunk(params, config, k_pages, v_pages, tokens, start, length, table, unroll=unroll)
+        return prefill_chunk(params, config, k_pages, v_pages, tokens, start, length, table, unroll=unroll,
+                             all_logits=all_logits)
     local = sharding.local_config(config, sharding.tp_size(mesh))
 
     def run(params, k_pages, v_pages, tokens, start, length, table):
         return prefill_chunk(params, local, k_pages, v_pages, tokens, start, length, table, unroll=unroll,
-                             axis_name=sharding.AXIS)
+                             axis_name=sharding.AXIS, all_logits=all_logits)
 
     kv = sharding.KV_SPEC
     return jax.shard_map(run, mesh=mesh, in_specs=(sharding.param_specs(params.params), kv, kv, P(), P(), P(), P()),

@@ -28,7 +28,10 @@ read.
 
 Prefill. A chunk at position 0 is `serving.prefill` of its tokens (padded to whole pages), whose
 K/V are written into the request's pages; a later chunk is `chunked_prefill`, attending over the
-pages already written. The first token of a prompt is sampled as decode rows are.
+pages already written. The first token of a prompt is sampled as decode rows are. A chunk that
+scores prompt positions (SamplingParams.prompt_logprobs, `Chunk.scored`) runs the program variant
+that also returns the logits of every position (`all_logits`; the last position's logits stay
+their own product, as without it), ranked on the device (`_score_prompt`).
 
 Preemption offloads: a preempted request's pages of every plane are copied to host memory and
 written back into its new pages when it resumes, so it continues with the same tokens.
@@ -168,7 +171,7 @@ def _choose(logits, draw: Draw, processing: Processing | None = None, state: Log
         sampled = jnp.argmax(chosen_from, axis=-1).astype(jnp.int32)
     token = jnp.where(draw.forced >= 0, draw.forced, sampled)
     logprob = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token[:, None], axis=1)[:, 0]
-    top = None if processing is None else ranked(logits, token, min(MAX_LOGPROBS, logits.shape[-1]))
+    top = None if processing is None else ranked(logits, token, min(MAX_LOGPROBS, logits.shape[-1]))[1:]
     return token, logprob, top
 
 
@@ -212,13 +215,21 @@ def _read_pages(cache: kvc.PagedKVCache, pages):
     return cache.k[:, pages], cache.v[:, pages]
 
 
-@functools.partial(jax.jit, static_argnames=("config", "unroll", "mesh"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("config", "unroll", "mesh", "all_logits"), donate_argnames=("cache",))
 def _prefill_chunk(params, cache: kvc.PagedKVCache, tokens, start, length, table, *, config: ModelConfig, unroll,
-                   mesh=None):
+                   mesh=None, all_logits: bool = False):
     TRACES["prefill_chunk"] += 1
     logits, k, v = sharded_prefill_chunk(params, config, cache.k, cache.v, tokens, start, length, table,
-                                         unroll=unroll, mesh=mesh)
+                                         unroll=unroll, mesh=mesh, all_logits=all_logits)
     return logits, dataclasses.replace(cache, k=k, v=v)
+
+
+@jax.jit
+def _score_prompt(logits, tokens):
+    """`ranked` of each position's next prompt token (logits float32[positions, vocab], tokens
+    int32[positions]) with the most alternatives SamplingParams.prompt_logprobs asks for."""
+    TRACES["score_prompt"] += 1
+    return ranked(logits, tokens, min(MAX_LOGPROBS, logits.shape[-1]))
 
 
 def _state_rows(state, rows: int, whole=None):
@@ -284,10 +295,19 @@ def _step(params: Params, cache: kvc.PagedKVCache, state, next_token, inputs: Ro
 
 class _InFlight:
     """A launched step's outputs on the device (wise_core.engine.InFlight): rows [(sequence,
-    token index)], `at` the output row of each."""
+    token index)], `at` the output row of each; prompt: per entry of prompt_rows its
+    `_score_prompt` outputs, over its chunk's padded positions."""
 
-    def __init__(self, rows: list, outputs, at: list[int]):
+    def __init__(self, rows: list, outputs, at: list[int], prompt_rows: list | None = None,
+                 prompt: list | None = None):
         self.rows, self._outputs, self._at, self.logits = rows, outputs, at, {}
+        self.prompt_rows, self._prompt = prompt_rows or [], prompt or []
+
+    def read_prompt(self) -> list[tuple]:
+        scores = []
+        for (_, _, count), arrays in zip(self.prompt_rows, jax.device_get(self._prompt)):
+            scores.extend(zip(*(np.asarray(x[:count]).tolist() for x in arrays)))
+        return scores
 
     def read(self) -> tuple[list[int], list[bool], list[float], list[tuple] | None]:
         token, logprob, nan, overflowed, logits, top = jax.device_get(self._outputs)
@@ -457,19 +477,27 @@ class LLM(LLMEngine):
 
     def _launch_prefill(self, chunks: list[Chunk]) -> _InFlight:
         extras = self._extras([c.seq for c in chunks if c.completes])
-        rows, outputs = [], []
+        rows, outputs, prompt_rows, prompt = [], [], [], []
         for chunk in chunks:
             seq = chunk.seq
             tokens = seq.prompt[chunk.start:chunk.start + chunk.length]
+            scored = chunk.scored > 0      # the logits of every position, for the prompt's scores
             if chunk.start == 0:
                 logits, kv = serving.prefill(self.params, self.config, tokens, page_size=self.page_size,
-                                             attention=self.attention, unroll=self.unroll, mesh=self.mesh)
+                                             attention=self.attention, unroll=self.unroll, mesh=self.mesh,
+                                             all_logits=scored)
                 n = kv.k.shape[1] // self.page_size
                 shape = (kv.k.shape[0], n, self.page_size) + kv.k.shape[2:]
                 self.cache = _write_pages(self.cache, kv.k.reshape(shape), kv.v.reshape(shape),
                                           jnp.asarray(seq.pages[:n], jnp.int32))
             else:
-                logits = self._continue_prompt(seq, tokens, chunk.start)
+                logits = self._continue_prompt(seq, tokens, chunk.start, all_logits=scored)
+            if scored:
+                logits, every = logits
+                following = np.zeros(every.shape[0], np.int32)    # each position's next prompt token
+                following[:chunk.scored] = seq.prompt[chunk.start + 1:chunk.start + 1 + chunk.scored]
+                prompt.append(_score_prompt(every, jnp.asarray(following)))
+                prompt_rows.append((seq, chunk.start + 1, chunk.scored))
             if chunk.completes:
                 forced = seq.forced is not None
                 self.next_token, logits_state, out = _first_token(
@@ -481,15 +509,16 @@ class LLM(LLMEngine):
                 outputs.append(out + (logits,))
                 rows.append((seq, seq.expect()))
         if not outputs:
-            return _InFlight([], (np.zeros(0, np.int32), np.zeros(0), np.zeros(0, bool), False, None, None), [])
+            return _InFlight([], (np.zeros(0, np.int32), np.zeros(0), np.zeros(0, bool), False, None, None), [],
+                             prompt_rows, prompt)
         token, logprob, nan = (jnp.concatenate([o[i] for o in outputs]) for i in range(3))
         top = None if not extras else tuple(jnp.concatenate([o[3][i] for o in outputs]) for i in range(3))
         logits = jnp.stack([o[4] for o in outputs]) if any(seq.keep_logits for seq, _ in rows) else None
-        return _InFlight(rows, (token, logprob, nan, False, logits, top), list(range(len(rows))))
+        return _InFlight(rows, (token, logprob, nan, False, logits, top), list(range(len(rows))), prompt_rows, prompt)
 
-    def _continue_prompt(self, seq: Sequence, tokens: list[int], start: int) -> jax.Array:
+    def _continue_prompt(self, seq: Sequence, tokens: list[int], start: int, *, all_logits: bool = False):
         """Prefill `tokens` at positions [start, ...) of seq's prompt (`chunked_prefill`) -> the
-        logits after the last."""
+        logits after the last (all_logits: `prefill_chunk`'s pair)."""
         padded = serving.prefill_bucket(len(tokens), self.page_size)
         ids = np.full(padded, self.config.pad_token_id or 0, np.int32)
         ids[:len(tokens)] = tokens
@@ -498,7 +527,7 @@ class LLM(LLMEngine):
         table[:len(seq.pages)] = seq.pages[:pages]
         logits, self.cache = _prefill_chunk(self.params, self.cache, jnp.asarray(ids), jnp.int32(start),
                                             jnp.int32(len(tokens)), jnp.asarray(table), config=self.config,
-                                            unroll=self.unroll, mesh=self.mesh)
+                                            unroll=self.unroll, mesh=self.mesh, all_logits=all_logits)
         return logits
 
     def _offload(self, seq: Sequence, pages: list[int]) -> None:

@@ -208,12 +208,14 @@ def forward(params: Params, config: ModelConfig, input_ids: jax.Array, *, remat:
 
 
 def prefill(params: Params, config: ModelConfig, tokens: jax.Array, length: jax.Array, *,
-            attention: str = "auto", unroll: int | bool = 1,
-            axis_name: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+            attention: str = "auto", unroll: int | bool = 1, axis_name: str | None = None,
+            all_logits: bool = False) -> tuple:
     """Causal pass over one right-padded prompt, keeping the K/V of every plane.
 
     tokens int32[seq] (valid up to `length`, int32[] >= 1). Returns (logits float32[vocab] at
-    position length - 1, k, v [planes, seq, kv_heads, head_dim] in the params' dtype). The K/V
+    position length - 1, k, v [planes, seq, kv_heads, head_dim] in the params' dtype);
+    all_logits: logits is (those, the logits float32[seq, vocab] at every position), each its
+    own product (a prompt's scores, SamplingParams.prompt_logprobs). The K/V
     buffers are written in place layer by layer (no per-loop copies). The layers always run
     as a scan (one quick compile per prompt bucket): unstacked weights are stacked here, one copy
     of the layer weights per call, small beside the prefill's own work."""
@@ -233,7 +235,8 @@ def prefill(params: Params, config: ModelConfig, tokens: jax.Array, length: jax.
             return causal_attention(q, k, v, implementation=attention), buffers
         h, buffers = run_loop(params, config, h, cos, sin, attend, buffers, unroll=unroll, axis_name=axis_name)
     last = lax.dynamic_index_in_dim(h[0], length - 1, 0, keepdims=False)
-    return head(params, last), buffers[0], buffers[1]
+    logits = (head(params, last), head(params, h[0])) if all_logits else head(params, last)
+    return logits, buffers[0], buffers[1]
 
 
 def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, state: ws.WiseState | None,

@@ -59,16 +59,16 @@ def process_logits(logits: jax.Array, prompt: jax.Array, counts: jax.Array, bias
     return z - frequency[:, None] * counts - presence[:, None] * (counts > 0)
 
 
-def ranked(logits: jax.Array, tokens: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """logits float32[rows, vocab], tokens int32[rows] -> (rank int32[rows]: the tokens at least
-    as probable as the row's, itself included (1: the most probable); top ids int32[rows, k] and
-    their log p float32[rows, k], most probable first, ties to the lower id), under
-    log_softmax(logits)."""
+def ranked(logits: jax.Array, tokens: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """logits float32[rows, vocab], tokens int32[rows] -> (log p of the tokens float32[rows];
+    rank int32[rows]: the tokens at least as probable as the row's, itself included (1: the most
+    probable); top ids int32[rows, k] and their log p float32[rows, k], most probable first, ties
+    to the lower id), under log_softmax(logits)."""
     logp = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=1)
     rank = jnp.sum(logp >= chosen, axis=-1, dtype=jnp.int32)
     values, ids = lax.top_k(logp, k)
-    return rank, ids.astype(jnp.int32), values
+    return chosen[:, 0], rank, ids.astype(jnp.int32), values
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["prompt", "counts", "bias", "stops"],

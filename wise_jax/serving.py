@@ -80,20 +80,24 @@ def prefill_bucket(length: int, page_size: int) -> int:
     return -(-length // page_size) * page_size
 
 
-@functools.partial(jax.jit, static_argnames=("config", "attention", "unroll", "mesh"))
-def _prefill(params: Params, tokens, length, *, config: ModelConfig, attention: str, unroll, mesh=None):
+@functools.partial(jax.jit, static_argnames=("config", "attention", "unroll", "mesh", "all_logits"))
+def _prefill(params: Params, tokens, length, *, config: ModelConfig, attention: str, unroll, mesh=None,
+             all_logits: bool = False):
     TRACES["prefill"] += 1
-    logits, k, v = sharding.prefill(params, config, tokens, length, attention=attention, unroll=unroll, mesh=mesh)
+    logits, k, v = sharding.prefill(params, config, tokens, length, attention=attention, unroll=unroll, mesh=mesh,
+                                    all_logits=all_logits)
     return logits, RequestKV(k, v, length)
 
 
 def prefill(params: Params, config: ModelConfig, tokens: Sequence[int], *, page_size: int = DEFAULT_PAGE_SIZE,
-            attention: str = "auto", unroll: int | bool = 1, mesh=None) -> tuple[jax.Array, RequestKV]:
+            attention: str = "auto", unroll: int | bool = 1, mesh=None, all_logits: bool = False
+            ) -> tuple[jax.Array, RequestKV]:
     """Prefill one prompt (token ids) -> (logits float32[vocab] after its last token, its K/V).
 
     The prompt is padded to whole pages of `page_size` (pad id: config.pad_token_id or 0);
     attention: see `wise_jax.prefill_attention`; unroll: layers per scan step; mesh: see the
-    module docstring (the K/V come back sharded on kv_heads)."""
+    module docstring (the K/V come back sharded on kv_heads); all_logits: the logits are
+    (those, the logits float32[padded length, vocab] at every position), `model.prefill`'s."""
     ids = check_ids(tokens, config, "tokens")
     if len(ids) > config.max_position_embeddings:
         raise ValueError(f"a prompt of {len(ids)} tokens exceeds max_position_embeddings "
@@ -103,7 +107,7 @@ def prefill(params: Params, config: ModelConfig, tokens: Sequence[int], *, page_
     padded = np.full((prefill_bucket(len(ids), page_size),), config.pad_token_id or 0, np.int32)
     padded[:len(ids)] = ids
     return _prefill(params, jnp.asarray(padded), jnp.asarray(len(ids), jnp.int32), config=config,
-                    attention=attention, unroll=unroll, mesh=mesh)
+                    attention=attention, unroll=unroll, mesh=mesh, all_logits=all_logits)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))

@@ -209,16 +209,18 @@ def decode_step(params: Params | MeshParams, config: ModelConfig, cache: kvc.Pag
 
 
 def prefill(params: Params | MeshParams, config: ModelConfig, tokens: jax.Array, length: jax.Array, *, attention: str = "auto",
-            unroll: int | bool = 1, mesh: Mesh | None = None):
+            unroll: int | bool = 1, mesh: Mesh | None = None, all_logits: bool = False):
     """`wise_jax.model.prefill`; over the mesh, shard_map'd at the local config: the K/V come
-    back sharded on kv_heads. Returns (logits float32[vocab], k, v)."""
+    back sharded on kv_heads. Returns (logits float32[vocab] (all_logits: model.prefill's pair), k, v)."""
     if mesh is None:
-        return model.prefill(_layout_of(params, None), config, tokens, length, attention=attention, unroll=unroll)
+        return model.prefill(_layout_of(params, None), config, tokens, length, attention=attention, unroll=unroll,
+                             all_logits=all_logits)
     params = _layout_of(params, mesh).params
     local = local_config(config, tp_size(mesh))
 
     def run(params, tokens, length):
-        return model.prefill(params, local, tokens, length, attention=attention, unroll=unroll, axis_name=AXIS)
+        return model.prefill(params, local, tokens, length, attention=attention, unroll=unroll, axis_name=AXIS,
+                             all_logits=all_logits)
 
     return jax.shard_map(run, mesh=mesh, in_specs=(param_specs(params), P(), P()),
                          out_specs=(P(), REQUEST_KV_SPEC, REQUEST_KV_SPEC), check_vma=False)(params, tokens, length)

@@ -16,7 +16,9 @@ ids checked against the vocabulary), completions' `logprobs: k` and chat's `top_
 (k in [0, 20]: the chosen token's log probability, under the model's raw logits, with the k
 most probable tokens'). `best_of` is accepted only equal to `n` (every completion made is
 returned: none is chosen over another), `suffix` only empty (the model does not fill in the
-middle), echo with logprobs not at all (the prompt's logprobs are not computed). Extensions
+middle). `echo` with `logprobs: k` scores the prompt too (SamplingParams.prompt_logprobs k): its
+tokens' logprobs precede the completion's, the first token's null (the OpenAI legacy
+completions shape, as vLLM). Extensions
 (as in vLLM): `top_k` (-1 or 0: every token), `min_p` (0: off), `ignore_eos`,
 `repetition_penalty` (> 0; 1: none), `min_tokens` (no eos, stop id or stop string ends a
 completion before), `include_stop_str_in_output`, and `return_token_ids` (each choice and
@@ -49,8 +51,6 @@ MAX_N = 128                   # the OpenAI API's range of n
 MAX_PENALTY = 2.0             # presence and frequency penalties: [-2, 2] (OpenAI)
 MAX_LOGIT_BIAS = 100.0        # logit_bias values: [-100, 100] (OpenAI)
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-NO_PROMPT_LOGPROBS = ("echo with logprobs needs the prompt's logprobs, which the engine does not compute: "
-                      "ask for echo or for logprobs, not both")
 
 
 class BadRequest(ValueError):
@@ -66,7 +66,8 @@ class Generation:
     """What completions and chat share. sampling: SamplingParams' fields but max_tokens, stop, logprobs;
     max_tokens None: what max_model_len leaves after the prompt (chat); stop: strings that end
     the text (not included in it, unless sampling's include_stop_str_in_output); logprobs: None,
-    or k: report each generated token's log probability with the k most probable tokens'."""
+    or k: report each generated token's log probability with the k most probable tokens';
+    prompt_logprobs: the same of the prompt's tokens (completions' echo with logprobs), or None."""
 
     sampling: dict
     max_tokens: int | None
@@ -75,6 +76,7 @@ class Generation:
     include_usage: bool
     return_token_ids: bool
     logprobs: int | None
+    prompt_logprobs: int | None = None
 
     @property
     def n(self) -> int:
@@ -91,7 +93,8 @@ class Generation:
         if self.sampling["min_tokens"] > max_tokens:
             raise BadRequest(f"min_tokens ({self.sampling['min_tokens']}) is more than max_tokens ({max_tokens})",
                              "min_tokens")
-        return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, stop=self.stop, **self.sampling)
+        return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs,
+                              stop=self.stop, **self.sampling)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,14 +341,14 @@ def parse_completion(body: bytes, *, model_name: str, has_tokenizer: bool = True
         raise BadRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (the most probable tokens listed "
                          f"beside the chosen one), got {json.dumps(logprobs):.40}", "logprobs")
     echo = _flag(obj, "echo")
-    if echo and logprobs is not None:
-        raise BadRequest(NO_PROMPT_LOGPROBS, "echo")
     if echo and not has_tokenizer:
         raise BadRequest("echo needs a tokenizer (the prompt's text) and the model has none", "echo")
     max_tokens = _max_tokens(obj, "max_tokens")
     generation = _generation(obj, has_tokenizer=has_tokenizer, logprobs=logprobs,
                              max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
                              vocab_size=vocab_size)
+    if echo and logprobs is not None:
+        generation = dataclasses.replace(generation, prompt_logprobs=logprobs)
     return CompletionRequest(prompts, echo, generation)
 
 
@@ -493,18 +496,19 @@ def chat_choice(index: int, message: dict, finish_reason: str | None, token_ids:
     return out
 
 
-def completion_logprobs(tokens: list[str], logprobs: list[float], offset: int,
-                        top: list[list[tuple[str, float]]]) -> dict:
+def completion_logprobs(tokens: list[str], logprobs: list[float | None], offset: int,
+                        top: list[list[tuple[str, float]] | None]) -> dict:
     """Completions' logprobs object for tokens whose text starts at character `offset`:
     text_offset counts the characters of the tokens before (as vLLM); top: per token
     [(text, logprob)], the chosen token then the k most probable (as vLLM: k + 1 entries, or k
-    when the chosen is among them; tokens of the same text share one entry)."""
+    when the chosen is among them; tokens of the same text share one entry). An echoed prompt's
+    first token has no logprob: None in logprobs and top (null)."""
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": [dict(entry) for entry in top],
-            "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": logprobs,
+            "top_logprobs": [None if entry is None else dict(entry) for entry in top], "text_offset": offsets}
 
 
 def _bytes(text: str) -> list[int]:

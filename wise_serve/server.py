@@ -112,17 +112,29 @@ class _Choice:
     """One completion as it arrives (completion `completion` of the engine request `handle`):
     its text (the server's own TextStream: stop strings cut, min_tokens and
     include_stop_str_in_output as the engine applies them), tokens and logprobs. index: the
-    choice's index in the response; prefix: text that starts the choice (echo: the prompt)."""
+    choice's index in the response; prefix: text that starts the choice (echo: the prompt; None:
+    no echo); prompt: with echo and logprobs, the prompt's ids and scores (RequestOutput's
+    prompt_token_ids and prompt_ranked), once its first token came."""
 
     def __init__(self, index: int, handle: RequestHandle, completion: int, tokenizer, generation: Generation,
-                 timing: _Timing, prefix: str = ""):
+                 timing: _Timing, prefix: str | None = None):
         self.index, self.handle, self.completion, self.timing, self.prefix = index, handle, completion, timing, prefix
         self.text = TextStream(tokenizer, generation.stop, min_tokens=generation.sampling["min_tokens"],
                                include_stop=generation.sampling["include_stop_str_in_output"])
         self.want_logprobs = generation.logprobs is not None
         self.logprobs: list[float] = []
         self.ranked: list[dict[int, tuple[float, int]]] = []   # per token: the chosen's and the top k's (logprob, rank)
+        self.want_prompt = generation.prompt_logprobs is not None
+        self.prompt: tuple[list[int], list[dict[int, tuple[float, int]]]] | None = None
         self.reason: str | None = None
+
+    def echoed(self) -> tuple[list[int], list[float | None], list[dict | None]]:
+        """The echoed prompt's (tokens, logprobs, ranked entries), the first token's None; empty
+        when the prompt was not scored (no echo with logprobs, or aborted before its first token)."""
+        if self.prompt is None:
+            return [], [], []
+        ids, ranked = self.prompt
+        return list(ids), [None] + [entry[t][0] for t, entry in zip(ids[1:], ranked)], [None] + list(ranked)
 
     def feed(self, request: RequestOutput) -> list[tuple[int | None, str | None]]:
         """The engine request's output so far -> this completion's new tokens, each (token id
@@ -132,6 +144,12 @@ class _Choice:
             return []
         out = request.completions[self.completion] if request.completions else request
         new = out.token_ids[len(self.text.ids):]         # several at once from a speculative round
+        if new and self.want_prompt and self.prompt is None:    # scored with the prefill that made the first token
+            ranked = request.prompt_ranked
+            if ranked is None or len(ranked) != len(request.prompt_token_ids) - 1:
+                raise RuntimeError(f"the engine gave no prompt log probabilities for request {self.handle.request_id}, "
+                                   "which asked for them")
+            self.prompt = (request.prompt_token_ids, ranked)
         items = []
         for k, token in enumerate(new):
             self.timing.got(1)
@@ -428,7 +446,7 @@ class CompletionServer:
             return self._bad(e)
         n = generation.n
         choices = [_Choice(i * n + j, h, j, self.tokenizer, generation, _Timing(self.metrics, start),
-                           "" if prefixes is None else prefixes[i]) for i, h in enumerate(handles) for j in range(n)]
+                           None if prefixes is None else prefixes[i]) for i, h in enumerate(handles) for j in range(n)]
         access.prompt_tokens = sum(h.prompt_tokens for h in handles)
         self.in_flight += 1
         try:
@@ -442,16 +460,18 @@ class CompletionServer:
                 if not h.done:
                     self.engine.abort(h.request_id)
 
-    def _logprobs(self, chat: bool, k: int, tokens: list[int], logprobs: list[float],
-                  ranked: list[dict[int, tuple[float, int]]], offset: int) -> dict:
+    def _logprobs(self, chat: bool, k: int, tokens: list[int], logprobs: list[float | None],
+                  ranked: list[dict[int, tuple[float, int]] | None], offset: int) -> dict:
         """The logprobs object of `tokens` (chosen), their log probabilities and ranked entries
-        (the chosen token's, then the k most probable: RequestOutput.ranked)."""
+        (the chosen token's, then the k most probable: RequestOutput.ranked; None for an echoed
+        prompt's first token, completions only)."""
         texts = [self.token_text(t) for t in tokens]
         if chat:          # the k most probable, most probable first (a chosen token outside them is not listed)
             top = [[(self.token_text(t), lp) for t, (lp, _) in sorted(entry.items(), key=lambda e: -e[1][0])[:k]]
                    for entry in ranked]
             return protocol.chat_logprobs(texts, logprobs, top)
-        top = [[(self.token_text(t), lp) for t, (lp, _) in entry.items()] for entry in ranked]
+        top = [None if entry is None else [(self.token_text(t), lp) for t, (lp, _) in entry.items()]
+               for entry in ranked]
         return protocol.completion_logprobs(texts, logprobs, offset, top)
 
     async def _complete(self, access: _Access, choices: list[_Choice], generation: Generation,
@@ -472,10 +492,12 @@ class CompletionServer:
                                     f"{len(choices)} completion(s))", kind="server_error")
         out = []
         for c in choices:
-            text = c.prefix + c.text.delta(final=True)
+            text = (c.prefix or "") + c.text.delta(final=True)
             ids = c.text.ids if generation.return_token_ids else None
-            logprobs = None if generation.logprobs is None else \
-                self._logprobs(chat, generation.logprobs, c.text.ids, c.logprobs, c.ranked, len(c.prefix))
+            logprobs = None
+            if generation.logprobs is not None:      # an echoed prompt's first, from text offset 0
+                rows = (a + b for a, b in zip(c.echoed(), (c.text.ids, c.logprobs, c.ranked)))
+                logprobs = self._logprobs(chat, generation.logprobs, *rows, 0)
             out.append(protocol.chat_choice(c.index, {"role": "assistant", "content": text}, c.reason, ids, logprobs)
                        if chat else protocol.choice(c.index, text, c.reason, ids, logprobs))
         return _json(protocol.completion_body(access.id, int(time.time()), self.model_name, out, protocol.usage(
@@ -487,7 +509,7 @@ class CompletionServer:
                                                "X-Request-Id": access.id})
         await response.prepare(request)
         created = int(time.time())
-        offsets = {c.index: len(c.prefix) for c in choices}
+        offsets = {c.index: 0 for c in choices}   # text offsets of the choices' next logprobs
         sent = {c.index: 0 for c in choices}       # tokens streamed per choice (feed may add several at once)
 
         async def write(choice: dict) -> None:
@@ -499,17 +521,19 @@ class CompletionServer:
 
         async def on_token(c: _Choice, token: int | None, reason: str | None) -> None:
             text = c.text.delta(final=reason is not None)
-            if c.prefix:                                  # echo: the prompt comes with the first token
-                text, c.prefix = c.prefix + text, ""
             tokens = [] if token is None else [token]
             ids = tokens if generation.return_token_ids else None
             at = slice(sent[c.index], sent[c.index] + len(tokens))      # this token's place in the choice
             sent[c.index] += len(tokens)
+            rows = (tokens, c.logprobs[at], c.ranked[at]) if generation.logprobs is not None else None
+            if c.prefix is not None:                      # echo: the prompt (and its logprobs) with the first token
+                text, c.prefix = c.prefix + text, None
+                if rows is not None:
+                    rows = tuple(a + b for a, b in zip(c.echoed(), rows))
             logprobs = None
-            if generation.logprobs is not None:
-                logprobs = self._logprobs(chat, generation.logprobs, tokens, c.logprobs[at], c.ranked[at],
-                                          offsets[c.index])
-                offsets[c.index] += sum(len(self.token_text(t)) for t in tokens)
+            if rows is not None:
+                logprobs = self._logprobs(chat, generation.logprobs, *rows, offsets[c.index])
+                offsets[c.index] += sum(len(self.token_text(t)) for t in rows[0])
             if chat:
                 await write(protocol.chat_choice(c.index, {"content": text}, reason, ids, logprobs, delta=True))
             else:

@@ -105,13 +105,15 @@ class PrefillBatch:
     groups (list[PrefillGroup]); logit_index int64[m], the tokens whose logits are returned
     (the last prompt token of each chunk that completes its prompt); varlen: the same chunks as
     one packed call (`VarlenPrefill`) for a varlen prefill attention (None: grouped SDPA, which
-    reads groups)."""
+    reads groups); score_index int64[s]: more tokens whose logits are returned, apart (the
+    prompt positions scored for SamplingParams.prompt_logprobs; None: none)."""
 
     positions: torch.Tensor
     slot_mapping: torch.Tensor
     groups: list[PrefillGroup]
     logit_index: torch.Tensor
     varlen: VarlenPrefill | None = None
+    score_index: torch.Tensor | None = None
 
 
 class PagedKVCache:

@@ -345,11 +345,16 @@ class OuroForCausalLM(nn.Module):
     def prefill(self, ids: torch.Tensor, batch: PrefillBatch, cache: PagedKVCache, *,
                 attention: Callable | None = None) -> torch.Tensor:
         """Dense pass over prompt chunks (ids int64[n], flat), storing K/V of every plane.
-        Returns the logits float32[len(batch.logit_index), vocab] at the tokens `logit_index` names.
+        Returns the logits float32[len(batch.logit_index), vocab] at the tokens `logit_index` names;
+        with batch.score_index, (those, the logits float32[len(score_index), vocab] at its tokens),
+        each its own product, so the first are those of a batch without score_index.
         attention: `PrefillContext`'s (None: grouped SDPA; else a varlen one over batch.varlen)."""
         self._check_ids(ids, 1)
         h = self.run_tokens(ids, PrefillContext(self.config, batch, cache, attention))
-        return self.logits(h[batch.logit_index])
+        logits = self.logits(h[batch.logit_index])
+        if batch.score_index is None:
+            return logits
+        return logits, self.logits(h[batch.score_index])
 
     def decode_step(self, tokens: torch.Tensor, batch: DecodeBatch, cache: PagedKVCache, *,
                     wise: WiseState | None, attention: Callable, dense_modes: torch.Tensor,

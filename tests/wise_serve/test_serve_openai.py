@@ -125,6 +125,46 @@ def test_echo_prepends_the_prompt(client, llm):
     assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt_first(client, llm):
+    """echo with logprobs k: the prompt's tokens, then the completion's, in one logprobs object
+    (the first token's logprob and top_logprobs null, text offsets from 0), each as the engine's
+    prompt_logprobs and logprobs give them; streamed, the first chunk carries the prompt's; each
+    of n choices echoes the same scores."""
+    k, prompt = 2, "def f(x):"
+    ids = llm.tokenizer.encode(prompt).ids
+    [want] = llm.generate([ids], SamplingParams(max_tokens=5, logprobs=k, prompt_logprobs=k), use_tqdm=False)
+    r = client.completions.create(model="chatty", prompt=prompt, max_tokens=5, temperature=0, echo=True, logprobs=k)
+    [c] = r.choices
+    lp = c.logprobs
+
+    def text(t):
+        return llm.tokenizer.decode([t], skip_special_tokens=False)
+
+    assert c.text == prompt + want.text
+    assert lp.tokens == [text(t) for t in ids + want.token_ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    entries = want.prompt_logprobs[1:] + want.outputs[0].logprobs
+    assert lp.token_logprobs[1:] == pytest.approx([e[t].logprob for e, t in zip(entries, ids[1:] + want.token_ids)],
+                                                  abs=LOGPROB_ATOL)
+    for got, entry in zip(lp.top_logprobs[1:], entries):
+        expected = {}
+        for t, e in entry.items():          # the token's, then the k most probable (one entry per text)
+            expected[text(t)] = e.logprob
+        assert list(got) == list(expected) and list(got.values()) == pytest.approx(list(expected.values()),
+                                                                                   abs=LOGPROB_ATOL)
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    chunks = [ch.choices[0] for ch in client.completions.create(model="chatty", prompt=prompt, max_tokens=5,
+                                                                temperature=0, echo=True, logprobs=k, stream=True)]
+    assert chunks[0].text.startswith(prompt) and len(chunks[0].logprobs.tokens) == len(ids) + 1
+    # the same server computes the same request again: the same values, bitwise
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for ch in chunks for x in getattr(ch.logprobs, field)] == getattr(lp, field), field
+    r = client.completions.create(model="chatty", prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=0,
+                                  n=2)
+    for c in r.choices:
+        assert c.logprobs.token_logprobs[:len(ids)] == lp.token_logprobs[:len(ids)]
+
+
 def test_streamed_completion_logprobs_equal_the_engine(client, llm):
     want = offline(llm, "while True:", 10)
     chunks = [c.choices[0] for c in client.completions.create(model="chatty", prompt="while True:", max_tokens=10,
@@ -306,7 +346,6 @@ BAD = [
     ("completions", dict(prompt="a", n=2, best_of=3), "best_of=3 is not supported by this server"),
     ("completions", dict(prompt="a", n=0), "n must be an integer in [1, 128], got 0"),
     ("completions", dict(prompt="a", logprobs=21), "logprobs must be an integer in [0, 20]"),
-    ("completions", dict(prompt="a", echo=True, logprobs=0), "echo with logprobs needs the prompt's logprobs"),
     ("completions", dict(prompt="a", frequency_penalty=2.5), "frequency_penalty must be a number in [-2, 2], got 2.5"),
     ("completions", dict(prompt="a", presence_penalty=-3), "presence_penalty must be a number in [-2, 2], got -3"),
     ("completions", dict(prompt="a", extra_body={"repetition_penalty": 0}), "repetition_penalty must be a number in"),

@@ -33,6 +33,11 @@ def test_defaults_and_fields_reach_the_sampling_params():
     p = parse({"prompt": "hi", "top_k": 40, "min_p": 0.05}).generation.params(1, 100)
     assert (p.top_k, p.min_p) == (40, 0.05) and parse({"prompt": "hi", "top_k": -1}).generation.params(1, 9).top_k == 0
     assert parse({"prompt": [1]}, has_tokenizer=False).generation.return_token_ids
+    # echo with logprobs k scores the prompt (k too); either alone does not
+    for body, want in (({"echo": True, "logprobs": 3}, 3), ({"echo": True, "logprobs": 0}, 0), ({"echo": True}, None),
+                       ({"logprobs": 3}, None)):
+        p = parse({"prompt": "hi", **body}).generation.params(1, 100)
+        assert p.prompt_logprobs == want and p.logprobs == body.get("logprobs")
     assert parse({"prompt": "a", "logprobs": 0}).generation.params(1, 9).logprobs == 0   # logprobs=True is k = 0
     assert parse({"prompt": "a"}).generation.params(1, 9).logprobs is None
 
@@ -160,7 +165,6 @@ BAD = [
     ({"prompt": "a", "n": True}, "n", "n must be an integer in [1, 128], got true"),
     ({"prompt": "a", "n": 2, "best_of": 3}, "best_of", "best_of=3 is not supported by this server (it returns every"),
     ({"prompt": "a", "best_of": 2}, "best_of", "best_of must equal n (1) or be left out"),
-    ({"prompt": "a", "echo": True, "logprobs": 0}, "echo", "echo with logprobs needs the prompt's logprobs"),
     ({"prompt": "a", "echo": 1}, "echo", "echo must be true or false"),
     ({"prompt": "a", "logprobs": 21}, "logprobs", "logprobs must be an integer in [0, 20]"),
     ({"prompt": "a", "logprobs": True}, "logprobs", "logprobs must be an integer in [0, 20]"),

@@ -112,6 +112,23 @@ def test_builtin_model_two_ranks_fp32(wise_config):
         assert density == pytest.approx(want_density, abs=1e-3) and density[2] < 1
 
 
+def test_two_ranks_score_the_prompt(model):
+    """SamplingParams.prompt_logprobs with two ranks (prompts in chunks of 64 tokens): rank 0's
+    scores are the single device's up to the all-reduce's roundings (fp32, one more per
+    sublayer: ~1e-6 relative on logits of size ~1, far below the 1e-4 allowed on log p)."""
+    prompts = prompts_of([100, 70], model.config.vocab_size)
+    params = wt.SamplingParams(max_tokens=1, prompt_logprobs=2)
+    outs = {}
+    for tp in (1, 2):
+        with engine(model, None, tp) as llm:
+            outs[tp] = llm.generate(prompts, params, use_tqdm=False)
+    for got, want in zip(outs[2], outs[1]):
+        assert len(got.prompt_logprobs) == len(want.prompt_logprobs) == len(got.prompt_token_ids)
+        for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
+            assert list(a) == list(b) and [x.rank for x in a.values()] == [x.rank for x in b.values()]
+            assert max(abs(x.logprob - y.logprob) for x, y in zip(a.values(), b.values())) < 1e-4
+
+
 def test_shards_hold_their_heads_parts():
     """Each fused projection cut per part: rank r's q, k, v rows are those of its heads, its
     gate and up rows its MLP columns; o_proj and down_proj keep their input columns."""

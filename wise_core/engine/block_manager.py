@@ -13,6 +13,9 @@ page_size token ids (so a key names the whole prefix up to the page's end), regi
 order). A new sequence first takes, through `match`, the longest run of its prompt's full pages
 whose keys are registered (at most all but one prompt token, so that a prefill computes the
 first token's logits): shared pages are counted (`refs`), and its prefill starts after them.
+A request that scores its prompt (SamplingParams.prompt_logprobs) takes no cached page, as in
+vLLM: a cached page's logits were never computed; its prefill runs whole (and registers its
+pages for later requests).
 Only prompt pages written by prefill are registered, never pages holding generated tokens: a
 WISE decode step writes K/V that a dense prefill of the same tokens would not, so a cached
 prefix always holds exactly the K/V its prompt would get without the cache. A page whose last
@@ -120,8 +123,10 @@ class BlockManager:
 
     def match(self, seq: Sequence) -> None:
         """A new sequence (no pages, nothing cached) takes the registered pages of its prompt's
-        longest cached prefix of full pages, short of its last token, and starts after them."""
-        if not self.prefix_caching or seq.pages or seq.num_cached:
+        longest cached prefix of full pages, short of its last token, and starts after them. A
+        sequence that scores its prompt (`Sequence.scores_prompt`) takes none and is not counted:
+        its prefill needs the logits of every prompt position."""
+        if not self.prefix_caching or seq.pages or seq.num_cached or seq.scores_prompt:
             return
         self.query_tokens += len(seq.prompt)
         key = _ROOT

@@ -36,12 +36,18 @@ class InFlight(Protocol):
     logits {row: float32[vocab]} of the rows that keep them, and `read` (waits for the step) ->
     (tokens, NaN flag per row, log p per row or None, ranked or None: per row (the token's rank,
     the ids and log p of the most probable tokens, at least as many as any row's
-    SamplingParams.logprobs), when a row asks for logprobs)."""
+    SamplingParams.logprobs), when a row asks for logprobs). prompt_rows: the prompt chunks the
+    step scored [(sequence, first prompt token scored, count)] (`Chunk.scored`), and
+    `read_prompt` -> per position scored, in that order, (log p of the prompt token, its rank,
+    the ids and log p of the most probable tokens, at least SamplingParams.prompt_logprobs)."""
 
     rows: list
     logits: dict
+    prompt_rows: list
 
     def read(self) -> tuple[list[int], list[bool], list[float] | None, list[tuple] | None]: ...
+
+    def read_prompt(self) -> list[tuple]: ...
 
 
 class LLMEngine:
@@ -241,6 +247,7 @@ class LLMEngine:
         sequences that produced tokens already (a speculative round reads its own)."""
         produced: dict[int, Sequence] = {seq.request_id: seq for seq in spoken}
         for record in records:
+            self._read_prompt(record)
             tokens, nan, logprobs, ranked = record.read()
             for i, (seq, index) in enumerate(record.rows):
                 if seq.status is Status.FINISHED:          # stopped or aborted meanwhile: the row ran for nothing
@@ -250,7 +257,7 @@ class LLMEngine:
                 if logprobs is not None and (seq.params.logprobs is not None or seq.forced is not None):
                     seq.logprobs.append(logprobs[i])
                 if seq.params.logprobs is not None:
-                    seq.ranked.append(ranked_entry(seq.params, tokens[i], logprobs[i], *ranked[i]))
+                    seq.ranked.append(ranked_entry(seq.params.logprobs, tokens[i], logprobs[i], *ranked[i]))
                 if i in record.logits:
                     seq.logits.append(record.logits[i])
                 seq.resolve(index, tokens[i])
@@ -266,6 +273,24 @@ class LLMEngine:
             elif seq.group not in requests:
                 requests.append(seq.group)
         return [self._output([r] if isinstance(r, Sequence) else self.groups[r]) for r in requests]
+
+    @staticmethod
+    def _read_prompt(record: InFlight) -> None:
+        """A finished step's prompt scores into their sequences' prompt_ranked (NaN logits give
+        NaN log p, reported as they are)."""
+        if not record.prompt_rows:
+            return
+        scores = iter(record.read_prompt())
+        for seq, first, count in record.prompt_rows:
+            rows = [next(scores) for _ in range(count)]
+            if seq.status is Status.FINISHED:                # aborted meanwhile
+                continue
+            if len(seq.prompt_ranked) != first - 1:
+                raise RuntimeError(f"request {seq.request_id}'s prompt scores arrive out of order (position {first} "
+                                   f"after {len(seq.prompt_ranked)})")
+            k = seq.params.prompt_logprobs
+            seq.prompt_ranked.extend(ranked_entry(k, token, *row)
+                                     for token, row in zip(seq.prompt[first:first + count], rows))
 
     # -- batch use --------------------------------------------------------------------------
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, *,

@@ -35,6 +35,15 @@ class Chunk:
     def completes(self) -> bool:
         return self.start + self.length == len(self.seq.prompt)
 
+    @property
+    def scored(self) -> int:
+        """Positions of the chunk whose logits score the next prompt token (a sequence that
+        `scores_prompt`): positions [start, start + scored) score prompt tokens [start + 1,
+        start + 1 + scored), every position but the prompt's last."""
+        if not self.seq.scores_prompt:
+            return 0
+        return min(self.start + self.length, len(self.seq.prompt) - 1) - self.start
+
 
 @dataclasses.dataclass
 class Step:

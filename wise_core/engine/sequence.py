@@ -34,7 +34,8 @@ class Sequence:
     generator: the framework's random state of the request (a torch.Generator, a JAX key).
     group: the request id of the n > 1 request this sequence is a completion of (None: a
     request of its own); parent: the group's first completion, whose full prompt pages this one
-    shares once their prefill is launched.
+    shares once their prefill is launched. prompt_ranked: the prompt's scores read so far
+    (`scores_prompt`), per prompt token from the second {token id: (logprob, rank)}.
     """
 
     request_id: int
@@ -60,9 +61,16 @@ class Sequence:
     generator: object = None
     group: int | None = None
     parent: Sequence | None = dataclasses.field(default=None, repr=False)
+    prompt_ranked: list[dict[int, tuple[float, int]]] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prefill scores the prompt (SamplingParams.prompt_logprobs; of an n > 1 request,
+        the first completion, which prefills the whole prompt)."""
+        return self.params.prompt_logprobs is not None and self.parent is None
 
     @property
     def num_generated(self) -> int:
@@ -119,17 +127,21 @@ def output_of(seq: Sequence, tokenizer) -> RequestOutput:
     """What `seq` has produced so far, as the engines return it."""
     want_logprobs = seq.params.logprobs is not None or seq.forced is not None
     cut = seq.text.text if seq.text is not None and seq.text.stopped else None
+    prompt_ranked = None
+    if seq.scores_prompt:    # a copy while the prefill adds to it; once whole it never changes
+        whole = len(seq.prompt_ranked) == len(seq.prompt) - 1
+        prompt_ranked = seq.prompt_ranked if whole else list(seq.prompt_ranked)
     return RequestOutput(seq.request_id, seq.prompt, seq.output, seq.status is Status.FINISHED, seq.finish_reason,
                          list(seq.logprobs) if want_logprobs else None, tokenizer, seq.stop_reason, cut,
-                         list(seq.ranked) if seq.params.logprobs is not None else None)
+                         list(seq.ranked) if seq.params.logprobs is not None else None, prompt_ranked=prompt_ranked)
 
 
-def ranked_entry(params, token: int, logprob: float, rank: int, top_ids: list[int], top_logprobs: list[float]
+def ranked_entry(k: int, token: int, logprob: float, rank: int, top_ids: list[int], top_logprobs: list[float]
                  ) -> dict[int, tuple[float, int]]:
-    """One position of RequestOutput.ranked: the chosen token's (logprob, rank), then the
-    params.logprobs most probable tokens' (ranks 1, 2, ...; the chosen one keeps its own entry)."""
+    """One position of RequestOutput.ranked (or prompt_ranked): the token's (logprob, rank), then
+    the k most probable tokens' (ranks 1, 2, ...; the token keeps its own entry)."""
     entry = {token: (logprob, rank)}
-    for r, (t, lp) in enumerate(zip(top_ids[:params.logprobs], top_logprobs), 1):
+    for r, (t, lp) in enumerate(zip(top_ids[:k], top_logprobs), 1):
         entry.setdefault(t, (lp, r))
     return entry
 

@@ -180,7 +180,8 @@ class LLM(LLMEngine):
         return self.runner.sample(self.runner.decode(seqs), seqs)
 
     def _launch_prefill(self, chunks: list[Chunk]) -> InFlight:
-        return self.runner.sample(self.runner.prefill(chunks), [c.seq for c in chunks if c.completes])
+        logits, prompt = self.runner.prefill(chunks)
+        return self.runner.sample(logits, [c.seq for c in chunks if c.completes], prompt)
 
     def _offload(self, seq: Sequence, pages: list[int]) -> None:
         self.runner.offload(seq, pages)

@@ -57,27 +57,37 @@ def min_splits_for(rows: int, kv_heads: int, programs: int = 2048) -> int:
 class InFlight:
     """What a step sampled, on its way to the host: the rows' (sequence, token index), and
     pinned host copies of the tokens (a NaN flag each), their log p (when asked), their rank and
-    the most probable tokens (`ranked`, when asked) and kept logits, enqueued after the sampling
-    kernels; `read` waits for just those copies."""
+    the most probable tokens (`ranked`, when asked), kept logits, and the prompt scores (`prompt`:
+    prompt_rows [(sequence, first prompt token scored, count)] and `ranked` of those positions),
+    enqueued after the sampling kernels; `read` and `read_prompt` wait for just those copies."""
 
     def __init__(self, rows: list, tokens: torch.Tensor, nan: torch.Tensor, logprobs: torch.Tensor | None,
-                 logits: dict[int, torch.Tensor], top: tuple | None = None):
+                 logits: dict[int, torch.Tensor], top: tuple | None = None, prompt: tuple[list, tuple] | None = None):
         pin = tokens.device.type == "cuda"
+        host = lambda t: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t, non_blocking=pin)  # noqa: E731
         self.rows = rows
-        self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t, non_blocking=pin)
-                      for t in (tokens, nan, logprobs) + (top or ()) if t is not None]
-        self.logits = {i: torch.empty(row.shape, dtype=row.dtype, pin_memory=pin).copy_(row, non_blocking=pin)
-                       for i, row in logits.items()}
+        self._host = [host(t) for t in (tokens, nan, logprobs) + (top or ()) if t is not None]
+        self.logits = {i: host(row) for i, row in logits.items()}
+        self.prompt_rows, self._prompt = [], ()
+        if prompt is not None:
+            self.prompt_rows, self._prompt = prompt[0], tuple(host(t) for t in prompt[1])
         self.event = None
         if pin:
             self.event = torch.cuda.Event()
             self.event.record()
 
-    def read(self) -> tuple[list[int], list[bool], list[float] | None, list[tuple] | None]:
+    def _wait(self) -> None:
         if self.event is not None:
             self.event.synchronize()
+
+    def read(self) -> tuple[list[int], list[bool], list[float] | None, list[tuple] | None]:
+        self._wait()
         host = [t.tolist() for t in self._host]
         return host[0], host[1], host[2] if len(host) > 2 else None, list(zip(*host[3:])) if len(host) > 3 else None
+
+    def read_prompt(self) -> list[tuple]:
+        self._wait()
+        return list(zip(*(t.tolist() for t in self._prompt)))
 
 
 class ModelRunner:
@@ -257,13 +267,28 @@ class ModelRunner:
         return graph, out
 
     # -- prefill ----------------------------------------------------------------------------
-    def prefill(self, chunks: list[Chunk]) -> torch.Tensor:
-        """Run prompt chunks (dense, every plane stored) -> logits float32[completing chunks, vocab],
-        in the order of `chunks` among those that complete their prompt."""
+    def prefill(self, chunks: list[Chunk]) -> tuple[torch.Tensor, tuple[list, tuple] | None]:
+        """Run prompt chunks (dense, every plane stored) -> (logits float32[completing chunks,
+        vocab], in the order of `chunks` among those that complete their prompt; the prompt
+        scores of the chunks that score positions (`Chunk.scored`), `InFlight`'s prompt, or None)."""
         inputs = self._prefill_inputs(chunks)
         if self.workers is not None:
             self.workers.send("run_prefill", *inputs)
-        return self.run_prefill(*inputs)
+        logits = self.run_prefill(*inputs)
+        if not inputs[-1]:
+            return logits, None
+        logits, scored = logits
+        return logits, self.score_prompt(scored, [c for c in chunks if c.scored])
+
+    def score_prompt(self, logits: torch.Tensor, chunks: list[Chunk]) -> tuple[list, tuple]:
+        """The scores of `chunks`' scored positions (logits float32[positions, vocab], chunk by
+        chunk) -> (prompt_rows, `ranked` of each position's next prompt token with the chunks'
+        largest prompt_logprobs k)."""
+        rows = [(c.seq, c.start + 1, c.scored) for c in chunks]
+        tokens = torch.tensor([t for c in chunks for t in c.seq.prompt[c.start + 1:c.start + 1 + c.scored]],
+                              dtype=torch.int64).to(self.device, non_blocking=True)
+        k = min(max(c.seq.params.prompt_logprobs for c in chunks), logits.shape[1])
+        return rows, ranked(logits, tokens, k)
 
     def _prefill_inputs(self, chunks: list[Chunk]) -> tuple:
         """The host inputs of `run_prefill` for `chunks` (lists of ints)."""
@@ -285,12 +310,15 @@ class ModelRunner:
             n_pages = -(-(start + length) // self.page_size)
             pages = [chunks[i].seq.pages[:n_pages] for i in members]
             meta.append((start, length, len(members), index, pages))
-        return ids, positions, slots, meta, [first_token[i] + c.length - 1 for i, c in enumerate(chunks) if c.completes]
+        logit_index = [first_token[i] + c.length - 1 for i, c in enumerate(chunks) if c.completes]
+        score_index = [first_token[i] + j for i, c in enumerate(chunks) for j in range(c.scored)]
+        return ids, positions, slots, meta, logit_index, score_index
 
     def run_prefill(self, ids: list[int], positions: list[int], slots: list[int], groups: list[tuple],
-                    logit_index: list[int]) -> torch.Tensor:
+                    logit_index: list[int], score_index: list[int]) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Every rank: the prefill of flat prompt tokens `ids` at `positions` into cache `slots`,
-        in groups (start, length, count, token index, pages) -> logits at `logit_index`. A group's
+        in groups (start, length, count, token index, pages) -> logits at `logit_index`, and when
+        `score_index` is not empty (logits at logit_index, logits at score_index). A group's
         chunks hold consecutive runs of tokens, in the group order: the varlen chunks' order."""
         as_long = lambda xs: torch.tensor(xs, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
         varlen = None
@@ -302,7 +330,7 @@ class ModelRunner:
             positions=as_long(positions), slot_mapping=as_long(slots),
             groups=[] if varlen is not None else [PrefillGroup(start, length, count, as_long(index), as_long(pages))
                                                   for start, length, count, index, pages in groups],
-            logit_index=as_long(logit_index), varlen=varlen)
+            logit_index=as_long(logit_index), varlen=varlen, score_index=as_long(score_index) if score_index else None)
         return self.model.prefill(as_long(ids), batch, self.cache, attention=self.prefill_fn)
 
     # -- preemption -------------------------------------------------------------------------
@@ -365,11 +393,12 @@ class ModelRunner:
         self.wise.reset_counters()
 
     # -- sampling ---------------------------------------------------------------------------
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> InFlight:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], prompt: tuple[list, tuple] | None = None
+               ) -> InFlight:
         """Sample each sequence's next token on the device (its forced token when
         teacher-forced), note it in the sequence slots' `next_token` and hold its place in the
         sequence; log p of it (under the raw logits) and the logits where asked. Nothing waits
-        for the host.
+        for the host. prompt: the step's prompt scores (`prefill`), copied out with the tokens.
 
         Runs eagerly, outside the decode step's CUDA graph, on the logits it returns. The rows
         of processed requests (`SamplingParams.processed`) go through `LogitsState.process`
@@ -377,7 +406,7 @@ class ModelRunner:
         or made: a step of default requests does what it did before logits processing existed."""
         if not seqs:   # a step that samples nothing still marks when it is done
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
-            return InFlight([], empty, empty.bool(), None, {})
+            return InFlight([], empty, empty.bool(), None, {}, prompt=prompt)
         temperatures, generators = [], []
         for seq in seqs:
             p = seq.params
@@ -409,7 +438,7 @@ class ModelRunner:
             logprobs = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
         asked = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
         if asked:
-            top = ranked(logits, tokens, min(max(asked), logits.shape[1]))
+            top = ranked(logits, tokens, min(max(asked), logits.shape[1]))[1:]
         kept = {i: logits[i] for i, s in enumerate(seqs) if s.keep_logits}
         rows = [(seq, seq.expect()) for seq in seqs]
-        return InFlight(rows, tokens, torch.isnan(logits).any(-1), logprobs, kept, top)
+        return InFlight(rows, tokens, torch.isnan(logits).any(-1), logprobs, kept, top, prompt)

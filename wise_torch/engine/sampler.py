@@ -79,16 +79,19 @@ def process_logits(logits: torch.Tensor, prompt: torch.Tensor, counts: torch.Ten
     return z - frequency[:, None] * counts - presence[:, None] * (counts > 0)
 
 
-def ranked(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logits float32[rows, vocab], tokens int64[rows] -> (rank int64[rows]: the tokens at least
-    as probable as the row's, itself included (1: the most probable); top ids int64[rows, k] and their log p
-    float32[rows, k], most probable first, ties to the lower id), under log_softmax(logits)."""
+def ranked(logits: torch.Tensor, tokens: torch.Tensor, k: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits float32[rows, vocab], tokens int64[rows] -> (log p of the tokens float32[rows];
+    rank int64[rows]: the tokens at least as probable as the row's, itself included (1: the most
+    probable); top ids int64[rows, k] and their log p float32[rows, k], most probable first, ties
+    to the lower id), under log_softmax(logits)."""
     logp = torch.log_softmax(logits, -1)
-    rank = (logp >= logp.gather(1, tokens[:, None])).sum(-1)
+    chosen = logp.gather(1, tokens[:, None])
+    rank = (logp >= chosen).sum(-1)
     if k == 0:
-        return rank, tokens[:, None][:, :0], logp[:, :0]
+        return chosen[:, 0], rank, tokens[:, None][:, :0], logp[:, :0]
     top = torch.sort(logp, dim=-1, descending=True, stable=True)
-    return rank, top.indices[:, :k], top.values[:, :k]
+    return chosen[:, 0], rank, top.indices[:, :k], top.values[:, :k]
 
 
 class LogitsState:

@@ -213,7 +213,7 @@ def test_bad_values_are_refused(llm):
                        (dict(logprobs=MAX_LOGPROBS + 1), r"logprobs must be None or an integer in \[0, 20\]"),
                        (dict(logprobs=-1), "logprobs must be None or an integer"),
                        (dict(logprobs=1.0), "logprobs must be None or an integer"),
-                       (dict(prompt_logprobs=1), "prompt_logprobs=1 is not supported")):
+                       (dict(prompt_logprobs=MAX_LOGPROBS + 1), "prompt_logprobs must be None or an integer")):
         with pytest.raises(ValueError, match=match):
             SamplingParams(**bad)
     with pytest.raises(ValueError, match=r"logit_bias names token ids \[384\] outside the vocabulary \(size 384\)"):
