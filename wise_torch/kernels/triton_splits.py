@@ -1,7 +1,7 @@
 """The split plan and the merge of splits on the device, shared by the Triton split-KV kernels
 (`triton_decode`, `triton_verify`).
 
-`splits` is `wise_core.split_plan`'s rule for one row (tests/test_split_plan.py holds the two
+`splits` is `wise_core.split_plan`'s rule for one row (tests/wise_core/test_split_plan.py holds the two
 equal); `merge_splits` combines a (row, head)'s split partials in split order.
 """
 
