@@ -19,8 +19,8 @@ Arms:
 - dense: the engine, Triton dense decode (`kernel=--kernel`, no WISE);
 - wise: the engine with WISE (`WiseConfig(eta, kernel=--kernel)`);
 - fa4: the engine with `kernel="fa4"` when `flash_attn.cute` imports (else a 'not importable' row);
-- spec-wise, spec-loops (`--spec wise|loops --num-draft K`): the engine with lossless speculative
-  decoding (`speculative_arms`); also reported: acceptance, tokens per round, and how many
+- spec-wise, spec-wise2, spec-wise-sparse, spec-loops (`--spec wise|wise2|wise-sparse|loops
+  --num-draft K`): the engine with lossless speculative decoding (`speculative_arms`); also reported: acceptance, tokens per round, and how many
   requests' greedy tokens differ from the dense arm's (every engine arm is compared);
   `--accept-rate P,...` times them at set acceptances instead (spec-wise@P: real drafts and
   verification, a seeded Bernoulli(P) accept; tokens not the model's);
