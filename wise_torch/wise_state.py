@@ -7,7 +7,9 @@ request, or two requests, never share one) and the bitmask of discovery depths t
 Tags are written when a discovery loop has stored its supports (`end_loop`), never before. A
 reuse depth attends sparsely only where the support is complete for the row's token (same
 epoch, every discovery depth ran); otherwise that (token, layer) attends densely and
-`fallbacks` counts it. Padding rows (epoch -1) are never counted. Everything runs as tensor ops
+`fallbacks` counts it. A sparse draft step of speculation reads, at every loop, the support of
+another token instead: its request's last verified one (`sparse_draft_modes`), by the same
+tags. Padding rows (epoch -1) are never counted. Everything runs as tensor ops
 on the state's device: no host sync, CUDA-graph capturable.
 """
 
