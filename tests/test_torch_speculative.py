@@ -459,18 +459,20 @@ def test_adaptive_drafting_equals_dense_and_follows_the_acceptance(model, spec):
     assert per_round[0.0] < 0.5 and per_round[1.0] > config.num_draft - 1, per_round
 
 
-@pytest.mark.parametrize("discover, draft_loops", [((0,), 2), ((0, 1), 3)], ids=["2-loop", "3-loop"])
-def test_truncated_wise_drafts_equal_dense(model, discover, draft_loops):
-    """A WISE draft of the first draft_loops loops (its reuse loops among them sparse), then the
-    LM head: greedy tokens equal dense; verification recomputes from the first reuse depth."""
+@pytest.mark.parametrize("discover, draft_loops, sparse", [((0,), 2, False), ((0, 1), 3, False), ((0, 1), 3, True)],
+                         ids=["2-loop", "3-loop", "3-loop-sparse"])
+def test_truncated_wise_drafts_equal_dense(model, discover, draft_loops, sparse):
+    """A WISE draft of the first draft_loops loops (its reuse loops among them sparse; with
+    sparse discovery every loop of a draft token), then the LM head: greedy tokens equal dense;
+    verification recomputes from the first reuse depth (sparse discovery: from loop 0)."""
     wise = WiseConfig(eta=0.5, kernel="reference", discover_depths=discover,
                       reuse_depths=tuple(range(len(discover), 4)))
-    config = wt.SpeculativeConfig("wise", num_draft=3, draft_loops=draft_loops)
+    config = wt.SpeculativeConfig("wise", num_draft=3, draft_loops=draft_loops, sparse_discovery=sparse)
     prompts = prompts_of([40, 70], model.config.vocab_size, seed=9)
     params = wt.SamplingParams(max_tokens=20, ignore_eos=True)
     llm = wt.LLM(model, wise_config=wise, speculative_config=config, num_pages=64, page_size=32, max_num_seqs=8,
                  max_model_len=256, kernel="reference")
-    assert (llm.speculator.depth, llm.speculator.draft_end) == (len(discover), draft_loops)
+    assert (llm.speculator.depth, llm.speculator.draft_end) == (0 if sparse else len(discover), draft_loops)
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == dense_tokens(model, prompts, params)
     s = check_stats(llm, expect_rejections=False)
     assert s.fallbacks == 0 and 0 < s.density[len(discover)] < 1         # the draft's reuse loop ran sparse
