@@ -474,6 +474,10 @@ class SpeculativeConfig:
     "wise": None is every loop, else in (first reuse depth, loops] (with
     WiseConfig(discover_depths=(0,), reuse_depths=(1, 2, 3)) and draft_loops=2, a 2-loop draft
     with WISE on its second loop).
+    sparse_discovery ("wise" only): every loop of a draft token, discovery loops included,
+    attends sparsely the support the request's last verified token (the round's first token,
+    whose discovery loops run densely) discovered, plus the blocks of the keys written after
+    it (the drafts' own); verification then recomputes every loop densely (verify depth 0).
     accept_rate: for timing only (`benchmarks/engine/throughput.py --accept-rate`): each draft token
     is accepted with this probability, a Bernoulli draw from numpy's generator seeded with
     accept_seed (drawn per round as [rows, num_draft] in the round's row order, accepted as a
@@ -494,6 +498,7 @@ class SpeculativeConfig:
     accept_seed: int = 0
     adaptive: bool = False
     draft_cost: float = 0.75
+    sparse_discovery: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -514,6 +519,11 @@ class SpeculativeConfig:
         c = self.draft_cost
         if not isinstance(c, (int, float)) or isinstance(c, bool) or not 0.0 < c < math.inf:
             raise ConfigError(f"SpeculativeConfig.draft_cost must be a positive finite number, got {c!r}")
+        if not isinstance(self.sparse_discovery, bool):
+            raise ConfigError(f"SpeculativeConfig.sparse_discovery must be a bool, got {self.sparse_discovery!r}")
+        if self.sparse_discovery and self.method != "wise":
+            raise ConfigError(f"SpeculativeConfig.sparse_discovery applies to method 'wise' (sparse loops on a WISE "
+                              f"support), got method {self.method!r}")
 
     def draft_count(self, drafted: float, accepted: float) -> int:
         """The drafts of an adaptive request's next round, from its (decayed) counts of drafts
@@ -536,7 +546,7 @@ class SpeculativeConfig:
     def verify_depth(self, num_loops: int, wise_config: WiseConfig | None) -> int:
         """The first loop verification recomputes (every loop before it is exact in the draft),
         checked against a model of `num_loops` loops and the engine's WiseConfig ("wise" needs
-        one with a reuse depth, "loops" none)."""
+        one with a reuse depth, "loops" none). sparse_discovery: 0 (no loop of a draft is exact)."""
         if self.method == "wise":
             if wise_config is None or not wise_config.reuse_depths:
                 raise ConfigError("speculative method 'wise' needs a WiseConfig with a reuse depth")
@@ -545,7 +555,7 @@ class SpeculativeConfig:
                 raise ConfigError(f"speculative method 'wise' drafts with loops 0..draft_loops-1, its reuse loops "
                                   f"from {depth} on sparse: draft_loops must be in [{depth + 1}, {num_loops}] "
                                   f"(None: every loop), got {self.draft_loops}")
-            return depth
+            return 0 if self.sparse_discovery else depth
         if wise_config is not None:
             raise ConfigError("speculative method 'loops' drafts with dense loops; pass no wise_config "
                               "(method 'wise' drafts with WISE)")

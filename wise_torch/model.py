@@ -190,13 +190,17 @@ class DecodeContext(PagedContext):
     calls it with reuse=True (no row selects). `attention` is a prepared `decode_attention`
     (validation off: the engine builds its inputs by construction);
     dense_attention, if given, runs the dense loops instead (`fa4.decode_attention_dense`'s
-    signature)."""
+    signature). verified: a sparse draft step (`WiseState.sparse_draft_modes`): the epochs and
+    positions (int64[batch] each) of the tokens whose supports every loop attends."""
 
     def __init__(self, config: ModelConfig, batch: DecodeBatch, cache: PagedKVCache,
                  wise: WiseState | None, attention: Callable, dense_modes: torch.Tensor,
-                 unused_support: torch.Tensor, dense_attention: Callable | None = None):
+                 unused_support: torch.Tensor, dense_attention: Callable | None = None,
+                 verified: tuple[torch.Tensor, torch.Tensor] | None = None):
         super().__init__(config.num_hidden_layers, batch, cache)
-        self.wise, self.attention, self.dense_attention = wise, attention, dense_attention
+        if verified is not None and wise is None:
+            raise ValueError("a sparse draft step (verified supports) needs a WiseState")
+        self.wise, self.attention, self.dense_attention, self.verified = wise, attention, dense_attention, verified
         wise_config = wise.config if wise is not None else WiseConfig()
         self.block_size, self.eta = wise_config.block_size, wise_config.eta
         # The blocks the step's page table covers: the decode step's context bucket.
@@ -205,12 +209,15 @@ class DecodeContext(PagedContext):
         self.role, self.modes = "dense", None
 
     def begin_loop(self, loop: int) -> None:
-        if self.wise is not None:
+        if self.verified is not None:
+            self.role = "sparse-draft"
+            self.modes = self.wise.sparse_draft_modes(loop, self.batch, *self.verified, self.blocks)
+        elif self.wise is not None:
             self.role = self.wise.config.depth_role(loop)
             self.modes = self.wise.begin_loop(loop, self.batch, self.blocks)
 
     def end_loop(self, loop: int) -> None:
-        if self.wise is not None:
+        if self.wise is not None and self.verified is None:
             self.wise.end_loop(loop, self.batch, self.blocks)
 
     def attend(self, q: torch.Tensor, loop: int, layer: int) -> torch.Tensor:

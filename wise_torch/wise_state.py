@@ -7,7 +7,9 @@ request, or two requests, never share one) and the bitmask of discovery depths t
 Tags are written when a discovery loop has stored its supports (`end_loop`), never before. A
 reuse depth attends sparsely only where the support is complete for the row's token (same
 epoch, every discovery depth ran); otherwise that (token, layer) attends densely and
-`fallbacks` counts it. Padding rows (epoch -1) are never counted. Everything runs as tensor ops
+`fallbacks` counts it. A sparse draft step of speculation reads, at every loop, the support of
+another token instead: its request's last verified one (`sparse_draft_modes`), by the same
+tags. Padding rows (epoch -1) are never counted. Everything runs as tensor ops
 on the state's device: no host sync, CUDA-graph capturable.
 """
 
@@ -94,17 +96,45 @@ class WiseState:
             earlier = sum(1 << d for d in self.config.discover_depths if d < loop)
             union = self._matches(batch) & ((self.depths_run[:n] & earlier) == earlier)
             return torch.where(union, DISCOVER_UNION, DISCOVER).t().to(torch.int32).contiguous()
-        complete = self._matches(batch) & (self.depths_run[:n] == self.complete_mask)   # [rows, layers]
-        real = batch.epochs >= 0
-        self.fallback_count += (~complete & real[:, None]).sum()
-        blocks = self.max_blocks if blocks is None else blocks
-        causal = causal_block_mask(batch.seq_lens, blocks, self.config.block_size)            # [rows, blocks]
-        n_causal = causal.sum(-1)                                                              # [rows]
-        chosen = (self.support[:, :n, :, :blocks] & causal[None, :, None, :]).sum(-1)         # [layers, rows, heads]
-        chosen = torch.where(complete.t()[:, :, None], chosen, n_causal[None, :, None])
-        self.selected_blocks[loop] += (chosen * real[None, :, None]).sum()
-        self.causal_blocks[loop] += (n_causal * real).sum() * self.num_layers * self.support.shape[2]
+        return self._reuse_modes(loop, batch, self._matches(batch), blocks)
+
+    def _reuse_modes(self, loop: int, batch: DecodeBatch, matches: torch.Tensor, blocks: int | None) -> torch.Tensor:
+        """Modes int32[layers, rows]: SPARSE where the stored support `matches` (bool[rows,
+        layers]) the token it is read for and is complete, else DENSE; counts fallbacks and
+        density at a reuse depth."""
+        n = batch.size
+        complete = matches & (self.depths_run[:n] == self.complete_mask)                      # [rows, layers]
+        if self.config.depth_role(loop) == "reuse":
+            real = batch.epochs >= 0
+            self.fallback_count += (~complete & real[:, None]).sum()
+            blocks = self.max_blocks if blocks is None else blocks
+            causal = causal_block_mask(batch.seq_lens, blocks, self.config.block_size)        # [rows, blocks]
+            n_causal = causal.sum(-1)                                                          # [rows]
+            chosen = (self.support[:, :n, :, :blocks] & causal[None, :, None, :]).sum(-1)     # [layers, rows, heads]
+            chosen = torch.where(complete.t()[:, :, None], chosen, n_causal[None, :, None])
+            self.selected_blocks[loop] += (chosen * real[None, :, None]).sum()
+            self.causal_blocks[loop] += (n_causal * real).sum() * self.num_layers * self.support.shape[2]
         return torch.where(complete, SPARSE, DENSE).t().to(torch.int32).contiguous()
+
+    def sparse_draft_modes(self, loop: int, batch: DecodeBatch, verified_epochs: torch.Tensor,
+                           verified_positions: torch.Tensor, blocks: int | None = None) -> torch.Tensor:
+        """Modes int32[layers, rows] of `loop` of a sparse draft step (`SpeculativeConfig(
+        sparse_discovery=True)`), whatever the loop's role: row r's draft token attends the
+        support discovered for its request's last verified token, the token of epoch
+        verified_epochs[r] at verified_positions[r] (int64[rows] each), SPARSE where the stored
+        support is that token's and complete, else DENSE (a fallback; fallbacks and density are
+        counted at reuse depths, as `begin_loop` counts them). Such a support first gets the
+        blocks of the keys after the verified token (the drafts' own, up to the row's position),
+        which its discovery could not see; nothing else is written, tags included. Call once per
+        loop, before its layers run (no `end_loop`)."""
+        n, bs = batch.size, self.config.block_size
+        matches = (self.tag_epoch[:n] == verified_epochs[:, None]) & (verified_epochs >= 0)[:, None]   # [rows, layers]
+        blocks = self.max_blocks if blocks is None else blocks
+        index = torch.arange(blocks, device=self.support.device)
+        after = (index[None, :] >= ((verified_positions + 1) // bs)[:, None]) & (
+            index[None, :] <= (batch.positions // bs)[:, None])                                  # [rows, blocks]
+        self.support[:, :n, :, :blocks] |= matches.t()[:, :, None, None] & after[None, :, None, :]
+        return self._reuse_modes(loop, batch, matches, blocks)
 
     def end_loop(self, loop: int, batch: DecodeBatch, blocks: int | None = None) -> None:
         """After a discovery loop's layers stored their supports: tag them with the rows' epochs

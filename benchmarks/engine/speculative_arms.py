@@ -1,10 +1,12 @@
 """The speculative-decoding arms of the throughput benchmark (`benchmarks/engine/throughput.py`).
 
-`--spec wise|wise2|loops --num-draft K [--draft-loops D] [--adaptive-draft]` adds the arm
-`spec-wise`, `spec-wise2` or `spec-loops`: the engine with `SpeculativeConfig(method,
-num_draft=K, draft_loops=D, adaptive=...)` (spec-wise drafts with the run's `WiseConfig(eta,
-kernel)`; spec-wise2 with 2-loop WISE drafts, `WiseConfig(discover_depths=(0,),
-reuse_depths=(1,))` and draft_loops 2, verified from loop 1), timed like every engine arm. Per repeat it reports the
+`--spec wise|wise2|wise-sparse|loops --num-draft K [--draft-loops D] [--adaptive-draft]` adds the
+arm `spec-wise`, `spec-wise2`, `spec-wise-sparse` or `spec-loops`: the engine with
+`SpeculativeConfig(method, num_draft=K, draft_loops=D, adaptive=...)` (spec-wise drafts with the
+run's `WiseConfig(eta, kernel)`; spec-wise2 with 2-loop WISE drafts, `WiseConfig(discover_depths=(0,),
+reuse_depths=(1,))` and draft_loops 2, verified from loop 1; spec-wise-sparse with the run's
+WiseConfig and `sparse_discovery=True`: every loop of a draft token sparse on its request's last
+verified token's support, verified from loop 0), timed like every engine arm. Per repeat it reports the
 acceptance rate and tokens per verification round of that cohort (differences of the engine's
 counters around it), and whether its greedy tokens equal the dense arm's token for token (the
 number of requests that differ). The issue's target: lossless speculation >= 1.15x dense decode
@@ -22,7 +24,7 @@ spec-loops@0.706 (its 2-loop-draft acceptance) >= 1.1x.
 
 from __future__ import annotations
 
-SPEC_ARMS = {"spec-wise": "wise", "spec-wise2": "wise2", "spec-loops": "loops"}
+SPEC_ARMS = {"spec-wise": "wise", "spec-wise2": "wise2", "spec-wise-sparse": "wise-sparse", "spec-loops": "loops"}
 SPEC_TARGETS = {4096: 1.15, 8192: 1.15}          # speculative / dense decode tok/s
 SET_TARGETS = {("wise", 0.971): (1.15, 1.3), ("loops", 0.706): (1.1, 1.1)}   # (4K and 8K, batch <= 4)
 _COUNTERS = ("spec_rounds", "draft_tokens", "accepted_tokens", "decode_tokens")
@@ -83,6 +85,9 @@ def engine_kwargs(arm: str, spec: dict) -> dict:
         return dict(speculative_config=SpeculativeConfig("wise", draft_loops=2, **common),
                     wise_config=WiseConfig(eta=spec["eta"], kernel=spec["kernel"], discover_depths=(0,),
                                            reuse_depths=(1,)))
+    if method == "wise-sparse":
+        return dict(speculative_config=SpeculativeConfig("wise", sparse_discovery=True, **common),
+                    wise_config=WiseConfig(eta=spec["eta"], kernel=spec["kernel"]))
     return dict(speculative_config=SpeculativeConfig(method, draft_loops=spec.get("draft_loops"), **common),
                 wise_config=WiseConfig(eta=spec["eta"], kernel=spec["kernel"]) if method == "wise" else None)
 

@@ -23,8 +23,9 @@ Arms:
 - wise-fa4: WISE as the reference system's FlashAttention path runs it (`wise_decode="fa4-union"`:
   reuse rows over the page-granular head union of their support; not the decode contract), its
   dense loops and prefill on FA4 too;
-- spec-wise, spec-loops (`--spec wise|loops --num-draft K`): the engine with lossless speculative
-  decoding (`speculative_arms`); also reported: acceptance, tokens per round, and how many
+- spec-wise, spec-wise2, spec-wise-sparse, spec-loops (`--spec wise|wise2|wise-sparse|loops
+  --num-draft K`): the engine with lossless speculative decoding (`speculative_arms`); also
+  reported: acceptance, tokens per round, and how many
   requests' greedy tokens differ from the dense arm's (every engine arm is compared);
   `--accept-rate P,...` times them at set acceptances instead (spec-wise@P: real drafts and
   verification, a seeded Bernoulli(P) accept; tokens not the model's);

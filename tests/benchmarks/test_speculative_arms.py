@@ -1,5 +1,6 @@
-"""The speculative arms of benchmarks/engine/throughput.py on CPU: their pure parts, and spec-wise and
-spec-loops end to end (fresh worker processes) on a tiny model against the dense arm."""
+"""The speculative arms of benchmarks/engine/throughput.py on CPU: their pure parts, and spec-wise,
+spec-loops and spec-wise-sparse end to end (fresh worker processes) on a tiny model against the
+dense arm."""
 
 from __future__ import annotations
 
@@ -31,6 +32,13 @@ def test_flags_and_engine_arguments():
     assert (config.method, config.draft_loops, config.adaptive, config.accept_rate) == ("wise", 2, True, 0.9)
     assert (wise.discover_depths, wise.reuse_depths) == ((0,), (1,))
     assert config.verify_depth(4, wise) == 1 and config.draft_end(4) == 2
+    args = parser.parse_args(["--spec", "wise-sparse", "--accept-rate", "0.8,0.9"])
+    assert sa.arms_of(args) == ["spec-wise-sparse@0.8", "spec-wise-sparse@0.9"]
+    assert sa.method_and_rate("spec-wise-sparse@0.9") == ("wise-sparse", 0.9)
+    kw = sa.engine_kwargs("spec-wise-sparse", dict(num_draft=4, eta=0.9, kernel="reference"))
+    config, wise = kw["speculative_config"], kw["wise_config"]
+    assert (config.method, config.sparse_discovery, config.accept_rate, wise.eta) == ("wise", True, None, 0.9)
+    assert config.verify_depth(4, wise) == 0 and config.draft_end(4) == 4
 
 
 def test_cohort_counters_tokens_and_standing():
@@ -58,16 +66,16 @@ def test_speculative_arms_end_to_end(tmp_path, monkeypatch):
     report = tp.main(["--preset", "test-tiny", "--dtype", "float32", "--device", "cpu", "--kernel", "reference",
                       "--shapes", "64x3", "--q-scale", "2", "--new-tokens", "6", "--warmup-tokens", "2",
                       "--page-size", "32", "--arms", "dense", "--spec", "wise", "--spec", "loops",
-                      "--num-draft", "2", "--repeats", "1", "--out", str(tmp_path)])
+                      "--spec", "wise-sparse", "--num-draft", "2", "--repeats", "1", "--out", str(tmp_path)])
     rows = {r["arm"]: r for r in report["rows"]}
-    assert list(rows) == ["dense", "spec-wise", "spec-loops"]
-    for arm in ("spec-wise", "spec-loops"):
+    assert list(rows) == ["dense", "spec-wise", "spec-loops", "spec-wise-sparse"]
+    for arm in ("spec-wise", "spec-loops", "spec-wise-sparse"):
         r = rows[arm]
         assert r["status"] == "ok" and r["pages_returned"] is True and r["decode_tokens"] == 3 * 5
         assert r["tokens"] == rows["dense"]["tokens"]                 # lossless: the dense arm's tokens
         assert 0 <= r["acceptance_rate"] <= 1 and 1 <= r["tokens_per_round"] <= 3
     summary = {s["arm"]: s for s in report["summary"]}
-    assert summary["spec-wise"]["differ"] == summary["spec-loops"]["differ"] == 0
+    assert summary["spec-wise"]["differ"] == summary["spec-loops"]["differ"] == summary["spec-wise-sparse"]["differ"] == 0
     text = (tmp_path / "throughput.md").read_text()
     assert "| 64 x 3 | spec-loops |" in text and "tok/round" in text
 

@@ -132,6 +132,8 @@ def test_wise_config_depths_in_loop_order():
     (dict(num_draft=0), "num_draft must be a positive integer"),
     (dict(num_draft=True), "num_draft must be a positive integer"),
     (dict(draft_loops=0), "draft_loops must be None or a positive integer"),
+    (dict(sparse_discovery="yes"), "sparse_discovery must be a bool"),
+    (dict(method="loops", sparse_discovery=True), "sparse_discovery applies to method 'wise'"),
 ])
 def test_speculative_config_errors(kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -151,6 +153,10 @@ def test_speculative_config_verify_depth():
             SpeculativeConfig("wise", draft_loops=draft_loops).verify_depth(4, wise)
     assert SpeculativeConfig("wise", draft_loops=3).verify_depth(4, wise) == 2
     assert SpeculativeConfig("wise", draft_loops=3).draft_end(4) == 3 and SpeculativeConfig("wise").draft_end(4) == 4
+    assert SpeculativeConfig("wise", sparse_discovery=True).verify_depth(4, wise) == 0    # no draft loop is exact
+    assert SpeculativeConfig("wise", draft_loops=3, sparse_discovery=True).verify_depth(4, wise) == 0
+    with pytest.raises(ConfigError, match=r"draft_loops must be in \[3, 4\]"):
+        SpeculativeConfig("wise", draft_loops=2, sparse_discovery=True).verify_depth(4, wise)
     with pytest.raises(ConfigError, match="pass no wise_config"):
         SpeculativeConfig("loops").verify_depth(4, wise)
     with pytest.raises(ConfigError, match=r"draft_loops must be in \[1, 3\]"):

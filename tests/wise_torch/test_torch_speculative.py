@@ -17,12 +17,15 @@ import torch
 import wise_torch as wt
 from wise_core.checkpoint import random_tensors
 from wise_core.config import PRESETS, ConfigError, WiseConfig
+from wise_core.modes import DENSE, SPARSE
 from wise_torch.model import SequenceContext
 from cases import prompts_of
 
 WISE = WiseConfig(eta=0.5, kernel="reference")
 SPECS = {"wise": (wt.SpeculativeConfig("wise", num_draft=3), WISE),
+         "wise-sparse": (wt.SpeculativeConfig("wise", num_draft=3, sparse_discovery=True), WISE),
          "loops": (wt.SpeculativeConfig("loops", num_draft=3, draft_loops=2), None)}
+KINDS = list(SPECS)
 
 
 def damped_model(config, seed=0, std=0.08, head_scale=1.0, damp=0.1):
@@ -66,7 +69,7 @@ def test_run_loops_in_two_ranges_is_run_tokens(model):
     assert torch.equal(model.run_loops(h, ctx, range(2, 4)), whole)
 
 
-@pytest.mark.parametrize("spec", ["wise", "loops"])
+@pytest.mark.parametrize("spec", KINDS)
 def test_greedy_equals_dense_with_requests_joining_between_steps(model, spec):
     prompts = prompts_of([70, 3, 129, 40, 17], model.config.vocab_size)
     news = [9, 14, 5, 11, 2]
@@ -86,7 +89,7 @@ def test_greedy_equals_dense_with_requests_joining_between_steps(model, spec):
     # Without stop tokens a round commits its accepted drafts and one dense token.
     assert s.decode_tokens == s.accepted_tokens + s.spec_rounds == sum(n - 1 for n in news)
     assert s.tokens_per_round == pytest.approx(1 + s.accepted_tokens / s.spec_rounds)
-    if spec == "wise":
+    if spec != "loops":
         assert s.fallbacks == 0 and 0 < s.density[2] < 1     # the draft's reuse loops ran sparse
 
 
@@ -102,7 +105,7 @@ def test_wise_draft_of_every_block_is_dense_and_always_accepted(model):
     assert s.acceptance_rate == 1.0 and s.spec_rounds == 6 and s.tokens_per_round == 11 / 3
 
 
-@pytest.mark.parametrize("spec", ["wise", "loops"])
+@pytest.mark.parametrize("spec", KINDS)
 def test_rejections_leave_no_trace(model, spec):
     """After every round each sequence holds the pages of its committed tokens only; no two
     draft tokens share a WISE epoch; and the committed K/V of every plane is dense: it equals
@@ -138,7 +141,7 @@ def test_rejections_leave_no_trace(model, spec):
             torch.testing.assert_close(got, want, atol=1e-4, rtol=0)   # fp32: paged decode vs causal prefill
 
 
-@pytest.mark.parametrize("spec", ["wise", "loops"])
+@pytest.mark.parametrize("spec", KINDS)
 def test_preemption_and_abort_with_speculation(model, spec):
     prompts = prompts_of([60, 50, 45, 33], model.config.vocab_size, seed=1)
     params = wt.SamplingParams(max_tokens=30, ignore_eos=True)
@@ -269,6 +272,107 @@ def test_bad_speculative_settings_are_named(model):
     with pytest.raises(ValueError, match="forced continuation .* is scored, not speculated"):
         llm.add_request([1, 2], forced=[3, 4])
     assert engine(model).stats().acceptance_rate is None
+    with pytest.raises(ConfigError, match="sparse_discovery applies to method 'wise'"):
+        wt.SpeculativeConfig("loops", sparse_discovery=True)
+    with pytest.raises(ConfigError, match="sparse_discovery must be a bool"):
+        wt.SpeculativeConfig("wise", sparse_discovery=1)
+    assert engine(model, "wise-sparse").speculator.depth == 0      # verification recomputes every loop
+
+
+def recorded_rounds(llm, plant=None) -> list[dict]:
+    """Record the speculative rounds of `llm`: per round its rows' (token, cached length) at
+    staging, draft counts and metadata [queries, 6, rows], and per draft step its kind, the
+    WISE supports and tags after it (step 0: also before it) and the modes of a sparse step's
+    loops. plant(wise, meta): called right after each round's step 0."""
+    spec, wise = llm.speculator, llm.runner.wise
+    stage, forward, sparse_modes = spec._stage, spec._draft_forward, wise.sparse_draft_modes
+    rounds, modes = [], []
+
+    def staging(seqs, ks, bucket, width):
+        stage(seqs, ks, bucket, width)
+        rounds.append(dict(rows=[(seq.tokens[-1], len(seq.tokens)) for seq in seqs], ks=list(ks),
+                           meta=spec.meta.clone(), steps=[]))
+
+    def stepping(bucket, kind, width):
+        before, steps = wise.support.clone(), rounds[-1]["steps"]
+        modes.clear()
+        out = forward(bucket, kind, width)
+        if not steps and plant is not None:
+            plant(wise, spec.meta)
+        steps.append(dict(kind=kind, before=before, support=wise.support.clone(), tags=wise.tag_epoch.clone(),
+                          modes=list(modes)))
+        return out
+
+    def moding(loop, *args):
+        m = sparse_modes(loop, *args)
+        modes.append(m.clone())
+        return m
+
+    spec._stage, spec._draft_forward, wise.sparse_draft_modes = staging, stepping, moding
+    return rounds
+
+
+def sparse_steps(rounds):
+    """(round, step index j, rows drafting at j) of every sparse draft step."""
+    for r in rounds:
+        for j, step in enumerate(r["steps"][1:], 1):
+            if step["kind"] == "sparse":
+                yield r, j, [i for i, k in enumerate(r["ks"]) if k >= j]
+
+
+def test_sparse_drafts_attend_their_last_verified_tokens_support(model):
+    """Every loop of a sparse-discovery draft token attends exactly the support its request's
+    last verified token discovered in the round's first step (tags of that token, untouched),
+    plus the blocks of the keys after it; the supports found before (a stale read) differ."""
+    prompts = prompts_of([70, 33, 100], model.config.vocab_size, seed=11)
+    params = wt.SamplingParams(max_tokens=16, ignore_eos=True)
+    llm = engine(model, "wise-sparse")
+    rounds = recorded_rounds(llm)
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == dense_tokens(model, prompts, params)
+    assert check_stats(llm).fallbacks == 0
+    s = llm.speculator
+    pos, epoch, token, bs = s._POSITION, s._EPOCH, s._TOKEN, WISE.block_size
+    for r in rounds:
+        meta = r["meta"]
+        for i, (last, length) in enumerate(r["rows"]):    # step 0 feeds each row's last verified token
+            assert (meta[0, token, i], meta[0, pos, i]) == (last, length - 1)
+    checked, stale = 0, 0
+    for r, j, rows in sparse_steps(rounds):
+        meta, first, step = r["meta"], r["steps"][0], r["steps"][j]
+        assert len(step["modes"]) == 4                    # every loop on the support, discovery loops included
+        for i in rows:
+            assert meta[j, pos, i] == meta[0, pos, i] + j                 # the same request's row
+            assert bool((step["tags"][i] == meta[0, epoch, i]).all())
+            want = first["support"][:, i].clone()
+            want[:, :, (meta[0, pos, i] + 1) // bs:meta[j, pos, i] // bs + 1] = True
+            assert torch.equal(step["support"][:, i], want)
+            assert all(bool((m[:, i] == SPARSE).all()) for m in step["modes"])
+            checked += 1
+            stale += not torch.equal(first["before"][:, i], first["support"][:, i])
+    assert checked > 20 and stale > 0
+
+
+def test_a_sparse_draft_without_its_verified_tokens_support_attends_densely(model):
+    """Row 0's support tagged, after each round's step 0, with a token of the previous round (a
+    stale support): its draft steps attend densely at every loop (counted as fallbacks at the 2
+    reuse depths of every layer), the other rows sparsely; the tokens stay dense's."""
+    prompts = prompts_of([70, 33, 100], model.config.vocab_size, seed=11)
+    params = wt.SamplingParams(max_tokens=16, ignore_eos=True)
+    llm = engine(model, "wise-sparse")
+    epoch = llm.speculator._EPOCH
+
+    def plant(wise, meta):
+        wise.tag_epoch[0] = meta[0, epoch, 0] - 1
+
+    rounds = recorded_rounds(llm, plant)
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == dense_tokens(model, prompts, params)
+    steps = 0
+    for r, j, rows in sparse_steps(rounds):
+        assert rows[0] == 0
+        for m in r["steps"][j]["modes"]:
+            assert bool((m[:, 0] == DENSE).all()) and all(bool((m[:, i] == SPARSE).all()) for i in rows[1:])
+        steps += 1
+    assert steps > 0 and check_stats(llm).fallbacks == steps * 2 * model.config.num_hidden_layers
 
 
 def _set_acceptance_rounds(rate: float, seed: int, num_draft: int, prompt_len: int, new: int) -> tuple[int, int]:
@@ -285,7 +389,7 @@ def _set_acceptance_rounds(rate: float, seed: int, num_draft: int, prompt_len: i
     return rounds, accepted
 
 
-@pytest.mark.parametrize("spec", ["wise", "loops"])
+@pytest.mark.parametrize("spec", KINDS)
 def test_set_acceptance_accepts_the_seeded_bernoulli_prefix(model, spec):
     """accept_rate (timing only): the counts a hand-computed Bernoulli sequence gives, every page
     back; at rate 0 the output is dense's (every draft rejected, the verification's greedy token
@@ -331,7 +435,7 @@ def test_adaptive_draft_count_follows_the_expected_tokens_per_cost():
         wt.SpeculativeConfig("wise", adaptive=1)
 
 
-@pytest.mark.parametrize("spec", ["wise", "loops"])
+@pytest.mark.parametrize("spec", KINDS)
 def test_adaptive_drafting_equals_dense_and_follows_the_acceptance(model, spec):
     """Greedy tokens equal dense whatever each round drafts; under a set acceptance of 0 a
     request soon stops drafting (a probe now and then), at 1 it drafts num_draft."""
@@ -355,18 +459,20 @@ def test_adaptive_drafting_equals_dense_and_follows_the_acceptance(model, spec):
     assert per_round[0.0] < 0.5 and per_round[1.0] > config.num_draft - 1, per_round
 
 
-@pytest.mark.parametrize("discover, draft_loops", [((0,), 2), ((0, 1), 3)], ids=["2-loop", "3-loop"])
-def test_truncated_wise_drafts_equal_dense(model, discover, draft_loops):
-    """A WISE draft of the first draft_loops loops (its reuse loops among them sparse), then the
-    LM head: greedy tokens equal dense; verification recomputes from the first reuse depth."""
+@pytest.mark.parametrize("discover, draft_loops, sparse", [((0,), 2, False), ((0, 1), 3, False), ((0, 1), 3, True)],
+                         ids=["2-loop", "3-loop", "3-loop-sparse"])
+def test_truncated_wise_drafts_equal_dense(model, discover, draft_loops, sparse):
+    """A WISE draft of the first draft_loops loops (its reuse loops among them sparse; with
+    sparse discovery every loop of a draft token), then the LM head: greedy tokens equal dense;
+    verification recomputes from the first reuse depth (sparse discovery: from loop 0)."""
     wise = WiseConfig(eta=0.5, kernel="reference", discover_depths=discover,
                       reuse_depths=tuple(range(len(discover), 4)))
-    config = wt.SpeculativeConfig("wise", num_draft=3, draft_loops=draft_loops)
+    config = wt.SpeculativeConfig("wise", num_draft=3, draft_loops=draft_loops, sparse_discovery=sparse)
     prompts = prompts_of([40, 70], model.config.vocab_size, seed=9)
     params = wt.SamplingParams(max_tokens=20, ignore_eos=True)
     llm = wt.LLM(model, wise_config=wise, speculative_config=config, num_pages=64, page_size=32, max_num_seqs=8,
                  max_model_len=256, kernel="reference")
-    assert (llm.speculator.depth, llm.speculator.draft_end) == (len(discover), draft_loops)
+    assert (llm.speculator.depth, llm.speculator.draft_end) == (0 if sparse else len(discover), draft_loops)
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == dense_tokens(model, prompts, params)
     s = check_stats(llm, expect_rejections=False)
     assert s.fallbacks == 0 and 0 < s.density[len(discover)] < 1         # the draft's reuse loop ran sparse

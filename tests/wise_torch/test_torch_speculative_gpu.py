@@ -20,6 +20,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 SPECS = {"wise": (wt.SpeculativeConfig("wise", num_draft=4), WiseConfig()),
+         "wise-sparse": (wt.SpeculativeConfig("wise", num_draft=4, sparse_discovery=True), WiseConfig()),
          "loops": (wt.SpeculativeConfig("loops", num_draft=4, draft_loops=2), None)}
 
 
@@ -51,7 +52,7 @@ def spec_outputs(model, prompts, n, spec=None, **kw):
     return [o.token_ids for o in outs], [torch.stack(s.logits) for s in seqs], llm
 
 
-@pytest.mark.parametrize("spec", ["wise", "loops"])
+@pytest.mark.parametrize("spec", ["wise", "wise-sparse", "loops"])
 def test_graphs_fp32_equal_dense_and_eager(spec):
     model = wt.load_model("ouro-py-3m", dtype=torch.float32, device="cuda")
     prompts = [model.tokenizer.encode(t).ids for t in ("def fib(n):", "import os\nimport sys\n" * 30,
@@ -77,7 +78,7 @@ def stdlib_prompts(model, count, length):
     return [x for x in ids if len(x) == length][:count]
 
 
-@pytest.mark.parametrize("spec", ["wise", "loops"])
+@pytest.mark.parametrize("spec", ["wise", "wise-sparse", "loops"])
 def test_bf16_greedy_equals_dense_up_to_near_ties(spec):
     """32 stdlib prompts x 64 greedy tokens, bf16, CUDA graphs. Each prompt's speculative tokens
     equal dense decode's, or first differ where dense decode's two best logits lie within 0.25
@@ -100,7 +101,7 @@ def test_bf16_greedy_equals_dense_up_to_near_ties(spec):
     print(f"\n{spec} bf16 ouro-py-3m, 32 prompts x 64 tokens: {ties} differ from dense at a near tie "
           f"(top-2 gaps {gaps}); acceptance {s.acceptance_rate:.3f}, tokens per round {s.tokens_per_round:.2f}")
     assert all(g < 0.25 for g in gaps) and ties <= 8
-    assert s.free_pages == s.total_pages and s.fallbacks == (0 if spec == "wise" else None)
+    assert s.free_pages == s.total_pages and s.fallbacks == (None if spec == "loops" else 0)
 
 
 def test_ouro_width_preemption_and_graph_buckets_bf16():

@@ -102,6 +102,39 @@ def test_padding_rows_are_never_counted():
     assert ws.density()[2] == 1.0
 
 
+def test_sparse_draft_reads_its_verified_tokens_support_only():
+    """A sparse draft step (SpeculativeConfig(sparse_discovery=True)): every loop, discovery
+    loops included, is SPARSE on the support tagged with the row's verified token, plus the
+    blocks of the keys after that token; a support of any other token (a stale one of the same
+    row, a foreign one) or an incomplete one gives DENSE, counted as a fallback at the reuse
+    depths; no tag changes."""
+    ws = state(max_rows=3, max_blocks=8)                 # block_size 32
+    run_loops(ws, batch([10, 11, 12], [40, 95, 60]), [0, 1])         # the verified tokens' discovery
+    ws.support[:, :, :, :] = False
+    ws.support[:, :, :, 0] = True                        # every support: block 0 alone
+    tags, supports = ws.tag_epoch.clone(), ws.support.clone()
+    ws.depths_run[2, 1] = 1                              # row 2, layer 1: depth 1 did not run
+    draft = batch([20, 21, 22], [42, 97, 62])            # each row's second draft token
+    verified = torch.tensor([10, 9, 12]), torch.tensor([40, 95, 60])   # row 1 names a stale token
+    for loop in range(4):
+        modes = ws.sparse_draft_modes(loop, draft, *verified).tolist()
+        assert modes == [[SPARSE, DENSE, SPARSE], [SPARSE, DENSE, DENSE]], loop
+    assert torch.equal(ws.tag_epoch, tags)
+    assert ws.fallbacks == 2 * (LAYERS + 1)              # row 1 at both layers, row 2 at layer 1; loops 2 and 3
+    # Row 0: keys 41-42 after its verified token lie in block 1; row 1 (no support of its
+    # token) unchanged; row 2: keys 61-62 in block 1 (layer 0 sparse; layer 1 falls back anyway).
+    added = supports.clone()
+    added[:, 0, :, 1] = True
+    added[:, 2, :, 1] = True
+    assert torch.equal(ws.support, added)
+    # A draft in a new block: the blocks from the key after the verified token's to its own;
+    # the verified token's block (its discovery saw it) is left as found.
+    ws.support[:, 0] = False
+    ws.support[:, 0, :, 0] = True
+    ws.sparse_draft_modes(0, batch([23, -1, -1], [97, 0, 0]), torch.tensor([10, -1, -1]), torch.tensor([63, 0, 0]))
+    assert ws.support[:, 0].tolist() == [[[True, False, True, True, False, False, False, False]] * 2] * LAYERS
+
+
 def test_density_counts_selected_causal_blocks_and_resets():
     ws = state(max_rows=1, max_blocks=4)
     b = batch([0], [70])             # 71 keys: 3 causal blocks

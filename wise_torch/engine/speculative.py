@@ -12,11 +12,16 @@ verify depth (`SpeculativeConfig.verify_depth`), D the model's loop count.
    only the loops before d. Each step stores its K/V in the planes it runs and saves the hidden
    state after loop d - 1 for verification. The drafted token is chosen on the device (argmax,
    or a sample of the draft distribution q) and fed to the next step: no host sync.
+   Sparse discovery (`SpeculativeConfig.sparse_discovery`, d = 0): step 0 feeds the request's
+   last verified token x_0 and runs as above, its discovery loops finding its support; every
+   later step ("sparse") runs each loop, discovery loops included, on row r's support of x_0
+   (found by the row's step 0 of this round: checked by its epoch, else the loop attends
+   densely), with the blocks of the round's later keys added (`WiseState.sparse_draft_modes`).
 2. Verify. One pass over num_draft + 1 positions per row (past k_i: padding that writes the
    scratch slot) runs loops d..D-1 from the saved hidden states (`VerifyContext`): it rewrites
    those planes' K/V of the round's positions, and every position attends causally over its
    row's cache. The loops before d attended densely in the draft (DISCOVER is bitwise DENSE),
-   so these are dense decode's logits.
+   so these are dense decode's logits (d = 0: every loop is recomputed).
 3. Accept. Greedy: the longest prefix of drafts equal to the dense argmax, then the dense
    token after it. Sampling: draft j is kept with probability min(1, p_j / q_j) (p the dense
    distribution after temperature and top-p); the first rejected one is replaced by a sample of
@@ -148,21 +153,24 @@ class Speculator:
     # -- the model passes (graph bodies) -------------------------------------------------------------
     def _draft_forward(self, bucket: int, kind: str, width: int) -> torch.Tensor | None:
         """One draft step of `bucket` rows of `width` pages from step_meta: "full" (the draft's
-        loops, `draft_end`, then the head), "head" (the loops before the verify depth, then the
-        head) or "partial" (those loops
-        only) -> logits or None."""
+        loops, `draft_end`, then the head), "sparse" (the same, every loop on the supports of
+        the round's step 0: sparse discovery), "head" (the loops before the verify depth, then
+        the head) or "partial" (those loops only) -> logits or None."""
         r, m, model = self.runner, self.step_meta[:, :bucket], self.model
         self.seq_lens[:bucket].copy_(m[self._SEQ_LEN])
         batch = DecodeBatch(positions=m[self._POSITION], seq_lens=self.seq_lens[:bucket],
                             page_table=r.table_view(self.page_table, bucket, width), slot_mapping=m[self._SLOT],
                             epochs=m[self._EPOCH])
+        verified = None
+        if kind == "sparse":   # each row's step 0 fed its last verified token
+            verified = (self.meta[0, self._EPOCH, :bucket], self.meta[0, self._POSITION, :bucket])
         ctx = DecodeContext(model.config, batch, r.cache, r.wise, r.attention[bucket], r.dense_modes[:bucket],
-                            r.unused_support[:bucket])
+                            r.unused_support[:bucket], verified=verified)
         h = model.run_loops(model.model.embed_tokens(m[self._TOKEN]), ctx, range(self.depth))
         self.hidden.index_copy_(0, m[self._HIDDEN], h)
         if kind == "partial":
             return None
-        if kind == "full":
+        if kind in ("full", "sparse"):
             h = model.run_loops(h, ctx, range(self.depth, self.draft_end))
         return model.logits(h)
 
@@ -244,7 +252,7 @@ class Speculator:
             active = sum(k >= j for k in ks)
             feeding = sum(k > j for k in ks)                 # rows whose step j drafts a token they verify
             b = r.bucket(active)
-            kind = method_kind if feeding else "partial"
+            kind = "partial" if not feeding else "sparse" if j and self.config.sparse_discovery else method_kind
             self.step_meta[:, :b].copy_(self.meta[j, :, :b])
             logits = self._run(("draft", b, kind, width), lambda b=b, kind=kind: self._draft_forward(b, kind, width))
             if feeding:
