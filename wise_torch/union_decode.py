@@ -8,8 +8,9 @@ One paged attention call runs every row over a page table compacted per row
 never reads; a row that does not reuse keeps its table). With every block selected the
 compacted table is the table: the call is bitwise the dense one. Discovery rows attend densely;
 their block mass is rebuilt from the call's log-sum-exp with one more read of K
-(`block_mass_from_lse`: exp(scale * q.k - lse) summed per block, the softmax's block sums), and
-the selection rule runs on it as in the kernels.
+(`block_mass_from_lse`: exp(scale * q.k - lse) summed per block, the softmax's block sums; on a
+GPU the Triton kernel `wise_torch.kernels.triton_block_mass`), and the selection rule runs on
+it as in the kernels.
 
 A paged attention (`paged_decode`'s signature: out [batch, heads, head_dim] and natural-log
 lse float32[batch, heads]) is FlashAttention-4's paged decode (`wise_torch.kernels.fa4`) on a
@@ -93,12 +94,15 @@ def block_mass_from_lse(q: torch.Tensor, k_pages: torch.Tensor, page_table: torc
 
 
 def decode_attention_union(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size: int,
-                           eta: float, paged_decode: Callable, scale: float | None = None,
-                           return_mass: bool = False, validate: bool = True, reuse: bool = False):
+                           eta: float, paged_decode: Callable, block_mass: Callable = block_mass_from_lse,
+                           scale: float | None = None, return_mass: bool = False, validate: bool = True,
+                           reuse: bool = False):
     """`decode_attention_reference`'s signature, the union semantics of the module docstring:
     (out, support) and with return_mass the block mass of the dense probabilities of each row
     that is not SPARSE (zeros for SPARSE rows, and for every row of a reuse call).
-    reuse: no row discovers (a reuse loop's call): K is not read again."""
+    paged_decode: the paged attention (`paged_decode_reference`'s signature); block_mass:
+    `block_mass_from_lse`'s (or the Triton kernel's). reuse: no row discovers (a reuse loop's
+    call): K is not read again."""
     check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size, eta=eta,
                validate=validate, reuse=reuse)
     table, lens = union_page_table(page_table, seq_lens, modes, support, page_size=k_pages.shape[1],
@@ -108,7 +112,7 @@ def decode_attention_union(q, k_pages, v_pages, page_table, seq_lens, modes, sup
         mass = torch.zeros(support.shape, dtype=torch.float32, device=q.device) if return_mass else None
     else:
         mass = torch.zeros(support.shape, dtype=torch.float32, device=q.device)
-        dense = block_mass_from_lse(q, k_pages, page_table, seq_lens, lse, block_size=block_size, scale=scale)
+        dense = block_mass(q, k_pages, page_table, seq_lens, lse, block_size=block_size, scale=scale)
         mass[..., :dense.shape[-1]] = dense
         mass = torch.where((modes == SPARSE)[:, None, None], 0.0, mass)
         support.copy_(update_support(modes, support, select_blocks(mass, eta)))
@@ -118,9 +122,10 @@ def decode_attention_union(q, k_pages, v_pages, page_table, seq_lens, modes, sup
 def resolve_wise_decode(name: str, device: torch.device | str, dtype: torch.dtype,
                         selection: rules.SelectionRule | None = None) -> Callable | None:
     """What runs the WISE loops: "kernel" -> None (the WiseConfig's decode kernel, the
-    contract); "fa4-union" -> `decode_attention_union` over FlashAttention-4's paged decode (an
-    error naming what is missing where it cannot run); "reference-union" -> over
-    `paged_decode_reference`. Validation off (the engine builds the inputs); a selection rule
+    contract); "fa4-union" -> `decode_attention_union` over FlashAttention-4's paged decode, the
+    block mass by the Triton kernel (`wise_torch.kernels.triton_block_mass`; an error naming
+    what is missing where FA4 cannot run); "reference-union" -> over `paged_decode_reference`
+    and `block_mass_from_lse`. Validation off (the engine builds the inputs); a selection rule
     other than eta runs on the rebuilt mass."""
     if name not in WISE_DECODE:
         raise ValueError(f"wise_decode {name!r} is not available in wise_torch (choose from {WISE_DECODE})")
@@ -128,9 +133,10 @@ def resolve_wise_decode(name: str, device: torch.device | str, dtype: torch.dtyp
         return None
     if name == "fa4-union":
         require_fa4("wise_decode", device, dtype)
-        from wise_torch.kernels import fa4
+        from wise_torch.kernels import fa4, triton_block_mass
         paged = functools.partial(fa4.decode_attention_dense, return_lse=True)
+        mass = triton_block_mass.block_mass_from_lse
     else:
-        paged = paged_decode_reference
-    fn = functools.partial(decode_attention_union, paged_decode=paged, validate=False)
+        paged, mass = paged_decode_reference, block_mass_from_lse
+    fn = functools.partial(decode_attention_union, paged_decode=paged, block_mass=mass, validate=False)
     return fn if selection is None or isinstance(selection, rules.Eta) else select_after(fn, selection)

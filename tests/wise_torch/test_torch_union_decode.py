@@ -103,6 +103,24 @@ def test_mass_from_the_log_sum_exp_is_the_softmax_block_sums():
     assert torch.equal(got[1, :, 4:], torch.zeros(HEADS, 4))                 # blocks past seq_lens
 
 
+@pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
+def test_triton_block_mass_equals_the_torch_one(kv_heads):
+    """The Triton kernel (interpreted on CPU) against `block_mass_from_lse`, blocks past
+    seq_lens included."""
+    from wise_torch.kernels.triton_block_mass import block_mass_from_lse as triton_mass
+    g = torch.Generator().manual_seed(8)
+    k = torch.randn(12, PAGE, kv_heads, DIM, generator=g)
+    table = torch.stack([torch.randperm(12, generator=g)[:4] for _ in range(3)]).to(torch.int32)
+    lens = torch.tensor([32, 13, 27], dtype=torch.int32)
+    q = 2.0 * torch.randn(3, HEADS, DIM, generator=g)
+    _, lse = paged_decode_reference(q, k, k, table, lens)
+    want = block_mass_from_lse(q, k, table, lens, lse, block_size=BLOCK)
+    got = triton_mass(q, k, table, lens, lse, block_size=BLOCK)
+    # fp32 both: 16-term dots and 4-key sums in other orders, probabilities <= 1: a few ulp.
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert torch.equal(got[1, :, 4:], torch.zeros(HEADS, 4))
+
+
 def test_discovery_rows_select_as_the_reference_does():
     q, k, v, table, lens = random_call(4, [32, 21, 30, 9])
     modes = torch.tensor([DISCOVER, DISCOVER_UNION, DENSE, DISCOVER], dtype=torch.int32)
