@@ -29,6 +29,7 @@ from torch import nn
 
 from wise_core.config import ModelConfig, WiseConfig
 from wise_torch.attention import prefill_attention
+from wise_torch.early_exit import ExitState
 from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch
 from wise_torch.layers import add_rms_norm, rms_norm, rope_store_kv, rope_table, silu_mul
 from wise_torch.wise_state import WiseState
@@ -274,15 +275,23 @@ class OuroForCausalLM(nn.Module):
         """h: [n, hidden] (normed output of the last loop) -> float32[n, vocab]."""
         return logits_fp32(h, self.head_weight)
 
-    def run_tokens(self, ids: torch.Tensor, ctx, gates: list | None = None) -> torch.Tensor:
-        """Every loop over flat tokens ids int64[n] -> the last loop's normed hidden [n, hidden].
-        With `gates`, appends each loop's early-exit gate logits [n, 1]."""
-        return self.run_loops(self.model.embed_tokens(ids), ctx, range(self.config.num_loops), gates)
+    def run_tokens(self, ids: torch.Tensor, ctx, gates: list | None = None, *, keep_kv: bool = False) -> torch.Tensor:
+        """Every loop over flat tokens ids int64[n] -> the normed hidden [n, hidden] of each token's
+        exit loop (the last loop when `early_exit_threshold` is 1; else `wise_torch.early_exit`,
+        keep_kv as there). With `gates`, appends each loop's early-exit gate logits [n, 1]."""
+        c = self.config
+        exits = None if c.early_exit_threshold >= 1.0 else ExitState(
+            ids.shape[0], c.num_loops, c.early_exit_threshold, keep_kv=keep_kv, device=ids.device)
+        h = self.run_loops(self.model.embed_tokens(ids), ctx, range(c.num_loops), gates, exits)
+        return h if exits is None else exits.output(h)
 
-    def run_loops(self, h: torch.Tensor, ctx, loops: range, gates: list | None = None) -> torch.Tensor:
+    def run_loops(self, h: torch.Tensor, ctx, loops: range, gates: list | None = None,
+                  exits: ExitState | None = None) -> torch.Tensor:
         """The consecutive loops `loops` over flat hidden states h [n, hidden] (the embeddings
         before loop 0, else the normed output of loop loops.start - 1) -> the normed output of
-        the range's last loop. Speculative decoding runs a decode step's loops in two ranges."""
+        the range's last loop. Speculative decoding runs a decode step's loops in two ranges.
+        exits: the rows' early exit (`ExitState`), updated after each loop; the caller reads
+        the exited rows' states from it."""
         c, layers, norm, tp = self.config, self.model.layers, self.model.norm, self.tp
         eps, heads, kv_heads, head_dim = c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, c.head_dim
         x = rms_norm(h, layers[0].input_layernorm.weight, eps)
@@ -292,6 +301,8 @@ class OuroForCausalLM(nn.Module):
                 attn, mlp = layer.self_attn, layer.mlp
                 q = rope_store_kv(attn.qkv_proj(x), ctx.positions, self.cos_sin, *ctx.planes(loop, i),
                                   ctx.slot_mapping, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+                if exits is not None:
+                    exits.store_kv(loop, ctx.planes(loop, i), ctx.planes(loop - 1, i), ctx.slot_mapping)
                 a = attn.o_proj(ctx.attend(q, loop, i).flatten(1))
                 if tp is not None:
                     tp.all_reduce(a)          # the partial sums of the ranks' heads
@@ -307,6 +318,8 @@ class OuroForCausalLM(nn.Module):
                 h, x = add_rms_norm(m, h, layer.post_attention_layernorm_2.weight, following, eps,
                                     final_weight=norm.weight if last_layer else None)
             ctx.end_loop(loop)
+            if exits is not None:
+                exits.end_loop(loop, h, self.model.early_exit_gate)
             if gates is not None:
                 gates.append(self.model.early_exit_gate(h))
         return h
@@ -318,7 +331,8 @@ class OuroForCausalLM(nn.Module):
                              f"got {input_ids.dtype}{list(input_ids.shape)}")
 
     def forward(self, input_ids: torch.Tensor, *, return_exit_probs: bool = False):
-        """input_ids: int64[batch, seq] -> logits float32[batch, seq, vocab] of the last loop; with
+        """input_ids: int64[batch, seq] -> logits float32[batch, seq, vocab] of each token's exit
+        loop (every loop runs; the last loop's when early_exit_threshold is 1); with
         return_exit_probs also the per-loop exit probabilities float32[batch, seq, loops]."""
         self._check_ids(input_ids, 2)
         if self.tp is not None:
@@ -344,7 +358,8 @@ class OuroForCausalLM(nn.Module):
     def prefill(self, ids: torch.Tensor, batch: PrefillBatch, cache: PagedKVCache, *,
                 attention: Callable | None = None) -> torch.Tensor:
         """Dense pass over prompt chunks (ids int64[n], flat), storing K/V of every plane.
-        Returns the logits float32[len(batch.logit_index), vocab] at the tokens `logit_index` names.
+        Returns the logits float32[len(batch.logit_index), vocab] at the tokens `logit_index` names,
+        each of its token's exit loop (every loop runs for every token).
         attention: `PrefillContext`'s (None: grouped SDPA; else a varlen one over batch.varlen)."""
         self._check_ids(ids, 1)
         h = self.run_tokens(ids, PrefillContext(self.config, batch, cache, attention))
@@ -357,10 +372,12 @@ class OuroForCausalLM(nn.Module):
         With `wise`, loops follow its WiseConfig roles; without, every loop is DENSE.
         dense_modes int32[>= batch] (DENSE) and unused_support bool[>= batch, heads, >= blocks]
         are the constant inputs of dense calls. The step attends over batch.page_table's width
-        (its context bucket): every row's keys must lie in it. dense_attention: `DecodeContext`'s."""
+        (its context bucket): every row's keys must lie in it. dense_attention: `DecodeContext`'s.
+        With early_exit_threshold < 1 a row stops after its exit loop (`wise_torch.early_exit`):
+        logits of that loop, its K/V of later loops that loop's."""
         ctx = DecodeContext(self.config, batch, cache, wise, attention, dense_modes[:batch.size],
                             unused_support[:batch.size], dense_attention)
-        return self.logits(self.run_tokens(tokens, ctx))
+        return self.logits(self.run_tokens(tokens, ctx, keep_kv=True))
 
 
 # -- loading and export -------------------------------------------------------------------------
