@@ -190,15 +190,18 @@ def decode(config: ModelConfig, w: dict[str, np.ndarray], token: int, cache: Our
 
 
 def generate(config: ModelConfig, tensors: dict[str, np.ndarray], prompt, max_new_tokens: int
-             ) -> tuple[list[int], list[int]]:
-    """Greedy decoding: (the max_new_tokens tokens after `prompt`, the exit loop of each: the
-    last prompt token's, then each generated token's but the last)."""
+             ) -> tuple[list[int], list[int], np.ndarray]:
+    """Greedy decoding -> (the max_new_tokens tokens after `prompt`, the exit loop and the logits
+    [max_new_tokens, vocab] each came from: the last prompt token's, then each generated
+    token's but the last)."""
     w = ouro_weights(config, tensors)
     cache = OuroCache()
     logits, loops = prefill(config, w, prompt, cache)
-    tokens, depths = [int(np.argmax(logits[-1]))], [int(loops[-1])]
+    rows, depths = [logits[-1]], [int(loops[-1])]
+    tokens = [int(np.argmax(rows[-1]))]
     while len(tokens) < max_new_tokens:
-        logits, loop = decode(config, w, tokens[-1], cache)
-        tokens.append(int(np.argmax(logits)))
+        row, loop = decode(config, w, tokens[-1], cache)
+        rows.append(row)
         depths.append(loop)
-    return tokens, depths
+        tokens.append(int(np.argmax(row)))
+    return tokens, depths, np.stack(rows)

@@ -304,7 +304,8 @@ def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, st
     exits = exits_for(config, h[:, 0])
     for loop in range(config.total_ut_steps):
         if wise_config is not None and wise_config.depth_role(loop) == "reuse":   # every layer's counts at once
-            state = ws.count_reuse(state, wise_config, loop, seq_lens, slots, live,
+            ran = live if exits is None else live & ~exits.exited    # a row that exited is not counted
+            state = ws.count_reuse(state, wise_config, loop, seq_lens, slots, ran,
                                    pages * cache.page_size // wise_config.block_size)
 
         def attend(q, k, v, layer, carry, loop=loop):

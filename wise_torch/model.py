@@ -190,13 +190,15 @@ class DecodeContext(PagedContext):
     attention with the modes of the loop (all DENSE without WISE). `attention` is a prepared
     `decode_attention` (validation off: the engine builds its inputs by construction);
     dense_attention, if given, runs the dense loops instead (`fa4.decode_attention_dense`'s
-    signature)."""
+    signature). exits: the rows' early exit; rows that exited are not counted by WISE's reuse
+    loops (`WiseState.begin_loop`'s `ran`)."""
 
     def __init__(self, config: ModelConfig, batch: DecodeBatch, cache: PagedKVCache,
                  wise: WiseState | None, attention: Callable, dense_modes: torch.Tensor,
-                 unused_support: torch.Tensor, dense_attention: Callable | None = None):
+                 unused_support: torch.Tensor, dense_attention: Callable | None = None,
+                 exits: ExitState | None = None):
         super().__init__(config.num_hidden_layers, batch, cache)
-        self.wise, self.attention, self.dense_attention = wise, attention, dense_attention
+        self.wise, self.attention, self.dense_attention, self.exits = wise, attention, dense_attention, exits
         wise_config = wise.config if wise is not None else WiseConfig()
         self.block_size, self.eta = wise_config.block_size, wise_config.eta
         # The blocks the step's page table covers: the decode step's context bucket.
@@ -207,7 +209,8 @@ class DecodeContext(PagedContext):
     def begin_loop(self, loop: int) -> None:
         if self.wise is not None:
             self.role = self.wise.config.depth_role(loop)
-            self.modes = self.wise.begin_loop(loop, self.batch, self.blocks)
+            ran = None if self.exits is None else ~self.exits.exited
+            self.modes = self.wise.begin_loop(loop, self.batch, self.blocks, ran)
 
     def end_loop(self, loop: int) -> None:
         if self.wise is not None:
@@ -275,14 +278,20 @@ class OuroForCausalLM(nn.Module):
         """h: [n, hidden] (normed output of the last loop) -> float32[n, vocab]."""
         return logits_fp32(h, self.head_weight)
 
-    def run_tokens(self, ids: torch.Tensor, ctx, gates: list | None = None, *, keep_kv: bool = False) -> torch.Tensor:
-        """Every loop over flat tokens ids int64[n] -> the normed hidden [n, hidden] of each token's
-        exit loop (the last loop when `early_exit_threshold` is 1; else `wise_torch.early_exit`,
-        keep_kv as there). With `gates`, appends each loop's early-exit gate logits [n, 1]."""
+    def exit_state(self, rows: int, *, keep_kv: bool, device) -> ExitState | None:
+        """The early exit of `rows` token rows (`wise_torch.early_exit`); None when every loop
+        runs (early_exit_threshold 1)."""
         c = self.config
-        exits = None if c.early_exit_threshold >= 1.0 else ExitState(
-            ids.shape[0], c.num_loops, c.early_exit_threshold, keep_kv=keep_kv, device=ids.device)
-        h = self.run_loops(self.model.embed_tokens(ids), ctx, range(c.num_loops), gates, exits)
+        if c.early_exit_threshold >= 1.0:
+            return None
+        return ExitState(rows, c.num_loops, c.early_exit_threshold, keep_kv=keep_kv, device=device)
+
+    def run_tokens(self, ids: torch.Tensor, ctx, gates: list | None = None, exits: ExitState | None = None
+                   ) -> torch.Tensor:
+        """Every loop over flat tokens ids int64[n] -> the normed hidden [n, hidden] of the last
+        loop, or with `exits` of each token's exit loop. With `gates`, appends each loop's
+        early-exit gate logits [n, 1]."""
+        h = self.run_loops(self.model.embed_tokens(ids), ctx, range(self.config.num_loops), gates, exits)
         return h if exits is None else exits.output(h)
 
     def run_loops(self, h: torch.Tensor, ctx, loops: range, gates: list | None = None,
@@ -349,7 +358,8 @@ class OuroForCausalLM(nn.Module):
                              f"(size {self.config.vocab_size})")
         ctx = SequenceContext(self.config, batch, seq, self.head_weight.dtype, input_ids.device)
         gates = [] if return_exit_probs else None
-        h = self.run_tokens(input_ids.flatten().long(), ctx, gates)
+        h = self.run_tokens(input_ids.flatten().long(), ctx, gates,
+                            self.exit_state(batch * seq, keep_kv=False, device=input_ids.device))
         logits = self.logits(h).view(batch, seq, -1)
         if not return_exit_probs:
             return logits
@@ -362,7 +372,8 @@ class OuroForCausalLM(nn.Module):
         each of its token's exit loop (every loop runs for every token).
         attention: `PrefillContext`'s (None: grouped SDPA; else a varlen one over batch.varlen)."""
         self._check_ids(ids, 1)
-        h = self.run_tokens(ids, PrefillContext(self.config, batch, cache, attention))
+        h = self.run_tokens(ids, PrefillContext(self.config, batch, cache, attention),
+                            exits=self.exit_state(ids.shape[0], keep_kv=False, device=ids.device))
         return self.logits(h[batch.logit_index])
 
     def decode_step(self, tokens: torch.Tensor, batch: DecodeBatch, cache: PagedKVCache, *,
@@ -375,9 +386,10 @@ class OuroForCausalLM(nn.Module):
         (its context bucket): every row's keys must lie in it. dense_attention: `DecodeContext`'s.
         With early_exit_threshold < 1 a row stops after its exit loop (`wise_torch.early_exit`):
         logits of that loop, its K/V of later loops that loop's."""
+        exits = self.exit_state(batch.size, keep_kv=True, device=tokens.device)
         ctx = DecodeContext(self.config, batch, cache, wise, attention, dense_modes[:batch.size],
-                            unused_support[:batch.size], dense_attention)
-        return self.logits(self.run_tokens(tokens, ctx, keep_kv=True))
+                            unused_support[:batch.size], dense_attention, exits)
+        return self.logits(self.run_tokens(tokens, ctx, exits=exits))
 
 
 # -- loading and export -------------------------------------------------------------------------

@@ -75,10 +75,12 @@ class WiseState:
         return self.tag_epoch[:batch.size] == batch.epochs[:, None]
 
     # -- one decode step --------------------------------------------------------------------
-    def begin_loop(self, loop: int, batch: DecodeBatch, blocks: int | None = None) -> torch.Tensor | None:
+    def begin_loop(self, loop: int, batch: DecodeBatch, blocks: int | None = None,
+                   ran: torch.Tensor | None = None) -> torch.Tensor | None:
         """Modes int32[layers, rows] of `loop` (None for a dense loop); a reuse loop also counts
-        fallbacks and density over the first `blocks` blocks (`support_of`). Call once per
-        loop, before its layers run."""
+        fallbacks and density over the first `blocks` blocks (`support_of`) of the rows that run
+        it (ran bool[rows]; None: every row; a row that exited early rides along uncounted).
+        Call once per loop, before its layers run."""
         n = batch.size
         role = self.config.depth_role(loop)
         if role == "dense":
@@ -90,7 +92,7 @@ class WiseState:
             union = self._matches(batch) & ((self.depths_run[:n] & earlier) == earlier)
             return torch.where(union, DISCOVER_UNION, DISCOVER).t().to(torch.int32).contiguous()
         complete = self._matches(batch) & (self.depths_run[:n] == self.complete_mask)   # [rows, layers]
-        real = batch.epochs >= 0
+        real = batch.epochs >= 0 if ran is None else (batch.epochs >= 0) & ran
         self.fallback_count += (~complete & real[:, None]).sum()
         blocks = self.max_blocks if blocks is None else blocks
         causal = causal_block_mask(batch.seq_lens, blocks, self.config.block_size)            # [rows, blocks]

@@ -85,6 +85,9 @@ class LLM(LLMEngine):
         elif dtype is not None or device is not None:
             raise ValueError("dtype and device apply to a model loaded by name; this model is already built")
         if speculative_config is not None:
+            if model.config.early_exit_threshold < 1.0:
+                raise ValueError(f"speculative decoding runs every loop; this model exits early "
+                                 f"(early_exit_threshold {model.config.early_exit_threshold})")
             if not isinstance(speculative_config, SpeculativeConfig):
                 raise TypeError(f"speculative_config must be a SpeculativeConfig or None, "
                                 f"got {type(speculative_config).__name__}")
