@@ -221,6 +221,9 @@ def test_engine_staggered_arrivals_equal_the_reference(framework, wise_config, p
     while llm.has_unfinished():
         step()
     assert [final[i] for i in ids] == [expected[2][0], expected[0][0], expected[1][0]]
+    # every decode step's token ran its exit loop + 1 loops (the first token is the prefill's)
+    decoded = [d + 1 for _, depths, _ in expected for d in depths[1:]]
+    assert llm.stats().mean_decode_depth == pytest.approx(sum(decoded) / len(decoded), rel=1e-12)
 
 
 @pytest.mark.parametrize("threshold", [-0.01, 1.0001, float("nan"), float("inf")])

@@ -287,7 +287,10 @@ class EngineStats:
     and prefix_cache_hits, those found cached (their prefill skipped), since the engine started;
     forked_prompt_tokens: prompt tokens the later completions of n > 1 requests took from their
     first completion's pages instead of prefilling them. prefill_attention: the prefill
-    attention that runs (torch: "sdpa", "fa4" or "reference"; "" where the engine has no choice)."""
+    attention that runs (torch: "sdpa", "fa4" or "reference"; "" where the engine has no choice).
+    mean_decode_depth: with early exit (early_exit_threshold < 1), the loops a decoded token ran
+    on average over the decode steps (each token's exit loop + 1; prefill not counted); None
+    without early exit or before any decode step."""
 
     total_pages: int
     free_pages: int
@@ -314,6 +317,7 @@ class EngineStats:
     prefix_cache_hits: int = 0
     forked_prompt_tokens: int = 0
     prefill_attention: str = ""
+    mean_decode_depth: float | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:

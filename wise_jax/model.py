@@ -269,7 +269,7 @@ def prefill(params: Params, config: ModelConfig, tokens: jax.Array, length: jax.
 def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, state: ws.WiseState | None,
                 tokens: jax.Array, slots: jax.Array, *, wise_config: WiseConfig | None, kernel: str,
                 unroll: int | bool = 1, axis_name: str | None = None,
-                width: int | None = None) -> tuple[jax.Array, kvc.PagedKVCache, Any]:
+                width: int | None = None, return_depths: bool = False) -> tuple:
     """Decode one token per cache row: append it (allocating a page at a page boundary) and run
     every loop; dense when wise_config is None, else WISE (state required).
 
@@ -285,7 +285,8 @@ def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, st
     bucket, the page-table columns (and WISE support blocks) attention reads (None: all); a
     row that would need more pages than that does not fit (the step writes nothing, as for a
     full pool). A row's attention does not depend on it beyond its keys.
-    Returns (logits float32[batch, vocab] (garbage for masked rows), cache, state)."""
+    Returns (logits float32[batch, vocab] (garbage for masked rows), cache, state), and with
+    return_depths the loops each row ran, int32[batch] (its exit loop + 1)."""
     batch = tokens.shape[0]
     active = slots >= 0
     positions = cache.seq_lens
@@ -329,4 +330,8 @@ def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, st
                                      axis_name=axis_name)
         if exits is not None:
             exits = exits.end_loop(loop, h[:, 0], exit_gate(params, h[:, 0]))
-    return head(params, h[:, 0] if exits is None else exits.output(h[:, 0])), cache, state
+    logits = head(params, h[:, 0] if exits is None else exits.output(h[:, 0]))
+    if not return_depths:
+        return logits, cache, state
+    loops = config.total_ut_steps
+    return logits, cache, state, jnp.full((batch,), loops, jnp.int32) if exits is None else exits.exit_loop + 1

@@ -378,18 +378,24 @@ class OuroForCausalLM(nn.Module):
 
     def decode_step(self, tokens: torch.Tensor, batch: DecodeBatch, cache: PagedKVCache, *,
                     wise: WiseState | None, attention: Callable, dense_modes: torch.Tensor,
-                    unused_support: torch.Tensor, dense_attention: Callable | None = None) -> torch.Tensor:
+                    unused_support: torch.Tensor, dense_attention: Callable | None = None,
+                    loops_run: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: int64[batch], the token at each row's position -> logits float32[batch, vocab].
         With `wise`, loops follow its WiseConfig roles; without, every loop is DENSE.
         dense_modes int32[>= batch] (DENSE) and unused_support bool[>= batch, heads, >= blocks]
         are the constant inputs of dense calls. The step attends over batch.page_table's width
         (its context bucket): every row's keys must lie in it. dense_attention: `DecodeContext`'s.
         With early_exit_threshold < 1 a row stops after its exit loop (`wise_torch.early_exit`):
-        logits of that loop, its K/V of later loops that loop's."""
+        logits of that loop, its K/V of later loops that loop's; loops_run int64[2], if given,
+        gets the loops the real rows (epochs >= 0) ran and their count added in place."""
         exits = self.exit_state(batch.size, keep_kv=True, device=tokens.device)
         ctx = DecodeContext(self.config, batch, cache, wise, attention, dense_modes[:batch.size],
                             unused_support[:batch.size], dense_attention, exits)
-        return self.logits(self.run_tokens(tokens, ctx, exits=exits))
+        logits = self.logits(self.run_tokens(tokens, ctx, exits=exits))
+        if loops_run is not None and exits is not None:
+            real = batch.epochs >= 0
+            loops_run += torch.stack([((exits.exit_loop + 1) * real).sum(), real.sum()])
+        return logits
 
 
 # -- loading and export -------------------------------------------------------------------------

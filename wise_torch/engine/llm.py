@@ -192,12 +192,14 @@ class LLM(LLMEngine):
 
     def _device_stats(self) -> dict:
         wise = self.runner.wise
-        return dict(prefill_attention=self.runner.prefill_attention,
+        return dict(prefill_attention=self.runner.prefill_attention, mean_decode_depth=self.runner.mean_decode_depth(),
                     fallbacks=None if wise is None else wise.fallbacks,
                     density=None if wise is None else self.runner.wise_density(), **self._program_stats(),
                     **({} if self.speculator is None else self.speculator.stats()))
 
     def _reset_device_counters(self) -> None:
+        if self.runner.loops_run is not None:
+            self.runner.loops_run.zero_()
         if self.runner.wise is not None:
             self.runner.reset_wise_counters()
 
