@@ -12,6 +12,8 @@ that stores each plane's K/V and attends:
 - `prefill`: chunks of prompts against the paged cache (chunked prefill, dense; grouped SDPA
   or one packed varlen call per plane),
 - `decode_step`: one token per row against the paged cache, optionally with WISE.
+With `early_exit_threshold` < 1 each token's logits are its exit loop's (`wise_torch.early_exit`):
+`forward` and `prefill` run every loop, `decode_step` stops a row after its exit loop.
 The junctions (residual + RMSNorm, RoPE + K/V store, SwiGLU) are the fused ops of
 `wise_torch.layers`; logits are float32. One rank's shard of a tensor-parallel model
 (`wise_torch.parallel`) runs the same code at its local heads and all-reduces the o_proj and
