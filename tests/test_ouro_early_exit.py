@@ -28,7 +28,8 @@ def tensors_with_gate(bias: float = -0.5) -> dict[str, np.ndarray]:
     """Random weights; the gate a random direction of norm ~sqrt(hidden), so its logit on the
     normed state spreads over several units and tokens exit at different loops."""
     t = random_tensors(CONFIG, seed=4, std=0.12)
-    t["model.early_exit_gate.weight"] = np.random.default_rng(7).normal(0, 1.0, (1, CONFIG.hidden_size)).astype(np.float32)
+    gate = np.random.default_rng(7).normal(0, 1.0, (1, CONFIG.hidden_size))
+    t["model.early_exit_gate.weight"] = gate.astype(np.float32)
     t["model.early_exit_gate.bias"] = np.array([bias], np.float32)
     return t
 
@@ -118,7 +119,8 @@ def test_reference_tokens_depend_on_the_exit(prompts, expected):
     depths = {d for _, ds, _ in expected for d in ds}
     assert {0, 3} < depths
     every_loop = dataclasses.replace(CONFIG, early_exit_threshold=1.0)
-    assert any(R.generate(every_loop, TENSORS, p, new)[0] != tokens for (p, new), (tokens, _, _) in zip(prompts, expected))
+    assert any(R.generate(every_loop, TENSORS, p, new)[0] != tokens
+               for (p, new), (tokens, _, _) in zip(prompts, expected))
 
 
 def model_of(framework: str, config: ModelConfig, tensors):
@@ -237,3 +239,24 @@ def test_speculative_decoding_refuses_early_exit():
     from wise_torch.engine.speculative import SpeculativeConfig
     with pytest.raises(ValueError, match="exits early"):
         wise_torch.LLM(model_of("torch", CONFIG, TENSORS), speculative_config=SpeculativeConfig(), page_size=PAGE)
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_exited_rows_are_not_counted_by_wise(framework, prompts):
+    """A gate that is open (bias +40: lambda 1) exits every token at loop 0, before WISE's reuse
+    loops: they count no fallback and no density, and every decoded token ran one loop. The same
+    engine with every loop running counts them (torch; all-blocks WISE, the program the engine
+    test above compiled in JAX)."""
+    open_gate = tensors_with_gate(bias=40.0)
+    prompt, _ = prompts[0]
+    configs = [(CONFIG, True)] + ([(dataclasses.replace(CONFIG, early_exit_threshold=1.0), False)]
+                                  if framework == "torch" else [])
+    for config, exits in configs:
+        llm = engine_of(framework, model_of(framework, config, open_gate), WiseConfig(all_blocks=True))
+        llm.run_until_done([llm.add_request(prompt, SamplingParams(max_tokens=6, ignore_eos=True))])
+        stats = llm.stats()
+        if exits:
+            assert stats.fallbacks == 0 and set(stats.density.values()) == {None}
+            assert stats.mean_decode_depth == 1.0
+        else:
+            assert all(d is not None for d in stats.density.values()) and stats.mean_decode_depth is None

@@ -239,8 +239,9 @@ def prefill(params: Params, config: ModelConfig, tokens: jax.Array, length: jax.
     """Causal pass over one right-padded prompt, keeping the K/V of every plane.
 
     tokens int32[seq] (valid up to `length`, int32[] >= 1). Returns (logits float32[vocab] at
-    position length - 1, of its exit loop (every loop runs for every token), k, v [planes, seq, kv_heads, head_dim] in the params' dtype). The K/V
-    buffers are written in place layer by layer (no per-loop copies). The layers always run
+    position length - 1, of its exit loop (every loop runs for every token), k, v [planes, seq,
+    kv_heads, head_dim] in the params' dtype). The K/V buffers are written in place layer by
+    layer (no per-loop copies). The layers always run
     as a scan (one quick compile per prompt bucket): unstacked weights are stacked here, one copy
     of the layer weights per call, small beside the prefill's own work."""
     params = stack_layers(params)
