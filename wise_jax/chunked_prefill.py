@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from wise_core.config import ModelConfig
 from wise_jax import sharding
-from wise_jax.model import embed, head, rope, run_loop
+from wise_jax.model import embed, exit_gate, exits_for, head, rope, run_loop
 from wise_jax.params import Params, stack_layers
 
 
@@ -51,8 +51,9 @@ def prefill_chunk(params: Params, config: ModelConfig, k_pages: jax.Array, v_pag
     page_size, kv_heads, head_dim]; tokens int32[seq] (seq a multiple of page_size, valid up to
     `length`); start, length int32[]; table int32[pages] (the request's pages, holding at least
     start + seq positions; entries past its pages: the scratch page). Returns (logits
-    float32[vocab] after the chunk's last token, k_pages, v_pages); all_logits: logits is
-    (those, the logits float32[seq, vocab] at every position of the chunk), as `model.prefill`."""
+    float32[vocab] after the chunk's last token, of its exit loop (every loop runs), k_pages,
+    v_pages); all_logits: logits is (those, the logits float32[seq, vocab] at every position of
+    the chunk, each of its token's exit loop), as `model.prefill`."""
     params = stack_layers(params)
     seq = tokens.shape[0]
     page_size, scratch = k_pages.shape[2], k_pages.shape[1] - 1
@@ -64,6 +65,7 @@ def prefill_chunk(params: Params, config: ModelConfig, k_pages: jax.Array, v_pag
     cos, sin = rope(positions[None], config.head_dim, config.rope_theta)
     keys = table.shape[0] * page_size
     pages = (k_pages, v_pages)
+    exits = exits_for(config, h[0])
     for loop in range(config.total_ut_steps):
         def attend(q, k, v, layer, pages, loop=loop):
             plane = loop * config.num_hidden_layers + layer
@@ -71,8 +73,11 @@ def prefill_chunk(params: Params, config: ModelConfig, k_pages: jax.Array, v_pag
             context = [store[plane, table].reshape((keys,) + store.shape[3:]) for store in pages]
             return prefix_attention(q[0], *context, positions, page_size)[None], pages
         h, pages = run_loop(params, config, h, cos, sin, attend, pages, unroll=unroll, axis_name=axis_name)
-    last = lax.dynamic_index_in_dim(h[0], length - 1, 0, keepdims=False)
-    logits = (head(params, last), head(params, h[0])) if all_logits else head(params, last)
+        if exits is not None:                                    # every token's exit, as torch's
+            exits = exits.end_loop(loop, h[0], exit_gate(params, h[0]))
+    out = h[0] if exits is None else exits.output(h[0])          # each token's exit loop
+    last = lax.dynamic_index_in_dim(out, length - 1, 0, keepdims=False)
+    logits = (head(params, last), head(params, out)) if all_logits else head(params, last)
     return logits, pages[0], pages[1]
 
 

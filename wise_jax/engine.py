@@ -268,17 +268,19 @@ def _step(params: Params, cache: kvc.PagedKVCache, state, next_token, inputs: Ro
     """One decode step of slots [0, rows), the batch bucket, at context bucket `width` (module
     docstring); processing and logits_state None, or both given (`_choose`). Returns (cache,
     state, next_token, logits_state, (token, logprob, NaN flag, overflowed, logits or None,
-    ranked or None)), per row of the bucket; overflowed: a row's pages did not fit (nothing
-    written)."""
+    ranked or None, loops_run)), per row of the bucket; overflowed: a row's pages did not fit
+    (nothing written); loops_run int32[2] (loops the live rows ran, live rows) with early exit,
+    else None."""
     TRACES["step"] += 1
     step_cache = dataclasses.replace(cache, page_table=inputs.table, seq_lens=inputs.positions,
                                      free_pages=inputs.new_pages, num_free=inputs.num_new,
                                      overflowed=jnp.zeros((), bool))
     rows_state = None if state is None else _state_rows(state, rows)
     tokens = jnp.where(inputs.tokens >= 0, inputs.tokens, next_token[:rows])
-    logits, step_cache, rows_state = sharding.decode_step(
+    exiting = config.early_exit_threshold < 1.0
+    logits, step_cache, rows_state, *depths = sharding.decode_step(
         params, config, step_cache, rows_state, tokens, inputs.tags, wise_config=wise_config, kernel=kernel,
-        unroll=unroll, mesh=mesh, width=width)
+        unroll=unroll, mesh=mesh, width=width, return_depths=exiting)
     slots = jnp.arange(rows)
     logits_rows = None if logits_state is None else logits_state.rows(slots)
     token, logprob, top = _choose(logits, draw, processing, logits_rows, sampling=sampling)
@@ -289,8 +291,9 @@ def _step(params: Params, cache: kvc.PagedKVCache, state, next_token, inputs: Ro
     cache = dataclasses.replace(cache, k=step_cache.k, v=step_cache.v)
     if state is not None:
         state = _state_rows(rows_state, rows, state)
+    loops_run = jnp.stack([jnp.where(live, depths[0], 0).sum(), live.sum()]) if exiting else None
     return cache, state, next_token, logits_state, (token, logprob, jnp.isnan(logprob), step_cache.overflowed,
-                                                    logits if keep_logits else None, top)
+                                                    logits if keep_logits else None, top, loops_run)
 
 
 class _InFlight:
@@ -299,9 +302,10 @@ class _InFlight:
     `_score_prompt` outputs, over its chunk's padded positions."""
 
     def __init__(self, rows: list, outputs, at: list[int], prompt_rows: list | None = None,
-                 prompt: list | None = None):
+                 prompt: list | None = None, loops_run: list[int] | None = None):
         self.rows, self._outputs, self._at, self.logits = rows, outputs, at, {}
         self.prompt_rows, self._prompt = prompt_rows or [], prompt or []
+        self._loops_run = loops_run
 
     def read_prompt(self) -> list[tuple]:
         scores = []
@@ -310,10 +314,13 @@ class _InFlight:
         return scores
 
     def read(self) -> tuple[list[int], list[bool], list[float], list[tuple] | None]:
-        token, logprob, nan, overflowed, logits, top = jax.device_get(self._outputs)
+        token, logprob, nan, overflowed, logits, top, loops_run = jax.device_get(self._outputs)
         if overflowed:
             raise kvc.PoolExhaustedError("a decode step's pages did not fit the pool or its context bucket; it "
                                          "wrote nothing")
+        if loops_run is not None and self._loops_run is not None:   # the engine's early-exit counts
+            self._loops_run[0] += int(loops_run[0])
+            self._loops_run[1] += int(loops_run[1])
         at = np.asarray(self._at, np.int64)
         self.logits = {i: np.asarray(logits[at[i]]) for i, (seq, _) in enumerate(self.rows)
                        if seq.keep_logits and logits is not None}
@@ -388,6 +395,7 @@ class LLM(LLMEngine):
         self.row_buckets = decode_buckets(args.max_num_seqs)
         self._programs: set[tuple] = set()     # decode programs made: (sampling, keep_logits, rows, width, extras)
         self._build_s = 0.0
+        self._loops_run = [0, 0]     # early exit: loops the decoded tokens ran, decoded tokens (`_step`)
         # The storage of the pool; its page table is each step's (the host's bookkeeping).
         self.cache = sharding.create_cache(config, mesh, batch=1, max_pages=1, num_pages=num_pages,
                                            page_size=self.page_size, dtype=dtype)
@@ -455,7 +463,8 @@ class LLM(LLMEngine):
         if TRACES["step"] > traces:   # a program made for this step: its trace and compile
             self._build_s += time.perf_counter() - start
             self._programs.add(tuple(program.values()) + (extras,))
-        return _InFlight([(seq, seq.expect()) for seq in seqs], outputs, [seq.slot for seq in seqs])
+        return _InFlight([(seq, seq.expect()) for seq in seqs], outputs, [seq.slot for seq in seqs],
+                         loops_run=self._loops_run)
 
     def _extras(self, seqs: list[Sequence]) -> bool:
         """Whether a step over `seqs` processes logits or reports ranked logprobs; if so, the
@@ -509,12 +518,13 @@ class LLM(LLMEngine):
                 outputs.append(out + (logits,))
                 rows.append((seq, seq.expect()))
         if not outputs:
-            return _InFlight([], (np.zeros(0, np.int32), np.zeros(0), np.zeros(0, bool), False, None, None), [],
+            return _InFlight([], (np.zeros(0, np.int32), np.zeros(0), np.zeros(0, bool), False, None, None, None), [],
                              prompt_rows, prompt)
         token, logprob, nan = (jnp.concatenate([o[i] for o in outputs]) for i in range(3))
         top = None if not extras else tuple(jnp.concatenate([o[3][i] for o in outputs]) for i in range(3))
         logits = jnp.stack([o[4] for o in outputs]) if any(seq.keep_logits for seq, _ in rows) else None
-        return _InFlight(rows, (token, logprob, nan, False, logits, top), list(range(len(rows))), prompt_rows, prompt)
+        return _InFlight(rows, (token, logprob, nan, False, logits, top, None), list(range(len(rows))), prompt_rows,
+                         prompt)
 
     def _continue_prompt(self, seq: Sequence, tokens: list[int], start: int, *, all_logits: bool = False):
         """Prefill `tokens` at positions [start, ...) of seq's prompt (`chunked_prefill`) -> the
@@ -544,9 +554,11 @@ class LLM(LLMEngine):
         return dict(fallbacks=None if state is None else int(state.fallbacks),
                     density=None if state is None else state.density(self.wise_config),
                     step_programs=len(self._programs), step_program_bound=8 * len(self.row_buckets) * len(self.widths),
-                    step_build_s=self._build_s)
+                    step_build_s=self._build_s,
+                    mean_decode_depth=self._loops_run[0] / self._loops_run[1] if self._loops_run[1] else None)
 
     def _reset_device_counters(self) -> None:
+        self._loops_run[:] = [0, 0]
         if self.state is not None:
             self.state = ws.reset_counters(self.state)
 

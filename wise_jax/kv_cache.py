@@ -179,17 +179,29 @@ def plane_pages(cache: PagedKVCache, plane: jax.Array, width: int | None = None
             cache.page_table[:, :width] + plane * cache.k.shape[1])
 
 
+def token_slot(cache: PagedKVCache, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(page, offset) int32[batch] of every row's newest position (seq_lens - 1): its page for
+    rows in `rows: bool[batch]`, the scratch page for the others."""
+    position = jnp.maximum(cache.seq_lens - 1, 0)
+    page = jnp.take_along_axis(cache.page_table, (position // cache.page_size)[:, None], axis=1)[:, 0]
+    return jnp.where(rows, page, cache.scratch_page), position % cache.page_size
+
+
 def write_token(cache: PagedKVCache, plane: jax.Array, k: jax.Array, v: jax.Array,
                 rows: jax.Array) -> PagedKVCache:
     """Store the newest key/value (position seq_lens - 1) of every row in `rows: bool[batch]` in
     `plane`; other rows write to the scratch page. k, v: [batch, kv_heads, head_dim]."""
-    position = jnp.maximum(cache.seq_lens - 1, 0)
-    page = jnp.take_along_axis(cache.page_table, (position // cache.page_size)[:, None], axis=1)[:, 0]
-    page = jnp.where(rows, page, cache.scratch_page)
-    offset = position % cache.page_size
+    page, offset = token_slot(cache, rows)
     return dataclasses.replace(
         cache, k=cache.k.at[plane, page, offset].set(k.astype(cache.k.dtype)),
         v=cache.v.at[plane, page, offset].set(v.astype(cache.v.dtype)))
+
+
+def read_token(cache: PagedKVCache, plane: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The key/value `write_token` stored for every row in `plane`: k, v [batch, kv_heads,
+    head_dim] (the scratch page's for rows not in `rows`)."""
+    page, offset = token_slot(cache, rows)
+    return cache.k[plane, page, offset], cache.v[plane, page, offset]
 
 
 def insert(cache: PagedKVCache, k: jax.Array, v: jax.Array, length: jax.Array, slot: jax.Array) -> PagedKVCache:

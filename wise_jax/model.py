@@ -3,8 +3,9 @@
 Structure (docs/DESIGN.md "Model"): embed; `total_ut_steps` loops, each a `lax.scan` of the
 sandwich-norm `decoder_layer` over the stacked layers (a Python loop over unstacked ones, see
 `params.unstack_layers`) followed by `model.norm`; the early-exit gate on each loop's normed
-state; the head on the last loop. Every loop runs (`early_exit_threshold` is not applied;
-`forward_with_exits` returns the exit probabilities).
+state; the head on the last loop, or with `early_exit_threshold` < 1 on each token's exit loop
+(`wise_jax.early_exit`: prefill and `forward` run every loop, decode stops a row after its exit
+loop; `forward_with_exits` returns the last loop's logits and the exit probabilities).
 Three callers share `run_loop` and differ only in how a layer attends: `forward` (causal,
 differentiable), `prefill` (causal, one request, returning the K/V of every plane) and
 `decode_step` (one token per cache row against the paged cache, dense or WISE). Whole-sequence
@@ -27,6 +28,7 @@ from wise_core.config import ModelConfig, WiseConfig
 from wise_jax import kv_cache as kvc
 from wise_jax import wise_state as ws
 from wise_jax.attention import decode_attention
+from wise_jax.early_exit import ExitState
 from wise_jax.params import LayerParams, Params, stack_layers
 from wise_jax.prefill_attention import causal_attention
 
@@ -201,10 +203,34 @@ def forward_with_exits(params: Params, config: ModelConfig, input_ids: jax.Array
     return head(params, h), exit_probabilities(jnp.stack(lambdas))
 
 
+def exits_for(config: ModelConfig, h: jax.Array) -> ExitState | None:
+    """The early exit of rows of states like h [*rows, hidden]; None when every loop runs
+    (early_exit_threshold 1)."""
+    if config.early_exit_threshold >= 1.0:
+        return None
+    return ExitState.create(h, config.total_ut_steps, config.early_exit_threshold)
+
+
 def forward(params: Params, config: ModelConfig, input_ids: jax.Array, *, remat: bool = False,
             attention: str = "auto") -> jax.Array:
-    """input_ids int32[batch, seq] -> logits float32[batch, seq, vocab] of the last loop."""
-    return forward_with_exits(params, config, input_ids, remat=remat, attention=attention)[0]
+    """input_ids int32[batch, seq] -> logits float32[batch, seq, vocab] of each token's exit loop
+    (every loop runs; the last loop's when early_exit_threshold is 1)."""
+    if config.early_exit_threshold >= 1.0:
+        return forward_with_exits(params, config, input_ids, remat=remat, attention=attention)[0]
+    check_input_ids(config, input_ids, 2)
+    batch, seq = input_ids.shape
+    h = embed(params, input_ids)
+    cos, sin = rope(jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq)),
+                    config.head_dim, config.rope_theta)
+
+    def attend(q, k, v, layer, carry):
+        return causal_attention(q, k, v, implementation=attention), carry
+
+    exits = exits_for(config, h)
+    for loop in range(config.total_ut_steps):
+        h, _ = run_loop(params, config, h, cos, sin, attend, remat=remat)
+        exits = exits.end_loop(loop, h, exit_gate(params, h))
+    return head(params, exits.output(h))
 
 
 def prefill(params: Params, config: ModelConfig, tokens: jax.Array, length: jax.Array, *,
@@ -213,10 +239,11 @@ def prefill(params: Params, config: ModelConfig, tokens: jax.Array, length: jax.
     """Causal pass over one right-padded prompt, keeping the K/V of every plane.
 
     tokens int32[seq] (valid up to `length`, int32[] >= 1). Returns (logits float32[vocab] at
-    position length - 1, k, v [planes, seq, kv_heads, head_dim] in the params' dtype);
-    all_logits: logits is (those, the logits float32[seq, vocab] at every position), each its
-    own product (a prompt's scores, SamplingParams.prompt_logprobs). The K/V
-    buffers are written in place layer by layer (no per-loop copies). The layers always run
+    position length - 1, of its exit loop (every loop runs for every token), k, v [planes, seq,
+    kv_heads, head_dim] in the params' dtype); all_logits: logits is (those, the logits
+    float32[seq, vocab] at every position, each of its token's exit loop), each its own product
+    (a prompt's scores, SamplingParams.prompt_logprobs). The K/V buffers are written in place
+    layer by layer (no per-loop copies). The layers always run
     as a scan (one quick compile per prompt bucket): unstacked weights are stacked here, one copy
     of the layer weights per call, small beside the prefill's own work."""
     params = stack_layers(params)
@@ -227,6 +254,7 @@ def prefill(params: Params, config: ModelConfig, tokens: jax.Array, length: jax.
     shape = (planes, seq, config.num_key_value_heads, config.head_dim)
     dtype = params.embed_tokens.dtype
     buffers = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    exits = exits_for(config, h[0])
     for loop in range(config.total_ut_steps):
         def attend(q, k, v, layer, buffers, loop=loop):
             plane = loop * config.num_hidden_layers + layer
@@ -234,20 +262,25 @@ def prefill(params: Params, config: ModelConfig, tokens: jax.Array, length: jax.
                             for b, x in zip(buffers, (k, v)))
             return causal_attention(q, k, v, implementation=attention), buffers
         h, buffers = run_loop(params, config, h, cos, sin, attend, buffers, unroll=unroll, axis_name=axis_name)
-    last = lax.dynamic_index_in_dim(h[0], length - 1, 0, keepdims=False)
-    logits = (head(params, last), head(params, h[0])) if all_logits else head(params, last)
+        if exits is not None:                                    # every token's exit, as torch's
+            exits = exits.end_loop(loop, h[0], exit_gate(params, h[0]))
+    out = h[0] if exits is None else exits.output(h[0])          # each token's exit loop
+    last = lax.dynamic_index_in_dim(out, length - 1, 0, keepdims=False)
+    logits = (head(params, last), head(params, out)) if all_logits else head(params, last)
     return logits, buffers[0], buffers[1]
 
 
 def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, state: ws.WiseState | None,
                 tokens: jax.Array, slots: jax.Array, *, wise_config: WiseConfig | None, kernel: str,
                 unroll: int | bool = 1, axis_name: str | None = None,
-                width: int | None = None) -> tuple[jax.Array, kvc.PagedKVCache, Any]:
+                width: int | None = None, return_depths: bool = False) -> tuple:
     """Decode one token per cache row: append it (allocating a page at a page boundary) and run
     every loop; dense when wise_config is None, else WISE (state required).
 
     tokens int32[batch]: the token at each row's position seq_lens; slots int32[batch]: the
-    request each row serves (the WISE tag), -1 for an empty row. An empty row is a masked
+    request each row serves (the WISE tag), -1 for an empty row. With early_exit_threshold < 1 a
+    row stops after its exit loop (`wise_jax.early_exit`): its logits are that loop's and its K/V
+    of the later loops that loop's; it rides along masked. An empty row is a masked
     no-op: it reserves nothing, writes only the scratch page, attends one scratch key and leaves
     its WISE state alone. When the pool cannot hold the step's new pages nothing is written, no
     row advances, and `cache.overflowed` is set (the caller reports it); a cache whose flag is
@@ -256,7 +289,8 @@ def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, st
     bucket, the page-table columns (and WISE support blocks) attention reads (None: all); a
     row that would need more pages than that does not fit (the step writes nothing, as for a
     full pool). A row's attention does not depend on it beyond its keys.
-    Returns (logits float32[batch, vocab] (garbage for masked rows), cache, state)."""
+    Returns (logits float32[batch, vocab] (garbage for masked rows), cache, state), and with
+    return_depths the loops each row ran, int32[batch] (its exit loop + 1)."""
     batch = tokens.shape[0]
     active = slots >= 0
     positions = cache.seq_lens
@@ -272,15 +306,20 @@ def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, st
         dense_modes = jnp.full((batch,), M.DENSE, jnp.int32)
         no_support = jnp.zeros((batch, config.num_attention_heads, pages * cache.page_size // dense.block_size), bool)
 
+    exits = exits_for(config, h[:, 0])
     for loop in range(config.total_ut_steps):
         if wise_config is not None and wise_config.depth_role(loop) == "reuse":   # every layer's counts at once
-            state = ws.count_reuse(state, wise_config, loop, seq_lens, slots, live,
+            ran = live if exits is None else live & ~exits.exited    # a row that exited is not counted
+            state = ws.count_reuse(state, wise_config, loop, seq_lens, slots, ran,
                                    pages * cache.page_size // wise_config.block_size)
 
         def attend(q, k, v, layer, carry, loop=loop):
             cache, state = carry
             plane = loop * config.num_hidden_layers + layer
-            cache = kvc.write_token(cache, plane, k[:, 0], v[:, 0], live)
+            k, v = k[:, 0], v[:, 0]
+            if exits is not None and loop > 0:
+                k, v = exits.store_kv(k, v, *kvc.read_token(cache, plane - config.num_hidden_layers, live))
+            cache = kvc.write_token(cache, plane, k, v, live)
             k_pages, v_pages, page_table = kvc.plane_pages(cache, plane, width)
             if wise_config is None:
                 out, _ = decode_attention(q[:, 0], k_pages, v_pages, page_table, seq_lens, dense_modes,
@@ -293,4 +332,10 @@ def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, st
             return out[:, None], (cache, state)
         h, (cache, state) = run_loop(params, config, h, cos, sin, attend, (cache, state), unroll=unroll,
                                      axis_name=axis_name)
-    return head(params, h[:, 0]), cache, state
+        if exits is not None:
+            exits = exits.end_loop(loop, h[:, 0], exit_gate(params, h[:, 0]))
+    logits = head(params, h[:, 0] if exits is None else exits.output(h[:, 0]))
+    if not return_depths:
+        return logits, cache, state
+    loops = config.total_ut_steps
+    return logits, cache, state, jnp.full((batch,), loops, jnp.int32) if exits is None else exits.exit_loop + 1

@@ -12,6 +12,8 @@ that stores each plane's K/V and attends:
 - `prefill`: chunks of prompts against the paged cache (chunked prefill, dense; grouped SDPA
   or one packed varlen call per plane),
 - `decode_step`: one token per row against the paged cache, optionally with WISE.
+With `early_exit_threshold` < 1 each token's logits are its exit loop's (`wise_torch.early_exit`):
+`forward` and `prefill` run every loop, `decode_step` stops a row after its exit loop.
 The junctions (residual + RMSNorm, RoPE + K/V store, SwiGLU) are the fused ops of
 `wise_torch.layers`; logits are float32. One rank's shard of a tensor-parallel model
 (`wise_torch.parallel`) runs the same code at its local heads and all-reduces the o_proj and
@@ -29,6 +31,7 @@ from torch import nn
 
 from wise_core.config import ModelConfig, WiseConfig
 from wise_torch.attention import prefill_attention
+from wise_torch.early_exit import ExitState
 from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch
 from wise_torch.layers import add_rms_norm, rms_norm, rope_store_kv, rope_table, silu_mul
 from wise_torch.wise_state import WiseState
@@ -191,16 +194,19 @@ class DecodeContext(PagedContext):
     (validation off: the engine builds its inputs by construction);
     dense_attention, if given, runs the dense loops instead (`fa4.decode_attention_dense`'s
     signature). verified: a sparse draft step (`WiseState.sparse_draft_modes`): the epochs and
-    positions (int64[batch] each) of the tokens whose supports every loop attends."""
+    positions (int64[batch] each) of the tokens whose supports every loop attends. exits: the
+    rows' early exit; rows that exited are not counted by WISE's reuse loops
+    (`WiseState.begin_loop`'s `ran`)."""
 
     def __init__(self, config: ModelConfig, batch: DecodeBatch, cache: PagedKVCache,
                  wise: WiseState | None, attention: Callable, dense_modes: torch.Tensor,
                  unused_support: torch.Tensor, dense_attention: Callable | None = None,
-                 verified: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 verified: tuple[torch.Tensor, torch.Tensor] | None = None, exits: ExitState | None = None):
         super().__init__(config.num_hidden_layers, batch, cache)
         if verified is not None and wise is None:
             raise ValueError("a sparse draft step (verified supports) needs a WiseState")
-        self.wise, self.attention, self.dense_attention, self.verified = wise, attention, dense_attention, verified
+        self.wise, self.attention, self.dense_attention = wise, attention, dense_attention
+        self.verified, self.exits = verified, exits
         wise_config = wise.config if wise is not None else WiseConfig()
         self.block_size, self.eta = wise_config.block_size, wise_config.eta
         # The blocks the step's page table covers: the decode step's context bucket.
@@ -214,7 +220,8 @@ class DecodeContext(PagedContext):
             self.modes = self.wise.sparse_draft_modes(loop, self.batch, *self.verified, self.blocks)
         elif self.wise is not None:
             self.role = self.wise.config.depth_role(loop)
-            self.modes = self.wise.begin_loop(loop, self.batch, self.blocks)
+            ran = None if self.exits is None else ~self.exits.exited
+            self.modes = self.wise.begin_loop(loop, self.batch, self.blocks, ran)
 
     def end_loop(self, loop: int) -> None:
         if self.wise is not None and self.verified is None:
@@ -282,15 +289,29 @@ class OuroForCausalLM(nn.Module):
         """h: [n, hidden] (normed output of the last loop) -> float32[n, vocab]."""
         return logits_fp32(h, self.head_weight)
 
-    def run_tokens(self, ids: torch.Tensor, ctx, gates: list | None = None) -> torch.Tensor:
-        """Every loop over flat tokens ids int64[n] -> the last loop's normed hidden [n, hidden].
-        With `gates`, appends each loop's early-exit gate logits [n, 1]."""
-        return self.run_loops(self.model.embed_tokens(ids), ctx, range(self.config.num_loops), gates)
+    def exit_state(self, rows: int, *, keep_kv: bool, device) -> ExitState | None:
+        """The early exit of `rows` token rows (`wise_torch.early_exit`); None when every loop
+        runs (early_exit_threshold 1)."""
+        c = self.config
+        if c.early_exit_threshold >= 1.0:
+            return None
+        return ExitState(rows, c.num_loops, c.early_exit_threshold, keep_kv=keep_kv, device=device)
 
-    def run_loops(self, h: torch.Tensor, ctx, loops: range, gates: list | None = None) -> torch.Tensor:
+    def run_tokens(self, ids: torch.Tensor, ctx, gates: list | None = None, exits: ExitState | None = None
+                   ) -> torch.Tensor:
+        """Every loop over flat tokens ids int64[n] -> the normed hidden [n, hidden] of the last
+        loop, or with `exits` of each token's exit loop. With `gates`, appends each loop's
+        early-exit gate logits [n, 1]."""
+        h = self.run_loops(self.model.embed_tokens(ids), ctx, range(self.config.num_loops), gates, exits)
+        return h if exits is None else exits.output(h)
+
+    def run_loops(self, h: torch.Tensor, ctx, loops: range, gates: list | None = None,
+                  exits: ExitState | None = None) -> torch.Tensor:
         """The consecutive loops `loops` over flat hidden states h [n, hidden] (the embeddings
         before loop 0, else the normed output of loop loops.start - 1) -> the normed output of
-        the range's last loop. Speculative decoding runs a decode step's loops in two ranges."""
+        the range's last loop. Speculative decoding runs a decode step's loops in two ranges.
+        exits: the rows' early exit (`ExitState`), updated after each loop; the caller reads
+        the exited rows' states from it."""
         c, layers, norm, tp = self.config, self.model.layers, self.model.norm, self.tp
         eps, heads, kv_heads, head_dim = c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, c.head_dim
         x = rms_norm(h, layers[0].input_layernorm.weight, eps)
@@ -300,6 +321,8 @@ class OuroForCausalLM(nn.Module):
                 attn, mlp = layer.self_attn, layer.mlp
                 q = rope_store_kv(attn.qkv_proj(x), ctx.positions, self.cos_sin, *ctx.planes(loop, i),
                                   ctx.slot_mapping, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+                if exits is not None:
+                    exits.store_kv(loop, ctx.planes(loop, i), ctx.planes(loop - 1, i), ctx.slot_mapping)
                 a = attn.o_proj(ctx.attend(q, loop, i).flatten(1))
                 if tp is not None:
                     tp.all_reduce(a)          # the partial sums of the ranks' heads
@@ -315,6 +338,8 @@ class OuroForCausalLM(nn.Module):
                 h, x = add_rms_norm(m, h, layer.post_attention_layernorm_2.weight, following, eps,
                                     final_weight=norm.weight if last_layer else None)
             ctx.end_loop(loop)
+            if exits is not None:
+                exits.end_loop(loop, h, self.model.early_exit_gate)
             if gates is not None:
                 gates.append(self.model.early_exit_gate(h))
         return h
@@ -326,7 +351,8 @@ class OuroForCausalLM(nn.Module):
                              f"got {input_ids.dtype}{list(input_ids.shape)}")
 
     def forward(self, input_ids: torch.Tensor, *, return_exit_probs: bool = False):
-        """input_ids: int64[batch, seq] -> logits float32[batch, seq, vocab] of the last loop; with
+        """input_ids: int64[batch, seq] -> logits float32[batch, seq, vocab] of each token's exit
+        loop (every loop runs; the last loop's when early_exit_threshold is 1); with
         return_exit_probs also the per-loop exit probabilities float32[batch, seq, loops]."""
         self._check_ids(input_ids, 2)
         if self.tp is not None:
@@ -343,7 +369,8 @@ class OuroForCausalLM(nn.Module):
                              f"(size {self.config.vocab_size})")
         ctx = SequenceContext(self.config, batch, seq, self.head_weight.dtype, input_ids.device)
         gates = [] if return_exit_probs else None
-        h = self.run_tokens(input_ids.flatten().long(), ctx, gates)
+        h = self.run_tokens(input_ids.flatten().long(), ctx, gates,
+                            self.exit_state(batch * seq, keep_kv=False, device=input_ids.device))
         logits = self.logits(h).view(batch, seq, -1)
         if not return_exit_probs:
             return logits
@@ -352,12 +379,14 @@ class OuroForCausalLM(nn.Module):
     def prefill(self, ids: torch.Tensor, batch: PrefillBatch, cache: PagedKVCache, *,
                 attention: Callable | None = None) -> torch.Tensor:
         """Dense pass over prompt chunks (ids int64[n], flat), storing K/V of every plane.
-        Returns the logits float32[len(batch.logit_index), vocab] at the tokens `logit_index` names;
-        with batch.score_index, (those, the logits float32[len(score_index), vocab] at its tokens),
-        each its own product, so the first are those of a batch without score_index.
+        Returns the logits float32[len(batch.logit_index), vocab] at the tokens `logit_index` names,
+        each of its token's exit loop (every loop runs for every token); with batch.score_index,
+        (those, the logits float32[len(score_index), vocab] at its tokens), each its own product,
+        so the first are those of a batch without score_index.
         attention: `PrefillContext`'s (None: grouped SDPA; else a varlen one over batch.varlen)."""
         self._check_ids(ids, 1)
-        h = self.run_tokens(ids, PrefillContext(self.config, batch, cache, attention))
+        h = self.run_tokens(ids, PrefillContext(self.config, batch, cache, attention),
+                            exits=self.exit_state(ids.shape[0], keep_kv=False, device=ids.device))
         logits = self.logits(h[batch.logit_index])
         if batch.score_index is None:
             return logits
@@ -365,15 +394,24 @@ class OuroForCausalLM(nn.Module):
 
     def decode_step(self, tokens: torch.Tensor, batch: DecodeBatch, cache: PagedKVCache, *,
                     wise: WiseState | None, attention: Callable, dense_modes: torch.Tensor,
-                    unused_support: torch.Tensor, dense_attention: Callable | None = None) -> torch.Tensor:
+                    unused_support: torch.Tensor, dense_attention: Callable | None = None,
+                    loops_run: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: int64[batch], the token at each row's position -> logits float32[batch, vocab].
         With `wise`, loops follow its WiseConfig roles; without, every loop is DENSE.
         dense_modes int32[>= batch] (DENSE) and unused_support bool[>= batch, heads, >= blocks]
         are the constant inputs of dense calls. The step attends over batch.page_table's width
-        (its context bucket): every row's keys must lie in it. dense_attention: `DecodeContext`'s."""
+        (its context bucket): every row's keys must lie in it. dense_attention: `DecodeContext`'s.
+        With early_exit_threshold < 1 a row stops after its exit loop (`wise_torch.early_exit`):
+        logits of that loop, its K/V of later loops that loop's; loops_run int64[2], if given,
+        gets the loops the real rows (epochs >= 0) ran and their count added in place."""
+        exits = self.exit_state(batch.size, keep_kv=True, device=tokens.device)
         ctx = DecodeContext(self.config, batch, cache, wise, attention, dense_modes[:batch.size],
-                            unused_support[:batch.size], dense_attention)
-        return self.logits(self.run_tokens(tokens, ctx))
+                            unused_support[:batch.size], dense_attention, exits)
+        logits = self.logits(self.run_tokens(tokens, ctx, exits=exits))
+        if loops_run is not None and exits is not None:
+            real = batch.epochs >= 0
+            loops_run += torch.stack([((exits.exit_loop + 1) * real).sum(), real.sum()])
+        return logits
 
 
 # -- loading and export -------------------------------------------------------------------------

@@ -82,10 +82,12 @@ class WiseState:
         return self.tag_epoch[:batch.size] == batch.epochs[:, None]
 
     # -- one decode step --------------------------------------------------------------------
-    def begin_loop(self, loop: int, batch: DecodeBatch, blocks: int | None = None) -> torch.Tensor | None:
+    def begin_loop(self, loop: int, batch: DecodeBatch, blocks: int | None = None,
+                   ran: torch.Tensor | None = None) -> torch.Tensor | None:
         """Modes int32[layers, rows] of `loop` (None for a dense loop); a reuse loop also counts
-        fallbacks and density over the first `blocks` blocks (`support_of`). Call once per
-        loop, before its layers run."""
+        fallbacks and density over the first `blocks` blocks (`support_of`) of the rows that run
+        it (ran bool[rows]; None: every row; a row that exited early rides along uncounted).
+        Call once per loop, before its layers run."""
         n = batch.size
         role = self.config.depth_role(loop)
         if role == "dense":
@@ -96,16 +98,17 @@ class WiseState:
             earlier = sum(1 << d for d in self.config.discover_depths if d < loop)
             union = self._matches(batch) & ((self.depths_run[:n] & earlier) == earlier)
             return torch.where(union, DISCOVER_UNION, DISCOVER).t().to(torch.int32).contiguous()
-        return self._reuse_modes(loop, batch, self._matches(batch), blocks)
+        return self._reuse_modes(loop, batch, self._matches(batch), blocks, ran)
 
-    def _reuse_modes(self, loop: int, batch: DecodeBatch, matches: torch.Tensor, blocks: int | None) -> torch.Tensor:
+    def _reuse_modes(self, loop: int, batch: DecodeBatch, matches: torch.Tensor, blocks: int | None,
+                     ran: torch.Tensor | None = None) -> torch.Tensor:
         """Modes int32[layers, rows]: SPARSE where the stored support `matches` (bool[rows,
         layers]) the token it is read for and is complete, else DENSE; counts fallbacks and
-        density at a reuse depth."""
+        density at a reuse depth over the rows that run it (ran: `begin_loop`'s)."""
         n = batch.size
         complete = matches & (self.depths_run[:n] == self.complete_mask)                      # [rows, layers]
         if self.config.depth_role(loop) == "reuse":
-            real = batch.epochs >= 0
+            real = batch.epochs >= 0 if ran is None else (batch.epochs >= 0) & ran
             self.fallback_count += (~complete & real[:, None]).sum()
             blocks = self.max_blocks if blocks is None else blocks
             causal = causal_block_mask(batch.seq_lens, blocks, self.config.block_size)        # [rows, blocks]

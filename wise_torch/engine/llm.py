@@ -91,6 +91,9 @@ class LLM(LLMEngine):
         elif dtype is not None or device is not None:
             raise ValueError("dtype and device apply to a model loaded by name; this model is already built")
         if speculative_config is not None:
+            if model.config.early_exit_threshold < 1.0:
+                raise ValueError(f"speculative decoding runs every loop; this model exits early "
+                                 f"(early_exit_threshold {model.config.early_exit_threshold})")
             if not isinstance(speculative_config, SpeculativeConfig):
                 raise TypeError(f"speculative_config must be a SpeculativeConfig or None, "
                                 f"got {type(speculative_config).__name__}")
@@ -197,11 +200,14 @@ class LLM(LLMEngine):
     def _device_stats(self) -> dict:
         wise = self.runner.wise
         return dict(prefill_attention=self.runner.prefill_attention, wise_decode=self.runner.wise_decode,
+                    mean_decode_depth=self.runner.mean_decode_depth(),
                     fallbacks=None if wise is None else wise.fallbacks,
                     density=None if wise is None else self.runner.wise_density(), **self._program_stats(),
                     **({} if self.speculator is None else self.speculator.stats()))
 
     def _reset_device_counters(self) -> None:
+        if self.runner.loops_run is not None:
+            self.runner.loops_run.zero_()
         if self.runner.wise is not None:
             self.runner.reset_wise_counters()
 

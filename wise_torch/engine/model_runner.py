@@ -153,6 +153,9 @@ class ModelRunner:
         self.dense_modes = torch.full((rows,), DENSE, dtype=torch.int32, device=self.device)
         self.unused_support = torch.zeros(rows, config.num_attention_heads, max_blocks, dtype=torch.bool,
                                           device=self.device)
+        # Early exit: loops the decoded tokens ran, decoded tokens (`decode_step`); None without.
+        self.loops_run = (torch.zeros(2, dtype=torch.int64, device=self.device)
+                          if config.early_exit_threshold < 1.0 else None)
         self.use_graphs = use_graphs
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_pool = None
@@ -184,7 +187,7 @@ class ModelRunner:
                             page_table=self.table_view(self.page_table, bucket, width), slot_mapping=m[3], epochs=m[4])
         return self.model.decode_step(tokens, batch, self.cache, wise=self.wise, attention=self.attention[bucket],
                                       dense_modes=self.dense_modes, unused_support=self.unused_support,
-                                      dense_attention=self.dense_decode_fn)
+                                      dense_attention=self.dense_decode_fn, loops_run=self.loops_run)
 
     def _next_staging(self, bucket: int, width: int) -> tuple[np.ndarray, np.ndarray]:
         """The host staging of the next step as numpy views: meta int64[6, rows], table
@@ -244,12 +247,13 @@ class ModelRunner:
 
     def capture(self, fn) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
         """Capture fn() (a decode or speculation step over the static inputs) as a CUDA graph in
-        the shared pool, after a warm-up that compiles the kernels (the WISE counters it touches
-        are restored) -> (graph, fn's output). Under tensor parallelism every rank captures the
+        the shared pool, after a warm-up that compiles the kernels (the WISE and early-exit
+        counters it touches are restored) -> (graph, fn's output). Under tensor parallelism every rank captures the
         same step in the same call: the warm-up's collectives pair up, and the captured ones run
         at each replay."""
         start = time.perf_counter()
         saved = None if self.wise is None else self.wise.snapshot()
+        loops_run = None if self.loops_run is None else self.loops_run.clone()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -263,6 +267,8 @@ class ModelRunner:
         self.graph_pool = graph.pool()
         if saved is not None:
             self.wise.restore(saved)
+        if loops_run is not None:
+            self.loops_run.copy_(loops_run)
         self.capture_s += time.perf_counter() - start
         return graph, out
 
@@ -385,6 +391,13 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.send("wise_density")
         return self.wise.density(None if self.tp is None else self.tp.all_reduce)
+
+    def mean_decode_depth(self) -> float | None:
+        """Loops a decoded token ran on average (early exit; None without, or before any)."""
+        if self.loops_run is None:
+            return None
+        loops, tokens = self.loops_run.tolist()
+        return loops / tokens if tokens else None
 
     def reset_wise_counters(self) -> None:
         """WiseState.reset_counters on every rank."""
