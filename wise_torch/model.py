@@ -406,7 +406,7 @@ class OuroForCausalLM(nn.Module):
         gets the loops the real rows (epochs >= 0) ran and their count added in place."""
         exits = self.exit_state(batch.size, keep_kv=True, device=tokens.device)
         ctx = DecodeContext(self.config, batch, cache, wise, attention, dense_modes[:batch.size],
-                            unused_support[:batch.size], dense_attention, exits)
+                            unused_support[:batch.size], dense_attention, exits=exits)
         logits = self.logits(self.run_tokens(tokens, ctx, exits=exits))
         if loops_run is not None and exits is not None:
             real = batch.epochs >= 0
