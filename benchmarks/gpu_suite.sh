@@ -2,7 +2,9 @@
 # Every GPU test and benchmark of the project, in parts, for one H200 (tp: two):
 #   bash benchmarks/gpu_suite.sh tests|train|bench|engine|jax|jax-bench|jax-tests|step-profile|pallas|pallas-sweep|kernel-profile|tp|fa4|prefix|drafts OUTDIR [MODEL_DIR]
 # tests: the `gpu`-marked pytest suite, the parity suite;
-# train: trains the built-in model (benchmarks.train.train_builtin) into OUTDIR/model;
+# train: trains the built-in model (benchmarks.train.train_builtin) into OUTDIR/model; TRAIN_ARCHITECTURES="huginn"
+#        trains the built-in Huginn model into OUTDIR/huginn-model instead, "ouro huginn" both (two 10-minute
+#        slots at the default TRAIN_MINUTES=5; TRAIN_MINUTES=3 fits both in one);
 # engine: the torch engine's gpu tests, the fused-ops benchmark and the engine throughput
 #         benchmark (dense and WISE at 1K x 64, 4K x 20, 8K x 10, 1K x 1; ARMS, SHAPES, Q_SCALES override;
 #         SPEC adds speculative arms, e.g. SPEC="--spec wise --spec loops --num-draft 4");
@@ -55,7 +57,11 @@ case $part in
     run parity 150 python3 -m parity --json "$out/parity_h200.json" --details failures
     ;;
   train)
-    run train 540 python3 -m benchmarks.train.train_builtin --minutes "${TRAIN_MINUTES:-5}" --out "$out/model"
+    for arch in ${TRAIN_ARCHITECTURES:-ouro}; do
+      if [ "$arch" = ouro ]; then name=train dir=model; else name=train_$arch dir=$arch-model; fi
+      run "$name" 540 python3 -m benchmarks.train.train_builtin --architecture "$arch" --minutes "${TRAIN_MINUTES:-5}" \
+          --out "$out/$dir"
+    done
     ;;
   bench)
     run kernel_bench 330 python3 -m benchmarks.kernels.kernel_bench --out "$out/kernel" --sweep-seconds 90

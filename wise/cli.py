@@ -39,8 +39,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"checkpoint directory (HF Ouro layout) or built-in model name: "
                              f"{', '.join(sorted(BUILTIN_MODELS))} (default: {DEFAULT_MODEL!r}; "
-                             f"'ouro-py-3m' is a small model trained on Python source, 'random-tiny' "
-                             f"has random weights)")
+                             f"'ouro-py-3m' is a small model trained on Python source, 'huginn-py-3m' "
+                             f"its Huginn-architecture counterpart, 'random-tiny' has random weights)")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text; '-' reads it from standard input (as is, newlines kept)")
     source.add_argument("--prompt-file",

@@ -322,6 +322,7 @@ def _random_tiny() -> Checkpoint:
 # Trained models shipped in wise_core/models/<name>/ (checkpoint directories).
 PACKAGED_MODELS_DIR = Path(__file__).resolve().parent / "models"
 TRAINED_MODEL = "ouro-py-3m"  # trained on the stdlib's source by benchmarks/train/train_builtin.py
+TRAINED_HUGINN_MODEL = "huginn-py-3m"  # the same, Huginn architecture (train_builtin --architecture huginn)
 
 
 BUILTIN_MODELS = {"random-tiny": _random_tiny}

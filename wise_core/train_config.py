@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-OBJECTIVES = ("ouro", "last")
+OBJECTIVES = ("ouro", "last", "huginn")
 ORDERS = ("random", "sequential")
 ATTENTIONS = ("xla", "cudnn")
 
@@ -14,10 +14,14 @@ ATTENTIONS = ("xla", "cudnn")
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Hyper-parameters of a run. batch: windows per micro-batch (global, split over devices);
-    accum: micro-batches per optimiser step; max_steps / minutes: the horizon (at least one)."""
+    accum: micro-batches per optimiser step; max_steps / minutes: the horizon (at least one).
+    objective "huginn" (a Huginn model): its core iterations per step are drawn around the model's
+    total_ut_steps (the released mean_recurrence) and the last min(drawn, backprop_depth) of them
+    get gradient (the released mean_backprop_depth); see `wise_jax.train`."""
 
     objective: str = "ouro"
     beta: float = 0.05
+    backprop_depth: int = 2
     batch: int = 32
     accum: int = 1
     seq_len: int = 2048
@@ -49,7 +53,7 @@ class TrainConfig:
             raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
-        for name in ("batch", "accum", "seq_len", "warmup"):
+        for name in ("batch", "accum", "seq_len", "warmup", "backprop_depth"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "warmup" else 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -113,6 +113,39 @@ def huginn_from_tensors(config: ModelConfig, tensors: dict, dtype=jnp.float32) -
                         array(t["transformer.ln_f.weight"]), lm_head)
 
 
+def huginn_to_tensors(config: ModelConfig, params: HuginnParams) -> dict[str, np.ndarray]:
+    """HuginnParams -> HF-named float32 numpy tensors (`huginn_from_tensors` undone: q's and k's
+    rows back to interleaved RoPE pairs, linear weights [out, in], qk_bias from the fused bias)."""
+    heads, d, h = config.num_attention_heads, config.head_dim, config.hidden_size
+    undo = np.argsort(np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)]))
+
+    def get(x):
+        return np.asarray(jnp.asarray(x, jnp.float32))
+
+    def interleaved(w):
+        return w.reshape(heads, d, *w.shape[1:])[:, undo].reshape(w.shape)
+
+    tensors = {"transformer.wte.weight": get(params.wte), "transformer.adapter.weight": get(params.adapter).T.copy(),
+               "transformer.ln_f.weight": get(params.ln_f)}
+    blocks = {stack: getattr(params, stack) for stack in HUGINN_STACKS}
+    for stack, n in huginn_layers(config):
+        bp, prefix = blocks[stack][n], f"transformer.{stack}.{n}."
+        q, k, v = np.split(get(bp.qkv).T, 3)
+        tensors[prefix + "attn.Wqkv.weight"] = np.concatenate([interleaved(q), interleaved(k), v])
+        if config.qk_bias:
+            qb, kb, _ = np.split(get(bp.qkv_bias), 3)
+            tensors[prefix + "attn.qk_bias"] = np.stack([interleaved(qb), interleaved(kb)]).reshape(2, 1, heads, d)
+        tensors[prefix + "attn.proj.weight"] = get(bp.proj).T.copy()
+        tensors[prefix + "mlp.fc.weight"] = get(bp.fc).T.copy()
+        tensors[prefix + "mlp.proj.weight"] = get(bp.mlp_proj).T.copy()
+        for i in range(1, 5):
+            tensors[prefix + f"norm_{i}.weight"] = get(getattr(bp, f"norm_{i}"))
+    if params.lm_head is not None:
+        tensors["lm_head.weight"] = get(params.lm_head).T.copy()
+    validate_tensors(config, tensors)
+    return tensors
+
+
 def sandwich_block(bp: BlockParams, config: ModelConfig, x: jax.Array, cos: jax.Array, sin: jax.Array,
                    attend: Callable) -> tuple[jax.Array, Any]:
     """One layer. x: [batch, seq, hidden]; attend(q, k, v) -> (out, aux) with q, k, v, out

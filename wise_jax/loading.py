@@ -28,8 +28,9 @@ from tokenizers import Tokenizer
 
 from wise_core import tokenizer as core_tokenizer
 from wise_core.checkpoint import (BUILTIN_MODELS, Checkpoint, CheckpointError, CheckpointFiles, expected_shapes,
-                                  open_checkpoint, validate_tensors)
+                                  load_checkpoint, open_checkpoint, validate_tensors)
 from wise_core.config import ModelConfig
+from wise_jax.huginn import huginn_from_tensors
 from wise_jax.params import LAYER_NAMES, LINEAR_FIELDS, LayerParams, Params, param_shapes
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -169,12 +170,17 @@ def _in_files(found: CheckpointFiles) -> Callable[[str], ContextManager[Rows]]:
 
 def load_model(path_or_name: str | Path, *, dtype=jnp.float32, with_tokenizer: bool = False,
                layers: str = "stacked"):
-    """A checkpoint directory (HF Ouro layout) or built-in model name -> (config, params of dtype),
-    or (config, params, tokenizer or None) with `with_tokenizer`. layers="unstacked" loads the
-    per-layer layout the serving engine decodes with (`params.unstack_layers`), so `LLM` makes
-    no second copy of the weights."""
+    """A checkpoint directory (HF Ouro or Huginn layout) or built-in model name -> (config, params
+    of dtype), or (config, params, tokenizer or None) with `with_tokenizer`. layers="unstacked"
+    loads the per-layer layout the serving engine decodes with (`params.unstack_layers`), so `LLM`
+    makes no second copy of the weights. A Huginn checkpoint gives `wise_jax.huginn.HuginnParams`
+    (its tensors read into host memory first; `layers` does not apply)."""
     dtype = model_dtype(dtype)
     found = open_checkpoint(path_or_name)
+    if found.config.architecture == "huginn":
+        found = found if isinstance(found, Checkpoint) else load_checkpoint(path_or_name)
+        params = huginn_from_tensors(found.config, found.tensors, dtype)
+        return (found.config, params, found.tokenizer) if with_tokenizer else (found.config, params)
     tensors = _in_memory(found.tensors) if isinstance(found, Checkpoint) else _in_files(found)
     params = params_from_tensors(found.config, tensors, dtype, layers=layers)
     return (found.config, params, found.tokenizer) if with_tokenizer else (found.config, params)

@@ -14,8 +14,10 @@ import numpy as np
 import safetensors
 import torch
 
-from wise_core.checkpoint import Checkpoint, CheckpointError, expected_shapes, open_checkpoint, validate_tensors
+from wise_core.checkpoint import (Checkpoint, CheckpointError, expected_shapes, load_checkpoint, open_checkpoint,
+                                  validate_tensors)
 from wise_core.config import ModelConfig
+from wise_torch.huginn import HuginnForCausalLM, huginn_from_tensors
 from wise_torch.model import OuroForCausalLM, fused_groups, fused_state_dict
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -70,11 +72,16 @@ def from_tensors(config: ModelConfig, tensors: dict[str, np.ndarray], *, tokeniz
 
 
 def load_model(path_or_name: str | Path, *, dtype=torch.float32,
-               device: torch.device | str = "cpu") -> OuroForCausalLM:
-    """A checkpoint directory or built-in model name (wise_core.checkpoint) as an eval-mode model."""
+               device: torch.device | str = "cpu") -> OuroForCausalLM | HuginnForCausalLM:
+    """A checkpoint directory or built-in model name (wise_core.checkpoint) as an eval-mode model:
+    an OuroForCausalLM, or a HuginnForCausalLM for a Huginn checkpoint (its tensors read into host
+    memory first, `wise_torch.huginn.huginn_from_tensors`)."""
     dtype = model_dtype(dtype)
     device = torch.device(device)
     found = open_checkpoint(path_or_name)
+    if found.config.architecture == "huginn":
+        found = found if isinstance(found, Checkpoint) else load_checkpoint(path_or_name)
+        return huginn_from_tensors(found.config, found.tensors, tokenizer=found.tokenizer, dtype=dtype, device=device)
     if isinstance(found, Checkpoint):
         return from_tensors(found.config, found.tensors, tokenizer=found.tokenizer, dtype=dtype, device=device)
     names = _state_names(found.config)

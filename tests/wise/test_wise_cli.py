@@ -66,7 +66,7 @@ def test_errors_and_help():
     assert result.returncode == 1 and "unknown model 'no-such-model'" in result.stderr
     result = wise("generate", "--help")
     help_text = " ".join(result.stdout.split())
-    assert result.returncode == 0 and "built-in model name: ouro-py-3m, random-tiny" in help_text
+    assert result.returncode == 0 and "built-in model name: huginn-py-3m, ouro-py-3m, random-tiny" in help_text
     assert "'ouro-py-3m' is a small model trained on Python source" in help_text
     assert "sampling temperature; 0 is greedy, the default" in help_text
     assert "--logprobs print each generated token's log p" in help_text

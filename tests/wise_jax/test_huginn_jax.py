@@ -80,8 +80,14 @@ def test_prefill_and_decode_match_reference(tmp_path):
         decode_step(params, TINY, cache, jnp.asarray(ids[:1]), state, jnp.zeros(1, jnp.int32), num_steps=7)
 
 
-def test_ouro_loader_names_the_architecture(tmp_path):
-    """The Ouro model's loader refuses a Huginn checkpoint with an error naming the architecture."""
-    checkpoint(tmp_path)
+def test_load_model_dispatches_on_the_architecture(tmp_path):
+    """load_model gives a Huginn checkpoint's HuginnParams (huginn_from_tensors' params); the Ouro
+    params' constructor refuses one with an error naming the architecture."""
+    loaded = checkpoint(tmp_path)
+    config, params = wise_jax.load_model(tmp_path / "ckpt")
+    want = huginn_from_tensors(loaded.config, loaded.tensors)
+    assert config == loaded.config
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="Ouro params take architecture 'ouro', got 'huginn'"):
-        wise_jax.load_model(tmp_path / "ckpt")
+        wise_jax.from_checkpoint_tensors(loaded.config, loaded.tensors)

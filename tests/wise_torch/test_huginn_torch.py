@@ -86,8 +86,13 @@ def test_paged_prefill_and_decode_match_reference(tmp_path):
             model.prefill(torch.tensor(ids[:37]), batch, cache, num_steps=7, state=state)
 
 
-def test_ouro_loader_names_the_architecture(tmp_path):
-    """The Ouro model's loader refuses a Huginn checkpoint with an error naming the architecture."""
-    checkpoint(tmp_path)
+def test_load_model_dispatches_on_the_architecture(tmp_path):
+    """load_model gives a Huginn checkpoint's HuginnForCausalLM (huginn_from_tensors' model); the
+    Ouro model's constructor refuses one with an error naming the architecture."""
+    loaded = checkpoint(tmp_path)
+    model = wise_torch.load_model(tmp_path / "ckpt")
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        assert torch.equal(model(ids), huginn_from_tensors(loaded.config, loaded.tensors)(ids))
     with pytest.raises(ValueError, match="OuroForCausalLM runs architecture 'ouro', got 'huginn'"):
-        wise_torch.load_model(tmp_path / "ckpt")
+        wise_torch.from_tensors(loaded.config, loaded.tensors)
