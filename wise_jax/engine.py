@@ -342,6 +342,9 @@ class LLM(LLMEngine):
             raise ValueError("dtype applies to a model loaded by name; these params are already built")
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+        if config.architecture != "ouro":
+            raise ValueError(f"wise_jax.LLM runs Ouro models, got architecture {config.architecture!r} (a Huginn "
+                             f"model runs through wise_jax.huginn, or through wise_torch.LLM)")
         args.checked_for(config.total_ut_steps, config.max_position_embeddings)
         if layers not in ("unstacked", "stacked"):
             raise ValueError(f"layers must be 'unstacked' or 'stacked', got {layers!r}")

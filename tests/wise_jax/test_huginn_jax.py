@@ -81,7 +81,10 @@ def test_prefill_and_decode_match_reference(tmp_path):
 
 
 def test_ouro_loader_names_the_architecture(tmp_path):
-    """The Ouro model's loader refuses a Huginn checkpoint with an error naming the architecture."""
-    checkpoint(tmp_path)
+    """The Ouro model's loader, and the engine, refuse a Huginn checkpoint with an error naming
+    the architecture."""
+    ckpt = checkpoint(tmp_path)
     with pytest.raises(ValueError, match="Ouro params take architecture 'ouro', got 'huginn'"):
         wise_jax.load_model(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="wise_jax.LLM runs Ouro models, got architecture 'huginn'"):
+        wise_jax.LLM(huginn_from_tensors(TINY, ckpt.tensors), TINY, num_pages=4, page_size=32)

@@ -1,6 +1,7 @@
 """wise_torch.LLM on Huginn beyond the shared engine tests (tests/wise_core/engine/
 test_engine_huginn.py): a checkpoint directory loads by path and serves the tokens of the model
-built from its tensors; speculation, tensor parallelism and an Ouro num_steps are refused."""
+built from its tensors; `wise_torch.generate` (an engine) runs Huginn at its default depth;
+speculation, tensor parallelism and an Ouro num_steps are refused."""
 
 import pytest
 
@@ -10,7 +11,7 @@ from parity.huginn import torch_generate
 from wise_core.checkpoint import random_tensors
 from wise_core.config import PRESETS, SpeculativeConfig
 from wise_core.request import SamplingParams
-from wise_torch import LLM, from_tensors
+from wise_torch import LLM, from_tensors, generate
 
 
 def test_a_huginn_checkpoint_directory_serves_the_tokens_of_its_tensors(tmp_path):
@@ -21,6 +22,13 @@ def test_a_huginn_checkpoint_directory_serves_the_tokens_of_its_tensors(tmp_path
     out = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
     want = torch_generate(from_tensors(TINY, ckpt.tensors), [prompt], max_new_tokens=6, num_steps=2)[0][0]
     assert out.token_ids == want
+
+
+def test_generate_runs_huginn_at_total_ut_steps():
+    model = from_tensors(TINY, random_tensors(TINY, seed=1, std=0.08))
+    prompt = prompts_of([45], TINY.vocab_size, seed=8)[0]
+    got = generate(model, [prompt], max_new_tokens=6, eos_token_id=None, kernel="reference").tokens[0]
+    assert got == torch_generate(model, [prompt], max_new_tokens=6, num_steps=TINY.total_ut_steps)[0][0]
 
 
 def test_what_huginn_does_not_run_is_refused():
