@@ -36,6 +36,7 @@ from wise_core.huginn_reference import initial_state, num_planes, plane_index
 from wise_jax import kv_cache as kvc
 from wise_jax import wise_state as ws
 from wise_jax.attention import decode_attention
+from wise_jax.chunked_prefill import prefix_attention
 from wise_jax.model import apply_rope, check_input_ids, rms_norm, rope
 from wise_jax.prefill_attention import causal_attention
 
@@ -232,6 +233,36 @@ def prefill(params: HuginnParams, config: ModelConfig, tokens: jax.Array, length
     x, (k, v) = run_model(params, config, tokens[None], state[None], cos, sin, num_steps, attend,
                           (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
     return head(params, lax.dynamic_index_in_dim(x[0], length - 1, 0, keepdims=False)), k, v
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_steps"), donate_argnames=("k_pages", "v_pages"))
+def prefill_chunk(params: HuginnParams, config: ModelConfig, k_pages: jax.Array, v_pages: jax.Array,
+                  tokens: jax.Array, start: jax.Array, length: jax.Array, table: jax.Array, state_table: jax.Array,
+                  *, num_steps: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A prompt chunk continuing one already in the paged cache (`wise_jax.chunked_prefill`'s
+    contract, its `prefix_attention`): tokens int32[seq] (seq a multiple of page_size, valid up
+    to `length`) at positions [start, start + seq) of one request, each from the initial state
+    of its position, state_table[position] (state_table [>= start + length, hidden]); every
+    plane's K/V written into the request's pages `table` int32[pages] (padding positions: the
+    scratch page), each query attending over the request's keys up to its position. k_pages,
+    v_pages: the storage [planes, num_pages + 1, page_size, heads, head_dim] (donated). Returns
+    (logits float32[vocab] after the chunk's last token, k_pages, v_pages)."""
+    seq = tokens.shape[0]
+    page_size, scratch = k_pages.shape[2], k_pages.shape[1] - 1
+    positions = start + jnp.arange(seq, dtype=jnp.int32)
+    valid = jnp.arange(seq) < length
+    page = jnp.where(valid, table[jnp.minimum(positions // page_size, table.shape[0] - 1)], scratch)
+    offset, keys = positions % page_size, table.shape[0] * page_size
+    cos, sin = rope(positions[None], config.head_dim, config.rope_theta)
+
+    def attend(q, k, v, plane, pages, core):
+        pages = tuple(store.at[plane, page, offset].set(x[0].astype(store.dtype)) for store, x in zip(pages, (k, v)))
+        context = [store[plane, table].reshape((keys,) + store.shape[3:]) for store in pages]
+        return prefix_attention(q[0], *context, positions, page_size)[None], pages
+
+    x, (k_pages, v_pages) = run_model(params, config, tokens[None], state_table[positions][None], cos, sin, num_steps,
+                                      attend, (k_pages, v_pages))
+    return head(params, lax.dynamic_index_in_dim(x[0], length - 1, 0, keepdims=False)), k_pages, v_pages
 
 
 @functools.partial(jax.jit, static_argnames=("config", "num_steps", "kernel", "wise_config"))
