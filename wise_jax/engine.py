@@ -359,14 +359,15 @@ class LLM(LLMEngine):
             raise ValueError("dtype applies to a model loaded by name; these params are already built")
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
-        planes = self._check_depth(params, config, num_steps, mesh)
-        self.num_steps = None if planes is None else config.total_ut_steps if num_steps is None else num_steps
-        args.checked_for(self.num_steps or config.total_ut_steps, config.max_position_embeddings,
-                         None if planes is None else f"num_steps={self.num_steps} core iterations")
+        self.num_steps = self._huginn_steps(params, config, num_steps, mesh)    # None: an Ouro model
+        planes = None if self.num_steps is None else num_planes(config, self.num_steps)
+        args.checked_for(config.total_ut_steps if self.num_steps is None else self.num_steps,
+                         config.max_position_embeddings,
+                         None if self.num_steps is None else f"num_steps={self.num_steps} core iterations")
         if layers not in ("unstacked", "stacked"):
             raise ValueError(f"layers must be 'unstacked' or 'stacked', got {layers!r}")
         per_device = config if mesh is None else sharding.local_config(config, sharding.tp_size(mesh))
-        dtype = params.wte.dtype if planes is not None else (
+        dtype = params.wte.dtype if self.num_steps is not None else (
             params.params if isinstance(params, sharding.MeshParams) else params).embed_tokens.dtype
         if mesh is not None:
             params = sharding.shard_params(config, params, mesh)
@@ -405,9 +406,9 @@ class LLM(LLMEngine):
         self._seed = random.randrange(MAX_SEED) if args.seed is None else args.seed
 
     @staticmethod
-    def _check_depth(params, config: ModelConfig, num_steps, mesh) -> int | None:
-        """The pool's planes for a Huginn model of num_steps core iterations (None: its
-        total_ut_steps), checked; None for an Ouro model (num_steps None or its loops)."""
+    def _huginn_steps(params, config: ModelConfig, num_steps, mesh) -> int | None:
+        """A Huginn model's core iterations per token, checked (num_steps None: its
+        total_ut_steps); None for an Ouro model (num_steps None or its loops)."""
         if config.architecture != "huginn":
             if num_steps not in (None, config.total_ut_steps):
                 raise ValueError(f"an Ouro model runs its {config.total_ut_steps} loops every step, got "
@@ -417,7 +418,7 @@ class LLM(LLMEngine):
             raise TypeError(f"a Huginn config takes HuginnParams (wise_jax.huginn), got {type(params).__name__}")
         if mesh is not None:
             raise ValueError("a mesh runs Ouro models only; this is a Huginn model")
-        return num_planes(config, huginn.check_num_steps(config.total_ut_steps if num_steps is None else num_steps))
+        return huginn.check_num_steps(config.total_ut_steps if num_steps is None else num_steps)
 
     def add_request(self, prompt, params: SamplingParams | None = None, *, forced: list[int] | None = None,
                     keep_logits: bool = False, key: jax.Array | None = None) -> int:

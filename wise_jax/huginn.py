@@ -10,12 +10,13 @@ from the released interleaved RoPE pairs to split halves (so `wise_jax.model.app
 applies the released rotation; q . k is unchanged), qk_bias as the bias of the fused qkv
 projection (zero on v); linear weights stored [in, out].
 
-`forward` (whole sequences), `prefill` (one prompt, returning every plane's K/V) and
-`decode_step` (one token per row against the paged cache, `wise_jax.kv_cache` created with
-`num_planes` planes; dense, or WISE over the core iterations with Ouro's `wise_jax.wise_state`:
-core iteration `step` and core layer n are the state's (loop, layer), so `WiseConfig` depths
-index core iterations; the prelude and the coda attend densely) share `run_model`; the plane
-layout is `wise_core.huginn_reference.plane_index`.
+`forward` (whole sequences), `prefill` (one prompt, returning every plane's K/V),
+`prefill_chunk` (a prompt chunk continuing one in the paged cache: the serving engine's chunked
+prefill, `wise_jax.engine.LLM`) and `decode_step` (one token per row against the paged cache,
+`wise_jax.kv_cache` created with `num_planes` planes; dense, or WISE over the core iterations
+with Ouro's `wise_jax.wise_state`: core iteration `step` and core layer n are the state's (loop,
+layer), so `WiseConfig` depths index core iterations; the prelude and the coda attend densely)
+share `run_model`; the plane layout is `wise_core.huginn_reference.plane_index`.
 """
 
 from __future__ import annotations

@@ -43,15 +43,16 @@ def engine(fw, wise_config=None, **kw):
 def alone(fw, prompt: list[int], wise_config, n: int = NEW) -> list[int]:
     """n greedy tokens of `prompt` alone (memoized per framework): the model's prefill, then its
     decode_step one token a step, STEPS core iterations, the initial state of seed 0 (the
-    engine's)."""
+    engine's), in 3 pages (the longest prompt and its tokens: 72 keys)."""
     done = fw.__dict__.setdefault("huginn_alone", {})
     key = (tuple(prompt), n, wise_config)
     if key not in done:
         if fw.name == "torch":
-            run = torch_generate(fw.model, [prompt], max_new_tokens=n, num_steps=STEPS, wise_config=wise_config)
-        else:
+            run = torch_generate(fw.model, [prompt], max_new_tokens=n, num_steps=STEPS, wise_config=wise_config,
+                                 pages=3)
+        else:   # every prompt's decode the same program
             run = jax_generate(fw.model, fw.config, [prompt], max_new_tokens=n, num_steps=STEPS,
-                               wise_config=wise_config)
+                               wise_config=wise_config, pages=3)
         done[key] = run[0][0]
     return done[key]
 
