@@ -1,9 +1,10 @@
 """The serving engine of both frameworks on Huginn (test-tiny-huginn with random weights, fp32,
 reference kernel, CPU), one test per behaviour run once per framework: requests joining between
-steps, chunked prefill, preemption with offload and an abort each give a request the greedy
-tokens of its prompt decoded alone through the model's own prefill and decode_step
-(`parity.huginn`, the same seeded initial state of each position), dense and with WISE over the
-core iterations; the pool's planes follow num_steps; what Huginn cannot run is refused."""
+steps, chunked prefill, preemption with offload, an abort and a cached prompt prefix each give
+a request the greedy tokens of its prompt decoded alone through the model's own prefill and
+decode_step (`parity.huginn`, the same seeded initial state of each position), dense and with
+WISE over the core iterations; the pool's planes follow num_steps, and WISE depths past it and
+a bad num_steps are refused."""
 
 from __future__ import annotations
 
@@ -123,6 +124,18 @@ def test_abort_frees_pages_and_leaves_the_others_unchanged(fw, wise_config):
     for i, final in zip(kept, finals):
         assert final.token_ids == alone(fw, PROMPTS[i], wise_config)
     drained(llm)
+
+
+def test_a_cached_prompt_prefix_gives_the_tokens_alone(fw):
+    """A request whose first two pages of prompt a finished one holds (prefix caching, on by
+    default) skips their prefill: their K/V hold each position's own initial state's."""
+    prefix = prompts_of([64], CONFIG.vocab_size, seed=7)[0]
+    prompts = [prefix + tail for tail in prompts_of([3, 14], CONFIG.vocab_size, seed=8)]
+    llm = engine(fw)
+    for prompt in prompts:   # one after the other: the second finds the first's pages
+        rid = llm.add_request(prompt, SamplingParams(max_tokens=NEW, ignore_eos=True))
+        assert llm.run_until_done([rid])[0].token_ids == alone(fw, prompt, None)
+    assert drained(llm).prefix_cache_hits == 64
 
 
 def test_the_pool_holds_the_planes_of_num_steps_and_wise_depths_are_checked_against_them(fw):
