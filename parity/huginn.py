@@ -31,9 +31,13 @@ from wise_torch.wise_state import WiseState
 PAGE_SIZE = 32
 
 
-def _pages(prompts: list[list[int]], max_new_tokens: int) -> int:
-    """Pages per request: the longest prompt and its new tokens."""
-    return -(-(max(map(len, prompts)) + max_new_tokens) // PAGE_SIZE)
+def _pages(prompts: list[list[int]], max_new_tokens: int, pages: int | None = None) -> int:
+    """Pages per request: `pages`, else those of the longest prompt and its new tokens (at least
+    those: a larger pool gives the same tokens, and one shape serves prompts of several lengths)."""
+    need = -(-(max(map(len, prompts)) + max_new_tokens) // PAGE_SIZE)
+    if pages is not None and pages < need:
+        raise ValueError(f"pages={pages} per request hold fewer than the {need} the prompts and new tokens need")
+    return need if pages is None else pages
 
 
 def _blocks(pages: int, wise_config: WiseConfig | None) -> int:
@@ -42,14 +46,16 @@ def _blocks(pages: int, wise_config: WiseConfig | None) -> int:
 
 def torch_generate(model: HuginnForCausalLM, prompts: list[list[int]], *, max_new_tokens: int, num_steps: int,
                    seed: int = 0, wise_config: WiseConfig | None = None, kernel: str = "reference",
-                   adaptive: AdaptiveDepth | None = None, depths: list[list[int]] | None = None):
+                   adaptive: AdaptiveDepth | None = None, depths: list[list[int]] | None = None,
+                   pages: int | None = None):
     """Greedy tokens per prompt (max_new_tokens each, no early stop), their logits
     float32[max_new_tokens, vocab] per prompt (numpy), and the WiseState (None when dense).
     kernel: `wise_torch.attention.decode_attention`'s (which runs the WiseConfig's selection rule).
     adaptive: per-token adaptive depth in decode; depths, if given, gets each prompt's list of
-    the iterations its decode steps ran."""
+    the iterations its decode steps ran. pages: each request's pages (`_pages`; None: what the
+    longest prompt and its tokens need)."""
     config, device = model.config, model.head_weight.device
-    rows, pages = len(prompts), _pages(prompts, max_new_tokens)
+    rows, pages = len(prompts), _pages(prompts, max_new_tokens, pages)
     cache = PagedKVCache(planes=num_planes(config, num_steps), num_pages=rows * pages, page_size=PAGE_SIZE,
                          kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
                          dtype=model.head_weight.dtype, device=device)
@@ -102,11 +108,11 @@ def torch_generate(model: HuginnForCausalLM, prompts: list[list[int]], *, max_ne
 def jax_generate(params: jax_huginn.HuginnParams, config: ModelConfig, prompts: list[list[int]], *,
                  max_new_tokens: int, num_steps: int, seed: int = 0, wise_config: WiseConfig | None = None,
                  kernel: str = "reference", adaptive: AdaptiveDepth | None = None,
-                 depths: list[list[int]] | None = None):
+                 depths: list[list[int]] | None = None, pages: int | None = None):
     """`torch_generate` in JAX: (tokens per prompt, logits float32[max_new_tokens, vocab] per
-    prompt, the WiseState or None); adaptive and depths as there. A prompt is padded to whole
-    pages for its prefill."""
-    rows, pages = len(prompts), _pages(prompts, max_new_tokens)
+    prompt, the WiseState or None); adaptive, depths and pages as there. A prompt is padded to
+    whole pages for its prefill."""
+    rows, pages = len(prompts), _pages(prompts, max_new_tokens, pages)
     dtype = params.wte.dtype
     cache = kvc.create(config, batch=rows, max_pages=pages, num_pages=rows * pages, page_size=PAGE_SIZE,
                        dtype=dtype, planes=num_planes(config, num_steps))

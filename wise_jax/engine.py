@@ -60,9 +60,11 @@ from wise_core.engine import EngineArgs, LLMEngine
 from wise_core.engine.args import cpu_pool, pool_pages
 from wise_core.engine.scheduler import Chunk
 from wise_core.engine.sequence import Sequence, logits_rows
+from wise_core.huginn_reference import initial_state, num_planes
 from wise_core.request import (MAX_LOGPROBS, MAX_SEED, EngineStats, RequestOutput,  # noqa: F401 (its names)
                                SamplingParams)
 from wise_core.tokenizer import encode_text
+from wise_jax import huginn
 from wise_jax import kv_cache as kvc
 from wise_jax import serving
 from wise_jax import sharding
@@ -260,13 +262,16 @@ class Rows:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "wise_config", "kernel", "unroll", "sampling", "keep_logits",
-                                             "mesh", "rows", "width"),
+                                             "mesh", "rows", "width", "num_steps"),
                    donate_argnames=("cache", "state", "next_token", "logits_state"))
 def _step(params: Params, cache: kvc.PagedKVCache, state, next_token, inputs: Rows, draw: Draw,
-          processing: Processing | None = None, logits_state: LogitsState | None = None, *, config: ModelConfig,
-          wise_config, kernel: str, unroll, sampling: bool, keep_logits: bool, mesh=None, rows: int, width: int):
+          processing: Processing | None = None, logits_state: LogitsState | None = None, state_table=None, *,
+          config: ModelConfig, wise_config, kernel: str, unroll, sampling: bool, keep_logits: bool, mesh=None,
+          rows: int, width: int, num_steps: int | None = None):
     """One decode step of slots [0, rows), the batch bucket, at context bucket `width` (module
-    docstring); processing and logits_state None, or both given (`_choose`). Returns (cache,
+    docstring); processing and logits_state None, or both given (`_choose`). A Huginn model
+    (num_steps its core iterations, None for Ouro) runs `huginn.decode_step` from each row's
+    initial state, state_table[position] (on the device). Returns (cache,
     state, next_token, logits_state, (token, logprob, NaN flag, overflowed, logits or None,
     ranked or None, loops_run)), per row of the bucket; overflowed: a row's pages did not fit
     (nothing written); loops_run int32[2] (loops the live rows ran, live rows) with early exit,
@@ -278,9 +283,14 @@ def _step(params: Params, cache: kvc.PagedKVCache, state, next_token, inputs: Ro
     rows_state = None if state is None else _state_rows(state, rows)
     tokens = jnp.where(inputs.tokens >= 0, inputs.tokens, next_token[:rows])
     exiting = config.early_exit_threshold < 1.0
-    logits, step_cache, rows_state, *depths = sharding.decode_step(
-        params, config, step_cache, rows_state, tokens, inputs.tags, wise_config=wise_config, kernel=kernel,
-        unroll=unroll, mesh=mesh, width=width, return_depths=exiting)
+    if num_steps is None:
+        logits, step_cache, rows_state, *depths = sharding.decode_step(
+            params, config, step_cache, rows_state, tokens, inputs.tags, wise_config=wise_config, kernel=kernel,
+            unroll=unroll, mesh=mesh, width=width, return_depths=exiting)
+    else:   # the step's table is `width` pages wide: so are its attention and supports (Huginn: no early exit)
+        logits, step_cache, rows_state = huginn.decode_step(
+            params, config, step_cache, tokens, state_table[inputs.positions], inputs.tags, num_steps=num_steps,
+            kernel=kernel, wise_config=wise_config, wise_state=rows_state)
     slots = jnp.arange(rows)
     logits_rows = None if logits_state is None else logits_state.rows(slots)
     token, logprob, top = _choose(logits, draw, processing, logits_rows, sampling=sampling)
@@ -348,13 +358,20 @@ class LLM(LLMEngine):
     jax.sharding.Mesh with axis "tp" to shard the heads, the K/V pages and the WISE supports over
     (`wise_jax.sharding`; every device holds num_pages pages of its KV heads; `params` is then
     kept in the mesh layout, a `sharding.MeshParams`).
+
+    A Huginn model (`huginn.HuginnParams` and its config) runs `num_steps` core iterations per
+    token (None: its total_ut_steps): the pool holds `num_planes(config, num_steps)` planes, a
+    WiseConfig's depths index core iterations (each < num_steps), and every token starts from
+    the initial state of its position with seed 0 (`wise_core.huginn_reference.initial_state`,
+    a table on the device), so a request's tokens do not depend on its batch, chunking or
+    preemption; without a mesh. An Ouro model runs its num_loops (num_steps None or that).
     """
 
     ARRAY_TYPES = (jax.Array,)
 
     def __init__(self, params: Params | str | Path, config: ModelConfig | None = None, *,
                  tokenizer: Tokenizer | None = None, attention: str = "auto", layers: str = "unstacked",
-                 unroll: int | bool = 1, mesh=None, dtype=None, **engine_args):
+                 unroll: int | bool = 1, mesh=None, dtype=None, num_steps: int | None = None, **engine_args):
         args = EngineArgs(**engine_args)
         if isinstance(params, (str, Path)):
             if config is not None:
@@ -369,11 +386,16 @@ class LLM(LLMEngine):
             raise ValueError("dtype applies to a model loaded by name; these params are already built")
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
-        args.checked_for(config.total_ut_steps, config.max_position_embeddings)
+        self.num_steps = self._huginn_steps(params, config, num_steps, mesh)    # None: an Ouro model
+        planes = None if self.num_steps is None else num_planes(config, self.num_steps)
+        args.checked_for(config.total_ut_steps if self.num_steps is None else self.num_steps,
+                         config.max_position_embeddings,
+                         None if self.num_steps is None else f"num_steps={self.num_steps} core iterations")
         if layers not in ("unstacked", "stacked"):
             raise ValueError(f"layers must be 'unstacked' or 'stacked', got {layers!r}")
         per_device = config if mesh is None else sharding.local_config(config, sharding.tp_size(mesh))
-        dtype = (params.params if isinstance(params, sharding.MeshParams) else params).embed_tokens.dtype
+        dtype = params.wte.dtype if self.num_steps is not None else (
+            params.params if isinstance(params, sharding.MeshParams) else params).embed_tokens.dtype
         if mesh is not None:
             params = sharding.shard_params(config, params, mesh)
             if layers == "unstacked":
@@ -386,7 +408,7 @@ class LLM(LLMEngine):
         num_pages, sizing = args.num_pages, f"num_pages={args.num_pages} as given"
         if num_pages is None:
             num_pages, sizing = _default_num_pages(per_device, args.page_size, dtype, args.max_num_seqs
-                                                   * args.pages_per_request(config.max_position_embeddings))
+                                                   * args.pages_per_request(config.max_position_embeddings), planes)
         self._start(args, num_pages=num_pages, pool_sizing=sizing,
                     max_model_len=args.model_len(config.max_position_embeddings, num_pages), tokenizer=tokenizer,
                     vocab_size=config.vocab_size, eos_token_id=config.eos_token_id)
@@ -398,15 +420,33 @@ class LLM(LLMEngine):
         self._loops_run = [0, 0]     # early exit: loops the decoded tokens ran, decoded tokens (`_step`)
         # The storage of the pool; its page table is each step's (the host's bookkeeping).
         self.cache = sharding.create_cache(config, mesh, batch=1, max_pages=1, num_pages=num_pages,
-                                           page_size=self.page_size, dtype=dtype)
+                                           page_size=self.page_size, dtype=dtype, planes=planes)
+        # Huginn: each position's initial state, read on the device by prefill and decode.
+        self.state_table = None if planes is None else jnp.asarray(
+            initial_state(config, np.arange(self.max_pages * self.page_size), 0), dtype)
         self.state = None if args.wise_config is None else sharding.create_state(
-            args.wise_config, mesh, slots=args.max_num_seqs, layers=config.num_hidden_layers,
+            args.wise_config, mesh, slots=args.max_num_seqs, layers=config.loop_layers,
             heads=config.num_attention_heads, max_blocks=self.max_pages * self.page_size // args.block_size)
         self.next_token = jnp.zeros((args.max_num_seqs,), jnp.int32)
         self.next_epoch = 0
         self.logits_state: LogitsState | None = None     # made when a request first needs it
         self._logits_owner: dict[int, Sequence] = {}       # slot -> the sequence its logits state rows are of
         self._seed = random.randrange(MAX_SEED) if args.seed is None else args.seed
+
+    @staticmethod
+    def _huginn_steps(params, config: ModelConfig, num_steps, mesh) -> int | None:
+        """A Huginn model's core iterations per token, checked (num_steps None: its
+        total_ut_steps); None for an Ouro model (num_steps None or its loops)."""
+        if config.architecture != "huginn":
+            if num_steps not in (None, config.total_ut_steps):
+                raise ValueError(f"an Ouro model runs its {config.total_ut_steps} loops every step, got "
+                                 f"num_steps={num_steps!r} (num_steps sets a Huginn model's core iterations)")
+            return None
+        if not isinstance(params, huginn.HuginnParams):
+            raise TypeError(f"a Huginn config takes HuginnParams (wise_jax.huginn), got {type(params).__name__}")
+        if mesh is not None:
+            raise ValueError("a mesh runs Ouro models only; this is a Huginn model")
+        return huginn.check_num_steps(config.total_ut_steps if num_steps is None else num_steps)
 
     def add_request(self, prompt, params: SamplingParams | None = None, *, forced: list[int] | None = None,
                     keep_logits: bool = False, key: jax.Array | None = None) -> int:
@@ -455,9 +495,9 @@ class LLM(LLMEngine):
         start, traces = time.perf_counter(), TRACES["step"]
         self.cache, self.state, self.next_token, logits_state, outputs = _step(
             self.params, self.cache, self.state, self.next_token, inputs, _draw_of(by_slot),
-            _processing_of(by_slot) if extras else None, self.logits_state if extras else None,
+            _processing_of(by_slot) if extras else None, self.logits_state if extras else None, self.state_table,
             config=self.config, wise_config=self.wise_config, kernel=self.kernel, unroll=self.unroll, mesh=self.mesh,
-            **program)
+            num_steps=self.num_steps, **program)
         if extras:
             self.logits_state = logits_state
         if TRACES["step"] > traces:   # a program made for this step: its trace and compile
@@ -492,9 +532,7 @@ class LLM(LLMEngine):
             tokens = seq.prompt[chunk.start:chunk.start + chunk.length]
             scored = chunk.scored > 0      # the logits of every position, for the prompt's scores
             if chunk.start == 0:
-                logits, kv = serving.prefill(self.params, self.config, tokens, page_size=self.page_size,
-                                             attention=self.attention, unroll=self.unroll, mesh=self.mesh,
-                                             all_logits=scored)
+                logits, kv = self._prefill(tokens, all_logits=scored)
                 n = kv.k.shape[1] // self.page_size
                 shape = (kv.k.shape[0], n, self.page_size) + kv.k.shape[2:]
                 self.cache = _write_pages(self.cache, kv.k.reshape(shape), kv.v.reshape(shape),
@@ -526,6 +564,20 @@ class LLM(LLMEngine):
         return _InFlight(rows, (token, logprob, nan, False, logits, top, None), list(range(len(rows))), prompt_rows,
                          prompt)
 
+    def _prefill(self, tokens: list[int], *, all_logits: bool = False) -> tuple:
+        """The prefill of a prompt's first chunk (padded to whole pages) -> (logits after its last
+        token (all_logits: and at every position, `serving.prefill`'s pair), its K/V of every plane)."""
+        if self.num_steps is None:
+            return serving.prefill(self.params, self.config, tokens, page_size=self.page_size,
+                                   attention=self.attention, unroll=self.unroll, mesh=self.mesh,
+                                   all_logits=all_logits)
+        padded = np.zeros(serving.prefill_bucket(len(tokens), self.page_size), np.int32)
+        padded[:len(tokens)] = tokens
+        length = jnp.int32(len(tokens))
+        logits, k, v = huginn.prefill(self.params, self.config, jnp.asarray(padded), length,
+                                      self.state_table[:len(padded)], num_steps=self.num_steps, all_logits=all_logits)
+        return logits, serving.RequestKV(k, v, length)
+
     def _continue_prompt(self, seq: Sequence, tokens: list[int], start: int, *, all_logits: bool = False):
         """Prefill `tokens` at positions [start, ...) of seq's prompt (`chunked_prefill`) -> the
         logits after the last (all_logits: `prefill_chunk`'s pair)."""
@@ -535,6 +587,12 @@ class LLM(LLMEngine):
         pages = context_bucket(self.widths, len(seq.pages))     # the pages its prompt holds so far
         table = np.full(pages, self.cache.scratch_page, np.int32)
         table[:len(seq.pages)] = seq.pages[:pages]
+        if self.num_steps is not None:
+            logits, k, v = huginn.prefill_chunk(self.params, self.config, self.cache.k, self.cache.v, jnp.asarray(ids),
+                                                jnp.int32(start), jnp.int32(len(tokens)), jnp.asarray(table),
+                                                self.state_table, num_steps=self.num_steps, all_logits=all_logits)
+            self.cache = dataclasses.replace(self.cache, k=k, v=v)
+            return logits
         logits, self.cache = _prefill_chunk(self.params, self.cache, jnp.asarray(ids), jnp.int32(start),
                                             jnp.int32(len(tokens)), jnp.asarray(table), config=self.config,
                                             unroll=self.unroll, mesh=self.mesh, all_logits=all_logits)
@@ -573,9 +631,10 @@ def encode(prompt, config: ModelConfig, tokenizer: Tokenizer | None, what: str) 
     return serving.check_ids(prompt, config, what)
 
 
-def _default_num_pages(config: ModelConfig, page_size: int, dtype, most: int) -> tuple[int, str]:
-    """(pages, how they were sized) for num_pages=None."""
-    per_page = kvc.page_bytes(config, page_size, dtype)
+def _default_num_pages(config: ModelConfig, page_size: int, dtype, most: int,
+                       planes: int | None = None) -> tuple[int, str]:
+    """(pages, how they were sized) for num_pages=None (planes: the pool's, `kv_cache.create`'s)."""
+    per_page = kvc.page_bytes(config, page_size, dtype, planes)
     device = jax.devices()[0]
     memory = (device.memory_stats() or {}) if device.platform == "gpu" else {}
     if "bytes_limit" not in memory:

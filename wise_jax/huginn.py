@@ -10,12 +10,13 @@ from the released interleaved RoPE pairs to split halves (so `wise_jax.model.app
 applies the released rotation; q . k is unchanged), qk_bias as the bias of the fused qkv
 projection (zero on v); linear weights stored [in, out].
 
-`forward` (whole sequences), `prefill` (one prompt, returning every plane's K/V) and
-`decode_step` (one token per row against the paged cache, `wise_jax.kv_cache` created with
-`num_planes` planes; dense, or WISE over the core iterations with Ouro's `wise_jax.wise_state`:
-core iteration `step` and core layer n are the state's (loop, layer), so `WiseConfig` depths
-index core iterations; the prelude and the coda attend densely) share `run_model`; the plane
-layout is `wise_core.huginn_reference.plane_index`.
+`forward` (whole sequences), `prefill` (one prompt, returning every plane's K/V),
+`prefill_chunk` (a prompt chunk continuing one in the paged cache: the serving engine's chunked
+prefill, `wise_jax.engine.LLM`) and `decode_step` (one token per row against the paged cache,
+`wise_jax.kv_cache` created with `num_planes` planes; dense, or WISE over the core iterations
+with Ouro's `wise_jax.wise_state`: core iteration `step` and core layer n are the state's (loop,
+layer), so `WiseConfig` depths index core iterations; the prelude and the coda attend densely)
+share `run_model`; the plane layout is `wise_core.huginn_reference.plane_index`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from wise_core.huginn_reference import initial_state, num_planes, plane_index
 from wise_jax import kv_cache as kvc
 from wise_jax import wise_state as ws
 from wise_jax.attention import decode_attention
+from wise_jax.chunked_prefill import prefix_attention
 from wise_jax.model import apply_rope, check_input_ids, rms_norm, rope
 from wise_jax.prefill_attention import causal_attention
 
@@ -250,13 +252,14 @@ def forward(params: HuginnParams, config: ModelConfig, input_ids, *, num_steps: 
     return _forward(params, config, input_ids, jnp.int32(num_steps), jnp.asarray(state, params.wte.dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "num_steps"))
+@functools.partial(jax.jit, static_argnames=("config", "num_steps", "all_logits"))
 def prefill(params: HuginnParams, config: ModelConfig, tokens: jax.Array, length: jax.Array, state: jax.Array, *,
-            num_steps: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+            num_steps: int, all_logits: bool = False) -> tuple:
     """Causal pass over one right-padded prompt, keeping the K/V of every plane
     (`wise_jax.model.prefill`'s contract). tokens int32[seq] (valid up to length, int32[] >= 1); state [seq, hidden].
     Returns (logits float32[vocab] at position length - 1, k, v [num_planes(config, num_steps),
-    seq, heads, head_dim] in the params' dtype)."""
+    seq, heads, head_dim] in the params' dtype); all_logits: logits is (those, the logits
+    float32[seq, vocab] at every position), as `wise_jax.model.prefill`."""
     seq = tokens.shape[0]
     cos, sin = rope(jnp.arange(seq, dtype=jnp.int32)[None], config.head_dim, config.rope_theta)
     dtype = params.wte.dtype
@@ -269,7 +272,45 @@ def prefill(params: HuginnParams, config: ModelConfig, tokens: jax.Array, length
 
     x, (k, v) = run_model(params, config, tokens[None], state[None], cos, sin, num_steps, attend,
                           (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
-    return head(params, lax.dynamic_index_in_dim(x[0], length - 1, 0, keepdims=False)), k, v
+    return _last_logits(params, x[0], length, all_logits), k, v
+
+
+def _last_logits(params: HuginnParams, x: jax.Array, length: jax.Array, all_logits: bool):
+    """The logits after position length - 1 of x [seq, hidden] (all_logits: and at every position)."""
+    last = head(params, lax.dynamic_index_in_dim(x, length - 1, 0, keepdims=False))
+    return (last, head(params, x)) if all_logits else last
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_steps", "all_logits"),
+                   donate_argnames=("k_pages", "v_pages"))
+def prefill_chunk(params: HuginnParams, config: ModelConfig, k_pages: jax.Array, v_pages: jax.Array,
+                  tokens: jax.Array, start: jax.Array, length: jax.Array, table: jax.Array, state_table: jax.Array,
+                  *, num_steps: int, all_logits: bool = False) -> tuple:
+    """A prompt chunk continuing one already in the paged cache (`wise_jax.chunked_prefill`'s
+    contract, its `prefix_attention`): tokens int32[seq] (seq a multiple of page_size, valid up
+    to `length`) at positions [start, start + seq) of one request, each from the initial state
+    of its position, state_table[position] (state_table [>= start + length, hidden]); every
+    plane's K/V written into the request's pages `table` int32[pages] (padding positions: the
+    scratch page), each query attending over the request's keys up to its position. k_pages,
+    v_pages: the storage [planes, num_pages + 1, page_size, heads, head_dim] (donated). Returns
+    (logits float32[vocab] after the chunk's last token, k_pages, v_pages); all_logits as
+    `prefill`'s."""
+    seq = tokens.shape[0]
+    page_size, scratch = k_pages.shape[2], k_pages.shape[1] - 1
+    positions = start + jnp.arange(seq, dtype=jnp.int32)
+    valid = jnp.arange(seq) < length
+    page = jnp.where(valid, table[jnp.minimum(positions // page_size, table.shape[0] - 1)], scratch)
+    offset, keys = positions % page_size, table.shape[0] * page_size
+    cos, sin = rope(positions[None], config.head_dim, config.rope_theta)
+
+    def attend(q, k, v, plane, pages, core):
+        pages = tuple(store.at[plane, page, offset].set(x[0].astype(store.dtype)) for store, x in zip(pages, (k, v)))
+        context = [store[plane, table].reshape((keys,) + store.shape[3:]) for store in pages]
+        return prefix_attention(q[0], *context, positions, page_size)[None], pages
+
+    x, (k_pages, v_pages) = run_model(params, config, tokens[None], state_table[positions][None], cos, sin, num_steps,
+                                      attend, (k_pages, v_pages))
+    return _last_logits(params, x[0], length, all_logits), k_pages, v_pages
 
 
 @functools.partial(jax.jit, static_argnames=("config", "num_steps", "kernel", "wise_config", "adaptive"))

@@ -68,9 +68,9 @@ class PagedKVCache:
         return self.max_pages * self.page_size
 
 
-def page_bytes(config: ModelConfig, page_size: int, dtype) -> int:
-    """Bytes one page takes in every plane, K and V."""
-    planes = config.total_ut_steps * config.num_hidden_layers
+def page_bytes(config: ModelConfig, page_size: int, dtype, planes: int | None = None) -> int:
+    """Bytes one page takes in every plane, K and V (planes: as `create`'s)."""
+    planes = config.total_ut_steps * config.num_hidden_layers if planes is None else planes
     return 2 * planes * page_size * config.num_key_value_heads * config.head_dim * jnp.dtype(dtype).itemsize
 
 

@@ -30,7 +30,7 @@ from wise_core import tokenizer as core_tokenizer
 from wise_core.checkpoint import (BUILTIN_MODELS, Checkpoint, CheckpointError, CheckpointFiles, expected_shapes,
                                   load_checkpoint, open_checkpoint, validate_tensors)
 from wise_core.config import ModelConfig
-from wise_jax.huginn import huginn_from_tensors
+from wise_jax.huginn import HuginnParams, huginn_from_tensors
 from wise_jax.params import LAYER_NAMES, LINEAR_FIELDS, LayerParams, Params, param_shapes
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -146,9 +146,12 @@ def _in_memory(tensors: dict[str, np.ndarray]) -> Callable[[str], ContextManager
 
 
 def from_checkpoint_tensors(config: ModelConfig, tensors: dict[str, np.ndarray],
-                            dtype=jnp.float32) -> Params:
+                            dtype=jnp.float32) -> Params | HuginnParams:
     """HF-named numpy tensors (validated against `config`) -> Params of `dtype`, assembled as
-    a checkpoint's are (each leaf filled in place on the host in `dtype`, no float32 widening)."""
+    a checkpoint's are (each leaf filled in place on the host in `dtype`, no float32 widening);
+    a Huginn config's -> `huginn.huginn_from_tensors`."""
+    if config.architecture == "huginn":
+        return huginn_from_tensors(config, tensors, model_dtype(dtype))
     validate_tensors(config, tensors)
     return params_from_tensors(config, _in_memory(tensors), dtype)
 
@@ -174,7 +177,7 @@ def load_model(path_or_name: str | Path, *, dtype=jnp.float32, with_tokenizer: b
     of dtype), or (config, params, tokenizer or None) with `with_tokenizer`. layers="unstacked"
     loads the per-layer layout the serving engine decodes with (`params.unstack_layers`), so `LLM`
     makes no second copy of the weights. A Huginn checkpoint gives `wise_jax.huginn.HuginnParams`
-    (its tensors read into host memory first; `layers` does not apply)."""
+    (`huginn.huginn_from_tensors`; `layers` does not apply)."""
     dtype = model_dtype(dtype)
     found = open_checkpoint(path_or_name)
     if found.config.architecture == "huginn":
@@ -182,7 +185,14 @@ def load_model(path_or_name: str | Path, *, dtype=jnp.float32, with_tokenizer: b
         params = huginn_from_tensors(found.config, found.tensors, dtype)
         return (found.config, params, found.tokenizer) if with_tokenizer else (found.config, params)
     tensors = _in_memory(found.tensors) if isinstance(found, Checkpoint) else _in_files(found)
-    params = params_from_tensors(found.config, tensors, dtype, layers=layers)
+    if found.config.architecture == "huginn":
+        arrays = {}
+        for name in found.tensors:
+            with tensors(name) as (shape, rows):
+                arrays[name] = np.asarray(rows(0, shape[0]))
+        params = huginn_from_tensors(found.config, arrays, dtype)
+    else:
+        params = params_from_tensors(found.config, tensors, dtype, layers=layers)
     return (found.config, params, found.tokenizer) if with_tokenizer else (found.config, params)
 
 

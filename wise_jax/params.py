@@ -109,7 +109,7 @@ def param_shapes(config: ModelConfig) -> Params:
     """The Params structure for `config` with shape tuples as leaves (the layout, not the values)."""
     if config.architecture != "ouro":
         raise ValueError(f"wise_jax's Ouro params take architecture 'ouro', got {config.architecture!r} (a Huginn "
-                         f"model runs through wise_jax.huginn; the engines do not run it yet)")
+                         f"model's params are wise_jax.huginn.HuginnParams)")
     hf = expected_shapes(config)
     return Params(
         embed_tokens=hf["model.embed_tokens.weight"],

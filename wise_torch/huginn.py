@@ -17,7 +17,8 @@ K/V planes as `wise_core.huginn_reference.plane_index` lays them out. `prefill` 
 planes) with Ouro's attention contexts, each plane index given as the loop of a one-layer
 context. `decode_step` runs WISE over the core iterations with Ouro's `WiseState`
 (`HuginnDecodeContext`): core iteration `step` and core layer n are the state's (loop, layer),
-so `WiseConfig` depths index core iterations; the prelude and the coda attend densely.
+so `WiseConfig` depths index core iterations; the prelude and the coda attend densely. The
+serving engine (`wise_torch.LLM`) runs the model through `planes` and `step_inputs`.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ class HuginnDecodeContext(DecodeContext):
     first iteration) and the coda (after the last) attend densely."""
 
     def __init__(self, config: ModelConfig, batch: DecodeBatch, cache: PagedKVCache, wise: WiseState | None,
-                 attention, dense_modes: torch.Tensor, unused_support: torch.Tensor):
-        super().__init__(config, batch, cache, wise, attention, dense_modes, unused_support)
+                 attention, dense_modes: torch.Tensor, unused_support: torch.Tensor, dense_attention=None):
+        super().__init__(config, batch, cache, wise, attention, dense_modes, unused_support, dense_attention)
         self.first_core, self.core_layers = plane_index(config, "core_block", 0), config.n_layers_in_recurrent_block
 
     def planes(self, plane: int, layer: int = 0):
@@ -143,8 +144,7 @@ class HuginnForCausalLM(nn.Module):
         [n, hidden]. adaptive: per-token exits of a decode step (`AdaptiveDepth`; see
         `decode_step`), the iterations each row ran written to depths int32[n]."""
         c, t = self.config, self.transformer
-        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
-            raise ValueError(f"num_steps must be a non-negative integer, got {num_steps!r}")
+        self.check_steps(num_steps)
         if tuple(state.shape) != (ids.shape[0], c.hidden_size):
             raise ValueError(f"state must be [{ids.shape[0]}, {c.hidden_size}], got {list(state.shape)}")
         embedded = t.wte(ids) * c.embed_scale
@@ -206,35 +206,74 @@ class HuginnForCausalLM(nn.Module):
         return ctx
 
     def prefill(self, ids: torch.Tensor, batch: PrefillBatch, cache: PagedKVCache, *, num_steps: int,
-                state: torch.Tensor) -> torch.Tensor:
-        """Dense pass over prompt chunks (ids int64[n], flat; state [n, hidden]), storing the K/V
-        of every plane. Returns logits float32[len(batch.logit_index), vocab]."""
-        ctx = self.paged(PrefillContext(self.config, batch, cache), cache, num_steps)
-        h = self.run_tokens(ids, state.to(self.head_weight.dtype), ctx, num_steps)
-        return logits_fp32(h[batch.logit_index], self.head_weight)
+                state: torch.Tensor | None = None, state_table: torch.Tensor | None = None,
+                attention=None) -> torch.Tensor:
+        """Dense pass over prompt chunks (ids int64[n], flat), storing the K/V of every plane, from
+        the initial state: `state` [n, hidden], or the rows of `state_table` [positions, hidden] at
+        batch.positions (`step_inputs`). attention: `PrefillContext`'s. Returns logits
+        float32[len(batch.logit_index), vocab]; with batch.score_index, (those, the logits at its
+        tokens), as `OuroForCausalLM.prefill`."""
+        ctx = self.paged(PrefillContext(self.config, batch, cache, attention), cache, num_steps)
+        h = self.run_tokens(ids, self.state_at(batch.positions, state, state_table), ctx, num_steps)
+        logits = logits_fp32(h[batch.logit_index], self.head_weight)
+        return logits if batch.score_index is None else (logits, logits_fp32(h[batch.score_index], self.head_weight))
 
     def decode_step(self, tokens: torch.Tensor, batch: DecodeBatch, cache: PagedKVCache, *, num_steps: int,
-                    state: torch.Tensor, attention, dense_modes: torch.Tensor, unused_support: torch.Tensor,
-                    wise: WiseState | None = None, adaptive: AdaptiveDepth | None = None,
-                    depths: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens int64[batch] at each row's position, state [batch, hidden] -> logits
-        float32[batch, vocab] (`OuroForCausalLM.decode_step`'s other inputs). wise: WISE over the
-        core iterations (a `WiseState` of this config: its depths index core iterations, each
-        < num_steps); None: every plane dense. adaptive: per-token adaptive depth
-        (`wise_core.huginn_reference`'s): after each checked iteration the coda and head read
-        every row's state, a row exits on the KL criterion and rides along held (its state
-        frozen, its later iterations' K/V its exit iteration's); static shapes, every iteration
-        runs (graph-safe). depths: int32[batch], written with the iterations each row ran."""
+                    attention, dense_modes: torch.Tensor, unused_support: torch.Tensor,
+                    wise: WiseState | None = None, state: torch.Tensor | None = None,
+                    state_table: torch.Tensor | None = None, dense_attention=None,
+                    adaptive: AdaptiveDepth | None = None, depths: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens int64[batch] at each row's position, from the initial state `state` [batch,
+        hidden] or the rows of `state_table` at batch.positions -> logits float32[batch, vocab]
+        (`OuroForCausalLM.decode_step`'s other inputs). wise: WISE over the core iterations (a
+        `WiseState` of this config: its depths index core iterations, each < num_steps); None:
+        every plane dense. adaptive: per-token adaptive depth (`wise_core.huginn_reference`'s):
+        after each checked iteration the coda and head read every row's state, a row exits on the
+        KL criterion and rides along held (its state frozen, its later iterations' K/V its exit
+        iteration's); static shapes, every iteration runs (graph-safe). depths: int32[batch],
+        written with the iterations each row ran."""
         if wise is not None:
             wise.config.validate_for(num_steps, f"num_steps={num_steps} core iterations")
             if wise.num_layers != self.config.n_layers_in_recurrent_block:
                 raise ValueError(f"the WISE state holds {wise.num_layers} layers; this model's core block has "
                                  f"{self.config.n_layers_in_recurrent_block}")
         ctx = HuginnDecodeContext(self.config, batch, cache, wise, attention, dense_modes[:batch.size],
-                                  unused_support[:batch.size])
-        h = self.run_tokens(tokens, state.to(self.head_weight.dtype), self.paged(ctx, cache, num_steps), num_steps,
-                            adaptive, depths)
+                                  unused_support[:batch.size], dense_attention)
+        h = self.run_tokens(tokens, self.state_at(batch.positions, state, state_table),
+                            self.paged(ctx, cache, num_steps), num_steps, adaptive, depths)
         return logits_fp32(h, self.head_weight)
+
+    def state_at(self, positions: torch.Tensor, state: torch.Tensor | None,
+                 state_table: torch.Tensor | None) -> torch.Tensor:
+        """The initial state of tokens at `positions` int64[n]: `state` [n, hidden] as given, or
+        state_table's rows (gathered on the device: no host sync) -> [n, hidden] in the model's dtype."""
+        if (state is None) == (state_table is None):
+            raise ValueError("pass the initial state as exactly one of state and state_table")
+        if state_table is not None:
+            state = state_table.index_select(0, positions)
+        return state.to(self.head_weight.dtype)
+
+    # -- the engine's interface (`wise_torch.engine.model_runner`) -------------------------------
+    tp = None   # no tensor parallelism (`OuroForCausalLM.tp`)
+
+    @staticmethod
+    def check_steps(num_steps) -> None:
+        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
+            raise ValueError(f"num_steps must be a non-negative integer, got {num_steps!r}")
+
+    def planes(self, num_steps: int) -> int:
+        """K/V planes of an engine's paged cache for `num_steps` core iterations (`num_planes`)."""
+        self.check_steps(num_steps)
+        return num_planes(self.config, num_steps)
+
+    def step_inputs(self, num_steps: int, positions: int, seed: int = 0) -> dict:
+        """The keyword inputs of `prefill` and `decode_step` in an engine of `num_steps` core
+        iterations and `positions` positions: num_steps and the state_table [positions, hidden]
+        of the seeded initial state of every position (`initial_state`), so a token's state
+        depends on its position and seed alone (a recomputed or re-batched token gets the same)
+        and a decode step reads it on the device from a static buffer (CUDA-graph safe)."""
+        self.check_steps(num_steps)
+        return dict(num_steps=num_steps, state_table=self.initial_state(1, range(positions), seed))
 
     def initial_state(self, batch: int, positions: range, seed: int) -> torch.Tensor:
         """`wise_core.huginn_reference.initial_state` for `batch` rows at `positions` -> [batch *

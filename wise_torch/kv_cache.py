@@ -139,11 +139,12 @@ class PagedKVCache:
                    dtype=dtype, device=device)
 
     @staticmethod
-    def page_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-        """Bytes of one page in every plane (K and V)."""
+    def page_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype, planes: int | None = None) -> int:
+        """Bytes of one page in every plane (K and V); planes: the cache's (None: Ouro's loops x
+        layers; a Huginn cache's is `wise_core.huginn_reference.num_planes`)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return (2 * config.num_loops * config.num_hidden_layers * page_size * config.num_key_value_heads
-                * config.head_dim * itemsize)
+        planes = config.num_loops * config.num_hidden_layers if planes is None else planes
+        return 2 * planes * page_size * config.num_key_value_heads * config.head_dim * itemsize
 
     @property
     def scratch_page(self) -> int:

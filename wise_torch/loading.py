@@ -1,6 +1,6 @@
-"""Building an eval-mode OuroForCausalLM from a checkpoint directory, a built-in model or numpy
-tensors. A directory is checked from its headers first (`wise_core.checkpoint.open_checkpoint`),
-then each tensor is read memory-mapped by `safetensors.safe_open` onto the device and cast to
+"""Building an eval-mode OuroForCausalLM (or, for a Huginn config, a HuginnForCausalLM) from a
+checkpoint directory, a built-in model or numpy tensors. A directory is checked from its headers
+first (`wise_core.checkpoint.open_checkpoint`), then each tensor is read memory-mapped by `safetensors.safe_open` onto the device and cast to
 the model's dtype there, one tensor at a time. The parts of a fused weight (q/k/v, gate/up) are
 read each through its own mapping, which is released once the fused weight is made, so their
 file pages do not stay resident beside it: host memory stays near one copy of the model.
@@ -61,9 +61,12 @@ def _as_tensor(array) -> torch.Tensor:
 
 
 def from_tensors(config: ModelConfig, tensors: dict[str, np.ndarray], *, tokenizer=None,
-                 dtype=torch.float32, device: torch.device | str = "cpu") -> OuroForCausalLM:
+                 dtype=torch.float32, device: torch.device | str = "cpu") -> OuroForCausalLM | HuginnForCausalLM:
     """An eval-mode model from HF-named numpy arrays or torch tensors (validated against `config`)."""
     dtype = model_dtype(dtype)
+    if config.architecture == "huginn":
+        return huginn_from_tensors(config, {name: _as_tensor(array) for name, array in tensors.items()},
+                                   tokenizer=tokenizer, dtype=dtype, device=device)
     validate_tensors(config, tensors)
     names = _state_names(config)  # a tied checkpoint may carry lm_head.weight; the model has none
     weights = {name: _as_tensor(array).to(device=device, dtype=dtype)
@@ -84,10 +87,6 @@ def load_model(path_or_name: str | Path, *, dtype=torch.float32,
         return huginn_from_tensors(found.config, found.tensors, tokenizer=found.tokenizer, dtype=dtype, device=device)
     if isinstance(found, Checkpoint):
         return from_tensors(found.config, found.tensors, tokenizer=found.tokenizer, dtype=dtype, device=device)
-    names = _state_names(found.config)
-    path_of = {name: path for path, held in found.by_file().items() for name in held if name in names}
-    groups = fused_groups(path_of).values()
-    parts = {name for group in groups for name in group}
 
     def read(path, names_in_file):
         try:
@@ -96,6 +95,13 @@ def load_model(path_or_name: str | Path, *, dtype=torch.float32,
         except safetensors.SafetensorError as e:
             raise CheckpointError(f"{path}: {e}") from None
 
+    if found.config.architecture == "huginn":   # no fused weights to assemble from parts
+        weights = {name: t for path, held in found.by_file().items() for name, t in read(path, held).items()}
+        return huginn_from_tensors(found.config, weights, tokenizer=found.tokenizer, dtype=dtype, device=device)
+    names = _state_names(found.config)
+    path_of = {name: path for path, held in found.by_file().items() for name in held if name in names}
+    groups = fused_groups(path_of).values()
+    parts = {name for group in groups for name in group}
     weights: dict[str, torch.Tensor] = {}
     for path in dict.fromkeys(path_of.values()):   # memory-mapped: pages become resident on first use
         weights.update(read(path, [n for n, p in path_of.items() if p == path and n not in parts]))

@@ -251,7 +251,7 @@ class OuroForCausalLM(nn.Module):
         super().__init__()
         if config.architecture != "ouro":
             raise ValueError(f"OuroForCausalLM runs architecture 'ouro', got {config.architecture!r} (a Huginn "
-                             f"model runs through wise_torch.huginn; the engines do not run it yet)")
+                             f"model is a wise_torch.huginn.HuginnForCausalLM)")
         self.config = config
         self.tokenizer = tokenizer
         self.model = OuroModel(config)
@@ -280,6 +280,19 @@ class OuroForCausalLM(nn.Module):
                              f"({self.config.max_position_embeddings})")
         if self.cos_sin.shape[0] < positions:
             self.build_rope_table(positions)
+
+    def planes(self, num_steps: int) -> int:
+        """K/V planes of an engine's paged cache for steps of `num_steps` loops, one per (loop,
+        layer). An Ouro step runs every loop: num_steps must be num_loops."""
+        if num_steps != self.config.num_loops:
+            raise ValueError(f"an Ouro model runs its {self.config.num_loops} loops every step, got "
+                             f"num_steps={num_steps!r} (num_steps sets a Huginn model's core iterations)")
+        return num_steps * self.config.num_hidden_layers
+
+    def step_inputs(self, num_steps: int, positions: int) -> dict:
+        """The model's own keyword inputs of `prefill` and `decode_step` in an engine of
+        `num_steps` loops and `positions` positions (`HuginnForCausalLM.step_inputs`): none."""
+        return {}
 
     @property
     def head_weight(self) -> torch.Tensor:

@@ -10,9 +10,12 @@ import pytest
 
 import wise_jax
 from huginn_cases import TINY, bound, checkpoint
+from wise_core.checkpoint import random_tensors
+from wise_core.config import PRESETS
 from wise_core.huginn_reference import HuginnCache, huginn_forward, huginn_weights, initial_state, num_planes
 from wise_jax import kv_cache as kvc
 from wise_jax.huginn import decode_step, forward, huginn_from_tensors, prefill, split_half_rows
+from wise_jax.loading import params_from_tensors
 
 
 @pytest.mark.parametrize("qk_bias, tied", [(True, True), (False, False)])
@@ -80,14 +83,19 @@ def test_prefill_and_decode_match_reference(tmp_path):
         decode_step(params, TINY, cache, jnp.asarray(ids[:1]), state, jnp.zeros(1, jnp.int32), num_steps=7)
 
 
-def test_load_model_dispatches_on_the_architecture(tmp_path):
-    """load_model gives a Huginn checkpoint's HuginnParams (huginn_from_tensors' params); the Ouro
-    params' constructor refuses one with an error naming the architecture."""
-    loaded = checkpoint(tmp_path)
+def test_the_loader_builds_huginn_params_from_a_huginn_checkpoint(tmp_path):
+    """`load_model` of a Huginn checkpoint directory (and `from_checkpoint_tensors` of a Huginn
+    config) gives the HuginnParams of its tensors, bitwise; the engine refuses Ouro params with a
+    Huginn config, and the Ouro params builder a Huginn config, naming them."""
+    ckpt = checkpoint(tmp_path)
+    want = huginn_from_tensors(TINY, ckpt.tensors)
     config, params = wise_jax.load_model(tmp_path / "ckpt")
-    want = huginn_from_tensors(loaded.config, loaded.tensors)
-    assert config == loaded.config
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert config == TINY
+    for got in (params, wise_jax.from_checkpoint_tensors(TINY, ckpt.tensors)):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ouro = wise_jax.from_checkpoint_tensors(PRESETS["test-tiny"], random_tensors(PRESETS["test-tiny"], seed=0))
+    with pytest.raises(TypeError, match="a Huginn config takes HuginnParams"):
+        wise_jax.LLM(ouro, TINY, num_pages=4, page_size=32)
     with pytest.raises(ValueError, match="Ouro params take architecture 'ouro', got 'huginn'"):
-        wise_jax.from_checkpoint_tensors(loaded.config, loaded.tensors)
+        params_from_tensors(TINY, {}, jnp.float32)

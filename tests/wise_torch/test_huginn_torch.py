@@ -1,5 +1,5 @@
 """wise_torch.huginn: the Huginn forward in PyTorch against wise_core.huginn_reference on a
-random HF-layout checkpoint, the load-time RoPE reordering, the plane layout."""
+random HF-layout checkpoint, the load-time RoPE reordering, the plane layout, loading."""
 
 import dataclasses
 
@@ -11,7 +11,7 @@ import wise_torch
 from huginn_cases import TINY, bound, checkpoint
 from wise_core.huginn_reference import HuginnCache, huginn_forward, huginn_weights, initial_state, num_planes
 from wise_torch.attention import decode_attention_reference
-from wise_torch.huginn import huginn_from_tensors, split_half_rows
+from wise_torch.huginn import HuginnForCausalLM, huginn_from_tensors, split_half_rows
 from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch, PrefillGroup
 
 
@@ -86,13 +86,15 @@ def test_paged_prefill_and_decode_match_reference(tmp_path):
             model.prefill(torch.tensor(ids[:37]), batch, cache, num_steps=7, state=state)
 
 
-def test_load_model_dispatches_on_the_architecture(tmp_path):
-    """load_model gives a Huginn checkpoint's HuginnForCausalLM (huginn_from_tensors' model); the
-    Ouro model's constructor refuses one with an error naming the architecture."""
-    loaded = checkpoint(tmp_path)
-    model = wise_torch.load_model(tmp_path / "ckpt")
-    ids = torch.tensor([[1, 5, 9, 2]])
-    with torch.no_grad():
-        assert torch.equal(model(ids), huginn_from_tensors(loaded.config, loaded.tensors)(ids))
+def test_the_loader_builds_a_huginn_model_from_a_huginn_checkpoint(tmp_path):
+    """`load_model` of a Huginn checkpoint directory (and `from_tensors` of a Huginn config) is the
+    HuginnForCausalLM of its tensors, bitwise; OuroForCausalLM refuses a Huginn config, naming it."""
+    ckpt = checkpoint(tmp_path)
+    want = huginn_from_tensors(TINY, ckpt.tensors)
+    ids = torch.tensor(np.random.default_rng(3).integers(0, TINY.vocab_size, (1, 9)))
+    for model in (wise_torch.load_model(tmp_path / "ckpt"), wise_torch.from_tensors(TINY, ckpt.tensors)):
+        assert isinstance(model, HuginnForCausalLM)
+        with torch.inference_mode():
+            torch.testing.assert_close(model(ids, num_steps=2), want(ids, num_steps=2), rtol=0, atol=0)
     with pytest.raises(ValueError, match="OuroForCausalLM runs architecture 'ouro', got 'huginn'"):
-        wise_torch.from_tensors(loaded.config, loaded.tensors)
+        wise_torch.OuroForCausalLM(TINY)

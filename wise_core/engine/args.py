@@ -69,10 +69,11 @@ class EngineArgs:
             return self.kernel
         return self.wise_config.kernel if self.wise_config is not None else "auto"
 
-    def checked_for(self, num_loops: int, max_position_embeddings: int) -> "EngineArgs":
-        """Self, checked against a model of `num_loops` loops and that many positions."""
+    def checked_for(self, num_loops: int, max_position_embeddings: int, what: str | None = None) -> "EngineArgs":
+        """Self, checked against a model of `num_loops` loops (`what` names them in an error, as
+        `WiseConfig.validate_for`'s) and that many positions."""
         if self.wise_config is not None:
-            self.wise_config.validate_for(num_loops)
+            self.wise_config.validate_for(num_loops, what)
         if self.max_model_len is not None and self.max_model_len > max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                              f"({max_position_embeddings})")

@@ -26,6 +26,7 @@ from wise_core.engine.sequence import Sequence
 from wise_torch.engine import distributed
 from wise_torch.engine.model_runner import InFlight, ModelRunner
 from wise_torch.engine.speculative import Speculator
+from wise_torch.huginn import HuginnForCausalLM
 from wise_torch.kv_cache import PagedKVCache
 from wise_torch.loading import load_model
 from wise_torch.model import OuroForCausalLM
@@ -38,8 +39,14 @@ class LLM(LLMEngine):
     """Continuous-batching engine over one model (`wise_core.engine.LLMEngine`, the host side;
     this class adds the device side: `ModelRunner`, CUDA graphs, speculation, tensor parallelism).
 
-    model: an OuroForCausalLM, a checkpoint directory or a built-in name (loaded in `dtype`,
-    default bfloat16 on CUDA and float32 on CPU, on `device`, default CUDA when available).
+    model: an OuroForCausalLM or a HuginnForCausalLM, a checkpoint directory or a built-in name
+    (loaded in `dtype`, default bfloat16 on CUDA and float32 on CPU, on `device`, default CUDA
+    when available). num_steps: a Huginn model's core iterations per token (None: its
+    total_ut_steps); the pool holds `num_planes(config, num_steps)` planes, a WiseConfig's depths
+    index core iterations (each < num_steps), and every token starts from the initial state of
+    its position with seed 0 (`HuginnForCausalLM.step_inputs`), so a request's tokens do not
+    depend on its batch, chunking or preemption. An Ouro model runs its num_loops (None or that
+    number). Huginn runs without speculation and tensor parallelism.
     engine_args: `wise_core.engine.EngineArgs` (wise_config, num_pages, page_size, max_num_seqs,
     max_model_len, max_num_batched_tokens, kernel ("auto", "reference", "triton"), seed), the
     same arguments and defaults as wise_jax.LLM's. num_pages=None sizes the pool from free
@@ -72,7 +79,8 @@ class LLM(LLMEngine):
 
     ARRAY_TYPES = (torch.Tensor,)
 
-    def __init__(self, model: OuroForCausalLM | str | Path, *, cuda_graphs: bool | str = "auto",
+    def __init__(self, model: OuroForCausalLM | HuginnForCausalLM | str | Path, *, num_steps: int | None = None,
+                 cuda_graphs: bool | str = "auto",
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  speculative_config: SpeculativeConfig | None = None, tensor_parallel_size: int = 1,
                  prefill_attention: str = "auto", dense_decode: str = "kernel", wise_decode: str = "kernel",
@@ -85,11 +93,16 @@ class LLM(LLMEngine):
             device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
             model = load_model(model, dtype=dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32),
                                device=device)
-        elif not isinstance(model, OuroForCausalLM):
-            raise TypeError(f"model must be an OuroForCausalLM, a checkpoint directory or a built-in name, "
-                            f"got {type(model).__name__}")
+        elif not isinstance(model, (OuroForCausalLM, HuginnForCausalLM)):
+            raise TypeError(f"model must be an OuroForCausalLM, a HuginnForCausalLM, a checkpoint directory or a "
+                            f"built-in name, got {type(model).__name__}")
         elif dtype is not None or device is not None:
             raise ValueError("dtype and device apply to a model loaded by name; this model is already built")
+        if isinstance(model, HuginnForCausalLM) and (speculative_config is not None or tensor_parallel_size > 1):
+            raise ValueError("speculative decoding and tensor parallelism run Ouro models only; this is a Huginn "
+                             "model")
+        num_steps = model.config.num_loops if num_steps is None else num_steps
+        model.planes(num_steps)   # checks num_steps against the model
         if speculative_config is not None:
             if model.config.early_exit_threshold < 1.0:
                 raise ValueError(f"speculative decoding runs every loop; this model exits early "
@@ -100,7 +113,8 @@ class LLM(LLMEngine):
             if speculative_config.method == "wise" and args.wise_config is None:
                 args = dataclasses.replace(args, wise_config=WiseConfig())
             speculative_config.verify_depth(model.config.num_loops, args.wise_config)
-        args.checked_for(model.config.num_loops, model.config.max_position_embeddings)
+        args.checked_for(num_steps, model.config.max_position_embeddings,
+                         None if isinstance(model, OuroForCausalLM) else f"num_steps={num_steps} core iterations")
         if cuda_graphs not in (True, False, "auto"):
             raise ValueError(f"cuda_graphs must be True, False or 'auto', got {cuda_graphs!r}")
         self.device = model.head_weight.device
@@ -111,20 +125,21 @@ class LLM(LLMEngine):
             self.workers, model = distributed.start(model, tensor_parallel_size)
             self._finalizer = weakref.finalize(self, self.workers.close)
         try:
-            self._build(model, args, cuda_graphs=cuda_graphs, speculative_config=speculative_config,
+            self._build(model, args, num_steps=num_steps, cuda_graphs=cuda_graphs,
+                        speculative_config=speculative_config,
                         prefill_attention=prefill_attention, dense_decode=dense_decode, wise_decode=wise_decode)
         except BaseException:
             self.close()
             raise
 
-    def _build(self, model: OuroForCausalLM, args: EngineArgs, *, cuda_graphs, speculative_config,
-               prefill_attention, dense_decode, wise_decode) -> None:
+    def _build(self, model: OuroForCausalLM | HuginnForCausalLM, args: EngineArgs, *, num_steps, cuda_graphs,
+               speculative_config, prefill_attention, dense_decode, wise_decode) -> None:
         """The pool, host side and runner over `model` (under tensor parallelism rank 0's shard,
         the workers following); the arguments are __init__'s, checked."""
         config, weight = model.config, model.head_weight
         if self.workers is not None and self.device.type == "cuda":
             torch.cuda.empty_cache()     # a whole model loaded by name is gone: its memory is free
-        page_bytes = PagedKVCache.page_bytes(config, args.page_size, weight.dtype)
+        page_bytes = PagedKVCache.page_bytes(config, args.page_size, weight.dtype, model.planes(num_steps))
         num_pages, sizing = args.num_pages, f"num_pages={args.num_pages} as given"
         if num_pages is None:
             num_pages, sizing = self._default_pages(page_bytes, args.max_num_seqs * args.pages_per_request(
@@ -138,7 +153,8 @@ class LLM(LLMEngine):
                         max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
                         use_graphs=cuda_graphs is True or (cuda_graphs == "auto" and self.device.type == "cuda"),
                         kernel=kernel, seed=random.randrange(2 ** 63) if args.seed is None else args.seed,
-                        prefill_attention=prefill_attention, dense_decode=dense_decode, wise_decode=wise_decode)
+                        prefill_attention=prefill_attention, dense_decode=dense_decode, wise_decode=wise_decode,
+                        num_steps=num_steps)
         if self.workers is not None:
             self.workers.send("settings", settings)
         self.runner = ModelRunner(model, **settings, workers=self.workers)

@@ -16,6 +16,12 @@ len(context_buckets), sharing one memory pool) and replayed. Eager mode runs the
 padded step, so it gives the same tokens. Sampling runs on the device and one device-to-host
 read per phase brings back the tokens.
 
+The model is an OuroForCausalLM or a HuginnForCausalLM; the runner calls the same methods of
+either: `planes(num_steps)` (the pool's planes for steps of that depth), `step_inputs(num_steps,
+positions)` (its own keyword inputs of prefill and decode_step, made once before any graph:
+Huginn's iteration count and per-position initial-state table, none for Ouro), `prefill`,
+`decode_step`, `rope_rows`, `head_weight` and `tp`.
+
 Tensor parallelism (`wise_torch.engine.distributed`): every rank has a runner over its shard
 (its heads' K/V pages and WISE supports, the same pool layout). Rank 0's runner, which alone
 samples, sends each device-side call with its host inputs to the other ranks (`workers`)
@@ -96,7 +102,7 @@ class ModelRunner:
     def __init__(self, model: OuroForCausalLM, *, wise_config: WiseConfig | None, num_pages: int, page_size: int,
                  max_num_seqs: int, max_model_len: int, use_graphs: bool, kernel: str, seed: int,
                  prefill_attention: str = "auto", dense_decode: str = "kernel", wise_decode: str = "kernel",
-                 workers=None):
+                 num_steps: int | None = None, workers=None):
         config = model.config
         # Tensor parallelism: the model's `tp` on every rank (None: one device); `workers` on rank
         # 0 (distributed.Workers), which follow its device-side calls.
@@ -112,15 +118,22 @@ class ModelRunner:
         self.dense_decode = dense_decode   # "kernel" or "fa4": what runs the dense decode loops
         self.dense_decode_fn = resolve_dense_decode(dense_decode, self.device, self.dtype)
         self.max_pages = -(-max_model_len // page_size)
-        model.rope_rows(min(self.max_pages * page_size, config.max_position_embeddings))   # before any graph
+        positions = min(self.max_pages * page_size, config.max_position_embeddings)
+        model.rope_rows(positions)   # before any graph
         max_blocks = self.max_pages * page_size // block_size
-        self.cache = PagedKVCache.for_model(config, num_pages=num_pages, page_size=page_size, dtype=self.dtype,
-                                            device=self.device)
+        # The depth of a step (Ouro: its loops; Huginn: core iterations, None its default) and the
+        # model's own inputs of prefill and decode_step (static: made before any graph).
+        self.num_steps = config.num_loops if num_steps is None else num_steps
+        self.cache = PagedKVCache(planes=model.planes(self.num_steps), num_pages=num_pages, page_size=page_size,
+                                  kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=self.dtype,
+                                  device=self.device)
+        self.step_inputs = model.step_inputs(self.num_steps, positions)
         self.buckets = decode_buckets(max_num_seqs)
         self.widths = context_buckets(self.max_pages)
         rows = self.buckets[-1]
         self.wise = None if wise_config is None else WiseState(wise_config, config, max_rows=rows,
-                                                                max_blocks=max_blocks, device=self.device)
+                                                                max_blocks=max_blocks, device=self.device,
+                                                                num_loops=self.num_steps)
         # Per batch bucket, a decode attention whose rows split into enough programs to fill the
         # GPU (one workspace shared by all, sized for the widest step).
         self.attention = prepare_decode_attention(
@@ -187,7 +200,8 @@ class ModelRunner:
                             page_table=self.table_view(self.page_table, bucket, width), slot_mapping=m[3], epochs=m[4])
         return self.model.decode_step(tokens, batch, self.cache, wise=self.wise, attention=self.attention[bucket],
                                       dense_modes=self.dense_modes, unused_support=self.unused_support,
-                                      dense_attention=self.dense_decode_fn, loops_run=self.loops_run)
+                                      dense_attention=self.dense_decode_fn, loops_run=self.loops_run,
+                                      **self.step_inputs)
 
     def _next_staging(self, bucket: int, width: int) -> tuple[np.ndarray, np.ndarray]:
         """The host staging of the next step as numpy views: meta int64[6, rows], table
@@ -337,7 +351,7 @@ class ModelRunner:
             groups=[] if varlen is not None else [PrefillGroup(start, length, count, as_long(index), as_long(pages))
                                                   for start, length, count, index, pages in groups],
             logit_index=as_long(logit_index), varlen=varlen, score_index=as_long(score_index) if score_index else None)
-        return self.model.prefill(as_long(ids), batch, self.cache, attention=self.prefill_fn)
+        return self.model.prefill(as_long(ids), batch, self.cache, attention=self.prefill_fn, **self.step_inputs)
 
     # -- preemption -------------------------------------------------------------------------
     def offload(self, seq: Sequence, pages: list[int]) -> None:

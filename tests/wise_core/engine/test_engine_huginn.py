@@ -1,0 +1,147 @@
+"""The serving engine of both frameworks on Huginn (test-tiny-huginn with random weights, fp32,
+reference kernel, CPU), one test per behaviour run once per framework: requests joining between
+steps, chunked prefill, preemption with offload, an abort and a cached prompt prefix each give
+a request the greedy tokens of its prompt decoded alone through the model's own prefill and
+decode_step (`parity.huginn`, the same seeded initial state of each position), dense and with
+WISE over the core iterations; the pool's planes follow num_steps, and WISE depths past it and
+a bad num_steps are refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cases import prompts_of
+from engine_cases import FRAMEWORKS, Framework, drained
+from parity.huginn import jax_generate, torch_generate
+from wise_core.config import PRESETS, ConfigError, WiseConfig
+from wise_core.huginn_reference import num_planes
+from wise_core.request import SamplingParams
+
+CONFIG = PRESETS["test-tiny-huginn"]
+STEPS = 3           # core iterations of these engines (the preset's default is 4)
+PAGE = 32
+WISE = WiseConfig(discover_depths=(0,), reuse_depths=(1, 2), eta=0.5, kernel="reference")
+MODES = pytest.mark.parametrize("wise_config", [None, WISE], ids=["dense", "wise"])
+# Every test runs these prompts (or some of them) for NEW tokens each: their reference runs are
+# made once per framework and mode, and few shapes are compiled (JAX).
+PROMPTS = prompts_of([60, 3, 28, 50], CONFIG.vocab_size, seed=1)   # 60 and 28 grow into a new page
+NEW = 12
+
+
+@pytest.fixture(scope="module", params=FRAMEWORKS)
+def fw(request):
+    return Framework(request.param, CONFIG, seed=0)
+
+
+def engine(fw, wise_config=None, **kw):
+    kw = {"num_pages": 64, "page_size": PAGE, "max_num_seqs": 8, "max_model_len": 256, "kernel": "reference",
+          "num_steps": STEPS, **kw}
+    return fw.engine(wise_config=wise_config, **kw)
+
+
+def alone(fw, prompt: list[int], wise_config, n: int = NEW) -> list[int]:
+    """n greedy tokens of `prompt` alone (memoized per framework): the model's prefill, then its
+    decode_step one token a step, STEPS core iterations, the initial state of seed 0 (the
+    engine's), in 3 pages (the longest prompt and its tokens: 72 keys)."""
+    done = fw.__dict__.setdefault("huginn_alone", {})
+    key = (tuple(prompt), n, wise_config)
+    if key not in done:
+        if fw.name == "torch":
+            run = torch_generate(fw.model, [prompt], max_new_tokens=n, num_steps=STEPS, wise_config=wise_config,
+                                 pages=3)
+        else:   # every prompt's decode the same program
+            run = jax_generate(fw.model, fw.config, [prompt], max_new_tokens=n, num_steps=STEPS,
+                               wise_config=wise_config, pages=3)
+        done[key] = run[0][0]
+    return done[key]
+
+
+def pool_planes(fw, llm) -> int:
+    """The planes of the engine's K/V pool."""
+    return (llm.runner.cache if fw.name == "torch" else llm.cache).k.shape[0]
+
+
+@MODES
+def test_requests_joining_between_steps_get_their_tokens_alone(fw, wise_config):
+    llm = engine(fw, wise_config, max_num_batched_tokens=32)   # the longer prompts prefill in chunks
+    ids, produced, step = {}, {}, 0
+    while len(ids) < len(PROMPTS) or llm.has_unfinished():
+        if step % 3 == 0 and len(ids) < len(PROMPTS):           # a new request every third step
+            i = len(ids)
+            ids[llm.add_request(PROMPTS[i], SamplingParams(max_tokens=NEW, ignore_eos=True))] = i
+        for out in llm.step():
+            produced[ids[out.request_id]] = out
+        step += 1
+    for i, prompt in enumerate(PROMPTS):
+        assert produced[i].finished and produced[i].finish_reason == "length"
+        assert produced[i].token_ids == alone(fw, prompt, wise_config)
+    stats = drained(llm)
+    assert stats.preemptions == 0
+    if wise_config is not None:   # the reuse iterations attend fewer blocks than dense
+        assert stats.fallbacks == 0 and all(0 < stats.density[d] < 1 for d in (1, 2)), stats.density
+
+
+@MODES
+def test_a_prompt_longer_than_a_step_prefills_in_chunks_with_the_unchunked_tokens(fw, wise_config):
+    """60 prompt tokens at 24 a step: three chunks, the later two starting mid-page."""
+    llm = engine(fw, wise_config, max_num_batched_tokens=24)
+    rid = llm.add_request(PROMPTS[0], SamplingParams(max_tokens=NEW, ignore_eos=True))
+    seq, cached = llm.sequences[rid], []
+    while not seq.prefilled:
+        llm.step()
+        cached.append(seq.num_cached)
+    assert cached == [24, 48, 60]
+    assert llm.run_until_done([rid])[0].token_ids == alone(fw, PROMPTS[0], wise_config)
+    drained(llm)
+
+
+@MODES
+def test_preemption_offloads_and_resumes_with_the_same_tokens(fw, wise_config):
+    llm = engine(fw, wise_config, num_pages=6)   # 6 pages of 32 hold the prompts, not the 8 pages they grow to
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True), use_tqdm=False)
+    stats = drained(llm)
+    assert stats.preemptions > 0
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.token_ids == alone(fw, prompt, wise_config)
+    if wise_config is not None:
+        assert stats.fallbacks == 0
+
+
+@MODES
+def test_abort_frees_pages_and_leaves_the_others_unchanged(fw, wise_config):
+    llm = engine(fw, wise_config)
+    ids = [llm.add_request(p, SamplingParams(max_tokens=NEW, ignore_eos=True)) for p in PROMPTS]
+    for _ in range(4):
+        llm.step()
+    held = llm.stats().free_pages
+    out = llm.abort(ids[3])
+    assert out.finished and out.finish_reason == "abort"
+    assert llm.stats().free_pages == held + 2             # 50 prompt + at most 4 new keys in pages of 32
+    kept = [0, 1, 2]
+    finals = llm.run_until_done([ids[i] for i in kept])
+    for i, final in zip(kept, finals):
+        assert final.token_ids == alone(fw, PROMPTS[i], wise_config)
+    drained(llm)
+
+
+def test_a_cached_prompt_prefix_gives_the_tokens_alone(fw):
+    """A request whose first two pages of prompt a finished one holds (prefix caching, on by
+    default) skips their prefill: their K/V hold each position's own initial state's."""
+    prefix = prompts_of([64], CONFIG.vocab_size, seed=7)[0]
+    prompts = [prefix + tail for tail in prompts_of([3, 14], CONFIG.vocab_size, seed=8)]
+    llm = engine(fw)
+    for prompt in prompts:   # one after the other: the second finds the first's pages
+        rid = llm.add_request(prompt, SamplingParams(max_tokens=NEW, ignore_eos=True))
+        assert llm.run_until_done([rid])[0].token_ids == alone(fw, prompt, None)
+    assert drained(llm).prefix_cache_hits == 64
+
+
+def test_the_pool_holds_the_planes_of_num_steps_and_wise_depths_are_checked_against_them(fw):
+    for steps in (STEPS, 5, None):    # None: the config's total_ut_steps
+        assert pool_planes(fw, engine(fw, num_steps=steps)) == num_planes(CONFIG, steps or CONFIG.total_ut_steps)
+    with pytest.raises(ConfigError, match=r"WISE depths \[3\] are out of range for num_steps=3 core iterations"):
+        engine(fw, dataclasses.replace(WISE, reuse_depths=(1, 3)))
+    with pytest.raises(ValueError, match="num_steps must be a non-negative integer, got -1"):
+        engine(fw, num_steps=-1)
