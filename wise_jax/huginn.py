@@ -118,7 +118,7 @@ def huginn_from_tensors(config: ModelConfig, tensors: dict, dtype=jnp.float32) -
 def huginn_to_tensors(config: ModelConfig, params: HuginnParams) -> dict[str, np.ndarray]:
     """HuginnParams -> HF-named float32 numpy tensors (`huginn_from_tensors` undone: q's and k's
     rows back to interleaved RoPE pairs, linear weights [out, in], qk_bias from the fused bias)."""
-    heads, d, h = config.num_attention_heads, config.head_dim, config.hidden_size
+    heads, d = config.num_attention_heads, config.head_dim
     undo = np.argsort(np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)]))
 
     def get(x):
