@@ -222,7 +222,8 @@ class HuginnForCausalLM(nn.Module):
                     attention, dense_modes: torch.Tensor, unused_support: torch.Tensor,
                     wise: WiseState | None = None, state: torch.Tensor | None = None,
                     state_table: torch.Tensor | None = None, dense_attention=None,
-                    adaptive: AdaptiveDepth | None = None, depths: torch.Tensor | None = None) -> torch.Tensor:
+                    adaptive: AdaptiveDepth | None = None, depths: torch.Tensor | None = None,
+                    loops_run: torch.Tensor | None = None) -> torch.Tensor:
         """tokens int64[batch] at each row's position, from the initial state `state` [batch,
         hidden] or the rows of `state_table` at batch.positions -> logits float32[batch, vocab]
         (`OuroForCausalLM.decode_step`'s other inputs). wise: WISE over the core iterations (a
@@ -231,7 +232,9 @@ class HuginnForCausalLM(nn.Module):
         after each checked iteration the coda and head read every row's state, a row exits on the
         KL criterion and rides along held (its state frozen, its later iterations' K/V its exit
         iteration's); static shapes, every iteration runs (graph-safe). depths: int32[batch],
-        written with the iterations each row ran."""
+        written with the iterations each row ran. loops_run int64[2], if given, gets the
+        iterations the real rows (epochs >= 0) ran and their count added in place
+        (`OuroForCausalLM.decode_step`'s)."""
         if wise is not None:
             wise.config.validate_for(num_steps, f"num_steps={num_steps} core iterations")
             if wise.num_layers != self.config.n_layers_in_recurrent_block:
@@ -239,8 +242,13 @@ class HuginnForCausalLM(nn.Module):
                                  f"{self.config.n_layers_in_recurrent_block}")
         ctx = HuginnDecodeContext(self.config, batch, cache, wise, attention, dense_modes[:batch.size],
                                   unused_support[:batch.size], dense_attention)
+        if loops_run is not None and depths is None:
+            depths = torch.empty(batch.size, dtype=torch.int32, device=tokens.device)
         h = self.run_tokens(tokens, self.state_at(batch.positions, state, state_table),
                             self.paged(ctx, cache, num_steps), num_steps, adaptive, depths)
+        if loops_run is not None:
+            real = batch.epochs >= 0
+            loops_run += torch.stack([(depths * real).sum(), real.sum()])
         return logits_fp32(h, self.head_weight)
 
     def state_at(self, positions: torch.Tensor, state: torch.Tensor | None,
