@@ -56,8 +56,11 @@ def test_adaptive_generation_equals_the_reference(generate, ckpt, wise_config):
 
 
 def test_unreachable_threshold_is_fixed_depth_bitwise(generate):
-    """threshold 0: no KL is below it, so every row runs every iteration: fixed depth's logits."""
-    tokens, logits, depths = generate(adaptive=AdaptiveDepth(threshold=0.0))
+    """threshold 1e-30: no KL of this model's successive iterations (about 0.3 to 0.7) is below
+    it, so every row runs every iteration: fixed depth's logits. (Exactly 0.0 made XLA's CPU
+    compiler segfault compiling this step inside a whole-suite test process, jax 0.10.2, though
+    not in a process of its own; the cause is not known.)"""
+    tokens, logits, depths = generate(adaptive=AdaptiveDepth(threshold=1e-30))
     fixed_tokens, fixed_logits, _ = generate(adaptive=None)
     assert tokens == fixed_tokens and all(d == STEPS for row in depths for d in row)
     for got, want in zip(logits, fixed_logits):
