@@ -3,6 +3,11 @@ released KL exit criterion, rows that exited riding along held, later iterations
 exit iteration's K/V) against the numpy reference's tokens and exit depths, alone and with
 WISE; a threshold no KL reaches is fixed depth bitwise. CPU, fp32, the reference kernels."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -21,7 +26,25 @@ def ckpt(tmp_path_factory):
     return checkpoint(tmp_path_factory.mktemp("huginn-adaptive"))
 
 
-@pytest.fixture(scope="module", params=["torch", "jax"])
+# The JAX cases run in a process of their own (`test_jax_cases_in_their_own_process`): inside a
+# whole-suite process, XLA's CPU compiler (jax 0.10.2) crashed (segmentation fault, then abort)
+# compiling this module's third adaptive decode step, after every earlier test had passed; alone,
+# the same cases pass. The cause is not known.
+FRAMEWORKS = ["jax"] if os.environ.get("WISE_HUGINN_ADAPTIVE_JAX") == "1" else ["torch"]
+
+
+def test_jax_cases_in_their_own_process():
+    if FRAMEWORKS == ["jax"]:
+        pytest.skip("this is the JAX process")
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))],
+                          cwd=root, env=dict(os.environ, WISE_HUGINN_ADAPTIVE_JAX="1"), capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "3 passed, 1 skipped" in done.stdout, done.stdout[-1000:]   # the jax cases: two of one test, one of the other
+
+
+@pytest.fixture(scope="module", params=FRAMEWORKS)
 def generate(request, ckpt):
     """generate(wise_config, adaptive) -> (tokens, logits, depths) of the framework's decode."""
     if request.param == "torch":
@@ -56,11 +79,8 @@ def test_adaptive_generation_equals_the_reference(generate, ckpt, wise_config):
 
 
 def test_unreachable_threshold_is_fixed_depth_bitwise(generate):
-    """threshold 1e-30: no KL of this model's successive iterations (about 0.3 to 0.7) is below
-    it, so every row runs every iteration: fixed depth's logits. (Exactly 0.0 made XLA's CPU
-    compiler segfault compiling this step inside a whole-suite test process, jax 0.10.2, though
-    not in a process of its own; the cause is not known.)"""
-    tokens, logits, depths = generate(adaptive=AdaptiveDepth(threshold=1e-30))
+    """threshold 0: no KL is below it, so every row runs every iteration: fixed depth's logits."""
+    tokens, logits, depths = generate(adaptive=AdaptiveDepth(threshold=0.0))
     fixed_tokens, fixed_logits, _ = generate(adaptive=None)
     assert tokens == fixed_tokens and all(d == STEPS for row in depths for d in row)
     for got, want in zip(logits, fixed_logits):
