@@ -1,6 +1,11 @@
-"""Test-wide environment, set before any test module imports triton or jax."""
+"""Test-wide environment, set before any test module imports triton or jax, and what each test
+module leaves behind."""
 
+import gc
 import os
+import sys
+
+import pytest
 
 
 def _torch_cuda_available() -> bool:
@@ -16,3 +21,15 @@ def _torch_cuda_available() -> bool:
 if not _torch_cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU in the interpreter
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each test module, drop jax's compiled programs (and what only they held): a
+    whole-suite process otherwise keeps every XLA executable of every module, and after some
+    thousand of them XLA's CPU compiler crashed (segmentation fault or abort) in a later compile."""
+    yield
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        jax.clear_caches()
+        gc.collect()
