@@ -42,13 +42,8 @@ def paged_decode_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torc
     batch, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     keys = page_table.shape[1] * page_size
-    scale = head_dim ** -0.5 if scale is None else scale
-    k = k_pages[page_table.long()].reshape(batch, keys, kv_heads, head_dim).float()
+    scores = paged_scores(q, k_pages, page_table, seq_lens, scale)
     v = v_pages[page_table.long()].reshape(batch, keys, kv_heads, head_dim).float()
-    qg = q.float().reshape(batch, kv_heads, heads // kv_heads, head_dim)
-    scores = torch.einsum("bkgd,bskd->bkgs", qg, k).reshape(batch, heads, keys) * scale
-    causal = torch.arange(keys, device=q.device)[None, :] < seq_lens.long()[:, None]
-    scores = scores.masked_fill(~causal[:, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None])
     out = torch.einsum("bkgs,bskd->bkgd", probs.reshape(batch, kv_heads, heads // kv_heads, keys), v)
@@ -81,6 +76,15 @@ def block_mass_from_lse(q: torch.Tensor, k_pages: torch.Tensor, page_table: torc
     q [batch, heads, head_dim]; k_pages [num_pages, page_size, kv_heads, head_dim]; page_table
     int32[batch, width]; seq_lens int32[batch]; lse float32[batch, heads] -> float32[batch,
     heads, width * page_size / block_size] (blocks past seq_lens: 0)."""
+    batch, heads, _ = q.shape
+    probs = torch.exp(paged_scores(q, k_pages, page_table, seq_lens, scale) - lse[..., None])   # 0 past seq_lens
+    return probs.view(batch, heads, -1, block_size).sum(-1)
+
+
+def paged_scores(q: torch.Tensor, k_pages: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
+                 scale: float | None) -> torch.Tensor:
+    """scale * q.k of each row's paged keys, float32[batch, heads, width * page_size], -inf past
+    seq_lens (the shapes of `paged_decode_reference`)."""
     batch, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     keys = page_table.shape[1] * page_size
@@ -89,8 +93,7 @@ def block_mass_from_lse(q: torch.Tensor, k_pages: torch.Tensor, page_table: torc
     qg = q.float().reshape(batch, kv_heads, heads // kv_heads, head_dim)
     scores = torch.einsum("bkgd,bskd->bkgs", qg, k).reshape(batch, heads, keys) * scale
     causal = torch.arange(keys, device=q.device)[None, :] < seq_lens.long()[:, None]
-    probs = torch.exp(scores - lse[..., None]).masked_fill(~causal[:, None, :], 0.0)
-    return probs.view(batch, heads, keys // block_size, block_size).sum(-1)
+    return scores.masked_fill(~causal[:, None, :], float("-inf"))
 
 
 def decode_attention_union(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size: int,

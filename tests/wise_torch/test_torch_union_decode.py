@@ -119,6 +119,8 @@ def test_triton_block_mass_equals_the_torch_one(kv_heads):
     # fp32 both: 16-term dots and 4-key sums in other orders, probabilities <= 1: a few ulp.
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert torch.equal(got[1, :, 4:], torch.zeros(HEADS, 4))
+    with pytest.raises(ValueError, match=r"lse must be \[3, 4\]"):
+        triton_mass(q, k, table, lens, lse[:, :2].contiguous(), block_size=BLOCK)
 
 
 def test_discovery_rows_select_as_the_reference_does():

@@ -51,6 +51,8 @@ def block_mass_from_lse(q: torch.Tensor, k_pages: torch.Tensor, page_table: torc
     if head_dim & (head_dim - 1) or block_size & (block_size - 1) or page_size % block_size:
         raise ValueError(f"head_dim ({head_dim}) and block_size ({block_size}) must be powers of two, and "
                          f"page_size ({page_size}) a multiple of block_size")
+    if tuple(lse.shape) != (batch, heads):
+        raise ValueError(f"lse must be [{batch}, {heads}] (a row's log-sum-exp per query head), got {list(lse.shape)}")
     if k_pages.stride(3) != 1 or q.stride(2) != 1 or lse.stride(1) != 1 or page_table.stride(1) != 1:
         raise ValueError("q and k_pages must be contiguous in head_dim, lse in heads, page_table in pages")
     blocks = page_table.shape[1] * page_size // block_size
