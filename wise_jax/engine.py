@@ -55,9 +55,9 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from wise_core.buckets import batch_bucket, context_bucket, context_buckets, decode_buckets
-from wise_core.config import ModelConfig
+from wise_core.config import AdaptiveDepth, ModelConfig
 from wise_core.engine import EngineArgs, LLMEngine
-from wise_core.engine.args import cpu_pool, pool_pages
+from wise_core.engine.args import check_adaptive_depth, cpu_pool, pool_pages
 from wise_core.engine.scheduler import Chunk
 from wise_core.engine.sequence import Sequence, logits_rows
 from wise_core.huginn_reference import initial_state, num_planes
@@ -262,35 +262,37 @@ class Rows:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "wise_config", "kernel", "unroll", "sampling", "keep_logits",
-                                             "mesh", "rows", "width", "num_steps"),
+                                             "mesh", "rows", "width", "num_steps", "adaptive"),
                    donate_argnames=("cache", "state", "next_token", "logits_state"))
 def _step(params: Params, cache: kvc.PagedKVCache, state, next_token, inputs: Rows, draw: Draw,
           processing: Processing | None = None, logits_state: LogitsState | None = None, state_table=None, *,
           config: ModelConfig, wise_config, kernel: str, unroll, sampling: bool, keep_logits: bool, mesh=None,
-          rows: int, width: int, num_steps: int | None = None):
+          rows: int, width: int, num_steps: int | None = None, adaptive: AdaptiveDepth | None = None):
     """One decode step of slots [0, rows), the batch bucket, at context bucket `width` (module
     docstring); processing and logits_state None, or both given (`_choose`). A Huginn model
     (num_steps its core iterations, None for Ouro) runs `huginn.decode_step` from each row's
-    initial state, state_table[position] (on the device). Returns (cache,
-    state, next_token, logits_state, (token, logprob, NaN flag, overflowed, logits or None,
-    ranked or None, loops_run)), per row of the bucket; overflowed: a row's pages did not fit
-    (nothing written); loops_run int32[2] (loops the live rows ran, live rows) with early exit,
-    else None."""
+    initial state, state_table[position] (on the device), with per-token adaptive depth
+    `adaptive` (None: every iteration). Returns (cache, state, next_token, logits_state, (token,
+    logprob, NaN flag, overflowed, logits or None, ranked or None, loops_run)), per row of the
+    bucket; overflowed: a row's pages did not fit (nothing written); loops_run int32[2] (loops
+    or core iterations the live rows ran, live rows) with Ouro's early exit or Huginn's adaptive
+    depth, else None."""
     TRACES["step"] += 1
     step_cache = dataclasses.replace(cache, page_table=inputs.table, seq_lens=inputs.positions,
                                      free_pages=inputs.new_pages, num_free=inputs.num_new,
                                      overflowed=jnp.zeros((), bool))
     rows_state = None if state is None else _state_rows(state, rows)
     tokens = jnp.where(inputs.tokens >= 0, inputs.tokens, next_token[:rows])
-    exiting = config.early_exit_threshold < 1.0
     if num_steps is None:
+        exiting = config.early_exit_threshold < 1.0
         logits, step_cache, rows_state, *depths = sharding.decode_step(
             params, config, step_cache, rows_state, tokens, inputs.tags, wise_config=wise_config, kernel=kernel,
             unroll=unroll, mesh=mesh, width=width, return_depths=exiting)
-    else:   # the step's table is `width` pages wide: so are its attention and supports (Huginn: no early exit)
-        logits, step_cache, rows_state = huginn.decode_step(
+    else:   # the step's table is `width` pages wide: so are its attention and supports
+        exiting = adaptive is not None
+        logits, step_cache, rows_state, *depths = huginn.decode_step(
             params, config, step_cache, tokens, state_table[inputs.positions], inputs.tags, num_steps=num_steps,
-            kernel=kernel, wise_config=wise_config, wise_state=rows_state)
+            kernel=kernel, wise_config=wise_config, wise_state=rows_state, adaptive=adaptive)
     slots = jnp.arange(rows)
     logits_rows = None if logits_state is None else logits_state.rows(slots)
     token, logprob, top = _choose(logits, draw, processing, logits_rows, sampling=sampling)
@@ -365,13 +367,22 @@ class LLM(LLMEngine):
     the initial state of its position with seed 0 (`wise_core.huginn_reference.initial_state`,
     a table on the device), so a request's tokens do not depend on its batch, chunking or
     preemption; without a mesh. An Ouro model runs its num_loops (num_steps None or that).
+    adaptive_depth: a Huginn model's per-token adaptive depth in decode, as wise_torch.LLM's
+    (`AdaptiveDepth`; None: every token runs num_steps iterations): each decode step passes it
+    to `huginn.decode_step`, whose rows that exit ride along held (static shapes); prefill runs
+    every iteration, as the released code's. `stats().mean_decode_depth` is the mean of the
+    iterations decoded tokens ran. With WISE, a row that exited still runs the later
+    iterations' discovery and reuse attention (held state, outputs discarded, counted in the
+    density): its tokens are those of the exit, its later iterations' K/V its exit iteration's.
+    An Ouro model exits by its config's early_exit_threshold: adaptive_depth is an error there.
     """
 
     ARRAY_TYPES = (jax.Array,)
 
     def __init__(self, params: Params | str | Path, config: ModelConfig | None = None, *,
                  tokenizer: Tokenizer | None = None, attention: str = "auto", layers: str = "unstacked",
-                 unroll: int | bool = 1, mesh=None, dtype=None, num_steps: int | None = None, **engine_args):
+                 unroll: int | bool = 1, mesh=None, dtype=None, num_steps: int | None = None,
+                 adaptive_depth: AdaptiveDepth | None = None, **engine_args):
         args = EngineArgs(**engine_args)
         if isinstance(params, (str, Path)):
             if config is not None:
@@ -387,6 +398,7 @@ class LLM(LLMEngine):
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
         self.num_steps = self._huginn_steps(params, config, num_steps, mesh)    # None: an Ouro model
+        self.adaptive_depth = check_adaptive_depth(adaptive_depth, config)
         planes = None if self.num_steps is None else num_planes(config, self.num_steps)
         args.checked_for(config.total_ut_steps if self.num_steps is None else self.num_steps,
                          config.max_position_embeddings,
@@ -497,7 +509,7 @@ class LLM(LLMEngine):
             self.params, self.cache, self.state, self.next_token, inputs, _draw_of(by_slot),
             _processing_of(by_slot) if extras else None, self.logits_state if extras else None, self.state_table,
             config=self.config, wise_config=self.wise_config, kernel=self.kernel, unroll=self.unroll, mesh=self.mesh,
-            num_steps=self.num_steps, **program)
+            num_steps=self.num_steps, adaptive=self.adaptive_depth, **program)
         if extras:
             self.logits_state = logits_state
         if TRACES["step"] > traces:   # a program made for this step: its trace and compile

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
-from wise_core.config import WiseConfig
+from wise_core.config import AdaptiveDepth, ModelConfig, WiseConfig
 from wise_core.generate_args import check_seed
 
 CPU_POOL_BYTES = 1 << 30       # num_pages=None on a CPU: a pool of at most 1 GiB of K/V
@@ -107,6 +107,19 @@ def cpu_pool(page_bytes: int, platform: str, most: int) -> tuple[int, str]:
     """`pool_pages` on a CPU: CPU_POOL_BYTES of K/V."""
     return pool_pages(CPU_POOL_BYTES, page_bytes, f"at most {CPU_POOL_BYTES / 2**30:.0f} GiB of K/V on a {platform}",
                       most)
+
+
+def check_adaptive_depth(adaptive_depth, config: ModelConfig) -> AdaptiveDepth | None:
+    """An engine's adaptive_depth, checked: None, or an `AdaptiveDepth` for a Huginn model (an
+    Ouro model exits by its config's early_exit_threshold)."""
+    if adaptive_depth is None:
+        return None
+    if not isinstance(adaptive_depth, AdaptiveDepth):
+        raise TypeError(f"adaptive_depth must be an AdaptiveDepth or None, got {type(adaptive_depth).__name__}")
+    if config.architecture != "huginn":
+        raise ValueError(f"adaptive_depth runs Huginn models; this {config.architecture} model exits by its "
+                         f"config's early_exit_threshold ({config.early_exit_threshold})")
+    return adaptive_depth
 
 
 def positive_int(name: str, value) -> None:

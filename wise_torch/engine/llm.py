@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from wise_core.config import SpeculativeConfig, WiseConfig
+from wise_core.config import AdaptiveDepth, SpeculativeConfig, WiseConfig
 from wise_core.engine import EngineArgs, LLMEngine
-from wise_core.engine.args import cpu_pool, pool_pages, positive_int
+from wise_core.engine.args import check_adaptive_depth, cpu_pool, pool_pages, positive_int
 from wise_core.engine.scheduler import Chunk
 from wise_core.engine.sequence import Sequence
 from wise_torch.engine import distributed
@@ -47,6 +47,15 @@ class LLM(LLMEngine):
     its position with seed 0 (`HuginnForCausalLM.step_inputs`), so a request's tokens do not
     depend on its batch, chunking or preemption. An Ouro model runs its num_loops (None or that
     number). Huginn runs without speculation and tensor parallelism.
+    adaptive_depth: a Huginn model's per-token adaptive depth in decode (`AdaptiveDepth`, the
+    released KL exit criterion; None: every token runs num_steps iterations): each decode step
+    passes it to `HuginnForCausalLM.decode_step`, whose rows that exit ride along held (every
+    iteration runs every row, static shapes: CUDA graphs as without it); prefill runs every
+    iteration, as the released code's. `stats().mean_decode_depth` is the mean of the
+    iterations decoded tokens ran. With WISE, a row that exited still runs the later
+    iterations' discovery and reuse attention (held state, outputs discarded, counted in the
+    density): its tokens are those of the exit, its later iterations' K/V its exit iteration's.
+    An Ouro model exits by its config's early_exit_threshold: adaptive_depth is an error there.
     engine_args: `wise_core.engine.EngineArgs` (wise_config, num_pages, page_size, max_num_seqs,
     max_model_len, max_num_batched_tokens, kernel ("auto", "reference", "triton"), seed), the
     same arguments and defaults as wise_jax.LLM's. num_pages=None sizes the pool from free
@@ -80,7 +89,7 @@ class LLM(LLMEngine):
     ARRAY_TYPES = (torch.Tensor,)
 
     def __init__(self, model: OuroForCausalLM | HuginnForCausalLM | str | Path, *, num_steps: int | None = None,
-                 cuda_graphs: bool | str = "auto",
+                 adaptive_depth: AdaptiveDepth | None = None, cuda_graphs: bool | str = "auto",
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  speculative_config: SpeculativeConfig | None = None, tensor_parallel_size: int = 1,
                  prefill_attention: str = "auto", dense_decode: str = "kernel", wise_decode: str = "kernel",
@@ -103,6 +112,7 @@ class LLM(LLMEngine):
                              "model")
         num_steps = model.config.num_loops if num_steps is None else num_steps
         model.planes(num_steps)   # checks num_steps against the model
+        adaptive_depth = check_adaptive_depth(adaptive_depth, model.config)
         if speculative_config is not None:
             if model.config.early_exit_threshold < 1.0:
                 raise ValueError(f"speculative decoding runs every loop; this model exits early "
@@ -125,14 +135,15 @@ class LLM(LLMEngine):
             self.workers, model = distributed.start(model, tensor_parallel_size)
             self._finalizer = weakref.finalize(self, self.workers.close)
         try:
-            self._build(model, args, num_steps=num_steps, cuda_graphs=cuda_graphs,
+            self._build(model, args, num_steps=num_steps, adaptive_depth=adaptive_depth, cuda_graphs=cuda_graphs,
                         speculative_config=speculative_config,
                         prefill_attention=prefill_attention, dense_decode=dense_decode, wise_decode=wise_decode)
         except BaseException:
             self.close()
             raise
 
-    def _build(self, model: OuroForCausalLM | HuginnForCausalLM, args: EngineArgs, *, num_steps, cuda_graphs,
+    def _build(self, model: OuroForCausalLM | HuginnForCausalLM, args: EngineArgs, *, num_steps, adaptive_depth,
+               cuda_graphs,
                speculative_config, prefill_attention, dense_decode, wise_decode) -> None:
         """The pool, host side and runner over `model` (under tensor parallelism rank 0's shard,
         the workers following); the arguments are __init__'s, checked."""
@@ -154,7 +165,7 @@ class LLM(LLMEngine):
                         use_graphs=cuda_graphs is True or (cuda_graphs == "auto" and self.device.type == "cuda"),
                         kernel=kernel, seed=random.randrange(2 ** 63) if args.seed is None else args.seed,
                         prefill_attention=prefill_attention, dense_decode=dense_decode, wise_decode=wise_decode,
-                        num_steps=num_steps)
+                        num_steps=num_steps, adaptive_depth=adaptive_depth)
         if self.workers is not None:
             self.workers.send("settings", settings)
         self.runner = ModelRunner(model, **settings, workers=self.workers)

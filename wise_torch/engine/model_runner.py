@@ -20,7 +20,8 @@ The model is an OuroForCausalLM or a HuginnForCausalLM; the runner calls the sam
 either: `planes(num_steps)` (the pool's planes for steps of that depth), `step_inputs(num_steps,
 positions)` (its own keyword inputs of prefill and decode_step, made once before any graph:
 Huginn's iteration count and per-position initial-state table, none for Ouro), `prefill`,
-`decode_step`, `rope_rows`, `head_weight` and `tp`.
+`decode_step` (a Huginn model's also with the engine's adaptive_depth, as `adaptive`), `rope_rows`,
+`head_weight` and `tp`.
 
 Tensor parallelism (`wise_torch.engine.distributed`): every rank has a runner over its shard
 (its heads' K/V pages and WISE supports, the same pool layout). Rank 0's runner, which alone
@@ -38,7 +39,7 @@ import numpy as np
 import torch
 
 from wise_core.buckets import batch_bucket, context_bucket, context_buckets, decode_buckets
-from wise_core.config import WiseConfig
+from wise_core.config import AdaptiveDepth, WiseConfig
 from wise_core.engine.scheduler import Chunk
 from wise_core.engine.sequence import Sequence
 from wise_core.modes import DENSE
@@ -102,7 +103,7 @@ class ModelRunner:
     def __init__(self, model: OuroForCausalLM, *, wise_config: WiseConfig | None, num_pages: int, page_size: int,
                  max_num_seqs: int, max_model_len: int, use_graphs: bool, kernel: str, seed: int,
                  prefill_attention: str = "auto", dense_decode: str = "kernel", wise_decode: str = "kernel",
-                 num_steps: int | None = None, workers=None):
+                 num_steps: int | None = None, adaptive_depth: AdaptiveDepth | None = None, workers=None):
         config = model.config
         # Tensor parallelism: the model's `tp` on every rank (None: one device); `workers` on rank
         # 0 (distributed.Workers), which follow its device-side calls.
@@ -128,6 +129,9 @@ class ModelRunner:
                                   kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=self.dtype,
                                   device=self.device)
         self.step_inputs = model.step_inputs(self.num_steps, positions)
+        # Decode's: those and Huginn's per-token adaptive depth (prefill runs every iteration).
+        self.decode_inputs = self.step_inputs if adaptive_depth is None else dict(self.step_inputs,
+                                                                                  adaptive=adaptive_depth)
         self.buckets = decode_buckets(max_num_seqs)
         self.widths = context_buckets(self.max_pages)
         rows = self.buckets[-1]
@@ -166,9 +170,10 @@ class ModelRunner:
         self.dense_modes = torch.full((rows,), DENSE, dtype=torch.int32, device=self.device)
         self.unused_support = torch.zeros(rows, config.num_attention_heads, max_blocks, dtype=torch.bool,
                                           device=self.device)
-        # Early exit: loops the decoded tokens ran, decoded tokens (`decode_step`); None without.
+        # Early exit (Ouro's gate, Huginn's adaptive depth): loops the decoded tokens ran, decoded
+        # tokens (`decode_step`); None without.
         self.loops_run = (torch.zeros(2, dtype=torch.int64, device=self.device)
-                          if config.early_exit_threshold < 1.0 else None)
+                          if config.early_exit_threshold < 1.0 or adaptive_depth is not None else None)
         self.use_graphs = use_graphs
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_pool = None
@@ -201,7 +206,7 @@ class ModelRunner:
         return self.model.decode_step(tokens, batch, self.cache, wise=self.wise, attention=self.attention[bucket],
                                       dense_modes=self.dense_modes, unused_support=self.unused_support,
                                       dense_attention=self.dense_decode_fn, loops_run=self.loops_run,
-                                      **self.step_inputs)
+                                      **self.decode_inputs)
 
     def _next_staging(self, bucket: int, width: int) -> tuple[np.ndarray, np.ndarray]:
         """The host staging of the next step as numpy views: meta int64[6, rows], table
@@ -407,7 +412,9 @@ class ModelRunner:
         return self.wise.density(None if self.tp is None else self.tp.all_reduce)
 
     def mean_decode_depth(self) -> float | None:
-        """Loops a decoded token ran on average (early exit; None without, or before any)."""
+        """Loops (Huginn: core iterations) a decoded token ran on average (Ouro's early exit,
+        Huginn's adaptive depth; None without, or before any). Padding rows are not counted, nor
+        a graph capture's warm-up (`capture` restores the counts)."""
         if self.loops_run is None:
             return None
         loops, tokens = self.loops_run.tolist()

@@ -4,7 +4,9 @@ steps, chunked prefill, preemption with offload, an abort and a cached prompt pr
 a request the greedy tokens of its prompt decoded alone through the model's own prefill and
 decode_step (`parity.huginn`, the same seeded initial state of each position), dense and with
 WISE over the core iterations; the pool's planes follow num_steps, and WISE depths past it and
-a bad num_steps are refused."""
+a bad num_steps are refused. With per-token adaptive depth (`adaptive_depth`) requests joining
+between steps and preempted ones get the tokens and exit depths of their prompt decoded alone
+with the same `AdaptiveDepth`, and mean_decode_depth is the mean of those depths."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import pytest
 from cases import prompts_of
 from engine_cases import FRAMEWORKS, Framework, drained
 from parity.huginn import jax_generate, torch_generate
-from wise_core.config import PRESETS, ConfigError, WiseConfig
+from wise_core.config import PRESETS, AdaptiveDepth, ConfigError, SpeculativeConfig, WiseConfig
 from wise_core.huginn_reference import num_planes
 from wise_core.request import SamplingParams
 
@@ -28,6 +30,9 @@ MODES = pytest.mark.parametrize("wise_config", [None, WISE], ids=["dense", "wise
 # made once per framework and mode, and few shapes are compiled (JAX).
 PROMPTS = prompts_of([60, 3, 28, 50], CONFIG.vocab_size, seed=1)   # 60 and 28 grow into a new page
 NEW = 12
+ADAPTIVE = AdaptiveDepth(threshold=0.42)
+"""Among the KLs of this random model's successive iterations (about 0.3 to 0.7, none of its
+checks here within 1e-3 of 0.42 in fp32): tokens exit after 1, 2 or all 3 iterations."""
 
 
 @pytest.fixture(scope="module", params=FRAMEWORKS)
@@ -41,20 +46,28 @@ def engine(fw, wise_config=None, **kw):
     return fw.engine(wise_config=wise_config, **kw)
 
 
-def alone(fw, prompt: list[int], wise_config, n: int = NEW) -> list[int]:
+def alone(fw, prompt: list[int], wise_config, n: int = NEW, adaptive: AdaptiveDepth | None = None) -> list[int]:
     """n greedy tokens of `prompt` alone (memoized per framework): the model's prefill, then its
-    decode_step one token a step, STEPS core iterations, the initial state of seed 0 (the
-    engine's), in 3 pages (the longest prompt and its tokens: 72 keys)."""
+    decode_step one token a step, STEPS core iterations (adaptive: with that adaptive depth),
+    the initial state of seed 0 (the engine's), in 3 pages (the longest prompt and its tokens:
+    72 keys)."""
+    return alone_run(fw, prompt, wise_config, n, adaptive)[0]
+
+
+def alone_run(fw, prompt: list[int], wise_config, n: int = NEW, adaptive: AdaptiveDepth | None = None
+              ) -> tuple[list[int], list[int]]:
+    """`alone`'s tokens and the core iterations each of its n - 1 decode steps ran."""
     done = fw.__dict__.setdefault("huginn_alone", {})
-    key = (tuple(prompt), n, wise_config)
+    key = (tuple(prompt), n, wise_config, adaptive)
     if key not in done:
+        depths = [[]]
         if fw.name == "torch":
             run = torch_generate(fw.model, [prompt], max_new_tokens=n, num_steps=STEPS, wise_config=wise_config,
-                                 pages=3)
+                                 pages=3, adaptive=adaptive, depths=depths)
         else:   # every prompt's decode the same program
             run = jax_generate(fw.model, fw.config, [prompt], max_new_tokens=n, num_steps=STEPS,
-                               wise_config=wise_config, pages=3)
-        done[key] = run[0][0]
+                               wise_config=wise_config, pages=3, adaptive=adaptive, depths=depths)
+        done[key] = run[0][0], depths[0]
     return done[key]
 
 
@@ -145,6 +158,55 @@ def test_the_pool_holds_the_planes_of_num_steps_and_wise_depths_are_checked_agai
         engine(fw, dataclasses.replace(WISE, reuse_depths=(1, 3)))
     with pytest.raises(ValueError, match="num_steps must be a non-negative integer, got -1"):
         engine(fw, num_steps=-1)
+
+
+def check_adaptive(fw, outs: dict[int, list[int]], stats, wise_config) -> None:
+    """Each prompt i's tokens outs[i] are its tokens alone with ADAPTIVE, whose decode steps
+    exit at different depths, and stats.mean_decode_depth is the mean of those depths."""
+    ran = []
+    for i, tokens in outs.items():
+        want, depths = alone_run(fw, PROMPTS[i], wise_config, adaptive=ADAPTIVE)
+        assert tokens == want, i
+        ran += depths
+    assert min(ran) < STEPS and len(set(ran)) > 1, ran       # rows exit, at different depths
+    assert stats.mean_decode_depth == sum(ran) / len(ran)    # integer counts: exact
+
+
+@MODES
+def test_adaptive_depth_requests_joining_between_steps_get_their_tokens_and_depths_alone(fw, wise_config):
+    llm = engine(fw, wise_config, adaptive_depth=ADAPTIVE, max_num_batched_tokens=32)
+    ids, produced, step = {}, {}, 0
+    while len(ids) < len(PROMPTS) or llm.has_unfinished():
+        if step % 3 == 0 and len(ids) < len(PROMPTS):           # a new request every third step
+            i = len(ids)
+            ids[llm.add_request(PROMPTS[i], SamplingParams(max_tokens=NEW, ignore_eos=True))] = i
+        for out in llm.step():
+            produced[ids[out.request_id]] = out
+        step += 1
+    stats = drained(llm)
+    check_adaptive(fw, {i: out.token_ids for i, out in produced.items()}, stats, wise_config)
+    llm.reset_stats()
+    assert llm.stats().mean_decode_depth is None
+
+
+def test_adaptive_depth_preemption_resumes_with_the_same_tokens_and_depths(fw):
+    llm = engine(fw, adaptive_depth=ADAPTIVE, num_pages=6)   # as test_preemption_offloads_...
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True), use_tqdm=False)
+    stats = drained(llm)
+    assert stats.preemptions > 0
+    check_adaptive(fw, {i: out.token_ids for i, out in enumerate(outs)}, stats, None)
+
+
+def test_adaptive_depth_is_refused_where_it_does_not_apply(fw):
+    with pytest.raises(TypeError, match="adaptive_depth must be an AdaptiveDepth or None, got float"):
+        engine(fw, adaptive_depth=0.42)
+    ouro = Framework(fw.name, PRESETS["test-tiny"], seed=0)
+    with pytest.raises(ValueError, match=r"adaptive_depth runs Huginn models; this ouro model exits by its "
+                                         r"config's early_exit_threshold \(1.0\)"):
+        ouro.engine(num_pages=8, page_size=PAGE, max_num_seqs=2, max_model_len=64, adaptive_depth=ADAPTIVE)
+    if fw.name == "torch":   # no speculation on Huginn, adaptive or not
+        with pytest.raises(ValueError, match="speculative decoding and tensor parallelism run Ouro models only"):
+            engine(fw, adaptive_depth=ADAPTIVE, speculative_config=SpeculativeConfig())
 
 
 @pytest.mark.parametrize("budget", [32, 8192], ids=["chunked", "whole"])
