@@ -47,13 +47,13 @@ def _blocks(pages: int, wise_config: WiseConfig | None) -> int:
 def torch_generate(model: HuginnForCausalLM, prompts: list[list[int]], *, max_new_tokens: int, num_steps: int,
                    seed: int = 0, wise_config: WiseConfig | None = None, kernel: str = "reference",
                    adaptive: AdaptiveDepth | None = None, depths: list[list[int]] | None = None,
-                   pages: int | None = None):
+                   pages: int | None = None, regroup: bool = False):
     """Greedy tokens per prompt (max_new_tokens each, no early stop), their logits
     float32[max_new_tokens, vocab] per prompt (numpy), and the WiseState (None when dense).
     kernel: `wise_torch.attention.decode_attention`'s (which runs the WiseConfig's selection rule).
     adaptive: per-token adaptive depth in decode; depths, if given, gets each prompt's list of
     the iterations its decode steps ran. pages: each request's pages (`_pages`; None: what the
-    longest prompt and its tokens need)."""
+    longest prompt and its tokens need). regroup: decode_step's (adaptive only)."""
     config, device = model.config, model.head_weight.device
     rows, pages = len(prompts), _pages(prompts, max_new_tokens, pages)
     cache = PagedKVCache(planes=num_planes(config, num_steps), num_pages=rows * pages, page_size=PAGE_SIZE,
@@ -95,7 +95,7 @@ def torch_generate(model: HuginnForCausalLM, prompts: list[list[int]], *, max_ne
             ran = torch.zeros(rows, dtype=torch.int32, device=device)
             out = model.decode_step(tokens, step, cache, num_steps=num_steps, state=state(positions),
                                     attention=attention, dense_modes=dense_modes, unused_support=unused_support,
-                                    wise=wise, adaptive=adaptive, depths=ran)
+                                    wise=wise, adaptive=adaptive, depths=ran, regroup=regroup)
             for r in range(rows):
                 logits[r].append(out[r])
                 if depths is not None:

@@ -23,7 +23,9 @@ serving engine (`wise_torch.LLM`) runs the model through `planes` and `step_inpu
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Callable
 
 import numpy as np
 import torch
@@ -176,6 +178,49 @@ class HuginnForCausalLM(nn.Module):
             depths.copy_(last + 1)
         return self.readout(x, ctx)
 
+    def run_regrouped(self, ids: torch.Tensor, state: torch.Tensor, ctx: HuginnDecodeContext, context: Callable,
+                      num_steps: int, adaptive: AdaptiveDepth, depths: torch.Tensor) -> torch.Tensor:
+        """`run_tokens` of a decode step with adaptive depth, regrouped: after each checked
+        iteration the rows that exit leave the group and only the rows still running run the
+        later iterations (gathered, so dynamic shapes: eager only). ctx: the step's context
+        over every row; context(rows int64[m]) -> its context over those rows. Each row computes
+        what it computes riding along (a row's computation does not involve the others'), and
+        an exited row's later iterations' K/V are its exit iteration's, written once after the
+        last iteration ("latest-m4"), so the tokens and depths are `run_tokens`'s."""
+        c, t = self.config, self.transformer
+        embedded = t.wte(ids) * c.embed_scale
+        for n, layer in enumerate(t.prelude):
+            embedded = self.block(layer, embedded, ctx, plane_index(c, "prelude", n))
+        x = state.clone()
+        last = torch.full((ids.shape[0],), num_steps - 1, dtype=torch.int64, device=ids.device)
+        rows = torch.arange(ids.shape[0], device=ids.device)      # the rows running
+        group, group_x, group_embedded, previous = ctx, x, embedded, None
+        for step in range(num_steps):
+            group.begin_loop(step)
+            group_x = t.adapter(torch.cat([group_x, group_embedded], dim=-1))
+            for n, layer in enumerate(t.core_block):
+                group_x = self.block(layer, group_x, group, plane_index(c, "core_block", n, step))
+            group.end_loop(step)
+            x[rows] = group_x
+            if not adaptive.min_steps <= step < num_steps - 1:
+                continue
+            log_p = torch.log_softmax(logits_fp32(self.readout(group_x, group), self.head_weight), dim=-1)
+            if previous is None:
+                previous = torch.full_like(log_p, -math.log(log_p.shape[-1]))
+            stay = ~((previous.exp() * (previous - log_p)).sum(-1) < adaptive.threshold)   # NaN stays, as riding along
+            previous = log_p
+            if bool(stay.all()):
+                continue
+            last[rows[~stay]] = step
+            rows, group_x, group_embedded, previous = rows[stay], group_x[stay], group_embedded[stay], previous[stay]
+            if rows.numel() == 0:
+                break
+            group = context(rows)
+        for step in range(1, num_steps):
+            self.hold_exited(ctx, last < step, last, step)
+        depths.copy_(last + 1)
+        return self.readout(x, ctx)
+
     def readout(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """The coda over the core block's state x [n, hidden] -> its normed output [n, hidden]."""
         c, t = self.config, self.transformer
@@ -223,7 +268,7 @@ class HuginnForCausalLM(nn.Module):
                     wise: WiseState | None = None, state: torch.Tensor | None = None,
                     state_table: torch.Tensor | None = None, dense_attention=None,
                     adaptive: AdaptiveDepth | None = None, depths: torch.Tensor | None = None,
-                    loops_run: torch.Tensor | None = None) -> torch.Tensor:
+                    loops_run: torch.Tensor | None = None, regroup: bool = False) -> torch.Tensor:
         """tokens int64[batch] at each row's position, from the initial state `state` [batch,
         hidden] or the rows of `state_table` at batch.positions -> logits float32[batch, vocab]
         (`OuroForCausalLM.decode_step`'s other inputs). wise: WISE over the core iterations (a
@@ -231,10 +276,18 @@ class HuginnForCausalLM(nn.Module):
         every plane dense. adaptive: per-token adaptive depth (`wise_core.huginn_reference`'s):
         after each checked iteration the coda and head read every row's state, a row exits on the
         KL criterion and rides along held (its state frozen, its later iterations' K/V its exit
-        iteration's); static shapes, every iteration runs (graph-safe). depths: int32[batch],
-        written with the iterations each row ran. loops_run int64[2], if given, gets the
-        iterations the real rows (epochs >= 0) ran and their count added in place
+        iteration's); static shapes, every iteration runs (graph-safe). With WISE a row that
+        exited still runs the later iterations' discovery and reuse attention (on its held state,
+        outputs discarded; WiseState counts it). regroup (with adaptive, without WISE, eager
+        only): the rows still running are gathered after each checked iteration and only they
+        run the later ones (`run_regrouped`: the same tokens and depths, dynamic shapes).
+        depths: int32[batch], written with the iterations each row ran. loops_run int64[2], if
+        given, gets the iterations the real rows (epochs >= 0) ran and their count added in place
         (`OuroForCausalLM.decode_step`'s)."""
+        if regroup and (adaptive is None or wise is not None):
+            raise ValueError("regroup runs adaptive depth (adaptive=) without WISE (wise=None)")
+        if regroup and tokens.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise ValueError("regroup gathers rows (dynamic shapes): it cannot run in a CUDA graph")
         if wise is not None:
             wise.config.validate_for(num_steps, f"num_steps={num_steps} core iterations")
             if wise.num_layers != self.config.n_layers_in_recurrent_block:
@@ -242,10 +295,18 @@ class HuginnForCausalLM(nn.Module):
                                  f"{self.config.n_layers_in_recurrent_block}")
         ctx = HuginnDecodeContext(self.config, batch, cache, wise, attention, dense_modes[:batch.size],
                                   unused_support[:batch.size], dense_attention)
-        if loops_run is not None and depths is None:
+        if (loops_run is not None or regroup) and depths is None:
             depths = torch.empty(batch.size, dtype=torch.int32, device=tokens.device)
-        h = self.run_tokens(tokens, self.state_at(batch.positions, state, state_table),
-                            self.paged(ctx, cache, num_steps), num_steps, adaptive, depths)
+        state = self.state_at(batch.positions, state, state_table)
+        if regroup:
+            def context(rows: torch.Tensor) -> HuginnDecodeContext:
+                sub = DecodeBatch(**{f.name: getattr(batch, f.name)[rows] for f in dataclasses.fields(batch)})
+                return self.paged(HuginnDecodeContext(self.config, sub, cache, None, attention, ctx.dense_modes[rows],
+                                                      ctx.unused_support[rows], dense_attention), cache, num_steps)
+            h = self.run_regrouped(tokens, state, self.paged(ctx, cache, num_steps), context, num_steps, adaptive,
+                                   depths)
+        else:
+            h = self.run_tokens(tokens, state, self.paged(ctx, cache, num_steps), num_steps, adaptive, depths)
         if loops_run is not None:
             real = batch.epochs >= 0
             loops_run += torch.stack([(depths * real).sum(), real.sum()])

@@ -1,7 +1,9 @@
 """Huginn's per-token adaptive depth in both frameworks' decode (`decode_step(adaptive=)`: the
 released KL exit criterion, rows that exited riding along held, later iterations reading the
 exit iteration's K/V) against the numpy reference's tokens and exit depths, alone and with
-WISE; a threshold no KL reaches is fixed depth bitwise. CPU, fp32, the reference kernels."""
+WISE; a threshold no KL reaches is fixed depth bitwise; torch's regrouped rows (only the rows
+still running run the later iterations) give the ride-along logits and depths bitwise. CPU,
+fp32, the reference kernels."""
 
 import os
 import subprocess
@@ -11,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from huginn_cases import NEW_TOKENS, SEED, STEPS, TINY, WISE, checkpoint, prompts, reference_generate
+from huginn_cases import (NEW_TOKENS, PROMPT_LENS, SEED, STEPS, TINY, WISE, bound, checkpoint, prompts,
+                          reference_generate)
 from parity.huginn import jax_generate, torch_generate
 from wise_core.config import AdaptiveDepth
 from wise_core.huginn_reference import huginn_weights
@@ -41,7 +44,8 @@ def test_jax_cases_in_their_own_process():
                           cwd=root, env=dict(os.environ, WISE_HUGINN_ADAPTIVE_JAX="1"), capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "3 passed, 1 skipped" in done.stdout, done.stdout[-1000:]   # the jax cases: two of one test, one of the other
+    # the jax cases: two of one test, one of the other; this test and the torch-only regroup test skipped
+    assert "3 passed, 2 skipped" in done.stdout, done.stdout[-1000:]
 
 
 @pytest.fixture(scope="module", params=FRAMEWORKS)
@@ -85,3 +89,28 @@ def test_unreachable_threshold_is_fixed_depth_bitwise(generate):
     assert tokens == fixed_tokens and all(d == STEPS for row in depths for d in row)
     for got, want in zip(logits, fixed_logits):
         np.testing.assert_array_equal(got, want)
+
+
+def test_regrouped_rows_give_the_ride_along_tokens_and_depths(ckpt):
+    """decode_step(regroup=True) gathers the rows still running after each checked iteration:
+    the same tokens and depths as riding along, with rows leaving the group while others go
+    on, and the logits within fp32 rounding (not bitwise: on CPU a linear layer of one row runs
+    another BLAS kernel than one of several rows, so a row's sums round differently once its
+    group holds it alone)."""
+    if FRAMEWORKS != ["torch"]:
+        pytest.skip("regrouping is wise_torch's (eager only)")
+    from wise_torch.huginn import huginn_from_tensors
+    model = huginn_from_tensors(TINY, ckpt.tensors)
+    runs = {}
+    for regroup in (False, True):
+        depths = [[] for _ in prompts()]
+        tokens, logits, _ = torch_generate(model, prompts(), max_new_tokens=NEW_TOKENS, num_steps=STEPS, seed=SEED,
+                                           adaptive=ADAPTIVE, depths=depths, regroup=regroup)
+        runs[regroup] = tokens, logits, depths
+    (tokens, ride, depths), (regrouped_tokens, regrouped, regrouped_depths) = runs[False], runs[True]
+    assert regrouped_tokens == tokens and regrouped_depths == depths
+    assert any(a != b for a, b in zip(*depths)), depths    # a step whose rows exit at different depths
+    for got, want in zip(regrouped, ride):
+        # Two fp32 runs of the same arithmetic summed in other orders: `bound` (rounding.network_bound
+        # over the network's sublayers and its widest reduction: hidden, intermediate or <= 85 keys).
+        np.testing.assert_allclose(got, want, rtol=0, atol=bound(TINY, STEPS, want, max(PROMPT_LENS) + NEW_TOKENS))
