@@ -10,6 +10,7 @@ initial state (`wise_core.huginn_reference.initial_state`) of each position.
 from __future__ import annotations
 
 import functools
+import time
 
 from parity import environment  # noqa: F401  (before triton and jax are imported)
 
@@ -44,16 +45,22 @@ def _blocks(pages: int, wise_config: WiseConfig | None) -> int:
     return pages * PAGE_SIZE // (WiseConfig() if wise_config is None else wise_config).block_size
 
 
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def torch_generate(model: HuginnForCausalLM, prompts: list[list[int]], *, max_new_tokens: int, num_steps: int,
                    seed: int = 0, wise_config: WiseConfig | None = None, kernel: str = "reference",
                    adaptive: AdaptiveDepth | None = None, depths: list[list[int]] | None = None,
-                   pages: int | None = None, regroup: bool = False):
+                   pages: int | None = None, regroup: bool = False, step_times: list[float] | None = None):
     """Greedy tokens per prompt (max_new_tokens each, no early stop), their logits
     float32[max_new_tokens, vocab] per prompt (numpy), and the WiseState (None when dense).
     kernel: `wise_torch.attention.decode_attention`'s (which runs the WiseConfig's selection rule).
     adaptive: per-token adaptive depth in decode; depths, if given, gets each prompt's list of
     the iterations its decode steps ran. pages: each request's pages (`_pages`; None: what the
-    longest prompt and its tokens need). regroup: decode_step's (adaptive only)."""
+    longest prompt and its tokens need). regroup: decode_step's (adaptive only). step_times, if
+    given, gets the wall seconds of each decode_step call (the device synchronized)."""
     config, device = model.config, model.head_weight.device
     rows, pages = len(prompts), _pages(prompts, max_new_tokens, pages)
     cache = PagedKVCache(planes=num_planes(config, num_steps), num_pages=rows * pages, page_size=PAGE_SIZE,
@@ -93,9 +100,15 @@ def torch_generate(model: HuginnForCausalLM, prompts: list[list[int]], *, max_ne
                                                     for r, p in enumerate(positions)], device=device))
             tokens = torch.stack([row[-1].argmax() for row in logits])
             ran = torch.zeros(rows, dtype=torch.int32, device=device)
-            out = model.decode_step(tokens, step, cache, num_steps=num_steps, state=state(positions),
+            inputs = state(positions)
+            sync(device)
+            start = time.perf_counter()
+            out = model.decode_step(tokens, step, cache, num_steps=num_steps, state=inputs,
                                     attention=attention, dense_modes=dense_modes, unused_support=unused_support,
                                     wise=wise, adaptive=adaptive, depths=ran, regroup=regroup)
+            if step_times is not None:
+                sync(device)
+                step_times.append(time.perf_counter() - start)
             for r in range(rows):
                 logits[r].append(out[r])
                 if depths is not None:
