@@ -309,8 +309,9 @@ class EngineStats:
     first completion's pages instead of prefilling them. prefill_attention: the prefill
     attention that runs (torch: "sdpa", "fa4" or "reference"; "" where the engine has no choice);
     wise_decode: what runs the WISE loops (torch: "kernel", "fa4-union" or "reference-union"; ""
-    where the engine has no choice). mean_decode_depth: with early exit (early_exit_threshold <
-    1), the loops a decoded token ran on average over the decode steps (each token's exit loop +
+    where the engine has no choice). mean_decode_depth: with early exit (an Ouro model's
+    early_exit_threshold < 1, a Huginn engine's adaptive_depth), the loops (Huginn: core
+    iterations) a decoded token ran on average over the decode steps (each token's exit loop +
     1; prefill not counted); None without early exit or before any decode step."""
 
     total_pages: int

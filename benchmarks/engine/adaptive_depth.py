@@ -91,7 +91,7 @@ def markdown(report: dict) -> str:
              f"held-out contexts of {a['context']} tokens, {a['new_tokens']} greedy decode steps per run; at most "
              f"{a['depth']} core iterations, adaptive arms KL < {a['threshold']:g}; best of {a['repeats']} runs "
              "(arms interleaved).", ""]
-    lines += rp.table(["batch", "arm", "ms / step", "tokens/s", "mean depth", "vs fixed", "tokens and depths"],
+    lines += rp.table(["batch", "arm", "ms / step", "tokens/s", "mean depth", "speed vs fixed", "tokens and depths"],
                       [[r["batch"], r["arm"], rp.fmt(r["step_ms"]), rp.fmt(r["tokens_per_s"]),
                         rp.fmt(r["mean_depth"], ".2f"),
                         rp.fmt(next(f["step_ms"] for f in report["rows"] if f["batch"] == r["batch"]
