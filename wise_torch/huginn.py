@@ -146,9 +146,7 @@ class HuginnForCausalLM(nn.Module):
         [n, hidden]. adaptive: per-token exits of a decode step (`AdaptiveDepth`; see
         `decode_step`), the iterations each row ran written to depths int32[n]."""
         c, t = self.config, self.transformer
-        self.check_steps(num_steps)
-        if tuple(state.shape) != (ids.shape[0], c.hidden_size):
-            raise ValueError(f"state must be [{ids.shape[0]}, {c.hidden_size}], got {list(state.shape)}")
+        self.check_inputs(ids, state, num_steps)
         embedded = t.wte(ids) * c.embed_scale
         for n, layer in enumerate(t.prelude):
             embedded = self.block(layer, embedded, ctx, plane_index(c, "prelude", n))
@@ -188,6 +186,7 @@ class HuginnForCausalLM(nn.Module):
         an exited row's later iterations' K/V are its exit iteration's, written once after the
         last iteration ("latest-m4"), so the tokens and depths are `run_tokens`'s."""
         c, t = self.config, self.transformer
+        self.check_inputs(ids, state, num_steps)
         embedded = t.wte(ids) * c.embed_scale
         for n, layer in enumerate(t.prelude):
             embedded = self.block(layer, embedded, ctx, plane_index(c, "prelude", n))
@@ -220,6 +219,11 @@ class HuginnForCausalLM(nn.Module):
             self.hold_exited(ctx, last < step, last, step)
         depths.copy_(last + 1)
         return self.readout(x, ctx)
+
+    def check_inputs(self, ids: torch.Tensor, state: torch.Tensor, num_steps: int) -> None:
+        self.check_steps(num_steps)
+        if tuple(state.shape) != (ids.shape[0], self.config.hidden_size):
+            raise ValueError(f"state must be [{ids.shape[0]}, {self.config.hidden_size}], got {list(state.shape)}")
 
     def readout(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """The coda over the core block's state x [n, hidden] -> its normed output [n, hidden]."""

@@ -91,12 +91,12 @@ def test_unreachable_threshold_is_fixed_depth_bitwise(generate):
         np.testing.assert_array_equal(got, want)
 
 
-def test_regrouped_rows_give_the_ride_along_tokens_and_depths(ckpt):
+def test_regrouped_rows_give_the_ride_along_tokens_and_depths_and_need_adaptive_without_wise(ckpt):
     """decode_step(regroup=True) gathers the rows still running after each checked iteration:
     the same tokens and depths as riding along, with rows leaving the group while others go
     on, and the logits within fp32 rounding (not bitwise: on CPU a linear layer of one row runs
     another BLAS kernel than one of several rows, so a row's sums round differently once its
-    group holds it alone)."""
+    group holds it alone). regroup without adaptive depth, or with WISE, is refused."""
     if FRAMEWORKS != ["torch"]:
         pytest.skip("regrouping is wise_torch's (eager only)")
     from wise_torch.huginn import huginn_from_tensors
@@ -114,3 +114,6 @@ def test_regrouped_rows_give_the_ride_along_tokens_and_depths(ckpt):
         # Two fp32 runs of the same arithmetic summed in other orders: `bound` (rounding.network_bound
         # over the network's sublayers and its widest reduction: hidden, intermediate or <= 85 keys).
         np.testing.assert_allclose(got, want, rtol=0, atol=bound(TINY, STEPS, want, max(PROMPT_LENS) + NEW_TOKENS))
+    for refused in (dict(adaptive=None), dict(adaptive=ADAPTIVE, wise_config=WISE)):
+        with pytest.raises(ValueError, match=r"regroup runs adaptive depth \(adaptive=\) without WISE"):
+            torch_generate(model, prompts(), max_new_tokens=2, num_steps=STEPS, regroup=True, **refused)
