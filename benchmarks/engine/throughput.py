@@ -756,7 +756,7 @@ def markdown(report: dict) -> str:
     a = report["args"]
     lines = [f"# Decode throughput ({report['date']})", "",
              f"{env.get('device', '?')}; torch {env.get('torch', '?')}, triton {env.get('triton', '?')}; "
-             f"model {report['model']}; {a['dtype']}; {a['new_tokens']} new tokens per request, "
+             f"model {report['model']}; {a['dtype']}; kernel {a['kernel']}; {a['new_tokens']} new tokens per request, "
              f"{a['repeats']} repeats after a {a['warmup_tokens']}-token warm-up; page size {a['page_size']}; "
              f"roofline at {a['hbm_tbps']} TB/s{run_text(report)}.", "", "## Every run", ""]
     lines += table(report["rows"])
