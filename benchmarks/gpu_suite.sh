@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark of the project, in parts, for one H200 (tp: two):
-#   bash benchmarks/gpu_suite.sh tests|train|bench|engine|jax|jax-bench|jax-tests|step-profile|pallas|pallas-sweep|kernel-profile|tp|fa4|prefix|drafts OUTDIR [MODEL_DIR]
+#   bash benchmarks/gpu_suite.sh tests|train|bench|engine|jax|jax-bench|jax-tests|huginn|step-profile|pallas|pallas-sweep|kernel-profile|tp|fa4|prefix|drafts OUTDIR [MODEL_DIR]
 # tests: the `gpu`-marked pytest suite, the parity suite;
 # train: trains the built-in model (benchmarks.train.train_builtin) into OUTDIR/model; TRAIN_ARCHITECTURES="huginn"
 #        trains the built-in Huginn model into OUTDIR/huginn-model instead, "ouro huginn" both (two 10-minute
@@ -13,6 +13,8 @@
 #      Q_SCALES override; each (shape, arm) warms up for about 40 s); jax-tests: JAX's gpu tests (engine,
 #      selection in generate, the Pallas kernel in generate, parity's kernel checks) and the decode
 #      contract compiled for the GPU;
+# huginn: the Huginn-3.5B shape (huginn-0125, random bf16 weights) through both engines at r = 32 core
+#         iterations, dense and WISE at 1K x 32 and 4K x 8 (two 10-minute slots; the part's comment says more);
 # step-profile: where a decode step's time goes, torch and JAX, dense and WISE, constructor defaults
 #               (benchmarks.profile.step_profile at 1K x 64 and 1K x 1; SHAPES, Q_SCALES, FRAMEWORKS override),
 #               about 5 minutes;
@@ -90,6 +92,27 @@ case $part in
       run decode_contract 120 python3 -m pytest -q tests/wise_core/test_decode_contract.py -p no:cacheprovider -rfE
     fi
     ;;
+  huginn)
+    # huginn-0125's shape (2-layer prelude, 4-layer core block, 2-layer coda; hidden 5280, 55 heads of 96) at
+    # r = 32 core iterations; the wise arms' profile is huginn_wise_config(32): discovery on iterations 0 and 1,
+    # reuse on 2..31, eta 0.95, blocks of 32 tokens (the report states it, and the measured density).
+    # Memory: (2 + 4 x 32 + 2) = 132 K/V planes x 2 x 5280 bf16 values = 2.8 MB a token, ~93 GB of K/V at
+    # 1K x 32 and at 4K x 8, with 7 GB of weights: only an H200 holds it.
+    # --q-scale 3.1 / 2.83 is not calibrated for Huginn (the run reports the density it gets): on these random
+    # weights a query's attention logits have std ~ std^2 x hidden x q_scale (q and k entries ~ N(0, std^2 x
+    # hidden) on unit-RMS inputs; the head_dim sum and its 1/sqrt(head_dim) cancel), so Ouro-1.4B's calibration
+    # (x8 / x7.3 at 1K / 4K, hidden 2048: reuse density 0.287 / 0.174) carried to hidden 5280 is x3.1 / x2.83.
+    # Kernel: head_dim 96 is refused by the Triton and Pallas decode kernels (powers of two) and Mosaic's
+    # (multiples of 64), so the part runs the reference decode (HUGINN_KERNEL overrides), which reads every key
+    # in every mode: its WISE / dense is not the GPU kernels' figure; dense tok/s, roofline share and the
+    # density are measured all the same.
+    run huginn_throughput 560 python3 -m benchmarks.engine.throughput --preset huginn-0125 --num-steps 32 \
+        --arms dense,wise --shapes 1024x32,4096x8 --q-scale 3.1,2.83 --kernel "${HUGINN_KERNEL:-reference}" \
+        --child-timeout 135 --out "$out/huginn_throughput"
+    run huginn_jax_throughput 560 python3 -m benchmarks.engine.jax_generate_bench --preset huginn-0125 --num-steps 32 \
+        --arms dense,wise --shapes 1024x32,4096x8 --q-scale 3.1,2.83 --kernel "${HUGINN_KERNEL:-reference}" \
+        --child-timeout 135 --out "$out/huginn_jax_throughput"
+    ;;
   step-profile)
     run step_profile 560 python3 -m benchmarks.profile.step_profile --frameworks "${FRAMEWORKS:-torch,jax}" \
         --shapes "${SHAPES:-1024x64,1024x1}" --q-scale "${Q_SCALES:-8,8}" --child-timeout 150 --out "$out/step_profile"
@@ -137,5 +160,5 @@ case $part in
     run draft_kinds 300 python3 -m benchmarks.engine.draft_kinds --dtype bfloat16 --prompts 64 --length 256 \
         --new-tokens 128 --out "$out/draft_kinds"
     ;;
-  *) echo "unknown part $part (tests|train|bench|engine|jax|jax-bench|jax-tests|step-profile|pallas|pallas-sweep|kernel-profile|tp|fa4|prefix|drafts)" >&2; exit 2;;
+  *) echo "unknown part $part (tests|train|bench|engine|jax|jax-bench|jax-tests|huginn|step-profile|pallas|pallas-sweep|kernel-profile|tp|fa4|prefix|drafts)" >&2; exit 2;;
 esac

@@ -288,23 +288,28 @@ def save_checkpoint(path: str | Path, checkpoint: Checkpoint, *, bf16: bool = Fa
     return directory
 
 
+def random_init(name: str) -> str:
+    """How random weights fill the tensor `name` (`random_tensors`, the benchmarks' random
+    models): "ones" (every norm), "zeros" (Ouro's exit-gate bias), else "normal" (matrices, and
+    Huginn's q / k biases, attn.qk_bias)."""
+    if name.endswith("norm.weight") or "layernorm" in name or name == "transformer.ln_f.weight" \
+            or name.rpartition(".")[0].rpartition(".")[2].startswith("norm_"):
+        return "ones"
+    return "zeros" if name.endswith(".bias") else "normal"
+
+
 def random_tensors(config: ModelConfig, seed: int = 0, std: float = 0.02) -> dict[str, np.ndarray]:
-    """Random weights: normal(0, std) matrices, unit norms, a zero-bias gate (Ouro), normal(0,
-    std) q / k biases (Huginn). float32."""
+    """Random weights as `random_init` says, normal(0, std) from one generator in name order.
+    float32."""
     rng = np.random.default_rng(seed)
     tensors = {}
     for name, shape in expected_shapes(config).items():
-        if name.endswith("norm.weight") or "layernorm" in name or _is_huginn_norm(name):
-            tensors[name] = np.ones(shape, np.float32)
-        elif name.endswith(".bias"):
-            tensors[name] = np.zeros(shape, np.float32)
-        else:
+        kind = random_init(name)
+        if kind == "normal":
             tensors[name] = rng.normal(0.0, std, shape).astype(np.float32)
+        else:
+            tensors[name] = (np.ones if kind == "ones" else np.zeros)(shape, np.float32)
     return tensors
-
-
-def _is_huginn_norm(name: str) -> bool:
-    return name == "transformer.ln_f.weight" or name.rpartition(".")[0].rpartition(".")[2].startswith("norm_")
 
 
 RANDOM_TINY = dataclasses.replace(

@@ -4,6 +4,8 @@
         --prefill-shapes 32768x2 --out benchmarks/results/DIR                           # on an H200
     python -m benchmarks.engine.jax_generate_bench --preset test-tiny --dtype float32 --kernel reference \\
         --shapes 64x3 --new-tokens 6 --arms dense,wise --out /tmp/jb                    # CPU smoke
+    python -m benchmarks.engine.jax_generate_bench --preset huginn-0125 --num-steps 32 --kernel reference \\
+        --shapes 1024x32,4096x8 --q-scale 3.1,2.83 --out DIR                             # Huginn, on an H200
 
 Method: `benchmarks.engine.throughput`'s (the reference system's), and its code where the job is the
 same (`run_cohort`, the roofline, the targets): a cohort of C concurrent requests of exactly L
@@ -37,10 +39,20 @@ source tree of it (--old-src DIR holding its wise_core and wise_jax, e.g. `git a
 wise_core wise_jax | tar -x -C DIR`); timed by its own stats after a warm-up call.
 --prefill-shapes LxC: the cohort's prefill alone (C requests of L tokens, dense, 2 new tokens).
 
-Workloads: random weights at a preset's shape (wise_jax.init_params, normal(0, --std), bf16 by
-default, drawn on the device), q_proj multiplied by --q-scale (one value or one per shape) to give
-peaked attention; the measured reuse-union density per reuse depth is reported. Writes
+Workloads: random weights at a preset's shape (Ouro: wise_jax.init_params, normal(0, --std), bf16
+by default, drawn on the device), q_proj multiplied by --q-scale (one value or one per shape) to
+give peaked attention; the measured reuse-union density per reuse depth is reported. Writes
 jax_generate_bench.json, .md (with the standing against the targets) and .png to --out.
+
+Huginn (huginn-0125, test-tiny-huginn): `random_huginn_params` draws every HF tensor on the
+device from its own key, fold_in(PRNGKey(seed), crc32(name)), as `throughput.random_recipe` says
+(`wise_core.checkpoint.random_init`; the queries times --q-scale: the q rows of attn.Wqkv and q's
+half of attn.qk_bias), and lays them out as `wise_jax.huginn.huginn_from_tensors` does. The torch
+benchmark draws the same recipe with torch's generator: the same distribution, not the same
+values. --num-steps core iterations per token (default total_ut_steps); the wise arms use
+`huginn_wise_config(num_steps)` (`throughput.wise_config_of`), the report states the profile;
+options that change Ouro's parameter layout (stacked, unroll, unfused, tp2) and the old arms run
+Ouro only; a Huginn run is held to no target (the issue's are Ouro-1.4B's).
 """
 
 from __future__ import annotations
@@ -57,17 +69,21 @@ import traceback
 from pathlib import Path
 
 from benchmarks import report as rp
-from benchmarks.engine.throughput import (base_of, cohort_pages, density_text, engine_standing, parse_floats, parse_shapes,
-                                   plot, prepare_old_src, roofline, run_cohort, stats_dict, table)
+from benchmarks.engine.throughput import (base_of, check_depth, cohort_pages, config_fields, density_text,
+                                          engine_standing, parse_floats, parse_shapes, plot, prepare_old_src,
+                                          random_recipe, roofline, run_cohort, run_text, stats_dict, table,
+                                          targets_section, wise_config_of, wise_profile)
 
-# dense-default / wise-default: `LLM(params, config)` / `LLM(params, config, wise_config=WiseConfig())`,
-# every other constructor argument at its default (pool, max_num_seqs, max_model_len, kernel).
+# dense-default / wise-default: `LLM(params, config)` / `LLM(params, config, wise_config=WiseConfig())`
+# (Huginn: num_steps=--num-steps, wise_config=huginn_wise_config(num_steps)), every other constructor
+# argument at its default (pool, max_num_seqs, max_model_len, kernel).
 MODES = ("dense", "wise", "dense-default", "wise-default", "old", "old-wise")
 OPTIONS = ("stacked", "unroll", "unfused", "nocb", "cbloops", "dsfusion", "cublas", "tp2")
 XLA_FLAGS = {"nocb": "--xla_gpu_enable_command_buffer=",
              "cbloops": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
              "dsfusion": "--xla_gpu_enable_dynamic_slice_fusion=true",
              "cublas": "--xla_gpu_enable_triton_gemm=false"}
+OURO_LAYOUT = ("stacked", "unroll", "unfused", "tp2")   # options of Ouro's Params (layers, projections, mesh)
 OLD_COMMIT = "bef25e92fbb27d035f3f9973f69047951c897363"  # the last commit before the serving engine
 STEM = "jax_generate_bench"
 
@@ -96,10 +112,11 @@ def parse_arms(text: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="ouro-1.4b", help="model shape for random weights (wise_core PRESETS)")
-    p.add_argument("--layers", type=int, default=0, help="override the preset's num_hidden_layers")
+    p.add_argument("--layers", type=int, default=0, help="override the preset's num_hidden_layers (Ouro)")
+    p.add_argument("--num-steps", type=int, help="a Huginn model's core iterations (default: total_ut_steps)")
     p.add_argument("--std", type=float, default=0.02, help="std of the random weights")
     p.add_argument("--q-scale", type=parse_floats, default=[1.0],
-                   help="q_proj multiplier: one value, or one per shape (e.g. 8,7.3,7,8)")
+                   help="query multiplier: one value, or one per shape (e.g. 8,7.3,7,8)")
     p.add_argument("--shapes", type=parse_shapes, default=parse_shapes("1024x64,4096x20,8192x10,1024x1"),
                    help="CONTEXTxBATCH list: prompt tokens x concurrent requests")
     p.add_argument("--prefill-shapes", type=parse_shapes, default=[], help="CONTEXTxBATCH cohorts to prefill")
@@ -139,6 +156,53 @@ def check_args(parser: argparse.ArgumentParser, args) -> list[float]:
 
 
 # -- workers (one process per (shape, arm)) ---------------------------------------------------------------------
+def random_huginn_params(config, seed: int, std: float, q_scale: float, dtype):
+    """Random HuginnParams made on the default device: the HF tensors of `random_recipe(config)`,
+    normal ones from fold_in(PRNGKey(seed), crc32(name)) times std, q rows times q_scale (in
+    float32, then cast to dtype), laid out by `huginn_layout`."""
+    import zlib
+    import jax
+    import jax.numpy as jnp
+    key = jax.random.PRNGKey(seed)
+
+    def draw(name, shape, init, q_rows):
+        if init != "normal":
+            return (jnp.ones if init == "ones" else jnp.zeros)(shape, dtype)
+        t = std * jax.random.normal(jax.random.fold_in(key, zlib.crc32(name.encode())), shape, jnp.float32)
+        return (t.at[:q_rows].multiply(q_scale) if q_rows else t).astype(dtype)
+
+    return huginn_layout(config, {name: draw(name, *entry) for name, entry in random_recipe(config).items()})
+
+
+def huginn_layout(config, tensors: dict):
+    """HF-named Huginn tensors (jax arrays) -> HuginnParams in their dtype, on their device: the
+    layout of `wise_jax.huginn.huginn_from_tensors` (q's and k's rows split-half ordered,
+    qk_bias as the fused qkv bias with zeros on v, linear weights [in, out]), made with jnp, where
+    that function converts on the host (minutes for huginn-0125's 3.5B parameters).
+    tests/benchmarks/test_jax_bench.py checks the two give the same params."""
+    import jax.numpy as jnp
+    from wise_core.checkpoint import HUGINN_STACKS, huginn_layers
+    from wise_jax.huginn import BlockParams, HuginnParams, split_half_rows
+    heads, d, h = config.num_attention_heads, config.head_dim, config.hidden_size
+
+    def block(prefix):
+        q, k, v = jnp.split(tensors[prefix + "attn.Wqkv.weight"], 3)
+        qkv = jnp.concatenate([split_half_rows(q, heads, d), split_half_rows(k, heads, d), v])
+        bias = None
+        if config.qk_bias:
+            qb, kb = tensors[prefix + "attn.qk_bias"].reshape(2, h)
+            bias = jnp.concatenate([split_half_rows(qb, heads, d), split_half_rows(kb, heads, d), jnp.zeros_like(qb)])
+        return BlockParams(qkv.T, bias, tensors[prefix + "attn.proj.weight"].T, tensors[prefix + "mlp.fc.weight"].T,
+                           tensors[prefix + "mlp.proj.weight"].T,
+                           *(tensors[prefix + f"norm_{i}.weight"] for i in range(1, 5)))
+
+    stacks = {stack: tuple(block(f"transformer.{stack}.{n}.") for s, n in huginn_layers(config) if s == stack)
+              for stack in HUGINN_STACKS}
+    return HuginnParams(tensors["transformer.wte.weight"], stacks["prelude"], tensors["transformer.adapter.weight"].T,
+                        stacks["core_block"], stacks["coda"], tensors["transformer.ln_f.weight"],
+                        None if config.tie_word_embeddings else tensors["lm_head.weight"].T)
+
+
 def cohort_setup(spec: dict):
     """(config, params, prompts) of the spec: random weights drawn on the device."""
     import jax
@@ -147,6 +211,11 @@ def cohort_setup(spec: dict):
     import wise_jax
     from wise_core.config import ModelConfig
     config = ModelConfig(**spec["config"])
+    rng = np.random.default_rng(spec["context"] * 1000 + spec["batch"])
+    prompts = rng.integers(0, config.vocab_size, (spec["batch"], spec["context"])).tolist()
+    if config.architecture == "huginn":
+        return config, random_huginn_params(config, spec["seed"], spec["std"], spec["q_scale"],
+                                            jnp.dtype(spec["dtype"])), prompts
     params = wise_jax.init_params(config, jax.random.PRNGKey(spec["seed"]), dtype=jnp.dtype(spec["dtype"]),
                                   std=spec["std"])
     if spec["q_scale"] != 1.0:
@@ -156,25 +225,25 @@ def cohort_setup(spec: dict):
         else:  # the pre-engine layout
             layers = dataclasses.replace(params.layers, q_proj=params.layers.q_proj * spec["q_scale"])
             params = dataclasses.replace(params, layers=layers)
-    rng = np.random.default_rng(spec["context"] * 1000 + spec["batch"])
-    prompts = rng.integers(0, config.vocab_size, (spec["batch"], spec["context"])).tolist()
     return config, params, prompts
 
 
 def _engine_worker(spec: dict) -> dict:
     import wise_jax
-    from wise_core.config import WiseConfig
     from wise_jax.params import split_projections
     config, params, prompts = cohort_setup(spec)
+    num_steps = spec.get("num_steps")   # None: the model's total_ut_steps
+    steps = config.total_ut_steps if num_steps is None else num_steps
     mode, options = parse_arm(spec["arm"])
     if "unfused" in options:
         params = split_projections(config, params)
     mesh = {"mesh": wise_jax.make_mesh(2)} if "tp2" in options else {}
     if mode.endswith("-default"):
-        llm = wise_jax.LLM(params, config, wise_config=WiseConfig() if mode == "wise-default" else None, **mesh)
+        llm = wise_jax.LLM(params, config, num_steps=num_steps,
+                           wise_config=wise_config_of(config, steps) if mode == "wise-default" else None, **mesh)
     else:
-        wise_config = WiseConfig(eta=spec["eta"], kernel=spec["kernel"]) if mode == "wise" else None
-        llm = wise_jax.LLM(params, config, wise_config=wise_config, num_pages=spec["num_pages"],
+        wise_config = wise_config_of(config, steps, eta=spec["eta"], kernel=spec["kernel"]) if mode == "wise" else None
+        llm = wise_jax.LLM(params, config, wise_config=wise_config, num_steps=num_steps, num_pages=spec["num_pages"],
                            page_size=spec["page_size"], max_num_seqs=spec["batch"], kernel=spec["kernel"],
                            max_model_len=spec["context"] + max(spec["new_tokens"], spec["warmup_tokens"]),
                            unroll=True if "unroll" in options else 1,
@@ -283,7 +352,8 @@ def row_of(spec: dict, result: dict, repeat: int | None, config, args) -> dict:
         return row
     r = result["repeats"][repeat]
     density = {int(k): v for k, v in (r.get("density") or {}).items() if v is not None} or None
-    roof = roofline(config, args.dtype, spec["context"], spec["batch"], spec["new_tokens"], density, args.hbm_tbps)
+    roof = roofline(config, args.dtype, spec["context"], spec["batch"], spec["new_tokens"], density, args.hbm_tbps,
+                    spec.get("num_steps"))
     row.update({k: r.get(k) for k in ("decode_tokens_per_s", "ms_per_step", "prefill_s", "prefill_tokens_per_s",
                                       "decode_tokens", "decode_steps", "fallbacks", "preemptions",
                                       "pages_returned", "recompiles")})
@@ -328,7 +398,8 @@ def markdown(report: dict) -> str:
              f"{env.get('device', '?')}; jax {env.get('jax', '?')}, jaxlib {env.get('jaxlib', '?')}, python "
              f"{env.get('python', '?')}; model {report['model']}; {a['dtype']}; kernel {a['kernel']}; "
              f"{a['new_tokens']} new tokens per request, {a['repeats']} repeats after a warm-up cohort; "
-             f"page size {a['page_size']}; roofline at {a['hbm_tbps']} TB/s.", "", "## Every run", ""]
+             f"page size {a['page_size']}; roofline at {a['hbm_tbps']} TB/s{run_text(report)}.", "",
+             "## Every run", ""]
     lines += table([r for r in report["rows"] if not r.get("prefill_only")])
     flagged = [f"{r['context']} x {r['batch']} {r['arm']} repeat {r['repeat'] + 1}: "
                + ", ".join(([f"{r['fallbacks']} fallbacks"] if r.get("fallbacks") else [])
@@ -355,10 +426,7 @@ def markdown(report: dict) -> str:
             lines.append(f"| {r['context']} x {r['batch']} | {'' if r['repeat'] is None else r['repeat'] + 1} | "
                          f"{rp.fmt(r.get('prefill_s'), '.2f')} | {rp.fmt(r.get('prefill_tokens_per_s'), '.0f')} | "
                          f"{r['status']} |")
-    lines += ["", "## Targets", "", "| target | shape | measured | met |", "|---|---|---|---|"]
-    for t in report["standing"]:
-        lines.append(f"| {t['target']} | {t['shape']} | {t['value']:.2f} | {'yes' if t['met'] else 'no'} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + targets_section(report)) + "\n"
 
 
 def write_report(report: dict, out: Path) -> None:
@@ -376,8 +444,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.preset not in PRESETS:
         raise SystemExit(f"unknown --preset {args.preset!r}; one of {sorted(PRESETS)}")
     config = dataclasses.replace(PRESETS[args.preset], eos_token_id=None)
+    if args.layers and config.architecture == "huginn":
+        parser.error("--layers overrides an Ouro preset's shared layers; a Huginn model has a prelude, a core block "
+                     "and a coda")
     if args.layers:
         config = dataclasses.replace(config, num_hidden_layers=args.layers)
+    steps = check_depth(parser, args, config, [a for a in args.arms if a.startswith("old")
+                                               or set(parse_arm(a)[1]) & set(OURO_LAYOUT)])
     workdir = Path(tempfile.mkdtemp(prefix="wise-jax-bench-"))
     compile_cache = args.compile_cache or workdir / "compile-cache"
     try:
@@ -385,7 +458,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         old_src = prepare_old_src(args, workdir, ("wise_core", "wise_jax")) if old else None
         report = dict(date=rp.now(), host=platform.node(),
                       model=f"random {args.preset} (std {args.std}, seed 0)", config=dataclasses.asdict(config),
-                      old_src=old_src, args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                      num_steps=steps, wise_profile=wise_profile(config, steps, args.arms, args.eta), old_src=old_src, args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                       environment=None, rows=[], summary=[], standing=[])
         print(f"{'ctx x batch':>13} {'arm':>16} {'rep':>3} {'tok/s':>9} {'ms/step':>8} {'roof tok/s':>10} "
               f"{'share':>6} density", flush=True)
@@ -393,8 +466,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         runs += [((c, b), 1.0, "dense", 2) for c, b in args.prefill_shapes]
         for index, ((context, batch), q_scale, arm, new_tokens) in enumerate(runs):
             prefill_only = index >= len(runs) - len(args.prefill_shapes)
-            spec = dict(arm=arm, context=context, batch=batch, q_scale=q_scale, config=dataclasses.asdict(config),
-                        std=args.std, seed=0, dtype=args.dtype, kernel=args.kernel, eta=args.eta,
+            spec = dict(arm=arm, context=context, batch=batch, q_scale=q_scale, config=config_fields(config),
+                        num_steps=steps, std=args.std, seed=0, dtype=args.dtype, kernel=args.kernel, eta=args.eta,
                         page_size=args.page_size,
                         num_pages=cohort_pages(context, batch, new_tokens, args.page_size) + 1,
                         new_tokens=new_tokens, warmup_tokens=args.warmup_tokens,
@@ -417,7 +490,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                       f"{row['roofline_share']:>6.0%} {density_text(row['density'])}  prefill "
                       f"{rp.fmt(row['prefill_s'], '.2f')} s  remat warnings {row['remat_warnings']}", flush=True)
             report["summary"] = summarize(report["rows"])
-            report["standing"] = engine_standing(report["summary"])
+            report["standing"] = engine_standing(report["summary"], config.architecture)
             write_report(report, args.out)  # after every arm: a run cut short still leaves a report
         print(markdown(report))
         return report

@@ -4,6 +4,8 @@
         --q-scale 8,7.3,7 --old-src .old-src --out benchmarks/results/DIR            # on an H200
     python -m benchmarks.engine.throughput --preset test-tiny --dtype float32 --device cpu --kernel reference \\
         --shapes 64x3 --new-tokens 6 --old-src . --out /tmp/tp                         # CPU smoke
+    python -m benchmarks.engine.throughput --preset huginn-0125 --num-steps 32 --kernel reference \\
+        --shapes 1024x32,4096x8 --q-scale 3.1,2.83 --arms dense,wise --out DIR          # Huginn, on an H200
 
 Method (the reference system's): a cohort of C concurrent requests of exactly L prompt tokens
 (random ids, seed fixed per shape, the same for every arm), greedy, N output tokens each with
@@ -38,15 +40,27 @@ Arms:
   (the cohort's pages exactly).
 
 Workloads: --model DIR (a checkpoint or built-in name) or random weights at a preset's shape
-(--preset, normal(0, --std), drawn on the device by each worker from generators seeded by the
-HF tensor names, so every arm, the pre-engine layout included, holds the same weights),
-with q_proj multiplied by --q-scale (one value, or one per shape) to give peaked attention.
+(--preset, normal(0, --std) as `wise_core.checkpoint.random_init` says, drawn on the device by
+each worker, every HF tensor from its own generator seeded by crc32(name) + seed, so every arm,
+the pre-engine layout included, holds the same weights), with the queries multiplied by
+--q-scale (one value, or one per shape) to give peaked attention (`random_recipe` says which rows:
+Ouro's q_proj; Huginn's q rows of attn.Wqkv and q's half of attn.qk_bias).
+
+Huginn (a Huginn --preset or --model: huginn-0125, test-tiny-huginn): every token runs
+--num-steps core iterations (default the config's total_ut_steps; an Ouro model runs its loops,
+and --num-steps, if given, must equal them); the wise arms use `huginn_wise_config(num_steps)`
+(discovery on iterations 0 and 1, reuse on the rest; --eta, --kernel), wise-default
+`huginn_wise_config(num_steps)` with every other setting at its default; the old and speculative
+arms run Ouro only. The report states the WISE profile; the issue's targets are Ouro-1.4B's, and
+a Huginn run is held to none.
 
 Per arm and repeat: decode tok/s, ms/step, the roofline tok/s and the share of it reached,
 the reuse-union density per reuse depth (LLM.stats(); the old path's GenerationStats), fallbacks,
 preemptions, prefill time. Roofline per step = bytes / --hbm-tbps (4.3 TB/s), bytes = the weights
-read once per loop (the layers, final norm and exit gate, from the checkpoint's tensor shapes)
-plus the LM head once, plus every plane's K and V at the cohort's mean context L + N/2 (WISE:
+a step reads (`weight_bytes_per_step`: Ouro's layers, final norm and exit gate once per loop;
+Huginn's prelude, coda and ln_f once, its core block and adapter once per core iteration; the LM
+head once; from the checkpoint's tensor shapes) plus every plane's K and V at the cohort's mean
+context L + N/2 (`kv_bytes_per_step`: Ouro's (loop, layer) planes, Huginn's `num_planes`; WISE:
 reuse planes at the measured density). Writes throughput.json, throughput.md (with the
 standing against the issue's targets) and throughput.png to --out, and prints a table.
 """
@@ -70,7 +84,8 @@ from benchmarks import report as rp
 from benchmarks.engine import speculative_arms
 
 # dense-default / wise-default: the engine as `LLM(model)` / `LLM(model, wise_config=WiseConfig())`
-# build it, every constructor argument at its default (pool, max_num_seqs, max_model_len, kernel).
+# build it (Huginn: num_steps=--num-steps, wise_config=huginn_wise_config(num_steps)), every other
+# constructor argument at its default (pool, max_num_seqs, max_model_len, kernel).
 ARMS = ("dense", "wise", "dense-default", "wise-default", "fa4", "wise-fa4", "old", "old-wise")
 FA4_ARMS = ("fa4", "wise-fa4")
 OLD_COMMIT = "bef25e92fbb27d035f3f9973f69047951c897363"  # the last commit before the engine
@@ -124,10 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="checkpoint directory or built-in name (default: random --preset weights)")
     p.add_argument("--preset", default="ouro-1.4b", help="model shape for random weights (wise_core PRESETS)")
-    p.add_argument("--layers", type=int, default=0, help="override the preset's num_hidden_layers")
+    p.add_argument("--layers", type=int, default=0, help="override the preset's num_hidden_layers (Ouro)")
+    p.add_argument("--num-steps", type=int, help="a Huginn model's core iterations (default: total_ut_steps)")
     p.add_argument("--std", type=float, default=0.02, help="std of the random weights")
     p.add_argument("--q-scale", type=parse_floats, default=[1.0],
-                   help="q_proj multiplier: one value, or one per shape (e.g. 8,7.3,7)")
+                   help="query multiplier: one value, or one per shape (e.g. 8,7.3,7)")
     p.add_argument("--shapes", type=parse_shapes, default=parse_shapes("1024x64,4096x20,8192x10"),
                    help="CONTEXTxBATCH list: prompt tokens x concurrent requests")
     p.add_argument("--new-tokens", type=int, default=32, help="output tokens per request (>= 2)")
@@ -177,37 +193,108 @@ def check_args(parser: argparse.ArgumentParser, args) -> list[float]:
     return scales
 
 
+def check_depth(parser: argparse.ArgumentParser, args, config, ouro_only: list[str] = ()) -> int:
+    """The depth of the run's steps: a Huginn model's --num-steps core iterations (default its
+    total_ut_steps), an Ouro model's loops (--num-steps, if given, must equal them). Refuses the
+    arms `ouro_only` on a Huginn model."""
+    if config.architecture != "huginn":
+        if args.num_steps not in (None, config.num_loops):
+            parser.error(f"--num-steps sets a Huginn model's core iterations; this Ouro model runs its "
+                         f"{config.num_loops} loops every step (got --num-steps {args.num_steps})")
+        return config.num_loops
+    if ouro_only:
+        parser.error(f"arms {list(ouro_only)} run Ouro models only; this is a Huginn model")
+    steps = config.total_ut_steps if args.num_steps is None else args.num_steps
+    if steps < 1:
+        parser.error(f"--num-steps must be >= 1, got {steps}")
+    return steps
+
+
+def wise_config_of(config, num_steps: int, **settings):
+    """The WISE profile of the wise arms: Ouro's `WiseConfig` (discovery on loops 0 and 1, reuse on
+    2 and 3), Huginn's `huginn_wise_config(num_steps)` (discovery on core iterations 0 and 1, reuse
+    on 2 .. num_steps - 1); `settings`: the other fields (eta, kernel)."""
+    from wise_core.config import WiseConfig, huginn_wise_config
+    if config.architecture == "huginn":
+        return huginn_wise_config(num_steps, **settings)
+    return WiseConfig(**settings)
+
+
+def wise_profile(config, num_steps: int, arms, eta: float) -> str | None:
+    """The WISE profile of a run's wise arms in words (None without one); wise-default's too where
+    its eta (the default) differs from --eta."""
+    wise = [a for a in arms if "wise" in a and not a.startswith("old")]
+    if not wise:
+        return None
+    text = profile_text(wise_config_of(config, num_steps, eta=eta))
+    default = wise_config_of(config, num_steps)
+    if "wise-default" in wise and default.eta != eta:
+        text += f" (wise-default: eta {default.eta:g})"
+    return text
+
+
+def profile_text(wise) -> str:
+    """A WISE profile in words: which depths discover, which reuse, eta, block size."""
+    def depths(ds):
+        return f"{ds[0]}..{ds[-1]}" if len(ds) > 2 and list(ds) == list(range(ds[0], ds[-1] + 1)) \
+            else ", ".join(map(str, ds))
+    return (f"discovery on depths {depths(wise.discover_depths)}, reuse on {depths(wise.reuse_depths) or 'none'}, "
+            f"eta {wise.eta:g}, blocks of {wise.block_size} tokens")
+
+
 # -- roofline arithmetic ------------------------------------------------------------------------------------
 def cohort_pages(context: int, batch: int, new_tokens: int, page_size: int) -> int:
     """Pages the cohort holds at its end: every request at context + new_tokens keys."""
     return batch * -(-(context + new_tokens) // page_size)
 
 
-def weight_bytes_per_step(config, dtype: str, batch: int) -> int:
-    """Weight bytes one decode step reads: every layer's weights, the final norm and the exit gate
-    once per loop, the LM head once, the batch's embedding rows (HF checkpoint shapes)."""
+# What a decode step reads of each architecture's weights, by HF tensor-name prefix: once per loop
+# (Ouro) or core iteration (Huginn), and once per step; and the embedding (the tied head).
+STEP_WEIGHTS = {
+    "ouro": dict(per_depth=("model.layers.", "model.norm.", "model.early_exit_gate."), once=(),
+                 embedding="model.embed_tokens.weight"),
+    "huginn": dict(per_depth=("transformer.core_block.", "transformer.adapter."),
+                   once=("transformer.prelude.", "transformer.coda.", "transformer.ln_f."),
+                   embedding="transformer.wte.weight"),
+}
+
+
+def weight_bytes_per_step(config, dtype: str, batch: int, num_steps: int | None = None) -> int:
+    """Weight bytes one decode step of `num_steps` depths (None: the config's total_ut_steps)
+    reads (HF checkpoint shapes, `STEP_WEIGHTS`): Ouro's layers, final norm and exit gate once per
+    loop; Huginn's prelude, coda and ln_f once, its core block and adapter once per core
+    iteration; the LM head once; the batch's embedding rows."""
     from wise_core.checkpoint import expected_shapes
-    shapes = expected_shapes(config)
-    per_loop = sum(math.prod(s) for name, s in shapes.items()
-                   if name.startswith(("model.layers.", "model.norm.", "model.early_exit_gate.")))
-    head = math.prod(shapes["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"])
-    return (config.num_loops * per_loop + head + batch * config.hidden_size) * DTYPE_BYTES[dtype]
+    shapes, parts = expected_shapes(config), STEP_WEIGHTS[config.architecture]
+    steps = config.num_loops if num_steps is None else num_steps
+    per_depth = sum(math.prod(s) for name, s in shapes.items() if name.startswith(parts["per_depth"]))
+    once = sum(math.prod(s) for name, s in shapes.items() if parts["once"] and name.startswith(parts["once"]))
+    head = math.prod(shapes[parts["embedding"] if config.tie_word_embeddings else "lm_head.weight"])
+    return (steps * per_depth + once + head + batch * config.hidden_size) * DTYPE_BYTES[dtype]
 
 
-def kv_bytes_per_step(config, dtype: str, batch: int, context: float, density: dict | None) -> float:
-    """K and V bytes one decode step reads at `context` keys per request: every (loop, layer)
-    plane, reuse depths at their support density (density: {loop: fraction} or None = dense)."""
+def kv_bytes_per_step(config, dtype: str, batch: int, context: float, density: dict | None,
+                      num_steps: int | None = None) -> float:
+    """K and V bytes one decode step of `num_steps` depths (None: total_ut_steps) reads at
+    `context` keys per request: every plane (Ouro: one per (loop, layer); Huginn: `num_planes`,
+    the prelude's and coda's, dense, and one per (core iteration, core layer)), reuse depths'
+    planes at their support density (density: {depth: fraction} or None = dense)."""
+    steps = config.num_loops if num_steps is None else num_steps
     per_token = 2 * config.num_key_value_heads * config.head_dim * DTYPE_BYTES[dtype]
-    fractions = [(density or {}).get(loop, 1.0) for loop in range(config.num_loops)]
-    return config.num_hidden_layers * sum(fractions) * batch * context * per_token
+    depth_planes = sum((density or {}).get(depth, 1.0) for depth in range(steps)) * config.loop_layers
+    if config.architecture == "huginn":
+        from wise_core.huginn_reference import num_planes
+        depth_planes += num_planes(config, steps) - steps * config.loop_layers   # the prelude's and coda's
+    return depth_planes * batch * context * per_token
 
 
 def roofline(config, dtype: str, context: int, batch: int, new_tokens: int, density: dict | None,
-             hbm_tbps: float) -> dict:
-    """Bandwidth roofline of one decode step of the cohort: ms/step and tok/s."""
+             hbm_tbps: float, num_steps: int | None = None) -> dict:
+    """Bandwidth roofline of one decode step of the cohort (`num_steps` depths, None: the config's
+    total_ut_steps): ms/step and tok/s."""
     mean_context = context + new_tokens / 2
-    total = weight_bytes_per_step(config, dtype, batch) + kv_bytes_per_step(config, dtype, batch, mean_context,
-                                                                            density)
+    total = (weight_bytes_per_step(config, dtype, batch, num_steps)
+             + kv_bytes_per_step(config, dtype, batch, mean_context, density, num_steps))
     seconds = total / (hbm_tbps * 1e12)
     return dict(bytes=total, ms_per_step=1e3 * seconds, tokens_per_s=batch / seconds)
 
@@ -258,33 +345,68 @@ def stats_dict(stats) -> dict:
     return json.loads(json.dumps(raw, default=str))
 
 
+# -- random weights ---------------------------------------------------------------------------------------------
+def query_rows(config, name: str) -> int:
+    """The leading rows (axis 0) of HF tensor `name` that --q-scale multiplies, so that every
+    query is q_scale times its unscaled value: all of Ouro's self_attn.q_proj.weight
+    [heads * head_dim, hidden]; of Huginn's attn.Wqkv.weight [3 heads * head_dim, hidden] its first
+    heads * head_dim rows (q's; k's and v's rows follow), of attn.qk_bias [2, 1, heads, head_dim]
+    row 0 (q's bias; row 1 is k's); 0 for every other tensor."""
+    if name.endswith(("self_attn.q_proj.weight", "attn.Wqkv.weight")):
+        return config.num_attention_heads * config.head_dim
+    return 1 if name.endswith("attn.qk_bias") else 0
+
+
+def random_recipe(config) -> dict[str, list]:
+    """How a worker draws a random model: HF tensor name -> [shape, init, q_rows] (init:
+    `wise_core.checkpoint.random_init`; q_rows: `query_rows`). Made by the current tree, so a worker
+    running the pre-engine tree draws the same tensors."""
+    from wise_core.checkpoint import expected_shapes, random_init
+    return {name: [list(shape), random_init(name), query_rows(config, name)]
+            for name, shape in expected_shapes(config).items()}
+
+
+def config_fields(config) -> dict:
+    """The config as ModelConfig keyword arguments for a worker; an Ouro config's architecture and
+    Huginn fields (at their defaults) left out, which the pre-engine tree's ModelConfig lacks."""
+    from wise_core.config import HUGINN_FIELDS
+    fields = dataclasses.asdict(config)
+    if config.architecture == "ouro":
+        for name in ("architecture",) + HUGINN_FIELDS:
+            del fields[name]
+    return fields
+
+
 # -- workers (one process per (shape, arm)) ---------------------------------------------------------------------
-def _hf_tensor(name: str, shape, spec: dict, device):
-    """The random HF tensor `name`: unit norms, a zero gate bias, else normal(0, std) from a
-    generator seeded by the name (so the fused and the pre-engine layouts hold the same values),
-    q_proj multiplied by q_scale."""
+def _hf_tensor(name: str, shape, init: str, q_rows: int, spec: dict, device):
+    """The random HF tensor `name` (`random_recipe`): ones, zeros, or normal(0, std) from a
+    generator seeded by crc32(name) + seed (so the fused and the pre-engine layouts hold the same
+    values), its first q_rows rows multiplied by q_scale. float32."""
     import zlib
     import torch
-    if name.endswith("norm.weight") or "layernorm" in name:
-        return torch.ones(shape, device=device)
-    if name.endswith(".bias"):
-        return torch.zeros(shape, device=device)
+    if init != "normal":
+        return (torch.ones if init == "ones" else torch.zeros)(shape, device=device)
     g = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()) + spec["seed"])
     t = torch.empty(shape, device=device).normal_(0.0, spec["std"], generator=g)
-    return t * spec["q_scale"] if name.endswith("self_attn.q_proj.weight") else t
+    t[:q_rows] *= spec["q_scale"]
+    return t
 
 
 def random_model(spec: dict, config):
     """Random weights drawn on the device (seconds, where writing and reading a 1.4B-parameter
-    checkpoint per process takes minutes), for the engine's fused layout or the pre-engine one."""
+    checkpoint per process takes minutes) as spec["tensors"] (`random_recipe`; made here when
+    absent), for the engine's fused layout or the pre-engine one; a Huginn model through
+    `wise_torch.from_tensors`."""
     import torch
     import wise_torch
-    from wise_core.checkpoint import expected_shapes
     dtype, device = getattr(torch, spec["dtype"]), torch.device(spec["device"])
-    shapes = expected_shapes(config)
+    recipe = spec.get("tensors") or random_recipe(config)
+    weights = {n: _hf_tensor(n, shape, init, q_rows, spec, device).to(dtype)
+               for n, (shape, init, q_rows) in recipe.items()}
+    if getattr(config, "architecture", "ouro") == "huginn":   # the pre-engine ModelConfig has no architecture
+        return wise_torch.from_tensors(config, weights, dtype=dtype, device=device)
     with torch.device("meta"):
         model = wise_torch.OuroForCausalLM(config)
-    weights = {n: _hf_tensor(n, shape, spec, device).to(dtype) for n, shape in shapes.items()}
     fuse = getattr(wise_torch.model, "fused_state_dict", None)  # the pre-engine layout has no fused projections
     weights = fuse(weights) if fuse is not None else weights
     model.load_state_dict(weights, strict=True, assign=True)
@@ -294,7 +416,8 @@ def random_model(spec: dict, config):
 
 
 def _load_model(spec: dict):
-    """The model of the spec: a checkpoint (q_proj scaled in the HF tensors) or random weights."""
+    """The model of the spec: a checkpoint (the queries scaled in the HF tensors, `query_rows`) or
+    random weights."""
     import torch
     import wise_torch
     from wise_core.checkpoint import load_checkpoint
@@ -304,9 +427,11 @@ def _load_model(spec: dict):
     checkpoint = load_checkpoint(spec["checkpoint"])
     tensors = dict(checkpoint.tensors)
     if spec["q_scale"] != 1.0:
-        for name in tensors:
-            if name.endswith("self_attn.q_proj.weight"):
-                tensors[name] = tensors[name] * spec["q_scale"]
+        for name, tensor in tensors.items():
+            rows = query_rows(checkpoint.config, name)
+            if rows:
+                tensors[name] = tensor.copy()
+                tensors[name][:rows] *= spec["q_scale"]
     return wise_torch.from_tensors(checkpoint.config, tensors, tokenizer=checkpoint.tokenizer,
                                    dtype=getattr(torch, spec["dtype"]), device=spec["device"])
 
@@ -339,17 +464,19 @@ def _engine_worker(spec: dict) -> dict:
             return dict(status=f"not importable: {type(e).__name__}: {e}"[:300])
     import torch
     import wise_torch
-    from wise_core.config import WiseConfig
     model = _load_model(spec)
+    config, num_steps = model.config, spec.get("num_steps")   # None: the model's total_ut_steps
+    steps = config.total_ut_steps if num_steps is None else num_steps
     speculating = speculative_arms.is_spec(arm)
-    prompts = _prompts(spec, model.config.vocab_size)
+    prompts = _prompts(spec, config.vocab_size)
     if arm.endswith("-default"):
-        llm = wise_torch.LLM(model, wise_config=WiseConfig() if arm == "wise-default" else None)
+        llm = wise_torch.LLM(model, num_steps=num_steps,
+                             wise_config=wise_config_of(config, steps) if arm == "wise-default" else None)
     else:
         if speculating:
             configs = speculative_arms.engine_kwargs(arm, spec)
         else:
-            configs = dict(wise_config=WiseConfig(eta=spec["eta"], kernel=spec["kernel"])
+            configs = dict(wise_config=wise_config_of(config, steps, eta=spec["eta"], kernel=spec["kernel"])
                            if arm in ("wise", "wise-fa4") else None)
         if arm in FA4_ARMS:
             configs.update(prefill_attention="fa4", dense_decode="fa4",
@@ -358,8 +485,9 @@ def _engine_worker(spec: dict) -> dict:
         extra = {"max_num_batched_tokens": spec["max_num_batched_tokens"]} if spec["max_num_batched_tokens"] else {}
         if spec.get("tensor_parallel_size", 1) > 1:   # benchmarks/engine/tp_scaling.py
             extra["tensor_parallel_size"] = spec["tensor_parallel_size"]
-        llm = wise_torch.LLM(model, **configs, num_pages=spec["num_pages"], page_size=spec["page_size"],
-                             max_num_seqs=spec["batch"], cuda_graphs=CUDA_GRAPHS[spec["cuda_graphs"]], kernel=kernel,
+        llm = wise_torch.LLM(model, **configs, num_steps=num_steps, num_pages=spec["num_pages"],
+                             page_size=spec["page_size"], max_num_seqs=spec["batch"],
+                             cuda_graphs=CUDA_GRAPHS[spec["cuda_graphs"]], kernel=kernel,
                              max_model_len=spec["context"] + max(spec["new_tokens"], spec["warmup_tokens"]), **extra)
     del model   # under tensor parallelism the engine holds rank 0's shard, not the whole model
 
@@ -450,8 +578,8 @@ def run_worker(spec: dict, timeout: float, workdir: Path) -> dict:
 
 # -- the run ----------------------------------------------------------------------------------------------------
 def prepare_model(args) -> tuple:
-    """(config, checkpoint or None, random recipe or None): --model as given, or random --preset
-    weights that each worker draws on its device (`random_model`)."""
+    """(config, checkpoint or None, the config's fields for a worker or None): --model as given, or
+    random --preset weights that each worker draws on its device (`random_model`)."""
     from wise_core.checkpoint import load_checkpoint
     from wise_core.config import PRESETS
     if args.model:  # a directory as an absolute path: an old arm's worker runs in another folder
@@ -460,9 +588,12 @@ def prepare_model(args) -> tuple:
     if args.preset not in PRESETS:
         raise SystemExit(f"unknown --preset {args.preset!r}; one of {sorted(PRESETS)}")
     config = PRESETS[args.preset]
+    if args.layers and config.architecture == "huginn":
+        raise SystemExit("--layers overrides an Ouro preset's shared layers; a Huginn model has a prelude, a "
+                         "core block and a coda")
     if args.layers:
         config = dataclasses.replace(config, num_hidden_layers=args.layers)
-    return config, None, dataclasses.asdict(config)
+    return config, None, config_fields(config)
 
 
 def prepare_old_src(args, workdir: Path, packages=("wise_core", "wise_torch")) -> str | None:
@@ -492,7 +623,7 @@ def row_of(spec: dict, result: dict, repeat: int | None, config, args) -> dict:
     density = {int(k): v for k, v in (r.get("density") or {}).items() if v is not None} or None
     # A speculative arm's roofline is dense decode's (its output is), whatever its draft reads.
     roof = roofline(config, args.dtype, spec["context"], spec["batch"], args.new_tokens,
-                    None if speculative_arms.is_spec(spec["arm"]) else density, args.hbm_tbps)
+                    None if speculative_arms.is_spec(spec["arm"]) else density, args.hbm_tbps, spec.get("num_steps"))
     row.update({k: r.get(k) for k in ("decode_tokens_per_s", "ms_per_step", "prefill_s", "decode_tokens",
                                       "decode_steps", "fallbacks", "preemptions", "pages_returned", "counters",
                                       "acceptance_rate", "tokens_per_round", "tokens")})
@@ -530,17 +661,22 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
-def standing(summary: list[dict]) -> list[dict]:
+def standing(summary: list[dict], architecture: str = "ouro") -> list[dict]:
     """The issue's targets, measured where the run has the numbers: the engine's and the
-    speculative arms'."""
+    speculative arms' (Ouro-1.4B's targets: none for a Huginn run)."""
+    if architecture != "ouro":
+        return []
     return engine_standing(summary) + speculative_arms.standing(summary)
 
 
-def engine_standing(summary: list[dict]) -> list[dict]:
+def engine_standing(summary: list[dict], architecture: str = "ouro") -> list[dict]:
     """The decode targets of a summary's dense and wise arms, tight and default (one definition for
     the torch and JAX benchmarks): dense share of the roofline, the batch-1 step at 1K, WISE /
     dense at the batched shapes (WISE_TARGETS is keyed by context) and at batch 1 (>= 1), and
-    each default arm's tok/s within DEFAULTS_WITHIN of its tight arm's."""
+    each default arm's tok/s within DEFAULTS_WITHIN of its tight arm's. These are the issue's
+    targets for Ouro-1.4B; a Huginn run (`architecture`) is held to none."""
+    if architecture != "ouro":
+        return []
     out = []
     by_key = {(s["context"], s["batch"], s["arm"]): s for s in summary}
     for s in summary:
@@ -567,8 +703,38 @@ def engine_standing(summary: list[dict]) -> list[dict]:
 
 
 def density_text(density) -> str:
-    """A density per reuse depth as '2: 0.287, 3: 0.287'."""
-    return ", ".join(f"{d}: {x:.3f}" for d, x in sorted((density or {}).items()))
+    """A density per reuse depth as '2: 0.287, 3: 0.287'; over more than four depths (Huginn's
+    reuse iterations) their mean and range, '2..31: mean 0.201 (0.150 at 31 .. 0.260 at 2)'."""
+    items = sorted((density or {}).items())
+    if len(items) <= 4:
+        return ", ".join(f"{d}: {x:.3f}" for d, x in items)
+    low, high = min(items, key=lambda i: i[1]), max(items, key=lambda i: i[1])
+    return (f"{items[0][0]}..{items[-1][0]}: mean {sum(x for _, x in items) / len(items):.3f} "
+            f"({low[1]:.3f} at {low[0]} .. {high[1]:.3f} at {high[0]})")
+
+
+def is_huginn(report: dict) -> bool:
+    return (report.get("config") or {}).get("architecture") == "huginn"
+
+
+def run_text(report: dict) -> str:
+    """'; DEPTH per token; WISE profile: ...' of a report's header (each part where the report has it)."""
+    steps, profile = report.get("num_steps"), report.get("wise_profile")
+    parts = ([f"{steps} {'core iterations' if is_huginn(report) else 'loops'} per token"] if steps else []) \
+        + ([f"WISE profile: {profile}"] if profile else [])
+    return "".join(f"; {part}" for part in parts)
+
+
+def targets_section(report: dict) -> list[str]:
+    """The report's "Targets" section: the standing, or why a Huginn run has none."""
+    lines = ["", "## Targets", ""]
+    if is_huginn(report):
+        return lines + ["The issue's targets are Ouro-1.4B's; this Huginn run is held to none (the figures above "
+                        "are its result)."]
+    lines += ["| target | shape | measured | met |", "|---|---|---|---|"]
+    for t in report["standing"]:
+        lines.append(f"| {t['target']} | {t['shape']} | {t['value']:.2f} | {'yes' if t['met'] else 'no'} |")
+    return lines
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -590,9 +756,9 @@ def markdown(report: dict) -> str:
     a = report["args"]
     lines = [f"# Decode throughput ({report['date']})", "",
              f"{env.get('device', '?')}; torch {env.get('torch', '?')}, triton {env.get('triton', '?')}; "
-             f"model {report['model']}; {a['dtype']}; {a['new_tokens']} new tokens per request, "
+             f"model {report['model']}; {a['dtype']}; kernel {a['kernel']}; {a['new_tokens']} new tokens per request, "
              f"{a['repeats']} repeats after a {a['warmup_tokens']}-token warm-up; page size {a['page_size']}; "
-             f"roofline at {a['hbm_tbps']} TB/s.", "", "## Every run", ""]
+             f"roofline at {a['hbm_tbps']} TB/s{run_text(report)}.", "", "## Every run", ""]
     lines += table(report["rows"])
     flagged = [f"{r['context']} x {r['batch']} {r['arm']} repeat {r['repeat'] + 1}: "
                + ", ".join(([f"{r['fallbacks']} fallbacks"] if r.get("fallbacks") else [])
@@ -614,10 +780,7 @@ def markdown(report: dict) -> str:
                      f"{s['ms_per_step']:.2f} | {s['roofline_share']:.0%} | {rp.fmt(s['over_dense'], '.2f')} | "
                      f"{density_text(s['density'])} | {rp.fmt(s.get('differ'), 'd')} | "
                      f"{rp.fmt(s.get('acceptance_rate'), '.3f')} | {rp.fmt(s.get('tokens_per_round'), '.2f')} |")
-    lines += ["", "## Targets", "", "| target | shape | measured | met |", "|---|---|---|---|"]
-    for t in report["standing"]:
-        lines.append(f"| {t['target']} | {t['shape']} | {t['value']:.2f} | {'yes' if t['met'] else 'no'} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + targets_section(report)) + "\n"
 
 
 def plot(report: dict, path: Path) -> None:
@@ -656,20 +819,24 @@ def main(argv: list[str] | None = None) -> dict | None:
     scales = check_args(parser, args)
     workdir = Path(tempfile.mkdtemp(prefix="wise-throughput-"))
     try:
-        config, checkpoint, recipe = prepare_model(args)
+        config, checkpoint, fields = prepare_model(args)
+        steps = check_depth(parser, args, config, [a for a in args.arms if a.startswith("old")]
+                            + speculative_arms.arms_of(args))
         old_src = prepare_old_src(args, workdir) if any(a.startswith("old") for a in args.arms) else None
         report = dict(date=rp.now(), host=platform.node(),
                       model=args.model or f"random {args.preset} (std {args.std}, seed 0)",
-                      config=dataclasses.asdict(config), old_src=old_src,
+                      config=dataclasses.asdict(config), num_steps=steps,
+                      wise_profile=wise_profile(config, steps, args.arms, args.eta), old_src=old_src,
                       args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                       environment=None, rows=[])
+        tensors = random_recipe(config) if fields is not None else None
         print(f"{'ctx x batch':>13} {'arm':>9} {'rep':>3} {'tok/s':>9} {'ms/step':>8} {'roof tok/s':>10} "
               f"{'share':>6} density", flush=True)
         for (context, batch), q_scale in zip(args.shapes, scales):
             num_pages = args.num_pages or cohort_pages(context, batch, args.new_tokens, args.page_size) + 1
             for arm in args.arms + speculative_arms.arms_of(args):
                 spec = dict(arm=arm, context=context, batch=batch, q_scale=q_scale, checkpoint=checkpoint,
-                            random=recipe, std=args.std, seed=0,
+                            random=fields, tensors=tensors, num_steps=steps, std=args.std, seed=0,
                             dtype=args.dtype, device=args.device, kernel=args.kernel, eta=args.eta,
                             page_size=args.page_size, num_pages=num_pages, cuda_graphs=args.cuda_graphs,
                             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -694,7 +861,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                           + (f" acceptance {row['acceptance_rate']:.3f}, {row['tokens_per_round']:.2f} tok/round"
                              if row.get("acceptance_rate") is not None else ""), flush=True)
                 report["summary"] = summarize(report["rows"])
-                report["standing"] = standing(report["summary"])
+                report["standing"] = standing(report["summary"], config.architecture)
                 write_report(report, args.out)  # after every arm: a run cut short still leaves a report
         print(markdown(report))
         return report

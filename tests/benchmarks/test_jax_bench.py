@@ -38,3 +38,63 @@ def test_arm_grammar(bench):
     for bad in ("sparse", "dense+fast", "dense+stacked+unroll+unroll", "old+unroll", "dense+unroll"):
         with pytest.raises(argparse.ArgumentTypeError):
             bench.parse_arm(bad)
+
+
+def test_huginn_layout_equals_huginn_from_tensors(bench):
+    """The device-side layout of the random Huginn params is wise_jax.huginn.huginn_from_tensors's,
+    bitwise (float32: both only move and transpose the same values)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from wise_core.checkpoint import random_tensors
+    from wise_core.config import PRESETS
+    from wise_jax.huginn import huginn_from_tensors
+    config = PRESETS["test-tiny-huginn"]
+    tensors = random_tensors(config, seed=1)
+    mine = bench.huginn_layout(config, {name: jnp.asarray(t) for name, t in tensors.items()})
+    theirs = huginn_from_tensors(config, tensors, jnp.float32)
+    assert jax.tree.structure(mine) == jax.tree.structure(theirs)
+    for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs)):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_random_huginn_params_scale_the_queries_only(bench):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from wise_core.config import PRESETS
+    config = PRESETS["test-tiny-huginn"]
+    h = config.num_attention_heads * config.head_dim
+    one, three = (bench.random_huginn_params(config, 0, 0.02, s, jnp.float32) for s in (1.0, 3.0))
+    for a, b in zip(one.core_block + one.coda, three.core_block + three.coda):   # qkv [hidden, 3 hidden]: q's columns first
+        assert np.array_equal(np.asarray(b.qkv[:, :h]), np.asarray(a.qkv[:, :h] * 3))
+        assert np.array_equal(np.asarray(b.qkv[:, h:]), np.asarray(a.qkv[:, h:]))
+        assert np.array_equal(np.asarray(b.qkv_bias[:h]), np.asarray(a.qkv_bias[:h] * 3))
+        assert np.array_equal(np.asarray(b.qkv_bias[h:]), np.asarray(a.qkv_bias[h:]))
+        assert not np.asarray(a.qkv_bias[2 * h:]).any() and (np.asarray(a.norm_2) == 1).all()
+    for a, b in zip(jax.tree.leaves((one.wte, one.adapter, one.prelude[0].fc)),
+                    jax.tree.leaves((three.wte, three.adapter, three.prelude[0].fc))):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert not np.array_equal(np.asarray(one.core_block[0].fc), np.asarray(one.core_block[1].fc))
+
+
+def test_huginn_wise_arm_end_to_end(bench, tmp_path):
+    """test-tiny-huginn at 3 core iterations: WISE reusing iteration 2, its roofline, no targets;
+    Ouro's layout options refused."""
+    from benchmarks.engine import throughput
+    from wise_core.config import PRESETS
+    report = bench.main(["--preset", "test-tiny-huginn", "--num-steps", "3", "--dtype", "float32", "--kernel",
+                         "reference", "--shapes", "64x3", "--new-tokens", "3", "--warmup-tokens", "2", "--repeats", "1",
+                         "--arms", "wise", "--q-scale", "2", "--out", str(tmp_path)])
+    (row,) = report["rows"]
+    assert row["status"] == "ok" and row["decode_tokens"] == 3 * 2 and row["recompiles"] == 0
+    assert row["pages_returned"] and row["fallbacks"] == 0
+    assert set(row["density"]) == {2} and 0 < row["density"][2] <= 1
+    roof = throughput.roofline(PRESETS["test-tiny-huginn"], "float32", 64, 3, 3, row["density"], 4.3, 3)
+    assert row["roofline_tokens_per_s"] == roof["tokens_per_s"]
+    assert report["standing"] == [] and report["num_steps"] == 3
+    assert "3 core iterations per token; WISE profile: discovery on depths 0, 1, reuse on 2, eta 0.95" in \
+        (tmp_path / "jax_generate_bench.md").read_text()
+    for arms in ("wise+stacked", "dense+tp2", "old"):
+        with pytest.raises(SystemExit):
+            bench.main(["--preset", "test-tiny-huginn", "--arms", arms, "--out", str(tmp_path)])

@@ -187,3 +187,106 @@ def test_smoke_run_end_to_end_in_fresh_processes(tmp_path, monkeypatch):
     assert {s["arm"] for s in report["summary"]} == {"dense", "wise", "old"}
     assert report["old_src"] == str(ROOT) and report["environment"]["device"] == "cpu"
     assert {"throughput.json", "throughput.md", "throughput.png"} <= {p.name for p in tmp_path.iterdir()}
+
+
+def test_roofline_of_huginn_by_hand():
+    """test-tiny-huginn (1 prelude, 3 core, 2 coda layers; hidden 128, MLP 256, 2 heads of 64, vocab
+    384, tied head), float32, counted by hand."""
+    from wise_core.config import PRESETS
+    tiny = PRESETS["test-tiny-huginn"]
+    h, i = 128, 256
+    layer = 4 * h + 3 * h * h + h * h + 2 * i * h + h * i + 2 * 2 * 64   # norms, Wqkv, proj, fc, mlp.proj, qk_bias
+    once = (1 + 2) * layer + h                                            # prelude, coda, ln_f
+    per_step = 3 * layer + h * 2 * h                                      # the core block, the adapter
+    head = 384 * h                                                        # wte, tied
+    assert tp.weight_bytes_per_step(tiny, "float32", 2, 5) == 4 * (5 * per_step + once + head + 2 * h)
+    assert tp.weight_bytes_per_step(tiny, "float32", 2) == tp.weight_bytes_per_step(tiny, "float32", 2, 4)
+    per_token = 2 * 2 * 64 * 4                                            # K and V, 2 heads of 64, float32
+    assert tp.kv_bytes_per_step(tiny, "float32", 1, 1, None, 5) == (1 + 2 + 3 * 5) * per_token
+    # Iterations 2 and 4 reuse at densities 0.5 and 0.25: 3 dense planes + 3 per iteration.
+    assert tp.kv_bytes_per_step(tiny, "float32", 2, 10, {2: 0.5, 4: 0.25}, 5) == \
+        (3 + 3 * (3 + 0.5 + 0.25)) * 2 * 10 * per_token
+    # huginn-0125 at r = 32: 2 + 4 x 32 + 2 = 132 planes of 2 x 5280 bf16 values, ~2.8 MB a token.
+    big = PRESETS["huginn-0125"]
+    assert tp.kv_bytes_per_step(big, "bfloat16", 1, 1, None, 32) == 132 * 2 * 5280 * 2
+    roof = tp.roofline(big, "bfloat16", 1024, 32, 32, None, 4.3, 32)
+    assert roof["bytes"] == tp.weight_bytes_per_step(big, "bfloat16", 32, 32) + \
+        tp.kv_bytes_per_step(big, "bfloat16", 32, 1040, None, 32)
+
+
+def test_random_huginn_queries_scaled_and_nothing_else():
+    """The recipe scales q's rows of attn.Wqkv and q's half of attn.qk_bias; norms are ones; each
+    tensor's draw depends on its name and the seed alone."""
+    import torch
+    from wise_core.config import PRESETS
+    tiny = PRESETS["test-tiny-huginn"]
+    recipe = tp.random_recipe(tiny)
+    assert recipe["transformer.core_block.0.attn.Wqkv.weight"] == [[3 * 128, 128], "normal", 128]
+    assert recipe["transformer.coda.1.attn.qk_bias"] == [[2, 1, 2, 64], "normal", 1]
+    assert recipe["transformer.prelude.0.norm_3.weight"][1:] == ["ones", 0]
+    assert recipe["transformer.ln_f.weight"][1:] == ["ones", 0] and recipe["transformer.adapter.weight"][2] == 0
+
+    def draw(name, q_scale):
+        return tp._hf_tensor(name, *recipe[name], dict(seed=0, std=0.02, q_scale=q_scale), torch.device("cpu"))
+
+    for name in ("transformer.core_block.0.attn.Wqkv.weight", "transformer.coda.1.attn.qk_bias"):
+        one, three = draw(name, 1.0), draw(name, 3.0)
+        rows = recipe[name][2]
+        assert torch.equal(three[:rows], one[:rows] * 3) and torch.equal(three[rows:], one[rows:])
+    assert not torch.equal(draw("transformer.core_block.0.attn.Wqkv.weight", 1.0),
+                           draw("transformer.core_block.1.attn.Wqkv.weight", 1.0))
+    ouro = tp.random_recipe(PRESETS["test-tiny"])
+    assert ouro["model.layers.0.self_attn.q_proj.weight"][2] == 128     # every row of q_proj (2 heads of 64)
+    assert ouro["model.early_exit_gate.bias"][1:] == ["zeros", 0]
+    assert "architecture" not in tp.config_fields(PRESETS["test-tiny"])
+    assert tp.config_fields(tiny)["architecture"] == "huginn"
+
+
+def test_huginn_arguments_and_report():
+    from wise_core.config import PRESETS
+    parser = tp.build_parser()
+    huginn, ouro = PRESETS["huginn-0125"], PRESETS["ouro-1.4b"]
+    assert tp.check_depth(parser, parser.parse_args([]), huginn) == 32                 # total_ut_steps
+    assert tp.check_depth(parser, parser.parse_args(["--num-steps", "8"]), huginn) == 8
+    assert tp.check_depth(parser, parser.parse_args(["--num-steps", "4"]), ouro) == 4
+    for args, config, ouro_only in ((["--num-steps", "8"], ouro, []), ([], huginn, ["old"]),
+                                    (["--num-steps", "0"], huginn, [])):
+        with pytest.raises(SystemExit):
+            tp.check_depth(parser, parser.parse_args(args), config, ouro_only)
+    with pytest.raises(SystemExit, match="--layers"):
+        tp.prepare_model(parser.parse_args(["--preset", "huginn-0125", "--layers", "4"]))
+    assert tp.wise_profile(huginn, 32, ["dense", "wise"], 0.95) == \
+        "discovery on depths 0, 1, reuse on 2..31, eta 0.95, blocks of 32 tokens"
+    assert tp.wise_profile(huginn, 32, ["dense"], 0.95) is None
+    assert tp.density_text({2: 0.3, 3: 0.25}) == "2: 0.300, 3: 0.250"
+    assert tp.density_text({d: 0.1 * (d % 3 + 1) for d in range(2, 32)}) == \
+        "2..31: mean 0.200 (0.100 at 3 .. 0.300 at 2)"
+    _, rows = _rows()
+    summary = tp.summarize(rows)
+    assert tp.standing(summary, "huginn") == [] and tp.engine_standing(summary, "huginn") == []
+    assert tp.standing(summary, "ouro") == tp.standing(summary)
+
+
+def test_huginn_smoke_in_fresh_processes(tmp_path, monkeypatch):
+    """test-tiny-huginn at 3 core iterations (fp32, reference kernel): a tight arm and a default arm
+    through the engine, the roofline of 3 iterations, WISE reusing iteration 2."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    from wise_core.config import PRESETS
+    report = tp.main(["--preset", "test-tiny-huginn", "--num-steps", "3", "--dtype", "float32", "--device", "cpu",
+                      "--kernel", "reference", "--shapes", "64x3", "--q-scale", "2", "--new-tokens", "3",
+                      "--warmup-tokens", "2", "--repeats", "1", "--page-size", "32", "--arms", "dense,wise-default",
+                      "--out", str(tmp_path)])
+    rows = report["rows"]
+    assert [(r["arm"], r["repeat"], r["status"]) for r in rows] == [("dense", 0, "ok"), ("wise-default", 0, "ok")]
+    config = PRESETS["test-tiny-huginn"]
+    for r in rows:
+        assert r["decode_tokens"] == 3 * 2 and r["pages_returned"] is True and r["preemptions"] == 0
+        roof = tp.roofline(config, "float32", 64, 3, 3, r["density"], 4.3, 3)
+        assert r["roofline_tokens_per_s"] == roof["tokens_per_s"]
+    assert rows[0]["density"] is None
+    assert set(rows[1]["density"]) == {2} and 0 < rows[1]["density"][2] <= 1 and rows[1]["fallbacks"] == 0
+    assert report["num_steps"] == 3 and report["standing"] == []
+    assert report["wise_profile"] == "discovery on depths 0, 1, reuse on 2, eta 0.95, blocks of 32 tokens"
+    text = (tmp_path / "throughput.md").read_text()
+    assert "3 core iterations per token; WISE profile: discovery on depths 0, 1, reuse on 2" in text
+    assert "this Huginn run is held to none" in text
