@@ -102,15 +102,15 @@ case $part in
     # weights a query's attention logits have std ~ std^2 x hidden x q_scale (q and k entries ~ N(0, std^2 x
     # hidden) on unit-RMS inputs; the head_dim sum and its 1/sqrt(head_dim) cancel), so Ouro-1.4B's calibration
     # (x8 / x7.3 at 1K / 4K, hidden 2048: reuse density 0.287 / 0.174) carried to hidden 5280 is x3.1 / x2.83.
-    # Kernel: head_dim 96 is refused by the Triton and Pallas decode kernels (powers of two) and Mosaic's
-    # (multiples of 64), so the part runs the reference decode (HUGINN_KERNEL overrides), which reads every key
-    # in every mode: its WISE / dense is not the GPU kernels' figure; dense tok/s, roofline share and the
-    # density are measured all the same.
+    # Kernel: "auto" (HUGINN_KERNEL overrides; "reference" gives the reference decode, which reads every key in
+    # every mode): the Triton decode kernel (torch) and the Pallas one (JAX) take head_dim 96 on 128-lane tiles,
+    # the padded lanes masked (any multiple of 16); Mosaic's needs a multiple of 64, so the JAX part runs
+    # Pallas' Triton lowering. Their launch configuration for 96 is head_dim 128's, not tuned for 96.
     run huginn_throughput 560 python3 -m benchmarks.engine.throughput --preset huginn-0125 --num-steps 32 \
-        --arms dense,wise --shapes 1024x32,4096x8 --q-scale 3.1,2.83 --kernel "${HUGINN_KERNEL:-reference}" \
+        --arms dense,wise --shapes 1024x32,4096x8 --q-scale 3.1,2.83 --kernel "${HUGINN_KERNEL:-auto}" \
         --child-timeout 135 --out "$out/huginn_throughput"
     run huginn_jax_throughput 560 python3 -m benchmarks.engine.jax_generate_bench --preset huginn-0125 --num-steps 32 \
-        --arms dense,wise --shapes 1024x32,4096x8 --q-scale 3.1,2.83 --kernel "${HUGINN_KERNEL:-reference}" \
+        --arms dense,wise --shapes 1024x32,4096x8 --q-scale 3.1,2.83 --kernel "${HUGINN_KERNEL:-auto}" \
         --child-timeout 135 --out "$out/huginn_jax_throughput"
     ;;
   step-profile)

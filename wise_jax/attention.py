@@ -111,18 +111,28 @@ def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes,
     return (out, new_support, mass) if return_mass else (out, new_support)
 
 
-def resolve_kernel(kernel: str) -> str:
-    """'auto' -> 'pallas' on a GPU, 'reference' elsewhere; other names are checked."""
+def resolve_kernel(kernel: str, head_dim: int | None = None) -> str:
+    """'auto' -> 'pallas' on a GPU when the Pallas kernel takes q/K/V of `head_dim`
+    (`pallas_decode.takes`: a power of two or a multiple of 16; None: not known, any; the Mosaic
+    kernel that `kernels.choice` may run instead needs a multiple of 64, else the Pallas one
+    runs), 'reference' otherwise; other names are checked. The callers that run attention pass
+    head_dim, so 'auto' never picks a kernel that refuses it."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown JAX decode-attention kernel {kernel!r}; choose one of {KERNELS}")
-    if kernel == "auto":
-        return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "reference"
-    return kernel
+    if kernel != "auto":
+        return kernel
+    if jax.default_backend() not in ("gpu", "cuda", "rocm"):
+        return "reference"
+    if head_dim is None:
+        return "pallas"
+    from wise_jax.kernels.pallas_decode import takes
+    return "pallas" if takes(head_dim) else "reference"
 
 
-def attention_impl(kernel: str):
-    """The decode_attention function named by `kernel` (imports the Pallas kernel lazily)."""
-    if resolve_kernel(kernel) == "reference":
+def attention_impl(kernel: str, head_dim: int | None = None):
+    """The decode_attention function named by `kernel` for q/K/V of `head_dim` (`resolve_kernel`;
+    imports the Pallas kernel lazily)."""
+    if resolve_kernel(kernel, head_dim) == "reference":
         return decode_attention_reference
     try:
         from wise_jax.kernels.pallas_decode import decode_attention as _  # noqa: F401
@@ -150,7 +160,7 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
     unchanged."""
     if isinstance(selection, rules.Eta):
         eta, selection = selection.eta, None
-    fn = attention_impl(kernel)
+    fn = attention_impl(kernel, q.shape[-1])
     if selection is None or reuse:  # a reuse call discovers nothing
         return fn(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size, eta=eta,
                   scale=scale, return_mass=return_mass, validate=validate, reuse=reuse)

@@ -415,7 +415,7 @@ class LLM(LLMEngine):
         elif isinstance(params, Params):   # MeshParams without a mesh: the step says what is wrong
             params = unstack_layers(params) if layers == "unstacked" else stack_layers(params)
         self.params, self.config, self.wise_config, self.mesh = params, config, args.wise_config, mesh
-        self.kernel = resolve_kernel(args.decode_kernel)
+        self.kernel = resolve_kernel(args.decode_kernel, config.head_dim)
         self.attention, self.unroll = attention, unroll
         num_pages, sizing = args.num_pages, f"num_pages={args.num_pages} as given"
         if num_pages is None:

@@ -229,14 +229,27 @@ def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes,
 TORCH_KERNELS = FRAMEWORK_KERNELS["torch"]
 
 
-def resolve_kernel(kernel: str, device: torch.device | str) -> Callable:
-    """The decode_attention implementation for `kernel` on `device` ("auto": triton on CUDA).
-    Triton runs on a CUDA device, or anywhere in its interpreter (TRITON_INTERPRET=1)."""
+def auto_kernel(device: torch.device | str, head_dim: int | None) -> str:
+    """What kernel="auto" runs: "triton" on CUDA when the Triton kernels take head_dim (a multiple
+    of 16, `kernels.triton_head_dim.takes`; None: not known, any), else "reference"."""
+    if torch.device(device).type != "cuda":
+        return "reference"
+    if head_dim is None:
+        return "triton"
+    from wise_torch.kernels.triton_head_dim import takes
+    return "triton" if takes(head_dim) else "reference"
+
+
+def resolve_kernel(kernel: str, device: torch.device | str, head_dim: int | None = None) -> Callable:
+    """The decode_attention implementation for `kernel` on `device` for q of `head_dim` ("auto":
+    `auto_kernel`; the callers that run attention pass head_dim, so "auto" never picks a kernel
+    that refuses it). Triton runs on a CUDA device, or anywhere in its interpreter
+    (TRITON_INTERPRET=1)."""
     if kernel not in TORCH_KERNELS:
         raise ValueError(f"kernel {kernel!r} is not available in wise_torch (choose from {TORCH_KERNELS})")
     on_cuda = torch.device(device).type == "cuda"
     if kernel == "auto":
-        kernel = "triton" if on_cuda else "reference"
+        kernel = auto_kernel(device, head_dim)
     if kernel == "reference":
         return decode_attention_reference
     if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
@@ -286,7 +299,7 @@ def prepare_decode_attention(kernel: str, *, batches: list[int], heads: int, kv_
     syncs, and `min_splits(batch)` programs per row at least, to fill the GPU when batches are
     small (`prepare_verify_attention`'s pattern). selection: a rule other than eta runs as
     `select_after` (None or `Eta`: the eta rule, of the calls' eta)."""
-    fn = resolve_kernel(kernel, device)
+    fn = resolve_kernel(kernel, device, head_dim)
     if fn is decode_attention_reference:
         return dict.fromkeys(batches, _with_selection(functools.partial(fn, validate=False), selection))
     module = importlib.import_module(fn.__module__)
@@ -311,6 +324,6 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
     rule; another rule runs as `select_after`."""
     if isinstance(selection, rules.Eta):
         eta, selection = selection.eta, None
-    fn = _with_selection(resolve_kernel(kernel, q.device), selection)
+    fn = _with_selection(resolve_kernel(kernel, q.device, q.shape[-1]), selection)
     return fn(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size,
               eta=eta, scale=scale, return_mass=return_mass, validate=validate, reuse=reuse)

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from wise_core.modes import DENSE
-from wise_torch.attention import TORCH_KERNELS, decode_attention_reference
+from wise_torch.attention import TORCH_KERNELS, auto_kernel, decode_attention_reference
 from wise_torch.kv_cache import PagedKVCache
 from wise_torch.model import PagedContext
 
@@ -111,12 +111,13 @@ def verify_attention_reference(q, k_pages, v_pages, page_table, starts, *, scale
     return out.view(q.shape)
 
 
-def resolve_verify_kernel(kernel: str, device: torch.device | str) -> Callable:
-    """The verify_attention implementation for `kernel` on `device` ("auto": triton on CUDA)."""
+def resolve_verify_kernel(kernel: str, device: torch.device | str, head_dim: int | None = None) -> Callable:
+    """The verify_attention implementation for `kernel` on `device` for q of `head_dim` ("auto":
+    `wise_torch.attention.auto_kernel`, the decode kernel's choice)."""
     if kernel not in TORCH_KERNELS:
         raise ValueError(f"kernel {kernel!r} is not available in wise_torch (choose from {TORCH_KERNELS})")
     if kernel == "auto":
-        kernel = "triton" if torch.device(device).type == "cuda" else "reference"
+        kernel = auto_kernel(device, head_dim)
     if kernel == "reference":
         return verify_attention_reference
     try:
@@ -133,7 +134,7 @@ def prepare_verify_attention(kernel: str, *, batches: list[int], queries: int, h
     """Per batch size of `batches`, `kernel`'s verify attention for calls of up to that many rows
     of `queries` queries and `max_keys` keys (Triton: one workspace shared by all, so that a call
     allocates nothing and never syncs, and `min_splits(batch)` splits per row at least)."""
-    fn = resolve_verify_kernel(kernel, device)
+    fn = resolve_verify_kernel(kernel, device, head_dim)
     if fn is verify_attention_reference:
         return dict.fromkeys(batches, fn)
     module = importlib.import_module(fn.__module__)
@@ -148,5 +149,5 @@ def prepare_verify_attention(kernel: str, *, batches: list[int], queries: int, h
 def verify_attention(q, k_pages, v_pages, page_table, starts, *, scale: float | None = None,
                      kernel: str = "auto"):
     """`verify_attention_reference`'s contract, run by `kernel` ("auto", "reference", "triton")."""
-    fn = resolve_verify_kernel(kernel, q.device)
+    fn = resolve_verify_kernel(kernel, q.device, q.shape[-1])
     return fn(q, k_pages, v_pages, page_table, starts, scale=scale)

@@ -132,6 +132,11 @@ def test_shape_errors_and_kernel_dispatch(monkeypatch):
     with pytest.raises(ValueError, match="unknown JAX decode-attention kernel 'triton'"):
         A.decode_attention(q, k, k, table, lens, modes, support, block_size=BLOCK, eta=0.9, kernel="triton")
     assert A.resolve_kernel("auto") == ("pallas" if jax.default_backend() == "gpu" else "reference")
+    with monkeypatch.context() as gpu:  # "auto" on a GPU: the Pallas kernel for head dims it takes
+        gpu.setattr(jax, "default_backend", lambda: "gpu")
+        assert [A.resolve_kernel("auto", d) for d in (128, 96, 48, 8, None)] == ["pallas"] * 5
+        assert [A.resolve_kernel("auto", d) for d in (40, 24)] == ["reference"] * 2
+        assert A.attention_impl("auto", 40) is A.decode_attention_reference
     monkeypatch.setitem(sys.modules, "wise_jax.kernels.pallas_decode", None)   # import fails
     with pytest.raises(ImportError, match="kernel='pallas' needs wise_jax.kernels.pallas_decode"):
         A.decode_attention(q, k, k, table, lens, modes, support, block_size=BLOCK, eta=0.9, kernel="pallas")

@@ -1,6 +1,9 @@
 """wise_jax.LLM on Huginn beyond the shared engine tests (tests/wise_core/engine/
 test_engine_huginn.py): a checkpoint directory loads by path and serves the tokens of the params
-built from its tensors; a mesh and an Ouro num_steps are refused."""
+built from its tensors; a mesh and an Ouro num_steps are refused; huginn-0125's head_dim (96)
+decodes on the Pallas kernel with the reference kernel's tokens."""
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -10,7 +13,7 @@ from cases import prompts_of
 from huginn_cases import TINY, checkpoint
 from parity.huginn import jax_generate
 from wise_core.checkpoint import random_tensors
-from wise_core.config import PRESETS
+from wise_core.config import PRESETS, WiseConfig
 from wise_core.request import SamplingParams
 from wise_jax import LLM, from_checkpoint_tensors
 
@@ -37,3 +40,27 @@ def test_what_huginn_does_not_run_is_refused():
     with pytest.raises(ValueError, match=r"an Ouro model runs its 4 loops every step, got num_steps=3"):
         LLM(ouro, ouro_config, num_pages=4, page_size=32, num_steps=3)
     assert LLM(ouro, ouro_config, num_pages=4, page_size=32, num_steps=4).cache.k.shape[0] == 4 * 2
+
+
+HEAD_DIM_96 = dataclasses.replace(TINY, hidden_size=192, head_dim=96)
+"""test-tiny-huginn with huginn-0125's head_dim (2 heads of 96): the Pallas kernel runs 128-lane tiles."""
+
+
+@pytest.mark.parametrize("wise_config", [None, WiseConfig(block_size=16, eta=0.8, discover_depths=(0,),
+                                                          reuse_depths=(1,))], ids=["dense", "wise"])
+def test_head_dim_96_on_the_pallas_kernel_gives_the_reference_kernels_tokens(wise_config):
+    """LLM(kernel="pallas") on a Huginn of head_dim 96 (interpreted on a CPU) gives the reference
+    kernel's greedy tokens, dense and WISE (sparse: the reuse iteration attends fewer blocks
+    than dense)."""
+    params = from_checkpoint_tensors(HEAD_DIM_96, random_tensors(HEAD_DIM_96, seed=3, std=0.08))
+    prompts = prompts_of([40, 20], HEAD_DIM_96.vocab_size, seed=9)
+    tokens, stats = {}, {}
+    for kernel in ("reference", "pallas"):
+        llm = LLM(params, HEAD_DIM_96, wise_config=wise_config, num_steps=2, num_pages=8, page_size=32,
+                  max_model_len=64, max_num_seqs=2, kernel=kernel)
+        assert llm.kernel == kernel
+        outs = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+        tokens[kernel], stats[kernel] = [o.token_ids for o in outs], llm.stats()
+    assert tokens["pallas"] == tokens["reference"]
+    if wise_config is not None:
+        assert stats["pallas"].fallbacks == 0 and 0 < stats["pallas"].density[1] < 1, stats["pallas"].density

@@ -20,6 +20,7 @@ import pytest
 from wise_core import modes as M
 from wise_core import reference as ref
 from wise_core import rounding, split_plan
+from wise_jax.kernels import mosaic_decode
 from wise_jax.kernels.pallas_decode import KernelConfig, config_for, decode_attention
 
 BLOCK = 32
@@ -105,6 +106,11 @@ COMBOS = {
                                  max_pages=3, seq_lens=[130, 192, 97, 64]),
     "page128-gqa-d64-bf16": dict(page_size=128, heads=2, kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
                                  max_pages=2, seq_lens=[256, 200, 129, 31]),
+    # head_dim a multiple of 16, not a power of two: 128 / 64 lanes, the padded ones masked
+    "page32-mha-d96-f32": dict(page_size=32, heads=2, kv_heads=2, head_dim=96, dtype=jnp.float32,
+                               max_pages=6, seq_lens=[192, 150, 70, 33]),  # huginn-0125's head_dim, MHA
+    "page64-gqa-d48-bf16": dict(page_size=64, heads=4, kv_heads=2, head_dim=48, dtype=jnp.bfloat16,
+                                max_pages=3, seq_lens=[130, 192, 97, 64]),
 }
 
 
@@ -175,6 +181,22 @@ def test_modes_with_dots_and_min_splits():
     """Tensor-core dots (q padded to 16 rows) and rows split into up to 3 programs of whole
     tiles: the same equivalences (bitwise ones too)."""
     check_modes(COMBOS["page64-gqa-d128-bf16"], config=DOTS)
+
+
+def test_padded_head_dim_with_dots_and_fused_finish():
+    """head_dim 96 in bf16 (Huginn's attention, MHA) on tensor-core dots over 128 lanes: the
+    modes' equivalences; the fused finish gives bitwise the separate finish's outputs."""
+    spec = dict(COMBOS["page32-mha-d96-f32"], dtype=jnp.bfloat16)
+    check_modes(spec, config=DOTS)
+    case = make_case(9, **spec)
+    modes = [M.DISCOVER, M.SPARSE, M.DISCOVER_UNION, M.DENSE]
+    separate = run(case, modes, config=dataclasses.replace(DOTS, fused_finish=False))
+    fused = run(case, modes, config=dataclasses.replace(DOTS, fused_finish=True))
+    assert separate[0].shape == case["q"].shape
+    for a, b in zip(separate, fused):
+        assert np.array_equal(bits(a), bits(b))
+    assert config_for(96, jnp.bfloat16) == config_for(128, jnp.bfloat16)  # the 128-lane tiles' entry
+    assert not mosaic_decode.supports(96, jnp.bfloat16)  # kernels.choice runs this kernel for 96
 
 
 @pytest.mark.parametrize("n", [1, 8, 256])
@@ -347,8 +369,9 @@ BAD = {
     "heads not multiple": (dict(q=jnp.zeros((4, 3, 64)), support=jnp.zeros((4, 3, 6), bool)),
                            "multiple"),
     "page not multiple of block": (dict(block_size=64), "page_size"),
-    "head_dim not power of two": (dict(q=jnp.zeros((4, 2, 48)), k_pages=jnp.zeros((27, 32, 2, 48)),
-                                       v_pages=jnp.zeros((27, 32, 2, 48))), "power of two"),
+    "head_dim neither a power of two nor a multiple of 16": (
+        dict(q=jnp.zeros((4, 2, 40)), k_pages=jnp.zeros((27, 32, 2, 40)), v_pages=jnp.zeros((27, 32, 2, 40))),
+        "head_dim must be a power of two or a multiple of 16 .* got 40"),
     "block not power of two": (dict(block_size=24), "block_size"),
     "eta": (dict(eta=1.5), "eta"),
     "support shape": (dict(support=jnp.zeros((4, 2, 5), bool)), "support"),
@@ -400,6 +423,9 @@ GPU_COMBOS = {
     "gqa-page64-d128-bf16": dict(page_size=64, heads=4, kv_heads=1, head_dim=128,
                                  dtype=jnp.bfloat16, max_pages=12,
                                  seq_lens=[768, 700, 512, 300, 767, 640, 65, 500]),
+    "huginn-page128-d96-bf16": dict(page_size=128, heads=55, kv_heads=55, head_dim=96,  # huginn-0125, MHA
+                                    dtype=jnp.bfloat16, max_pages=16,
+                                    seq_lens=[2048, 1900, 1000, 513, 1717, 1500, 2000, 64]),
 }
 
 

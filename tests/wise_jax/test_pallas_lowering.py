@@ -27,6 +27,7 @@ pytestmark = pytest.mark.skipif(
 SHAPES = {  # batch, heads, kv_heads, head_dim, page_size, max_pages, dtype
     "ouro-1k-x64": (64, 16, 16, 128, 128, 8, jnp.bfloat16),
     "gqa-d64-f32": (4, 8, 2, 64, 32, 40, jnp.float32),
+    "huginn-1k-x32": (32, 55, 55, 96, 128, 8, jnp.bfloat16),  # head_dim 96: 128-lane tiles, padded lanes masked
 }
 
 
@@ -63,13 +64,10 @@ def test_lowers_to_triton_kernels(name):
     assert fused.count("__gpu$xla.gpu.triton") == 1 and "wise_decode_finish" not in fused
 
 
-def compile_kernels_for_sm90(tmp_path, monkeypatch, lower):
-    """Run lower() (returns the lowered text) capturing each Pallas kernel's Triton IR, and
-    compile each through to a cubin for sm90; returns the kernels' names (wise_decode_NAME)."""
-    triton = pytest.importorskip("triton")
+def triton_ir(monkeypatch, lower):
+    """{kernel name (wise_decode_NAME): its Triton IR, without debug info} of the pallas_calls
+    lower() lowers; returns (that, lower()'s text)."""
     from jax._src.pallas.triton import lowering
-    from triton.backends.compiler import GPUTarget
-
     modules = {}
     lower_module = lowering.lower_jaxpr_to_triton_module
 
@@ -81,6 +79,31 @@ def compile_kernels_for_sm90(tmp_path, monkeypatch, lower):
 
     monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", keep_ir)
     text = lower()
+    return modules, text
+
+
+def test_padded_head_dim_lanes_are_masked(monkeypatch):
+    """huginn-0125's head_dim 96 runs 128-lane tiles: every bf16 access of 128 lanes (q, K, V in
+    the split kernel, the output in the finish) carries a mask, so no lane past head_dim is read
+    or written (the IR's flat pointers would reach the next head's values)."""
+    modules, _ = triton_ir(monkeypatch, lambda: lower_for_cuda("huginn-1k-x32"))
+    for name, kernel in (("split", 3), ("finish", 1)):
+        accesses = re.findall(r"tt\.(load|store) ([^:\n]*) : tensor<(?:\d+x)*128x!tt\.ptr<bf16>>", modules[name])
+        loads = [operands for op, operands in accesses if op == "load"]
+        stores = [operands for op, operands in accesses if op == "store"]
+        assert len(loads) >= kernel, (name, accesses)  # split: q, K, V; finish: the masked store's old values
+        assert all(operands.count("%") >= 2 for operands in loads), (name, loads)        # pointer, mask
+        assert all(operands.count("%") == 3 for operands in stores), (name, stores)     # pointer, value, mask
+        assert len(stores) == (1 if name == "finish" else 0), (name, stores)
+
+
+def compile_kernels_for_sm90(tmp_path, monkeypatch, lower):
+    """Run lower() (returns the lowered text) capturing each Pallas kernel's Triton IR, and
+    compile each through to a cubin for sm90; returns the kernels' names (wise_decode_NAME)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    modules, text = triton_ir(monkeypatch, lower)
     launch = {name: (int(warps), int(stages)) for name, stages, warps in re.findall(
         r'name = "wise_decode_(\w+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', text)}
     assert sorted(launch) == sorted(modules)
@@ -94,10 +117,10 @@ def compile_kernels_for_sm90(tmp_path, monkeypatch, lower):
     return sorted(modules)
 
 
-@pytest.mark.parametrize("fused_finish", [False, True])
-def test_triton_ir_compiles_for_sm90(tmp_path, monkeypatch, fused_finish):
-    kernels = compile_kernels_for_sm90(tmp_path, monkeypatch,
-                                       lambda: lower_for_cuda("ouro-1k-x64", fused_finish))
+@pytest.mark.parametrize("name, fused_finish", [("ouro-1k-x64", False), ("ouro-1k-x64", True),
+                                                ("huginn-1k-x32", False)])
+def test_triton_ir_compiles_for_sm90(tmp_path, monkeypatch, name, fused_finish):
+    kernels = compile_kernels_for_sm90(tmp_path, monkeypatch, lambda: lower_for_cuda(name, fused_finish))
     assert kernels == (["split"] if fused_finish else ["finish", "split"])
 
 

@@ -11,8 +11,9 @@ import torch
 from wise_core import reference as ref
 from wise_core import rounding
 from wise_core.modes import DENSE, DISCOVER, DISCOVER_UNION, SPARSE
-from wise_torch.attention import (decode_attention, decode_attention_reference, prefill_attention,
+from wise_torch.attention import (auto_kernel, decode_attention, decode_attention_reference, prefill_attention,
                                   resolve_kernel, select_blocks)
+from wise_torch.verification import resolve_verify_kernel, verify_attention_reference
 
 BLOCK = 32
 
@@ -197,6 +198,12 @@ def test_kernel_dispatch(monkeypatch):
     assert resolve_kernel("reference", "cpu") is decode_attention_reference
     with pytest.raises(ValueError, match="'pallas' is not available in wise_torch"):
         resolve_kernel("pallas", "cpu")
+    # "auto" on CUDA: the Triton kernels for head dims they take (multiples of 16), else the reference
+    assert [auto_kernel("cuda", d) for d in (128, 96, 48, 16, None)] == ["triton"] * 5
+    assert [auto_kernel("cuda", d) for d in (40, 8, 100)] == ["reference"] * 3
+    assert auto_kernel("cpu", 96) == "reference"
+    assert resolve_kernel("auto", "cuda", 40) is decode_attention_reference
+    assert resolve_verify_kernel("auto", "cuda", 40) is verify_attention_reference
     monkeypatch.setitem(sys.modules, "wise_torch.kernels.triton_decode", None)  # import fails
     with pytest.raises(RuntimeError, match="Triton decode kernel .* cannot be imported"):
         resolve_kernel("triton", "cpu")

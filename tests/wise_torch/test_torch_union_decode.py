@@ -103,24 +103,29 @@ def test_mass_from_the_log_sum_exp_is_the_softmax_block_sums():
     assert torch.equal(got[1, :, 4:], torch.zeros(HEADS, 4))                 # blocks past seq_lens
 
 
+@pytest.mark.parametrize("head_dim", [DIM, 48], ids=["d16", "d48-padded"])
 @pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
-def test_triton_block_mass_equals_the_torch_one(kv_heads):
+def test_triton_block_mass_equals_the_torch_one(kv_heads, head_dim):
     """The Triton kernel (interpreted on CPU) against `block_mass_from_lse`, blocks past
-    seq_lens included."""
+    seq_lens included; head_dim 48 runs 64-lane tiles, the padded lanes masked."""
     from wise_torch.kernels.triton_block_mass import block_mass_from_lse as triton_mass
     g = torch.Generator().manual_seed(8)
-    k = torch.randn(12, PAGE, kv_heads, DIM, generator=g)
+    k = torch.randn(12, PAGE, kv_heads, head_dim, generator=g)
     table = torch.stack([torch.randperm(12, generator=g)[:4] for _ in range(3)]).to(torch.int32)
     lens = torch.tensor([32, 13, 27], dtype=torch.int32)
-    q = 2.0 * torch.randn(3, HEADS, DIM, generator=g)
+    q = 2.0 * torch.randn(3, HEADS, head_dim, generator=g)
     _, lse = paged_decode_reference(q, k, k, table, lens)
     want = block_mass_from_lse(q, k, table, lens, lse, block_size=BLOCK)
     got = triton_mass(q, k, table, lens, lse, block_size=BLOCK)
-    # fp32 both: 16-term dots and 4-key sums in other orders, probabilities <= 1: a few ulp.
+    # fp32 both: 16- or 48-term dots (scores ~ 2 either way: q.k / sqrt(head_dim)) and 4-key sums
+    # in other orders, probabilities <= 1: a few ulp.
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert torch.equal(got[1, :, 4:], torch.zeros(HEADS, 4))
     with pytest.raises(ValueError, match=r"lse must be \[3, 4\]"):
         triton_mass(q, k, table, lens, lse[:, :2].contiguous(), block_size=BLOCK)
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 16"):
+        triton_mass(torch.zeros(3, HEADS, 40), torch.zeros(12, PAGE, kv_heads, 40), table, lens, lse,
+                    block_size=BLOCK)
 
 
 def test_discovery_rows_select_as_the_reference_does():

@@ -40,17 +40,21 @@ def test_reference_is_causal_prefill_over_the_rows_keys():
     (4, 2, 32, 32, 5, 1),      # GQA, one split per 32 keys
     (2, 2, 64, 64, 3, 4),      # MHA, splits shrunk to fill the grid
     (4, 1, 16, 32, 2, 2),      # 4 query heads per KV head
+    (2, 2, 96, 32, 3, 1),      # huginn-0125's head_dim (MHA): 128-lane tiles, the padded lanes masked
+    (4, 2, 48, 32, 2, 2),      # GQA, 64-lane tiles
 ])
 def test_triton_matches_reference(heads, kv_heads, head_dim, page, n, min_splits):
     max_keys = 4 * page
     # A row from 0, one across pages, one whose last queries pass the table's capacity.
     q, k, v, table, starts = paged_problem(heads, kv_heads, head_dim, page, n, [0, page + 7, max_keys - n + 1])
     config = KernelConfig(tile_n=16, split_keys=32, min_splits=min_splits)
-    workspace = VerifyWorkspace.allocate(3, n, heads, head_dim, max_keys, dtype=q.dtype, device=DEVICE,
+    workspace = VerifyWorkspace.allocate(4, n, heads, head_dim, max_keys, dtype=q.dtype, device=DEVICE,
                                          config=config)
+    workspace.out.fill_(float("nan"))
     out = verify_attention(q, k, v, table, starts, workspace=workspace)
     want = verify_attention_reference(q, k, v, table, starts)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=0)   # fp32, another summation order over <= 256 keys
+    assert torch.isnan(workspace.out[3]).all(), "stored past the batch's outputs (a lane past head_dim?)"
 
 
 def test_triton_splits_are_the_split_plans():
@@ -118,3 +122,6 @@ def test_bad_arguments_are_named():
     small = dataclasses.replace(workspace, out=workspace.out[:1, :3])
     with pytest.raises(ValueError, match="batch 2 exceeds the workspace's max_batch 1"):
         verify_attention(q, k, v, table, starts, workspace=small)
+    q, k, v, table, starts = paged_problem(4, 2, 40, 32, 3, [0, 5])
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 16 .* got 40"):
+        verify_attention(q, k, v, table, starts)

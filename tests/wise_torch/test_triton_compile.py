@@ -2,7 +2,8 @@
 
 CI runs the kernel only in Triton's interpreter, which accepts code the GPU compiler rejects; this
 compiles the real launches (MHA bf16 at the benchmark's shape, GQA bf16 on tensor cores, fp32
-with mass; each the split and the finish kernel) to a cubin in a subprocess without
+with mass, huginn-0125's MHA of head_dim 96 on 128-lane tiles; each the split and the finish
+kernel) to a cubin in a subprocess without
 TRITON_INTERPRET, and checks the PTX for 16-byte K/V loads or copies (the alignment hint), the
 absence of atomics (the launch boundary orders the merge) and, with cuobjdump, that the
 benchmark's split kernel does not spill registers.
@@ -53,7 +54,8 @@ results = {}
 for name, (batch, heads, kv_heads, dim, ctx, page, dtype, return_mass) in {
         "mha-bf16-d128": (10, 16, 16, 128, 8192, 128, torch.bfloat16, False),
         "gqa-bf16-d128": (4, 16, 4, 128, 2048, 64, torch.bfloat16, False),
-        "gqa-fp32-d64": (4, 4, 2, 64, 1024, 32, torch.float32, True)}.items():
+        "gqa-fp32-d64": (4, 4, 2, 64, 1024, 32, torch.float32, True),
+        "mha-bf16-d96": (8, 55, 55, 96, 4096, 128, torch.bfloat16, False)}.items():
     blocks = ctx // 32
     q = torch.empty(batch, heads, dim, dtype=dtype)
     k = torch.empty(batch * ctx // page, page, kv_heads, dim, dtype=dtype)
@@ -103,15 +105,18 @@ def test_kernel_compiles_for_sm90():
     results = json.loads(done.stdout.strip().splitlines()[-1])
     if "skip" in results:
         pytest.skip(results["skip"])
-    assert sorted(results) == [f"{name}/{kernel}" for name in ("gqa-bf16-d128", "gqa-fp32-d64", "mha-bf16-d128")
+    assert sorted(results) == [f"{name}/{kernel}" for name in ("gqa-bf16-d128", "gqa-fp32-d64", "mha-bf16-d128",
+                                                               "mha-bf16-d96")
                                for kernel in ("_finish_kernel", "_split_kernel")]
     for name, facts in results.items():
         assert facts["cubin"] > 0, name
         assert facts["atomics"] == 0, f"{name}: the launch boundary orders the merge, no atomics"
-    # The benchmark's launch: registers, no spills to local memory.
-    split = results["mha-bf16-d128/_split_kernel"]
-    usage = resources(split["usage"])
-    assert usage["REG"] > 0 and usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
-    # [64 keys, 128 dims] bf16 K and V tiles over 128 threads: 8 rows of 16 bytes each per thread,
-    # loaded to registers (ld.global.v4) or copied to shared memory (cp.async of 16 bytes).
-    assert split["wide_loads"] >= 16, split
+    # The benchmark's launch and Huginn's: registers, no spills to local memory.
+    for name in ("mha-bf16-d128", "mha-bf16-d96"):
+        split = results[f"{name}/_split_kernel"]
+        usage = resources(split["usage"])
+        assert usage["REG"] > 0 and usage["LOCAL"] == 0 and usage["STACK"] == 0, (name, usage)
+        # [64 keys, 128 dims] bf16 K and V tiles over 128 threads: 8 rows of 16 bytes each per thread,
+        # loaded to registers (ld.global.v4) or copied to shared memory (cp.async of 16 bytes); head_dim
+        # 96's tiles are 128 lanes wide, the lane mask constant over each 16-byte vector.
+        assert split["wide_loads"] >= 16, (name, split)

@@ -12,7 +12,6 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-import triton
 
 from parity.environment import widen_interpreted_bf16_dots
 from wise_core import reference as ref
@@ -162,6 +161,10 @@ LAYOUTS = {  # name: (page_size, heads, kv_heads, head_dim, dtype)
     "p64-gqa-d64-bf16": (64, 4, 2, 64, torch.bfloat16),
     "p128-mha-d128-bf16": (128, 2, 2, 128, torch.bfloat16),
     "p32-gqa-d128-fp32": (32, 4, 2, 128, torch.float32),
+    # head_dim a multiple of 16, not a power of two: tiles padded to 128 / 64 lanes
+    "p32-mha-d96-fp32": (32, 2, 2, 96, torch.float32),     # huginn-0125's head_dim, MHA as Huginn
+    "p64-gqa-d48-bf16": (64, 4, 2, 48, torch.bfloat16),
+    "p32-mha-d96-bf16": (32, 2, 2, 96, torch.bfloat16),
 }
 SEQ_LENS = [150, 64, 1, 97]  # several splits, exact blocks, one key, partial blocks
 
@@ -384,6 +387,66 @@ def test_default_workspace_and_table_config():
     assert config_for(64, torch.float32).split_keys > SMALL.split_keys  # the two runs split differently
 
 
+@pytest.mark.parametrize("layout, mha_dots", [("p32-mha-d96-fp32", False), ("p64-gqa-d48-bf16", False),
+                                              ("p32-mha-d96-bf16", True)])
+def test_padded_head_dim_modes(layout, mha_dots):
+    """head_dim 96 / 48 (tiles of 128 / 64 lanes, the padded ones masked): dense within the
+    bounds of the float64 reference (test_dense_matches_references), discovery bitwise dense
+    with the mass within `rounding.mass_bound_of` and the eta rule's selection, every block
+    selected bitwise dense, reuse rows (random support) within the bounds of masked attention,
+    and no lane past head_dim stored (the workspace row after the batch keeps its sentinel)."""
+    case = layout_case(layout, seed=41)
+    batch = len(SEQ_LENS)
+    ws = case.workspace(dataclasses.replace(SMALL, mha_dots=mha_dots), batch=batch + 1)
+    ws.out.fill_(float("nan"))
+    held = random_support(case, 0.4, seed=42)
+    dense, _, _ = run(case, [DENSE] * batch, held.clone(), workspace=ws)
+    dense = dense.clone()
+    assert torch.isnan(ws.out[batch]).all(), "a lane past head_dim was stored"
+    expected, expected_mass = numpy_attention(case)
+    assert_within(dense.double().cpu().numpy(), expected, out_bounds(case))
+
+    found, fresh, mass = run(case, [DISCOVER] * batch, held.clone(), workspace=ws)
+    assert torch.equal(found, dense)
+    assert_within(mass.cpu().numpy(), expected_mass, mass_bounds(case))
+    assert_selection(fresh.cpu().numpy(), mass.cpu().numpy())
+    united, union, _ = run(case, [DISCOVER_UNION] * batch, held.clone(), workspace=ws)
+    assert torch.equal(united, dense)
+    np.testing.assert_array_equal(union.cpu().numpy(), held.cpu().numpy() | fresh.cpu().numpy())
+
+    every = all_blocks_support(case.seq_lens, case.heads, case.max_blocks, BLOCK)
+    assert torch.equal(run(case, [SPARSE] * batch, every, workspace=ws)[0], dense)
+    reused, after, _ = run(case, [SPARSE] * batch, held.clone(), workspace=ws, reuse=True)
+    assert torch.equal(after, held)
+    assert_within(reused.double().cpu().numpy(), numpy_attention(case, held)[0], out_bounds(case))
+    assert torch.isnan(ws.out[batch]).all(), "a lane past head_dim was stored"
+
+
+def test_padded_head_dim_mixed_batch_and_table_config():
+    """head_dim 96 with the table's configuration (config_for: the 128-lane entry) and a mixed
+    batch: each row equals the row alone bitwise, and the outputs agree with SMALL's splits."""
+    case = make_case([150, 97, 130, 64], heads=4, kv_heads=2, head_dim=96, seed=43)
+    modes = [DENSE, DISCOVER, SPARSE, DISCOVER_UNION]
+    support = random_support(case, 0.5, seed=44)
+    assert config_for(96, torch.float32) == config_for(128, torch.float32)
+    table = case.workspace(config=None)
+    out, together, _ = run(case, modes, support.clone(), workspace=table)
+    out, together = out.clone(), together.clone()
+    for b, mode in enumerate(modes):
+        alone_out, alone_support, _ = run(case.row(b), [mode], support[b:b + 1].clone(),
+                                          workspace=case.workspace(config=None, batch=1))
+        assert torch.equal(out[b:b + 1], alone_out), f"row {b}"
+        assert torch.equal(together[b:b + 1], alone_support), f"row {b}"
+    small_out, _, _ = run(case, modes, support.clone())
+    assert_within(out.double().cpu().numpy(), small_out.double().cpu().numpy(), 2 * out_bounds(case))  # both
+
+
+def test_head_dim_not_a_multiple_of_16_is_refused():
+    case = make_case([40, 70], head_dim=40, seed=45)
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 16 .* got 40"):
+        _call(case)
+
+
 def test_all_blocks_support():
     lens = torch.tensor([1, 32, 33, 0], dtype=torch.int32)
     got = all_blocks_support(lens, 2, 3, BLOCK)
@@ -443,7 +506,8 @@ def test_bad_input_raises_clear_errors():
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("heads, kv_heads, head_dim, page_size, dtype", [
-    (16, 16, 128, 128, torch.bfloat16), (16, 4, 128, 64, torch.bfloat16), (8, 8, 64, 32, torch.float32)])
+    (16, 16, 128, 128, torch.bfloat16), (16, 4, 128, 64, torch.bfloat16), (8, 8, 64, 32, torch.float32),
+    (55, 55, 96, 128, torch.bfloat16)])  # huginn-0125: 55 heads of 96, MHA
 def test_gpu_modes_at_scale(heads, kv_heads, head_dim, page_size, dtype):
     lens = [4096, 1000, 2047, 33, 3000, 1]
     case = make_case(lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,

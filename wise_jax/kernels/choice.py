@@ -2,9 +2,10 @@
 
 `mosaic_decode` (its split kernel on Mosaic GPU) when `MOSAIC_ON_SM90` is set and the call runs
 on a Hopper GPU (compute capability 9.x) with what it takes (16-bit q/K/V, head_dim a multiple
-of 64); otherwise `pallas_decode` (the Triton lowering: every dtype and power-of-two head_dim,
-the CI path). The choice is per call and covers every row of it (one backend per call keeps a
-SPARSE row with every block selected bitwise DENSE).
+of 64); otherwise `pallas_decode` (the Triton lowering: every dtype, head_dim a power of two
+or a multiple of 16 such as huginn-0125's 96, the CI path). The choice is per call and covers
+every row of it (one backend per call keeps a SPARSE row with every block selected bitwise
+DENSE).
 
 The flag is on from H200 runs where the Mosaic kernel was the faster of the two in every
 mode (docs/kernels/mosaic_decode.md has the numbers).

@@ -673,7 +673,7 @@ def _decode(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_
         scale=scale, config=config, reuse=reuse, interpret=interpret)
     if not merged:
         out, *finished = pallas_decode._finish_call(
-            seq_lens, modes, support, partials, out_dtype=q.dtype, block_size=block_size,
+            seq_lens, modes, support, partials, head_dim=q.shape[-1], out_dtype=q.dtype, block_size=block_size,
             config=config.split_rule(), eta=eta, all_blocks=all_blocks, return_mass=return_mass,
             interpret=interpret is not None, counts=counts, out=out)
         if not reuse:

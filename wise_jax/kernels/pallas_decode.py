@@ -54,6 +54,13 @@ row: a SPARSE row with every block selected must be bitwise DENSE, which two bac
 arithmetic would not give.
 
 GQA: each program serves one query head (supports are per query head), reading its KV head.
+
+head_dim: a power of two, or any multiple of 16 (huginn-0125's 96). The Triton lowering takes
+tensors of power-of-two sizes only, so q, K and V are read over `width` = the next power of
+two lanes (gathered by lane index: a block of the full head_dim cannot be loaded whole), the
+lanes past head_dim masked (they load 0, so they add nothing to q.k nor p.v); the partial
+accumulators are `width` wide and the finish stores the head_dim lanes of the output. A
+power-of-two head_dim runs unmasked, as without padding.
 """
 
 from __future__ import annotations
@@ -130,8 +137,10 @@ CONFIGS: dict[tuple[int, str], KernelConfig] = {
 
 
 def config_for(head_dim: int, dtype) -> KernelConfig:
-    """The table's configuration for (head_dim, dtype); KernelConfig() for other head dims."""
-    return CONFIGS.get((head_dim, jnp.dtype(dtype).name), KernelConfig())
+    """The table's configuration for (head_dim, dtype); KernelConfig() for other head dims. A
+    head_dim that is not a power of two (huginn-0125's 96) runs its tiles' width's entry (128
+    for 96; module docstring, head_dim): not tuned on a GPU."""
+    return CONFIGS.get((_next_pow2(head_dim), jnp.dtype(dtype).name), KernelConfig())
 
 
 def _compiler_params(num_warps: int, num_stages: int):
@@ -141,6 +150,36 @@ def _compiler_params(num_warps: int, num_stages: int):
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def _lanes(dims, head_dim: int):
+    """The mask of head_dim's lanes among dims int32[width] (width = _next_pow2(head_dim)):
+    dims < head_dim, or None when no lane is padded (the unmasked code)."""
+    return None if dims.shape[0] == head_dim else dims < head_dim
+
+
+def _with_lanes(mask, lanes):
+    """mask [.., 1] & lanes [width] (`_lanes`; mask itself when lanes is None)."""
+    return mask if lanes is None else mask & lanes[None, :]
+
+
+def _load_lanes(ref):
+    """ref [head_dim] -> [width]: its lanes, 0 past head_dim (a whole load when not padded)."""
+    head_dim = ref.shape[-1]
+    if _next_pow2(head_dim) == head_dim:
+        return ref[...]
+    dims = jnp.arange(_next_pow2(head_dim), dtype=jnp.int32)
+    return pl_triton.load(ref.at[dims], mask=_lanes(dims, head_dim), other=0)
+
+
+def _store_lanes(ref, b, h, x):
+    """x [width] -> ref[b, h] [head_dim]: its lanes up to head_dim (a whole store when not padded)."""
+    head_dim = ref.shape[-1]
+    if x.shape[-1] == head_dim:
+        ref[b, h, :] = x
+        return
+    dims = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    pl_triton.store(ref.at[b, h, dims], x, mask=_lanes(dims, head_dim))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,7 +291,8 @@ def _split_kernel(seq_lens_ref, modes_ref, support_ref, page_table_ref, q_ref, k
     page_table_ref: [max_pages]; q_ref: [head_dim]; k_ref, v_ref: [num_pages * page_size,
     head_dim] (this head's KV head); other refs whole: support [batch, heads, max_blocks];
     list, stat_m, stat_l [batch, heads, blocks_pad] (by list position: for discovery rows
-    the block); acc [batch, heads, splits_pad, head_dim]; m, l [batch, heads, splits_pad].
+    the block); acc [batch, heads, splits_pad, width]; m, l [batch, heads, splits_pad] (width:
+    head_dim padded to a power of two, module docstring).
     With `finish` (a dict of _finish's static arguments, or None), refs also hold a zeroed
     counter int32[batch, heads] (input, aliased to the last output) and the finish outputs:
     the last split of each (row, head) to arrive runs _finish. barrier: synchronise the
@@ -289,18 +329,20 @@ def _split_kernel(seq_lens_ref, modes_ref, support_ref, page_table_ref, q_ref, k
 
         # 2. Online softmax over the entries, tile_n keys per step, in base 2.
         head_dim = q_ref.shape[-1]
+        width = _next_pow2(head_dim)  # head_dim's lanes (module docstring: head_dim)
         tile_n = tile_blocks * block_size
         rows_g = DOT_ROWS if dots else 1
-        g = jax.lax.broadcasted_iota(jnp.int32, (rows_g, head_dim), 0)
-        q = jnp.where(g == 0, q_ref[...][None, :], 0).astype(q_ref.dtype)  # [rows_g, head_dim]
+        g = jax.lax.broadcasted_iota(jnp.int32, (rows_g, width), 0)
+        q = jnp.where(g == 0, _load_lanes(q_ref)[None, :], 0).astype(q_ref.dtype)  # [rows_g, width]
         offs = jnp.arange(tile_n, dtype=jnp.int32)
         within = offs % block_size
-        dims = jnp.arange(head_dim, dtype=jnp.int32)
+        dims = jnp.arange(width, dtype=jnp.int32)
+        lanes = _lanes(dims, head_dim)
         column = jax.lax.broadcasted_iota(jnp.int32, (tile_n, rows_g), 1)
         head0 = jax.lax.broadcasted_iota(jnp.int32, (1, rows_g), 1) == 0  # the real head
 
         def step(i, carry):
-            m, l, acc = carry  # [1, rows_g], [1, rows_g], [rows_g, head_dim]
+            m, l, acc = carry  # [1, rows_g], [1, rows_g], [rows_g, width]
             t = lo + i * tile_blocks
             entry = t + offs // block_size
             in_list = entry < hi
@@ -308,8 +350,8 @@ def _split_kernel(seq_lens_ref, modes_ref, support_ref, page_table_ref, q_ref, k
                                    mask=in_list, other=0)
             key_ok = in_list & ((entry < n_listed - 1) | (within < tail_keys))
             rows = (start + within)[:, None]
-            k = pl_triton.load(k_ref.at[rows, dims[None, :]], mask=key_ok[:, None], other=0)
-            v = pl_triton.load(v_ref.at[rows, dims[None, :]], mask=key_ok[:, None], other=0)
+            k = pl_triton.load(k_ref.at[rows, dims[None, :]], mask=_with_lanes(key_ok[:, None], lanes), other=0)
+            v = pl_triton.load(v_ref.at[rows, dims[None, :]], mask=_with_lanes(key_ok[:, None], lanes), other=0)
             if dots:
                 scores = jax.lax.dot_general(k, q, (((1,), (1,)), ((), ())),
                                              preferred_element_type=jnp.float32)
@@ -342,7 +384,7 @@ def _split_kernel(seq_lens_ref, modes_ref, support_ref, page_table_ref, q_ref, k
             return m_new, l, acc
 
         init = (jnp.full((1, rows_g), -jnp.inf, jnp.float32), jnp.zeros((1, rows_g), jnp.float32),
-                jnp.zeros((rows_g, head_dim), jnp.float32))
+                jnp.zeros((rows_g, width), jnp.float32))
         n_steps = (hi - lo + tile_blocks - 1) // tile_blocks
         m, l, acc = jax.lax.fori_loop(0, n_steps, step, init)
         acc_ref[b, h, s, :] = jnp.sum(jnp.where(g == 0, acc, 0.0), axis=0)  # row 0: the head
@@ -415,7 +457,8 @@ def _finish(b, h, n_splits, seq_lens_ref, modes_ref, support_ref, stat_m_ref, st
 
     Whole refs: support, support_out, mass (present with return_mass) [batch, heads,
     max_blocks]; stat_m, stat_l [batch, heads, blocks_pad]; acc [batch, heads, splits_pad,
-    head_dim]; m, l [batch, heads, splits_pad]; out [batch, heads, head_dim]. volatile: read
+    width >= head_dim, a power of two: lanes past head_dim not stored]; m, l [batch, heads,
+    splits_pad]; out [batch, heads, head_dim]. volatile: read
     the partials past the L1 cache (other programs of this launch wrote them). written: the
     split kernel wrote the output of rows of one split (out holds it; their acc is not stored)."""
     index = jnp.arange(stat_m_ref.shape[-1], dtype=jnp.int32)
@@ -442,7 +485,7 @@ def _finish(b, h, n_splits, seq_lens_ref, modes_ref, support_ref, stat_m_ref, st
     total = jnp.sum(weight * l)
 
     def _output():
-        out_ref[b, h, :] = (jnp.sum(weight[:, None] * acc, axis=0) / total).astype(out_ref.dtype)
+        _store_lanes(out_ref, b, h, (jnp.sum(weight[:, None] * acc, axis=0) / total).astype(out_ref.dtype))
 
     if written:
         pl.when(merging)(_output)
@@ -514,7 +557,7 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
     out_shape = [jax.ShapeDtypeStruct((batch, heads, blocks_pad), jnp.int32),  # list
                  jax.ShapeDtypeStruct((batch, heads, blocks_pad), f32),  # stat_m
                  jax.ShapeDtypeStruct((batch, heads, blocks_pad), f32),  # stat_l
-                 jax.ShapeDtypeStruct((batch, heads, splits_pad, head_dim), f32),  # acc
+                 jax.ShapeDtypeStruct((batch, heads, splits_pad, _next_pow2(head_dim)), f32),  # acc
                  jax.ShapeDtypeStruct((batch, heads, splits_pad), f32),  # m
                  jax.ShapeDtypeStruct((batch, heads, splits_pad), f32)]  # l
     aliases = {}
@@ -563,12 +606,13 @@ def _list_call(page_table, seq_lens, modes, support, *, block_size, page_size, r
     )(seq_lens, modes, support, page_table)
 
 
-def _finish_call(seq_lens, modes, support, partials, *, out_dtype, block_size, config, eta,
+def _finish_call(seq_lens, modes, support, partials, *, head_dim, out_dtype, block_size, config, eta,
                  all_blocks, return_mass, interpret: bool, counts=None, out=None):
-    """The finish launch over (batch, heads); counts: the rows' list lengths int32[batch,
-    heads] (else counted from support); out: the outputs the split kernel wrote for rows of
-    one split (`_finish`'s written; aliased to this launch's out)."""
-    batch, heads, _, head_dim = partials[3].shape
+    """The finish launch over (batch, heads); the output [batch, heads, head_dim] (the partials'
+    acc may be wider: padded lanes); counts: the rows' list lengths int32[batch, heads] (else
+    counted from support); out: the outputs the split kernel wrote for rows of one split
+    (`_finish`'s written; aliased to this launch's out)."""
+    batch, heads = partials[3].shape[:2]
     kernel = functools.partial(_finish_kernel, eta=eta, all_blocks=all_blocks,
                                counted=counts is not None, written=out is not None,
                                **_lists(block_size, config))
@@ -599,7 +643,7 @@ def _decode(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_
                           return_mass=return_mass, interpret=interpret)
     if config.fused_finish:
         return tuple(outputs[6:-1])
-    return tuple(_finish_call(seq_lens, modes, support, outputs, out_dtype=q.dtype,
+    return tuple(_finish_call(seq_lens, modes, support, outputs, head_dim=q.shape[-1], out_dtype=q.dtype,
                               block_size=block_size, config=config, return_mass=return_mass,
                               interpret=interpret, **finish))
 
@@ -645,10 +689,16 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
     return tuple(outputs)
 
 
+def takes(head_dim: int) -> bool:
+    """Whether this kernel takes q/K/V of this head_dim: a power of two, or a multiple of 16
+    (padded lanes, module docstring)."""
+    return head_dim >= 1 and (head_dim & (head_dim - 1) == 0 or head_dim % 16 == 0)
+
+
 def _check_kernel_inputs(head_dim: int, config: KernelConfig):
-    """What this kernel needs beyond the shared contract: a power-of-two head_dim (>= 16 for
-    dots)."""
-    if head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two for the Pallas kernel, got {head_dim}")
+    """What this kernel needs beyond the shared contract: `takes(head_dim)` (>= 16 for dots)."""
+    if not takes(head_dim):
+        raise ValueError(f"head_dim must be a power of two or a multiple of 16 for the Pallas kernel, "
+                         f"got {head_dim}")
     if config.dots and head_dim < 16:
         raise ValueError(f"KernelConfig.dots needs head_dim >= 16, got {head_dim}")

@@ -21,6 +21,8 @@ Two launches per call. Split kernel: program (row, kv_head, split) of the grid
    step 1 does, merges them in split order, writes the output and, for discovery rows, turns
    the block stats into block mass and applies `wise_core.reference.select_blocks` (sort by
    mass, prefix sum, threshold), writing the support in place.
+head_dim: any multiple of 16 (huginn-0125's 96): tiles along it are the next power of two wide,
+padded lanes load 0 and store nothing (`triton_head_dim`); a power-of-two head_dim runs unpadded.
 A program attends at most `split_keys` keys, so a long dense row costs more programs, not longer
 ones, and the sparse rows of a mixed batch are not paced by its longest dense row. The merge
 runs in its own launch (the launch boundary orders it after every split, no atomics), which
@@ -39,6 +41,8 @@ import triton.language as tl
 from wise_core import modes as M
 from wise_core import split_plan
 from wise_torch.decode_check import check_call
+from wise_torch.kernels import triton_head_dim
+from wise_torch.kernels.triton_head_dim import lanes, store_lanes
 from wise_torch.kernels.triton_splits import merge_splits, splits
 
 _DISCOVER = tl.constexpr(M.DISCOVER)
@@ -87,8 +91,10 @@ CONFIGS: dict[tuple[int, torch.dtype], KernelConfig] = {
 
 
 def config_for(head_dim: int, dtype: torch.dtype) -> KernelConfig:
-    """The table's configuration for (head_dim, dtype); KernelConfig() for other head dims."""
-    return CONFIGS.get((head_dim, dtype), KernelConfig())
+    """The table's configuration for (head_dim, dtype); KernelConfig() for other head dims. A
+    head_dim that is not a power of two (huginn-0125's 96) runs its tiles' width's entry
+    (`triton_head_dim.block_d`: 128 for 96), its tiles being that wide: not tuned on a GPU."""
+    return CONFIGS.get((triton_head_dim.block_d(head_dim), dtype), KernelConfig())
 
 
 def split_rule(config: KernelConfig, block_size: int) -> dict:
@@ -117,7 +123,7 @@ class DecodeWorkspace:
     mass: torch.Tensor      # float32[max_batch, heads, max_blocks]
     starts: torch.Tensor    # int64[max_batch, kv_heads, max_blocks]: block list, first-key cache offsets
     blocks: torch.Tensor    # int32[max_batch, kv_heads, max_blocks]: block list, block indices
-    part_acc: torch.Tensor  # float32[max_batch, heads, max_splits, head_dim]: per-split unnormalised outputs
+    part_acc: torch.Tensor  # float32[max_batch, heads, max_splits, block_d(head_dim)]: per-split unnormalised outputs
     part_m: torch.Tensor    # float32[max_batch, heads, max_splits]: per-split max score (base 2)
     part_l: torch.Tensor    # float32[max_batch, heads, max_splits]: per-split sum of exponentials
     stat_m: torch.Tensor    # float32[max_batch, heads, max_blocks]: block stats, reference max
@@ -143,7 +149,7 @@ class DecodeWorkspace:
             mass=torch.zeros(max_batch, heads, max_blocks, **f32),
             starts=torch.zeros(max_batch, kv_heads, max_blocks, dtype=torch.int64, device=device),
             blocks=torch.zeros(max_batch, kv_heads, max_blocks, dtype=torch.int32, device=device),
-            part_acc=torch.zeros(max_batch, heads, max_splits, head_dim, **f32),
+            part_acc=torch.zeros(max_batch, heads, max_splits, triton_head_dim.block_d(head_dim), **f32),
             part_m=torch.zeros(max_batch, heads, max_splits, **f32),
             part_l=torch.zeros(max_batch, heads, max_splits, **f32),
             stat_m=torch.zeros(max_batch, heads, max_blocks, **f32),
@@ -225,15 +231,15 @@ def _finish_head(row, head, heads, mode, n_splits, n_causal, max_blocks, eta,
                  stat_m_ptr, stat_l_ptr,
                  stride_ob, stride_oh, stride_mb, stride_mh, stride_sb, stride_sh,
                  ws_blocks, ws_splits,
-                 HEAD_DIM: tl.constexpr, S_CHUNK: tl.constexpr, NB_PAD: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, S_CHUNK: tl.constexpr, NB_PAD: tl.constexpr,
                  RETURN_MASS: tl.constexpr, SELECT: tl.constexpr):
     """Merge one head's splits in split order; discovery rows: block mass and selection (not
     compiled without SELECT: a reuse call, where no row discovers)."""
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     acc, m_run, l_run = merge_splits(part_acc_ptr, part_m_ptr, part_l_ptr, (row * heads + head) * ws_splits,
-                                     n_splits, HEAD_DIM, S_CHUNK)
-    tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d,
-             (acc / l_run).to(out_ptr.dtype.element_ty))
+                                     n_splits, BLOCK_D, S_CHUNK)
+    store_lanes(out_ptr + row * stride_ob + head * stride_oh + offs_d, (acc / l_run).to(out_ptr.dtype.element_ty),
+                offs_d, HEAD_DIM, BLOCK_D)
 
     blk = tl.arange(0, NB_PAD)
     if SELECT:
@@ -276,8 +282,8 @@ def _split_kernel(
         kv_heads, max_blocks, qk_scale,
         stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_pt, stride_sb, stride_sh,
         ws_blocks, ws_splits,
-        HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_G: tl.constexpr,
-        BLOCK: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK: tl.constexpr,
         PAGE: tl.constexpr, TILE_N: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, MIN_SPLITS: tl.constexpr,
         NB_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_ALIGN: tl.constexpr):
     """Steps 1 and 2 of the module docstring for program (row * kv_heads + kv_head, split)."""
@@ -303,9 +309,9 @@ def _split_kernel(
     split_blocks, n_splits = splits(n_listed, TILE_N // BLOCK, SPLIT_BLOCKS, MIN_SPLITS)
     if split >= n_splits:
         return
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)  # head_dim's lanes, padded to a power of two (triton_head_dim)
     q = tl.load(q_ptr + row * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
-                mask=g_ok[:, None], other=0.0)                                # [BLOCK_G, D]
+                mask=lanes(g_ok[:, None], offs_d[None, :], HEAD_DIM, BLOCK_D), other=0.0)  # [BLOCK_G, D]
     rank = tl.cumsum(listed.to(tl.int32), 0) - 1
     lo = split * split_blocks
     hi = tl.minimum(lo + split_blocks, n_listed)
@@ -327,7 +333,7 @@ def _split_kernel(
     within = offs_n % BLOCK
     m_i = tl.full([1, BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([1, BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     stats = (row * heads + head[None, :]) * ws_blocks                         # [1, BLOCK_G]
     for t in range(lo, hi, TILE_N // BLOCK):
         entry = t + offs_n // BLOCK
@@ -335,8 +341,9 @@ def _split_kernel(
         key_start = tl.multiple_of(tl.load(starts_ptr + list_base + entry, mask=in_list, other=0), KV_ALIGN)
         key_ok = in_list & ((entry < n_listed - 1) | (within < tail_keys))
         kv = (key_start + within.to(tl.int64) * stride_kt)[:, None] + offs_d[None, :]
-        k = tl.load(k_ptr + kv, mask=key_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + kv, mask=key_ok[:, None], other=0.0)
+        kv_ok = lanes(key_ok[:, None], offs_d[None, :], HEAD_DIM, BLOCK_D)
+        k = tl.load(k_ptr + kv, mask=kv_ok, other=0.0)
+        v = tl.load(v_ptr + kv, mask=kv_ok, other=0.0)
         s = _scores(q, k, BLOCK_G, DOT_PRECISION) * qk_scale                   # [TILE_N, BLOCK_G]
         keep = key_ok[:, None]
         if GROUP > 1:  # a sparse row lists the union of its heads' blocks; mask per head
@@ -359,9 +366,9 @@ def _split_kernel(
                 tl.store(stat_m_ptr + stats + t + j, m_ref, mask=ok)
                 tl.store(stat_l_ptr + stats + t + j, block_sum, mask=ok)
 
-    # This split's partials, merged by the finish kernel.
+    # This split's partials, merged by the finish kernel (acc's padded lanes: 0, or NaN with NaN scores).
     part = (row * heads + head) * ws_splits + split
-    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_ok[:, None])
+    tl.store(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_ok[:, None])
     tl.store(part_m_ptr + part[None, :], m_i, mask=g_ok[None, :])
     tl.store(part_l_ptr + part[None, :], l_i, mask=g_ok[None, :])
 
@@ -372,8 +379,8 @@ def _finish_kernel(
         part_acc_ptr, part_m_ptr, part_l_ptr, stat_m_ptr, stat_l_ptr,
         heads, max_blocks, eta,
         stride_sb, stride_sh, stride_ob, stride_oh, stride_mb, stride_mh, ws_blocks, ws_splits,
-        HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK: tl.constexpr,
-        SPLIT_BLOCKS: tl.constexpr, TILE_BLOCKS: tl.constexpr, MIN_SPLITS: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+        BLOCK: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, TILE_BLOCKS: tl.constexpr, MIN_SPLITS: tl.constexpr,
         NB_PAD: tl.constexpr, S_CHUNK: tl.constexpr, RETURN_MASS: tl.constexpr, SELECT: tl.constexpr):
     """Step 3 of the module docstring for program (row * heads + head)."""
     row = tl.program_id(0) // heads
@@ -389,15 +396,13 @@ def _finish_kernel(
                  out_ptr, mass_ptr, support_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
                  stat_m_ptr, stat_l_ptr,
                  stride_ob, stride_oh, stride_mb, stride_mh, stride_sb, stride_sh,
-                 ws_blocks, ws_splits, HEAD_DIM, S_CHUNK, NB_PAD, RETURN_MASS, SELECT)
+                 ws_blocks, ws_splits, HEAD_DIM, BLOCK_D, S_CHUNK, NB_PAD, RETURN_MASS, SELECT)
 
 
 def _check_kernel_inputs(q, k_pages, v_pages, page_table, seq_lens, modes, support) -> None:
-    """What this kernel needs beyond the shared contract (no host sync): a power-of-two
-    head_dim >= 16, one device, unit strides where the kernel indexes densely."""
-    head_dim = q.shape[2]
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    """What this kernel needs beyond the shared contract (no host sync): head_dim a multiple of
+    16 (`triton_head_dim`), one device, unit strides where the kernel indexes densely."""
+    triton_head_dim.check(q.shape[2])
     tensors = {"q": q, "k_pages": k_pages, "v_pages": v_pages, "page_table": page_table,
                "seq_lens": seq_lens, "modes": modes, "support": support}
     devices = {name: t.device for name, t in tensors.items()}
@@ -466,7 +471,8 @@ def kernel_launches(q, k_pages, v_pages, page_table, seq_lens, modes, support, o
     max_splits = split_plan.max_splits(max_blocks, **rule)
     support = support.view(torch.uint8)
     partials = (ws.part_acc, ws.part_m, ws.part_l, ws.stat_m, ws.stat_l)
-    shared = dict(HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK=block_size,
+    shared = dict(HEAD_DIM=head_dim, BLOCK_D=triton_head_dim.block_d(head_dim), GROUP=group,
+                  GROUP_PAD=triton.next_power_of_2(group), BLOCK=block_size,
                   SPLIT_BLOCKS=rule["split"], MIN_SPLITS=rule["min_splits"], NB_PAD=triton.next_power_of_2(max_blocks))
     split = (
         _split_kernel, (batch * kv_heads, max_splits),

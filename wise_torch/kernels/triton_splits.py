@@ -22,21 +22,22 @@ def splits(n, TILE: tl.constexpr, SPLIT: tl.constexpr, MIN_SPLITS: tl.constexpr)
 
 @triton.jit
 def merge_splits(part_acc_ptr, part_m_ptr, part_l_ptr, part, n_splits,
-                 HEAD_DIM: tl.constexpr, S_CHUNK: tl.constexpr):
+                 BLOCK_D: tl.constexpr, S_CHUNK: tl.constexpr):
     """Splits [0, n_splits) of one (row, head), partials at `part` + split: acc float32
-    [.., HEAD_DIM] (unnormalised output), m (max score, base 2), l (sum of exponentials), merged
-    in split order, S_CHUNK at a time -> (acc [HEAD_DIM], m [1], l [1]); the output is acc / l.
-    A split without keys (0, -inf, 0) adds nothing."""
-    offs_d = tl.arange(0, HEAD_DIM)
+    [.., BLOCK_D] (unnormalised output, head_dim padded to a power of two: `triton_head_dim`),
+    m (max score, base 2), l (sum of exponentials), merged in split order, S_CHUNK at a time ->
+    (acc [BLOCK_D], m [1], l [1]); the output is acc / l. A split without keys (0, -inf, 0)
+    adds nothing."""
+    offs_d = tl.arange(0, BLOCK_D)
     offs_s = tl.arange(0, S_CHUNK)
     m_run = tl.full([1], float("-inf"), tl.float32)
     l_run = tl.zeros([1], tl.float32)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
     for c in range(0, n_splits, S_CHUNK):
         split_ok = c + offs_s < n_splits
         m_s = tl.load(part_m_ptr + part + c + offs_s, mask=split_ok, other=float("-inf"))
         l_s = tl.load(part_l_ptr + part + c + offs_s, mask=split_ok, other=0.0)
-        acc_s = tl.load(part_acc_ptr + (part + c + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        acc_s = tl.load(part_acc_ptr + (part + c + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
                         mask=split_ok[:, None], other=0.0)
         m_new = tl.maximum(m_run, tl.max(m_s, 0, keep_dims=True))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)

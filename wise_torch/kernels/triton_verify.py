@@ -12,6 +12,7 @@ to itself. Two launches per call, as the decode kernel (`triton_decode`):
    each split stores (acc, max, sum) per (query, head).
 2. Finish kernel, program (row, query, head): merges the row's splits in split order
    (`triton_splits.merge_splits`, the decode kernel's merge).
+head_dim: any multiple of 16, tiles the next power of two wide (`triton_head_dim`).
 A split entirely past a query's last key leaves it (0, -inf, 0), which the merge ignores; key 0
 is in the first split, so every query attends at least one key.
 """
@@ -26,6 +27,8 @@ import triton
 import triton.language as tl
 
 from wise_core import split_plan
+from wise_torch.kernels import triton_head_dim
+from wise_torch.kernels.triton_head_dim import lanes, store_lanes
 from wise_torch.kernels.triton_splits import merge_splits, splits
 from wise_torch.verification import check_verify_args
 
@@ -61,8 +64,10 @@ CONFIGS: dict[tuple[int, torch.dtype], KernelConfig] = {
 
 
 def config_for(head_dim: int, dtype: torch.dtype) -> KernelConfig:
-    """The table's configuration for (head_dim, dtype); KernelConfig() for others."""
-    return CONFIGS.get((head_dim, dtype), KernelConfig())
+    """The table's configuration for (head_dim, dtype); KernelConfig() for others. A head_dim
+    that is not a power of two (96) runs its tiles' width's entry (`triton_head_dim.block_d`),
+    not tuned on a GPU."""
+    return CONFIGS.get((triton_head_dim.block_d(head_dim), dtype), KernelConfig())
 
 
 def max_splits(config: KernelConfig, max_keys: int) -> int:
@@ -79,7 +84,7 @@ class VerifyWorkspace:
 
     config: KernelConfig
     out: torch.Tensor       # [max_batch, queries, heads, head_dim], q's dtype
-    part_acc: torch.Tensor  # float32[max_batch * queries, heads, max_splits, head_dim]
+    part_acc: torch.Tensor  # float32[max_batch * queries, heads, max_splits, block_d(head_dim)]
     part_m: torch.Tensor    # float32[max_batch * queries, heads, max_splits]: max score (base 2)
     part_l: torch.Tensor    # float32[max_batch * queries, heads, max_splits]: sum of exponentials
 
@@ -95,7 +100,8 @@ class VerifyWorkspace:
         grid_splits = max_splits(config, max_keys)
         f32 = dict(dtype=torch.float32, device=device)
         return cls(config=config, out=torch.empty(max_batch, queries, heads, head_dim, dtype=dtype, device=device),
-                   part_acc=torch.zeros(max_batch * queries, heads, grid_splits, head_dim, **f32),
+                   part_acc=torch.zeros(max_batch * queries, heads, grid_splits,
+                                        triton_head_dim.block_d(head_dim), **f32),
                    part_m=torch.zeros(max_batch * queries, heads, grid_splits, **f32),
                    part_l=torch.zeros(max_batch * queries, heads, grid_splits, **f32))
 
@@ -124,8 +130,8 @@ def _split_kernel(
         kv_heads, max_keys, qk_scale,
         stride_qb, stride_qn, stride_qh, stride_kp, stride_kt, stride_kh, stride_pt, ws_splits,
         N_Q: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-        PAGE: tl.constexpr, TILE_N: tl.constexpr, SPLIT_KEYS: tl.constexpr, MIN_SPLITS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr):
+        BLOCK_D: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+        MIN_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Step 1 of the module docstring for program (row * kv_heads + kv_head, split)."""
     row = tl.program_id(0) // kv_heads
     kvh = tl.program_id(0) % kv_heads
@@ -143,23 +149,24 @@ def _split_kernel(
     m_ok = m < N_Q * GROUP
     qi = m // GROUP
     head = kvh * GROUP + m % GROUP
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)  # head_dim's lanes, padded to a power of two (triton_head_dim)
     q = tl.load(q_ptr + row * stride_qb + qi[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
-                mask=m_ok[:, None], other=0.0)                                   # [BLOCK_M, D]
+                mask=lanes(m_ok[:, None], offs_d[None, :], HEAD_DIM, BLOCK_D), other=0.0)  # [BLOCK_M, D]
     last = start + qi                                                            # the query's last key
 
     offs_n = tl.arange(0, TILE_N)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for t in range(lo, hi, TILE_N):
         key = t + offs_n
         key_ok = key < hi
         page = tl.load(page_table_ptr + row * stride_pt + key // PAGE, mask=key_ok, other=0)
         base = page.to(tl.int64) * stride_kp + (key % PAGE).to(tl.int64) * stride_kt + kvh * stride_kh
         kv = base[:, None] + offs_d[None, :]
-        k = tl.load(k_ptr + kv, mask=key_ok[:, None], other=0.0)                 # [TILE_N, D]
-        v = tl.load(v_ptr + kv, mask=key_ok[:, None], other=0.0)
+        kv_ok = lanes(key_ok[:, None], offs_d[None, :], HEAD_DIM, BLOCK_D)
+        k = tl.load(k_ptr + kv, mask=kv_ok, other=0.0)                           # [TILE_N, D]
+        v = tl.load(v_ptr + kv, mask=kv_ok, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale     # [BLOCK_M, TILE_N]
         s = tl.where(key_ok[None, :] & (key[None, :] <= last[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -171,7 +178,7 @@ def _split_kernel(
         m_i = m_new
 
     part = ((row * N_Q + qi) * heads + head) * ws_splits + split                 # [BLOCK_M]
-    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=m_ok[:, None])
+    tl.store(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=m_ok[:, None])
     tl.store(part_m_ptr + part, m_i, mask=m_ok)
     tl.store(part_l_ptr + part, l_i, mask=m_ok)
 
@@ -180,8 +187,8 @@ def _split_kernel(
 def _finish_kernel(
         starts_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, heads, max_keys,
         stride_ob, stride_on, stride_oh, ws_splits,
-        N_Q: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_N: tl.constexpr, SPLIT_KEYS: tl.constexpr,
-        MIN_SPLITS: tl.constexpr, S_CHUNK: tl.constexpr):
+        N_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
+        SPLIT_KEYS: tl.constexpr, MIN_SPLITS: tl.constexpr, S_CHUNK: tl.constexpr):
     """Step 2 of the module docstring for program ((row * N_Q + query) * heads + head)."""
     pid = tl.program_id(0)
     head = pid % heads
@@ -190,10 +197,10 @@ def _finish_kernel(
     start = tl.load(starts_ptr + row)
     n_keys = tl.minimum(start + N_Q, max_keys)
     _, n_splits = splits(n_keys, TILE_N, SPLIT_KEYS, MIN_SPLITS)
-    acc, _, l_run = merge_splits(part_acc_ptr, part_m_ptr, part_l_ptr, pid * ws_splits, n_splits, HEAD_DIM, S_CHUNK)
-    offs_d = tl.arange(0, HEAD_DIM)
-    tl.store(out_ptr + row * stride_ob + qi * stride_on + head * stride_oh + offs_d,
-             (acc / l_run).to(out_ptr.dtype.element_ty))
+    acc, _, l_run = merge_splits(part_acc_ptr, part_m_ptr, part_l_ptr, pid * ws_splits, n_splits, BLOCK_D, S_CHUNK)
+    offs_d = tl.arange(0, BLOCK_D)
+    store_lanes(out_ptr + row * stride_ob + qi * stride_on + head * stride_oh + offs_d,
+                (acc / l_run).to(out_ptr.dtype.element_ty), offs_d, HEAD_DIM, BLOCK_D)
 
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -205,9 +212,7 @@ def _check_kernel_inputs(q, k_pages, v_pages, page_table, starts) -> None:
     if q.dtype not in _DTYPES or k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
         raise ValueError(f"q, k_pages and v_pages must share one dtype of {_DTYPES}, got "
                          f"{q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
-    head_dim = q.shape[3]
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    triton_head_dim.check(q.shape[3])
     devices = {t.device for t in (q, k_pages, v_pages, page_table, starts)}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
@@ -236,18 +241,19 @@ def verify_attention(q, k_pages, v_pages, page_table, starts, *, scale: float | 
     group = heads // kv_heads
     grid_splits = max_splits(config, max_keys)
     scale = head_dim ** -0.5 if scale is None else scale
+    block_d = triton_head_dim.block_d(head_dim)
     _split_kernel[(batch * kv_heads, grid_splits)](
         q, k_pages, v_pages, page_table, starts, ws.part_acc, ws.part_m, ws.part_l,
         kv_heads, max_keys, scale * math.log2(math.e),
         q.stride(0), q.stride(1), q.stride(2), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         page_table.stride(0), ws.num_splits,
-        N_Q=n, GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(n * group)), HEAD_DIM=head_dim,
+        N_Q=n, GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(n * group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=page_size, TILE_N=config.tile_n, SPLIT_KEYS=config.split_keys, MIN_SPLITS=config.min_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages)
     _finish_kernel[(batch * n * heads,)](
         starts, out, ws.part_acc, ws.part_m, ws.part_l, heads, max_keys,
         out.stride(0), out.stride(1), out.stride(2), ws.num_splits,
-        N_Q=n, HEAD_DIM=head_dim, TILE_N=config.tile_n, SPLIT_KEYS=config.split_keys,
+        N_Q=n, HEAD_DIM=head_dim, BLOCK_D=block_d, TILE_N=config.tile_n, SPLIT_KEYS=config.split_keys,
         MIN_SPLITS=config.min_splits, S_CHUNK=min(16, triton.next_power_of_2(grid_splits)), num_warps=4, num_stages=1)
     return out
