@@ -197,6 +197,7 @@ def test_padded_head_dim_with_dots_and_fused_finish():
         assert np.array_equal(bits(a), bits(b))
     assert config_for(96, jnp.bfloat16) == config_for(128, jnp.bfloat16)  # the 128-lane tiles' entry
     assert not mosaic_decode.supports(96, jnp.bfloat16)  # kernels.choice runs this kernel for 96
+    assert not mosaic_decode.supports(192, jnp.bfloat16) and mosaic_decode.supports(128, jnp.bfloat16)
 
 
 @pytest.mark.parametrize("n", [1, 8, 256])

@@ -165,8 +165,10 @@ def sm_count(interpret: bool) -> int | None:
 
 
 def supports(head_dim: int, dtype) -> bool:
-    """Whether this kernel takes q/K/V of this head_dim and dtype (16-bit, head_dim % 64 == 0)."""
-    return head_dim % 64 == 0 and jnp.dtype(dtype).name in ("bfloat16", "float16")
+    """Whether this kernel takes q/K/V of this head_dim and dtype (16-bit; head_dim 64, 128, 256...: a
+    multiple of 64 for its tiles and a power of two for the Pallas finish it shares)."""
+    return (head_dim % 64 == 0 and head_dim & (head_dim - 1) == 0
+            and jnp.dtype(dtype).name in ("bfloat16", "float16"))
 
 
 # ---------------------------------------------------------------------------------------------
