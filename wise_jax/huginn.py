@@ -78,41 +78,37 @@ class HuginnParams:
     lm_head: jax.Array | None
 
 
-def split_half_rows(w: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
-    """Rows [heads * head_dim, ...] of one projection, each head's reordered from interleaved
-    pairs (2j, 2j + 1) to split halves (j, j + head_dim / 2)."""
+def split_half_rows(w, heads: int, head_dim: int):
+    """Rows [heads * head_dim, ...] of one projection (numpy or jax), each head's reordered from
+    interleaved pairs (2j, 2j + 1) to split halves (j, j + head_dim / 2)."""
     order = np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
     return w.reshape(heads, head_dim, *w.shape[1:])[:, order].reshape(w.shape)
 
 
 def huginn_from_tensors(config: ModelConfig, tensors: dict, dtype=jnp.float32) -> HuginnParams:
-    """HuginnParams in `dtype` from HF-named numpy arrays (validated against `config`; a tied
-    lm_head and freqs_cis are dropped)."""
+    """HuginnParams in `dtype` from HF-named arrays (numpy, or jax arrays laid out where they
+    lie: a model drawn on the device stays there; validated against `config`; a tied lm_head
+    and freqs_cis are dropped). Each tensor is cast to dtype, then only moved: q's and k's rows
+    split-half ordered, qk_bias as the fused qkv bias with zeros on v, linear weights [in, out]."""
     validate_tensors(config, tensors)
     heads, d, h = config.num_attention_heads, config.head_dim, config.hidden_size
-    t = {name: np.asarray(a, np.float32) for name, a in tensors.items()}
-
-    def array(x):
-        return jnp.asarray(x, dtype)
+    t = {name: jnp.asarray(a, dtype) for name, a in tensors.items()}
 
     def block(prefix):
-        q, k, v = np.split(t[prefix + "attn.Wqkv.weight"], 3)
-        qkv = np.concatenate([split_half_rows(q, heads, d), split_half_rows(k, heads, d), v])
+        q, k, v = jnp.split(t[prefix + "attn.Wqkv.weight"], 3)
+        qkv = jnp.concatenate([split_half_rows(q, heads, d), split_half_rows(k, heads, d), v])
         bias = None
         if config.qk_bias:
             qb, kb = t[prefix + "attn.qk_bias"].reshape(2, h)
-            bias = array(np.concatenate([split_half_rows(qb, heads, d), split_half_rows(kb, heads, d),
-                                         np.zeros(h, np.float32)]))
-        return BlockParams(array(qkv.T), bias, array(t[prefix + "attn.proj.weight"].T),
-                           array(t[prefix + "mlp.fc.weight"].T), array(t[prefix + "mlp.proj.weight"].T),
-                           *(array(t[prefix + f"norm_{i}.weight"]) for i in range(1, 5)))
+            bias = jnp.concatenate([split_half_rows(qb, heads, d), split_half_rows(kb, heads, d), jnp.zeros_like(qb)])
+        return BlockParams(qkv.T, bias, t[prefix + "attn.proj.weight"].T, t[prefix + "mlp.fc.weight"].T,
+                           t[prefix + "mlp.proj.weight"].T, *(t[prefix + f"norm_{i}.weight"] for i in range(1, 5)))
 
     stacks = {stack: tuple(block(f"transformer.{stack}.{n}.") for s, n in huginn_layers(config) if s == stack)
               for stack in HUGINN_STACKS}
-    lm_head = None if config.tie_word_embeddings else array(t["lm_head.weight"].T)
-    return HuginnParams(array(t["transformer.wte.weight"]), stacks["prelude"],
-                        array(t["transformer.adapter.weight"].T), stacks["core_block"], stacks["coda"],
-                        array(t["transformer.ln_f.weight"]), lm_head)
+    lm_head = None if config.tie_word_embeddings else t["lm_head.weight"].T
+    return HuginnParams(t["transformer.wte.weight"], stacks["prelude"], t["transformer.adapter.weight"].T,
+                        stacks["core_block"], stacks["coda"], t["transformer.ln_f.weight"], lm_head)
 
 
 def huginn_to_tensors(config: ModelConfig, params: HuginnParams) -> dict[str, np.ndarray]:
