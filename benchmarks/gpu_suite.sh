@@ -14,7 +14,8 @@
 #      selection in generate, the Pallas kernel in generate, parity's kernel checks) and the decode
 #      contract compiled for the GPU;
 # huginn: the Huginn-3.5B shape (huginn-0125, random bf16 weights) through both engines at r = 32 core
-#         iterations, dense and WISE at 1K x 32 and 4K x 8 (two 10-minute slots; the part's comment says more);
+#         iterations, dense, WISE and adaptive depth at 1K x 32 and 4K x 8 (HUGINN_ARMS overrides; four
+#         10-minute slots, one per engine and shape; the part's comment says more);
 # step-profile: where a decode step's time goes, torch and JAX, dense and WISE, constructor defaults
 #               (benchmarks.profile.step_profile at 1K x 64 and 1K x 1; SHAPES, Q_SCALES, FRAMEWORKS override),
 #               about 5 minutes;
@@ -106,12 +107,23 @@ case $part in
     # every mode): the Triton decode kernel (torch) and the Pallas one (JAX) take head_dim 96 on 128-lane tiles,
     # the padded lanes masked (any multiple of 16); Mosaic's needs a multiple of 64, so the JAX part runs
     # Pallas' Triton lowering. Their launch configuration for 96 is head_dim 128's, not tuned for 96.
-    run huginn_throughput 560 python3 -m benchmarks.engine.throughput --preset huginn-0125 --num-steps 32 \
-        --arms dense,wise --shapes 1024x32,4096x8 --q-scale 3.1,2.83 --kernel "${HUGINN_KERNEL:-auto}" \
-        --child-timeout 135 --out "$out/huginn_throughput"
-    run huginn_jax_throughput 560 python3 -m benchmarks.engine.jax_generate_bench --preset huginn-0125 --num-steps 32 \
-        --arms dense,wise --shapes 1024x32,4096x8 --q-scale 3.1,2.83 --kernel "${HUGINN_KERNEL:-auto}" \
-        --child-timeout 135 --out "$out/huginn_jax_throughput"
+    # Arms: dense, wise and adaptive (AdaptiveDepth's default KL threshold, 1e-3: its exited rows ride along,
+    # every iteration runs, so it shows the exits' cost and its measured mean depth, not a saving); one `run` per
+    # engine and shape, each arm's process given 540 s / the arms: 180 s for the three (an adaptive arm's JAX
+    # decode program holds the exit checks, a coda and head per iteration, on top of dense's); HUGINN_ARMS=
+    # dense,wise,adaptive,wise-adaptive gives each 135 s, what dense and wise had when both shapes shared a slot.
+    # Not yet timed on an H200: a row that runs out of time says "timed out".
+    huginn_arms=${HUGINN_ARMS:-dense,wise,adaptive}
+    child=$((540 / ($(tr -cd , <<< "$huginn_arms" | wc -c) + 1)))
+    for shape in 1024x32:3.1:1k 4096x8:2.83:4k; do
+      IFS=: read -r dims scale tag <<< "$shape"
+      run "huginn_throughput_$tag" 560 python3 -m benchmarks.engine.throughput --preset huginn-0125 --num-steps 32 \
+          --arms "$huginn_arms" --shapes "$dims" --q-scale "$scale" --kernel "${HUGINN_KERNEL:-auto}" \
+          --child-timeout "$child" --out "$out/huginn_throughput_$tag"
+      run "huginn_jax_throughput_$tag" 560 python3 -m benchmarks.engine.jax_generate_bench --preset huginn-0125 \
+          --num-steps 32 --arms "$huginn_arms" --shapes "$dims" --q-scale "$scale" --kernel "${HUGINN_KERNEL:-auto}" \
+          --child-timeout "$child" --out "$out/huginn_jax_throughput_$tag"
+    done
     ;;
   step-profile)
     run step_profile 560 python3 -m benchmarks.profile.step_profile --frameworks "${FRAMEWORKS:-torch,jax}" \

@@ -5,7 +5,7 @@
     python -m benchmarks.engine.jax_generate_bench --preset test-tiny --dtype float32 --kernel reference \\
         --shapes 64x3 --new-tokens 6 --arms dense,wise --out /tmp/jb                    # CPU smoke
     python -m benchmarks.engine.jax_generate_bench --preset huginn-0125 --num-steps 32 --kernel reference \\
-        --shapes 1024x32,4096x8 --q-scale 3.1,2.83 --out DIR                             # Huginn, on an H200
+        --shapes 1024x32,4096x8 --q-scale 3.1,2.83 --arms dense,wise,adaptive --out DIR # Huginn, on an H200
 
 Method: `benchmarks.engine.throughput`'s (the reference system's), and its code where the job is the
 same (`run_cohort`, the roofline, the targets): a cohort of C concurrent requests of exactly L
@@ -20,8 +20,15 @@ programs go to a persistent compilation cache shared by the run's workers (--com
 arms that share a program (the prefill of a context) compile it once; `recompiles` counts
 traces during the timed cohorts (0 expected).
 
-Arms: MODE[+OPTION...], MODE dense or wise (WiseConfig(eta, kernel)); options, to measure what
-each part of the decode step costs:
+Arms: MODE[+OPTION...], MODE dense or wise (WiseConfig(eta, kernel)), or adaptive / wise-adaptive
+(Huginn only): dense's / wise's engine with per-token adaptive depth
+(`adaptive_depth=AdaptiveDepth(threshold=--adaptive-threshold)`, as `benchmarks.engine.throughput`'s
+adaptive arms: exited rows ride along, every iteration runs every row, the roofline is the
+fixed-depth arm's; reported: the mean depth, `stats().mean_decode_depth`, and the tok/s over the
+fixed-depth arm with the same options, "over fixed"). Every arm's greedy tokens are compared
+with the dense arm's of the same options ("differ": requests whose tokens differ; the adaptive
+arms' are the exits', so they may differ, not an error). Options, to measure what each part of
+the decode step costs:
 - stacked: the layers a scan over the stacked weights (LLM(layers="stacked")) instead of a
   Python loop over per-layer weights (the engine's default, params.unstack_layers);
 - unroll: with stacked, the layer scan fully unrolled (LLM(unroll=True));
@@ -69,15 +76,17 @@ import traceback
 from pathlib import Path
 
 from benchmarks import report as rp
-from benchmarks.engine.throughput import (base_of, check_depth, cohort_pages, config_fields, density_text,
-                                          engine_standing, parse_floats, parse_shapes, plot, prepare_old_src,
+from benchmarks.engine.speculative_arms import compare_tokens
+from benchmarks.engine.throughput import (ADAPTIVE_ARMS, adaptive_text, adaptive_threshold, base_of, check_depth,
+                                          cohort_pages, config_fields, density_text, engine_standing, mean_depth,
+                                          parse_floats, parse_shapes, parse_threshold, plot, prepare_old_src,
                                           random_recipe, roofline, run_cohort, run_text, stats_dict, table,
                                           targets_section, wise_config_of, wise_profile)
 
 # dense-default / wise-default: `LLM(params, config)` / `LLM(params, config, wise_config=WiseConfig())`
 # (Huginn: num_steps=--num-steps, wise_config=huginn_wise_config(num_steps)), every other constructor
 # argument at its default (pool, max_num_seqs, max_model_len, kernel).
-MODES = ("dense", "wise", "dense-default", "wise-default", "old", "old-wise")
+MODES = ("dense", "wise", "dense-default", "wise-default", "old", "old-wise", "adaptive", "wise-adaptive")
 OPTIONS = ("stacked", "unroll", "unfused", "nocb", "cbloops", "dsfusion", "cublas", "tp2")
 XLA_FLAGS = {"nocb": "--xla_gpu_enable_command_buffer=",
              "cbloops": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
@@ -124,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-tokens", type=int, default=4, help="output tokens of the untimed warm-up cohort")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--arms", type=parse_arms, default=["dense", "wise"])
+    p.add_argument("--adaptive-threshold", type=parse_threshold, default=None,
+                   help="KL exit threshold of the adaptive arms (default: AdaptiveDepth's, the released 1e-3)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--kernel", default="auto", choices=("auto", "pallas", "reference"),
                    help="decode attention of every arm")
@@ -242,9 +253,12 @@ def _engine_worker(spec: dict) -> dict:
         llm = wise_jax.LLM(params, config, num_steps=num_steps,
                            wise_config=wise_config_of(config, steps) if mode == "wise-default" else None, **mesh)
     else:
-        wise_config = wise_config_of(config, steps, eta=spec["eta"], kernel=spec["kernel"]) if mode == "wise" else None
-        llm = wise_jax.LLM(params, config, wise_config=wise_config, num_steps=num_steps, num_pages=spec["num_pages"],
-                           page_size=spec["page_size"], max_num_seqs=spec["batch"], kernel=spec["kernel"],
+        wise_config = wise_config_of(config, steps, eta=spec["eta"], kernel=spec["kernel"]) \
+            if mode in ("wise", "wise-adaptive") else None
+        from wise_core.config import AdaptiveDepth
+        adaptive = AdaptiveDepth(threshold=spec["adaptive_threshold"]) if mode in ADAPTIVE_ARMS else None
+        llm = wise_jax.LLM(params, config, wise_config=wise_config, num_steps=num_steps, adaptive_depth=adaptive,
+                           num_pages=spec["num_pages"], page_size=spec["page_size"], max_num_seqs=spec["batch"], kernel=spec["kernel"],
                            max_model_len=spec["context"] + max(spec["new_tokens"], spec["warmup_tokens"]),
                            unroll=True if "unroll" in options else 1,
                            layers="stacked" if "stacked" in options else "unstacked", **mesh)
@@ -257,6 +271,7 @@ def _engine_worker(spec: dict) -> dict:
         stats = llm.stats()
         result.update(stats=stats_dict(stats), density=stats.density, fallbacks=stats.fallbacks,
                       preemptions=stats.preemptions,
+                      mean_depth=stats.mean_decode_depth if mode in ADAPTIVE_ARMS else None,
                       pages_returned=stats.free_pages == stats.total_pages, counters="this cohort",
                       recompiles=sum(after.values()) - sum(before.values()),
                       prefill_tokens_per_s=sum(map(len, requests)) / result["prefill_s"])
@@ -356,7 +371,7 @@ def row_of(spec: dict, result: dict, repeat: int | None, config, args) -> dict:
                     spec.get("num_steps"))
     row.update({k: r.get(k) for k in ("decode_tokens_per_s", "ms_per_step", "prefill_s", "prefill_tokens_per_s",
                                       "decode_tokens", "decode_steps", "fallbacks", "preemptions",
-                                      "pages_returned", "recompiles")})
+                                      "pages_returned", "recompiles", "mean_depth", "tokens")})
     row.update(density=density, roofline_tokens_per_s=roof["tokens_per_s"], roofline_ms_per_step=roof["ms_per_step"],
                roofline_share=r["decode_tokens_per_s"] / roof["tokens_per_s"])
     return row
@@ -369,7 +384,9 @@ def dense_of(arm: str) -> str:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Mean over repeats per (shape, arm); WISE arms over their dense arm, variants over the base arm."""
+    """Mean over repeats per (shape, arm); WISE arms over their dense arm, variants over the base arm,
+    adaptive arms over their fixed-depth arm; per arm the requests whose greedy tokens (first
+    repeat) differ from the dense arm's of the same options."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         if r["repeat"] is not None and not r.get("prefill_only"):
@@ -380,14 +397,21 @@ def summarize(rows: list[dict]) -> list[dict]:
         out.append(dict(context=context, batch=batch, arm=arm, decode_tokens_per_s=mean,
                         ms_per_step=sum(r["ms_per_step"] for r in rs) / len(rs),
                         roofline_tokens_per_s=rs[-1]["roofline_tokens_per_s"],
-                        roofline_share=mean / rs[-1]["roofline_tokens_per_s"], density=rs[-1]["density"]))
+                        roofline_share=mean / rs[-1]["roofline_tokens_per_s"], density=rs[-1]["density"],
+                        mean_depth=mean_depth(rs)))
     by_key = {(s["context"], s["batch"], s["arm"]): s for s in out}
+    tokens = {key: rs[0].get("tokens") for key, rs in groups.items()}
     for s in out:
-        mode = parse_arm(s["arm"])[0]
+        mode, options = parse_arm(s["arm"])
         base = by_key.get((s["context"], s["batch"], mode))
         dense = by_key.get((s["context"], s["batch"], dense_of(s["arm"]))) if "wise" in mode else None
+        fixed = by_key.get((s["context"], s["batch"], "+".join((ADAPTIVE_ARMS[mode],) + options))) \
+            if mode in ADAPTIVE_ARMS else None
         s["over_dense"] = s["decode_tokens_per_s"] / dense["decode_tokens_per_s"] if dense else None
         s["over_base"] = s["decode_tokens_per_s"] / base["decode_tokens_per_s"] if base and base is not s else None
+        s["over_fixed"] = s["decode_tokens_per_s"] / fixed["decode_tokens_per_s"] if fixed else None
+        mine, reference = (tokens.get((s["context"], s["batch"], arm)) for arm in (s["arm"], dense_of(s["arm"])))
+        s["differ"] = None if mine is None or reference is None else compare_tokens(reference, mine)["differ"]
     return out
 
 
@@ -411,13 +435,18 @@ def markdown(report: dict) -> str:
         lines += ["", "Flagged: " + "; ".join(flagged) + "."]
     lines += ["", "## Mean over repeats", "",
               "over dense: a WISE arm's tok/s over its dense arm (same options); over base: a variant's tok/s "
-              "over the arm without options.", "",
-              "| ctx x batch | arm | decode tok/s | ms/step | share of roofline | over dense | over base | density |",
-              "|---|---|---|---|---|---|---|---|"]
+              "over the arm without options; mean depth: the core iterations a decoded token of an adaptive arm "
+              "ran; over fixed: an adaptive arm's tok/s over its fixed-depth arm's (adaptive: dense; "
+              "wise-adaptive: wise; same options; exited rows ride along, every iteration runs); differ: requests "
+              "whose greedy tokens differ from the dense arm's (an adaptive arm's are the exits': not an error).",
+              "", "| ctx x batch | arm | decode tok/s | ms/step | share of roofline | over dense | over base | density "
+              "| mean depth | over fixed | differ |", "|" + "---|" * 11]
     for s in report["summary"]:
         lines.append(f"| {s['context']} x {s['batch']} | {s['arm']} | {s['decode_tokens_per_s']:.1f} | "
                      f"{s['ms_per_step']:.2f} | {s['roofline_share']:.0%} | {rp.fmt(s['over_dense'], '.2f')} | "
-                     f"{rp.fmt(s['over_base'], '.2f')} | {density_text(s['density'])} |")
+                     f"{rp.fmt(s['over_base'], '.2f')} | {density_text(s['density'])} | "
+                     f"{rp.fmt(s.get('mean_depth'), '.2f')} | {rp.fmt(s.get('over_fixed'), '.2f')} | "
+                     f"{rp.fmt(s.get('differ'), 'd')} |")
     prefill = [r for r in report["rows"] if r.get("prefill_only")]
     if prefill:
         lines += ["", "## Prefill", "", "| ctx x batch | repeat | prefill s | prompt tok/s | status |",
@@ -450,7 +479,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.layers:
         config = dataclasses.replace(config, num_hidden_layers=args.layers)
     steps = check_depth(parser, args, config, [a for a in args.arms if a.startswith("old")
-                                               or set(parse_arm(a)[1]) & set(OURO_LAYOUT)])
+                                               or set(parse_arm(a)[1]) & set(OURO_LAYOUT)],
+                        [a for a in args.arms if parse_arm(a)[0] in ADAPTIVE_ARMS])
+    threshold = adaptive_threshold(args)
     workdir = Path(tempfile.mkdtemp(prefix="wise-jax-bench-"))
     compile_cache = args.compile_cache or workdir / "compile-cache"
     try:
@@ -458,7 +489,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         old_src = prepare_old_src(args, workdir, ("wise_core", "wise_jax")) if old else None
         report = dict(date=rp.now(), host=platform.node(),
                       model=f"random {args.preset} (std {args.std}, seed 0)", config=dataclasses.asdict(config),
-                      num_steps=steps, wise_profile=wise_profile(config, steps, args.arms, args.eta), old_src=old_src, args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                      num_steps=steps, wise_profile=wise_profile(config, steps, args.arms, args.eta),
+                      adaptive_depth=adaptive_text(args.arms, threshold), old_src=old_src, args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                       environment=None, rows=[], summary=[], standing=[])
         print(f"{'ctx x batch':>13} {'arm':>16} {'rep':>3} {'tok/s':>9} {'ms/step':>8} {'roof tok/s':>10} "
               f"{'share':>6} density", flush=True)
@@ -468,7 +500,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             prefill_only = index >= len(runs) - len(args.prefill_shapes)
             spec = dict(arm=arm, context=context, batch=batch, q_scale=q_scale, config=config_fields(config),
                         num_steps=steps, std=args.std, seed=0, dtype=args.dtype, kernel=args.kernel, eta=args.eta,
-                        page_size=args.page_size,
+                        adaptive_threshold=threshold, page_size=args.page_size,
                         num_pages=cohort_pages(context, batch, new_tokens, args.page_size) + 1,
                         new_tokens=new_tokens, warmup_tokens=args.warmup_tokens,
                         repeats=1 if prefill_only else args.repeats, old_src=old_src if arm.startswith("old") else None)
@@ -487,7 +519,9 @@ def main(argv: list[str] | None = None) -> dict | None:
                 report["rows"].append(row)
                 print(f"{context:>6} x {batch:<4} {label:>16} {i + 1:>3} {row['decode_tokens_per_s']:>9.1f} "
                       f"{row['ms_per_step']:>8.2f} {row['roofline_tokens_per_s']:>10.0f} "
-                      f"{row['roofline_share']:>6.0%} {density_text(row['density'])}  prefill "
+                      f"{row['roofline_share']:>6.0%} {density_text(row['density'])}"
+                      + (f"  mean depth {row['mean_depth']:.2f}" if row.get("mean_depth") is not None else "")
+                      + f"  prefill "
                       f"{rp.fmt(row['prefill_s'], '.2f')} s  remat warnings {row['remat_warnings']}", flush=True)
             report["summary"] = summarize(report["rows"])
             report["standing"] = engine_standing(report["summary"], config.architecture)

@@ -5,7 +5,7 @@
     python -m benchmarks.engine.throughput --preset test-tiny --dtype float32 --device cpu --kernel reference \\
         --shapes 64x3 --new-tokens 6 --old-src . --out /tmp/tp                         # CPU smoke
     python -m benchmarks.engine.throughput --preset huginn-0125 --num-steps 32 --kernel reference \\
-        --shapes 1024x32,4096x8 --q-scale 3.1,2.83 --arms dense,wise --out DIR          # Huginn, on an H200
+        --shapes 1024x32,4096x8 --q-scale 3.1,2.83 --arms dense,wise,adaptive --out DIR # Huginn, on an H200
 
 Method (the reference system's): a cohort of C concurrent requests of exactly L prompt tokens
 (random ids, seed fixed per shape, the same for every arm), greedy, N output tokens each with
@@ -25,6 +25,16 @@ Arms:
 - wise-fa4: WISE as the reference system's FlashAttention path runs it (`wise_decode="fa4-union"`:
   reuse rows over the page-granular head union of their support; not the decode contract), its
   dense loops and prefill on FA4 too;
+- adaptive, wise-adaptive (Huginn only: an Ouro model exits by its config's early_exit_threshold):
+  the dense / wise arm's engine with per-token adaptive depth
+  (`adaptive_depth=AdaptiveDepth(threshold=--adaptive-threshold)`, the released KL exit criterion,
+  min_steps 0, at most --num-steps iterations). Rows that exit ride along: every iteration still
+  runs every row, so the arm's step does the fixed-depth arm's work plus the exit checks (the
+  coda and the LM head after each iteration but the last). Also reported: the mean depth
+  (`stats().mean_decode_depth`: core iterations a decoded token ran, this cohort's) and the
+  tok/s over the fixed-depth arm of the same kind (adaptive: dense; wise-adaptive: wise); their
+  tokens are the exits', so "differ" counts requests whose tokens differ from dense's (expected,
+  not an error);
 - spec-wise, spec-wise2, spec-wise-sparse, spec-loops (`--spec wise|wise2|wise-sparse|loops
   --num-draft K`): the engine with lossless speculative decoding (`speculative_arms`); also
   reported: acceptance, tokens per round, and how many
@@ -61,7 +71,9 @@ a step reads (`weight_bytes_per_step`: Ouro's layers, final norm and exit gate o
 Huginn's prelude, coda and ln_f once, its core block and adapter once per core iteration; the LM
 head once; from the checkpoint's tensor shapes) plus every plane's K and V at the cohort's mean
 context L + N/2 (`kv_bytes_per_step`: Ouro's (loop, layer) planes, Huginn's `num_planes`; WISE:
-reuse planes at the measured density). Writes throughput.json, throughput.md (with the
+reuse planes at the measured density). An adaptive arm's roofline is its fixed-depth arm's
+(every iteration runs every row; its exit checks' reads are not counted, so its share is against
+the fixed-depth step's bound). Writes throughput.json, throughput.md (with the
 standing against the issue's targets) and throughput.png to --out, and prints a table.
 """
 
@@ -86,7 +98,10 @@ from benchmarks.engine import speculative_arms
 # dense-default / wise-default: the engine as `LLM(model)` / `LLM(model, wise_config=WiseConfig())`
 # build it (Huginn: num_steps=--num-steps, wise_config=huginn_wise_config(num_steps)), every other
 # constructor argument at its default (pool, max_num_seqs, max_model_len, kernel).
-ARMS = ("dense", "wise", "dense-default", "wise-default", "fa4", "wise-fa4", "old", "old-wise")
+ARMS = ("dense", "wise", "dense-default", "wise-default", "fa4", "wise-fa4", "old", "old-wise", "adaptive",
+        "wise-adaptive")
+# The adaptive-depth arms (Huginn only) and the fixed-depth arm each is compared with.
+ADAPTIVE_ARMS = {"adaptive": "dense", "wise-adaptive": "wise"}
 FA4_ARMS = ("fa4", "wise-fa4")
 OLD_COMMIT = "bef25e92fbb27d035f3f9973f69047951c897363"  # the last commit before the engine
 HBM_TBPS = 4.3
@@ -127,6 +142,31 @@ def parse_floats(text: str) -> list[float]:
     return values
 
 
+def parse_threshold(text: str) -> float:
+    """An adaptive-depth KL threshold: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"the adaptive threshold must be finite and >= 0, got {text!r}")
+    return value
+
+
+def adaptive_threshold(args) -> float:
+    """--adaptive-threshold, or AdaptiveDepth's default."""
+    from wise_core.config import AdaptiveDepth
+    return AdaptiveDepth().threshold if args.adaptive_threshold is None else args.adaptive_threshold
+
+
+def adaptive_text(arms, threshold: float) -> str | None:
+    """The adaptive arms' depth rule in words (None without one)."""
+    if not any(a.split("+")[0] in ADAPTIVE_ARMS for a in arms):
+        return None
+    return (f"adaptive depth: KL exit threshold {threshold:g}, min_steps 0; exited rows ride along (every "
+            f"iteration runs every row), so an adaptive arm's roofline is its fixed-depth arm's")
+
+
 def parse_arms(text: str) -> list[str]:
     arms = [a.strip() for a in text.split(",")]
     unknown = [a for a in arms if a not in ARMS]
@@ -149,7 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=32, help="output tokens per request (>= 2)")
     p.add_argument("--warmup-tokens", type=int, default=4, help="output tokens of the untimed warm-up cohort")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--arms", type=parse_arms, default=list(ARMS))
+    p.add_argument("--arms", type=parse_arms, default=[a for a in ARMS if a not in ADAPTIVE_ARMS],
+                   help=f"comma-separated, of {ARMS} (default: all but the adaptive ones, which run Huginn only)")
+    p.add_argument("--adaptive-threshold", type=parse_threshold, default=None,
+                   help="KL exit threshold of the adaptive arms (default: AdaptiveDepth's, the released 1e-3)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
     p.add_argument("--device", default="cuda")
     p.add_argument("--kernel", default="triton", choices=("triton", "reference", "auto"),
@@ -193,11 +236,15 @@ def check_args(parser: argparse.ArgumentParser, args) -> list[float]:
     return scales
 
 
-def check_depth(parser: argparse.ArgumentParser, args, config, ouro_only: list[str] = ()) -> int:
+def check_depth(parser: argparse.ArgumentParser, args, config, ouro_only: list[str] = (),
+                huginn_only: list[str] = ()) -> int:
     """The depth of the run's steps: a Huginn model's --num-steps core iterations (default its
     total_ut_steps), an Ouro model's loops (--num-steps, if given, must equal them). Refuses the
-    arms `ouro_only` on a Huginn model."""
+    arms `ouro_only` on a Huginn model, `huginn_only` (the adaptive-depth arms) on an Ouro one."""
     if config.architecture != "huginn":
+        if huginn_only:
+            parser.error(f"arms {list(huginn_only)} run a Huginn model's adaptive depth; this Ouro model exits "
+                         f"by its config's early_exit_threshold ({config.early_exit_threshold:g})")
         if args.num_steps not in (None, config.num_loops):
             parser.error(f"--num-steps sets a Huginn model's core iterations; this Ouro model runs its "
                          f"{config.num_loops} loops every step (got --num-steps {args.num_steps})")
@@ -443,10 +490,14 @@ def _prompts(spec: dict, vocab_size: int) -> list[list[int]]:
     return torch.randint(0, vocab_size, (batch, context), generator=g).tolist()
 
 
-def _reset_wise_counters(llm) -> bool:
-    """Zero the engine's WISE counters (density, fallbacks), which LLM.stats() reports since the
-    engine started, so a cohort's stats are its own; False where the engine has no such hook.
-    The runner's reset_wise_counters resets every tensor-parallel rank's."""
+def _reset_counters(llm) -> bool:
+    """Zero the engine's counters, which LLM.stats() reports since the engine started, so a
+    cohort's stats are its own: `LLM.reset_stats` (WISE density and fallbacks on every
+    tensor-parallel rank, the mean decode depth, the step counters), or, on an engine without it,
+    the WISE counters alone; False where the engine has neither hook."""
+    if hasattr(llm, "reset_stats"):
+        llm.reset_stats()
+        return True
     runner = getattr(llm, "runner", None)
     wise = getattr(runner, "wise", None)
     if wise is None or not hasattr(wise, "reset_counters"):
@@ -477,7 +528,10 @@ def _engine_worker(spec: dict) -> dict:
             configs = speculative_arms.engine_kwargs(arm, spec)
         else:
             configs = dict(wise_config=wise_config_of(config, steps, eta=spec["eta"], kernel=spec["kernel"])
-                           if arm in ("wise", "wise-fa4") else None)
+                           if arm in ("wise", "wise-fa4", "wise-adaptive") else None)
+        if arm in ADAPTIVE_ARMS:
+            from wise_core.config import AdaptiveDepth
+            configs["adaptive_depth"] = AdaptiveDepth(threshold=spec["adaptive_threshold"])
         if arm in FA4_ARMS:
             configs.update(prefill_attention="fa4", dense_decode="fa4",
                            **({"wise_decode": "fa4-union"} if arm == "wise-fa4" else {}))
@@ -493,7 +547,7 @@ def _engine_worker(spec: dict) -> dict:
 
     def cohort(tokens: int) -> dict:
         params = wise_torch.SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-        reset = _reset_wise_counters(llm)
+        reset = _reset_counters(llm)
         before = speculative_arms.counters(llm.stats()) if speculating else None
         result = run_cohort(llm, prompts, params, tokens)
         if speculating:
@@ -502,6 +556,7 @@ def _engine_worker(spec: dict) -> dict:
         result.update(stats=stats, density=stats.get("density"), fallbacks=stats.get("fallbacks"),
                       counters="this cohort" if reset else "since the engine started",
                       preemptions=stats.get("preemptions"),
+                      mean_depth=stats.get("mean_decode_depth") if arm in ADAPTIVE_ARMS else None,
                       pages_returned=stats.get("free_pages") == stats.get("total_pages"))
         return result
 
@@ -626,7 +681,7 @@ def row_of(spec: dict, result: dict, repeat: int | None, config, args) -> dict:
                     None if speculative_arms.is_spec(spec["arm"]) else density, args.hbm_tbps, spec.get("num_steps"))
     row.update({k: r.get(k) for k in ("decode_tokens_per_s", "ms_per_step", "prefill_s", "decode_tokens",
                                       "decode_steps", "fallbacks", "preemptions", "pages_returned", "counters",
-                                      "acceptance_rate", "tokens_per_round", "tokens")})
+                                      "acceptance_rate", "tokens_per_round", "tokens", "mean_depth")})
     row.update(density=density, roofline_tokens_per_s=roof["tokens_per_s"], roofline_ms_per_step=roof["ms_per_step"],
                roofline_share=r["decode_tokens_per_s"] / roof["tokens_per_s"])
     return row
@@ -648,17 +703,26 @@ def summarize(rows: list[dict]) -> list[dict]:
                         roofline_tokens_per_s=rs[-1]["roofline_tokens_per_s"],
                         roofline_share=mean / rs[-1]["roofline_tokens_per_s"], density=rs[-1]["density"],
                         acceptance_rate=sum(r["acceptance_rate"] for r in spec) / len(spec) if spec else None,
-                        tokens_per_round=sum(r["tokens_per_round"] for r in spec) / len(spec) if spec else None))
+                        tokens_per_round=sum(r["tokens_per_round"] for r in spec) / len(spec) if spec else None,
+                        mean_depth=mean_depth(rs)))
     by_key = {(s["context"], s["batch"], s["arm"]): s for s in out}
     tokens = {key: rs[0].get("tokens") for key, rs in groups.items()}
     for s in out:
         dense = by_key.get((s["context"], s["batch"], base_of(s["arm"])))
         s["over_dense"] = s["decode_tokens_per_s"] / dense["decode_tokens_per_s"] if dense else None
+        fixed = by_key.get((s["context"], s["batch"], ADAPTIVE_ARMS.get(s["arm"])))
+        s["over_fixed"] = s["decode_tokens_per_s"] / fixed["decode_tokens_per_s"] if fixed else None
         mine, reference = (tokens.get((s["context"], s["batch"], arm)) for arm in (s["arm"], "dense"))
         set_acceptance = (speculative_arms.method_and_rate(s["arm"]) or (None, None))[1] is not None
         s["differ"] = None if mine is None or reference is None or set_acceptance else \
             speculative_arms.compare_tokens(reference, mine)["differ"]
     return out
+
+
+def mean_depth(rows: list[dict]) -> float | None:
+    """The mean over repeats of rows' mean decode depth (None where a row has none: not an adaptive arm)."""
+    depths = [r.get("mean_depth") for r in rows]
+    return None if not depths or None in depths else sum(depths) / len(depths)
 
 
 def standing(summary: list[dict], architecture: str = "ouro") -> list[dict]:
@@ -718,10 +782,11 @@ def is_huginn(report: dict) -> bool:
 
 
 def run_text(report: dict) -> str:
-    """'; DEPTH per token; WISE profile: ...' of a report's header (each part where the report has it)."""
-    steps, profile = report.get("num_steps"), report.get("wise_profile")
+    """'; DEPTH per token; WISE profile: ...; adaptive depth: ...' of a report's header (each part
+    where the report has it)."""
+    steps, profile, adaptive = report.get("num_steps"), report.get("wise_profile"), report.get("adaptive_depth")
     parts = ([f"{steps} {'core iterations' if is_huginn(report) else 'loops'} per token"] if steps else []) \
-        + ([f"WISE profile: {profile}"] if profile else [])
+        + ([f"WISE profile: {profile}"] if profile else []) + ([adaptive] if adaptive else [])
     return "".join(f"; {part}" for part in parts)
 
 
@@ -739,15 +804,16 @@ def targets_section(report: dict) -> list[str]:
 
 def table(rows: list[dict]) -> list[str]:
     lines = ["| ctx x batch | q-scale | arm | repeat | decode tok/s | ms/step | roofline tok/s | share | "
-             "density | prefill s | fallbacks | preemptions |", "|" + "---|" * 12]
+             "density | prefill s | fallbacks | preemptions | mean depth |", "|" + "---|" * 13]
     for r in rows:
         head = f"| {r['context']} x {r['batch']} | {r['q_scale']:g} | {r['arm']} |"
         if r["repeat"] is None:
-            lines.append(f"{head} | {r['status']} |" + " |" * 7)
+            lines.append(f"{head} | {r['status']} |" + " |" * 8)
             continue
         lines.append(f"{head} {r['repeat'] + 1} | {r['decode_tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | "
                      f"{r['roofline_tokens_per_s']:.0f} | {r['roofline_share']:.0%} | {density_text(r['density'])} | "
-                     f"{rp.fmt(r['prefill_s'], '.2f')} | {rp.fmt(r['fallbacks'], 'd')} | {rp.fmt(r['preemptions'], 'd')} |")
+                     f"{rp.fmt(r['prefill_s'], '.2f')} | {rp.fmt(r['fallbacks'], 'd')} | {rp.fmt(r['preemptions'], 'd')} | "
+                     f"{rp.fmt(r.get('mean_depth'), '.2f')} |")
     return lines
 
 
@@ -772,14 +838,18 @@ def markdown(report: dict) -> str:
               "whose greedy tokens differ from the dense arm's. Speculative arms: ms/step is per round, "
               "acceptance the drafts accepted, tok/round the tokens a request commits per round; "
               "spec-METHOD@P arms accept each draft with probability P (timing only: their tokens are not "
-              "the model's, differ not counted).", "",
+              "the model's, differ not counted). Adaptive arms: mean depth the core iterations a decoded token "
+              "ran, over fixed their tok/s over the fixed-depth arm's (adaptive: dense; wise-adaptive: wise); "
+              "exited rows ride along, so every iteration still runs, and their tokens are the exits' (differ "
+              "counts them; not an error).", "",
               "| ctx x batch | arm | decode tok/s | ms/step | share of roofline | over dense | density | differ | "
-              "acceptance | tok/round |", "|" + "---|" * 10]
+              "acceptance | tok/round | mean depth | over fixed |", "|" + "---|" * 12]
     for s in report["summary"]:
         lines.append(f"| {s['context']} x {s['batch']} | {s['arm']} | {s['decode_tokens_per_s']:.1f} | "
                      f"{s['ms_per_step']:.2f} | {s['roofline_share']:.0%} | {rp.fmt(s['over_dense'], '.2f')} | "
                      f"{density_text(s['density'])} | {rp.fmt(s.get('differ'), 'd')} | "
-                     f"{rp.fmt(s.get('acceptance_rate'), '.3f')} | {rp.fmt(s.get('tokens_per_round'), '.2f')} |")
+                     f"{rp.fmt(s.get('acceptance_rate'), '.3f')} | {rp.fmt(s.get('tokens_per_round'), '.2f')} | "
+                     f"{rp.fmt(s.get('mean_depth'), '.2f')} | {rp.fmt(s.get('over_fixed'), '.2f')} |")
     return "\n".join(lines + targets_section(report)) + "\n"
 
 
@@ -821,12 +891,14 @@ def main(argv: list[str] | None = None) -> dict | None:
     try:
         config, checkpoint, fields = prepare_model(args)
         steps = check_depth(parser, args, config, [a for a in args.arms if a.startswith("old")]
-                            + speculative_arms.arms_of(args))
+                            + speculative_arms.arms_of(args), [a for a in args.arms if a in ADAPTIVE_ARMS])
+        threshold = adaptive_threshold(args)
         old_src = prepare_old_src(args, workdir) if any(a.startswith("old") for a in args.arms) else None
         report = dict(date=rp.now(), host=platform.node(),
                       model=args.model or f"random {args.preset} (std {args.std}, seed 0)",
                       config=dataclasses.asdict(config), num_steps=steps,
-                      wise_profile=wise_profile(config, steps, args.arms, args.eta), old_src=old_src,
+                      wise_profile=wise_profile(config, steps, args.arms, args.eta),
+                      adaptive_depth=adaptive_text(args.arms, threshold), old_src=old_src,
                       args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                       environment=None, rows=[])
         tensors = random_recipe(config) if fields is not None else None
@@ -838,6 +910,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                 spec = dict(arm=arm, context=context, batch=batch, q_scale=q_scale, checkpoint=checkpoint,
                             random=fields, tensors=tensors, num_steps=steps, std=args.std, seed=0,
                             dtype=args.dtype, device=args.device, kernel=args.kernel, eta=args.eta,
+                            adaptive_threshold=threshold,
                             page_size=args.page_size, num_pages=num_pages, cuda_graphs=args.cuda_graphs,
                             max_num_batched_tokens=args.max_num_batched_tokens,
                             new_tokens=args.new_tokens, warmup_tokens=args.warmup_tokens, repeats=args.repeats,
@@ -858,6 +931,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                     print(f"{context:>6} x {batch:<4} {arm:>9} {i + 1:>3} {row['decode_tokens_per_s']:>9.1f} "
                           f"{row['ms_per_step']:>8.2f} {row['roofline_tokens_per_s']:>10.0f} "
                           f"{row['roofline_share']:>6.0%} {density_text(row['density'])}"
+                          + (f" mean depth {row['mean_depth']:.2f}" if row.get("mean_depth") is not None else "")
                           + (f" acceptance {row['acceptance_rate']:.3f}, {row['tokens_per_round']:.2f} tok/round"
                              if row.get("acceptance_rate") is not None else ""), flush=True)
                 report["summary"] = summarize(report["rows"])

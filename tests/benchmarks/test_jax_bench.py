@@ -35,6 +35,7 @@ def test_arm_grammar(bench):
     assert bench.parse_arm("wise+stacked+unroll+nocb") == ("wise", ("stacked", "unroll", "nocb"))
     assert bench.parse_arm("dense+cublas+dsfusion") == ("dense", ("cublas", "dsfusion"))
     assert bench.dense_of("wise+unfused") == "dense+unfused" and bench.dense_of("old-wise") == "old"
+    assert bench.parse_arm("wise-adaptive+nocb") == ("wise-adaptive", ("nocb",)) and bench.dense_of("adaptive") == "dense"
     for bad in ("sparse", "dense+fast", "dense+stacked+unroll+unroll", "old+unroll", "dense+unroll"):
         with pytest.raises(argparse.ArgumentTypeError):
             bench.parse_arm(bad)
@@ -98,3 +99,28 @@ def test_huginn_wise_arm_end_to_end(bench, tmp_path):
     for arms in ("wise+stacked", "dense+tp2", "old"):
         with pytest.raises(SystemExit):
             bench.main(["--preset", "test-tiny-huginn", "--arms", arms, "--out", str(tmp_path)])
+
+
+def test_huginn_adaptive_arm_end_to_end(bench, tmp_path):
+    """test-tiny-huginn at 4 core iterations: the adaptive arm exits tokens early (KL < 0.01 on these
+    random weights: a mean depth under 4), its roofline is dense's (every iteration runs), tok/s over
+    dense and the requests whose tokens differ reported; refused on an Ouro model."""
+    report = bench.main(["--preset", "test-tiny-huginn", "--num-steps", "4", "--dtype", "float32", "--kernel",
+                         "reference", "--shapes", "64x3", "--new-tokens", "4", "--warmup-tokens", "2", "--repeats", "1",
+                         "--page-size", "32", "--arms", "dense,adaptive", "--adaptive-threshold", "0.01",
+                         "--q-scale", "2", "--out", str(tmp_path)])
+    dense, adaptive = report["rows"]
+    assert [(r["arm"], r["status"], r["recompiles"]) for r in (dense, adaptive)] == [("dense", "ok", 0),
+                                                                                    ("adaptive", "ok", 0)]
+    assert dense["mean_depth"] is None and 1 <= adaptive["mean_depth"] < 4
+    assert adaptive["roofline_tokens_per_s"] == dense["roofline_tokens_per_s"]
+    by_arm = {s["arm"]: s for s in report["summary"]}
+    assert by_arm["adaptive"]["over_fixed"] == pytest.approx(adaptive["decode_tokens_per_s"]
+                                                             / dense["decode_tokens_per_s"])
+    assert by_arm["dense"]["over_fixed"] is None and by_arm["dense"]["differ"] == 0
+    assert 0 <= by_arm["adaptive"]["differ"] <= 3
+    text = (tmp_path / "jax_generate_bench.md").read_text()
+    assert "adaptive depth: KL exit threshold 0.01, min_steps 0" in text
+    assert f"| {adaptive['mean_depth']:.2f} | {by_arm['adaptive']['over_fixed']:.2f} |" in text
+    with pytest.raises(SystemExit):
+        bench.main(["--preset", "test-tiny", "--arms", "dense,wise-adaptive", "--out", str(tmp_path)])

@@ -290,3 +290,48 @@ def test_huginn_smoke_in_fresh_processes(tmp_path, monkeypatch):
     text = (tmp_path / "throughput.md").read_text()
     assert "3 core iterations per token; WISE profile: discovery on depths 0, 1, reuse on 2" in text
     assert "this Huginn run is held to none" in text
+
+
+def test_adaptive_arms_smoke_in_fresh_processes(tmp_path, monkeypatch):
+    """test-tiny-huginn at 4 core iterations: the adaptive arm's engine exits tokens early (KL < 0.01
+    on these random weights: a mean depth under 4), its roofline is dense's (every iteration runs),
+    and it is compared with dense (tok/s over fixed, differ counted, not an error)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    from wise_core.config import PRESETS
+    report = tp.main(["--preset", "test-tiny-huginn", "--num-steps", "4", "--dtype", "float32", "--device", "cpu",
+                      "--kernel", "reference", "--shapes", "64x3", "--q-scale", "2", "--new-tokens", "4",
+                      "--warmup-tokens", "2", "--repeats", "1", "--page-size", "32", "--arms", "dense,adaptive",
+                      "--adaptive-threshold", "0.01", "--out", str(tmp_path)])
+    dense, adaptive = report["rows"]
+    assert [(r["arm"], r["status"]) for r in (dense, adaptive)] == [("dense", "ok"), ("adaptive", "ok")]
+    assert dense["mean_depth"] is None and 1 <= adaptive["mean_depth"] < 4
+    assert adaptive["roofline_tokens_per_s"] == dense["roofline_tokens_per_s"] == \
+        tp.roofline(PRESETS["test-tiny-huginn"], "float32", 64, 3, 4, None, 4.3, 4)["tokens_per_s"]
+    by_arm = {s["arm"]: s for s in report["summary"]}
+    assert by_arm["adaptive"]["mean_depth"] == adaptive["mean_depth"] and by_arm["dense"]["over_fixed"] is None
+    assert by_arm["adaptive"]["over_fixed"] == pytest.approx(adaptive["decode_tokens_per_s"]
+                                                             / dense["decode_tokens_per_s"])
+    assert 0 <= by_arm["adaptive"]["differ"] <= 3 and by_arm["dense"]["differ"] == 0
+    text = (tmp_path / "throughput.md").read_text()
+    assert "adaptive depth: KL exit threshold 0.01, min_steps 0; exited rows ride along" in text
+    assert f"| 64 x 3 | adaptive | {by_arm['adaptive']['decode_tokens_per_s']:.1f} |" in text
+    assert f"| {adaptive['mean_depth']:.2f} | {by_arm['adaptive']['over_fixed']:.2f} |" in text
+
+
+def test_adaptive_arms_arguments():
+    """The adaptive arms refused on an Ouro model (it exits by early_exit_threshold); the threshold's
+    default is AdaptiveDepth's; a bad threshold refused; the arms not in the default list."""
+    from wise_core.config import AdaptiveDepth, PRESETS
+    parser = tp.build_parser()
+    args = parser.parse_args(["--arms", "dense,wise-adaptive"])
+    assert tp.adaptive_threshold(args) == AdaptiveDepth().threshold == 1e-3
+    assert tp.check_depth(parser, args, PRESETS["huginn-0125"], [], ["wise-adaptive"]) == 32
+    with pytest.raises(SystemExit):
+        tp.check_depth(parser, args, PRESETS["ouro-1.4b"], [], ["wise-adaptive"])
+    with pytest.raises(SystemExit):
+        tp.main(["--preset", "test-tiny", "--device", "cpu", "--arms", "adaptive", "--out", "/nonexistent"])
+    for bad in ("-1", "nan", "x"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--adaptive-threshold", bad])
+    assert not set(parser.parse_args([]).arms) & set(tp.ADAPTIVE_ARMS)
+    assert tp.adaptive_text(["dense", "wise"], 1e-3) is None
