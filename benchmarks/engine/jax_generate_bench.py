@@ -54,7 +54,7 @@ jax_generate_bench.json, .md (with the standing against the targets) and .png to
 Huginn (huginn-0125, test-tiny-huginn): `random_huginn_params` draws every HF tensor on the
 device from its own key, fold_in(PRNGKey(seed), crc32(name)), as `throughput.random_recipe` says
 (`wise_core.checkpoint.random_init`; the queries times --q-scale: the q rows of attn.Wqkv and q's
-half of attn.qk_bias), and lays them out as `wise_jax.huginn.huginn_from_tensors` does. The torch
+half of attn.qk_bias), laid out there by `wise_jax.huginn.huginn_from_tensors`. The torch
 benchmark draws the same recipe with torch's generator: the same distribution, not the same
 values. --num-steps core iterations per token (default total_ut_steps); the wise arms use
 `huginn_wise_config(num_steps)` (`throughput.wise_config_of`), the report states the profile;
@@ -170,10 +170,11 @@ def check_args(parser: argparse.ArgumentParser, args) -> list[float]:
 def random_huginn_params(config, seed: int, std: float, q_scale: float, dtype):
     """Random HuginnParams made on the default device: the HF tensors of `random_recipe(config)`,
     normal ones from fold_in(PRNGKey(seed), crc32(name)) times std, q rows times q_scale (in
-    float32, then cast to dtype), laid out by `huginn_layout`."""
+    float32, then cast to dtype), laid out on the device by `huginn_from_tensors`."""
     import zlib
     import jax
     import jax.numpy as jnp
+    from wise_jax.huginn import huginn_from_tensors
     key = jax.random.PRNGKey(seed)
 
     def draw(name, shape, init, q_rows):
@@ -182,36 +183,8 @@ def random_huginn_params(config, seed: int, std: float, q_scale: float, dtype):
         t = std * jax.random.normal(jax.random.fold_in(key, zlib.crc32(name.encode())), shape, jnp.float32)
         return (t.at[:q_rows].multiply(q_scale) if q_rows else t).astype(dtype)
 
-    return huginn_layout(config, {name: draw(name, *entry) for name, entry in random_recipe(config).items()})
-
-
-def huginn_layout(config, tensors: dict):
-    """HF-named Huginn tensors (jax arrays) -> HuginnParams in their dtype, on their device: the
-    layout of `wise_jax.huginn.huginn_from_tensors` (q's and k's rows split-half ordered,
-    qk_bias as the fused qkv bias with zeros on v, linear weights [in, out]), made with jnp, where
-    that function converts on the host (minutes for huginn-0125's 3.5B parameters).
-    tests/benchmarks/test_jax_bench.py checks the two give the same params."""
-    import jax.numpy as jnp
-    from wise_core.checkpoint import HUGINN_STACKS, huginn_layers
-    from wise_jax.huginn import BlockParams, HuginnParams, split_half_rows
-    heads, d, h = config.num_attention_heads, config.head_dim, config.hidden_size
-
-    def block(prefix):
-        q, k, v = jnp.split(tensors[prefix + "attn.Wqkv.weight"], 3)
-        qkv = jnp.concatenate([split_half_rows(q, heads, d), split_half_rows(k, heads, d), v])
-        bias = None
-        if config.qk_bias:
-            qb, kb = tensors[prefix + "attn.qk_bias"].reshape(2, h)
-            bias = jnp.concatenate([split_half_rows(qb, heads, d), split_half_rows(kb, heads, d), jnp.zeros_like(qb)])
-        return BlockParams(qkv.T, bias, tensors[prefix + "attn.proj.weight"].T, tensors[prefix + "mlp.fc.weight"].T,
-                           tensors[prefix + "mlp.proj.weight"].T,
-                           *(tensors[prefix + f"norm_{i}.weight"] for i in range(1, 5)))
-
-    stacks = {stack: tuple(block(f"transformer.{stack}.{n}.") for s, n in huginn_layers(config) if s == stack)
-              for stack in HUGINN_STACKS}
-    return HuginnParams(tensors["transformer.wte.weight"], stacks["prelude"], tensors["transformer.adapter.weight"].T,
-                        stacks["core_block"], stacks["coda"], tensors["transformer.ln_f.weight"],
-                        None if config.tie_word_embeddings else tensors["lm_head.weight"].T)
+    return huginn_from_tensors(config, {name: draw(name, *entry) for name, entry in random_recipe(config).items()},
+                               dtype)
 
 
 def cohort_setup(spec: dict):

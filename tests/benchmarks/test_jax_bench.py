@@ -41,24 +41,6 @@ def test_arm_grammar(bench):
             bench.parse_arm(bad)
 
 
-def test_huginn_layout_equals_huginn_from_tensors(bench):
-    """The device-side layout of the random Huginn params is wise_jax.huginn.huginn_from_tensors's,
-    bitwise (float32: both only move and transpose the same values)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from wise_core.checkpoint import random_tensors
-    from wise_core.config import PRESETS
-    from wise_jax.huginn import huginn_from_tensors
-    config = PRESETS["test-tiny-huginn"]
-    tensors = random_tensors(config, seed=1)
-    mine = bench.huginn_layout(config, {name: jnp.asarray(t) for name, t in tensors.items()})
-    theirs = huginn_from_tensors(config, tensors, jnp.float32)
-    assert jax.tree.structure(mine) == jax.tree.structure(theirs)
-    for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs)):
-        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
-
-
 def test_random_huginn_params_scale_the_queries_only(bench):
     import jax
     import jax.numpy as jnp
