@@ -15,7 +15,8 @@
 #      contract compiled for the GPU;
 # huginn: the Huginn-3.5B shape (huginn-0125, random bf16 weights) through both engines at r = 32 core
 #         iterations, dense, WISE and adaptive depth at 1K x 32 and 4K x 8 (HUGINN_ARMS overrides; four
-#         10-minute slots, one per engine and shape; the part's comment says more);
+#         10-minute slots, one per engine and shape: HUGINN_ENGINES=torch|jax and HUGINN_SHAPES=1k|4k pick one;
+#         the part's comment says more);
 # step-profile: where a decode step's time goes, torch and JAX, dense and WISE, constructor defaults
 #               (benchmarks.profile.step_profile at 1K x 64 and 1K x 1; SHAPES, Q_SCALES, FRAMEWORKS override),
 #               about 5 minutes;
@@ -115,14 +116,20 @@ case $part in
     # Not yet timed on an H200: a row that runs out of time says "timed out".
     huginn_arms=${HUGINN_ARMS:-dense,wise,adaptive}
     child=$((540 / ($(tr -cd , <<< "$huginn_arms" | wc -c) + 1)))
+    engines=${HUGINN_ENGINES:-torch,jax} shapes=${HUGINN_SHAPES:-1k,4k}
     for shape in 1024x32:3.1:1k 4096x8:2.83:4k; do
       IFS=: read -r dims scale tag <<< "$shape"
-      run "huginn_throughput_$tag" 560 python3 -m benchmarks.engine.throughput --preset huginn-0125 --num-steps 32 \
-          --arms "$huginn_arms" --shapes "$dims" --q-scale "$scale" --kernel "${HUGINN_KERNEL:-auto}" \
-          --child-timeout "$child" --out "$out/huginn_throughput_$tag"
-      run "huginn_jax_throughput_$tag" 560 python3 -m benchmarks.engine.jax_generate_bench --preset huginn-0125 \
-          --num-steps 32 --arms "$huginn_arms" --shapes "$dims" --q-scale "$scale" --kernel "${HUGINN_KERNEL:-auto}" \
-          --child-timeout "$child" --out "$out/huginn_jax_throughput_$tag"
+      [[ ",$shapes," == *",$tag,"* ]] || continue
+      if [[ ",$engines," == *",torch,"* ]]; then
+        run "huginn_throughput_$tag" 560 python3 -m benchmarks.engine.throughput --preset huginn-0125 --num-steps 32 \
+            --arms "$huginn_arms" --shapes "$dims" --q-scale "$scale" --kernel "${HUGINN_KERNEL:-auto}" \
+            --child-timeout "$child" --out "$out/huginn_throughput_$tag"
+      fi
+      if [[ ",$engines," == *",jax,"* ]]; then
+        run "huginn_jax_throughput_$tag" 560 python3 -m benchmarks.engine.jax_generate_bench --preset huginn-0125 \
+            --num-steps 32 --arms "$huginn_arms" --shapes "$dims" --q-scale "$scale" --kernel "${HUGINN_KERNEL:-auto}" \
+            --child-timeout "$child" --out "$out/huginn_jax_throughput_$tag"
+      fi
     done
     ;;
   step-profile)
