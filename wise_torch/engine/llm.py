@@ -35,6 +35,22 @@ GPU_MEMORY_FRACTION = 0.9       # default pool on CUDA: this share of free memor
 GPU_RESERVE_BYTES = 6 << 30     # ... less this much for activations, graphs and workspaces
 
 
+def check_regroup(adaptive_regroup, adaptive_depth, wise_config, use_graphs: bool, cuda_graphs) -> None:
+    """LLM's adaptive_regroup against its other arguments (checked already)."""
+    if not isinstance(adaptive_regroup, bool):
+        raise ValueError(f"adaptive_regroup must be True or False, got {adaptive_regroup!r}")
+    if not adaptive_regroup:
+        return
+    if adaptive_depth is None:
+        raise ValueError("adaptive_regroup regroups the rows of adaptive depth; pass adaptive_depth")
+    if wise_config is not None:
+        raise ValueError("adaptive_regroup runs without WISE (a row that exited still runs WISE's later "
+                         "iterations); pass wise_config=None or adaptive_regroup=False")
+    if use_graphs:
+        raise ValueError(f"adaptive_regroup gathers the rows still running (dynamic shapes): it cannot run in "
+                         f"a CUDA graph (cuda_graphs={cuda_graphs!r} on CUDA); pass cuda_graphs=False")
+
+
 class LLM(LLMEngine):
     """Continuous-batching engine over one model (`wise_core.engine.LLMEngine`, the host side;
     this class adds the device side: `ModelRunner`, CUDA graphs, speculation, tensor parallelism).
@@ -56,6 +72,16 @@ class LLM(LLMEngine):
     iterations' discovery and reuse attention (held state, outputs discarded, counted in the
     density): its tokens are those of the exit, its later iterations' K/V its exit iteration's.
     An Ouro model exits by its config's early_exit_threshold: adaptive_depth is an error there.
+    adaptive_regroup: run adaptive depth regrouped instead (`HuginnForCausalLM.decode_step(...,
+    regroup=True)`): after each checked iteration only the rows still running run the later
+    iterations (gathered: dynamic shapes), so a step costs the iterations its rows run, with
+    the tokens and depths of riding along (mean_decode_depth counts the same). Torch only:
+    wise_jax.LLM's steps are compiled with static shapes. An engine keyword, not an
+    `AdaptiveDepth` field, because it says how this engine runs a step, not when a token
+    exits (the config JAX shares). Eager only: an error with cuda_graphs=True or "auto" on
+    CUDA (pass cuda_graphs=False), without adaptive_depth, and with WISE (a row that exited
+    still runs WISE's later iterations; the model refuses it); Huginn has no speculation or
+    tensor parallelism.
     engine_args: `wise_core.engine.EngineArgs` (wise_config, num_pages, page_size, max_num_seqs,
     max_model_len, max_num_batched_tokens, kernel ("auto", "reference", "triton"), seed), the
     same arguments and defaults as wise_jax.LLM's. num_pages=None sizes the pool from free
@@ -89,7 +115,8 @@ class LLM(LLMEngine):
     ARRAY_TYPES = (torch.Tensor,)
 
     def __init__(self, model: OuroForCausalLM | HuginnForCausalLM | str | Path, *, num_steps: int | None = None,
-                 adaptive_depth: AdaptiveDepth | None = None, cuda_graphs: bool | str = "auto",
+                 adaptive_depth: AdaptiveDepth | None = None, adaptive_regroup: bool = False,
+                 cuda_graphs: bool | str = "auto",
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  speculative_config: SpeculativeConfig | None = None, tensor_parallel_size: int = 1,
                  prefill_attention: str = "auto", dense_decode: str = "kernel", wise_decode: str = "kernel",
@@ -130,21 +157,22 @@ class LLM(LLMEngine):
         self.device = model.head_weight.device
         if cuda_graphs is True and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")
+        use_graphs = cuda_graphs is True or (cuda_graphs == "auto" and self.device.type == "cuda")
+        check_regroup(adaptive_regroup, adaptive_depth, args.wise_config, use_graphs, cuda_graphs)
         self.tensor_parallel_size, self.workers = tensor_parallel_size, None
         if tensor_parallel_size > 1:
             self.workers, model = distributed.start(model, tensor_parallel_size)
             self._finalizer = weakref.finalize(self, self.workers.close)
         try:
-            self._build(model, args, num_steps=num_steps, adaptive_depth=adaptive_depth, cuda_graphs=cuda_graphs,
-                        speculative_config=speculative_config,
+            self._build(model, args, num_steps=num_steps, adaptive_depth=adaptive_depth,
+                        adaptive_regroup=adaptive_regroup, use_graphs=use_graphs, speculative_config=speculative_config,
                         prefill_attention=prefill_attention, dense_decode=dense_decode, wise_decode=wise_decode)
         except BaseException:
             self.close()
             raise
 
     def _build(self, model: OuroForCausalLM | HuginnForCausalLM, args: EngineArgs, *, num_steps, adaptive_depth,
-               cuda_graphs,
-               speculative_config, prefill_attention, dense_decode, wise_decode) -> None:
+               adaptive_regroup, use_graphs, speculative_config, prefill_attention, dense_decode, wise_decode) -> None:
         """The pool, host side and runner over `model` (under tensor parallelism rank 0's shard,
         the workers following); the arguments are __init__'s, checked."""
         config, weight = model.config, model.head_weight
@@ -162,10 +190,10 @@ class LLM(LLMEngine):
         kernel = args.decode_kernel
         settings = dict(wise_config=args.wise_config, num_pages=num_pages, page_size=args.page_size,
                         max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
-                        use_graphs=cuda_graphs is True or (cuda_graphs == "auto" and self.device.type == "cuda"),
+                        use_graphs=use_graphs,
                         kernel=kernel, seed=random.randrange(2 ** 63) if args.seed is None else args.seed,
                         prefill_attention=prefill_attention, dense_decode=dense_decode, wise_decode=wise_decode,
-                        num_steps=num_steps, adaptive_depth=adaptive_depth)
+                        num_steps=num_steps, adaptive_depth=adaptive_depth, adaptive_regroup=adaptive_regroup)
         if self.workers is not None:
             self.workers.send("settings", settings)
         self.runner = ModelRunner(model, **settings, workers=self.workers)

@@ -20,7 +20,8 @@ The model is an OuroForCausalLM or a HuginnForCausalLM; the runner calls the sam
 either: `planes(num_steps)` (the pool's planes for steps of that depth), `step_inputs(num_steps,
 positions)` (its own keyword inputs of prefill and decode_step, made once before any graph:
 Huginn's iteration count and per-position initial-state table, none for Ouro), `prefill`,
-`decode_step` (a Huginn model's also with the engine's adaptive_depth, as `adaptive`), `rope_rows`,
+`decode_step` (a Huginn model's also with the engine's adaptive_depth, as `adaptive`, and its
+adaptive_regroup, as `regroup`: eager only), `rope_rows`,
 `head_weight` and `tp`.
 
 Tensor parallelism (`wise_torch.engine.distributed`): every rank has a runner over its shard
@@ -103,7 +104,8 @@ class ModelRunner:
     def __init__(self, model: OuroForCausalLM, *, wise_config: WiseConfig | None, num_pages: int, page_size: int,
                  max_num_seqs: int, max_model_len: int, use_graphs: bool, kernel: str, seed: int,
                  prefill_attention: str = "auto", dense_decode: str = "kernel", wise_decode: str = "kernel",
-                 num_steps: int | None = None, adaptive_depth: AdaptiveDepth | None = None, workers=None):
+                 num_steps: int | None = None, adaptive_depth: AdaptiveDepth | None = None,
+                 adaptive_regroup: bool = False, workers=None):
         config = model.config
         # Tensor parallelism: the model's `tp` on every rank (None: one device); `workers` on rank
         # 0 (distributed.Workers), which follow its device-side calls.
@@ -129,9 +131,10 @@ class ModelRunner:
                                   kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=self.dtype,
                                   device=self.device)
         self.step_inputs = model.step_inputs(self.num_steps, positions)
-        # Decode's: those and Huginn's per-token adaptive depth (prefill runs every iteration).
-        self.decode_inputs = self.step_inputs if adaptive_depth is None else dict(self.step_inputs,
-                                                                                  adaptive=adaptive_depth)
+        # Decode's: those and Huginn's per-token adaptive depth (prefill runs every iteration),
+        # regrouped (eager: `LLM`'s adaptive_regroup) or not.
+        self.decode_inputs = self.step_inputs if adaptive_depth is None else dict(
+            self.step_inputs, adaptive=adaptive_depth, **({"regroup": True} if adaptive_regroup else {}))
         self.buckets = decode_buckets(max_num_seqs)
         self.widths = context_buckets(self.max_pages)
         rows = self.buckets[-1]

@@ -24,6 +24,7 @@ from parity.huginn import jax_generate, torch_generate
 from wise_core.config import PRESETS, AdaptiveDepth, ConfigError, SpeculativeConfig, WiseConfig
 from wise_core.huginn_reference import num_planes
 from wise_core.request import SamplingParams
+from wise_torch.engine.llm import check_regroup
 
 CONFIG = PRESETS["test-tiny-huginn"]
 STEPS = 3           # core iterations of these engines (the preset's default is 4)
@@ -200,20 +201,27 @@ def check_adaptive(fw, outs: dict[int, list[int]], stats, wise_config) -> None:
     assert stats.mean_decode_depth == sum(ran) / len(ran)    # integer counts: exact
 
 
-@MODES
-def test_adaptive_depth_requests_joining_between_steps_get_their_tokens_and_depths_alone(fw, wise_config):
-    adaptive_case(fw)
-    llm = engine(fw, wise_config, adaptive_depth=ADAPTIVE)
+def joining(llm) -> dict[int, list[int]]:
+    """PROMPTS through llm, a new request every third step -> each prompt's tokens, by index."""
     ids, produced, step = {}, {}, 0
     while len(ids) < len(PROMPTS) or llm.has_unfinished():
-        if step % 3 == 0 and len(ids) < len(PROMPTS):           # a new request every third step
+        if step % 3 == 0 and len(ids) < len(PROMPTS):
             i = len(ids)
             ids[llm.add_request(PROMPTS[i], SamplingParams(max_tokens=NEW, ignore_eos=True))] = i
         for out in llm.step():
             produced[ids[out.request_id]] = out
         step += 1
+    assert all(out.finished and out.finish_reason == "length" for out in produced.values())
+    return {i: out.token_ids for i, out in produced.items()}
+
+
+@MODES
+def test_adaptive_depth_requests_joining_between_steps_get_their_tokens_and_depths_alone(fw, wise_config):
+    adaptive_case(fw)
+    llm = engine(fw, wise_config, adaptive_depth=ADAPTIVE)
+    outs = joining(llm)
     stats = drained(llm)
-    check_adaptive(fw, {i: out.token_ids for i, out in produced.items()}, stats, wise_config)
+    check_adaptive(fw, outs, stats, wise_config)
     llm.reset_stats()
     assert llm.stats().mean_decode_depth is None
 
@@ -238,6 +246,55 @@ def test_adaptive_depth_is_refused_where_it_does_not_apply(fw):
     if fw.name == "torch":   # no speculation on Huginn, adaptive or not
         with pytest.raises(ValueError, match="speculative decoding and tensor parallelism run Ouro models only"):
             engine(fw, adaptive_depth=ADAPTIVE, speculative_config=SpeculativeConfig())
+
+
+# Regrouping by depth (`adaptive_regroup`) is the torch engine's only (JAX's steps are compiled
+# with static shapes): these tests run outside the per-framework fixture.
+@pytest.fixture(scope="module")
+def torch_fw():
+    return Framework("torch", CONFIG, seed=0)
+
+
+def test_regrouped_adaptive_depth_gives_each_request_its_tokens_and_depths_alone(torch_fw, monkeypatch):
+    """Requests joining between steps and preempted ones, regrouped: each decode step runs
+    `run_regrouped` (rows that exit leave the group), and every prompt gets the tokens and
+    exit depths of its prompt decoded alone (riding along there), mean_decode_depth their mean."""
+    fw, calls = torch_fw, {"decode_step": 0, "run_regrouped": 0}
+    for name in calls:
+        method = getattr(fw.model, name)
+        monkeypatch.setattr(fw.model, name, lambda *a, _m=method, _n=name, **k: calls.__setitem__(_n, calls[_n] + 1)
+                            or _m(*a, **k))
+    llm = engine(fw, adaptive_depth=ADAPTIVE, adaptive_regroup=True)
+    outs = joining(llm)
+    stats = drained(llm)
+    assert calls["run_regrouped"] == calls["decode_step"] > 0, calls
+    check_adaptive(fw, outs, stats, None)
+    llm = engine(fw, adaptive_depth=ADAPTIVE, adaptive_regroup=True, num_pages=6)   # as test_preemption_...
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True), use_tqdm=False)
+    stats = drained(llm)
+    assert stats.preemptions > 0
+    check_adaptive(fw, dict(enumerate(o.token_ids for o in outs)), stats, None)
+
+
+def test_regrouped_adaptive_depth_is_refused_where_it_cannot_run(torch_fw):
+    fw = torch_fw
+    with pytest.raises(ValueError, match="adaptive_regroup must be True or False, got 1"):
+        engine(fw, adaptive_depth=ADAPTIVE, adaptive_regroup=1)
+    with pytest.raises(ValueError, match="adaptive_regroup regroups the rows of adaptive depth; pass adaptive_depth"):
+        engine(fw, adaptive_regroup=True)
+    with pytest.raises(ValueError, match=r"adaptive_regroup runs without WISE .*pass wise_config=None"):
+        engine(fw, WISE, adaptive_depth=ADAPTIVE, adaptive_regroup=True)
+    with pytest.raises(ValueError, match="speculative decoding and tensor parallelism run Ouro models only"):
+        engine(fw, adaptive_depth=ADAPTIVE, adaptive_regroup=True, speculative_config=SpeculativeConfig())
+    with pytest.raises(ValueError, match="speculative decoding and tensor parallelism run Ouro models only"):
+        engine(fw, adaptive_depth=ADAPTIVE, adaptive_regroup=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="cuda_graphs=True needs the model on a CUDA device"):   # on CPU
+        engine(fw, adaptive_depth=ADAPTIVE, adaptive_regroup=True, cuda_graphs=True)
+    for cuda_graphs in (True, "auto"):   # LLM's check where the step would be captured (a CUDA model)
+        with pytest.raises(ValueError, match=rf"cannot run in a CUDA graph \(cuda_graphs={cuda_graphs!r} on "
+                                             rf"CUDA\); pass cuda_graphs=False"):
+            check_regroup(True, ADAPTIVE, None, True, cuda_graphs)
+    check_regroup(True, ADAPTIVE, None, False, False)   # eager: runs
 
 
 @pytest.mark.parametrize("budget", [32, 8192], ids=["chunked", "whole"])
