@@ -35,6 +35,11 @@ Arms:
   tok/s over the fixed-depth arm of the same kind (adaptive: dense; wise-adaptive: wise); their
   tokens are the exits', so "differ" counts requests whose tokens differ from dense's (expected,
   not an error);
+- adaptive-regroup (Huginn only): the adaptive arm regrouped by depth
+  (`LLM(adaptive_regroup=True)`): after each checked iteration only the rows still running run
+  the later iterations (the adaptive arm's tokens and depths). Its rows are gathered (dynamic
+  shapes), so it runs eager: the arm sets cuda_graphs=False whatever --cuda-graphs says, and on
+  a GPU its timing is not comparable with the graph-captured arms' (on CPU every arm is eager);
 - spec-wise, spec-wise2, spec-wise-sparse, spec-loops (`--spec wise|wise2|wise-sparse|loops
   --num-draft K`): the engine with lossless speculative decoding (`speculative_arms`); also
   reported: acceptance, tokens per round, and how many
@@ -72,8 +77,9 @@ Huginn's prelude, coda and ln_f once, its core block and adapter once per core i
 head once; from the checkpoint's tensor shapes) plus every plane's K and V at the cohort's mean
 context L + N/2 (`kv_bytes_per_step`: Ouro's (loop, layer) planes, Huginn's `num_planes`; WISE:
 reuse planes at the measured density). An adaptive arm's roofline is its fixed-depth arm's
-(every iteration runs every row; its exit checks' reads are not counted, so its share is against
-the fixed-depth step's bound). Writes throughput.json, throughput.md (with the
+(riding along, every iteration runs every row; its exit checks' reads are not counted, so its
+share is against the fixed-depth step's bound; adaptive-regroup's step reads the same weights
+per iteration run but fewer rows' K/V, and is held to the same bound). Writes throughput.json, throughput.md (with the
 standing against the issue's targets) and throughput.png to --out, and prints a table.
 """
 
@@ -99,9 +105,9 @@ from benchmarks.engine import speculative_arms
 # build it (Huginn: num_steps=--num-steps, wise_config=huginn_wise_config(num_steps)), every other
 # constructor argument at its default (pool, max_num_seqs, max_model_len, kernel).
 ARMS = ("dense", "wise", "dense-default", "wise-default", "fa4", "wise-fa4", "old", "old-wise", "adaptive",
-        "wise-adaptive")
+        "wise-adaptive", "adaptive-regroup")
 # The adaptive-depth arms (Huginn only) and the fixed-depth arm each is compared with.
-ADAPTIVE_ARMS = {"adaptive": "dense", "wise-adaptive": "wise"}
+ADAPTIVE_ARMS = {"adaptive": "dense", "wise-adaptive": "wise", "adaptive-regroup": "dense"}
 FA4_ARMS = ("fa4", "wise-fa4")
 OLD_COMMIT = "bef25e92fbb27d035f3f9973f69047951c897363"  # the last commit before the engine
 HBM_TBPS = 4.3
@@ -163,8 +169,13 @@ def adaptive_text(arms, threshold: float) -> str | None:
     """The adaptive arms' depth rule in words (None without one)."""
     if not any(a.split("+")[0] in ADAPTIVE_ARMS for a in arms):
         return None
-    return (f"adaptive depth: KL exit threshold {threshold:g}, min_steps 0; exited rows ride along (every "
+    text = (f"adaptive depth: KL exit threshold {threshold:g}, min_steps 0; exited rows ride along (every "
             f"iteration runs every row), so an adaptive arm's roofline is its fixed-depth arm's")
+    if "adaptive-regroup" in arms:
+        text += ("; adaptive-regroup regroups by depth (only the rows still running run the later iterations), "
+                 "eager (cuda_graphs=False): on a GPU its timing is not comparable with graph-captured arms' "
+                 "(on CPU every arm is eager)")
+    return text
 
 
 def parse_arms(text: str) -> list[str]:
@@ -529,9 +540,12 @@ def _engine_worker(spec: dict) -> dict:
         else:
             configs = dict(wise_config=wise_config_of(config, steps, eta=spec["eta"], kernel=spec["kernel"])
                            if arm in ("wise", "wise-fa4", "wise-adaptive") else None)
+        cuda_graphs = CUDA_GRAPHS[spec["cuda_graphs"]]
         if arm in ADAPTIVE_ARMS:
             from wise_core.config import AdaptiveDepth
             configs["adaptive_depth"] = AdaptiveDepth(threshold=spec["adaptive_threshold"])
+        if arm == "adaptive-regroup":   # gathers rows (dynamic shapes): eager
+            configs["adaptive_regroup"], cuda_graphs = True, False
         if arm in FA4_ARMS:
             configs.update(prefill_attention="fa4", dense_decode="fa4",
                            **({"wise_decode": "fa4-union"} if arm == "wise-fa4" else {}))
@@ -541,7 +555,7 @@ def _engine_worker(spec: dict) -> dict:
             extra["tensor_parallel_size"] = spec["tensor_parallel_size"]
         llm = wise_torch.LLM(model, **configs, num_steps=num_steps, num_pages=spec["num_pages"],
                              page_size=spec["page_size"], max_num_seqs=spec["batch"],
-                             cuda_graphs=CUDA_GRAPHS[spec["cuda_graphs"]], kernel=kernel,
+                             cuda_graphs=cuda_graphs, kernel=kernel,
                              max_model_len=spec["context"] + max(spec["new_tokens"], spec["warmup_tokens"]), **extra)
     del model   # under tensor parallelism the engine holds rank 0's shard, not the whole model
 
@@ -839,9 +853,10 @@ def markdown(report: dict) -> str:
               "acceptance the drafts accepted, tok/round the tokens a request commits per round; "
               "spec-METHOD@P arms accept each draft with probability P (timing only: their tokens are not "
               "the model's, differ not counted). Adaptive arms: mean depth the core iterations a decoded token "
-              "ran, over fixed their tok/s over the fixed-depth arm's (adaptive: dense; wise-adaptive: wise); "
-              "exited rows ride along, so every iteration still runs, and their tokens are the exits' (differ "
-              "counts them; not an error).", "",
+              "ran, over fixed their tok/s over the fixed-depth arm's (adaptive, adaptive-regroup: dense; "
+              "wise-adaptive: wise); exited rows ride along, so every iteration still runs (adaptive-regroup: "
+              "only the rows still running run the later iterations, eager, so on a GPU not comparable with "
+              "graph-captured arms), and their tokens are the exits' (differ counts them; not an error).", "",
               "| ctx x batch | arm | decode tok/s | ms/step | share of roofline | over dense | density | differ | "
               "acceptance | tok/round | mean depth | over fixed |", "|" + "---|" * 12]
     for s in report["summary"]:

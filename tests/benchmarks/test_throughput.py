@@ -318,6 +318,29 @@ def test_adaptive_arms_smoke_in_fresh_processes(tmp_path, monkeypatch):
     assert f"| {adaptive['mean_depth']:.2f} | {by_arm['adaptive']['over_fixed']:.2f} |" in text
 
 
+def test_adaptive_regroup_arm_smoke_in_fresh_processes(tmp_path, monkeypatch):
+    """test-tiny-huginn at 4 core iterations: the adaptive-regroup arm (eager, regrouped by depth)
+    gives the adaptive arm's tokens and mean depth (rows exit: under 4), is compared with dense
+    (over fixed), and the report says it runs eager."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    report = tp.main(["--preset", "test-tiny-huginn", "--num-steps", "4", "--dtype", "float32", "--device", "cpu",
+                      "--kernel", "reference", "--shapes", "64x3", "--q-scale", "2", "--new-tokens", "4",
+                      "--warmup-tokens", "2", "--repeats", "1", "--page-size", "32",
+                      "--arms", "dense,adaptive,adaptive-regroup", "--adaptive-threshold", "0.01",
+                      "--out", str(tmp_path)])
+    dense, adaptive, regroup = report["rows"]
+    assert [(r["arm"], r["status"]) for r in report["rows"]] == [("dense", "ok"), ("adaptive", "ok"),
+                                                                  ("adaptive-regroup", "ok")]
+    assert regroup["tokens"] == adaptive["tokens"] and regroup["mean_depth"] == adaptive["mean_depth"] < 4
+    by_arm = {s["arm"]: s for s in report["summary"]}
+    assert by_arm["adaptive-regroup"]["over_fixed"] == pytest.approx(regroup["decode_tokens_per_s"]
+                                                                     / dense["decode_tokens_per_s"])
+    text = (tmp_path / "throughput.md").read_text()
+    assert "adaptive-regroup regroups by depth (only the rows still running run the later iterations), eager " \
+           "(cuda_graphs=False): on a GPU its timing is not comparable with graph-captured arms'" in text
+    assert f"| 64 x 3 | adaptive-regroup | {by_arm['adaptive-regroup']['decode_tokens_per_s']:.1f} |" in text
+
+
 def test_adaptive_arms_arguments():
     """The adaptive arms refused on an Ouro model (it exits by early_exit_threshold); the threshold's
     default is AdaptiveDepth's; a bad threshold refused; the arms not in the default list."""
