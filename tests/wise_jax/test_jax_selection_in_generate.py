@@ -35,9 +35,9 @@ def recorded_discoveries():
     calls, kernels = [], set()
     real = attention.attention_impl
 
-    def wrapped_impl(kernel):
-        impl = real(kernel)
-        kernels.add(attention.resolve_kernel(kernel))
+    def wrapped_impl(kernel, head_dim=None):
+        impl = real(kernel, head_dim)
+        kernels.add(attention.resolve_kernel(kernel, head_dim))
 
         def call(*args, return_mass=False, **kwargs):
             out, support, mass = impl(*args, return_mass=True, **kwargs)
