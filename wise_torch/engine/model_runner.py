@@ -284,7 +284,9 @@ class ModelRunner:
         if self.tp is not None:
             torch.cuda.synchronize(self.device)   # no collective of the warm-up is pending during the capture
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.graph_pool):
+        # thread_local: a CUDA call from another thread of the process (JAX's runtime threads, when
+        # both frameworks share it) does not invalidate this capture, as it does in "global" mode.
+        with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
             out = fn()
         self.graph_pool = graph.pool()
         if saved is not None:

@@ -1,0 +1,209 @@
+"""The `gpu`-marked pytest suite, each test file in a process of its own, and one summary table.
+
+    python3 -m benchmarks.gpu_tests --part 1/3 --out OUTDIR       # one of three parts (~8 minutes each)
+    python3 -m benchmarks.gpu_tests --files tests/wise_jax/test_jax_gpu.py --out OUTDIR
+    python3 -m benchmarks.gpu_tests --summarize OUTDIR [OUTDIR...] --out benchmarks/results/DIR
+
+A CUDA fault, a poisoned context or a hung compile in one file cannot fail the files after it: each
+runs as `pytest -m gpu FILE` in a fresh process under its own time limit (--file-timeout, or the
+file's entry in FILE_SECONDS), with JAX's persistent compilation cache in OUTDIR/jax-cache so that
+files sharing programs compile them once. The files are those where pytest collects a `gpu` test
+(`--collect-only -m gpu`, run in a process of its own), split into parts by FILE_SECONDS so that a
+part fits one ~9-minute run. Each file's junit XML gives its passed / failed / skipped counts and
+every skip's reason; OUTDIR/gpu_tests.json and .md hold the table (one row a file, the failures
+and skips named), with the machine, the versions, the date and the commit. --summarize merges the
+JSON of several parts' OUTDIRs into one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STEM = "gpu_tests"
+# Seconds a file's gpu tests took on an H100 (2026-12-07) or are expected to take (compiles
+# included): the parts are balanced by them; a file not named here counts DEFAULT_SECONDS.
+FILE_SECONDS = {
+    "tests/wise_jax/test_mosaic_decode.py": 240,
+    "tests/wise_jax/test_pallas_decode.py": 150,
+    "tests/wise_jax/test_jax_gpu.py": 150,
+    "tests/wise_jax/test_jax_selection_in_generate.py": 90,
+    "tests/parity/test_kernels_in_generate_gpu.py": 120,
+    "tests/parity/test_parity_gpu.py": 90,
+    "tests/wise_torch/test_torch_gpu.py": 120,
+    "tests/wise_torch/test_torch_speculative_gpu.py": 120,
+    "tests/wise_torch/test_triton_decode.py": 90,
+}
+DEFAULT_SECONDS = 60
+PART_SECONDS = 480
+
+
+def collect(timeout: float) -> dict[str, int]:
+    """{test file: number of gpu tests pytest collects in it}, from a collection in its own process."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "tests",
+                           "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    counts: dict[str, int] = {}
+    for line in proc.stdout.splitlines():
+        if "::" in line and line.startswith("tests/"):
+            path = line.split("::", 1)[0]
+            counts[path] = counts.get(path, 0) + 1
+    if not counts:
+        raise RuntimeError(f"pytest collected no gpu test (exit {proc.returncode}):\n{proc.stdout[-3000:]}"
+                           f"\n{proc.stderr[-3000:]}")
+    return counts
+
+
+def split_parts(files: list[str], parts: int) -> list[list[str]]:
+    """`files` in `parts` groups of about equal FILE_SECONDS (longest first, each to the lightest part)."""
+    groups: list[list[str]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for path in sorted(files, key=lambda f: (-FILE_SECONDS.get(f, DEFAULT_SECONDS), f)):
+        lightest = loads.index(min(loads))
+        groups[lightest].append(path)
+        loads[lightest] += FILE_SECONDS.get(path, DEFAULT_SECONDS)
+    return [sorted(g) for g in groups]
+
+
+def junit_counts(xml: Path) -> dict:
+    """passed / failed / errors / skipped counts and the failed and skipped tests (with reasons)."""
+    suite = ET.parse(xml).getroot()
+    suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
+    result = dict(passed=0, failed=0, errors=0, skipped=0, failures=[], skips=[])
+    for case in suite.iter("testcase"):
+        name = f"{case.get('classname', '')}::{case.get('name')}"
+        failure, error, skip = case.find("failure"), case.find("error"), case.find("skipped")
+        if failure is not None:
+            result["failed"] += 1
+            result["failures"].append(f"{name}: {(failure.get('message') or '')[:300]}")
+        elif error is not None:
+            result["errors"] += 1
+            result["failures"].append(f"{name} (error): {(error.get('message') or '')[:300]}")
+        elif skip is not None:
+            result["skipped"] += 1
+            result["skips"].append(f"{name}: {(skip.get('message') or '')[:200]}")
+        else:
+            result["passed"] += 1
+    return result
+
+
+def run_file(path: str, out: Path, timeout: float, extra_env: dict) -> dict:
+    """`pytest -m gpu path` in a process of its own -> its row of the table."""
+    stem = path.replace("/", "__").removesuffix(".py")
+    xml, log = out / f"{stem}.xml", out / f"{stem}.log"
+    start = time.perf_counter()
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", path, "-p", "no:cacheprovider", "-rfEs",
+           f"--junitxml={xml}"]
+    with open(log, "w") as f:
+        try:
+            code = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
+                                  env={**os.environ, **extra_env}).returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    row = dict(file=path, exit=code, seconds=round(time.perf_counter() - start, 1))
+    if xml.exists():
+        row.update(junit_counts(xml))
+    else:
+        row.update(passed=0, failed=0, errors=0, skipped=0, skips=[],
+                   failures=[f"no junit report (exit {code}); see {log.name}: "
+                             + " | ".join(log.read_text(errors="replace").splitlines()[-5:])])
+    if code == "timeout":
+        row["failures"].append(f"the file did not finish in {timeout:.0f} s (tests after the last reported did not run)")
+    return row
+
+
+def machine() -> dict:
+    info = dict(python=platform.python_version(), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    try:
+        info["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                                      "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    except FileNotFoundError:
+        info["gpu"] = "none"
+    for name in ("torch", "triton", "jax"):
+        try:
+            info[name] = __import__(name).__version__
+        except ImportError:
+            info[name] = "missing"
+    try:
+        import flash_attn.cute  # noqa: F401
+        info["flash_attn_cute"] = "importable"
+    except ImportError as e:
+        info["flash_attn_cute"] = f"missing ({e})"
+    info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                    text=True).stdout.strip() or os.environ.get("WISE_COMMIT", "unknown")
+    return info
+
+
+def table(rows: list[dict], info: dict) -> str:
+    total = {k: sum(r[k] for r in rows) for k in ("passed", "failed", "errors", "skipped")}
+    lines = [f"# gpu tests, one process per file", "",
+             f"{info.get('gpu')}; Python {info.get('python')}, torch {info.get('torch')}, triton {info.get('triton')}, "
+             f"jax {info.get('jax')}; flash_attn.cute {info.get('flash_attn_cute')}; commit {info.get('commit')}; "
+             f"{info.get('date')}", "",
+             f"Total: {total['passed']} passed, {total['failed']} failed, {total['errors']} errors, "
+             f"{total['skipped']} skipped in {len(rows)} files.", "",
+             "| file | passed | failed | errors | skipped | seconds | exit |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['file']} | {r['passed']} | {r['failed']} | {r['errors']} | {r['skipped']} | "
+                     f"{r['seconds']} | {r['exit']} |")
+    for title, key in (("Failures", "failures"), ("Skips (each with its reason)", "skips")):
+        named = [f"- {item}" for r in rows for item in r[key]]
+        if named:
+            lines += ["", f"## {title}", ""] + named
+    return "\n".join(lines) + "\n"
+
+
+def write(rows: list[dict], info: dict, out: Path) -> None:
+    (out / f"{STEM}.json").write_text(json.dumps(dict(machine=info, files=rows), indent=1))
+    (out / f"{STEM}.md").write_text(table(rows, info))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", help="K/N: the K-th of N parts (1-based) of the collected files")
+    p.add_argument("--files", nargs="+", help="these test files instead of the collected ones")
+    p.add_argument("--file-timeout", type=float, help="seconds per file (default: 1.5 x its FILE_SECONDS)")
+    p.add_argument("--summarize", nargs="+", type=Path, help="merge the gpu_tests.json of these OUTDIRs")
+    p.add_argument("--list", action="store_true", help="print the parts and exit")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.summarize:
+        parts = [json.loads((d / f"{STEM}.json").read_text()) for d in args.summarize]
+        rows = sorted((r for part in parts for r in part["files"]), key=lambda r: r["file"])
+        write(rows, parts[0]["machine"], args.out)
+        print(table(rows, parts[0]["machine"]))
+        return
+    files = args.files
+    if files is None:
+        files = sorted(collect(timeout=300))
+        if args.part:
+            k, n = (int(x) for x in args.part.split("/"))
+            groups = split_parts(files, n)
+            if args.list:
+                for i, g in enumerate(groups, 1):
+                    print(f"part {i}/{n} ({sum(FILE_SECONDS.get(f, DEFAULT_SECONDS) for f in g)} s):", " ".join(g))
+                return
+            files = groups[k - 1]
+    env = {"JAX_COMPILATION_CACHE_DIR": str((args.out / "jax-cache").resolve()),
+           "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONUNBUFFERED": "1"}
+    info, rows = machine(), []
+    for path in files:
+        timeout = args.file_timeout or 1.5 * FILE_SECONDS.get(path, DEFAULT_SECONDS)
+        row = run_file(path, args.out, timeout, env)
+        rows.append(row)
+        print(f"{path}: {row['passed']} passed, {row['failed']} failed, {row['errors']} errors, "
+              f"{row['skipped']} skipped, {row['seconds']} s, exit {row['exit']}", flush=True)
+        write(rows, info, args.out)
+    write(rows, info, args.out)
+
+
+if __name__ == "__main__":
+    main()
