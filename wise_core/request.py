@@ -312,7 +312,11 @@ class EngineStats:
     where the engine has no choice). mean_decode_depth: with early exit (an Ouro model's
     early_exit_threshold < 1, a Huginn engine's adaptive_depth), the loops (Huginn: core
     iterations) a decoded token ran on average over the decode steps (each token's exit loop +
-    1; prefill not counted); None without early exit or before any decode step."""
+    1; prefill not counted); None without early exit or before any decode step.
+    larger_bucket_steps (JAX): decode steps run in a larger compiled bucket than their own while
+    theirs compiled in the background; compile_blocked_steps and compile_blocked_s: decode steps
+    that waited for a program to compile and the seconds they waited (`wise_jax.step_programs`;
+    torch: 0, its graphs are captured on the step path, counted in step_build_s)."""
 
     total_pages: int
     free_pages: int
@@ -341,6 +345,9 @@ class EngineStats:
     prefill_attention: str = ""
     wise_decode: str = ""
     mean_decode_depth: float | None = None
+    larger_bucket_steps: int = 0
+    compile_blocked_steps: int = 0
+    compile_blocked_s: float = 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:

@@ -46,8 +46,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
-import time
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +60,7 @@ from wise_core.engine import EngineArgs, LLMEngine
 from wise_core.engine.args import check_adaptive_depth, cpu_pool, pool_pages
 from wise_core.engine.scheduler import Chunk
 from wise_core.engine.sequence import Sequence, logits_rows
+from wise_core.engine.step_plan import DecodePlan, TagCounter
 from wise_core.huginn_reference import initial_state, num_planes
 from wise_core.request import (MAX_LOGPROBS, MAX_SEED, EngineStats, RequestOutput,  # noqa: F401 (its names)
                                SamplingParams)
@@ -75,13 +76,14 @@ from wise_jax.loading import load_model
 from wise_jax.params import Params, stack_layers, unstack_layers
 from wise_jax.sampling import LogitsState, process_logits, ranked, sample
 from wise_jax.serving import TRACES
+from wise_jax.step_programs import StepPrograms
 
 # num_pages=None on a GPU: the pool fills this share of the memory jax may allocate, less what is
 # in use. XLA still warns that it cannot rematerialize a program below its limit (on an H200,
 # 2026-12-04: 211.6 GiB counted against 123.9 GiB, as if the donated pool were held twice;
 # benchmarks/results/h200-2026-12-04/README.md); the warning costs compile time, not memory.
 GPU_POOL_FRACTION = 0.7
-TAG_LIMIT = 2 ** 31     # WISE tags (epochs) are int32: issued modulo this
+COMPILATION_CACHE = Path("~/.cache/wise/jax-compilation")   # compilation_cache="auto" on a GPU
 
 
 def seed_key(seed: int) -> jax.Array:
@@ -104,6 +106,12 @@ class Draw:
     top_k: jax.Array
     min_p: jax.Array
     forced: jax.Array
+
+    @classmethod
+    def spec(cls, rows: int) -> "Draw":
+        """The abstract Draw of `rows` rows, to compile a program ahead."""
+        f32, i32 = (jax.ShapeDtypeStruct((rows,), t) for t in (jnp.float32, jnp.int32))
+        return cls(jax.ShapeDtypeStruct((rows, 2), jnp.uint32), i32, f32, f32, i32, f32, i32)
 
 
 def _draw_of(seqs: list[Sequence | None]) -> Draw:
@@ -136,6 +144,30 @@ class Processing:
     repetition: jax.Array
     presence: jax.Array
     frequency: jax.Array
+
+    @classmethod
+    def spec(cls, rows: int) -> "Processing":
+        """The abstract Processing of `rows` rows, to compile a program ahead."""
+        flag, f32 = jax.ShapeDtypeStruct((rows,), jnp.bool_), jax.ShapeDtypeStruct((rows,), jnp.float32)
+        return cls(flag, flag, f32, f32, f32)
+
+
+class StepVariant(NamedTuple):
+    """A decode program's static options: sampling (some row samples; else every row is greedy
+    and no sampling code runs), keep_logits (the logits come back), extras (some row processes
+    logits or asks for ranked logprobs: `LLM._extras`)."""
+
+    sampling: bool
+    keep_logits: bool
+    extras: bool
+
+
+DEFAULT_VARIANT = StepVariant(sampling=False, keep_logits=False, extras=False)
+
+
+def _spec(tree):
+    """The abstract values (shape, dtype, sharding) of a pytree of arrays."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
 
 
 def _processing_of(seqs: list[Sequence | None]) -> Processing:
@@ -244,21 +276,30 @@ def _state_rows(state, rows: int, whole=None):
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["tokens", "tags", "positions", "table", "new_pages", "num_new"], meta_fields=[])
+                   data_fields=["tokens", "tags", "positions", "seq_slots", "table"], meta_fields=[])
 @dataclasses.dataclass
 class Rows:
-    """A decode step's rows (slots [0, rows)): tokens int32 (the input, -1: the slot's
-    next_token), tags int32 (the token's epoch, -1: a padding row), positions int32 (keys held
-    before the step), table int32[rows, width] (pages; the scratch page past them), new_pages
-    int32[rows] (the pages rows start this step, the first on top: new_pages[num_new - 1]),
-    num_new int32[]."""
+    """A decode step's rows, compacted (`wise_core.engine.step_plan.DecodePlan`): tokens int32 (the
+    input, -1: its sequence slot's next_token), tags int32 (the WISE token tag, -1: a padding
+    row), positions int32 (keys held before the step), seq_slots int32 (the sequence slot of the
+    row's per-sequence buffers), table int32[rows, width] (pages, the new token's included; the
+    scratch page past them)."""
 
     tokens: jax.Array
     tags: jax.Array
     positions: jax.Array
+    seq_slots: jax.Array
     table: jax.Array
-    new_pages: jax.Array
-    num_new: jax.Array
+
+    @classmethod
+    def of(cls, plan: DecodePlan) -> "Rows":
+        return cls(plan.tokens, plan.tags, plan.positions, plan.seq_slots, plan.page_table)
+
+    @classmethod
+    def spec(cls, rows: int, width: int) -> "Rows":
+        """The abstract Rows of a (rows, width) step, to compile its program ahead."""
+        row = jax.ShapeDtypeStruct((rows,), jnp.int32)
+        return cls(row, row, row, row, jax.ShapeDtypeStruct((rows, width), jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "wise_config", "kernel", "unroll", "sampling", "keep_logits",
@@ -268,43 +309,41 @@ def _step(params: Params, cache: kvc.PagedKVCache, state, next_token, inputs: Ro
           processing: Processing | None = None, logits_state: LogitsState | None = None, state_table=None, *,
           config: ModelConfig, wise_config, kernel: str, unroll, sampling: bool, keep_logits: bool, mesh=None,
           rows: int, width: int, num_steps: int | None = None, adaptive: AdaptiveDepth | None = None):
-    """One decode step of slots [0, rows), the batch bucket, at context bucket `width` (module
-    docstring); processing and logits_state None, or both given (`_choose`). A Huginn model
-    (num_steps its core iterations, None for Ouro) runs `huginn.decode_step` from each row's
-    initial state, state_table[position] (on the device), with per-token adaptive depth
-    `adaptive` (None: every iteration). Returns (cache, state, next_token, logits_state, (token,
-    logprob, NaN flag, overflowed, logits or None, ranked or None, loops_run)), per row of the
-    bucket; overflowed: a row's pages did not fit (nothing written); loops_run int32[2] (loops
-    or core iterations the live rows ran, live rows) with Ouro's early exit or Huginn's adaptive
-    depth, else None."""
+    """One decode step of `rows` compacted rows (the batch bucket) at context bucket `width`
+    (module docstring); the host chose every page (`allocate=False`); processing and
+    logits_state None, or both given (`_choose`). A Huginn model (num_steps its core iterations,
+    None for Ouro) runs `huginn.decode_step` from each row's initial state, state_table[position]
+    (on the device), with per-token adaptive depth `adaptive` (None: every iteration). Returns
+    (cache, state, next_token, logits_state, (token, logprob, NaN flag, logits or None, ranked or
+    None, loops_run)), per row of the bucket; loops_run int32[2] (loops or core iterations the
+    live rows ran, live rows) with Ouro's early exit or Huginn's adaptive depth, else None."""
     TRACES["step"] += 1
     step_cache = dataclasses.replace(cache, page_table=inputs.table, seq_lens=inputs.positions,
-                                     free_pages=inputs.new_pages, num_free=inputs.num_new,
                                      overflowed=jnp.zeros((), bool))
     rows_state = None if state is None else _state_rows(state, rows)
-    tokens = jnp.where(inputs.tokens >= 0, inputs.tokens, next_token[:rows])
+    live = inputs.tags >= 0
+    tokens = jnp.where(inputs.tokens >= 0, inputs.tokens, next_token[inputs.seq_slots])
     if num_steps is None:
         exiting = config.early_exit_threshold < 1.0
         logits, step_cache, rows_state, *depths = sharding.decode_step(
             params, config, step_cache, rows_state, tokens, inputs.tags, wise_config=wise_config, kernel=kernel,
-            unroll=unroll, mesh=mesh, width=width, return_depths=exiting)
+            unroll=unroll, mesh=mesh, width=width, return_depths=exiting, allocate=False)
     else:   # the step's table is `width` pages wide: so are its attention and supports
         exiting = adaptive is not None
         logits, step_cache, rows_state, *depths = huginn.decode_step(
             params, config, step_cache, tokens, state_table[inputs.positions], inputs.tags, num_steps=num_steps,
-            kernel=kernel, wise_config=wise_config, wise_state=rows_state, adaptive=adaptive)
-    slots = jnp.arange(rows)
-    logits_rows = None if logits_state is None else logits_state.rows(slots)
+            kernel=kernel, wise_config=wise_config, wise_state=rows_state, adaptive=adaptive, allocate=False)
+    logits_rows = None if logits_state is None else logits_state.rows(inputs.seq_slots)
     token, logprob, top = _choose(logits, draw, processing, logits_rows, sampling=sampling)
-    live = inputs.tags >= 0
-    next_token = next_token.at[:rows].set(jnp.where(live, token, next_token[:rows]))
+    written = jnp.where(live, inputs.seq_slots, next_token.shape[0])     # padding rows write nothing
+    next_token = next_token.at[written].set(token, mode="drop")
     if logits_state is not None:
-        logits_state = _counted(logits_state, slots, token, processing.active & live)
+        logits_state = _counted(logits_state, inputs.seq_slots, token, processing.active & live)
     cache = dataclasses.replace(cache, k=step_cache.k, v=step_cache.v)
     if state is not None:
         state = _state_rows(rows_state, rows, state)
     loops_run = jnp.stack([jnp.where(live, depths[0], 0).sum(), live.sum()]) if exiting else None
-    return cache, state, next_token, logits_state, (token, logprob, jnp.isnan(logprob), step_cache.overflowed,
+    return cache, state, next_token, logits_state, (token, logprob, jnp.isnan(logprob),
                                                     logits if keep_logits else None, top, loops_run)
 
 
@@ -326,10 +365,7 @@ class _InFlight:
         return scores
 
     def read(self) -> tuple[list[int], list[bool], list[float], list[tuple] | None]:
-        token, logprob, nan, overflowed, logits, top, loops_run = jax.device_get(self._outputs)
-        if overflowed:
-            raise kvc.PoolExhaustedError("a decode step's pages did not fit the pool or its context bucket; it "
-                                         "wrote nothing")
+        token, logprob, nan, logits, top, loops_run = jax.device_get(self._outputs)
         if loops_run is not None and self._loops_run is not None:   # the engine's early-exit counts
             self._loops_run[0] += int(loops_run[0])
             self._loops_run[1] += int(loops_run[1])
@@ -382,8 +418,10 @@ class LLM(LLMEngine):
     def __init__(self, params: Params | str | Path, config: ModelConfig | None = None, *,
                  tokenizer: Tokenizer | None = None, attention: str = "auto", layers: str = "unstacked",
                  unroll: int | bool = 1, mesh=None, dtype=None, num_steps: int | None = None,
-                 adaptive_depth: AdaptiveDepth | None = None, **engine_args):
+                 adaptive_depth: AdaptiveDepth | None = None, background_compile: bool | None = None,
+                 compilation_cache: str | Path | None = "auto", **engine_args):
         args = EngineArgs(**engine_args)
+        use_compilation_cache(compilation_cache)
         if isinstance(params, (str, Path)):
             if config is not None:
                 raise ValueError("config comes from the checkpoint when the model is given by name or directory")
@@ -427,8 +465,6 @@ class LLM(LLMEngine):
         self.max_pages = -(-self.max_model_len // self.page_size)
         self.widths = context_buckets(self.max_pages)
         self.row_buckets = decode_buckets(args.max_num_seqs)
-        self._programs: set[tuple] = set()     # decode programs made: (sampling, keep_logits, rows, width, extras)
-        self._build_s = 0.0
         self._loops_run = [0, 0]     # early exit: loops the decoded tokens ran, decoded tokens (`_step`)
         # The storage of the pool; its page table is each step's (the host's bookkeeping).
         self.cache = sharding.create_cache(config, mesh, batch=1, max_pages=1, num_pages=num_pages,
@@ -440,7 +476,14 @@ class LLM(LLMEngine):
             args.wise_config, mesh, slots=args.max_num_seqs, layers=config.loop_layers,
             heads=config.num_attention_heads, max_blocks=self.max_pages * self.page_size // args.block_size)
         self.next_token = jnp.zeros((args.max_num_seqs,), jnp.int32)
-        self.next_epoch = 0
+        self.tags = TagCounter()     # the WISE token tags of decoded tokens
+        # The decode programs: compiled ahead from these abstract arguments (their shapes never
+        # change), on a background thread when background_compile (None: on a GPU), starting
+        # with the largest bucket of the default variant, which holds every step of it.
+        self._arg_specs = _spec((self.params, self.cache, self.state, self.next_token, self.state_table))
+        background = jax.default_backend() == "gpu" if background_compile is None else background_compile
+        self.programs = StepPrograms(self._compile_step, background=background)
+        self.programs.start([(DEFAULT_VARIANT, self.row_buckets[-1], self.widths[-1])])
         self.logits_state: LogitsState | None = None     # made when a request first needs it
         self._logits_owner: dict[int, Sequence] = {}       # slot -> the sequence its logits state rows are of
         self._seed = random.randrange(MAX_SEED) if args.seed is None else args.seed
@@ -478,45 +521,38 @@ class LLM(LLMEngine):
         seq.generator = np.asarray(key, np.uint32)
 
     def _launch_decode(self, seqs: list[Sequence]) -> _InFlight:
-        rows = batch_bucket(self.row_buckets, max(seq.slot for seq in seqs) + 1)
-        # The page-table width: the pages of the longest row once the step appended its token.
-        width = context_bucket(self.widths, max(len(seq.pages) for seq in seqs))
-        by_slot: list[Sequence | None] = [None] * rows
-        for seq in seqs:
-            by_slot[seq.slot] = seq
-        tokens, tags = np.full(rows, -1, np.int32), np.full(rows, -1, np.int32)
-        positions = np.zeros(rows, np.int32)
-        table = np.full((rows, width), self.cache.scratch_page, np.int32)
-        new_pages = []
-        for row, seq in enumerate(by_slot):
-            if seq is None:
-                continue
-            position = len(seq.tokens) - 1            # its last token, PENDING (-1) while on the device
-            tokens[row], tags[row], positions[row] = seq.tokens[-1], self.next_epoch, position
-            self.next_epoch = (self.next_epoch + 1) % TAG_LIMIT
-            held = seq.pages[:width]
-            table[row, :len(held)] = held
-            if position % self.page_size == 0:        # the step starts a page
-                new_pages.append(seq.pages[position // self.page_size])
-        stack = np.full(rows, self.cache.scratch_page, np.int32)
-        stack[:len(new_pages)] = new_pages[::-1]
-        inputs = Rows(tokens, tags, positions, table, stack, np.int32(len(new_pages)))
         extras = self._extras(seqs)
-        program = dict(sampling=any(s.forced is None and s.params.temperature > 0 for s in seqs),
-                       keep_logits=any(s.keep_logits for s in seqs), rows=rows, width=width)
-        start, traces = time.perf_counter(), TRACES["step"]
-        self.cache, self.state, self.next_token, logits_state, outputs = _step(
-            self.params, self.cache, self.state, self.next_token, inputs, _draw_of(by_slot),
-            _processing_of(by_slot) if extras else None, self.logits_state if extras else None, self.state_table,
-            config=self.config, wise_config=self.wise_config, kernel=self.kernel, unroll=self.unroll, mesh=self.mesh,
-            num_steps=self.num_steps, adaptive=self.adaptive_depth, **program)
+        variant = StepVariant(sampling=any(s.forced is None and s.params.temperature > 0 for s in seqs),
+                              keep_logits=any(s.keep_logits for s in seqs), extras=extras)
+        program, rows, width = self.programs.choose(
+            variant, batch_bucket(self.row_buckets, len(seqs)),
+            context_bucket(self.widths, max(len(seq.pages) for seq in seqs)))
+        plan = DecodePlan.build(seqs, batch_buckets=self.row_buckets, widths=self.widths, page_size=self.page_size,
+                                scratch_page=self.cache.scratch_page, tags=self.tags, rows=rows, width=width)
+        padded: list[Sequence | None] = list(seqs) + [None] * (rows - len(seqs))
+        self.cache, self.state, self.next_token, logits_state, outputs = program(
+            self.params, self.cache, self.state, self.next_token, Rows.of(plan), _draw_of(padded),
+            _processing_of(padded) if extras else None, self.logits_state if extras else None, self.state_table)
         if extras:
             self.logits_state = logits_state
-        if TRACES["step"] > traces:   # a program made for this step: its trace and compile
-            self._build_s += time.perf_counter() - start
-            self._programs.add(tuple(program.values()) + (extras,))
-        return _InFlight([(seq, seq.expect()) for seq in seqs], outputs, [seq.slot for seq in seqs],
+        return _InFlight([(seq, seq.expect()) for seq in seqs], outputs, list(range(len(seqs))),
                          loops_run=self._loops_run)
+
+    def _compile_step(self, key) -> Callable:
+        """The decode program of `key` = (StepVariant, rows, width), compiled ahead of its first
+        step (`step_programs.StepPrograms`; may run on its background thread)."""
+        variant, rows, width = key
+        logits_state = None
+        if variant.extras:
+            logits_state = _spec(jax.eval_shape(
+                lambda: LogitsState.create(self.args.max_num_seqs, self.config.vocab_size)))
+        static = dict(config=self.config, wise_config=self.wise_config, kernel=self.kernel, unroll=self.unroll,
+                      mesh=self.mesh, num_steps=self.num_steps, adaptive=self.adaptive_depth,
+                      sampling=variant.sampling, keep_logits=variant.keep_logits, rows=rows, width=width)
+        params, cache, state, next_token, state_table = self._arg_specs
+        return _step.lower(params, cache, state, next_token, Rows.spec(rows, width), Draw.spec(rows),
+                           Processing.spec(rows) if variant.extras else None, logits_state, state_table,
+                           **static).compile()
 
     def _extras(self, seqs: list[Sequence]) -> bool:
         """Whether a step over `seqs` processes logits or reports ranked logprobs; if so, the
@@ -568,12 +604,12 @@ class LLM(LLMEngine):
                 outputs.append(out + (logits,))
                 rows.append((seq, seq.expect()))
         if not outputs:
-            return _InFlight([], (np.zeros(0, np.int32), np.zeros(0), np.zeros(0, bool), False, None, None, None), [],
+            return _InFlight([], (np.zeros(0, np.int32), np.zeros(0), np.zeros(0, bool), None, None, None), [],
                              prompt_rows, prompt)
         token, logprob, nan = (jnp.concatenate([o[i] for o in outputs]) for i in range(3))
         top = None if not extras else tuple(jnp.concatenate([o[3][i] for o in outputs]) for i in range(3))
         logits = jnp.stack([o[4] for o in outputs]) if any(seq.keep_logits for seq, _ in rows) else None
-        return _InFlight(rows, (token, logprob, nan, False, logits, top, None), list(range(len(rows))), prompt_rows,
+        return _InFlight(rows, (token, logprob, nan, logits, top, None), list(range(len(rows))), prompt_rows,
                          prompt)
 
     def _prefill(self, tokens: list[int], *, all_logits: bool = False) -> tuple:
@@ -621,16 +657,37 @@ class LLM(LLMEngine):
 
     def _device_stats(self) -> dict:
         state = self.state
+        programs = self.programs.stats()
         return dict(fallbacks=None if state is None else int(state.fallbacks),
                     density=None if state is None else state.density(self.wise_config),
-                    step_programs=len(self._programs), step_program_bound=8 * len(self.row_buckets) * len(self.widths),
-                    step_build_s=self._build_s,
+                    step_programs=programs["step_programs"],
+                    step_program_bound=8 * len(self.row_buckets) * len(self.widths),
+                    step_build_s=programs["compile_s"], larger_bucket_steps=programs["larger_bucket_steps"],
+                    compile_blocked_steps=programs["compile_blocked_steps"],
+                    compile_blocked_s=programs["compile_blocked_s"],
                     mean_decode_depth=self._loops_run[0] / self._loops_run[1] if self._loops_run[1] else None)
 
     def _reset_device_counters(self) -> None:
         self._loops_run[:] = [0, 0]
         if self.state is not None:
             self.state = ws.reset_counters(self.state)
+
+
+def use_compilation_cache(where: str | Path | None) -> None:
+    """Turn on jax's persistent compilation cache, so a second engine start reuses the compiled
+    programs: where "auto" -> on a GPU, COMPILATION_CACHE (unless jax's is set already, by
+    JAX_COMPILATION_CACHE_DIR or jax.config); a directory -> that one; None -> jax's setting
+    as it is. The setting is the process's (jax keeps one cache)."""
+    if where is None:
+        return
+    if where == "auto":
+        if jax.default_backend() != "gpu" or jax.config.jax_compilation_cache_dir:
+            return
+        where = COMPILATION_CACHE
+    where = Path(where).expanduser()
+    if jax.config.jax_compilation_cache_dir != str(where):
+        where.mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", str(where))
 
 
 def encode(prompt, config: ModelConfig, tokenizer: Tokenizer | None, what: str) -> list[int]:

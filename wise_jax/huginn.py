@@ -309,11 +309,11 @@ def prefill_chunk(params: HuginnParams, config: ModelConfig, k_pages: jax.Array,
     return _last_logits(params, x[0], length, all_logits), k_pages, v_pages
 
 
-@functools.partial(jax.jit, static_argnames=("config", "num_steps", "kernel", "wise_config", "adaptive"))
+@functools.partial(jax.jit, static_argnames=("config", "num_steps", "kernel", "wise_config", "adaptive", "allocate"))
 def decode_step(params: HuginnParams, config: ModelConfig, cache: kvc.PagedKVCache, tokens: jax.Array,
                 state: jax.Array, slots: jax.Array, *, num_steps: int, kernel: str = "auto",
                 wise_config: WiseConfig | None = None, wise_state: ws.WiseState | None = None,
-                adaptive: AdaptiveDepth | None = None):
+                adaptive: AdaptiveDepth | None = None, allocate: bool = True):
     """One decode token per cache row (`wise_jax.model.decode_step`'s contract): tokens int32[batch]
     at each row's position seq_lens, state [batch, hidden] (the initial recurrent state), slots
     int32[batch] (the request each row serves, the WISE tag; -1: an empty row, a masked no-op).
@@ -322,8 +322,9 @@ def decode_step(params: HuginnParams, config: ModelConfig, cache: kvc.PagedKVCac
     with layers = the core block's); None: every plane dense. The core iterations run unrolled.
     adaptive: per-token adaptive depth (`wise_core.huginn_reference`'s; `wise_torch.huginn`'s
     decode_step: rows that exited ride along held, their later iterations' K/V their exit
-    iteration's). Returns (logits float32[batch, vocab] (garbage for masked rows), cache,
-    wise_state), and with adaptive also the iterations each row ran, int32[batch]."""
+    iteration's). allocate: as `wise_jax.model.decode_step`'s. Returns (logits float32[batch,
+    vocab] (garbage for masked rows), cache, wise_state), and with adaptive also the iterations
+    each row ran, int32[batch]."""
     if cache.k.shape[0] < num_planes(config, num_steps):
         raise ValueError(f"the cache holds {cache.k.shape[0]} planes; {num_steps} core iterations need "
                          f"{num_planes(config, num_steps)}")
@@ -337,8 +338,7 @@ def decode_step(params: HuginnParams, config: ModelConfig, cache: kvc.PagedKVCac
     active = slots >= 0
     positions = cache.seq_lens
     grow = active & ~cache.overflowed
-    cache, fits = kvc.try_reserve(cache, jnp.where(grow, positions + 1, positions))
-    live = grow & fits
+    cache, live = kvc.grow_rows(cache, grow, allocate=allocate)
     seq_lens = jnp.where(live, cache.seq_lens, 1)
     cos, sin = rope(positions[:, None], config.head_dim, config.rope_theta)
     dense = WiseConfig()

@@ -133,6 +133,19 @@ def try_reserve(cache: PagedKVCache, lengths: jax.Array, width: int | None = Non
     return cache, fits
 
 
+def grow_rows(cache: PagedKVCache, rows: jax.Array, width: int | None = None, allocate: bool = True
+              ) -> tuple[PagedKVCache, jax.Array]:
+    """Grow each row in `rows: bool[batch]` by one key -> (cache, the rows grown: bool[batch]).
+    allocate: a row crossing a page boundary takes its page from the free stack (`try_reserve`:
+    all or nothing, no row grows when they do not fit); False: the page table already holds it
+    (a host allocator's), every row in `rows` grows."""
+    lengths = jnp.where(rows, cache.seq_lens + 1, cache.seq_lens)
+    if not allocate:
+        return dataclasses.replace(cache, seq_lens=lengths), rows
+    cache, fits = try_reserve(cache, lengths, width)
+    return cache, rows & fits
+
+
 def reserve(cache: PagedKVCache, lengths: jax.Array) -> PagedKVCache:
     """`try_reserve`, raising PoolExhaustedError when the values are concrete and do not fit."""
     lengths = jnp.maximum(jnp.asarray(lengths, jnp.int32), cache.seq_lens)

@@ -273,7 +273,7 @@ def prefill(params: Params, config: ModelConfig, tokens: jax.Array, length: jax.
 def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, state: ws.WiseState | None,
                 tokens: jax.Array, slots: jax.Array, *, wise_config: WiseConfig | None, kernel: str,
                 unroll: int | bool = 1, axis_name: str | None = None,
-                width: int | None = None, return_depths: bool = False) -> tuple:
+                width: int | None = None, return_depths: bool = False, allocate: bool = True) -> tuple:
     """Decode one token per cache row: append it (allocating a page at a page boundary) and run
     every loop; dense when wise_config is None, else WISE (state required).
 
@@ -290,14 +290,16 @@ def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, st
     row that would need more pages than that does not fit (the step writes nothing, as for a
     full pool). A row's attention does not depend on it beyond its keys.
     Returns (logits float32[batch, vocab] (garbage for masked rows), cache, state), and with
-    return_depths the loops each row ran, int32[batch] (its exit loop + 1)."""
+    return_depths the loops each row ran, int32[batch] (its exit loop + 1). allocate=False: the
+    page table already holds every active row's page for its new token (an engine's host
+    allocator chose it, `wise_core.engine.step_plan`): nothing is taken from the free stack and
+    no row overflows."""
     batch = tokens.shape[0]
     active = slots >= 0
     positions = cache.seq_lens
     grow = active & ~cache.overflowed                 # a cache that overflowed once takes no more
-    cache, fits = kvc.try_reserve(cache, jnp.where(grow, positions + 1, positions), width)
+    cache, live = kvc.grow_rows(cache, grow, width, allocate)
     pages = cache.max_pages if width is None else width
-    live = grow & fits
     seq_lens = jnp.where(live, cache.seq_lens, 1)    # a masked row attends its first key (scratch)
     h = embed(params, tokens)[:, None]
     cos, sin = rope(positions[:, None], config.head_dim, config.rope_theta)

@@ -1,8 +1,10 @@
-"""wise_jax.LLM decodes at a batch bucket (the rows up to the highest occupied slot) and a
-context bucket (the page-table width of the longest running row, `wise_core.buckets`), not at
-max_num_seqs x max_model_len: the tokens are exactly those of the unbucketed engine (every step
-at all rows and max_model_len's width), dense and WISE, fp32, with the reference and the
-interpreted Pallas kernels; the compiled steps stay within their bound."""
+"""wise_jax.LLM decodes compacted rows (`wise_core.engine.step_plan`) at a batch bucket (the live
+rows) and a context bucket (the page-table width of the longest running row,
+`wise_core.buckets`), not at max_num_seqs x max_model_len: the tokens are exactly those of the
+unbucketed engine (every step at all rows and max_model_len's width), dense and WISE, fp32, with
+the reference and the interpreted Pallas kernels; a step may run in a larger compiled bucket
+than its own while its own compiles in the background (`wise_jax.step_programs`), to the same
+tokens, and after the start-up set no step waits for a compile."""
 
 import numpy as np
 import pytest
@@ -11,14 +13,12 @@ import wise_jax
 from wise_core.checkpoint import random_tensors
 from wise_core.config import PRESETS, WiseConfig
 from wise_jax import engine as jax_engine
-from wise_jax import kv_cache as kvc
 
 CONFIG = PRESETS["test-tiny"]
 PAGE = 32
 # The first row grows across a page (1 -> 2 pages: rung 1 to 2), the others sit at 3 and 5
 # pages (rungs 4 and 8), so one batch spans three rungs; max_model_len 512 is 16 pages. They
-# take slots 0, 1, 2 and finish last to first, so the batch bucket goes 4 -> 2 -> 1 while slot
-# 0 carries its WISE state across the three.
+# finish last to first, so the batch bucket goes 4 -> 2 -> 1.
 LENGTHS, BUDGETS = [20, 70, 130], [14, 4, 2]
 
 
@@ -27,25 +27,29 @@ def params():
     return wise_jax.from_checkpoint_tensors(CONFIG, random_tensors(CONFIG, seed=4, std=0.08))
 
 
-def run(params, *, bucketed: bool, kernel: str, wise_config=None):
+def record_buckets(llm) -> list[tuple[int, int]]:
+    """The (rows, width) each decode step of llm runs at, appended as it runs."""
+    shapes, choose = [], llm.programs.choose
+
+    def recording(variant, rows, width):
+        program, rows, width = choose(variant, rows, width)
+        shapes.append((rows, width))
+        return program, rows, width
+    llm.programs.choose = recording
+    return shapes
+
+
+def run(params, *, bucketed: bool, kernel: str, wise_config=None, lengths=LENGTHS, budgets=BUDGETS, **kw):
     """Every request's tokens, the (rows, width) its decode steps ran at, and the engine."""
     llm = wise_jax.LLM(params, CONFIG, wise_config=wise_config, num_pages=64, page_size=PAGE, max_num_seqs=4,
-                       max_model_len=512, kernel=kernel)
+                       max_model_len=512, kernel=kernel, **kw)
     if not bucketed:
         llm.widths, llm.row_buckets = [llm.max_pages], [4]
-    shapes, step = [], jax_engine._step
-
-    def recording(*args, rows, width, **kw):
-        shapes.append((rows, width))
-        return step(*args, rows=rows, width=width, **kw)
-    jax_engine._step = recording
-    try:
-        rng = np.random.default_rng(0)
-        prompts = [rng.integers(0, 256, n).tolist() for n in LENGTHS]
-        outs = llm.generate(prompts, [wise_jax.SamplingParams(max_tokens=n, ignore_eos=True) for n in BUDGETS],
-                            use_tqdm=False)
-    finally:
-        jax_engine._step = step
+    shapes = record_buckets(llm)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, n).tolist() for n in lengths]
+    outs = llm.generate(prompts, [wise_jax.SamplingParams(max_tokens=n, ignore_eos=True) for n in budgets],
+                        use_tqdm=False)
     return [o.token_ids for o in outs], shapes, llm
 
 
@@ -57,6 +61,8 @@ def test_bucketed_decode_gives_the_unbucketed_tokens(params, kernel, wise_config
     assert tokens == want
     assert set(whole) == {(4, 16)}
     rows, widths = zip(*shapes)
+    # Three rows, then two, then one: the rows of a step are its live requests (the third request
+    # takes a 4-row bucket)
     assert rows[0] == 4 and rows[-1] == 1 and list(rows) == sorted(rows, reverse=True) and set(rows) == {4, 2, 1}
     # Rung 8 while the 130-token row runs, then 4, then the first row alone: 1 page until it
     # crosses to 2 (20 + 14 keys).
@@ -67,14 +73,15 @@ def test_bucketed_decode_gives_the_unbucketed_tokens(params, kernel, wise_config
     stats = llm.stats()
     assert stats.step_program_bound == 8 * len(llm.row_buckets) * len(llm.widths) == 8 * 3 * 5
     assert stats.step_programs == len(set(shapes)) <= stats.step_program_bound
+    assert stats.compile_blocked_steps == len(set(shapes)) and stats.larger_bucket_steps == 0   # compiled on the step path
     assert stats.pool_sizing == "num_pages=64 as given"
     if wise_config is not None:
         assert stats.fallbacks == 0 and 0 < stats.density[2] < 1
 
 
-def test_a_step_wider_than_its_bucket_writes_nothing(params):
-    """The width is the host's promise; a row that would outgrow it does not fit (no silent
-    truncation): the step writes nothing and the engine raises."""
+def test_a_step_wider_than_its_bucket_is_refused_on_the_host(params):
+    """The width is the host's promise; a plan whose row outgrows it is refused before anything
+    runs (no silent truncation)."""
     llm = wise_jax.LLM(params, CONFIG, num_pages=16, page_size=PAGE, max_num_seqs=2, max_model_len=512,
                        kernel="reference")
     llm.widths = [1] + llm.widths   # the ladder starts at 1 page
@@ -82,35 +89,47 @@ def test_a_step_wider_than_its_bucket_writes_nothing(params):
     context_bucket = jax_engine.context_bucket
     jax_engine.context_bucket = lambda widths, pages: 1   # a broken host: 33 keys at a width of 1 page
     try:
-        with pytest.raises(kvc.PoolExhaustedError, match="context bucket"):
+        with pytest.raises(ValueError, match="up to 2 pages does not fit 1 rows x 1 pages"):
             llm.run_until_done([request])
     finally:
         jax_engine.context_bucket = context_bucket
 
 
-def test_a_free_low_slot_keeps_the_bucket_of_the_highest(params):
-    """The batch bucket covers the highest occupied slot, whatever is free below it: with slot
-    0 finished first, slot 2 still decodes in a bucket of 4 rows, to the unbucketed tokens."""
-    def go(buckets):
-        llm = wise_jax.LLM(params, CONFIG, wise_config=WiseConfig(eta=0.5), num_pages=64, page_size=PAGE,
-                           max_num_seqs=4, max_model_len=512, kernel="reference")
-        if buckets is not None:
-            llm.row_buckets = buckets
-        shapes, step = [], jax_engine._step
+def test_a_lone_request_in_a_high_slot_decodes_in_one_row(params):
+    """Rows are compacted: with slots 0 and 1 finished first, slot 2 decodes alone in a 1-row
+    step (a step sized by the highest slot would run 4), to the unbucketed tokens."""
+    tokens, shapes, llm = run(params, bucketed=True, kernel="reference", wise_config=WiseConfig(eta=0.5),
+                              budgets=[2, 4, 14])
+    want, _, _ = run(params, bucketed=False, kernel="reference", wise_config=WiseConfig(eta=0.5), budgets=[2, 4, 14])
+    assert tokens == want
+    rows = [r for r, _ in shapes]
+    assert rows[-1] == 1 and rows.count(1) >= 9, rows
 
-        def recording(*args, rows, **kw):
-            shapes.append(rows)
-            return step(*args, rows=rows, **kw)
-        jax_engine._step = recording
-        try:
-            rng = np.random.default_rng(2)
-            outs = llm.generate([rng.integers(0, 256, n).tolist() for n in LENGTHS],
-                                [wise_jax.SamplingParams(max_tokens=n, ignore_eos=True) for n in (2, 4, 14)],
-                                use_tqdm=False)
-        finally:
-            jax_engine._step = step
-        return [o.token_ids for o in outs], shapes
 
-    tokens, rows = go(None)
-    want, _ = go([4])
-    assert tokens == want and set(rows) == {4}
+@pytest.mark.parametrize("wise_config", [None, WiseConfig(eta=0.5)], ids=["dense", "wise"])
+def test_background_compiles_never_stop_a_step_after_the_start_up_set(params, wise_config):
+    """With background compiles, once the start-up set (the largest bucket) is compiled, no step
+    waits for a compile: a step whose bucket is not compiled yet runs in the largest compiled
+    bucket holding it, to the very tokens of an engine compiling every bucket on the step path,
+    while its own compiles off the step path. The compiles stay within the buckets the steps
+    needed, plus the start-up set."""
+    blocking_tokens, blocking_shapes, _ = run(params, bucketed=True, kernel="reference", wise_config=wise_config,
+                                              background_compile=False)
+    llm = wise_jax.LLM(params, CONFIG, wise_config=wise_config, num_pages=64, page_size=PAGE, max_num_seqs=4,
+                       max_model_len=512, kernel="reference", background_compile=True)
+    llm.programs.wait()                      # the start-up set: (4 rows, 16 pages) of the default variant
+    assert llm.stats().step_programs == 1
+    shapes = record_buckets(llm)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, n).tolist() for n in LENGTHS]
+    outs = llm.generate(prompts, [wise_jax.SamplingParams(max_tokens=n, ignore_eos=True) for n in BUDGETS],
+                        use_tqdm=False)
+    assert [o.token_ids for o in outs] == blocking_tokens
+    llm.programs.wait()
+    stats = llm.stats()
+    assert stats.compile_blocked_steps == 0 and stats.compile_blocked_s == 0
+    assert stats.larger_bucket_steps >= 1
+    assert sum(shape != own for shape, own in zip(shapes, blocking_shapes)) == stats.larger_bucket_steps
+    assert all(r >= own_r and w >= own_w for (r, w), (own_r, own_w) in zip(shapes, blocking_shapes))
+    assert stats.step_programs <= len(set(blocking_shapes)) + 1
+    llm.programs.close()

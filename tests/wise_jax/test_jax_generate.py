@@ -125,7 +125,7 @@ def decode_memory(config, *, rows, max_pages, page_size, kernel, dtype):
                                              heads=config.num_attention_heads,
                                              max_blocks=max_pages * page_size // wise_config.block_size))
     row = jnp.zeros((rows,), jnp.int32)
-    inputs = engine.Rows(row, row, row, jnp.zeros((rows, max_pages), jnp.int32), row, jnp.zeros((), jnp.int32))
+    inputs = engine.Rows(row, row, row, row, jnp.zeros((rows, max_pages), jnp.int32))
     compiled = engine._step.lower(
         params, cache, state, row, inputs, engine._draw_of([None] * rows), config=config, wise_config=wise_config, kernel=kernel, unroll=1, sampling=False, keep_logits=False,
         rows=rows, width=max_pages).compile()

@@ -13,7 +13,6 @@ import pytest
 import wise_jax
 from wise_core.checkpoint import random_tensors
 from wise_core.config import PRESETS, WiseConfig
-from wise_jax import engine
 from wise_jax import kv_cache as kvc
 from wise_jax import wise_state as ws
 from wise_jax.engine import LLM, SamplingParams
@@ -110,28 +109,6 @@ def test_full_pool_step_writes_nothing(params):
         np.testing.assert_array_equal(np.asarray(getattr(cache, name)), getattr(held[0], name), err_msg=name)
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(held[1])):
         np.testing.assert_array_equal(np.asarray(a), b)
-
-
-def test_a_step_short_of_pages_writes_nothing_and_raises(params, prompts):
-    """The host's page bookkeeping keeps every decode step within its pages; should a step still
-    lack one (a row crossing into a page it was not given), it writes nothing and reading it
-    raises PoolExhaustedError."""
-    llm = LLM(params, CONFIG, page_size=PAGE, max_num_seqs=2, max_model_len=3 * PAGE, num_pages=4)
-    rid = llm.add_request(prompts[0][0][:PAGE], SamplingParams(max_tokens=4, ignore_eos=True))
-    llm.step()                                                   # the prefill of one whole page
-    seq, held = llm.sequences[rid], jax.tree.map(np.asarray, llm.cache)
-    inputs = engine.Rows(tokens=np.asarray([7], np.int32), tags=np.zeros(1, np.int32),
-                         positions=np.asarray([PAGE], np.int32),              # its first key of page 2 ...
-                         table=np.asarray([seq.pages + [llm.cache.scratch_page]], np.int32),
-                         new_pages=np.asarray([llm.cache.scratch_page], np.int32),
-                         num_new=np.int32(0))                                 # ... with no page to start
-    llm.cache, _, llm.next_token, _, outputs = engine._step(
-        llm.params, llm.cache, None, llm.next_token, inputs, engine._draw_of([seq]), None, None, config=CONFIG,
-        wise_config=None, kernel=llm.kernel, unroll=1, sampling=False, keep_logits=False, rows=1, width=2)
-    with pytest.raises(kvc.PoolExhaustedError, match="did not fit"):
-        engine._InFlight([(seq, 0)], outputs, [0]).read()
-    for name in ("k", "v"):                                      # every page but the scratch page
-        np.testing.assert_array_equal(np.asarray(getattr(llm.cache, name))[:, :-1], getattr(held, name)[:, :-1])
 
 
 def test_bad_requests_are_named_errors(params, prompts):

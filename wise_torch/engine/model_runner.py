@@ -43,6 +43,7 @@ from wise_core.buckets import batch_bucket, context_bucket, context_buckets, dec
 from wise_core.config import AdaptiveDepth, WiseConfig
 from wise_core.engine.scheduler import Chunk
 from wise_core.engine.sequence import Sequence
+from wise_core.engine.step_plan import DecodePlan, TagCounter
 from wise_core.modes import DENSE
 from wise_torch.attention import prepare_decode_attention, resolve_dense_decode, resolve_prefill_attention
 from wise_torch.union_decode import resolve_wise_decode
@@ -181,7 +182,7 @@ class ModelRunner:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_pool = None
         self.capture_s = 0.0   # time spent capturing graphs (decode and speculation)
-        self.next_epoch = 0
+        self.tags = TagCounter()   # the WISE token tags of decoded tokens (`wise_core.engine.step_plan`)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.logits_state: LogitsState | None = None    # made when a processed request first samples
 
@@ -219,18 +220,14 @@ class ModelRunner:
         return self.host_meta[self.staged % 2].numpy(), table.numpy()
 
     def _stage(self, seqs: list[Sequence], bucket: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-        """Fill the host staging for `bucket` rows of `width` pages (padding rows and the columns
-        past a row's pages: the scratch page) -> its views meta int64[6, bucket] and table
-        int32[bucket, pages of the longest row]."""
-        scratch = self.cache.scratch_page
+        """Fill the host staging with the step plan of `seqs` at `bucket` rows of `width` pages
+        (`DecodePlan`: padding rows and the columns past a row's pages on the scratch page) ->
+        its views meta int64[6, bucket] and table int32[bucket, pages of the longest row]."""
+        plan = DecodePlan.build(seqs, batch_buckets=self.buckets, widths=self.widths, page_size=self.page_size,
+                                scratch_page=self.cache.scratch_page, tags=self.tags, rows=bucket, width=width)
         meta, table = self._next_staging(bucket, width)
-        meta[:, :bucket] = np.array([[0], [0], [1], [scratch * self.page_size], [-1], [0]])
-        table[:] = scratch
-        for row, seq in enumerate(seqs):
-            pos = len(seq.tokens) - 1   # its last token, PENDING (-1) while in flight
-            meta[:, row] = (seq.tokens[-1], pos, pos + 1, self.cache.slot(seq.pages, pos), self.next_epoch, seq.slot)
-            self.next_epoch += 1
-            table[row, :len(seq.pages)] = seq.pages
+        meta[:, :bucket] = (plan.tokens, plan.positions, plan.seq_lens, plan.slot_mapping, plan.tags, plan.seq_slots)
+        table[:] = plan.page_table
         return meta[:, :bucket], table[:, :max(len(seq.pages) for seq in seqs)]
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:

@@ -224,8 +224,7 @@ class Speculator:
             for j in range(k + 1):
                 pos = first + j
                 slot = r.cache.slot(seq.pages, pos)
-                meta[j, 1:5, row] = (pos, pos + 1, slot, r.next_epoch)
-                r.next_epoch += 1
+                meta[j, 1:5, row] = (pos, pos + 1, slot, r.tags.issue(1)[0])
                 vmeta[:, row * q + j] = (pos, slot)
             vmeta[0, row * q + k + 1:(row + 1) * q] = first + k     # padding: a position the RoPE table holds
         self.staged.copy_(self.host, non_blocking=True)
