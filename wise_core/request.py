@@ -315,7 +315,7 @@ class EngineStats:
     1; prefill not counted); None without early exit or before any decode step.
     larger_bucket_steps (JAX): decode steps run in a larger compiled bucket than their own while
     theirs compiled in the background; compile_blocked_steps and compile_blocked_s: decode steps
-    that waited for a program to compile and the seconds they waited (`wise_jax.step_programs`;
+    that waited for a program to compile and the seconds they waited (`wise_jax.engine.compiler`;
     torch: 0, its graphs are captured on the step path, counted in step_build_s)."""
 
     total_pages: int

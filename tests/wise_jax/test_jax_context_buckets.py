@@ -3,7 +3,7 @@ rows) and a context bucket (the page-table width of the longest running row,
 `wise_core.buckets`), not at max_num_seqs x max_model_len: the tokens are exactly those of the
 unbucketed engine (every step at all rows and max_model_len's width), dense and WISE, fp32, with
 the reference and the interpreted Pallas kernels; a step may run in a larger compiled bucket
-than its own while its own compiles in the background (`wise_jax.step_programs`), to the same
+than its own while its own compiles in the background (`wise_jax.engine.compiler`), to the same
 tokens, and after the start-up set no step waits for a compile."""
 
 import numpy as np
@@ -12,7 +12,7 @@ import pytest
 import wise_jax
 from wise_core.checkpoint import random_tensors
 from wise_core.config import PRESETS, WiseConfig
-from wise_jax import engine as jax_engine
+from wise_jax.engine import llm as jax_engine
 
 CONFIG = PRESETS["test-tiny"]
 PAGE = 32

@@ -15,7 +15,7 @@ from wise_core import rounding
 from wise_core.checkpoint import random_tensors
 from wise_core.config import ConfigError, PRESETS, WiseConfig
 from wise_core.tokenizer import byte_tokenizer
-from wise_jax import engine
+from wise_jax.engine import programs, sampler
 from wise_jax import kv_cache as kvc
 from wise_jax import wise_state as ws
 
@@ -125,9 +125,9 @@ def decode_memory(config, *, rows, max_pages, page_size, kernel, dtype):
                                              heads=config.num_attention_heads,
                                              max_blocks=max_pages * page_size // wise_config.block_size))
     row = jnp.zeros((rows,), jnp.int32)
-    inputs = engine.Rows(row, row, row, row, jnp.zeros((rows, max_pages), jnp.int32))
-    compiled = engine._step.lower(
-        params, cache, state, row, inputs, engine._draw_of([None] * rows), config=config, wise_config=wise_config, kernel=kernel, unroll=1, sampling=False, keep_logits=False,
+    inputs = programs.Rows(row, row, row, row, jnp.zeros((rows, max_pages), jnp.int32))
+    compiled = programs.decode.lower(
+        params, cache, state, row, inputs, sampler.draw_of([None] * rows), config=config, wise_config=wise_config, kernel=kernel, unroll=1, sampling=False, keep_logits=False,
         rows=rows, width=max_pages).compile()
     memory = compiled.memory_analysis()
     cache_bytes = 2 * cache.k.dtype.itemsize * int(np.prod(cache.k.shape))

@@ -8,46 +8,42 @@ The host side -- continuous batching, pages taken as a request grows, chunked pr
 preemption, stop rules, outputs and stats -- is `wise_core.engine`, shared with wise_torch; the
 names mirror wise_torch's engine. This module runs what it plans on the device:
 
-The decode step. One jit-compiled program per batch bucket, context bucket
-(`wise_core.buckets`), greedy / sampling, kept logits and extras (a row with logits processing
-or logprobs), compiled lazily, the first time a step needs it. A step runs cache rows =
-sequence slots [0, bucket), the smallest of 1, 2, 4, 8, 16, 32, ... holding the highest slot
-decoding (slots are handed out lowest first), so a step runs the rows in use, not max_num_seqs;
-the context bucket is the page-table width of the longest row, a power-of-two rung, so a step
-costs what its live context needs, not what max_model_len allows. The host gives each step its
-page table, lengths and the pages its rows start (the pool's bookkeeping is the host's
-`BlockManager`; the device's free stack holds just those pages, in row order), and each row's
-token, or -1 for a token still on the device (the slot's last sampled token, `next_token`), so
-the host never waits before launching. The step runs `model.decode_step` (over a mesh,
-`sharding.decode_step`: the heads split over its "tp" axis) and samples on the device (per row:
-logits processing -- logit_bias, min_tokens, penalties over the per-slot `LogitsState` -- then
-temperature, top-p, top-k, min-p, the request's key folded with the token's index, or the
-forced token; every parameter traced, so no value recompiles). A row the host gave too few
-pages (a broken invariant) makes the step write nothing and raise PoolExhaustedError when it is
-read.
+The decode step. The host lays it out (`wise_core.engine.step_plan.DecodePlan`, as torch's
+engine does): compacted rows -- row i is the step's i-th sequence, the batch bucket the smallest
+of 1, 2, 4, 8, 16, 32, ... holding them -- at the context bucket of the longest row's pages
+(`wise_core.buckets`), each row's token (or -1: its sequence slot's token still on the device,
+`next_token`, so the host never waits before launching), position, WISE token tag, sequence slot
+and page table, every page the host's `BlockManager`'s (`decode_step(..., allocate=False)`: no
+device allocator on this path). The program (`programs.decode`) runs `model.decode_step` (over a
+mesh, `sharding.decode_step`: the heads split over its "tp" axis) and samples on the device
+(`sampler`: logits processing -- logit_bias, min_tokens, penalties over the per-slot
+`LogitsState` -- then temperature, top-p, top-k, min-p, the request's key folded with the token's
+index, or the forced token; every parameter traced, so no value recompiles). One program per
+(variant: greedy / sampling, kept logits, extras; rows; width), compiled ahead by
+`compiler.StepPrograms`: on a GPU in the background, a step whose program is not compiled yet
+running in a larger compiled one (docs/DESIGN.md).
 
 Prefill. A chunk at position 0 is `serving.prefill` of its tokens (padded to whole pages), whose
 K/V are written into the request's pages; a later chunk is `chunked_prefill`, attending over the
 pages already written. The first token of a prompt is sampled as decode rows are. A chunk that
 scores prompt positions (SamplingParams.prompt_logprobs, `Chunk.scored`) runs the program variant
 that also returns the logits of every position (`all_logits`; the last position's logits stay
-their own product, as without it), ranked on the device (`_score_prompt`).
+their own product, as without it), ranked on the device (`score_prompt`).
 
 Preemption offloads: a preempted request's pages of every plane are copied to host memory and
 written back into its new pages when it resumes, so it continues with the same tokens.
 
-WISE tags a row's supports with the token's epoch (docs/DESIGN.md "WISE state"): the tag the
-step passes to `model.decode_step` is a number issued once per decoded token (int32, modulo
+WISE tags a row's supports with the step plan's token tag (docs/DESIGN.md "WISE state"): the
+tag the step passes to `model.decode_step` is issued once per decoded token (int32, modulo
 2**31), beside its position.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import random
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -62,8 +58,7 @@ from wise_core.engine.scheduler import Chunk
 from wise_core.engine.sequence import Sequence, logits_rows
 from wise_core.engine.step_plan import DecodePlan, TagCounter
 from wise_core.huginn_reference import initial_state, num_planes
-from wise_core.request import (MAX_LOGPROBS, MAX_SEED, EngineStats, RequestOutput,  # noqa: F401 (its names)
-                               SamplingParams)
+from wise_core.request import MAX_SEED, SamplingParams
 from wise_core.tokenizer import encode_text
 from wise_jax import huginn
 from wise_jax import kv_cache as kvc
@@ -71,12 +66,15 @@ from wise_jax import serving
 from wise_jax import sharding
 from wise_jax import wise_state as ws
 from wise_jax.attention import resolve_kernel
-from wise_jax.chunked_prefill import sharded_prefill_chunk
 from wise_jax.loading import load_model
 from wise_jax.params import Params, stack_layers, unstack_layers
-from wise_jax.sampling import LogitsState, process_logits, ranked, sample
-from wise_jax.serving import TRACES
-from wise_jax.step_programs import StepPrograms
+from wise_jax.sampling import LogitsState
+from wise_jax.engine.inflight import InFlight
+from wise_jax.engine.programs import (DEFAULT_VARIANT, Rows, StepVariant, decode, first_token, prefill_chunk, read_pages,
+                                      score_prompt, set_logits_rows, spec_of, write_pages)
+from wise_jax.engine.sampler import Draw, Processing, draw_of, processing_of
+from wise_jax.engine.compiler import StepPrograms
+
 
 # num_pages=None on a GPU: the pool fills this share of the memory jax may allocate, less what is
 # in use. XLA still warns that it cannot rematerialize a program below its limit (on an H200,
@@ -89,292 +87,6 @@ COMPILATION_CACHE = Path("~/.cache/wise/jax-compilation")   # compilation_cache=
 def seed_key(seed: int) -> jax.Array:
     """A raw PRNG key for a seed in [0, 2**63) (jax.random.PRNGKey keeps only the low 32 bits)."""
     return jax.random.fold_in(jax.random.PRNGKey(seed & 0xFFFFFFFF), seed >> 32)
-
-
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["keys", "index", "temperature", "top_p", "top_k", "min_p", "forced"], meta_fields=[])
-@dataclasses.dataclass
-class Draw:
-    """How each row picks its token: keys uint32[rows, 2] (the request's key), index int32[rows]
-    (the token's index in its sequence, folded into the key), temperature, top_p, min_p float32,
-    top_k int32 (SamplingParams), forced int32 (the token to take instead, -1: none)."""
-
-    keys: jax.Array
-    index: jax.Array
-    temperature: jax.Array
-    top_p: jax.Array
-    top_k: jax.Array
-    min_p: jax.Array
-    forced: jax.Array
-
-    @classmethod
-    def spec(cls, rows: int) -> "Draw":
-        """The abstract Draw of `rows` rows, to compile a program ahead."""
-        f32, i32 = (jax.ShapeDtypeStruct((rows,), t) for t in (jnp.float32, jnp.int32))
-        return cls(jax.ShapeDtypeStruct((rows, 2), jnp.uint32), i32, f32, f32, i32, f32, i32)
-
-
-def _draw_of(seqs: list[Sequence | None]) -> Draw:
-    """The Draw of rows `seqs` (None: a padding row), on the host, for their next token."""
-    rows = len(seqs)
-    keys, index = np.zeros((rows, 2), np.uint32), np.zeros(rows, np.int32)
-    temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
-    top_k, min_p, forced = np.zeros(rows, np.int32), np.zeros(rows, np.float32), np.full(rows, -1, np.int32)
-    for row, seq in enumerate(seqs):
-        if seq is None:
-            continue
-        p = seq.params
-        keys[row], index[row] = seq.generator, len(seq.tokens)
-        temperature[row], top_p[row], top_k[row], min_p[row] = p.temperature, p.top_p, p.top_k, p.min_p
-        if seq.forced is not None:
-            forced[row] = seq.forced[seq.num_generated]
-    return Draw(keys, index, temperature, top_p, top_k, min_p, forced)
-
-
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["active", "min_active", "repetition", "presence", "frequency"], meta_fields=[])
-@dataclasses.dataclass
-class Processing:
-    """The logits processing of each row, in a step where some row is processed or asks for
-    logprobs: active bool[rows] (SamplingParams.processed, not forced), min_active bool[rows]
-    (fewer than min_tokens made), repetition, presence, frequency float32[rows] (its penalties)."""
-
-    active: jax.Array
-    min_active: jax.Array
-    repetition: jax.Array
-    presence: jax.Array
-    frequency: jax.Array
-
-    @classmethod
-    def spec(cls, rows: int) -> "Processing":
-        """The abstract Processing of `rows` rows, to compile a program ahead."""
-        flag, f32 = jax.ShapeDtypeStruct((rows,), jnp.bool_), jax.ShapeDtypeStruct((rows,), jnp.float32)
-        return cls(flag, flag, f32, f32, f32)
-
-
-class StepVariant(NamedTuple):
-    """A decode program's static options: sampling (some row samples; else every row is greedy
-    and no sampling code runs), keep_logits (the logits come back), extras (some row processes
-    logits or asks for ranked logprobs: `LLM._extras`)."""
-
-    sampling: bool
-    keep_logits: bool
-    extras: bool
-
-
-DEFAULT_VARIANT = StepVariant(sampling=False, keep_logits=False, extras=False)
-
-
-def _spec(tree):
-    """The abstract values (shape, dtype, sharding) of a pytree of arrays."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
-
-
-def _processing_of(seqs: list[Sequence | None]) -> Processing:
-    """The Processing of rows `seqs` (None: a padding row), on the host, for their next token."""
-    rows = len(seqs)
-    active, min_active = np.zeros(rows, bool), np.zeros(rows, bool)
-    repetition, presence, frequency = np.ones(rows, np.float32), np.zeros(rows, np.float32), np.zeros(rows, np.float32)
-    for row, seq in enumerate(seqs):
-        if seq is None or seq.forced is not None or not seq.params.processed:
-            continue
-        p = seq.params
-        active[row], min_active[row] = True, seq.num_generated < p.min_tokens
-        repetition[row], presence[row], frequency[row] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
-    return Processing(active, min_active, repetition, presence, frequency)
-
-
-def _choose(logits, draw: Draw, processing: Processing | None = None, state: LogitsState | None = None, *,
-            sampling: bool):
-    """Per row: the forced token where forced >= 0, else a sample (greedy where temperature is 0;
-    with sampling=False every row is greedy and no sampling code runs) with the row's key
-    folded with its index, of the logits processed where `processing` says (state: the rows'
-    LogitsState). Returns (token int32[rows], its log-prob float32[rows] under the raw logits,
-    ranked: None without processing, else (rank, top ids, top log p) of `ranked`)."""
-    chosen_from = logits
-    if processing is not None:   # a step with no processed row and no logprobs asked never runs this
-        p = processing
-        processed = process_logits(logits, state.prompt, state.counts, state.bias, state.stops, p.min_active,
-                                   p.repetition, p.presence, p.frequency)
-        chosen_from = jnp.where(p.active[:, None], processed, logits)
-    if sampling:
-        keys = jax.vmap(jax.random.fold_in)(draw.keys, draw.index)
-        sampled = jax.vmap(lambda l, k, t, p, tk, mp: sample(l[None], k, t, p, tk, mp)[0])(
-            chosen_from, keys, draw.temperature, draw.top_p, draw.top_k, draw.min_p)
-    else:
-        sampled = jnp.argmax(chosen_from, axis=-1).astype(jnp.int32)
-    token = jnp.where(draw.forced >= 0, draw.forced, sampled)
-    logprob = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token[:, None], axis=1)[:, 0]
-    top = None if processing is None else ranked(logits, token, min(MAX_LOGPROBS, logits.shape[-1]))[1:]
-    return token, logprob, top
-
-
-def _counted(state: LogitsState, slots, token, active) -> LogitsState:
-    """state with each active row's token (slots, token, active [rows]) added to its slot's counts."""
-    return dataclasses.replace(state, counts=state.counts.at[slots, token].add(active.astype(jnp.int32)))
-
-
-@functools.partial(jax.jit, static_argnames=("sampling",), donate_argnames=("next_token", "logits_state"))
-def _first_token(next_token, logits, slot, draw: Draw, processing: Processing | None = None,
-                 logits_state: LogitsState | None = None, *, sampling: bool):
-    """_choose for one prefilled request (logits float32[vocab], draw of one row), noted as its
-    slot's next decode input -> (next_token, logits_state, (token, logprob, NaN flag, ranked))."""
-    TRACES["first_token"] += 1
-    rows = None if logits_state is None else logits_state.rows(slot[None])
-    token, logprob, top = _choose(logits[None], draw, processing, rows, sampling=sampling)
-    if logits_state is not None:
-        logits_state = _counted(logits_state, slot[None], token, processing.active)
-    return next_token.at[slot].set(token[0]), logits_state, (token, logprob, jnp.isnan(logprob), top)
-
-
-@functools.partial(jax.jit, donate_argnames=("state",))
-def _set_logits_rows(state: LogitsState, slot, prompt, counts, bias, stops) -> LogitsState:
-    """state with slot's rows set (`wise_core.engine.sequence.logits_rows`)."""
-    TRACES["set_logits_rows"] += 1
-    return LogitsState(state.prompt.at[slot].set(prompt), state.counts.at[slot].set(counts),
-                       state.bias.at[slot].set(bias), state.stops.at[slot].set(stops))
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def _write_pages(cache: kvc.PagedKVCache, k, v, pages) -> kvc.PagedKVCache:
-    """Write k, v [planes, len(pages), page_size, kv_heads, head_dim] into storage `pages`."""
-    TRACES["write_pages"] += 1
-    return dataclasses.replace(cache, k=cache.k.at[:, pages].set(k.astype(cache.k.dtype)),
-                               v=cache.v.at[:, pages].set(v.astype(cache.v.dtype)))
-
-
-@jax.jit
-def _read_pages(cache: kvc.PagedKVCache, pages):
-    """The K/V of storage `pages`: k, v [planes, len(pages), page_size, kv_heads, head_dim]."""
-    return cache.k[:, pages], cache.v[:, pages]
-
-
-@functools.partial(jax.jit, static_argnames=("config", "unroll", "mesh", "all_logits"), donate_argnames=("cache",))
-def _prefill_chunk(params, cache: kvc.PagedKVCache, tokens, start, length, table, *, config: ModelConfig, unroll,
-                   mesh=None, all_logits: bool = False):
-    TRACES["prefill_chunk"] += 1
-    logits, k, v = sharded_prefill_chunk(params, config, cache.k, cache.v, tokens, start, length, table,
-                                         unroll=unroll, mesh=mesh, all_logits=all_logits)
-    return logits, dataclasses.replace(cache, k=k, v=v)
-
-
-@jax.jit
-def _score_prompt(logits, tokens):
-    """`ranked` of each position's next prompt token (logits float32[positions, vocab], tokens
-    int32[positions]) with the most alternatives SamplingParams.prompt_logprobs asks for."""
-    TRACES["score_prompt"] += 1
-    return ranked(logits, tokens, min(MAX_LOGPROBS, logits.shape[-1]))
-
-
-def _state_rows(state, rows: int, whole=None):
-    """The first `rows` slots of a WISE state (whole None), or `state` (those rows) written back
-    into `whole`."""
-    names = ("support", "tag_request", "tag_position", "depths_run")
-    if whole is None:
-        return dataclasses.replace(state, **{n: getattr(state, n)[:, :rows] for n in names})
-    return dataclasses.replace(state, **{n: getattr(whole, n).at[:, :rows].set(getattr(state, n)) for n in names})
-
-
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["tokens", "tags", "positions", "seq_slots", "table"], meta_fields=[])
-@dataclasses.dataclass
-class Rows:
-    """A decode step's rows, compacted (`wise_core.engine.step_plan.DecodePlan`): tokens int32 (the
-    input, -1: its sequence slot's next_token), tags int32 (the WISE token tag, -1: a padding
-    row), positions int32 (keys held before the step), seq_slots int32 (the sequence slot of the
-    row's per-sequence buffers), table int32[rows, width] (pages, the new token's included; the
-    scratch page past them)."""
-
-    tokens: jax.Array
-    tags: jax.Array
-    positions: jax.Array
-    seq_slots: jax.Array
-    table: jax.Array
-
-    @classmethod
-    def of(cls, plan: DecodePlan) -> "Rows":
-        return cls(plan.tokens, plan.tags, plan.positions, plan.seq_slots, plan.page_table)
-
-    @classmethod
-    def spec(cls, rows: int, width: int) -> "Rows":
-        """The abstract Rows of a (rows, width) step, to compile its program ahead."""
-        row = jax.ShapeDtypeStruct((rows,), jnp.int32)
-        return cls(row, row, row, row, jax.ShapeDtypeStruct((rows, width), jnp.int32))
-
-
-@functools.partial(jax.jit, static_argnames=("config", "wise_config", "kernel", "unroll", "sampling", "keep_logits",
-                                             "mesh", "rows", "width", "num_steps", "adaptive"),
-                   donate_argnames=("cache", "state", "next_token", "logits_state"))
-def _step(params: Params, cache: kvc.PagedKVCache, state, next_token, inputs: Rows, draw: Draw,
-          processing: Processing | None = None, logits_state: LogitsState | None = None, state_table=None, *,
-          config: ModelConfig, wise_config, kernel: str, unroll, sampling: bool, keep_logits: bool, mesh=None,
-          rows: int, width: int, num_steps: int | None = None, adaptive: AdaptiveDepth | None = None):
-    """One decode step of `rows` compacted rows (the batch bucket) at context bucket `width`
-    (module docstring); the host chose every page (`allocate=False`); processing and
-    logits_state None, or both given (`_choose`). A Huginn model (num_steps its core iterations,
-    None for Ouro) runs `huginn.decode_step` from each row's initial state, state_table[position]
-    (on the device), with per-token adaptive depth `adaptive` (None: every iteration). Returns
-    (cache, state, next_token, logits_state, (token, logprob, NaN flag, logits or None, ranked or
-    None, loops_run)), per row of the bucket; loops_run int32[2] (loops or core iterations the
-    live rows ran, live rows) with Ouro's early exit or Huginn's adaptive depth, else None."""
-    TRACES["step"] += 1
-    step_cache = dataclasses.replace(cache, page_table=inputs.table, seq_lens=inputs.positions,
-                                     overflowed=jnp.zeros((), bool))
-    rows_state = None if state is None else _state_rows(state, rows)
-    live = inputs.tags >= 0
-    tokens = jnp.where(inputs.tokens >= 0, inputs.tokens, next_token[inputs.seq_slots])
-    if num_steps is None:
-        exiting = config.early_exit_threshold < 1.0
-        logits, step_cache, rows_state, *depths = sharding.decode_step(
-            params, config, step_cache, rows_state, tokens, inputs.tags, wise_config=wise_config, kernel=kernel,
-            unroll=unroll, mesh=mesh, width=width, return_depths=exiting, allocate=False)
-    else:   # the step's table is `width` pages wide: so are its attention and supports
-        exiting = adaptive is not None
-        logits, step_cache, rows_state, *depths = huginn.decode_step(
-            params, config, step_cache, tokens, state_table[inputs.positions], inputs.tags, num_steps=num_steps,
-            kernel=kernel, wise_config=wise_config, wise_state=rows_state, adaptive=adaptive, allocate=False)
-    logits_rows = None if logits_state is None else logits_state.rows(inputs.seq_slots)
-    token, logprob, top = _choose(logits, draw, processing, logits_rows, sampling=sampling)
-    written = jnp.where(live, inputs.seq_slots, next_token.shape[0])     # padding rows write nothing
-    next_token = next_token.at[written].set(token, mode="drop")
-    if logits_state is not None:
-        logits_state = _counted(logits_state, inputs.seq_slots, token, processing.active & live)
-    cache = dataclasses.replace(cache, k=step_cache.k, v=step_cache.v)
-    if state is not None:
-        state = _state_rows(rows_state, rows, state)
-    loops_run = jnp.stack([jnp.where(live, depths[0], 0).sum(), live.sum()]) if exiting else None
-    return cache, state, next_token, logits_state, (token, logprob, jnp.isnan(logprob),
-                                                    logits if keep_logits else None, top, loops_run)
-
-
-class _InFlight:
-    """A launched step's outputs on the device (wise_core.engine.InFlight): rows [(sequence,
-    token index)], `at` the output row of each; prompt: per entry of prompt_rows its
-    `_score_prompt` outputs, over its chunk's padded positions."""
-
-    def __init__(self, rows: list, outputs, at: list[int], prompt_rows: list | None = None,
-                 prompt: list | None = None, loops_run: list[int] | None = None):
-        self.rows, self._outputs, self._at, self.logits = rows, outputs, at, {}
-        self.prompt_rows, self._prompt = prompt_rows or [], prompt or []
-        self._loops_run = loops_run
-
-    def read_prompt(self) -> list[tuple]:
-        scores = []
-        for (_, _, count), arrays in zip(self.prompt_rows, jax.device_get(self._prompt)):
-            scores.extend(zip(*(np.asarray(x[:count]).tolist() for x in arrays)))
-        return scores
-
-    def read(self) -> tuple[list[int], list[bool], list[float], list[tuple] | None]:
-        token, logprob, nan, logits, top, loops_run = jax.device_get(self._outputs)
-        if loops_run is not None and self._loops_run is not None:   # the engine's early-exit counts
-            self._loops_run[0] += int(loops_run[0])
-            self._loops_run[1] += int(loops_run[1])
-        at = np.asarray(self._at, np.int64)
-        self.logits = {i: np.asarray(logits[at[i]]) for i, (seq, _) in enumerate(self.rows)
-                       if seq.keep_logits and logits is not None}
-        if top is not None:
-            top = list(zip(*(x[at].tolist() for x in top)))
-        return token[at].tolist(), nan[at].tolist(), logprob[at].tolist(), top
 
 
 class LLM(LLMEngine):
@@ -465,7 +177,7 @@ class LLM(LLMEngine):
         self.max_pages = -(-self.max_model_len // self.page_size)
         self.widths = context_buckets(self.max_pages)
         self.row_buckets = decode_buckets(args.max_num_seqs)
-        self._loops_run = [0, 0]     # early exit: loops the decoded tokens ran, decoded tokens (`_step`)
+        self._loops_run = [0, 0]     # early exit: loops the decoded tokens ran, decoded tokens (`decode`)
         # The storage of the pool; its page table is each step's (the host's bookkeeping).
         self.cache = sharding.create_cache(config, mesh, batch=1, max_pages=1, num_pages=num_pages,
                                            page_size=self.page_size, dtype=dtype, planes=planes)
@@ -480,7 +192,7 @@ class LLM(LLMEngine):
         # The decode programs: compiled ahead from these abstract arguments (their shapes never
         # change), on a background thread when background_compile (None: on a GPU), starting
         # with the largest bucket of the default variant, which holds every step of it.
-        self._arg_specs = _spec((self.params, self.cache, self.state, self.next_token, self.state_table))
+        self._arg_specs = spec_of((self.params, self.cache, self.state, self.next_token, self.state_table))
         background = jax.default_backend() == "gpu" if background_compile is None else background_compile
         self.programs = StepPrograms(self._compile_step, background=background)
         self.programs.start([(DEFAULT_VARIANT, self.row_buckets[-1], self.widths[-1])])
@@ -520,7 +232,7 @@ class LLM(LLMEngine):
         key = seed_key(p.seed) if p.seed is not None else jax.random.fold_in(seed_key(self._seed), seq.request_id)
         seq.generator = np.asarray(key, np.uint32)
 
-    def _launch_decode(self, seqs: list[Sequence]) -> _InFlight:
+    def _launch_decode(self, seqs: list[Sequence]) -> InFlight:
         extras = self._extras(seqs)
         variant = StepVariant(sampling=any(s.forced is None and s.params.temperature > 0 for s in seqs),
                               keep_logits=any(s.keep_logits for s in seqs), extras=extras)
@@ -531,11 +243,11 @@ class LLM(LLMEngine):
                                 scratch_page=self.cache.scratch_page, tags=self.tags, rows=rows, width=width)
         padded: list[Sequence | None] = list(seqs) + [None] * (rows - len(seqs))
         self.cache, self.state, self.next_token, logits_state, outputs = program(
-            self.params, self.cache, self.state, self.next_token, Rows.of(plan), _draw_of(padded),
-            _processing_of(padded) if extras else None, self.logits_state if extras else None, self.state_table)
+            self.params, self.cache, self.state, self.next_token, Rows.of(plan), draw_of(padded),
+            processing_of(padded) if extras else None, self.logits_state if extras else None, self.state_table)
         if extras:
             self.logits_state = logits_state
-        return _InFlight([(seq, seq.expect()) for seq in seqs], outputs, list(range(len(seqs))),
+        return InFlight([(seq, seq.expect()) for seq in seqs], outputs, list(range(len(seqs))),
                          loops_run=self._loops_run)
 
     def _compile_step(self, key) -> Callable:
@@ -544,13 +256,13 @@ class LLM(LLMEngine):
         variant, rows, width = key
         logits_state = None
         if variant.extras:
-            logits_state = _spec(jax.eval_shape(
+            logits_state = spec_of(jax.eval_shape(
                 lambda: LogitsState.create(self.args.max_num_seqs, self.config.vocab_size)))
         static = dict(config=self.config, wise_config=self.wise_config, kernel=self.kernel, unroll=self.unroll,
                       mesh=self.mesh, num_steps=self.num_steps, adaptive=self.adaptive_depth,
                       sampling=variant.sampling, keep_logits=variant.keep_logits, rows=rows, width=width)
         params, cache, state, next_token, state_table = self._arg_specs
-        return _step.lower(params, cache, state, next_token, Rows.spec(rows, width), Draw.spec(rows),
+        return decode.lower(params, cache, state, next_token, Rows.spec(rows, width), Draw.spec(rows),
                            Processing.spec(rows) if variant.extras else None, logits_state, state_table,
                            **static).compile()
 
@@ -567,12 +279,12 @@ class LLM(LLMEngine):
             self.logits_state = LogitsState.create(self.args.max_num_seqs, self.config.vocab_size)
         for seq in seqs:
             if seq.forced is None and seq.params.processed and self._logits_owner.get(seq.slot) is not seq:
-                self.logits_state = _set_logits_rows(self.logits_state, jnp.int32(seq.slot),
+                self.logits_state = set_logits_rows(self.logits_state, jnp.int32(seq.slot),
                                                      *logits_rows(seq, self.config.vocab_size))
                 self._logits_owner[seq.slot] = seq
         return True
 
-    def _launch_prefill(self, chunks: list[Chunk]) -> _InFlight:
+    def _launch_prefill(self, chunks: list[Chunk]) -> InFlight:
         extras = self._extras([c.seq for c in chunks if c.completes])
         rows, outputs, prompt_rows, prompt = [], [], [], []
         for chunk in chunks:
@@ -583,7 +295,7 @@ class LLM(LLMEngine):
                 logits, kv = self._prefill(tokens, all_logits=scored)
                 n = kv.k.shape[1] // self.page_size
                 shape = (kv.k.shape[0], n, self.page_size) + kv.k.shape[2:]
-                self.cache = _write_pages(self.cache, kv.k.reshape(shape), kv.v.reshape(shape),
+                self.cache = write_pages(self.cache, kv.k.reshape(shape), kv.v.reshape(shape),
                                           jnp.asarray(seq.pages[:n], jnp.int32))
             else:
                 logits = self._continue_prompt(seq, tokens, chunk.start, all_logits=scored)
@@ -591,25 +303,25 @@ class LLM(LLMEngine):
                 logits, every = logits
                 following = np.zeros(every.shape[0], np.int32)    # each position's next prompt token
                 following[:chunk.scored] = seq.prompt[chunk.start + 1:chunk.start + 1 + chunk.scored]
-                prompt.append(_score_prompt(every, jnp.asarray(following)))
+                prompt.append(score_prompt(every, jnp.asarray(following)))
                 prompt_rows.append((seq, chunk.start + 1, chunk.scored))
             if chunk.completes:
                 forced = seq.forced is not None
-                self.next_token, logits_state, out = _first_token(
-                    self.next_token, logits, jnp.int32(seq.slot), _draw_of([seq]),
-                    _processing_of([seq]) if extras else None, self.logits_state if extras else None,
+                self.next_token, logits_state, out = first_token(
+                    self.next_token, logits, jnp.int32(seq.slot), draw_of([seq]),
+                    processing_of([seq]) if extras else None, self.logits_state if extras else None,
                     sampling=not forced and seq.params.temperature > 0)
                 if extras:
                     self.logits_state = logits_state
                 outputs.append(out + (logits,))
                 rows.append((seq, seq.expect()))
         if not outputs:
-            return _InFlight([], (np.zeros(0, np.int32), np.zeros(0), np.zeros(0, bool), None, None, None), [],
+            return InFlight([], (np.zeros(0, np.int32), np.zeros(0), np.zeros(0, bool), None, None, None), [],
                              prompt_rows, prompt)
         token, logprob, nan = (jnp.concatenate([o[i] for o in outputs]) for i in range(3))
         top = None if not extras else tuple(jnp.concatenate([o[3][i] for o in outputs]) for i in range(3))
         logits = jnp.stack([o[4] for o in outputs]) if any(seq.keep_logits for seq, _ in rows) else None
-        return _InFlight(rows, (token, logprob, nan, logits, top, None), list(range(len(rows))), prompt_rows,
+        return InFlight(rows, (token, logprob, nan, logits, top, None), list(range(len(rows))), prompt_rows,
                          prompt)
 
     def _prefill(self, tokens: list[int], *, all_logits: bool = False) -> tuple:
@@ -641,18 +353,18 @@ class LLM(LLMEngine):
                                                 self.state_table, num_steps=self.num_steps, all_logits=all_logits)
             self.cache = dataclasses.replace(self.cache, k=k, v=v)
             return logits
-        logits, self.cache = _prefill_chunk(self.params, self.cache, jnp.asarray(ids), jnp.int32(start),
+        logits, self.cache = prefill_chunk(self.params, self.cache, jnp.asarray(ids), jnp.int32(start),
                                             jnp.int32(len(tokens)), jnp.asarray(table), config=self.config,
                                             unroll=self.unroll, mesh=self.mesh, all_logits=all_logits)
         return logits
 
     def _offload(self, seq: Sequence, pages: list[int]) -> None:
         n = -(-seq.num_cached // self.page_size)
-        seq.offloaded = jax.device_get(_read_pages(self.cache, jnp.asarray(pages[:n], jnp.int32))) if n else None
+        seq.offloaded = jax.device_get(read_pages(self.cache, jnp.asarray(pages[:n], jnp.int32))) if n else None
 
     def _restore(self, seq: Sequence) -> None:
         k, v = seq.offloaded
-        self.cache = _write_pages(self.cache, k, v, jnp.asarray(seq.pages[:k.shape[1]], jnp.int32))
+        self.cache = write_pages(self.cache, k, v, jnp.asarray(seq.pages[:k.shape[1]], jnp.int32))
         seq.offloaded = None
 
     def _device_stats(self) -> dict:

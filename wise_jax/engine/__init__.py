@@ -1,0 +1,10 @@
+"""The JAX serving engine: `LLM` (llm.py) over the shared host side `wise_core.engine`; its
+device programs (programs.py), their ahead-of-time and background compiles (compiler.py), row
+sampling (sampler.py) and in-flight reads (inflight.py)."""
+
+from wise_jax.engine.llm import (COMPILATION_CACHE, GPU_POOL_FRACTION, LLM, encode, seed_key,  # noqa: F401
+                                 use_compilation_cache)
+from wise_core.request import EngineStats, RequestOutput, SamplingParams  # noqa: F401
+
+__all__ = ["LLM", "EngineStats", "RequestOutput", "SamplingParams", "encode", "seed_key", "use_compilation_cache",
+           "COMPILATION_CACHE", "GPU_POOL_FRACTION"]

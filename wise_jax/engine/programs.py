@@ -1,0 +1,176 @@
+"""The JAX engine's device programs: the decode step over a step plan's compacted rows, the first
+token of a prefilled prompt, logits-state rows, page writes and reads (prefill, offload), a
+chunk's prefill and prompt scores. Each is jit-compiled; the decode step is compiled ahead per
+(variant, bucket) by `wise_jax.engine.compiler`."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from wise_core.config import AdaptiveDepth, ModelConfig
+from wise_core.engine.step_plan import DecodePlan
+from wise_core.request import MAX_LOGPROBS
+from wise_jax import huginn
+from wise_jax import kv_cache as kvc
+from wise_jax import sharding
+from wise_jax.chunked_prefill import sharded_prefill_chunk
+from wise_jax.params import Params
+from wise_jax.sampling import LogitsState, ranked
+from wise_jax.serving import TRACES
+from wise_jax.engine.sampler import Draw, Processing, choose, counted
+
+
+class StepVariant(NamedTuple):
+    """A decode program's static options: sampling (some row samples; else every row is greedy
+    and no sampling code runs), keep_logits (the logits come back), extras (some row processes
+    logits or asks for ranked logprobs: `LLM._extras`)."""
+
+    sampling: bool
+    keep_logits: bool
+    extras: bool
+
+
+DEFAULT_VARIANT = StepVariant(sampling=False, keep_logits=False, extras=False)
+
+
+def spec_of(tree):
+    """The abstract values (shape, dtype, sharding) of a pytree of arrays."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
+
+
+@functools.partial(jax.jit, static_argnames=("sampling",), donate_argnames=("next_token", "logits_state"))
+def first_token(next_token, logits, slot, draw: Draw, processing: Processing | None = None,
+                 logits_state: LogitsState | None = None, *, sampling: bool):
+    """choose for one prefilled request (logits float32[vocab], draw of one row), noted as its
+    slot's next decode input -> (next_token, logits_state, (token, logprob, NaN flag, ranked))."""
+    TRACES["first_token"] += 1
+    rows = None if logits_state is None else logits_state.rows(slot[None])
+    token, logprob, top = choose(logits[None], draw, processing, rows, sampling=sampling)
+    if logits_state is not None:
+        logits_state = counted(logits_state, slot[None], token, processing.active)
+    return next_token.at[slot].set(token[0]), logits_state, (token, logprob, jnp.isnan(logprob), top)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def set_logits_rows(state: LogitsState, slot, prompt, counts, bias, stops) -> LogitsState:
+    """state with slot's rows set (`wise_core.engine.sequence.logits_rows`)."""
+    TRACES["set_logits_rows"] += 1
+    return LogitsState(state.prompt.at[slot].set(prompt), state.counts.at[slot].set(counts),
+                       state.bias.at[slot].set(bias), state.stops.at[slot].set(stops))
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def write_pages(cache: kvc.PagedKVCache, k, v, pages) -> kvc.PagedKVCache:
+    """Write k, v [planes, len(pages), page_size, kv_heads, head_dim] into storage `pages`."""
+    TRACES["write_pages"] += 1
+    return dataclasses.replace(cache, k=cache.k.at[:, pages].set(k.astype(cache.k.dtype)),
+                               v=cache.v.at[:, pages].set(v.astype(cache.v.dtype)))
+
+
+@jax.jit
+def read_pages(cache: kvc.PagedKVCache, pages):
+    """The K/V of storage `pages`: k, v [planes, len(pages), page_size, kv_heads, head_dim]."""
+    return cache.k[:, pages], cache.v[:, pages]
+
+
+@functools.partial(jax.jit, static_argnames=("config", "unroll", "mesh", "all_logits"), donate_argnames=("cache",))
+def prefill_chunk(params, cache: kvc.PagedKVCache, tokens, start, length, table, *, config: ModelConfig, unroll,
+                   mesh=None, all_logits: bool = False):
+    TRACES["prefill_chunk"] += 1
+    logits, k, v = sharded_prefill_chunk(params, config, cache.k, cache.v, tokens, start, length, table,
+                                         unroll=unroll, mesh=mesh, all_logits=all_logits)
+    return logits, dataclasses.replace(cache, k=k, v=v)
+
+
+@jax.jit
+def score_prompt(logits, tokens):
+    """`ranked` of each position's next prompt token (logits float32[positions, vocab], tokens
+    int32[positions]) with the most alternatives SamplingParams.prompt_logprobs asks for."""
+    TRACES["score_prompt"] += 1
+    return ranked(logits, tokens, min(MAX_LOGPROBS, logits.shape[-1]))
+
+
+def state_rows(state, rows: int, whole=None):
+    """The first `rows` slots of a WISE state (whole None), or `state` (those rows) written back
+    into `whole`."""
+    names = ("support", "tag_request", "tag_position", "depths_run")
+    if whole is None:
+        return dataclasses.replace(state, **{n: getattr(state, n)[:, :rows] for n in names})
+    return dataclasses.replace(state, **{n: getattr(whole, n).at[:, :rows].set(getattr(state, n)) for n in names})
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["tokens", "tags", "positions", "seq_slots", "table"], meta_fields=[])
+@dataclasses.dataclass
+class Rows:
+    """A decode step's rows, compacted (`wise_core.engine.step_plan.DecodePlan`): tokens int32 (the
+    input, -1: its sequence slot's next_token), tags int32 (the WISE token tag, -1: a padding
+    row), positions int32 (keys held before the step), seq_slots int32 (the sequence slot of the
+    row's per-sequence buffers), table int32[rows, width] (pages, the new token's included; the
+    scratch page past them)."""
+
+    tokens: jax.Array
+    tags: jax.Array
+    positions: jax.Array
+    seq_slots: jax.Array
+    table: jax.Array
+
+    @classmethod
+    def of(cls, plan: DecodePlan) -> "Rows":
+        return cls(plan.tokens, plan.tags, plan.positions, plan.seq_slots, plan.page_table)
+
+    @classmethod
+    def spec(cls, rows: int, width: int) -> "Rows":
+        """The abstract Rows of a (rows, width) step, to compile its program ahead."""
+        row = jax.ShapeDtypeStruct((rows,), jnp.int32)
+        return cls(row, row, row, row, jax.ShapeDtypeStruct((rows, width), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "wise_config", "kernel", "unroll", "sampling", "keep_logits",
+                                             "mesh", "rows", "width", "num_steps", "adaptive"),
+                   donate_argnames=("cache", "state", "next_token", "logits_state"))
+def decode(params: Params, cache: kvc.PagedKVCache, state, next_token, inputs: Rows, draw: Draw,
+          processing: Processing | None = None, logits_state: LogitsState | None = None, state_table=None, *,
+          config: ModelConfig, wise_config, kernel: str, unroll, sampling: bool, keep_logits: bool, mesh=None,
+          rows: int, width: int, num_steps: int | None = None, adaptive: AdaptiveDepth | None = None):
+    """One decode step of `rows` compacted rows (the batch bucket) at context bucket `width`
+    (module docstring); the host chose every page (`allocate=False`); processing and
+    logits_state None, or both given (`choose`). A Huginn model (num_steps its core iterations,
+    None for Ouro) runs `huginn.decode_step` from each row's initial state, state_table[position]
+    (on the device), with per-token adaptive depth `adaptive` (None: every iteration). Returns
+    (cache, state, next_token, logits_state, (token, logprob, NaN flag, logits or None, ranked or
+    None, loops_run)), per row of the bucket; loops_run int32[2] (loops or core iterations the
+    live rows ran, live rows) with Ouro's early exit or Huginn's adaptive depth, else None."""
+    TRACES["step"] += 1
+    step_cache = dataclasses.replace(cache, page_table=inputs.table, seq_lens=inputs.positions,
+                                     overflowed=jnp.zeros((), bool))
+    rows_state = None if state is None else state_rows(state, rows)
+    live = inputs.tags >= 0
+    tokens = jnp.where(inputs.tokens >= 0, inputs.tokens, next_token[inputs.seq_slots])
+    if num_steps is None:
+        exiting = config.early_exit_threshold < 1.0
+        logits, step_cache, rows_state, *depths = sharding.decode_step(
+            params, config, step_cache, rows_state, tokens, inputs.tags, wise_config=wise_config, kernel=kernel,
+            unroll=unroll, mesh=mesh, width=width, return_depths=exiting, allocate=False)
+    else:   # the step's table is `width` pages wide: so are its attention and supports
+        exiting = adaptive is not None
+        logits, step_cache, rows_state, *depths = huginn.decode_step(
+            params, config, step_cache, tokens, state_table[inputs.positions], inputs.tags, num_steps=num_steps,
+            kernel=kernel, wise_config=wise_config, wise_state=rows_state, adaptive=adaptive, allocate=False)
+    logits_rows = None if logits_state is None else logits_state.rows(inputs.seq_slots)
+    token, logprob, top = choose(logits, draw, processing, logits_rows, sampling=sampling)
+    written = jnp.where(live, inputs.seq_slots, next_token.shape[0])     # padding rows write nothing
+    next_token = next_token.at[written].set(token, mode="drop")
+    if logits_state is not None:
+        logits_state = counted(logits_state, inputs.seq_slots, token, processing.active & live)
+    cache = dataclasses.replace(cache, k=step_cache.k, v=step_cache.v)
+    if state is not None:
+        state = state_rows(rows_state, rows, state)
+    loops_run = jnp.stack([jnp.where(live, depths[0], 0).sum(), live.sum()]) if exiting else None
+    return cache, state, next_token, logits_state, (token, logprob, jnp.isnan(logprob),
+                                                    logits if keep_logits else None, top, loops_run)
