@@ -157,3 +157,36 @@ def test_preemption_under_graphs_keeps_the_tokens_fp32():
     tight = engine_outputs(model, prompts, WiseConfig(), 24, page_size=32, num_pages=12)
     assert tight[2].stats().preemptions > 0 and tight[2].stats().free_pages == 12
     assert tight[0] == free[0]
+
+
+@pytest.mark.parametrize("fault", ["sync", "raise"])
+def test_failed_capture_runs_eagerly(fault, monkeypatch, caplog):
+    """The first decode step's CUDA-graph capture fails for real -- "sync": a host sync inside the
+    capture (illegal: CUDA invalidates the capture, and its end raises), "raise": an exception
+    from inside the capture (its end succeeds: a partial graph) -- and the engine goes on: that
+    step runs eagerly, the later steps capture and replay their graphs in the same CUDA context,
+    and the tokens, logits and WISE counters are an eager engine's (CPU simulation of the same:
+    tests/wise_torch/test_torch_capture_failure.py)."""
+    model = wt.load_model("ouro-py-3m", dtype=torch.bfloat16, device="cuda")
+    prompts = [model.tokenizer.encode(t).ids for t in ("def fib(n):", "import os\n" * 40, "class A:\n    def")]
+    eager = engine_outputs(model, prompts, WiseConfig(), 48, cuda_graphs=False)
+    decode_step, faults = model.decode_step, []
+
+    def first_capture_fails(tokens, *args, **kwargs):
+        if torch.cuda.is_current_stream_capturing() and not faults:
+            faults.append(fault)
+            if fault == "sync":
+                tokens.sum().item()   # a device-to-host read under capture
+            raise RuntimeError("a launch failed under capture (forced by the test)")
+        return decode_step(tokens, *args, **kwargs)
+    monkeypatch.setattr(model, "decode_step", first_capture_fails)
+    with caplog.at_level("WARNING", logger="wise_torch.engine.model_runner"):
+        tokens, logits, llm = engine_outputs(model, prompts, WiseConfig(), 48, cuda_graphs=True)
+    stats = llm.stats()
+    assert faults == [fault] and len(stats.failed_step_programs) == 1
+    assert stats.failed_step_programs[0] not in llm.runner.graphs and stats.step_programs >= 1
+    assert len([r for r in caplog.records if "runs eagerly" in r.getMessage()]) == 1
+    assert tokens == eager[0]
+    assert all(torch.equal(a, b) for a, b in zip(logits, eager[1]))   # eager and graph steps: bitwise
+    assert (stats.fallbacks, stats.density) == (eager[2].stats().fallbacks, eager[2].stats().density)
+    torch.cuda.synchronize()   # the context is still usable
