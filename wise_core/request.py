@@ -302,10 +302,7 @@ class EngineStats:
     time a step needs it: step_programs made so far, step_program_bound the most there can be,
     step_build_s the seconds spent making them (capture, or trace and compile), and
     step_memory_bytes the memory they hold beside the weights and the pool (torch: the graphs'
-    shared pool; JAX: the compiled steps' temporaries); failed_step_programs names the steps whose
-    program could not be made, each run eagerly from then on with the same tokens (torch: the
-    CUDA-graph captures that failed, decode's as (batch bucket, context bucket), speculation's
-    with its kind first; JAX: always (), a compile error raises). pool_sizing says how the page pool was
+    shared pool; JAX: the compiled steps' temporaries). pool_sizing says how the page pool was
     sized. Prefix caching: prefix_cache_queries, the prompt tokens of the requests looked up,
     and prefix_cache_hits, those found cached (their prefill skipped), since the engine started;
     forked_prompt_tokens: prompt tokens the later completions of n > 1 requests took from their
@@ -315,7 +312,11 @@ class EngineStats:
     where the engine has no choice). mean_decode_depth: with early exit (an Ouro model's
     early_exit_threshold < 1, a Huginn engine's adaptive_depth), the loops (Huginn: core
     iterations) a decoded token ran on average over the decode steps (each token's exit loop +
-    1; prefill not counted); None without early exit or before any decode step."""
+    1; prefill not counted); None without early exit or before any decode step.
+    failed_step_programs: the steps whose program could not be made, each run eagerly from then
+    on with the same tokens (torch: the CUDA-graph captures that failed, decode's as (batch
+    bucket, context bucket), speculation's with its kind first; JAX: always (), a compile error
+    raises)."""
 
     total_pages: int
     free_pages: int
