@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark of the project, in parts, for one H200 (tp: two):
-#   bash benchmarks/gpu_suite.sh tests|train|bench|engine|jax|jax-bench|jax-tests|huginn|step-profile|pallas|pallas-sweep|kernel-profile|tp|fa4|prefix|drafts OUTDIR [MODEL_DIR]
-# tests: the `gpu`-marked pytest suite, the parity suite;
+#   bash benchmarks/gpu_suite.sh tests1|tests2|tests3|tests4|tests-parity|tests-summary|train|bench|engine|jax|jax-bench|jax-tests|huginn|step-profile|pallas|pallas-sweep|kernel-profile|tp|fa4|prefix|drafts OUTDIR [MODEL_DIR]
+# tests1 .. tests4: the `gpu`-marked pytest suite in four parts of about 8 minutes each (one 10-minute call each;
+#        benchmarks.gpu_tests --part K/4: the files where pytest collects a gpu test, balanced by their
+#        FILE_SECONDS, each file in a process of its own, so a CUDA fault in one cannot fail the rest) into
+#        OUTDIR/gpu_tests_K; tests-parity: the parity suite (`python3 -m parity`, full shapes; on an H100 9 of its 12
+#        checks took 150 s, end-to-end about 100 s more on an H200, the two Huginn checks 74 s on a CPU with the
+#        references alone) as one row under a 540 s limit, into OUTDIR/gpu_tests_parity; tests-summary (no GPU:
+#        run it where the five parts' folders sit together under OUTDIR): one table of every file and parity
+#        (passed / failed / errors / skipped, the failures and every skip with its reason, the card, versions,
+#        date and commit), printed and written to OUTDIR/gpu_tests.md and .json -- give an OUTDIR under
+#        benchmarks/results/ to commit it;
 # train: trains the built-in model (benchmarks.train.train_builtin) into OUTDIR/model; TRAIN_ARCHITECTURES="huginn"
 #        trains the built-in Huginn model into OUTDIR/huginn-model instead, "ouro huginn" both (two 10-minute
 #        slots at the default TRAIN_MINUTES=5; TRAIN_MINUTES=3 fits both in one);
@@ -52,13 +61,21 @@ run() {  # run NAME SECONDS CMD...: log to OUTDIR/NAME.log, keep going on failur
   timeout "$secs" "$@" > "$out/$name.log" 2>&1
   echo "== $name exit $?  ($(tail -n 1 "$out/$name.log"))"
 }
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import sys,torch,triton,jax;print(sys.version.split()[0],'torch',torch.__version__,'triton',triton.__version__,'jax',jax.__version__)"
-  date -u +%FT%TZ; } > "$out/machine.txt" 2>&1
+if [ "$part" != tests-summary ]; then   # the summary runs where the parts came back, not on the GPU
+  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    python3 -c "import sys,torch,triton,jax;print(sys.version.split()[0],'torch',torch.__version__,'triton',triton.__version__,'jax',jax.__version__)"
+    date -u +%FT%TZ; } > "$out/machine.txt" 2>&1
+fi
 case $part in
-  tests)
-    run gpu_tests 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider --continue-on-collection-errors -rfE
-    run parity 150 python3 -m parity --json "$out/parity_h200.json" --details failures
+  tests1|tests2|tests3|tests4)
+    k=${part#tests}
+    run "gpu_tests_$k" 570 python3 -m benchmarks.gpu_tests --part "$k/4" --out "$out/gpu_tests_$k"
+    ;;
+  tests-parity)
+    run gpu_tests_parity 570 python3 -m benchmarks.gpu_tests --parity 540 --out "$out/gpu_tests_parity"
+    ;;
+  tests-summary)
+    python3 -m benchmarks.gpu_tests --summarize "$out"/gpu_tests_*/ --out "$out"
     ;;
   train)
     for arch in ${TRAIN_ARCHITECTURES:-ouro}; do
@@ -179,5 +196,5 @@ case $part in
     run draft_kinds 300 python3 -m benchmarks.engine.draft_kinds --dtype bfloat16 --prompts 64 --length 256 \
         --new-tokens 128 --out "$out/draft_kinds"
     ;;
-  *) echo "unknown part $part (tests|train|bench|engine|jax|jax-bench|jax-tests|huginn|step-profile|pallas|pallas-sweep|kernel-profile|tp|fa4|prefix|drafts)" >&2; exit 2;;
+  *) echo "unknown part $part (tests1|tests2|tests3|tests4|tests-parity|tests-summary|train|bench|engine|jax|jax-bench|jax-tests|huginn|step-profile|pallas|pallas-sweep|kernel-profile|tp|fa4|prefix|drafts)" >&2; exit 2;;
 esac

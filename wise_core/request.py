@@ -316,7 +316,11 @@ class EngineStats:
     larger_bucket_steps (JAX): decode steps run in a larger compiled bucket than their own while
     theirs compiled in the background; compile_blocked_steps and compile_blocked_s: decode steps
     that waited for a program to compile and the seconds they waited (`wise_jax.engine.compiler`;
-    torch: 0, its graphs are captured on the step path, counted in step_build_s)."""
+    torch: 0, its graphs are captured on the step path, counted in step_build_s).
+    failed_step_programs: the steps whose program could not be made, each run eagerly from then
+    on with the same tokens (torch: the CUDA-graph captures that failed, decode's as (batch
+    bucket, context bucket), speculation's with its kind first; JAX: always (), a compile error
+    raises)."""
 
     total_pages: int
     free_pages: int
@@ -338,6 +342,7 @@ class EngineStats:
     step_program_bound: int = 0
     step_build_s: float = 0.0
     step_memory_bytes: int = 0
+    failed_step_programs: tuple[tuple, ...] = ()
     pool_sizing: str = ""
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0

@@ -157,3 +157,51 @@ def test_preemption_under_graphs_keeps_the_tokens_fp32():
     tight = engine_outputs(model, prompts, WiseConfig(), 24, page_size=32, num_pages=12)
     assert tight[2].stats().preemptions > 0 and tight[2].stats().free_pages == 12
     assert tight[0] == free[0]
+
+
+def staggered_outputs(model, prompts, budgets, **kw):
+    """engine_outputs with a budget per request: the rows finish apart, so the steps run at
+    several (batch bucket, context bucket)s, each its own CUDA graph."""
+    llm = wt.LLM(model, wise_config=WiseConfig(), page_size=128, max_num_seqs=len(prompts),
+                 max_model_len=max(map(len, prompts)) + max(budgets), **kw)
+    ids = [llm.add_request(p, wt.SamplingParams(max_tokens=n, ignore_eos=True), keep_logits=True)
+           for p, n in zip(prompts, budgets)]
+    seqs = [llm.sequences[i] for i in ids]
+    with torch.inference_mode():
+        outs = llm.run_until_done(ids)
+    return [o.token_ids for o in outs], [torch.stack(s.logits) for s in seqs], llm
+
+
+@pytest.mark.parametrize("fault", ["sync", "raise"])
+def test_failed_capture_runs_eagerly(fault, monkeypatch, caplog):
+    """The first decode step's CUDA-graph capture fails for real -- "sync": a device-to-host read
+    inside the capture (illegal: CUDA invalidates the capture, and its end raises), "raise": an
+    exception from inside the capture (its end succeeds: a partial graph) -- and the engine goes
+    on: that step, (3 rows, 4 pages), runs eagerly, the later ones, (2, 1) and (1, 1), capture
+    and replay their graphs in the same CUDA context, and the tokens, logits and WISE counters
+    are an eager engine's (the CPU simulation of the same:
+    tests/wise_torch/test_torch_capture_failure.py)."""
+    model = wt.load_model("ouro-py-3m", dtype=torch.bfloat16, device="cuda")
+    prompts = [model.tokenizer.encode(t).ids for t in ("def fib(n):", "import os\n" * 40, "class A:\n    def")]
+    budgets = [48, 16, 32]
+    eager = staggered_outputs(model, prompts, budgets, cuda_graphs=False)
+    decode_step, faults = model.decode_step, []
+
+    def first_capture_fails(tokens, *args, **kwargs):
+        if torch.cuda.is_current_stream_capturing() and not faults:
+            faults.append(fault)
+            if fault == "sync":
+                tokens.sum().item()   # raises: not permitted while the stream captures
+            raise RuntimeError("a launch failed under capture (forced by the test)")
+        return decode_step(tokens, *args, **kwargs)
+    monkeypatch.setattr(model, "decode_step", first_capture_fails)
+    with caplog.at_level("WARNING", logger="wise_torch.engine.model_runner"):
+        tokens, logits, llm = staggered_outputs(model, prompts, budgets, cuda_graphs=True)
+    stats = llm.stats()
+    assert faults == [fault] and stats.failed_step_programs == ((3, 4),)
+    assert sorted(llm.runner.graphs) == [(1, 1), (2, 1)] and stats.step_programs == 2
+    assert len([r for r in caplog.records if "runs eagerly" in r.getMessage()]) == 1
+    assert tokens == eager[0]
+    assert all(torch.equal(a, b) for a, b in zip(logits, eager[1]))   # eager and graph steps: bitwise
+    assert (stats.fallbacks, stats.density) == (eager[2].stats().fallbacks, eager[2].stats().density)
+    torch.cuda.synchronize()   # the context is still usable

@@ -277,5 +277,5 @@ class LLM(LLMEngine):
             memory = sum(s["total_size"] for s in torch.cuda.memory_snapshot()
                          if tuple(s.get("segment_pool_id", ())) == tuple(r.graph_pool))
         return dict(step_programs=graphs, step_program_bound=bound, step_build_s=r.capture_s,
-                    step_memory_bytes=memory)
+                    step_memory_bytes=memory, failed_step_programs=tuple(r.eager_steps))
 

@@ -34,6 +34,8 @@ passes through a host.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 
 import numpy as np
@@ -52,6 +54,8 @@ from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch, Prefill
 from wise_torch.model import OuroForCausalLM
 from wise_torch.wise_state import WiseState
 
+log = logging.getLogger(__name__)
+
 
 def min_splits_for(rows: int, kv_heads: int, programs: int = 2048) -> int:
     """The fewest splits per row (a power of two in [1, 16]) for a decode step of `rows` rows to
@@ -61,6 +65,30 @@ def min_splits_for(rows: int, kv_heads: int, programs: int = 2048) -> int:
     every SM busy, and a sparse row is not one long program."""
     want = max(programs // (rows * kv_heads), 1)
     return min(1 << (want.bit_length() - 1), 16)
+
+
+def end_capture(graph: torch.cuda.CUDAGraph, pool: tuple, device: torch.device) -> None:
+    """End `graph`'s capture into `pool`. When CUDA reports the capture failed (an invalidated
+    capture: it is over, with no graph), torch's capture_end raises before it stops routing the
+    device's allocations to the pool and drops its reference to it; this does both (what
+    `torch.cuda.use_mem_pool` does on leaving), then re-raises: a routing left in place would keep
+    the caching allocator from ever processing its cross-stream events again."""
+    try:
+        graph.capture_end()
+    except Exception:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with contextlib.suppress(RuntimeError):   # not routed: the capture never began
+            torch._C._cuda_endAllocateToPool(index, pool)
+            torch._C._cuda_releasePool(index, pool)
+        raise
+
+
+def describe_step(key: tuple) -> str:
+    """A captured step's name for the log: decode's key is (batch bucket, context bucket),
+    speculation's starts with its kind ("draft", "verify")."""
+    if isinstance(key[0], str):
+        return f"speculation {key}"
+    return f"decode (batch bucket {key[0]} rows, context bucket {key[1]} pages)"
 
 
 class InFlight:
@@ -180,6 +208,9 @@ class ModelRunner:
                           if config.early_exit_threshold < 1.0 or adaptive_depth is not None else None)
         self.use_graphs = use_graphs
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Steps (decode: (bucket, width); speculation: its kind first) whose capture failed, with
+        # the error: they run eagerly from then on (`run_step`).
+        self.eager_steps: dict[tuple, str] = {}
         self.graph_pool = None
         self.capture_s = 0.0   # time spent capturing graphs (decode and speculation)
         self.tags = TagCounter()   # the WISE token tags of decoded tokens (`wise_core.engine.step_plan`)
@@ -256,23 +287,59 @@ class ModelRunner:
         host_meta, host_table = self.host_meta[self.staged % 2], self.host_table[self.staged % 2]
         self.meta[:, :bucket].copy_(host_meta[:, :bucket], non_blocking=True)
         self.page_table[:bucket * width].copy_(host_table[:bucket * width], non_blocking=True)
-        if not self.use_graphs:
-            return self._forward(bucket, width)
-        if (bucket, width) not in self.graphs:
-            self.graphs[bucket, width] = self.capture(lambda: self._forward(bucket, width))
-        graph, logits = self.graphs[bucket, width]
-        graph.replay()
-        return logits
+        return self.run_step(self.graphs, (bucket, width), lambda: self._forward(bucket, width))
 
-    def capture(self, fn) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
+    def run_step(self, graphs: dict, key: tuple, fn):
+        """fn() (a decode or speculation step over the static inputs) -> its output: the replay
+        of its CUDA graph in `graphs`, captured the first time `key` is needed; eagerly where
+        graphs are off or `key`'s capture failed (the eager step computes what the graph would)."""
+        if not self.use_graphs or key in self.eager_steps:
+            return fn()
+        if key not in graphs:
+            captured = self.capture(key, fn)
+            if captured is None:
+                return fn()
+            graphs[key] = captured
+        graph, out = graphs[key]
+        graph.replay()
+        return out
+
+    def capture(self, key: tuple, fn) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None] | None:
         """Capture fn() (a decode or speculation step over the static inputs) as a CUDA graph in
-        the shared pool, after a warm-up that compiles the kernels (the WISE and early-exit
-        counters it touches are restored) -> (graph, fn's output). Under tensor parallelism every rank captures the
-        same step in the same call: the warm-up's collectives pair up, and the captured ones run
-        at each replay."""
+        the shared pool, after a warm-up that compiles the kernels -> (graph, fn's output); the
+        WISE and early-exit counters the warm-up touches are restored. Under tensor parallelism
+        every rank captures the same step in the same call: the warm-up's collectives pair up,
+        and the captured ones run at each replay.
+
+        A capture that fails (any exception in the warm-up or the capture) cannot take the
+        engine down: it is ended and its partial graph dropped, the device synchronised (a lost
+        CUDA context raises there), the counters restored, and `key` noted in `eager_steps` and
+        logged -> None: the caller runs fn() eagerly, now and at every later step of `key`."""
         start = time.perf_counter()
-        saved = None if self.wise is None else self.wise.snapshot()
-        loops_run = None if self.loops_run is None else self.loops_run.clone()
+        counters = self._save_counters()
+        try:
+            return self._warm_up_and_capture(fn)
+        except Exception as error:
+            self._abandon_capture(key, error)
+            return None
+        finally:
+            self._restore_counters(counters)
+            self.capture_s += time.perf_counter() - start
+
+    def _save_counters(self) -> tuple[dict | None, torch.Tensor | None]:
+        """Copies of the WISE state and the early-exit counts (None for those the engine lacks)."""
+        return (None if self.wise is None else self.wise.snapshot(),
+                None if self.loops_run is None else self.loops_run.clone())
+
+    def _restore_counters(self, counters: tuple[dict | None, torch.Tensor | None]) -> None:
+        wise, loops_run = counters
+        if wise is not None:
+            self.wise.restore(wise)
+        if loops_run is not None:
+            self.loops_run.copy_(loops_run)
+
+    def _warm_up_and_capture(self, fn) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
+        """fn() once on a side stream (compiling its kernels), then captured there -> (graph, output)."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -280,18 +347,41 @@ class ModelRunner:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self.tp is not None:
             torch.cuda.synchronize(self.device)   # no collective of the warm-up is pending during the capture
+        return self._record_graph(fn, stream)
+
+    def _record_graph(self, fn, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
+        """fn() captured on `stream` as a CUDA graph in the shared pool -> (graph, output). What
+        `torch.cuda.graph` does, except that a capture that fails is ended before its error
+        propagates (`end_capture`) and the current stream is restored either way.
+
+        thread_local: a CUDA call from another thread of the process (JAX's runtime threads,
+        when both frameworks share it) does not invalidate this capture, as it does in "global"
+        mode."""
+        pool = self.graph_pool or torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        # thread_local: a CUDA call from another thread of the process (JAX's runtime threads, when
-        # both frameworks share it) does not invalidate this capture, as it does in "global" mode.
-        with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
-            out = fn()
-        self.graph_pool = graph.pool()
-        if saved is not None:
-            self.wise.restore(saved)
-        if loops_run is not None:
-            self.loops_run.copy_(loops_run)
-        self.capture_s += time.perf_counter() - start
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                out = fn()
+            except Exception:
+                with contextlib.suppress(Exception):   # the capture's own error is fn's, raised below
+                    end_capture(graph, pool, self.device)
+                raise
+            end_capture(graph, pool, self.device)
+        self.graph_pool = pool
         return graph, out
+
+    def _abandon_capture(self, key: tuple, error: Exception) -> None:
+        """After a failed capture of step `key` (ended by `_record_graph`; its graph dropped with
+        the frame): wait for the device (a lost CUDA context raises here, the capture's error
+        chained), then note `key` as eager and log it -- once, as a step is captured once."""
+        torch.cuda.synchronize(self.device)
+        self.eager_steps[key] = f"{type(error).__name__}: {error}"
+        log.warning("CUDA-graph capture of the %s step failed, so that step runs eagerly from now on "
+                    "(the same tokens, without the graph's speed): %s", describe_step(key),
+                    self.eager_steps[key])
 
     # -- prefill ----------------------------------------------------------------------------
     def prefill(self, chunks: list[Chunk]) -> tuple[torch.Tensor, tuple[list, tuple] | None]:

@@ -188,15 +188,9 @@ class Speculator:
                                                       range(self.depth, self.model.config.num_loops)))
 
     def _run(self, key: tuple, fn):
-        """fn() eagerly, or its CUDA graph (captured on first use, as the decode graphs are)."""
-        r = self.runner
-        if not r.use_graphs:
-            return fn()
-        if key not in self.graphs:
-            self.graphs[key] = r.capture(fn)   # its warm-up rewrites what the replay writes
-        graph, out = self.graphs[key]
-        graph.replay()
-        return out
+        """fn() eagerly, or its CUDA graph (captured on first use, as the decode graphs are: its
+        warm-up rewrites what the replay writes; a failed capture runs it eagerly from then on)."""
+        return self.runner.run_step(self.graphs, key, fn)
 
     # -- one round ----------------------------------------------------------------------------------
     def _views(self, flat: torch.Tensor, rows: int):
