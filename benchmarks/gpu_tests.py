@@ -191,7 +191,7 @@ def machine() -> dict:
 
 def table(rows: list[dict], info: dict) -> str:
     total = {k: sum(r[k] for r in rows) for k in ("passed", "failed", "errors", "skipped")}
-    lines = [f"# gpu tests, one process per file", "",
+    lines = ["# gpu tests, one process per file", "",
              f"{info.get('gpu')}; Python {info.get('python')}, torch {info.get('torch')}, triton {info.get('triton')}, "
              f"jax {info.get('jax')}; flash_attn.cute {info.get('flash_attn_cute')}; commit {info.get('commit')}; "
              f"{info.get('date')}", "",
