@@ -25,6 +25,7 @@ from wise_core.engine.args import EngineArgs
 from wise_core.engine.block_manager import BlockManager
 from wise_core.engine.scheduler import Chunk, Scheduler
 from wise_core.engine.sequence import Sequence, Status, output_of, ranked_entry
+from wise_core.engine.single_thread import SingleThread, one_thread
 from wise_core.request import EngineStats, RequestOutput, SamplingParams, add_all, prompts_with_params
 from wise_core.tokenizer import encode_text
 
@@ -72,8 +73,10 @@ class LLMEngine:
         self.inflight_kind = self.previous_kind = None
         self.next_id = 0
         self.counters = dict.fromkeys(COUNTERS, 0)
+        self._single_thread = SingleThread(type(self).__module__.split(".")[0] + ".LLM")
 
     # -- requests ---------------------------------------------------------------------------
+    @one_thread
     def add_request(self, prompt, params: SamplingParams | None = None, *, forced: list[int] | None = None,
                     keep_logits: bool = False) -> int:
         """Queue a request (a string, or token ids) -> its request id. A request that can never
@@ -93,6 +96,10 @@ class LLMEngine:
         if bad:
             raise ValueError(f"SamplingParams.logit_bias names token ids {bad[:5]} outside the vocabulary "
                              f"(size {self.vocab_size})")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids names token ids {bad[:5]} outside the vocabulary "
+                             f"(size {self.vocab_size}): they could never stop the request")
         seqs = [Sequence(self.next_id + i, ids, params.completion(i) if params.n > 1 else params,
                          self.eos_token_ids, arrival=self.next_id + i, forced=forced, keep_logits=keep_logits)
                 for i in range(params.n)]
@@ -167,6 +174,7 @@ class LLMEngine:
             del self.groups[seqs[0].request_id]
         return dataclasses.replace(outs[0], finished=finished, completions=outs)
 
+    @one_thread
     def abort(self, request_id: int) -> RequestOutput:
         """Stop a request now (every completion) and free its pages; its output so far,
         finish_reason "abort"."""
@@ -193,6 +201,7 @@ class LLMEngine:
         return self.scheduler.has_work() or bool(self.inflight)
 
     # -- one step ---------------------------------------------------------------------------
+    @one_thread
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step (decode every running request one token, prefill chunks
         of waiting ones), then read the tokens of the step before it, which the device ran while
@@ -252,8 +261,10 @@ class LLMEngine:
             for i, (seq, index) in enumerate(record.rows):
                 if seq.status is Status.FINISHED:          # stopped or aborted meanwhile: the row ran for nothing
                     continue
-                if nan[i]:
-                    raise FloatingPointError(f"the model's logits are NaN for request {seq.request_id}")
+                if nan[i]:              # this request alone fails; the other rows keep their tokens
+                    seq.fail(f"the model's logits are NaN for request {seq.request_id}")
+                    produced[seq.request_id] = seq
+                    continue
                 if logprobs is not None and (seq.params.logprobs is not None or seq.forced is not None):
                     seq.logprobs.append(logprobs[i])
                 if seq.params.logprobs is not None:
@@ -266,6 +277,8 @@ class LLMEngine:
         requests = []
         for seq in produced.values():
             if seq.status is Status.FINISHED:
+                if seq.finish_reason == "error":
+                    self._scrub(self.blocks.uncached_sole_pages(seq))
                 self._remove(seq)
                 del self.sequences[seq.request_id]
             if seq.group is None:
@@ -293,6 +306,7 @@ class LLMEngine:
                                      for token, row in zip(seq.prompt[first:first + count], rows))
 
     # -- batch use --------------------------------------------------------------------------
+    @one_thread
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, *,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run prompts (strings or token-id lists) to completion -> RequestOutput per prompt, in
@@ -300,6 +314,7 @@ class LLMEngine:
         ids = add_all(self, prompts_with_params(prompts, params, self.ARRAY_TYPES))
         return self.run_until_done(ids, use_tqdm=use_tqdm)
 
+    @one_thread
     def run_until_done(self, request_ids: list[int], *, use_tqdm: bool = False) -> list[RequestOutput]:
         """Step until the given (unfinished) requests finish -> their final outputs, in the order
         given. KeyError for an id that is not an unfinished request (it would never finish)."""
@@ -327,6 +342,7 @@ class LLMEngine:
         """The engine's tokenizer (None without one), as vLLM's LLM.get_tokenizer."""
         return self.tokenizer
 
+    @one_thread
     def stats(self) -> EngineStats:
         """Pool, queue and counters (reads the device's counters)."""
         return EngineStats(
@@ -337,6 +353,7 @@ class LLMEngine:
             forked_prompt_tokens=self.blocks.forked_tokens, **self.counters,
             **self._device_stats())
 
+    @one_thread
     def reset_stats(self) -> None:
         """Zero the timing and token counters and the WISE counters."""
         self.counters = dict.fromkeys(COUNTERS, 0)
@@ -375,6 +392,13 @@ class LLMEngine:
 
     def _forget(self, seq: Sequence) -> None:
         """A sequence leaves the engine: drop any device-side state held for it."""
+
+    def _scrub(self, pages: list[int]) -> None:
+        """A failed request's pages (`Sequence.fail`) go back to the pool: overwrite their K/V
+        (every plane) with zeros after the steps already launched, so that no later holder
+        reads its NaN (an attention whose masked keys still reach softmax(scores) @ V as 0 x
+        value turns a stale NaN into NaN output). Default: nothing, for a device side whose
+        attention never reads a key past a sequence's length."""
 
     def _device_stats(self) -> dict:
         """The EngineStats fields of the device side: fallbacks, density and the step programs'."""

@@ -252,6 +252,15 @@ class LLM(LLMEngine):
         if self.speculator is not None:
             self.speculator.forget(seq)
 
+    def _scrub(self, pages: list[int]) -> None:
+        """Zero the K/V of `pages` on every rank (a zero broadcast over each rank's shard)."""
+        if not pages:
+            return
+        zero = torch.zeros(())
+        if self.workers is not None:
+            self.workers.send("_copy_in", pages, zero, zero)
+        self.runner._copy_in(pages, zero, zero)
+
     def _device_stats(self) -> dict:
         wise = self.runner.wise
         return dict(prefill_attention=self.runner.prefill_attention, wise_decode=self.runner.wise_decode,
