@@ -20,7 +20,8 @@ import torch
 
 from wise_core.config import AdaptiveDepth, SpeculativeConfig, WiseConfig
 from wise_core.engine import EngineArgs, LLMEngine
-from wise_core.engine.args import check_adaptive_depth, cpu_pool, pool_pages, positive_int
+from wise_core.engine.args import (check_adaptive_depth, check_exit_iterations, check_pool_fits, cpu_pool,
+                                   host_available_bytes, pool_pages, positive_int)
 from wise_core.engine.scheduler import Chunk
 from wise_core.engine.sequence import Sequence
 from wise_torch.engine import distributed
@@ -140,6 +141,7 @@ class LLM(LLMEngine):
         num_steps = model.config.num_loops if num_steps is None else num_steps
         model.planes(num_steps)   # checks num_steps against the model
         adaptive_depth = check_adaptive_depth(adaptive_depth, model.config)
+        check_exit_iterations(adaptive_depth, num_steps)
         if speculative_config is not None:
             if model.config.early_exit_threshold < 1.0:
                 raise ValueError(f"speculative decoding runs every loop; this model exits early "
@@ -183,6 +185,7 @@ class LLM(LLMEngine):
         if num_pages is None:
             num_pages, sizing = self._default_pages(page_bytes, args.max_num_seqs * args.pages_per_request(
                 config.max_position_embeddings))
+        check_pool_fits(num_pages, page_bytes, *self._available_memory())
         max_model_len = args.model_len(config.max_position_embeddings, num_pages)
         self.model, self.wise_config = model, args.wise_config
         self._start(args, num_pages=num_pages, pool_sizing=sizing, max_model_len=max_model_len,
@@ -216,6 +219,13 @@ class LLM(LLMEngine):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _available_memory(self) -> tuple[int | None, str]:
+        """(bytes free for the pool, which memory that is) on the model's device."""
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return free, f"free on {self.device}"
+        return host_available_bytes(), "of host memory available"
 
     def _default_pages(self, page_bytes: int, most: int) -> tuple[int, str]:
         """(pages, how they were sized) for num_pages=None."""
