@@ -262,6 +262,9 @@ class LLM(LLMEngine):
         if self.speculator is not None:
             self.speculator.forget(seq)
 
+    def _build_seconds(self) -> float:
+        return self.runner.capture_s
+
     def _scrub(self, pages: list[int]) -> None:
         """Zero the K/V of `pages` on every rank (a zero broadcast over each rank's shard)."""
         if not pages:
