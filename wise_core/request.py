@@ -235,9 +235,10 @@ class RequestOutput:
     (None without one); logprobs: log p of each token (SamplingParams.logprobs not None, teacher
     forcing), else None. finish_reason: "length", "stop" (eos or a stop id), "abort", "error"
     (the engine found the request broken, e.g. NaN logits: `error` says why; the request alone
-    ended, its pages freed, the others go on), or None while running; stop_reason: the stop id or string that ended it (None for eos); a stop
-    string ends the text before it (token_ids keep the token that completed it). prompt_token_ids is
-    the engine's own list: read it, do not change it. `outputs` and `prompt` give vLLM's shape;
+    ended, its pages freed, the others go on), or None while running; stop_reason: the stop id
+    or string that ended it (None for eos); a stop string ends the text before it (token_ids
+    keep the token that completed it). prompt_token_ids is the engine's own list: read it, do not
+    change it. `outputs` and `prompt` give vLLM's shape;
     ranked: per position {token id: (logprob, rank)} (SamplingParams.logprobs not None), what
     `outputs` gives as Logprobs; prompt_ranked: the same of prompt tokens 1, 2, ...
     (SamplingParams.prompt_logprobs not None), what `prompt_logprobs` gives as Logprobs. A

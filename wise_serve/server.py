@@ -1,7 +1,7 @@
 """The HTTP server: the OpenAI API (completions, chat completions) over the engine thread, on aiohttp.
 
     wise serve --model ouro-py-3m --port 8000            # --backend jax: the JAX engine
-    curl localhost:8000/v1/completions -d '{"prompt": "def fib(n):", "max_tokens": 32, "temperature": 0}'
+    curl localhost:8000/v1/completions -d '{"prompt": "def add(a, b): return", "max_tokens": 32, "temperature": 0}'
 
 Routes: POST /v1/completions and POST /v1/chat/completions (JSON, or server-sent events with
 `stream`: one chunk per generated token of each choice, then `data: [DONE]`), POST

@@ -53,7 +53,9 @@ class InFlight(Protocol):
 
 class LLMEngine:
     """Continuous batching over a paged KV cache (module docstring); see `EngineArgs` for the
-    arguments every engine takes."""
+    arguments every engine takes. One thread at a time: a second thread entering a public
+    method while another is inside is a RuntimeError (`wise_core.engine.single_thread`). A
+    request the engine finds broken (NaN logits) ends alone with finish_reason "error"."""
 
     ARRAY_TYPES: tuple[type, ...] = ()   # the framework's array types (refused as a list of prompts)
 
@@ -205,7 +207,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step (decode every running request one token, prefill chunks
         of waiting ones), then read the tokens of the step before it, which the device ran while
-        this one was scheduled: returns the requests that produced a token or finished there.
+        this one was scheduled: returns the requests that produced a token or finished there
+        (a request whose logits were NaN finishes there alone, finish_reason "error", its pages
+        scrubbed and freed).
         The host thus trails the device by one step: a request that stops on a stop token or
         string has run one more step, whose token is dropped."""
         start, built = time.perf_counter(), self._build_seconds()

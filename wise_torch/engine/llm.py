@@ -1,7 +1,7 @@
 """`LLM`: the serving engine's front door (continuous batching over the paged cache).
 
     llm = wise_torch.LLM("ouro-py-3m", wise_config=WiseConfig())
-    outs = llm.generate(["def fib(n):"], wise_torch.SamplingParams(max_tokens=32))
+    outs = llm.generate(["def add(a, b): return"], wise_torch.SamplingParams(max_tokens=32))
 
 or step by step: `add_request`, `step` (the requests that produced a token or finished),
 `has_unfinished`, `abort`, and `stats`. With `tensor_parallel_size=N` the model's heads are split
