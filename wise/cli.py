@@ -4,9 +4,12 @@ Subcommands are listed in `COMMANDS` (name -> (help, add_arguments, run)); `run(
 the exit status. `wise generate` runs the engine of --backend (`wise_torch.LLM` or
 `wise_jax.LLM`, through the engine protocol `wise_core.engine.protocol.Engine`) on one prompt
 (--prompt TEXT, or - for standard input) or a batch (--prompt-file: one prompt a line, or JSONL
-objects with a "prompt" field), printing the text (--stream: as it comes; --logprobs: each
-token's log p after it) or one JSON object per prompt (--json); `wise serve` is the completions
-server (wise_serve, either backend).
+objects with a "prompt" field and an optional "max_tokens"; a UTF-8 byte-order mark is dropped,
+blank lines are skipped), printing the text (--stream: as it comes; --logprobs: each token's
+log p after it) or one JSON object per prompt (--json; its "index" is the prompt's line in the
+file, from 0, so blank lines do not renumber the prompts after them); `wise serve` is the
+completions server (wise_serve, either backend). Sampling flags (--top-p, --top-k, --min-p,
+--seed) need --temperature > 0: greedy decoding, the default, would ignore them.
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--prompt-file",
                         help="a batch of prompts: one per line, or JSONL objects with a \"prompt\" field; "
                              "'-' reads standard input")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default: 32)")
+    parser.add_argument("--max-new-tokens", type=int, default=32,
+                        help="tokens to generate per prompt (default: 32; a JSONL prompt's \"max_tokens\" overrides "
+                             "it); prompt + new tokens must fit the model's positions")
     parser.add_argument("--backend", choices=("torch", "jax"), default="torch", help="framework (default: torch)")
     parser.add_argument("--wise", action="store_true", help="decode with WISE (default: dense decode)")
     parser.add_argument("--eta", type=float, default=None,
@@ -57,13 +62,17 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampling temperature; 0 is greedy, the default (as SamplingParams; the server's "
                              "default is 1, as OpenAI's)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most probable tokens (default: 0, all)")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="nucleus sampling mass (needs --temperature; default: 1.0)")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="sample among the k most probable tokens (needs --temperature; default: 0, all)")
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
                         help="end a prompt's text before TEXT (repeat for several)")
-    parser.add_argument("--min-p", type=float, default=0.0,
-                        help="sample among tokens of probability >= min_p x the largest (default: 0, all)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    parser.add_argument("--min-p", type=float, default=None,
+                        help="sample among tokens of probability >= min_p x the largest (needs --temperature; "
+                             "default: 0, all)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="sampling seed (needs --temperature; default: 0); prompt i samples with seed + i")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and activations (default: float32)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto: the GPU when there is one (default: auto)")
@@ -97,41 +106,54 @@ def physical_cores() -> int:
 
 
 # -- prompts ----------------------------------------------------------------------------------------
-def read_prompts(args) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """One prompt of --prompt or --prompt-file: its text, max_tokens (None: --max-new-tokens),
+    line (its 0-based line in the file; 0 for --prompt) and name (how errors name it)."""
+
+    text: str
+    max_tokens: int | None
+    line: int
+    name: str
+
+
+def read_prompts(args) -> list[Prompt]:
     """The prompts of --prompt or --prompt-file (ValueError naming what is wrong)."""
     if args.prompt is not None:
-        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+        prompt = (sys.stdin.read() if args.prompt == "-" else args.prompt).removeprefix("\ufeff")
         if not prompt:
             raise ValueError("the prompt is empty" + (" (nothing on standard input)" if args.prompt == "-" else ""))
-        return [prompt]
+        return [Prompt(prompt, None, 0, "--prompt")]
     name = "standard input" if args.prompt_file == "-" else args.prompt_file
     try:
-        text = sys.stdin.read() if args.prompt_file == "-" else Path(args.prompt_file).read_text()
+        text = sys.stdin.read() if args.prompt_file == "-" else Path(args.prompt_file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"--prompt-file {name}: {e}") from None
-    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    lines = [(n, line) for n, line in enumerate(text.removeprefix("\ufeff").splitlines()) if line.strip()]
     if not lines:
         raise ValueError(f"--prompt-file {name} holds no prompt")
     if not lines[0][1].lstrip().startswith("{"):
-        return [line for _, line in lines]
-    prompts = []
-    for n, line in lines:                  # JSONL: every line an object with a string "prompt"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--prompt-file {name} line {n}: invalid JSON ({e})") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
-            raise ValueError(f"--prompt-file {name} line {n}: expected an object with a non-empty string "
-                             f"\"prompt\", got {line[:60]!r}")
-        prompts.append(obj["prompt"])
-    return prompts
+        return [Prompt(line, None, n, f"--prompt-file {name} line {n + 1}") for n, line in lines]
+    return [_jsonl_prompt(line, n, f"--prompt-file {name} line {n + 1}") for n, line in lines]
+
+
+def _jsonl_prompt(line: str, n: int, where: str) -> Prompt:
+    """One JSONL line: an object with a non-empty string "prompt" and an optional positive
+    integer "max_tokens" (other fields are the caller's, passed over)."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: invalid JSON ({e})") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
+        raise ValueError(f"{where}: expected an object with a non-empty string \"prompt\", got {line[:60]!r}")
+    max_tokens = obj.get("max_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                   or max_tokens < 1):
+        raise ValueError(f"{where}: \"max_tokens\" must be a positive integer, got {json.dumps(max_tokens):.40}")
+    return Prompt(obj["prompt"], max_tokens, n, where)
 
 
 # -- backends -------------------------------------------------------------------------------------------
-def _prompt_name(args, i: int) -> str:
-    return "--prompt" if args.prompt is not None else f"--prompt-file prompt {i + 1}"
-
-
 @dataclasses.dataclass
 class Backend:
     """A loaded model of one framework: its tokenizer, engine(**EngineArgs) -> the framework's
@@ -142,6 +164,7 @@ class Backend:
     engine: Callable[..., Engine]
     context: Callable[[], ContextManager]
     threads: int | None
+    max_positions: int
 
 
 def _torch_backend(args) -> Backend:
@@ -155,7 +178,7 @@ def _torch_backend(args) -> Backend:
         raise RuntimeError("--device cuda: torch sees no CUDA device")
     model = wise_torch.load_model(args.model, dtype=args.dtype, device=device)
     return Backend(model.tokenizer, lambda **kw: wise_torch.LLM(model, **kw), torch.inference_mode,
-                   torch.get_num_threads())
+                   torch.get_num_threads(), model.config.max_position_embeddings)
 
 
 def _jax_backend(args) -> Backend:
@@ -172,10 +195,22 @@ def _jax_backend(args) -> Backend:
     config, params, tokenizer = wise_jax.load_model(args.model, dtype=args.dtype, with_tokenizer=True,
                                                     layers="unstacked")
     return Backend(tokenizer, lambda **kw: wise_jax.LLM(params, config, tokenizer=tokenizer, **kw),
-                   contextlib.nullcontext, None)
+                   contextlib.nullcontext, None, config.max_position_embeddings)
 
 
-def _generate(args, wise_config: WiseConfig | None, prompts: list[str], on_text=None) -> tuple[list, dict]:
+def _new_tokens(args, prompt: Prompt, prompt_tokens: int, max_positions: int) -> int:
+    """The tokens to generate for `prompt` (its max_tokens, else --max-new-tokens), checked to fit
+    the model's positions with its prompt (a ValueError naming the flag or the line)."""
+    new = args.max_new_tokens if prompt.max_tokens is None else prompt.max_tokens
+    if prompt_tokens + new > max_positions:
+        given = f"--max-new-tokens {new}" if prompt.max_tokens is None else f"{prompt.name}'s \"max_tokens\" {new}"
+        raise ValueError(f"{given}: {prompt.name} holds {prompt_tokens} tokens, and with {new} new tokens they pass "
+                         f"the model's {max_positions} positions (max_position_embeddings); ask for at most "
+                         f"{max(max_positions - prompt_tokens, 0)}")
+    return new
+
+
+def _generate(args, wise_config: WiseConfig | None, prompts: list[Prompt], on_text=None) -> tuple[list, dict]:
     """Run the prompts on the --backend engine -> (per prompt: dict of text, token_ids,
     finish_reason, logprobs (None without --logprobs), prompt_tokens, ttft_s, latency_s; the
     engine's stats as a dict). Prompt i samples with seed --seed + i, so its tokens do not depend
@@ -184,19 +219,20 @@ def _generate(args, wise_config: WiseConfig | None, prompts: list[str], on_text=
     tokenizer = backend.tokenizer
     if tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer.json; `wise generate` needs one")
-    ids = [encode_text(tokenizer, p, _prompt_name(args, i)) for i, p in enumerate(prompts)]
+    ids = [encode_text(tokenizer, p.text, p.name) for p in prompts]
+    new = [_new_tokens(args, p, len(i), backend.max_positions) for p, i in zip(prompts, ids)]
     max_num_seqs, page_size = min(len(ids), MAX_NUM_SEQS), PAGE_SIZE
-    lengths = [len(p) + args.max_new_tokens for p in ids]
+    lengths = [len(p) + n for p, n in zip(ids, new)]
     # Every request at once: the pool they need (as wise_torch.generate); a larger batch queues
     # in a pool sized by the engine's default.
     num_pages = sum(-(-n // page_size) for n in lengths) if len(ids) <= max_num_seqs else None
     llm = backend.engine(wise_config=wise_config, num_pages=num_pages, page_size=page_size,
-                         max_num_seqs=max_num_seqs, max_model_len=max(lengths), seed=args.seed)
+                         max_num_seqs=max_num_seqs, max_model_len=max(lengths), seed=args.seed or 0)
     requests = {}
     for i, prompt in enumerate(ids):
-        params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, min_p=args.min_p, stop=tuple(args.stop),
-                                seed=(args.seed + i) % MAX_SEED, logprobs=args.logprobs)
+        params = SamplingParams(max_tokens=new[i], temperature=args.temperature, stop=tuple(args.stop),
+                                seed=((args.seed or 0) + i) % MAX_SEED, logprobs=args.logprobs,
+                                **sampling_filters(args))
         requests[llm.add_request(prompt, params)] = i
     results: list[dict | None] = [None] * len(ids)
     text = TextStream(tokenizer, tuple(args.stop)) if on_text is not None else None
@@ -230,7 +266,8 @@ def _generate(args, wise_config: WiseConfig | None, prompts: list[str], on_text=
     s = llm.stats()
     stats = dict(prefill_s=s.prefill_s, prefill_tokens=s.prompt_tokens, decode_s=s.decode_s,
                  decode_tokens=s.decode_tokens, decode_tokens_per_s=s.decode_tokens_per_s,
-                 preemptions=s.preemptions, fallbacks=s.fallbacks, density=s.density, threads=backend.threads)
+                 preemptions=s.preemptions, fallbacks=s.fallbacks, density=s.density, threads=backend.threads,
+                 step_programs=s.step_programs, step_build_s=s.step_build_s)
     return results, stats
 
 
@@ -246,13 +283,33 @@ def wise_settings(args) -> WiseConfig | None:
     return WiseConfig(**{name: value for name, value in settings.items() if value is not None})
 
 
-def run_generate(args) -> int:
-    wise_config = wise_settings(args)
-    check_sampling(args.temperature, args.top_p)
-    SamplingParams(top_k=args.top_k, min_p=args.min_p, stop=tuple(args.stop))   # their checks, before a framework loads
+SAMPLING_FLAGS = {"top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed"}
+
+
+def sampling_filters(args) -> dict:
+    """The SamplingParams filters given (top_p, top_k, min_p); the ones left out keep their defaults."""
+    return {name: getattr(args, name) for name in ("top_p", "top_k", "min_p") if getattr(args, name) is not None}
+
+
+def check_generate_arguments(args) -> None:
+    """The flags of `wise generate` that need no model (ValueError naming the flag): values in
+    range, and no sampling flag without --temperature > 0 (greedy decoding would ignore it)."""
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
+    check_sampling(args.temperature, 1.0 if args.top_p is None else args.top_p)
+    SamplingParams(stop=tuple(args.stop), **{k: v for k, v in sampling_filters(args).items() if k != "top_p"})
     check_seed(args.seed)
+    given = [flag for name, flag in SAMPLING_FLAGS.items() if getattr(args, name) is not None]
+    if given and not args.temperature > 0:
+        raise ValueError(f"{' and '.join(given)} set sampling; add --temperature T > 0 (greedy decoding, the "
+                         f"default, does not use {'them' if len(given) > 1 else 'it'})")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be a positive integer, got {args.threads}")
+
+
+def run_generate(args) -> int:
+    wise_config = wise_settings(args)
+    check_generate_arguments(args)
     prompts = read_prompts(args)
     if args.stream and len(prompts) > 1:
         raise ValueError("--stream prints one prompt's tokens as they come: give one --prompt")
@@ -264,14 +321,14 @@ def run_generate(args) -> int:
 
         def on_text(delta: str) -> None:
             if not started:                    # the prompt, once the model runs
-                started.append(print(prompts[0], end=""))
+                started.append(print(prompts[0].text, end=""))
             print(delta, end="", flush=True)
 
     results, stats = _generate(args, wise_config, prompts, on_text)
     for i, (prompt, r) in enumerate(zip(prompts, results)):
         if args.json:
             per = {k: r[k] for k in ("ttft_s", "latency_s") if k in r}
-            row = {"index": i, "prompt": prompt, "text": r["text"], "token_ids": r["token_ids"],
+            row = {"index": prompt.line, "prompt": prompt.text, "text": r["text"], "token_ids": r["token_ids"],
                    "finish_reason": r["finish_reason"]}
             if args.logprobs:
                 row["logprobs"] = r["logprobs"]
@@ -283,7 +340,7 @@ def run_generate(args) -> int:
         else:
             if len(prompts) > 1:
                 print(f"### prompt {i + 1} of {len(prompts)} ({r['finish_reason']})")
-            print(prompt + r["text"])
+            print(prompt.text + r["text"])
             if args.logprobs:
                 print("# token id, log p, text")
                 for token, logprob, piece in zip(r["token_ids"], r["logprobs"], r["token_texts"]):
@@ -294,6 +351,8 @@ def run_generate(args) -> int:
             f"({stats['decode_tokens_per_s']:.1f} tokens/s)")
     if len(prompts) > 1:
         line = f"{len(prompts)} prompts; " + line
+    if stats["step_programs"]:
+        line += f"; {stats['step_programs']} step program(s) built in {stats['step_build_s']:.3f} s"
     if wise_config is not None:
         density = ", ".join(f"loop {d}: {x:.3f}" for d, x in (stats.get("density") or {}).items() if x is not None)
         line += f"; WISE eta {wise_config.eta}: fallbacks {stats.get('fallbacks')}, density {density or 'n/a'}"

@@ -158,6 +158,7 @@ def index_weights(directory: Path) -> dict[str, TensorInfo]:
     """Where each tensor of model.safetensors or a sharded index lies, from the headers alone."""
     index = directory / INDEX_FILE
     if index.exists():
+        _check_file(index)
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
@@ -183,7 +184,14 @@ def index_weights(directory: Path) -> dict[str, TensorInfo]:
     single = directory / WEIGHTS_FILE
     if not single.exists():
         raise CheckpointError(f"{directory}: no {WEIGHTS_FILE} or {INDEX_FILE}")
+    _check_file(single)
     return _read_header(single)
+
+
+def _check_file(path: Path) -> None:
+    """A checkpoint's file that is something else (a directory) is a CheckpointError naming it."""
+    if not path.is_file():
+        raise CheckpointError(f"{path} is {'a directory' if path.is_dir() else 'not a regular file'}, not a file")
 
 
 def _read_header(path: Path) -> dict[str, TensorInfo]:

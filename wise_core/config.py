@@ -52,6 +52,40 @@ HUGINN_NAMES = {"n_embd": "hidden_size", "n_heads": "num_attention_heads", "n_la
 # The released RavenConfig's defaults for fields a Huginn config.json may leave out.
 HUGINN_DEFAULTS = {"rope_theta": 50_000.0, "tie_word_embeddings": True, "qk_bias": True, "state_init": "like-init"}
 # Huginn config.json fields that name a structure; wise implements these values only.
+OURO_MODEL_TYPES = (None, "ouro")
+OURO_HIDDEN_ACTS = (None, "silu")
+
+
+def _check_ouro_implements(raw: dict[str, Any]) -> None:
+    """An Ouro config dict's fields that change the model, where set to something wise does not
+    implement, are a ConfigError naming the field (loading them silently would give the tokens
+    of another model): a foreign model_type, hidden_act other than silu, rope_scaling, a sliding
+    window (use_sliding_window true, or sliding_window set without use_sliding_window false, or
+    a layer_types entry other than full_attention), attention or MLP biases."""
+    model_type = raw.get("model_type")
+    if model_type not in OURO_MODEL_TYPES:
+        raise ConfigError(f"config model_type {model_type!r:.60} is not a model wise implements (ouro, or "
+                          f"huginn_raven for Huginn)")
+    if raw.get("hidden_act") not in OURO_HIDDEN_ACTS:
+        raise ConfigError(f"config hidden_act {raw['hidden_act']!r:.60}: wise implements silu only")
+    if raw.get("rope_scaling") not in (None, {}):
+        raise ConfigError(f"config rope_scaling {json.dumps(raw['rope_scaling']):.80}: wise implements plain RoPE "
+                          f"(rope_theta) only; rope_scaling must be null")
+    use_window, window = raw.get("use_sliding_window"), raw.get("sliding_window")
+    if use_window not in (None, False) or (window is not None and use_window is not False):
+        raise ConfigError(f"config use_sliding_window {json.dumps(use_window)} with sliding_window "
+                          f"{json.dumps(window):.40}: wise implements full attention only (use_sliding_window must "
+                          f"be false or sliding_window null)")
+    layer_types = raw.get("layer_types") or ()
+    other = sorted({t for t in layer_types if t != "full_attention"}, key=str)
+    if other:
+        raise ConfigError(f"config layer_types holds {other[0]!r:.40}: wise implements full_attention layers only")
+    for name in ("attention_bias", "mlp_bias"):
+        if raw.get(name) not in (None, False):
+            raise ConfigError(f"config {name} {json.dumps(raw[name]):.40}: wise implements no {name.split('_')[0]} "
+                              f"biases in an Ouro model ({name} must be false)")
+
+
 HUGINN_FIXED = {"architecture_class_name": "RecurrentGPT", "block_class_name": "SandwichBlock",
                 "norm_class_name": "RMSNorm_llama", "mlp_class_name": "GatedMLP", "nonlin_name": "SiLU",
                 "injection_type": "linear", "bias": False}
@@ -209,6 +243,8 @@ class ModelConfig:
             raw = cls._huginn_names(raw)
         elif raw.get("architecture", "ouro") != "ouro":
             raise ConfigError(f"architecture must be one of {ARCHITECTURES}, got {raw['architecture']!r}")
+        else:
+            _check_ouro_implements(raw)
         values: dict[str, Any] = {name: raw[name] for name in fields if raw.get(name) is not None}
         for name in TOKEN_FIELDS:
             if isinstance(values.get(name), list):  # HF allows a list of eos ids; wise takes one
@@ -255,6 +291,8 @@ class ModelConfig:
             raw = json.loads(path.read_text())
         except FileNotFoundError:
             raise ConfigError(f"no config.json at {path}") from None
+        except IsADirectoryError:
+            raise ConfigError(f"{path} is a directory, not a config file") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from None
         if not isinstance(raw, dict):

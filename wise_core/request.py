@@ -233,10 +233,12 @@ class CompletionOutput:
 class RequestOutput:
     """What one request has produced so far. text decodes token_ids with the engine's tokenizer
     (None without one); logprobs: log p of each token (SamplingParams.logprobs not None, teacher
-    forcing), else None. finish_reason: "length", "stop" (eos or a stop id), "abort", or None
-    while running; stop_reason: the stop id or string that ended it (None for eos); a stop
-    string ends the text before it (token_ids keep the token that completed it). prompt_token_ids is
-    the engine's own list: read it, do not change it. `outputs` and `prompt` give vLLM's shape;
+    forcing), else None. finish_reason: "length", "stop" (eos or a stop id), "abort", "error"
+    (the engine found the request broken, e.g. NaN logits: `error` says why; the request alone
+    ended, its pages freed, the others go on), or None while running; stop_reason: the stop id
+    or string that ended it (None for eos); a stop string ends the text before it (token_ids
+    keep the token that completed it). prompt_token_ids is the engine's own list: read it, do not
+    change it. `outputs` and `prompt` give vLLM's shape;
     ranked: per position {token id: (logprob, rank)} (SamplingParams.logprobs not None), what
     `outputs` gives as Logprobs; prompt_ranked: the same of prompt tokens 1, 2, ...
     (SamplingParams.prompt_logprobs not None), what `prompt_logprobs` gives as Logprobs. A
@@ -256,6 +258,7 @@ class RequestOutput:
     ranked: list[dict[int, tuple[float, int]]] | None = dataclasses.field(default=None, repr=False)
     completions: list[RequestOutput] | None = dataclasses.field(default=None, repr=False)
     prompt_ranked: list[dict[int, tuple[float, int]]] | None = dataclasses.field(default=None, repr=False)
+    error: str | None = None
 
     @property
     def text(self) -> str | None:

@@ -70,20 +70,54 @@ class TrainConfig:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
 
 
+FIELD_HELP = {
+    "objective": "ouro: the exit-weighted loss with an entropy bonus (the gate trains); last: the last loop's "
+                 "loss; huginn: a Huginn model's loss at a drawn depth",
+    "beta": "ouro objective: weight of the exit distribution's entropy",
+    "backprop_depth": "huginn objective: the last core iterations that get gradient",
+    "batch": "windows per micro-batch (over all devices)",
+    "accum": "micro-batches per optimiser step (gradient accumulation)",
+    "seq_len": "tokens per window (each window reads seq_len + 1 tokens)",
+    "lr": "peak learning rate (AdamW)",
+    "final_lr_ratio": "the cosine schedule ends at this fraction of the peak",
+    "warmup": "optimiser steps of linear warm-up",
+    "weight_decay": "AdamW decoupled weight decay (matrices only)",
+    "clip": "global gradient-norm clip",
+    "b1": "AdamW beta1", "b2": "AdamW beta2", "eps": "AdamW epsilon",
+    "max_steps": "optimiser steps to run (give this or --minutes, or both)",
+    "minutes": "wall-clock budget in minutes (give this or --max-steps, or both)",
+    "seed": "seed of the initial weights and of the data order",
+    "order": "random: windows at random offsets; sequential: the next non-overlapping windows",
+    "compute_dtype": "dtype of the forward and backward passes (the weights stay float32)",
+    "attention": "xla: plain causal attention; cudnn: cuDNN's fused attention (GPU)",
+    "remat": "recompute each loop's activations in the backward pass (less memory)",
+    "checkpoint_every": "save a resumable checkpoint every this many steps (0: only at the end)",
+    "eval_every_s": "seconds between held-out evaluations",
+    "eval_windows": "held-out windows per periodic evaluation",
+    "final_eval_windows": "held-out windows of the final evaluation",
+    "peak_flops": "the devices' peak FLOP/s, to report model FLOPs utilisation (default: none reported)",
+}
+"""The `wise train --help` line of each TrainConfig field (its default is appended)."""
+
+
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """`wise train` flags: data, output, and every TrainConfig field (same name, dashes)."""
     parser.add_argument("--data", required=True, type=Path,
                         help="training tokens: a directory of text files, a .npy id array, or a file of bytes")
     parser.add_argument("--heldout", type=Path, default=None,
                         help="held-out tokens (default: the last --heldout-fraction of --data)")
-    parser.add_argument("--heldout-fraction", type=float, default=0.05)
+    parser.add_argument("--heldout-fraction", type=float, default=0.05,
+                        help="without --heldout, this last fraction of --data is held out (default: 0.05)")
     parser.add_argument("--out", required=True, type=Path, help="output directory (model, metrics, checkpoints)")
     parser.add_argument("--model-config", type=Path, default=None,
                         help="config.json of the shape to train (default: the built-in 3M byte-level shape)")
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
         if field.type == "bool":
-            parser.add_argument(flag, action="store_true")
+            parser.add_argument(flag, action="store_true", help=FIELD_HELP[field.name])
         else:
             kind = {"int": int, "float": float, "str": str}[field.type.split(" |")[0]]
-            parser.add_argument(flag, type=kind, default=field.default)
+            choices = {"objective": OBJECTIVES, "order": ORDERS, "attention": ATTENTIONS}.get(field.name)
+            default = "" if field.default is None else f" (default: {field.default})"
+            parser.add_argument(flag, type=kind, default=field.default, choices=choices,
+                                help=FIELD_HELP[field.name] + default)

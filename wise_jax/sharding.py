@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from wise_core.config import ModelConfig
+from wise_core.engine.args import check_pool_fits, host_available_bytes
 from wise_jax import kv_cache as kvc
 from wise_jax import model
 from wise_jax import wise_state as ws
@@ -63,7 +64,11 @@ def make_mesh(size: int | None = None, devices=None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     size = len(devices) if size is None else size
     if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= len(devices):
-        raise ValueError(f"a mesh of {size!r} devices is not possible with {len(devices)} devices")
+        hint = ""
+        if devices and all(d.platform == "cpu" for d in devices) and isinstance(size, int) and size > len(devices):
+            hint = (f"; on a CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={size} before jax is "
+                    f"imported to split the host into {size} devices")
+        raise ValueError(f"a mesh of {size!r} devices is not possible with {len(devices)} devices{hint}")
     return Mesh(np.array(devices[:size]), (AXIS,))
 
 
@@ -163,9 +168,23 @@ def _layout_of(params, mesh: Mesh | None):
     return params
 
 
+def device_memory_available() -> tuple[int | None, str]:
+    """(bytes free for new arrays on the default device, which memory that is): a GPU's
+    allocator limit less what is in use, else the host's available memory."""
+    device = jax.devices()[0]
+    memory = (device.memory_stats() or {}) if device.platform == "gpu" else {}
+    if "bytes_limit" in memory:
+        return memory["bytes_limit"] - memory.get("bytes_in_use", 0), f"jax may still allocate on {device}"
+    return host_available_bytes(), "of host memory available"
+
+
 def create_cache(config: ModelConfig, mesh: Mesh | None, **kw) -> kvc.PagedKVCache:
     """`kv_cache.create(config, **kw)`, made sharded on the mesh (each device allocates only its
-    KV heads), or on the default device without a mesh."""
+    KV heads), or on the default device without a mesh. A pool larger than the device's free
+    memory is a ValueError saying the bytes it needs (`check_pool_fits`), before allocating."""
+    local = config if mesh is None else local_config(config, tp_size(mesh))
+    check_pool_fits(kw["num_pages"], kvc.page_bytes(local, kw["page_size"], kw.get("dtype", jnp.float32),
+                                                    kw.get("planes")), *device_memory_available())
     if mesh is None:
         return kvc.create(config, **kw)
     return jax.jit(lambda: kvc.create(config, **kw), out_shardings=_named(mesh, CACHE_SPECS))()

@@ -542,11 +542,19 @@ def train_loop(config: ModelConfig, train: TrainConfig, stream: np.ndarray, held
     return state, steps, evals
 
 
-def write_metrics(out: Path, steps: list[dict], evals: list[dict], extra: dict | None = None) -> None:
-    """out/metrics.json (every step, every evaluation) and out/loss_curve.png (matplotlib)."""
+def write_metrics(out: Path, steps: list[dict], evals: list[dict], extra: dict | None = None,
+                  log: Callable[[str], None] = print) -> None:
+    """out/metrics.json (every step, every evaluation) and out/loss_curve.png (matplotlib; without
+    it the plot is skipped with a note through `log`: metrics.json holds every number)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").write_text(json.dumps({"steps": steps, "evals": evals, **(extra or {})}, indent=1) + "\n")
+    try:
+        import matplotlib
+    except ImportError:
+        log(f"{out / 'loss_curve.png'} not drawn: matplotlib is not installed (pip install matplotlib); "
+            f"{out / 'metrics.json'} holds the curves")
+        return
     plot(steps, evals, out / "loss_curve.png")
 
 
@@ -639,7 +647,7 @@ def run(config: ModelConfig, train: TrainConfig, stream: np.ndarray, heldout: np
     tensors = (hg.huginn_to_tensors(config, state.params) if config.architecture == "huginn"
                else to_checkpoint_tensors(config, state.params))
     save_checkpoint(out, Checkpoint(config, tensors, byte_tokenizer(), name), bf16=True)
-    write_metrics(out, steps, evals, {"summary": summary})
+    write_metrics(out, steps, evals, {"summary": summary}, log=log)
     return summary
 
 
@@ -673,5 +681,21 @@ def main(args) -> int:
             raise ValueError(f"--heldout-fraction must be in (0, 1), got {args.heldout_fraction}")
         cut = int(len(stream) * (1 - args.heldout_fraction))
         stream, heldout = stream[:cut], stream[cut:]
+    check_window_fits(args, train, stream, heldout)
     run(config, train, stream, heldout, args.out)
     return 0
+
+
+def check_window_fits(args, train: TrainConfig, stream: np.ndarray, heldout: np.ndarray) -> None:
+    """Each stream holds one window of --seq-len + 1 tokens at least, else a ValueError naming the
+    flags that change it (before any compilation)."""
+    if args.heldout is not None:
+        held = (f"held-out (--heldout {args.heldout})", "a longer --heldout")
+    else:
+        held = (f"held-out (the last --heldout-fraction {args.heldout_fraction:g} of --data)",
+                "a larger --heldout-fraction")
+    for (what, remedy), tokens in (((f"training (--data {args.data})", "more text in --data"), stream),
+                                   (held, heldout)):
+        if len(tokens) < train.seq_len + 1:
+            raise ValueError(f"the {what} stream holds {len(tokens)} tokens, fewer than one window of --seq-len "
+                             f"{train.seq_len} + 1: pass --seq-len {max(len(tokens) - 1, 1)} or less, or {remedy}")

@@ -13,6 +13,9 @@ from wise_core.checkpoint import BUILTIN_MODELS, DEFAULT_MODEL
 from wise_core.config import FRAMEWORK_KERNELS, KERNELS, PRESETS, WiseConfig
 
 BACKENDS = ("torch", "jax")
+MAX_REQUEST_SEQUENCES = 256     # prompts x n of one request
+MAX_REQUEST_TOKENS = 1 << 20    # prompt + max_tokens over one request's sequences
+READ_TIMEOUT = 15.0             # seconds for a request line and headers, or a body
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +77,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="after SIGTERM, seconds in-flight requests may take to finish before they are "
                              "aborted (default: 30; a second SIGTERM aborts at once)")
+    parser.add_argument("--max-request-sequences", type=int, default=MAX_REQUEST_SEQUENCES, metavar="N",
+                        help=f"the most sequences (prompts x n) one request may ask for; more is a 400 "
+                             f"(default: {MAX_REQUEST_SEQUENCES})")
+    parser.add_argument("--max-request-tokens", type=int, default=MAX_REQUEST_TOKENS, metavar="N",
+                        help=f"the most tokens (prompt + max_tokens, summed over its sequences) one request may ask "
+                             f"for; more is a 400 (default: {MAX_REQUEST_TOKENS})")
+    parser.add_argument("--read-timeout", type=float, default=READ_TIMEOUT, metavar="SECONDS",
+                        help=f"close a connection whose request line and headers (or an idle keep-alive connection) "
+                             f"do not arrive within this many seconds; a body that does not is a 408 "
+                             f"(default: {READ_TIMEOUT:g})")
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
 
 

@@ -13,8 +13,9 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("aiohttp").setLevel(max(logging.WARNING, logging.getLogger().level))
     from wise_serve.chat import load_chat_template
     from wise_serve.model import build_llm, describe, engine_context, model_config
-    from wise_serve.server import serve
+    from wise_serve.server import Limits, serve
 
+    limits = Limits(args.max_request_sequences, args.max_request_tokens, args.read_timeout)   # before the model loads
     llm = build_llm(args)
     config, tokenizer = model_config(args), llm.get_tokenizer()
     template = load_chat_template(
@@ -24,5 +25,5 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--chat-template needs a model with a tokenizer (a chat is text)")
     asyncio.run(serve(llm, host=args.host, port=args.port, model_name=args.served_model_name or args.model,
                       shutdown_timeout=args.shutdown_timeout, chat_template=template, description=describe(args),
-                      engine_context=engine_context(args)))
+                      engine_context=engine_context(args), limits=limits))
     return 0

@@ -8,9 +8,12 @@ future. While requests are unfinished the thread runs commands queued so far, th
 idle, it blocks on the queue. Each step's outputs go back to the event loop in one
 `call_soon_threadsafe`, onto the asyncio queue of each request's `RequestHandle`.
 
-A request whose client went away is aborted (`Engine.abort` frees its pages at once). If a step
-raises, the engine is dead: every request in flight receives the exception, new requests are
-refused (`EngineDead`), and commands still run so that nothing waits forever.
+A request whose client went away is aborted (`Engine.abort` frees its pages at once). A request
+the engine finds broken (NaN logits) is not an exception: the engine ends it alone with
+finish_reason "error" and steps on, so only that request's client sees a failure (a 500). If a
+step raises, the engine itself failed (a bug, a device fault) and its state cannot be trusted:
+it is dead, every request in flight receives the exception, new requests are refused
+(`EngineDead`), and commands still run so that nothing waits forever.
 """
 
 from __future__ import annotations

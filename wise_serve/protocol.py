@@ -139,10 +139,21 @@ def _reject_constant(name: str):
     raise BadRequest(f"invalid JSON: {name} is not a JSON number")
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object's members -> the dict; a key given twice is refused (json keeps the last silently)."""
+    obj = {}
+    for key, value in pairs:
+        if key in obj:
+            raise BadRequest(f"invalid JSON: the key {key!r:.40} appears twice in one object", key)
+        obj[key] = value
+    return obj
+
+
 def load_json(body: bytes) -> dict:
-    """The request body as a JSON object (BadRequest otherwise). NaN and Infinity are refused."""
+    """The request body as a JSON object (BadRequest otherwise). NaN and Infinity are refused, and
+    a key given twice in one object."""
     try:
-        obj = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+        obj = json.loads(body.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
     except UnicodeDecodeError as e:
         raise BadRequest(f"the request body is not UTF-8: {e}") from None
     except json.JSONDecodeError as e:
@@ -240,6 +251,10 @@ def _logit_bias(obj: dict, vocab_size: int | None) -> dict[int, float] | None:
         if not _is_number(b) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
             raise BadRequest(f"logit_bias[{key!r:.20}] must be a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
                              f"got {json.dumps(b):.40}", "logit_bias")
+        if int(key) in bias:
+            twin = next(k for k in value if k != key and int(k) == int(key))
+            raise BadRequest(f"logit_bias keys {twin!r:.20} and {key!r:.20} name the same token id {int(key)}",
+                             "logit_bias")
         bias[int(key)] = float(b)
     bad = sorted(t for t in bias if vocab_size is not None and t >= vocab_size)
     if bad:

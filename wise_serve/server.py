@@ -1,7 +1,7 @@
 """The HTTP server: the OpenAI API (completions, chat completions) over the engine thread, on aiohttp.
 
     wise serve --model ouro-py-3m --port 8000            # --backend jax: the JAX engine
-    curl localhost:8000/v1/completions -d '{"prompt": "def fib(n):", "max_tokens": 32, "temperature": 0}'
+    curl localhost:8000/v1/completions -d '{"prompt": "def add(a, b): return", "max_tokens": 32, "temperature": 0}'
 
 Routes: POST /v1/completions and POST /v1/chat/completions (JSON, or server-sent events with
 `stream`: one chunk per generated token of each choice, then `data: [DONE]`), POST
@@ -23,6 +23,16 @@ Tokenization (and chat-template rendering) runs in a pool of worker threads, nev
 event loop nor in the engine thread; a text prompt longer than `max_prompt_bytes` (max_model_len
 x the vocabulary's longest token, in UTF-8 bytes: more text cannot fit max_model_len tokens) is
 refused before it is tokenized.
+
+No request can harm another. One request's work is bounded (`Limits`): at most
+`max_request_sequences` sequences (prompts x n, refused before any prompt is tokenized) and
+`max_request_tokens` tokens (prompt + max_tokens of every sequence; a chat's default max_tokens
+counts as what max_model_len leaves), else a 400 naming the limit and its flag. A connection
+whose request line and headers do not complete within `read_timeout` seconds is closed, as is
+an idle keep-alive connection after as long, and a body that does not arrive within it is a 408
+(the connection closed too): half-sent requests hold no file descriptor for long. A request the
+engine fails (finish_reason "error": NaN logits) gets a 500 naming why (a stream: an error
+event, then `[DONE]`), while the engine and every other request go on.
 
 The engine is any `wise_core.engine.protocol.Engine` (wise_torch.LLM or wise_jax.LLM); the
 server uses that protocol only (its tokenizer, vocab_size, max_model_len, page_size,
@@ -54,6 +64,7 @@ from wise_core.detokenize import TextStream
 from wise_core.engine.protocol import Engine
 from wise_core.request import RequestOutput
 from wise_serve import protocol
+from wise_serve.args import MAX_REQUEST_SEQUENCES, MAX_REQUEST_TOKENS, READ_TIMEOUT
 from wise_serve.chat import ChatTemplate, TemplateError
 from wise_serve.engine_loop import EngineDead, EngineLoop, RequestHandle
 from wise_serve.metrics import ServerMetrics
@@ -86,6 +97,28 @@ class _Access:
 
 
 _ACCESS: contextvars.ContextVar[_Access] = contextvars.ContextVar("access")   # the request the task serves
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one request may ask and how long its bytes may take (module docstring), each with the
+    `wise serve` flag that sets it."""
+
+    max_request_sequences: int = MAX_REQUEST_SEQUENCES
+    max_request_tokens: int = MAX_REQUEST_TOKENS
+    read_timeout: float = READ_TIMEOUT
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_sequences", "max_request_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if not isinstance(self.read_timeout, (int, float)) or not 0 < self.read_timeout < float("inf"):
+            raise ValueError(f"--read-timeout must be a positive number of seconds, got {self.read_timeout!r}")
+
+
+class RequestFailed(Exception):
+    """The engine ended one of the request's completions with finish_reason "error" (a 500)."""
 
 
 class _Timing:
@@ -143,6 +176,9 @@ class _Choice:
         if self.reason is not None:
             return []
         out = request.completions[self.completion] if request.completions else request
+        if out.finish_reason == "error":
+            self._end("error")
+            raise RequestFailed(f"the engine failed request {out.request_id}: {out.error}")
         new = out.token_ids[len(self.text.ids):]         # several at once from a speculative round
         if new and self.want_prompt and self.prompt is None:    # scored with the prefill that made the first token
             ranked = request.prompt_ranked
@@ -180,7 +216,7 @@ class _Choice:
 async def _each_token(choices: list[_Choice], on_token: Callable[[_Choice, int | None, str | None], Awaitable]):
     """Run every choice to its end, awaiting on_token(choice, token, reason) for each token in
     the order tokens arrive across the engine requests (and, within one output of a request of
-    n completions, in completion order). EngineDead propagates."""
+    n completions, in completion order). EngineDead and RequestFailed propagate."""
     requests: dict[int, list[_Choice]] = {}
     for c in choices:
         requests.setdefault(c.handle.request_id, []).append(c)
@@ -204,7 +240,7 @@ async def _each_token(choices: list[_Choice], on_token: Callable[[_Choice, int |
         try:
             async for item in tokens(group):
                 queue.put_nowait(item)
-        except EngineDead as e:
+        except (EngineDead, RequestFailed) as e:
             queue.put_nowait(e)
         finally:
             queue.put_nowait(None)
@@ -216,7 +252,7 @@ async def _each_token(choices: list[_Choice], on_token: Callable[[_Choice, int |
             item = await queue.get()
             if item is None:
                 left -= 1
-            elif isinstance(item, EngineDead):
+            elif isinstance(item, (EngineDead, RequestFailed)):
                 raise item
             else:
                 await on_token(*item)
@@ -227,15 +263,16 @@ async def _each_token(choices: list[_Choice], on_token: Callable[[_Choice, int |
 
 class CompletionServer:
     def __init__(self, engine: EngineLoop, *, model_name: str, chat_template: ChatTemplate | None = None,
-                 tokenizer_workers: int = TOKENIZER_WORKERS):
+                 tokenizer_workers: int = TOKENIZER_WORKERS, limits: Limits = Limits()):
         llm: Engine = engine.llm
-        self.engine, self.model_name, self.chat_template = engine, model_name, chat_template
+        self.engine, self.model_name, self.chat_template, self.limits = engine, model_name, chat_template, limits
         self.tokenizer = llm.get_tokenizer()
         self.max_model_len, self.vocab_size = llm.max_model_len, llm.vocab_size
         self.card = protocol.model_card(model_name, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         self.metrics = ServerMetrics()
         self.draining = False
         self.in_flight = 0
+        self.served: set = set()       # open connections that completed a request's headers (`serve` prunes it)
         self.workers = concurrent.futures.ThreadPoolExecutor(tokenizer_workers, thread_name_prefix="wise-tokenize")
         self.longest_token_bytes = None if self.tokenizer is None else max(
             len(self.tokenizer.decode([i], skip_special_tokens=False).encode("utf-8", errors="replace"))
@@ -262,6 +299,7 @@ class CompletionServer:
     async def _middleware(self, request: web.Request, handler):
         """The drain's 503s; HTTP errors (404, 405, 413, ...) and unexpected exceptions as
         OpenAI-shaped JSON; the X-Request-Id header and the access-log line."""
+        self.served.add(request.protocol)
         access = _Access(protocol.new_id("req"))
         _ACCESS.set(access)
         start, status = time.perf_counter(), "-"
@@ -276,6 +314,8 @@ class CompletionServer:
                         status = e.status
                         raise
                     response = self._error(e.status, e.text or e.reason)
+                    if e.status == 408:               # its client may still be sending: answer, then hang up
+                        await self._send_and_close(request, response, access.id)
                 except Exception as e:
                     log.exception("unhandled error in %s %s", request.method, request.path)
                     response = self._error(500, f"internal error: {e!r}", kind="server_error")
@@ -301,6 +341,41 @@ class CompletionServer:
     def _bad(self, e: Exception) -> web.Response:
         """A 400 from a BadRequest (its param) or the engine's own ValueError / TypeError."""
         return self._error(400, str(e), param=e.param if isinstance(e, BadRequest) else None)
+
+    async def _body(self, request: web.Request) -> bytes:
+        """The request body, once it has all arrived within the read timeout (else a 408, and the
+        connection is closed: its client may still be sending)."""
+        try:
+            return await asyncio.wait_for(request.read(), self.limits.read_timeout)
+        except asyncio.TimeoutError:
+            raise web.HTTPRequestTimeout(text=f"the request body did not arrive within {self.limits.read_timeout:g} s "
+                                              f"(wise serve --read-timeout)") from None
+
+    @staticmethod
+    async def _send_and_close(request: web.Request, response: web.Response, request_id: str) -> None:
+        """Send `response` now and close the connection, without reading what is left of the body."""
+        response.headers["X-Request-Id"] = request_id
+        response.force_close()
+        await response.prepare(request)
+        await response.write_eof()
+        request.protocol.force_close()
+
+    def _check_sequences(self, prompts: int, n: int) -> None:
+        """At most max_request_sequences sequences (prompts x n) in one request."""
+        limit = self.limits.max_request_sequences
+        if prompts * n > limit:
+            raise BadRequest(f"the request asks for {prompts} prompt(s) x n={n} = {prompts * n} sequences, more than "
+                             f"the {limit} one request may hold (wise serve --max-request-sequences)", "prompt")
+
+    def _check_tokens(self, prompts: list[list[int]], generation: Generation) -> None:
+        """At most max_request_tokens tokens (prompt + max_tokens, per sequence) in one request."""
+        limit = self.limits.max_request_tokens
+        total = generation.n * sum(max(len(ids), self.max_model_len if generation.max_tokens is None
+                                       else len(ids) + generation.max_tokens) for ids in prompts)
+        if total > limit:
+            raise BadRequest(f"the request holds {total} tokens (prompt + max_tokens over {len(prompts)} prompt(s) x "
+                             f"n={generation.n}), more than the {limit} one request may hold "
+                             f"(wise serve --max-request-tokens)", "max_tokens")
 
     # -- tokenization, in the worker threads ------------------------------------------------------
     async def _in_worker(self, fn, *args):
@@ -363,7 +438,7 @@ class CompletionServer:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         try:
-            req = protocol.parse_tokenize(await request.read(), model_name=self.model_name)
+            req = protocol.parse_tokenize(await self._body(request), model_name=self.model_name)
             if self.tokenizer is None:
                 raise BadRequest("the model has no tokenizer", "prompt")
             if req.messages is not None:
@@ -378,7 +453,7 @@ class CompletionServer:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         try:
-            ids = protocol.parse_detokenize(await request.read(), model_name=self.model_name,
+            ids = protocol.parse_detokenize(await self._body(request), model_name=self.model_name,
                                             vocab_size=self.vocab_size)
             if self.tokenizer is None:
                 raise BadRequest("the model has no tokenizer", "tokens")
@@ -391,9 +466,11 @@ class CompletionServer:
         access.id = protocol.new_id("cmpl")
         start = time.perf_counter()
         try:
-            req = protocol.parse_completion(await request.read(), model_name=self.model_name,
+            req = protocol.parse_completion(await self._body(request), model_name=self.model_name,
                                             has_tokenizer=self.tokenizer is not None, vocab_size=self.vocab_size)
+            self._check_sequences(len(req.prompts), req.generation.n)
             prompts = await asyncio.gather(*(self._prompt_ids(p) for p in req.prompts))
+            self._check_tokens(prompts, req.generation)
         except (ValueError, TypeError) as e:
             return self._bad(e)
         prefixes = None
@@ -406,9 +483,11 @@ class CompletionServer:
         access.id = protocol.new_id("chatcmpl")
         start = time.perf_counter()
         try:
-            req = protocol.parse_chat(await request.read(), model_name=self.model_name, vocab_size=self.vocab_size)
+            req = protocol.parse_chat(await self._body(request), model_name=self.model_name, vocab_size=self.vocab_size)
+            self._check_sequences(1, req.generation.n)
             text = await self._render(req.messages)
             ids = await self._encode(text, add_special_tokens=False, param="messages")
+            self._check_tokens([ids], req.generation)
         except (ValueError, TypeError) as e:
             return self._bad(e)
         return await self._generate(request, access, [ids], req.generation, start, chat=True)
@@ -481,7 +560,7 @@ class CompletionServer:
 
         try:
             await _each_token(choices, nothing)
-        except EngineDead as e:
+        except (EngineDead, RequestFailed) as e:
             for c in choices:
                 if c.reason is None:
                     c.timing.end("error")
@@ -546,7 +625,7 @@ class CompletionServer:
                         await write(protocol.chat_choice(c.index, {"role": "assistant", "content": ""}, None,
                                                          delta=True))
                 await _each_token(choices, on_token)
-            except EngineDead as e:
+            except (EngineDead, RequestFailed) as e:
                 for c in choices:
                     if c.reason is None:
                         c.timing.end("error")
@@ -563,19 +642,37 @@ class CompletionServer:
         return response
 
 
+async def _close_unfinished_requests(server: web.Server, served: set, read_timeout: float) -> None:
+    """Forever: close each connection that has not completed a request line and headers within
+    read_timeout seconds of opening (`served`: the connections that have, kept to those open;
+    after a request, aiohttp's keep-alive timeout, set to read_timeout, closes one left idle)."""
+    opened: dict = {}             # open connection -> when this sweep first saw it
+    loop = asyncio.get_running_loop()
+    while True:
+        now, connections = loop.time(), set(server.connections)
+        opened = {c: opened.get(c, now) for c in connections}
+        served &= connections
+        for connection, since in opened.items():
+            if connection not in served and now - since > read_timeout:
+                connection.force_close()
+        await asyncio.sleep(min(1.0, read_timeout / 4))
+
+
 async def serve(llm: Engine, *, host: str, port: int, model_name: str, shutdown_timeout: float,
                 chat_template: ChatTemplate | None = None, ready=None, description: str | None = None,
-                engine_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
+                engine_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                limits: Limits = Limits()) -> None:
     """Serve until SIGTERM or SIGINT, then drain (see the module docstring). ready(url) is
     called once the socket listens; description: how the engine decodes, for the start-up line
     (default: dense or WISE, from its wise_config); engine_context: what the engine thread runs
-    in (`EngineLoop`)."""
+    in (`EngineLoop`); limits: what one request may ask and how long it may take to arrive."""
     loop = asyncio.get_running_loop()
     pages = llm.stats().total_pages                  # before the engine thread owns it
     engine = EngineLoop(llm, loop, engine_context)
     engine.start()
-    server = CompletionServer(engine, model_name=model_name, chat_template=chat_template)
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+    server = CompletionServer(engine, model_name=model_name, chat_template=chat_template, limits=limits)
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=2.0,
+                           keepalive_timeout=limits.read_timeout)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:
@@ -584,6 +681,7 @@ async def serve(llm: Engine, *, host: str, port: int, model_name: str, shutdown_
         await runner.cleanup()
         await engine.stop()
         raise
+    sweeper = asyncio.ensure_future(_close_unfinished_requests(runner.server, server.served, limits.read_timeout))
     bound = runner.addresses[0]
     url = f"http://{bound[0] if ':' not in bound[0] else f'[{bound[0]}]'}:{bound[1]}"
     signals: asyncio.Queue[int] = asyncio.Queue()
@@ -611,6 +709,7 @@ async def serve(llm: Engine, *, host: str, port: int, model_name: str, shutdown_
             await asyncio.sleep(0.01)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.remove_signal_handler(sig)
+    sweeper.cancel()
     await runner.cleanup()
     await engine.stop()
     log.info("shut down")

@@ -217,6 +217,7 @@ def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes,
     sparse = (modes == SPARSE)[:, None, None]
     mask = causal[:, None, :] & (in_support | ~sparse)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    v = v.masked_fill(~causal[:, :, None, None], 0.0)     # a stale NaN past seq_len must not reach 0 x v
     out = torch.einsum("bkgs,bskd->bkgd", probs.reshape(batch, kv_heads, group, max_keys), v)
 
     mass = probs.reshape(batch, heads, max_blocks, block_size).sum(-1)

@@ -38,6 +38,7 @@ def test_generate_jax_on_cpu():
     result = wise("generate", "--backend", "jax", "--prompt", "hi", "--max-new-tokens", "2", "--device", "cpu")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("hi") and "[jax] prefill: 2 tokens in" in result.stderr
+    assert "step program(s) built in" in result.stderr     # compilation, reported on its own
 
 
 @pytest.mark.parametrize("backend", ["torch", "jax"])
@@ -144,6 +145,13 @@ def test_cli_module_does_not_import_a_framework():
     (("--threads", "0"), "--threads must be a positive integer, got 0"),
     (("--top-k", "-2"), "top_k must be an integer >= -1"),
     (("--min-p", "2"), "min_p must be in [0, 1], got 2.0"),
+    (("--max-new-tokens", "-5"), "--max-new-tokens must be a positive integer, got -5"),
+    (("--max-new-tokens", "0"), "--max-new-tokens must be a positive integer, got 0"),
+    (("--top-p", "0.9"), "--top-p set sampling; add --temperature T > 0 (greedy decoding, the default, does not "
+                         "use it)"),
+    (("--seed", "3"), "--seed set sampling; add --temperature T > 0"),
+    (("--top-k", "2", "--min-p", "0.1", "--seed", "1", "--temperature", "0"),
+     "--top-k and --min-p and --seed set sampling; add --temperature T > 0"),
 ])
 def test_generate_argument_errors_before_any_framework_loads(args, message):
     """Named errors, exit status 1; dense decode never silently ignores WISE settings."""
@@ -199,3 +207,63 @@ def test_stop_ends_the_text_before_it(backend):
     assert cut.returncode == 0, cut.stderr
     out = json.loads(cut.stdout)
     assert out["text"] == text[:text.find(stop)] and out["finish_reason"] == "stop"
+
+
+def test_max_new_tokens_past_the_models_positions_names_the_flag():
+    result = wise("generate", "--prompt", "def f(", "--device", "cpu", "--max-new-tokens", "100000")
+    assert result.returncode == 1, result.stderr
+    assert ("--max-new-tokens 100000: --prompt holds 6 tokens, and with 100000 new tokens they pass the model's "
+            "4096 positions (max_position_embeddings); ask for at most 4090") in result.stderr, result.stderr
+
+
+def test_a_prompt_file_with_a_bom_blank_lines_and_max_tokens_per_line(tmp_path):
+    """The BOM is not part of the first prompt, a JSONL line's max_tokens is its length, and
+    "index" is each prompt's line (blank lines do not renumber the prompts after them)."""
+    batch = tmp_path / "prompts.jsonl"
+    rows = ['{"prompt": "def f(", "max_tokens": 3}', "", "   ", '{"prompt": "import os", "id": 7}',
+            '{"prompt": "class A:", "max_tokens": 5}']
+    batch.write_bytes(b"\xef\xbb\xbf" + "\n".join(rows).encode() + b"\n")
+    result = wise("generate", "--prompt-file", str(batch), "--max-new-tokens", "2", "--device", "cpu", "--json")
+    assert result.returncode == 0, result.stderr
+    out = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(r["index"], r["prompt"], len(r["token_ids"])) for r in out] == [
+        (0, "def f(", 3), (3, "import os", 2), (4, "class A:", 5)]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n\n{"prompt": "b", "max_tokens": 0}\n')
+    result = wise("generate", "--prompt-file", str(bad), "--device", "cpu")
+    assert result.returncode == 1 and f'--prompt-file {bad} line 3: "max_tokens" must be a positive integer, ' \
+        "got 0" in result.stderr, result.stderr
+    long = tmp_path / "long.jsonl"
+    long.write_text('{"prompt": "ab", "max_tokens": 5000}\n')
+    result = wise("generate", "--prompt-file", str(long), "--device", "cpu")
+    assert result.returncode == 1 and f'{long} line 1\'s "max_tokens" 5000: ' in result.stderr, result.stderr
+
+
+def test_a_bom_on_standard_input_is_not_part_of_the_prompt():
+    result = wise("generate", "--prompt", "-", "--max-new-tokens", "2", "--device", "cpu", "--json",
+                  stdin="\ufeffdef f(")
+    assert result.returncode == 0 and json.loads(result.stdout)["prompt"] == "def f(", result.stderr
+
+
+def test_train_help_describes_every_option_with_its_default():
+    result = wise("train", "--help")
+    text = " ".join(result.stdout.split())
+    assert result.returncode == 0
+    for words in ("--seq-len SEQ_LEN tokens per window (each window reads seq_len + 1 tokens) (default: 2048)",
+                  "--lr LR peak learning rate (AdamW) (default: 0.002)", "--objective {ouro,last,huginn}",
+                  "this last fraction of --data is held out (default: 0.05)", "--remat recompute"):
+        assert words in text, words
+
+
+def test_train_on_too_small_a_text_names_the_flag_to_change(tmp_path):
+    text = tmp_path / "small.txt"
+    text.write_text("x = 1\n" * 160)                      # 960 bytes: 912 training, 48 held out
+    result = wise("train", "--data", str(text), "--out", str(tmp_path / "out"), "--max-steps", "1")
+    assert result.returncode == 1
+    assert (f"the training (--data {text}) stream holds 912 tokens, fewer than one window of --seq-len 2048 + 1: "
+            f"pass --seq-len 911 or less, or more text in --data") in result.stderr, result.stderr
+    result = wise("train", "--data", str(text), "--out", str(tmp_path / "out"), "--max-steps", "1",
+                  "--seq-len", "64")
+    assert result.returncode == 1
+    assert ("the held-out (the last --heldout-fraction 0.05 of --data) stream holds 48 tokens, fewer than one "
+            "window of --seq-len 64 + 1: pass --seq-len 47 or less, or a larger --heldout-fraction") in result.stderr

@@ -131,6 +131,16 @@ def test_missing_files(tmp_path, checkpoint):
         load_checkpoint(tmp_path)
 
 
+@pytest.mark.parametrize("name, message", [("config.json", "config.json is a directory, not a config file"),
+                                           ("model.safetensors", "model.safetensors is a directory, not a file")])
+def test_a_checkpoint_file_that_is_a_directory_is_named(tmp_path, checkpoint, name, message):
+    save_checkpoint(tmp_path, checkpoint)
+    (tmp_path / name).unlink()
+    (tmp_path / name).mkdir()
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(tmp_path)
+
+
 def test_unknown_model_name():
     with pytest.raises(CheckpointError, match=r"unknown model 'no-such-model'.*random-tiny"):
         load_checkpoint("no-such-model")

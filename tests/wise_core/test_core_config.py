@@ -41,6 +41,35 @@ def test_model_config_from_dict():
         ModelConfig.from_dict({k: v for k, v in raw.items() if k != "vocab_size"})
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "llama"}, r"config model_type 'llama' is not a model wise implements \(ouro, or huginn_raven"),
+    ({"hidden_act": "gelu"}, "config hidden_act 'gelu': wise implements silu only"),
+    ({"hidden_act": "gelu_pytorch_tanh"}, "config hidden_act 'gelu_pytorch_tanh'"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, r"config rope_scaling \{\"type\": \"yarn\".*must be null"),
+    ({"use_sliding_window": True, "sliding_window": 256}, "config use_sliding_window true with sliding_window 256: "
+                                                         "wise implements full attention only"),
+    ({"sliding_window": 4096}, "config use_sliding_window null with sliding_window 4096"),
+    ({"use_sliding_window": "yes"}, 'config use_sliding_window "yes"'),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "config layer_types holds 'sliding_attention'"),
+    ({"attention_bias": True}, "config attention_bias true: wise implements no attention biases"),
+    ({"mlp_bias": True}, "config mlp_bias true: wise implements no mlp biases"),
+])
+def test_config_fields_the_model_does_not_implement_are_refused(change, message):
+    """Each field would make the released model another one; loading it silently would give the
+    unmodified model's tokens."""
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_dict({**TINY.to_dict(), **change})
+
+
+def test_config_fields_at_what_the_model_implements_load():
+    """The released Ouro config's values (and nulls) of the same fields load as the config."""
+    released = {"model_type": "ouro", "hidden_act": "silu", "rope_scaling": None, "use_sliding_window": False,
+                "sliding_window": 4096, "layer_types": ["full_attention"] * 2, "attention_bias": False,
+                "mlp_bias": False, "attention_dropout": 0.0, "use_cache": True, "max_window_layers": 2}
+    assert ModelConfig.from_dict({**TINY.to_dict(), **released}) == TINY
+    assert ModelConfig.from_dict({**TINY.to_dict(), "sliding_window": None}) == TINY
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("tie_word_embeddings", "false", r"tie_word_embeddings must be a boolean \(JSON true or false\), got 'false'"),
     ("tie_word_embeddings", 0, "tie_word_embeddings must be a boolean"),

@@ -41,3 +41,12 @@ def test_rank_major_layout_and_local_config():
     assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size) == (8, 8, 2816)
     with pytest.raises(ValueError, match=r"does not divide the model.s num_key_value_heads \(16\)"):
         sharding.local_config(PRESETS["ouro-1.4b"], 3)
+
+
+def test_a_mesh_larger_than_the_cpu_devices_names_the_flag_that_makes_more():
+    """This process has one host device: a 2-device mesh says how to get two; a bad size says no flag."""
+    with pytest.raises(ValueError, match=r"a mesh of 2 devices is not possible with 1 devices; on a CPU, set "
+                                         r"XLA_FLAGS=--xla_force_host_platform_device_count=2 before jax is imported"):
+        sharding.make_mesh(2)
+    with pytest.raises(ValueError, match=r"a mesh of 0 devices is not possible with 1 devices$"):
+        sharding.make_mesh(0)

@@ -164,3 +164,16 @@ def test_wise_train_command(tmp_path):
     assert load_checkpoint(out).config == CONFIG
     assert cli.main(argv) == 0  # a second call resumes at the horizon: no step more
     assert json.loads((out / "metrics.json").read_text())["summary"]["steps_done"] == 2
+
+
+def test_metrics_without_matplotlib_skip_the_plot_with_a_note(tmp_path, monkeypatch):
+    """`wise train` must not fail at the end of a run for want of matplotlib (only the test extra
+    installs it): metrics.json is written, the plot skipped with a note naming the package."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)        # import matplotlib -> ImportError
+    notes = []
+    steps = [{"step": 0, "bits_per_byte": [3.0, 2.5]}]
+    T.write_metrics(tmp_path, steps, [], {"summary": {"steps_done": 1}}, log=notes.append)
+    assert json.loads((tmp_path / "metrics.json").read_text())["steps"] == steps
+    assert not (tmp_path / "loss_curve.png").exists()
+    assert notes == [f"{tmp_path / 'loss_curve.png'} not drawn: matplotlib is not installed (pip install matplotlib); "
+                     f"{tmp_path / 'metrics.json'} holds the curves"]

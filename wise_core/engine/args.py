@@ -17,6 +17,7 @@ from wise_core.config import AdaptiveDepth, ModelConfig, WiseConfig
 from wise_core.generate_args import check_seed
 
 CPU_POOL_BYTES = 1 << 30       # num_pages=None on a CPU: a pool of at most 1 GiB of K/V
+MAX_PAGES = 2 ** 31 - 1        # page ids are int32 on the device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,9 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None or name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
                 positive_int(name, value)
+        if self.num_pages is not None and self.num_pages > MAX_PAGES:
+            raise ValueError(f"num_pages must be at most {MAX_PAGES} (page ids are int32 on the device), got "
+                             f"{self.num_pages}")
         if self.page_size % self.block_size:
             raise ValueError(f"page_size must be a multiple of the block_size {self.block_size}, got {self.page_size}")
         if not isinstance(self.enable_prefix_caching, bool):
@@ -72,6 +76,9 @@ class EngineArgs:
     def checked_for(self, num_loops: int, max_position_embeddings: int, what: str | None = None) -> "EngineArgs":
         """Self, checked against a model of `num_loops` loops (`what` names them in an error, as
         `WiseConfig.validate_for`'s) and that many positions."""
+        if num_loops < 1:
+            raise ValueError(f"{what or f'{num_loops} loops'}: an engine runs at least one core iteration per token "
+                             f"(num_steps must be >= 1)")
         if self.wise_config is not None:
             self.wise_config.validate_for(num_loops, what)
         if self.max_model_len is not None and self.max_model_len > max_position_embeddings:
@@ -109,6 +116,27 @@ def cpu_pool(page_bytes: int, platform: str, most: int) -> tuple[int, str]:
                       most)
 
 
+def host_available_bytes() -> int | None:
+    """The host memory free for new allocations (Linux MemAvailable; None where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def check_pool_fits(num_pages: int, page_bytes: int, available_bytes: int | None, where: str) -> None:
+    """A pool of num_pages pages of page_bytes (K and V, every plane) larger than the memory
+    available for it (`where` names that memory; None: unknown, not checked) is a ValueError
+    saying the bytes it would need, before anything is allocated."""
+    need = num_pages * page_bytes
+    if available_bytes is not None and need > available_bytes:
+        raise ValueError(f"num_pages={num_pages} pages of {page_bytes} bytes (K and V of every plane) need "
+                         f"{need / 2**30:.2f} GiB, more than the {available_bytes / 2**30:.2f} GiB {where}: pass a "
+                         f"smaller num_pages (or page_size, or a Huginn model's num_steps)")
+
+
 def check_adaptive_depth(adaptive_depth, config: ModelConfig) -> AdaptiveDepth | None:
     """An engine's adaptive_depth, checked: None, or an `AdaptiveDepth` for a Huginn model (an
     Ouro model exits by its config's early_exit_threshold)."""
@@ -120,6 +148,15 @@ def check_adaptive_depth(adaptive_depth, config: ModelConfig) -> AdaptiveDepth |
         raise ValueError(f"adaptive_depth runs Huginn models; this {config.architecture} model exits by its "
                          f"config's early_exit_threshold ({config.early_exit_threshold})")
     return adaptive_depth
+
+
+def check_exit_iterations(adaptive_depth: AdaptiveDepth | None, num_steps: int) -> None:
+    """adaptive_depth's exit is checked after core iterations min_steps .. num_steps - 2 (the last
+    runs anyway): a min_steps that leaves none would silently never exit, so it is a ValueError."""
+    if adaptive_depth is not None and adaptive_depth.min_steps > num_steps - 2:
+        raise ValueError(f"AdaptiveDepth.min_steps={adaptive_depth.min_steps} leaves no core iteration to exit "
+                         f"after with num_steps={num_steps} (exits are checked after iterations min_steps .. "
+                         f"num_steps - 2): min_steps must be at most {num_steps - 2}")
 
 
 def positive_int(name: str, value) -> None:

@@ -172,3 +172,15 @@ class BlockManager:
     def release(self, seq: Sequence) -> None:
         self._drop(seq.pages)
         seq.pages = []
+
+    def uncached_sole_pages(self, seq: Sequence) -> list[int]:
+        """The pages only `seq` holds, their prefix-cache keys dropped: a failed request's pages
+        (its K/V may hold NaN) are scrubbed before they go back, and no cached prefix hands them
+        on. A page it shares is scrubbed by its last holder: each holder of a shared prompt page
+        attends all of it, so NaN there fails them all."""
+        pages = [p for p in seq.pages if self.refs[p] == 1]
+        for page in pages:
+            key = self.key_of.pop(page, None)
+            if key is not None:
+                del self.cached[key]
+        return pages

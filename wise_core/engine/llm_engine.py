@@ -25,6 +25,7 @@ from wise_core.engine.args import EngineArgs
 from wise_core.engine.block_manager import BlockManager
 from wise_core.engine.scheduler import Chunk, Scheduler
 from wise_core.engine.sequence import Sequence, Status, output_of, ranked_entry
+from wise_core.engine.single_thread import SingleThread, one_thread
 from wise_core.request import EngineStats, RequestOutput, SamplingParams, add_all, prompts_with_params
 from wise_core.tokenizer import encode_text
 
@@ -52,7 +53,9 @@ class InFlight(Protocol):
 
 class LLMEngine:
     """Continuous batching over a paged KV cache (module docstring); see `EngineArgs` for the
-    arguments every engine takes."""
+    arguments every engine takes. One thread at a time: a second thread entering a public
+    method while another is inside is a RuntimeError (`wise_core.engine.single_thread`). A
+    request the engine finds broken (NaN logits) ends alone with finish_reason "error"."""
 
     ARRAY_TYPES: tuple[type, ...] = ()   # the framework's array types (refused as a list of prompts)
 
@@ -72,8 +75,10 @@ class LLMEngine:
         self.inflight_kind = self.previous_kind = None
         self.next_id = 0
         self.counters = dict.fromkeys(COUNTERS, 0)
+        self._single_thread = SingleThread(type(self).__module__.split(".")[0] + ".LLM")
 
     # -- requests ---------------------------------------------------------------------------
+    @one_thread
     def add_request(self, prompt, params: SamplingParams | None = None, *, forced: list[int] | None = None,
                     keep_logits: bool = False) -> int:
         """Queue a request (a string, or token ids) -> its request id. A request that can never
@@ -93,6 +98,10 @@ class LLMEngine:
         if bad:
             raise ValueError(f"SamplingParams.logit_bias names token ids {bad[:5]} outside the vocabulary "
                              f"(size {self.vocab_size})")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids names token ids {bad[:5]} outside the vocabulary "
+                             f"(size {self.vocab_size}): they could never stop the request")
         seqs = [Sequence(self.next_id + i, ids, params.completion(i) if params.n > 1 else params,
                          self.eos_token_ids, arrival=self.next_id + i, forced=forced, keep_logits=keep_logits)
                 for i in range(params.n)]
@@ -167,6 +176,7 @@ class LLMEngine:
             del self.groups[seqs[0].request_id]
         return dataclasses.replace(outs[0], finished=finished, completions=outs)
 
+    @one_thread
     def abort(self, request_id: int) -> RequestOutput:
         """Stop a request now (every completion) and free its pages; its output so far,
         finish_reason "abort"."""
@@ -193,13 +203,16 @@ class LLMEngine:
         return self.scheduler.has_work() or bool(self.inflight)
 
     # -- one step ---------------------------------------------------------------------------
+    @one_thread
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step (decode every running request one token, prefill chunks
         of waiting ones), then read the tokens of the step before it, which the device ran while
-        this one was scheduled: returns the requests that produced a token or finished there.
+        this one was scheduled: returns the requests that produced a token or finished there
+        (a request whose logits were NaN finishes there alone, finish_reason "error", its pages
+        scrubbed and freed).
         The host thus trails the device by one step: a request that stops on a stop token or
         string has run one more step, whose token is dropped."""
-        start = time.perf_counter()
+        start, built = time.perf_counter(), self._build_seconds()
         plan = self.scheduler.schedule()
         for seq, pages in plan.preempted:
             self._offload(seq, pages)
@@ -232,13 +245,14 @@ class LLMEngine:
         # A step's host time is spent waiting for the device to finish the step before it (or
         # on this step's speculative round, which it reads).
         kind = "decode" if made is not None else self.previous_kind if previous else self.inflight_kind
+        elapsed = time.perf_counter() - start - (self._build_seconds() - built)    # step programs built: apart
         if kind == "decode":
-            self.counters["decode_s"] += time.perf_counter() - start
+            self.counters["decode_s"] += elapsed
             self.counters["decode_steps"] += 1
             self.counters["decode_tokens"] += made if made is not None else sum(
                 len(f.rows) for f in previous or launched)
         elif kind == "prefill":
-            self.counters["prefill_s"] += time.perf_counter() - start
+            self.counters["prefill_s"] += elapsed
         self.previous_kind = self.inflight_kind
         return outputs
 
@@ -252,8 +266,10 @@ class LLMEngine:
             for i, (seq, index) in enumerate(record.rows):
                 if seq.status is Status.FINISHED:          # stopped or aborted meanwhile: the row ran for nothing
                     continue
-                if nan[i]:
-                    raise FloatingPointError(f"the model's logits are NaN for request {seq.request_id}")
+                if nan[i]:              # this request alone fails; the other rows keep their tokens
+                    seq.fail(f"the model's logits are NaN for request {seq.request_id}")
+                    produced[seq.request_id] = seq
+                    continue
                 if logprobs is not None and (seq.params.logprobs is not None or seq.forced is not None):
                     seq.logprobs.append(logprobs[i])
                 if seq.params.logprobs is not None:
@@ -266,6 +282,8 @@ class LLMEngine:
         requests = []
         for seq in produced.values():
             if seq.status is Status.FINISHED:
+                if seq.finish_reason == "error":
+                    self._scrub(self.blocks.uncached_sole_pages(seq))
                 self._remove(seq)
                 del self.sequences[seq.request_id]
             if seq.group is None:
@@ -293,6 +311,7 @@ class LLMEngine:
                                      for token, row in zip(seq.prompt[first:first + count], rows))
 
     # -- batch use --------------------------------------------------------------------------
+    @one_thread
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, *,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run prompts (strings or token-id lists) to completion -> RequestOutput per prompt, in
@@ -300,6 +319,7 @@ class LLMEngine:
         ids = add_all(self, prompts_with_params(prompts, params, self.ARRAY_TYPES))
         return self.run_until_done(ids, use_tqdm=use_tqdm)
 
+    @one_thread
     def run_until_done(self, request_ids: list[int], *, use_tqdm: bool = False) -> list[RequestOutput]:
         """Step until the given (unfinished) requests finish -> their final outputs, in the order
         given. KeyError for an id that is not an unfinished request (it would never finish)."""
@@ -327,6 +347,7 @@ class LLMEngine:
         """The engine's tokenizer (None without one), as vLLM's LLM.get_tokenizer."""
         return self.tokenizer
 
+    @one_thread
     def stats(self) -> EngineStats:
         """Pool, queue and counters (reads the device's counters)."""
         return EngineStats(
@@ -337,6 +358,7 @@ class LLMEngine:
             forked_prompt_tokens=self.blocks.forked_tokens, **self.counters,
             **self._device_stats())
 
+    @one_thread
     def reset_stats(self) -> None:
         """Zero the timing and token counters and the WISE counters."""
         self.counters = dict.fromkeys(COUNTERS, 0)
@@ -376,9 +398,22 @@ class LLMEngine:
     def _forget(self, seq: Sequence) -> None:
         """A sequence leaves the engine: drop any device-side state held for it."""
 
+    def _scrub(self, pages: list[int]) -> None:
+        """A failed request's pages (`Sequence.fail`) go back to the pool: overwrite their K/V
+        (every plane) with zeros after the steps already launched, so that no later holder
+        reads its NaN (an attention whose masked keys still reach softmax(scores) @ V as 0 x
+        value turns a stale NaN into NaN output). Default: nothing, for a device side whose
+        attention never reads a key past a sequence's length."""
+
     def _device_stats(self) -> dict:
         """The EngineStats fields of the device side: fallbacks, density and the step programs'."""
         raise NotImplementedError
+
+    def _build_seconds(self) -> float:
+        """Seconds spent so far making step programs (capture, or trace and compile): a step does
+        not count them as prefill or decode time (EngineStats.step_build_s reports them). Default:
+        0.0, for a device side that does not measure them."""
+        return 0.0
 
     def _reset_device_counters(self) -> None:
         """Zero the WISE counters."""

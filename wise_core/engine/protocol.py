@@ -14,7 +14,8 @@ from wise_core.request import EngineStats, RequestOutput, SamplingParams
 class Engine(Protocol):
     """vocab_size: the model's; max_model_len: prompt + output tokens a request may hold;
     page_size and blocks.num_pages: the pool's; wise_config: None when dense. Every method is
-    `LLMEngine`'s (its docstrings)."""
+    `LLMEngine`'s (its docstrings). An engine is used from one thread at a time (a second
+    thread inside is a RuntimeError)."""
 
     vocab_size: int
     max_model_len: int

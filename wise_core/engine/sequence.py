@@ -51,6 +51,7 @@ class Sequence:
     finishing: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None     # the stop id or string that ended it (None: eos or another reason)
+    error: str | None = None                 # why the engine ended it (finish_reason "error")
     text: TextStream | None = None           # its text, when stop strings are watched
     offloaded: tuple | None = None
     forced: list[int] | None = None
@@ -122,6 +123,13 @@ class Sequence:
     def finish(self, reason: str) -> None:
         self.status, self.finish_reason = Status.FINISHED, reason
 
+    def fail(self, error: str) -> None:
+        """The engine found this request broken (NaN logits): it ends here, finish_reason
+        "error", `error` saying why; the tokens read before stay, nothing later is added."""
+        del self.tokens[len(self.prompt) + len(self.output):]     # the tokens in flight, the failed one first
+        self.error = error
+        self.finish("error")
+
 
 def output_of(seq: Sequence, tokenizer) -> RequestOutput:
     """What `seq` has produced so far, as the engines return it."""
@@ -133,7 +141,8 @@ def output_of(seq: Sequence, tokenizer) -> RequestOutput:
         prompt_ranked = seq.prompt_ranked if whole else list(seq.prompt_ranked)
     return RequestOutput(seq.request_id, seq.prompt, seq.output, seq.status is Status.FINISHED, seq.finish_reason,
                          list(seq.logprobs) if want_logprobs else None, tokenizer, seq.stop_reason, cut,
-                         list(seq.ranked) if seq.params.logprobs is not None else None, prompt_ranked=prompt_ranked)
+                         list(seq.ranked) if seq.params.logprobs is not None else None, prompt_ranked=prompt_ranked,
+                         error=seq.error)
 
 
 def ranked_entry(k: int, token: int, logprob: float, rank: int, top_ids: list[int], top_logprobs: list[float]

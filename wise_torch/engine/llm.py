@@ -1,7 +1,7 @@
 """`LLM`: the serving engine's front door (continuous batching over the paged cache).
 
     llm = wise_torch.LLM("ouro-py-3m", wise_config=WiseConfig())
-    outs = llm.generate(["def fib(n):"], wise_torch.SamplingParams(max_tokens=32))
+    outs = llm.generate(["def add(a, b): return"], wise_torch.SamplingParams(max_tokens=32))
 
 or step by step: `add_request`, `step` (the requests that produced a token or finished),
 `has_unfinished`, `abort`, and `stats`. With `tensor_parallel_size=N` the model's heads are split
@@ -20,7 +20,8 @@ import torch
 
 from wise_core.config import AdaptiveDepth, SpeculativeConfig, WiseConfig
 from wise_core.engine import EngineArgs, LLMEngine
-from wise_core.engine.args import check_adaptive_depth, cpu_pool, pool_pages, positive_int
+from wise_core.engine.args import (check_adaptive_depth, check_exit_iterations, check_pool_fits, cpu_pool,
+                                   host_available_bytes, pool_pages, positive_int)
 from wise_core.engine.scheduler import Chunk
 from wise_core.engine.sequence import Sequence
 from wise_torch.engine import distributed
@@ -140,6 +141,7 @@ class LLM(LLMEngine):
         num_steps = model.config.num_loops if num_steps is None else num_steps
         model.planes(num_steps)   # checks num_steps against the model
         adaptive_depth = check_adaptive_depth(adaptive_depth, model.config)
+        check_exit_iterations(adaptive_depth, num_steps)
         if speculative_config is not None:
             if model.config.early_exit_threshold < 1.0:
                 raise ValueError(f"speculative decoding runs every loop; this model exits early "
@@ -183,6 +185,7 @@ class LLM(LLMEngine):
         if num_pages is None:
             num_pages, sizing = self._default_pages(page_bytes, args.max_num_seqs * args.pages_per_request(
                 config.max_position_embeddings))
+        check_pool_fits(num_pages, page_bytes, *self._available_memory())
         max_model_len = args.model_len(config.max_position_embeddings, num_pages)
         self.model, self.wise_config = model, args.wise_config
         self._start(args, num_pages=num_pages, pool_sizing=sizing, max_model_len=max_model_len,
@@ -216,6 +219,13 @@ class LLM(LLMEngine):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _available_memory(self) -> tuple[int | None, str]:
+        """(bytes free for the pool, which memory that is) on the model's device."""
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return free, f"free on {self.device}"
+        return host_available_bytes(), "of host memory available"
 
     def _default_pages(self, page_bytes: int, most: int) -> tuple[int, str]:
         """(pages, how they were sized) for num_pages=None."""
@@ -251,6 +261,18 @@ class LLM(LLMEngine):
         self.runner.forget(seq)
         if self.speculator is not None:
             self.speculator.forget(seq)
+
+    def _build_seconds(self) -> float:
+        return self.runner.capture_s
+
+    def _scrub(self, pages: list[int]) -> None:
+        """Zero the K/V of `pages` on every rank (a zero broadcast over each rank's shard)."""
+        if not pages:
+            return
+        zero = torch.zeros(())
+        if self.workers is not None:
+            self.workers.send("_copy_in", pages, zero, zero)
+        self.runner._copy_in(pages, zero, zero)
 
     def _device_stats(self) -> dict:
         wise = self.runner.wise

@@ -334,9 +334,6 @@ class Speculator:
         emitted = torch.where(j[None, :] < accepted[:, None], padded, final[:, None])
         nan = (torch.isnan(logits).any(-1) & (j[None, :] <= accepted[:, None])).any(-1)
         host = torch.cat([accepted[:, None], emitted, nan.long()[:, None]], 1).tolist()
-        bad = [seqs[i].request_id for i, row in enumerate(host) if row[-1]]
-        if bad:
-            raise FloatingPointError(f"the model's logits are NaN for request(s) {bad}")
         logprobs = ranks = None
         if any(seq.params.logprobs is not None for seq in seqs):
             logp = torch.log_softmax(logits, -1)
@@ -345,6 +342,10 @@ class Speculator:
         committed = 0
         c = self.counters
         for i, (seq, row) in enumerate(zip(seqs, host)):
+            if row[-1]:             # NaN logits: this request alone fails (`LLMEngine._read` removes it)
+                seq.fail(f"the model's logits are NaN for request {seq.request_id}")
+                produced.append(seq)
+                continue
             n_acc = row[0]
             c.rounds += 1
             c.drafted += ks[i]

@@ -130,3 +130,27 @@ def test_requests_that_never_fit_are_named_and_leave_nothing(fw):
         llm.add_request([1], {"max_tokens": 3})
     drained(llm)
     assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+
+
+def test_step_program_build_time_is_not_prefill_or_decode_time(fw):
+    """Time the device side reports as building step programs (capture, compile) during a step
+    is kept out of prefill_s and decode_s: here every launch 'builds' for 0.3 s."""
+    import time
+
+    llm = engine(fw, max_model_len=128)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)   # its real programs built
+    llm.reset_stats()
+    built = [0.0]
+    for name in ("_launch_prefill", "_launch_decode"):
+        launch = getattr(llm, name)
+
+        def slow(arg, launch=launch):
+            time.sleep(0.3)
+            built[0] += 0.3
+            return launch(arg)
+
+        setattr(llm, name, slow)
+    llm._build_seconds = lambda: built[0]
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)
+    stats = drained(llm)
+    assert built[0] > 0.85 and stats.prefill_s + stats.decode_s < 0.25, stats
