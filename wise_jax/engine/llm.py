@@ -367,6 +367,19 @@ class LLM(LLMEngine):
         self.cache = write_pages(self.cache, k, v, jnp.asarray(seq.pages[:k.shape[1]], jnp.int32))
         seq.offloaded = None
 
+    def _build_seconds(self) -> float:
+        """Seconds steps waited for decode programs to compile (background compiles cost a step
+        nothing and are not counted)."""
+        return self.programs.stats()["compile_blocked_s"]
+
+    def _scrub(self, pages: list[int]) -> None:
+        """Zero the K/V of `pages` in every plane (a failed request's, before they go back)."""
+        if not pages:
+            return
+        planes, _, page_size, kv_heads, head_dim = self.cache.k.shape
+        zeros = jnp.zeros((planes, len(pages), page_size, kv_heads, head_dim), self.cache.k.dtype)
+        self.cache = write_pages(self.cache, zeros, zeros, jnp.asarray(pages, jnp.int32))
+
     def _device_stats(self) -> dict:
         state = self.state
         programs = self.programs.stats()
