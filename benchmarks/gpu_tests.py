@@ -130,41 +130,37 @@ def parity_counts(record: dict) -> dict:
     return result
 
 
-def run_parity(out: Path, timeout: float, extra_env: dict) -> dict:
-    """The parity suite (full shapes) in a process of its own -> its row of the table."""
-    report, log = out / "parity.json", out / "parity.log"
+def run_row(name: str, cmd: list[str], report: Path, read, log: Path, timeout: float, extra_env: dict) -> dict:
+    """Run `cmd` in a process of its own (output to `log`) -> the table's row `name`: the counts
+    `read(report)` gives, or a failure naming the log's end when the report is missing."""
     start = time.perf_counter()
-    code = run_logged([sys.executable, "-m", "parity", "--json", str(report.resolve()), "--details", "failures"],
-                      log, timeout, extra_env)
-    row = dict(file=PARITY, exit=code, seconds=round(time.perf_counter() - start, 1))
+    code = run_logged(cmd, log, timeout, extra_env)
+    row = dict(file=name, exit=code, seconds=round(time.perf_counter() - start, 1))
     if report.exists():
-        row.update(parity_counts(json.loads(report.read_text())))
+        row.update(read(report))
     else:
         row.update(passed=0, failed=0, errors=0, skipped=0, skips=[],
-                   failures=[f"no parity report (exit {code}); see {log.name}: "
+                   failures=[f"no report (exit {code}); see {log.name}: "
                              + " | ".join(log.read_text(errors="replace").splitlines()[-5:])])
     if code == "timeout":
-        row["failures"].append(f"parity did not finish in {timeout:.0f} s")
+        row["failures"].append(f"{name} did not finish in {timeout:.0f} s (what came after its last report did "
+                               "not run)")
     return row
+
+
+def run_parity(out: Path, timeout: float, extra_env: dict) -> dict:
+    """The parity suite (full shapes) in a process of its own -> its row of the table."""
+    report = out / "parity.json"
+    return run_row(PARITY, [sys.executable, "-m", "parity", "--json", str(report.resolve()), "--details", "failures"],
+                   report, lambda r: parity_counts(json.loads(r.read_text())), out / "parity.log", timeout, extra_env)
 
 
 def run_file(path: str, out: Path, timeout: float, extra_env: dict) -> dict:
     """`pytest -m gpu path` in a process of its own -> its row of the table."""
     stem = path.replace("/", "__").removesuffix(".py")
-    xml, log = out / f"{stem}.xml", out / f"{stem}.log"
-    start = time.perf_counter()
-    code = run_logged([sys.executable, "-m", "pytest", "-q", "-m", "gpu", path, "-p", "no:cacheprovider", "-rfEs",
-                       f"--junitxml={xml}"], log, timeout, extra_env)
-    row = dict(file=path, exit=code, seconds=round(time.perf_counter() - start, 1))
-    if xml.exists():
-        row.update(junit_counts(xml))
-    else:
-        row.update(passed=0, failed=0, errors=0, skipped=0, skips=[],
-                   failures=[f"no junit report (exit {code}); see {log.name}: "
-                             + " | ".join(log.read_text(errors="replace").splitlines()[-5:])])
-    if code == "timeout":
-        row["failures"].append(f"the file did not finish in {timeout:.0f} s (tests after the last reported did not run)")
-    return row
+    xml = out / f"{stem}.xml"
+    return run_row(path, [sys.executable, "-m", "pytest", "-q", "-m", "gpu", path, "-p", "no:cacheprovider", "-rfEs",
+                          f"--junitxml={xml}"], xml, junit_counts, out / f"{stem}.log", timeout, extra_env)
 
 
 def machine() -> dict:

@@ -22,6 +22,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+import weakref
 from typing import Callable, Hashable
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class StepPrograms:
         self.blocked_steps = 0     # steps that waited for a compile
         self.blocked_s = 0.0
         self.failures: dict[Key, BaseException] = {}
+        if self._executor is not None:   # an engine let go drops the compiles not started yet
+            weakref.finalize(self, self._executor.shutdown, wait=False, cancel_futures=True)
 
     def _build(self, key: Key) -> Callable:
         start = time.perf_counter()
@@ -85,10 +88,6 @@ class StepPrograms:
         """Compile the start-up set `keys`, in this order, in the background."""
         for key in keys:
             self.request(key)
-
-    def ready(self, key: Key) -> bool:
-        with self._lock:
-            return key in self._ready
 
     def choose(self, variant: Hashable, rows: int, width: int) -> tuple[Callable, int, int]:
         """The program a step of `variant` needing `rows` rows of `width` pages runs ->
