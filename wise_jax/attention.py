@@ -102,8 +102,11 @@ def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes,
     scores = jnp.where(keys, scores, -jnp.inf)
     probs = jnp.exp(scores - scores.max(-1, keepdims=True))
     probs = probs / probs.sum(-1, keepdims=True)
+    # A value past a row's keys is read as 0, never as what a page's earlier holder left there:
+    # 0 x NaN would make the row NaN although its softmax weight there is 0.
+    held = (jnp.arange(n_keys) < seq_lens[:, None])[:, :, None, None]
     out = jnp.einsum("bkgs,bskd->bkgd", probs.reshape(batch, kv_heads, group, n_keys),
-                     v.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+                     jnp.where(held, v.astype(jnp.float32), 0.0), precision=lax.Precision.HIGHEST)
     out = out.reshape(batch, heads, head_dim).astype(q.dtype)
 
     mass = probs.reshape(batch, heads, n_blocks, block_size).sum(-1)

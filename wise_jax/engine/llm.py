@@ -53,7 +53,7 @@ from tokenizers import Tokenizer
 from wise_core.buckets import batch_bucket, context_bucket, context_buckets, decode_buckets
 from wise_core.config import AdaptiveDepth, ModelConfig
 from wise_core.engine import EngineArgs, LLMEngine
-from wise_core.engine.args import check_adaptive_depth, cpu_pool, pool_pages
+from wise_core.engine.args import check_adaptive_depth, check_exit_iterations, check_pool_fits, cpu_pool, pool_pages
 from wise_core.engine.scheduler import Chunk
 from wise_core.engine.sequence import Sequence, logits_rows
 from wise_core.engine.step_plan import DecodePlan, TagCounter
@@ -149,6 +149,8 @@ class LLM(LLMEngine):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
         self.num_steps = self._huginn_steps(params, config, num_steps, mesh)    # None: an Ouro model
         self.adaptive_depth = check_adaptive_depth(adaptive_depth, config)
+        if self.num_steps is not None:
+            check_exit_iterations(self.adaptive_depth, self.num_steps)
         planes = None if self.num_steps is None else num_planes(config, self.num_steps)
         args.checked_for(config.total_ut_steps if self.num_steps is None else self.num_steps,
                          config.max_position_embeddings,
@@ -171,6 +173,8 @@ class LLM(LLMEngine):
         if num_pages is None:
             num_pages, sizing = _default_num_pages(per_device, args.page_size, dtype, args.max_num_seqs
                                                    * args.pages_per_request(config.max_position_embeddings), planes)
+        available, where = sharding.device_memory_available()   # before the host's free list is built
+        check_pool_fits(num_pages, kvc.page_bytes(per_device, args.page_size, dtype, planes), available, where)
         self._start(args, num_pages=num_pages, pool_sizing=sizing,
                     max_model_len=args.model_len(config.max_position_embeddings, num_pages), tokenizer=tokenizer,
                     vocab_size=config.vocab_size, eos_token_id=config.eos_token_id)
