@@ -58,6 +58,7 @@ ATTENTION_FINISH = ("_finish_kernel", "wise_decode_finish")
 FUSED_OPS = ("_rms_norm", "_add_rms_norm", "_rope_store_kv", "_silu_mul")
 SOURCE_CATEGORY = (("wise_state.py", "selection / support bookkeeping"), ("attention.py", "attention"),
                    ("/kernels/", "attention"), ("engine.py", "sampling and readback"),
+                   ("wise_jax/engine/", "sampling and readback"),
                    ("kv_cache.py", "norms / RoPE / KV writes / elementwise"),
                    ("model.py", "norms / RoPE / KV writes / elementwise"))
 
