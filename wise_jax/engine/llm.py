@@ -53,7 +53,7 @@ from tokenizers import Tokenizer
 from wise_core.buckets import batch_bucket, context_bucket, context_buckets, decode_buckets
 from wise_core.config import AdaptiveDepth, ModelConfig
 from wise_core.engine import EngineArgs, LLMEngine
-from wise_core.engine.args import check_adaptive_depth, check_exit_iterations, check_pool_fits, cpu_pool, pool_pages
+from wise_core.engine.args import check_adaptive_depth, check_exit_iterations, cpu_pool, pool_pages
 from wise_core.engine.scheduler import Chunk
 from wise_core.engine.sequence import Sequence, logits_rows
 from wise_core.engine.step_plan import DecodePlan, TagCounter
@@ -173,8 +173,11 @@ class LLM(LLMEngine):
         if num_pages is None:
             num_pages, sizing = _default_num_pages(per_device, args.page_size, dtype, args.max_num_seqs
                                                    * args.pages_per_request(config.max_position_embeddings), planes)
-        available, where = sharding.device_memory_available()   # before the host's free list is built
-        check_pool_fits(num_pages, kvc.page_bytes(per_device, args.page_size, dtype, planes), available, where)
+        # The storage of the pool (its page table is each step's, the host's bookkeeping), made
+        # before the host's free list: a pool too large for the memory is refused (with the bytes
+        # it needs) before anything is allocated.
+        self.cache = sharding.create_cache(config, mesh, batch=1, max_pages=1, num_pages=num_pages,
+                                           page_size=args.page_size, dtype=dtype, planes=planes)
         self._start(args, num_pages=num_pages, pool_sizing=sizing,
                     max_model_len=args.model_len(config.max_position_embeddings, num_pages), tokenizer=tokenizer,
                     vocab_size=config.vocab_size, eos_token_id=config.eos_token_id)
@@ -182,9 +185,6 @@ class LLM(LLMEngine):
         self.widths = context_buckets(self.max_pages)
         self.row_buckets = decode_buckets(args.max_num_seqs)
         self._loops_run = [0, 0]     # early exit: loops the decoded tokens ran, decoded tokens (`decode`)
-        # The storage of the pool; its page table is each step's (the host's bookkeeping).
-        self.cache = sharding.create_cache(config, mesh, batch=1, max_pages=1, num_pages=num_pages,
-                                           page_size=self.page_size, dtype=dtype, planes=planes)
         # Huginn: each position's initial state, read on the device by prefill and decode.
         self.state_table = None if planes is None else jnp.asarray(
             initial_state(config, np.arange(self.max_pages * self.page_size), 0), dtype)
