@@ -6,8 +6,8 @@ prefilling, then waiting ones in arrival order (a preempted sequence first). Whe
 sequence needs a page and none is free, the newest running sequence is preempted: its K/V of
 every plane is offloaded to host memory (by the framework's device side, `Step.preempted`) and
 restored when it resumes (`Step.resumed`), so it continues exactly as if it had never stopped.
-Slots (rows of the per-sequence device buffers) are handed out lowest first, so the rows in
-use stay at the bottom and a step sized by the highest one stays small. A new sequence starts
+Slots (indices of the per-sequence device buffers) are handed out lowest first; a step's rows
+are compacted whatever the slots (`wise_core.engine.step_plan`). A new sequence starts
 after the full prompt pages it shares: its first completion's (an n > 1 request's later
 completions wait for that prefill), else a cached prefix (`BlockManager.fork`, `match`).
 """

@@ -256,7 +256,7 @@ class LLM(LLMEngine):
 
     def _compile_step(self, key) -> Callable:
         """The decode program of `key` = (StepVariant, rows, width), compiled ahead of its first
-        step (`step_programs.StepPrograms`; may run on its background thread)."""
+        step (`compiler.StepPrograms`; may run on its background thread)."""
         variant, rows, width = key
         logits_state = None
         if variant.extras:
