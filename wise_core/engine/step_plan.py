@@ -28,7 +28,6 @@ import dataclasses
 
 import numpy as np
 
-from wise_core.buckets import batch_bucket, context_bucket
 from wise_core.engine.sequence import Sequence
 
 TAG_LIMIT = 2 ** 31   # tags are int32 on every device: issued modulo this
@@ -65,16 +64,14 @@ class DecodePlan:
     page_table: np.ndarray
 
     @classmethod
-    def build(cls, seqs: list[Sequence], *, batch_buckets: list[int], widths: list[int], page_size: int,
-              scratch_page: int, tags: TagCounter, rows: int | None = None, width: int | None = None) -> "DecodePlan":
-        """The plan of decoding each of `seqs` one token, at the smallest batch bucket and context
-        bucket holding them, or at (rows, width) when given (a larger bucket that holds them:
-        padding rows and columns change no row's result)."""
+    def build(cls, seqs: list[Sequence], *, rows: int, width: int, page_size: int, scratch_page: int,
+              tags: TagCounter) -> "DecodePlan":
+        """The plan of decoding each of `seqs` one token at `rows` x `width` pages: the step's own
+        bucket (`wise_core.buckets`) or a larger one (padding rows and columns change no row's
+        result); a bucket that does not hold them is a ValueError."""
         if not seqs:
             raise ValueError("a decode step needs at least one sequence")
         need_rows, need_pages = len(seqs), max(len(seq.pages) for seq in seqs)
-        rows = batch_bucket(batch_buckets, need_rows) if rows is None else rows
-        width = context_bucket(widths, need_pages) if width is None else width
         if rows < need_rows or width < need_pages:
             raise ValueError(f"a step of {need_rows} rows of up to {need_pages} pages does not fit "
                              f"{rows} rows x {width} pages")

@@ -243,8 +243,8 @@ class LLM(LLMEngine):
         program, rows, width = self.programs.choose(
             variant, batch_bucket(self.row_buckets, len(seqs)),
             context_bucket(self.widths, max(len(seq.pages) for seq in seqs)))
-        plan = DecodePlan.build(seqs, batch_buckets=self.row_buckets, widths=self.widths, page_size=self.page_size,
-                                scratch_page=self.cache.scratch_page, tags=self.tags, rows=rows, width=width)
+        plan = DecodePlan.build(seqs, rows=rows, width=width, page_size=self.page_size,
+                                scratch_page=self.cache.scratch_page, tags=self.tags)
         padded: list[Sequence | None] = list(seqs) + [None] * (rows - len(seqs))
         self.cache, self.state, self.next_token, logits_state, outputs = program(
             self.params, self.cache, self.state, self.next_token, Rows.of(plan), draw_of(padded),

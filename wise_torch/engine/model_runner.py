@@ -254,8 +254,8 @@ class ModelRunner:
         """Fill the host staging with the step plan of `seqs` at `bucket` rows of `width` pages
         (`DecodePlan`: padding rows and the columns past a row's pages on the scratch page) ->
         its views meta int64[6, bucket] and table int32[bucket, pages of the longest row]."""
-        plan = DecodePlan.build(seqs, batch_buckets=self.buckets, widths=self.widths, page_size=self.page_size,
-                                scratch_page=self.cache.scratch_page, tags=self.tags, rows=bucket, width=width)
+        plan = DecodePlan.build(seqs, rows=bucket, width=width, page_size=self.page_size,
+                                scratch_page=self.cache.scratch_page, tags=self.tags)
         meta, table = self._next_staging(bucket, width)
         meta[:, :bucket] = (plan.tokens, plan.positions, plan.seq_lens, plan.slot_mapping, plan.tags, plan.seq_slots)
         table[:] = plan.page_table

@@ -7,6 +7,7 @@ import pytest
 
 from cases import prompts_of
 from engine_cases import Framework
+from wise_core.buckets import batch_bucket, context_bucket
 from wise_core.config import PRESETS, WiseConfig
 from wise_core.engine.sequence import PENDING, Sequence
 from wise_core.engine.step_plan import TAG_LIMIT, DecodePlan, TagCounter
@@ -25,9 +26,12 @@ def sequence(slot: int, prompt_len: int, pages: list[int], pending: bool = False
     return seq
 
 
-def build(seqs, **kw):
-    return DecodePlan.build(seqs, batch_buckets=[1, 2, 4, 8], widths=[1, 2, 4], page_size=PAGE,
-                            scratch_page=SCRATCH, tags=kw.pop("tags", TagCounter()), **kw)
+def build(seqs, *, rows=None, width=None, tags=None):
+    """The plan of `seqs` at (rows, width), by default their own bucket (`wise_core.buckets`)."""
+    rows = batch_bucket([1, 2, 4, 8], len(seqs)) if rows is None else rows
+    width = context_bucket([1, 2, 4], max(len(s.pages) for s in seqs)) if width is None else width
+    return DecodePlan.build(seqs, rows=rows, width=width, page_size=PAGE, scratch_page=SCRATCH,
+                            tags=TagCounter() if tags is None else tags)
 
 
 def test_rows_are_compacted_in_step_order_whatever_the_sequence_slots():
@@ -68,7 +72,7 @@ def test_a_bucket_that_cannot_hold_the_step_is_refused():
     with pytest.raises(ValueError, match="does not fit 2 rows x 1 pages"):
         build(seqs, rows=2, width=1)
     with pytest.raises(ValueError, match="at least one sequence"):
-        build([])
+        build([], rows=1, width=1)
 
 
 def test_tags_are_issued_once_per_token_and_wrap_at_the_int32_limit():
