@@ -47,6 +47,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 import numpy as np
 from tokenizers import Tokenizer
 
@@ -191,12 +192,12 @@ class LLM(LLMEngine):
         self.state = None if args.wise_config is None else sharding.create_state(
             args.wise_config, mesh, slots=args.max_num_seqs, layers=config.loop_layers,
             heads=config.num_attention_heads, max_blocks=self.max_pages * self.page_size // args.block_size)
-        self.next_token = jnp.zeros((args.max_num_seqs,), jnp.int32)
+        self.next_token = self._on_mesh(jnp.zeros((args.max_num_seqs,), jnp.int32))
         self.tags = TagCounter()     # the WISE token tags of decoded tokens
         # The decode programs: compiled ahead from these abstract arguments (their shapes never
         # change), on a background thread when background_compile (None: on a GPU), starting
         # with the largest bucket of the default variant, which holds every step of it.
-        self._arg_specs = spec_of((self.params, self.cache, self.state, self.next_token, self.state_table))
+        self._arg_specs = spec_of((self.params, self.cache, self.state, self.next_token, self.state_table), mesh)
         background = jax.default_backend() == "gpu" if background_compile is None else background_compile
         self.programs = StepPrograms(self._compile_step, background=background)
         self.programs.start([(DEFAULT_VARIANT, self.row_buckets[-1], self.widths[-1])])
@@ -261,14 +262,22 @@ class LLM(LLMEngine):
         logits_state = None
         if variant.extras:
             logits_state = spec_of(jax.eval_shape(
-                lambda: LogitsState.create(self.args.max_num_seqs, self.config.vocab_size)))
+                lambda: LogitsState.create(self.args.max_num_seqs, self.config.vocab_size)), self.mesh)
         static = dict(config=self.config, wise_config=self.wise_config, kernel=self.kernel, unroll=self.unroll,
                       mesh=self.mesh, num_steps=self.num_steps, adaptive=self.adaptive_depth,
                       sampling=variant.sampling, keep_logits=variant.keep_logits, rows=rows, width=width)
         params, cache, state, next_token, state_table = self._arg_specs
-        return decode.lower(params, cache, state, next_token, Rows.spec(rows, width), Draw.spec(rows),
-                           Processing.spec(rows) if variant.extras else None, logits_state, state_table,
-                           **static).compile()
+        per_step = spec_of((Rows.spec(rows, width), Draw.spec(rows),
+                            Processing.spec(rows) if variant.extras else None), self.mesh)
+        return decode.lower(params, cache, state, next_token, *per_step, logits_state, state_table,
+                            **static).compile()
+
+    def _on_mesh(self, tree):
+        """`tree` replicated on the mesh (as is without one): the decode programs, compiled ahead,
+        take every argument on the mesh they run on."""
+        if self.mesh is None:
+            return tree
+        return jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
 
     def _extras(self, seqs: list[Sequence]) -> bool:
         """Whether a step over `seqs` processes logits or reports ranked logprobs; if so, the
@@ -280,7 +289,7 @@ class LLM(LLMEngine):
         if not any(s.params.logprobs is not None or (s.forced is None and s.params.processed) for s in seqs):
             return False
         if self.logits_state is None:
-            self.logits_state = LogitsState.create(self.args.max_num_seqs, self.config.vocab_size)
+            self.logits_state = self._on_mesh(LogitsState.create(self.args.max_num_seqs, self.config.vocab_size))
         for seq in seqs:
             if seq.forced is None and seq.params.processed and self._logits_owner.get(seq.slot) is not seq:
                 self.logits_state = set_logits_rows(self.logits_state, jnp.int32(seq.slot),

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from wise_core.config import AdaptiveDepth, ModelConfig
 from wise_core.engine.step_plan import DecodePlan
@@ -38,9 +39,16 @@ class StepVariant(NamedTuple):
 DEFAULT_VARIANT = StepVariant(sampling=False, keep_logits=False, extras=False)
 
 
-def spec_of(tree):
-    """The abstract values (shape, dtype, sharding) of a pytree of arrays."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
+def spec_of(tree, mesh=None):
+    """The abstract values (shape, dtype, sharding) of a pytree of arrays (or of abstract values).
+    With a mesh, a leaf not laid out over it (a host array, one on a single device) is replicated
+    on it: a program compiled ahead takes every argument on the mesh it runs on."""
+    def spec(x):
+        placed = getattr(x, "sharding", None)
+        if mesh is not None and not isinstance(placed, NamedSharding):
+            placed = NamedSharding(mesh, PartitionSpec())
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed)
+    return jax.tree.map(spec, tree)
 
 
 @functools.partial(jax.jit, static_argnames=("sampling",), donate_argnames=("next_token", "logits_state"))
