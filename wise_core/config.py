@@ -458,6 +458,19 @@ class WiseConfig:
             return "reuse"
         return "dense"
 
+    def role_runs(self, num_loops: int) -> list[tuple[str, range]]:
+        """Loops 0 .. num_loops - 1 as runs of consecutive loops of one role, in order:
+        [(role, loops)], e.g. discovery (0, 1) and reuse (2, 3) of 4 loops -> [('discover',
+        range(0, 2)), ('reuse', range(2, 4))]. A decode step runs each run as one loop body."""
+        runs: list[tuple[str, range]] = []
+        for loop in range(num_loops):
+            role = self.depth_role(loop)
+            if runs and runs[-1][0] == role:
+                runs[-1] = (role, range(runs[-1][1].start, loop + 1))
+            else:
+                runs.append((role, range(loop, loop + 1)))
+        return runs
+
 
 def huginn_wise_config(num_steps: int = 32, **settings) -> WiseConfig:
     """The WISE profile for Huginn at `num_steps` core iterations (huginn-0125's default r = 32):

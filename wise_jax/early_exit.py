@@ -13,11 +13,15 @@ token; only its logits are the exit loop's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["total", "remaining", "exited", "exit_loop", "state"],
+                   meta_fields=["loops", "threshold"])
 @dataclasses.dataclass(frozen=True)
 class ExitState:
     """Per row (shape `rows`, any leading dims): total and remaining float32 (cumulative exit
@@ -41,14 +45,15 @@ class ExitState:
         return cls(loops, threshold, jnp.zeros(rows, jnp.float32), jnp.ones(rows, jnp.float32),
                    jnp.zeros(rows, bool), jnp.full(rows, loops - 1, jnp.int32), jnp.zeros_like(h))
 
-    def end_loop(self, loop: int, h: jax.Array, lam: jax.Array) -> "ExitState":
-        """After loop `loop` with normed states h [*rows, hidden] and gate probabilities lam
-        float32[*rows]: the rows whose cumulative exit probability reaches the threshold exit
-        here (none after the last loop, which every remaining row ends at)."""
-        if loop == self.loops - 1:
+    def end_loop(self, loop: int | jax.Array, h: jax.Array, lam: jax.Array) -> "ExitState":
+        """After loop `loop` (a Python int or a traced int32[]) with normed states h [*rows,
+        hidden] and gate probabilities lam float32[*rows]: the rows whose cumulative exit
+        probability reaches the threshold exit here (none after the last loop, which every
+        remaining row ends at)."""
+        if isinstance(loop, int) and loop == self.loops - 1:
             return self
         total = self.total + lam * self.remaining
-        now = ~self.exited & (total >= self.threshold)
+        now = ~self.exited & (total >= self.threshold) & (loop < self.loops - 1)
         return dataclasses.replace(self, total=total, remaining=self.remaining * (1.0 - lam),
                                    exited=self.exited | now, exit_loop=jnp.where(now, loop, self.exit_loop),
                                    state=jnp.where(now[..., None], h, self.state))

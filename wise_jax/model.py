@@ -273,7 +273,8 @@ def prefill(params: Params, config: ModelConfig, tokens: jax.Array, length: jax.
 def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, state: ws.WiseState | None,
                 tokens: jax.Array, slots: jax.Array, *, wise_config: WiseConfig | None, kernel: str,
                 unroll: int | bool = 1, axis_name: str | None = None,
-                width: int | None = None, return_depths: bool = False, allocate: bool = True) -> tuple:
+                width: int | None = None, return_depths: bool = False, allocate: bool = True,
+                scan_loops: bool = True) -> tuple:
     """Decode one token per cache row: append it (allocating a page at a page boundary) and run
     every loop; dense when wise_config is None, else WISE (state required).
 
@@ -293,7 +294,10 @@ def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, st
     return_depths the loops each row ran, int32[batch] (its exit loop + 1). allocate=False: the
     page table already holds every active row's page for its new token (an engine's host
     allocator chose it, `wise_core.engine.step_plan`): nothing is taken from the free stack and
-    no row overflows."""
+    no row overflows. scan_loops: each run of consecutive loops of one role (all loops dense;
+    WISE's discovery loops, its reuse loops: `WiseConfig.role_runs`) runs as a `lax.scan` of one
+    loop body, the plane index traced, so the program holds one copy of the layers per run, not
+    per loop (a shorter compile); False: every loop straight-line, the same arithmetic."""
     batch = tokens.shape[0]
     active = slots >= 0
     positions = cache.seq_lens
@@ -308,19 +312,22 @@ def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, st
         dense_modes = jnp.full((batch,), M.DENSE, jnp.int32)
         no_support = jnp.zeros((batch, config.num_attention_heads, pages * cache.page_size // dense.block_size), bool)
 
-    exits = exits_for(config, h[:, 0])
-    for loop in range(config.total_ut_steps):
-        if wise_config is not None and wise_config.depth_role(loop) == "reuse":   # every layer's counts at once
-            ran = live if exits is None else live & ~exits.exited    # a row that exited is not counted
-            state = ws.count_reuse(state, wise_config, loop, seq_lens, slots, ran,
-                                   pages * cache.page_size // wise_config.block_size)
+    layers = config.num_hidden_layers
+    n_blocks = pages * cache.page_size // (dense.block_size if wise_config is None else wise_config.block_size)
 
-        def attend(q, k, v, layer, carry, loop=loop):
+    def one_loop(carry, loop, role):
+        """Loop `loop` (a Python int, or a traced int32[] inside a scan) of role `role`."""
+        h, cache, state, exits = carry
+        if role == "reuse":       # every layer's counts at once
+            ran = live if exits is None else live & ~exits.exited    # a row that exited is not counted
+            state = ws.count_reuse(state, wise_config, loop, seq_lens, slots, ran, n_blocks)
+
+        def attend(q, k, v, layer, carry):
             cache, state = carry
-            plane = loop * config.num_hidden_layers + layer
+            plane = loop * layers + layer
             k, v = k[:, 0], v[:, 0]
-            if exits is not None and loop > 0:
-                k, v = exits.store_kv(k, v, *kvc.read_token(cache, plane - config.num_hidden_layers, live))
+            if exits is not None and not (isinstance(loop, int) and loop == 0):   # none exited before loop 0
+                k, v = exits.store_kv(k, v, *kvc.read_token(cache, jnp.maximum(plane - layers, 0), live))
             cache = kvc.write_token(cache, plane, k, v, live)
             k_pages, v_pages, page_table = kvc.plane_pages(cache, plane, width)
             if wise_config is None:
@@ -330,12 +337,25 @@ def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, st
             else:
                 out, state = ws.wise_attention(state, wise_config, loop, layer, q[:, 0], k_pages, v_pages,
                                                page_table, seq_lens, slots, live, kernel=kernel, validate=False,
-                                               count=False)
+                                               count=False, role=role)
             return out[:, None], (cache, state)
         h, (cache, state) = run_loop(params, config, h, cos, sin, attend, (cache, state), unroll=unroll,
                                      axis_name=axis_name)
         if exits is not None:
             exits = exits.end_loop(loop, h[:, 0], exit_gate(params, h[:, 0]))
+        return h, cache, state, exits
+
+    carry = (h, cache, state, exits_for(config, h[:, 0]))
+    runs = ([("dense", range(config.total_ut_steps))] if wise_config is None
+            else wise_config.role_runs(config.total_ut_steps))
+    for role, loops in runs:
+        if scan_loops and len(loops) > 1:    # one compiled body for the run's loops
+            carry, _ = lax.scan(lambda c, loop, role=role: (one_loop(c, loop, role), None), carry,
+                                jnp.arange(loops.start, loops.stop, dtype=jnp.int32))
+        else:
+            for loop in loops:
+                carry = one_loop(carry, loop, role)
+    h, cache, state, exits = carry
     logits = head(params, h[:, 0] if exits is None else exits.output(h[:, 0]))
     if not return_depths:
         return logits, cache, state

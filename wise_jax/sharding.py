@@ -200,14 +200,14 @@ def create_state(wise_config, mesh: Mesh | None, **kw) -> ws.WiseState:
 def decode_step(params: Params | MeshParams, config: ModelConfig, cache: kvc.PagedKVCache, state: ws.WiseState | None,
                 tokens: jax.Array, slots: jax.Array, *, wise_config, kernel: str, unroll: int | bool = 1,
                 mesh: Mesh | None = None, width: int | None = None, return_depths: bool = False,
-                allocate: bool = True):
+                allocate: bool = True, scan_loops: bool = True):
     """`wise_jax.model.decode_step`; over the mesh (MeshParams, sharded cache and state) one
     shard_map'd step at the local config. Returns (logits float32[rows, vocab], cache, state),
     and with return_depths the loops each row ran (int32[rows])."""
     if mesh is None:
         return model.decode_step(_layout_of(params, None), config, cache, state, tokens, slots,
                                  wise_config=wise_config, kernel=kernel, unroll=unroll, width=width,
-                                 return_depths=return_depths, allocate=allocate)
+                                 return_depths=return_depths, allocate=allocate, scan_loops=scan_loops)
     params = _layout_of(params, mesh).params
     local = local_config(config, tp_size(mesh))
 
@@ -217,7 +217,8 @@ def decode_step(params: Params | MeshParams, config: ModelConfig, cache: kvc.Pag
             causal_blocks=jnp.zeros_like(state.causal_blocks))
         logits, cache, new, *depths = model.decode_step(
             params, local, cache, counting, tokens, slots, wise_config=wise_config, kernel=kernel, unroll=unroll,
-            axis_name=AXIS, width=width, return_depths=return_depths, allocate=allocate)
+            axis_name=AXIS, width=width, return_depths=return_depths, allocate=allocate,
+            scan_loops=scan_loops)
         if state is not None:   # this step's counts of every device's heads, added to the totals
             new = dataclasses.replace(
                 new, selected_blocks=state.selected_blocks + lax.psum(new.selected_blocks, AXIS),

@@ -85,22 +85,33 @@ def _complete(state: WiseState, wise_config: WiseConfig, request_ids, position, 
     return (tag_request == request_ids) & (tag_position == position) & ((depths_run & full) == full)
 
 
-def count_reuse(state: WiseState, wise_config: WiseConfig, loop: int, seq_lens, request_ids, active,
+def _reuse_index(wise_config: WiseConfig, loop: int | jax.Array) -> int | jax.Array:
+    """The position of reuse depth `loop` in reuse_depths (the density counters' order); a traced
+    loop (int32[], a reuse depth) gives a traced index."""
+    if isinstance(loop, int):
+        return wise_config.reuse_depths.index(loop)
+    table = np.full(max(wise_config.reuse_depths) + 1, -1, np.int32)
+    table[list(wise_config.reuse_depths)] = np.arange(len(wise_config.reuse_depths))
+    return jnp.asarray(table)[loop]
+
+
+def count_reuse(state: WiseState, wise_config: WiseConfig, loop: int | jax.Array, seq_lens, request_ids, active,
                 n_blocks: int) -> WiseState:
     """Add reuse depth `loop`'s fallbacks and density counts of every layer at once (what
     `wise_attention(..., count=True)` adds one layer at a time): the decode step calls it once per
     reuse loop, before the loop's layers, as nothing they run changes the supports or tags.
-    seq_lens, request_ids, active [batch] as wise_attention's; n_blocks: the blocks attended."""
+    loop: a Python int or a traced int32[] (a reuse depth); seq_lens, request_ids, active [batch]
+    as wise_attention's; n_blocks: the blocks attended."""
     complete = _complete(state, wise_config, request_ids, seq_lens - 1)            # [layers, batch]
     return _add_counts(state, wise_config, loop, state.support[:, :, :, :n_blocks], complete,
                        causal_blocks(seq_lens, wise_config.block_size, n_blocks), active)
 
 
-def _add_counts(state: WiseState, wise_config: WiseConfig, loop: int, support, complete, causal, active
-                ) -> WiseState:
+def _add_counts(state: WiseState, wise_config: WiseConfig, loop: int | jax.Array, support, complete, causal,
+                active) -> WiseState:
     """support bool[..., batch, heads, n_blocks], complete bool[..., batch] (one layer or every
     layer), causal bool[batch, n_blocks], active bool[batch] -> the state with the counts added."""
-    depth = wise_config.reuse_depths.index(loop)
+    depth = _reuse_index(wise_config, loop)
     heads = support.shape[-2]
     n_causal = causal.sum(-1, dtype=jnp.int32)                                    # [batch]
     n_supported = (support & causal[:, None, :]).sum((-1, -2), dtype=jnp.int32)   # [..., batch]
@@ -115,10 +126,14 @@ def _add_counts(state: WiseState, wise_config: WiseConfig, loop: int, support, c
             (layers * heads * (counted * n_causal).sum()).astype(jnp.float32)))
 
 
-def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int, layer: jax.Array, q, k_pages,
+def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int | jax.Array, layer: jax.Array, q, k_pages,
                    v_pages, page_table, seq_lens, request_ids, active, *, kernel: str, validate: bool = True,
-                   count: bool = True) -> tuple[jax.Array, WiseState]:
+                   count: bool = True, role: str | None = None) -> tuple[jax.Array, WiseState]:
     """Decode attention of `layer` at `loop` with the row modes WISE assigns, updating the state.
+
+    loop: a Python int, or a traced int32[] (a decode step scanning a run of loops of one role,
+    `WiseConfig.role_runs`) with `role` its role ('discover', 'reuse' or 'dense'; derived from
+    a Python int loop when None).
 
     q: [batch, heads, head_dim]; pages / page_table / seq_lens as decode_attention (the token at
     position seq_lens - 1 is being decoded; the supports read and written are the first
@@ -130,20 +145,22 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int, layer: 
     this layer's fallbacks and density counts (the decode step passes False and counts every
     layer at once, `count_reuse`). Returns (out [batch, heads, head_dim], state).
     """
-    role = wise_config.depth_role(loop)
+    if role is None:
+        if not isinstance(loop, int):
+            raise ValueError("wise_attention at a traced loop needs its role ('discover', 'reuse' or 'dense')")
+        role = wise_config.depth_role(loop)
     batch = q.shape[0]
     position = seq_lens - 1
     n_blocks = page_table.shape[1] * k_pages.shape[1] // wise_config.block_size
     support = state.support[layer, :, :, :n_blocks]
     tagged = (state.tag_request[layer] == request_ids) & (state.tag_position[layer] == position)
     depths_run = state.depths_run[layer]
-    bit = 1 << loop
+    bit = jnp.left_shift(jnp.int32(1), loop)
 
     if role == "discover":
-        if loop == min(wise_config.discover_depths):
-            fresh = jnp.ones((batch,), bool)
-        else:  # a union only onto support found for this very token
-            fresh = ~tagged
+        # the first discovery depth starts the token's support; a later one unions only onto
+        # support found for this very token
+        fresh = (loop == min(wise_config.discover_depths)) | ~tagged
         modes = jnp.where(fresh, M.DISCOVER, M.DISCOVER_UNION).astype(jnp.int32)
     elif role == "reuse":
         complete = _complete(state, wise_config, request_ids, position, layer)

@@ -3,6 +3,7 @@ input checks, prefill / insert / paged decode against the forward, teacher_force
 tolerances per assertion."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +13,9 @@ import pytest
 import wise_jax
 from wise_core import rounding
 from wise_core.checkpoint import random_tensors
-from wise_core.config import PRESETS
+from wise_core.config import PRESETS, WiseConfig
 from wise_jax import kv_cache as kvc
+from wise_jax import model, wise_state
 
 
 def _setup(name):
@@ -184,3 +186,49 @@ def test_gradients_with_and_without_remat(tiny):
     assert float(jnp.abs(grads.layers.qkv_proj).max()) > 0
     stepped = jax.tree.map(lambda p, g: p - 0.05 * g, params, grads)
     assert float(jax.jit(loss, static_argnums=1)(stepped, False)) < float(value)     # a descent direction
+
+
+@pytest.mark.parametrize("mode", ["dense", "wise"])
+def test_decode_step_scanned_loops_match_straight_line_loops(gqa, mode):
+    """scan_loops (each run of loops of one role a lax.scan of one body, the loop index traced)
+    against every loop straight-line, with rows exiting early at different loops (threshold 0.6:
+    exit loops 1..4 among these tokens) and a masked row: the same exit loops, WISE state (tags,
+    supports, counters) and tokens; the logits within `rounding.model_bound` (fp32: the same
+    operations, but XLA may fuse a scan body otherwise than straight-line code)."""
+    config, _, params = gqa
+    config = dataclasses.replace(config, early_exit_threshold=0.6)
+    wise_config = None if mode == "dense" else WiseConfig(eta=0.5, kernel="reference")
+    rng = np.random.default_rng(3)
+    batch, page_size, max_pages = 4, 32, 4
+    runs = {}
+    for scan_loops in (False, True):
+        cache = kvc.create(config, batch=batch, max_pages=max_pages, num_pages=batch * max_pages, page_size=page_size)
+        cache = dataclasses.replace(
+            cache, k=jnp.asarray(rng.standard_normal(cache.k.shape), cache.k.dtype) * 0.5,
+            v=jnp.asarray(rng.standard_normal(cache.v.shape), cache.v.dtype),
+            page_table=jnp.arange(batch * max_pages, dtype=jnp.int32).reshape(batch, max_pages),
+            seq_lens=jnp.asarray([70, 63, 33, 5], jnp.int32))
+        rng = np.random.default_rng(3)          # both arms read the same cache contents
+        state = None if wise_config is None else wise_state.create(
+            wise_config, slots=batch, layers=config.num_hidden_layers, heads=config.num_attention_heads,
+            max_blocks=max_pages * page_size // wise_config.block_size)
+        step = jax.jit(functools.partial(model.decode_step, config=config, wise_config=wise_config,
+                                         kernel="reference", allocate=False, return_depths=True,
+                                         scan_loops=scan_loops))
+        outputs = []
+        for n in range(3):
+            tokens = jnp.asarray([3 + n, 50 + n, 7, 11 + 2 * n], jnp.int32)
+            slots = jnp.asarray([0, 1, -1, 3] if n == 1 else [0, 1, 2, 3], jnp.int32)
+            logits, cache, state, depths = step(params, cache=cache, state=state, tokens=tokens, slots=slots)
+            outputs.append((np.asarray(logits), np.asarray(depths)))
+        runs[scan_loops] = outputs, jax.tree.map(np.asarray, state)
+    (straight, state_a), (scanned, state_b) = runs[False], runs[True]
+    assert len({int(d) for _, depths in straight for d in depths}) >= 2      # rows exit at different loops
+    for n, ((logits_a, depths_a), (logits_b, depths_b)) in enumerate(zip(straight, scanned)):
+        np.testing.assert_array_equal(depths_b, depths_a)
+        live = [0, 1, 3] if n == 1 else [0, 1, 2, 3]
+        np.testing.assert_array_equal(logits_b[live].argmax(-1), logits_a[live].argmax(-1))
+        diff, bound = rounding.model_difference(logits_b[live], logits_a[live], config, keys=73)
+        assert diff <= bound, (n, diff, bound)
+    for a, b in zip(jax.tree.leaves(state_a), jax.tree.leaves(state_b)):
+        np.testing.assert_array_equal(b, a)

@@ -124,9 +124,14 @@ class LLM(LLMEngine):
     iterations' discovery and reuse attention (held state, outputs discarded, counted in the
     density): its tokens are those of the exit, its later iterations' K/V its exit iteration's.
     An Ouro model exits by its config's early_exit_threshold: adaptive_depth is an error there.
+
+    The decode step runs each run of loops of one role as a scan of one loop body
+    (`model.decode_step`'s scan_loops): `scan_loops = False` in a subclass compiles every loop
+    straight-line instead (a measurement's other arm).
     """
 
     ARRAY_TYPES = (jax.Array,)
+    scan_loops = True
 
     def __init__(self, params: Params | str | Path, config: ModelConfig | None = None, *,
                  tokenizer: Tokenizer | None = None, attention: str = "auto", layers: str = "unstacked",
@@ -265,7 +270,8 @@ class LLM(LLMEngine):
                 lambda: LogitsState.create(self.args.max_num_seqs, self.config.vocab_size)), self.mesh)
         static = dict(config=self.config, wise_config=self.wise_config, kernel=self.kernel, unroll=self.unroll,
                       mesh=self.mesh, num_steps=self.num_steps, adaptive=self.adaptive_depth,
-                      sampling=variant.sampling, keep_logits=variant.keep_logits, rows=rows, width=width)
+                      sampling=variant.sampling, keep_logits=variant.keep_logits, rows=rows, width=width,
+                      scan_loops=self.scan_loops)
         params, cache, state, next_token, state_table = self._arg_specs
         per_step = spec_of((Rows.spec(rows, width), Draw.spec(rows),
                             Processing.spec(rows) if variant.extras else None), self.mesh)

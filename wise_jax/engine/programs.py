@@ -140,12 +140,13 @@ class Rows:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "wise_config", "kernel", "unroll", "sampling", "keep_logits",
-                                             "mesh", "rows", "width", "num_steps", "adaptive"),
+                                             "mesh", "rows", "width", "num_steps", "adaptive", "scan_loops"),
                    donate_argnames=("cache", "state", "next_token", "logits_state"))
 def decode(params: Params, cache: kvc.PagedKVCache, state, next_token, inputs: Rows, draw: Draw,
           processing: Processing | None = None, logits_state: LogitsState | None = None, state_table=None, *,
           config: ModelConfig, wise_config, kernel: str, unroll, sampling: bool, keep_logits: bool, mesh=None,
-          rows: int, width: int, num_steps: int | None = None, adaptive: AdaptiveDepth | None = None):
+          rows: int, width: int, num_steps: int | None = None, adaptive: AdaptiveDepth | None = None,
+          scan_loops: bool = True):
     """One decode step of `rows` compacted rows (the batch bucket) at context bucket `width`
     (module docstring); the host chose every page (`allocate=False`); processing and
     logits_state None, or both given (`choose`). A Huginn model (num_steps its core iterations,
@@ -153,7 +154,8 @@ def decode(params: Params, cache: kvc.PagedKVCache, state, next_token, inputs: R
     (on the device), with per-token adaptive depth `adaptive` (None: every iteration). Returns
     (cache, state, next_token, logits_state, (token, logprob, NaN flag, logits or None, ranked or
     None, loops_run)), per row of the bucket; loops_run int32[2] (loops or core iterations the
-    live rows ran, live rows) with Ouro's early exit or Huginn's adaptive depth, else None."""
+    live rows ran, live rows) with Ouro's early exit or Huginn's adaptive depth, else None. scan_loops: see
+    `wise_jax.model.decode_step`."""
     TRACES["step"] += 1
     step_cache = dataclasses.replace(cache, page_table=inputs.table, seq_lens=inputs.positions,
                                      overflowed=jnp.zeros((), bool))
@@ -164,7 +166,7 @@ def decode(params: Params, cache: kvc.PagedKVCache, state, next_token, inputs: R
         exiting = config.early_exit_threshold < 1.0
         logits, step_cache, rows_state, *depths = sharding.decode_step(
             params, config, step_cache, rows_state, tokens, inputs.tags, wise_config=wise_config, kernel=kernel,
-            unroll=unroll, mesh=mesh, width=width, return_depths=exiting, allocate=False)
+            unroll=unroll, mesh=mesh, width=width, return_depths=exiting, allocate=False, scan_loops=scan_loops)
     else:   # the step's table is `width` pages wide: so are its attention and supports
         exiting = adaptive is not None
         logits, step_cache, rows_state, *depths = huginn.decode_step(
