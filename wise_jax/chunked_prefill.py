@@ -1,15 +1,17 @@
-"""Prefill of a prompt chunk that continues one already in the paged cache (chunked prefill).
+"""Prefill of a step's prompt chunks over the paged cache, all in one program.
 
-    logits, k, v = prefill_chunk(params, config, k, v, tokens, start, length, table)
+    logits, k, v = prefill_chunks(params, config, k, v, tokens, starts, lengths, tables)
 
-The chunk's tokens sit at positions [start, start + length) of one request (start > 0; a chunk
-at position 0 is `model.prefill`'s, which needs no cache). Every layer of every loop writes the
-chunk's K/V into the request's pages (`table`: its pages covering the chunk, in order) and
-attends over every key of the request up to each query's position: the earlier chunks' from the
-cache and its own. Attention is a float32 softmax over the gathered keys, one page of queries
-at a time ([kv_heads, group, page_size, keys] scores), so its memory is linear in the chunk.
-Positions of the padding past `length` write the scratch page (the storage's last) and their
-rows are dropped. The layers run as a scan over stacked weights (as `model.prefill`).
+Row r of the step holds one chunk: tokens at positions [starts[r], starts[r] + lengths[r]) of
+one request (a first chunk starts at 0; a later one continues a prompt whose earlier chunks are
+in the cache). Every layer of every loop writes the chunks' K/V into their requests' pages
+(`tables`: each request's pages, in order) and attends over every key of its request up to each
+query's position: the earlier chunks' from the cache and its own. Attention is a float32 softmax
+over the gathered keys, one page of queries at a time ([kv_heads, group, page_size, keys] scores),
+so its memory is linear in the chunk; a value past the row's keys is read as 0 (a page's stale
+or scratch contents never reach the output, NaN included). Positions of the padding past a row's
+length (and padding rows, length 0) write the scratch page (the storage's last) and their outputs
+are dropped. The loops run as a scan (the plane index traced) of a scan over the stacked layers.
 """
 
 from __future__ import annotations
@@ -23,16 +25,21 @@ from wise_core.config import ModelConfig
 from wise_jax import sharding
 from wise_jax.model import embed, exit_gate, exits_for, head, rope, run_loop
 from wise_jax.params import Params, stack_layers
+from wise_jax.prefill_attention import causal_attention
 
 
-def prefix_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, block: int) -> jax.Array:
+def prefix_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, held: jax.Array,
+                     block: int) -> jax.Array:
     """q [seq, heads, head_dim] at `positions` int32[seq]; k, v [keys, kv_heads, head_dim], key j
-    at position j -> [seq, heads, head_dim]: query i reads the keys at positions <= positions[i].
-    Queries run `block` at a time (seq a multiple of it); scale head_dim**-0.5."""
+    at position j, the first `held` (int32[]) of them the request's -> [seq, heads, head_dim]:
+    query i reads the keys at positions <= positions[i]; a value past `held` is read as 0 (what a
+    page holds past the request's keys never reaches a query, NaN included). Queries run `block`
+    at a time (seq a multiple of it); scale head_dim**-0.5."""
     seq, heads, dim = q.shape
     kv_heads = k.shape[1]
     qg = q.reshape(seq // block, block, kv_heads, heads // kv_heads, dim)
     key_pos = jnp.arange(k.shape[0], dtype=jnp.int32)
+    v = jnp.where((key_pos < held)[:, None, None], v, 0)
 
     def one(args):
         qb, pos = args
@@ -44,57 +51,70 @@ def prefix_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
     return out.reshape(seq, heads, dim).astype(q.dtype)
 
 
-def prefill_chunk(params: Params, config: ModelConfig, k_pages: jax.Array, v_pages: jax.Array, tokens: jax.Array,
-                  start: jax.Array, length: jax.Array, table: jax.Array, *, unroll: int | bool = 1,
-                  axis_name: str | None = None, all_logits: bool = False) -> tuple:
-    """The chunk (module docstring). k_pages, v_pages: the cache storage [planes, num_pages + 1,
-    page_size, kv_heads, head_dim]; tokens int32[seq] (seq a multiple of page_size, valid up to
-    `length`); start, length int32[]; table int32[pages] (the request's pages, holding at least
-    start + seq positions; entries past its pages: the scratch page). Returns (logits
-    float32[vocab] after the chunk's last token, of its exit loop (every loop runs), k_pages,
-    v_pages); all_logits: logits is (those, the logits float32[seq, vocab] at every position of
-    the chunk, each of its token's exit loop), as `model.prefill`."""
+def prefill_chunks(params: Params, config: ModelConfig, k_pages: jax.Array, v_pages: jax.Array, tokens: jax.Array,
+                   starts: jax.Array, lengths: jax.Array, tables: jax.Array, *, attention: str | None = None,
+                   unroll: int | bool = 1, axis_name: str | None = None, all_logits: bool = False) -> tuple:
+    """The chunks (module docstring). k_pages, v_pages: the cache storage [planes, num_pages + 1,
+    page_size, kv_heads, head_dim]; tokens int32[rows, seq] (seq a multiple of page_size, row r
+    valid up to lengths[r]); starts, lengths int32[rows] (a padding row: length 0); tables
+    int32[rows, width] (each row's pages, holding at least start + length positions; entries
+    past them: the scratch page). Returns (logits float32[rows, vocab] after each chunk's last
+    token, of its exit loop (every loop runs), k_pages, v_pages); all_logits: logits is (those,
+    the logits float32[rows, seq, vocab] at every position, each of its token's exit loop), as
+    `model.prefill`. attention None: each row attends its keys gathered from the pages (any
+    start); an implementation of `prefill_attention.causal_attention` (every start 0, the chunks
+    opening their prompts): each row attends its own keys through it (cuDNN's flash attention on a
+    GPU), the pages only written."""
     params = stack_layers(params)
-    seq = tokens.shape[0]
+    rows, seq = tokens.shape
     page_size, scratch = k_pages.shape[2], k_pages.shape[1] - 1
-    positions = start + jnp.arange(seq, dtype=jnp.int32)
-    valid = jnp.arange(seq) < length
-    page = jnp.where(valid, table[jnp.minimum(positions // page_size, table.shape[0] - 1)], scratch)
+    positions = starts[:, None] + jnp.arange(seq, dtype=jnp.int32)[None]            # [rows, seq]
+    valid = jnp.arange(seq)[None] < lengths[:, None]
+    column = jnp.minimum(positions // page_size, tables.shape[1] - 1)
+    page = jnp.where(valid, jnp.take_along_axis(tables, column, axis=1), scratch)
     offset = positions % page_size
-    h = embed(params, tokens[None])
-    cos, sin = rope(positions[None], config.head_dim, config.rope_theta)
-    keys = table.shape[0] * page_size
-    pages = (k_pages, v_pages)
-    exits = exits_for(config, h[0])
-    for loop in range(config.total_ut_steps):
-        def attend(q, k, v, layer, pages, loop=loop):
+    h = embed(params, tokens)
+    cos, sin = rope(positions, config.head_dim, config.rope_theta)
+    keys = tables.shape[1] * page_size
+    over_pages = jax.vmap(prefix_attention, in_axes=(0, 0, 0, 0, 0, None))
+
+    def one_loop(carry, loop):
+        h, pages, exits = carry
+
+        def attend(q, k, v, layer, pages):
             plane = loop * config.num_hidden_layers + layer
-            pages = tuple(store.at[plane, page, offset].set(x[0].astype(store.dtype)) for store, x in zip(pages, (k, v)))
-            context = [store[plane, table].reshape((keys,) + store.shape[3:]) for store in pages]
-            return prefix_attention(q[0], *context, positions, page_size)[None], pages
+            pages = tuple(store.at[plane, page, offset].set(x.astype(store.dtype)) for store, x in zip(pages, (k, v)))
+            if attention is not None:
+                return causal_attention(q, k, v, implementation=attention), pages
+            k_seen, v_seen = (store[plane, tables].reshape((rows, keys) + store.shape[3:]) for store in pages)
+            return over_pages(q, k_seen, v_seen, positions, starts + lengths, page_size), pages
         h, pages = run_loop(params, config, h, cos, sin, attend, pages, unroll=unroll, axis_name=axis_name)
         if exits is not None:                                    # every token's exit, as torch's
-            exits = exits.end_loop(loop, h[0], exit_gate(params, h[0]))
-    out = h[0] if exits is None else exits.output(h[0])          # each token's exit loop
-    last = lax.dynamic_index_in_dim(out, length - 1, 0, keepdims=False)
+            exits = exits.end_loop(loop, h, exit_gate(params, h))
+        return (h, pages, exits), None
+
+    (h, pages, exits), _ = lax.scan(one_loop, (h, (k_pages, v_pages), exits_for(config, h)),
+                                    jnp.arange(config.total_ut_steps, dtype=jnp.int32))
+    out = h if exits is None else exits.output(h)               # each token's exit loop
+    last = jnp.take_along_axis(out, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
     logits = (head(params, last), head(params, out)) if all_logits else head(params, last)
     return logits, pages[0], pages[1]
 
 
-def sharded_prefill_chunk(params, config: ModelConfig, k_pages, v_pages, tokens, start, length, table, *,
-                          unroll: int | bool = 1, mesh=None, all_logits: bool = False):
-    """`prefill_chunk`; over a mesh (MeshParams, storage sharded on kv_heads) shard_map'd at the
+def sharded_prefill_chunks(params, config: ModelConfig, k_pages, v_pages, tokens, starts, lengths, tables, *,
+                           attention: str | None = None, unroll: int | bool = 1, mesh=None, all_logits: bool = False):
+    """`prefill_chunks`; over a mesh (MeshParams, storage sharded on kv_heads) shard_map'd at the
     local config, as `sharding.prefill`."""
     if mesh is None:
-        return prefill_chunk(params, config, k_pages, v_pages, tokens, start, length, table, unroll=unroll,
-                             all_logits=all_logits)
+        return prefill_chunks(params, config, k_pages, v_pages, tokens, starts, lengths, tables, attention=attention,
+                              unroll=unroll, all_logits=all_logits)
     local = sharding.local_config(config, sharding.tp_size(mesh))
 
-    def run(params, k_pages, v_pages, tokens, start, length, table):
-        return prefill_chunk(params, local, k_pages, v_pages, tokens, start, length, table, unroll=unroll,
-                             axis_name=sharding.AXIS, all_logits=all_logits)
+    def run(params, k_pages, v_pages, tokens, starts, lengths, tables):
+        return prefill_chunks(params, local, k_pages, v_pages, tokens, starts, lengths, tables, attention=attention,
+                              unroll=unroll, axis_name=sharding.AXIS, all_logits=all_logits)
 
     kv = sharding.KV_SPEC
     return jax.shard_map(run, mesh=mesh, in_specs=(sharding.param_specs(params.params), kv, kv, P(), P(), P(), P()),
                          out_specs=(P(), kv, kv), check_vma=False)(
-        params.params, k_pages, v_pages, tokens, start, length, table)
+        params.params, k_pages, v_pages, tokens, starts, lengths, tables)

@@ -76,7 +76,8 @@ def smoke_model(tmp_path_factory):
     out = tmp_path_factory.mktemp("smoke-model")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tb, "candidates", lambda batch: [("cudnn", False, batch), ("xla", False, batch)])
-        log = tb.main(["--smoke", "--out", str(out), "--max-steps", "4", "--eval-every", "1000"])
+        # --minutes: a budget the 4 steps never reach, so a loaded machine still runs all 4
+        log = tb.main(["--smoke", "--out", str(out), "--max-steps", "4", "--minutes", "5", "--eval-every", "1000"])
     return out, log
 
 

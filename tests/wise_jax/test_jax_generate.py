@@ -146,9 +146,9 @@ def test_decode_step_updates_the_donated_cache_in_place():
 
 
 def test_one_compilation_per_bucket(params):
-    """Prompts prefill at whole pages (one compilation per page count, and one of the write of
-    their pages); the first token and the decode step compile once per engine shape (rows,
-    pages), and greedy or sampling, whatever the lengths, limits,
+    """A prefill step's chunks are one program per bucket (rows, tokens, width: prompts of one
+    page bucket share it); the first tokens and the decode step compile once per engine shape
+    (rows, pages), and greedy or sampling, whatever the lengths, limits,
     eos or sampling values in it. Caches are cleared first: an earlier test in the same process may
     have compiled the same prefill shape."""
     jax.clear_caches()
@@ -156,7 +156,7 @@ def test_one_compilation_per_bucket(params):
     before = wise_jax.trace_counts()
     wise_jax.generate(params, CONFIG, [rng.integers(0, 256, n).tolist() for n in (130, 145, 160)],
                       max_new_tokens=5, page_size=PAGE)                  # 5 pages each; 4 decode steps
-    assert _delta(before) == {"prefill": 1, "write_pages": 1, "first_token": 1, "step": 1}
+    assert _delta(before) == {"prefill_step": 1, "first_tokens": 1, "step": 1}
     before = wise_jax.trace_counts()
     wise_jax.generate(params, CONFIG, [rng.integers(0, 256, n).tolist() for n in (131, 140, 155)],
                       max_new_tokens=20, eos_token_id=3, page_size=PAGE)
@@ -164,7 +164,7 @@ def test_one_compilation_per_bucket(params):
     before = wise_jax.trace_counts()                                    # sampling: the step's other variant
     wise_jax.generate(params, CONFIG, [rng.integers(0, 256, n).tolist() for n in (131, 140, 155)],
                       max_new_tokens=20, temperature=0.7, top_p=0.9, page_size=PAGE)
-    assert _delta(before) == {"first_token": 1, "step": 1}
+    assert _delta(before) == {"first_tokens": 1, "step": 1}
     before = wise_jax.trace_counts()
     wise_jax.generate(params, CONFIG, [rng.integers(0, 256, n).tolist() for n in (150, 140, 133)],
                       max_new_tokens=12, temperature=1.3, top_p=0.5, key=jax.random.PRNGKey(3), page_size=PAGE)
@@ -174,7 +174,7 @@ def test_one_compilation_per_bucket(params):
 def _delta(before: dict) -> dict:
     """New traces of the per-bucket programs since `before`."""
     after = wise_jax.trace_counts()
-    return {k: after[k] - before.get(k, 0) for k in ("prefill", "write_pages", "first_token", "step") if after.get(k, 0) != before.get(k, 0)}
+    return {k: after[k] - before.get(k, 0) for k in ("prefill_step", "write_pages", "first_tokens", "step") if after.get(k, 0) != before.get(k, 0)}
 
 
 def test_stats_are_the_dataclass_of_wise_torch(dense):

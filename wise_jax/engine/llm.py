@@ -23,12 +23,15 @@ index, or the forced token; every parameter traced, so no value recompiles). One
 `compiler.StepPrograms`: on a GPU in the background, a step whose program is not compiled yet
 running in a larger compiled one (docs/DESIGN.md).
 
-Prefill. A chunk at position 0 is `serving.prefill` of its tokens (padded to whole pages), whose
-K/V are written into the request's pages; a later chunk is `chunked_prefill`, attending over the
-pages already written. The first token of a prompt is sampled as decode rows are. A chunk that
-scores prompt positions (SamplingParams.prompt_logprobs, `Chunk.scored`) runs the program variant
-that also returns the logits of every position (`all_logits`; the last position's logits stay
-their own product, as without it), ranked on the device (`score_prompt`).
+Prefill. A step's prompt chunks are one program, a row each (`programs.prefill`, over
+`chunked_prefill.prefill_chunks`), bucketed as (rows, tokens, width): every layer writes the
+chunks' K/V into their requests' pages; a step whose chunks all open their prompts attends each
+chunk's own keys through the prefill attention (`attention`: cuDNN's flash attention on a GPU),
+one with a later chunk attends over the pages. (A Huginn model runs its chunks one program each.)
+The first tokens of the prompts that complete are one more program (`programs.first_tokens`),
+sampled as decode rows are. A step with a chunk that scores prompt positions
+(SamplingParams.prompt_logprobs, `Chunk.scored`) runs the variant that also returns the logits
+of every position (`all_logits`), ranked on the device (`score_prompt`).
 
 Preemption offloads: a preempted request's pages of every plane are copied to host memory and
 written back into its new pages when it resumes, so it continues with the same tokens.
@@ -71,8 +74,8 @@ from wise_jax.loading import load_model
 from wise_jax.params import Params, stack_layers, unstack_layers
 from wise_jax.sampling import LogitsState
 from wise_jax.engine.inflight import InFlight
-from wise_jax.engine.programs import (DEFAULT_VARIANT, Rows, StepVariant, decode, first_token, prefill_chunk, read_pages,
-                                      score_prompt, set_logits_rows, spec_of, write_pages)
+from wise_jax.engine.programs import (DEFAULT_VARIANT, Chunks, Rows, StepVariant, decode, first_tokens, prefill,
+                                      read_pages, score_prompt, set_logits_rows, spec_of, write_pages)
 from wise_jax.engine.sampler import Draw, Processing, draw_of, processing_of
 from wise_jax.engine.compiler import StepPrograms
 
@@ -304,78 +307,89 @@ class LLM(LLMEngine):
         return True
 
     def _launch_prefill(self, chunks: list[Chunk]) -> InFlight:
+        """The step's chunks, a row each: an Ouro model's in one program (`programs.prefill`), a
+        Huginn model's one program per chunk; then the first token of every prompt that
+        completes, one program for the step (`programs.first_tokens`)."""
         extras = self._extras([c.seq for c in chunks if c.completes])
-        rows, outputs, prompt_rows, prompt = [], [], [], []
+        rows = batch_bucket(self.row_buckets, len(chunks))
+        all_logits = any(c.scored > 0 for c in chunks)    # the logits of every position, for prompt scores
+        last, every = (self._prefill_chunks if self.num_steps is None else self._prefill_huginn)(
+            chunks, rows, all_logits)
+        prompt_rows, prompt = [], []
+        for r, chunk in enumerate(chunks):
+            if chunk.scored > 0:
+                seq = chunk.seq
+                following = np.zeros(every[r].shape[0], np.int32)    # each position's next prompt token
+                following[:chunk.scored] = seq.prompt[chunk.start + 1:chunk.start + 1 + chunk.scored]
+                prompt.append(score_prompt(every[r], jnp.asarray(following)))
+                prompt_rows.append((seq, chunk.start + 1, chunk.scored))
+        at = [r for r, chunk in enumerate(chunks) if chunk.completes]
+        if not at:
+            return InFlight([], (np.zeros(0, np.int32), np.zeros(0), np.zeros(0, bool), None, None, None), [],
+                             prompt_rows, prompt)
+        padded: list[Sequence | None] = [c.seq if c.completes else None for c in chunks]
+        padded += [None] * (rows - len(chunks))
+        slots = np.array([-1 if seq is None else seq.slot for seq in padded], np.int32)
+        sampling = any(seq is not None and seq.forced is None and seq.params.temperature > 0 for seq in padded)
+        self.next_token, logits_state, (token, logprob, nan, top) = first_tokens(
+            self.next_token, last, slots, draw_of(padded), processing_of(padded) if extras else None,
+            self.logits_state if extras else None, sampling=sampling)
+        if extras:
+            self.logits_state = logits_state
+        seqs = [chunks[r].seq for r in at]
+        keep = any(seq.keep_logits for seq in seqs)
+        return InFlight([(seq, seq.expect()) for seq in seqs], (token, logprob, nan, last if keep else None, top, None),
+                        at, prompt_rows, prompt)
+
+    def _prefill_chunks(self, chunks: list[Chunk], rows: int, all_logits: bool) -> tuple:
+        """An Ouro model's chunks in one program, bucketed as (rows, tokens, width): tokens and
+        width each a context bucket (pages) -> (logits float32[rows, vocab] after each row's last
+        token, the logits at every position [rows, tokens, vocab] or None). A step whose chunks
+        all open their prompts attends through the engine's prefill attention."""
+        page_size = self.page_size
+        seq = context_bucket(self.widths, -(-max(c.length for c in chunks) // page_size)) * page_size
+        width = context_bucket(self.widths, max(-(-(c.start + c.length) // page_size) for c in chunks))
+        batch = Chunks.of(chunks, rows=rows, seq=seq, width=width, page_size=page_size,
+                          scratch_page=self.cache.scratch_page, pad_id=self.config.pad_token_id or 0)
+        fresh = all(c.start == 0 for c in chunks)
+        logits, self.cache = prefill(self.params, self.cache, self._on_mesh(batch), config=self.config,
+                                     attention=self.attention if fresh else None, unroll=self.unroll,
+                                     mesh=self.mesh, all_logits=all_logits)
+        return logits if all_logits else (logits, None)
+
+    def _prefill_huginn(self, chunks: list[Chunk], rows: int, all_logits: bool) -> tuple:
+        """A Huginn model's chunks, one program each (a first chunk: `huginn.prefill`, its K/V
+        then written into its pages; a later one: `huginn.prefill_chunk` over the pages) -> as
+        `_prefill_chunks`, the logits at every position a list (a row's, or None)."""
+        last, every = [], []
         for chunk in chunks:
             seq = chunk.seq
             tokens = seq.prompt[chunk.start:chunk.start + chunk.length]
-            scored = chunk.scored > 0      # the logits of every position, for the prompt's scores
+            padded = np.zeros(serving.prefill_bucket(len(tokens), self.page_size), np.int32)
+            padded[:len(tokens)] = tokens
+            length = jnp.int32(len(tokens))
             if chunk.start == 0:
-                logits, kv = self._prefill(tokens, all_logits=scored)
-                n = kv.k.shape[1] // self.page_size
-                shape = (kv.k.shape[0], n, self.page_size) + kv.k.shape[2:]
-                self.cache = write_pages(self.cache, kv.k.reshape(shape), kv.v.reshape(shape),
+                logits, k, v = huginn.prefill(self.params, self.config, jnp.asarray(padded), length,
+                                              self.state_table[:len(padded)], num_steps=self.num_steps,
+                                              all_logits=all_logits)
+                n = k.shape[1] // self.page_size
+                shape = (k.shape[0], n, self.page_size) + k.shape[2:]
+                self.cache = write_pages(self.cache, k.reshape(shape), v.reshape(shape),
                                           jnp.asarray(seq.pages[:n], jnp.int32))
             else:
-                logits = self._continue_prompt(seq, tokens, chunk.start, all_logits=scored)
-            if scored:
-                logits, every = logits
-                following = np.zeros(every.shape[0], np.int32)    # each position's next prompt token
-                following[:chunk.scored] = seq.prompt[chunk.start + 1:chunk.start + 1 + chunk.scored]
-                prompt.append(score_prompt(every, jnp.asarray(following)))
-                prompt_rows.append((seq, chunk.start + 1, chunk.scored))
-            if chunk.completes:
-                forced = seq.forced is not None
-                self.next_token, logits_state, out = first_token(
-                    self.next_token, logits, jnp.int32(seq.slot), draw_of([seq]),
-                    processing_of([seq]) if extras else None, self.logits_state if extras else None,
-                    sampling=not forced and seq.params.temperature > 0)
-                if extras:
-                    self.logits_state = logits_state
-                outputs.append(out + (logits,))
-                rows.append((seq, seq.expect()))
-        if not outputs:
-            return InFlight([], (np.zeros(0, np.int32), np.zeros(0), np.zeros(0, bool), None, None, None), [],
-                             prompt_rows, prompt)
-        token, logprob, nan = (jnp.concatenate([o[i] for o in outputs]) for i in range(3))
-        top = None if not extras else tuple(jnp.concatenate([o[3][i] for o in outputs]) for i in range(3))
-        logits = jnp.stack([o[4] for o in outputs]) if any(seq.keep_logits for seq, _ in rows) else None
-        return InFlight(rows, (token, logprob, nan, logits, top, None), list(range(len(rows))), prompt_rows,
-                         prompt)
-
-    def _prefill(self, tokens: list[int], *, all_logits: bool = False) -> tuple:
-        """The prefill of a prompt's first chunk (padded to whole pages) -> (logits after its last
-        token (all_logits: and at every position, `serving.prefill`'s pair), its K/V of every plane)."""
-        if self.num_steps is None:
-            return serving.prefill(self.params, self.config, tokens, page_size=self.page_size,
-                                   attention=self.attention, unroll=self.unroll, mesh=self.mesh,
-                                   all_logits=all_logits)
-        padded = np.zeros(serving.prefill_bucket(len(tokens), self.page_size), np.int32)
-        padded[:len(tokens)] = tokens
-        length = jnp.int32(len(tokens))
-        logits, k, v = huginn.prefill(self.params, self.config, jnp.asarray(padded), length,
-                                      self.state_table[:len(padded)], num_steps=self.num_steps, all_logits=all_logits)
-        return logits, serving.RequestKV(k, v, length)
-
-    def _continue_prompt(self, seq: Sequence, tokens: list[int], start: int, *, all_logits: bool = False):
-        """Prefill `tokens` at positions [start, ...) of seq's prompt (`chunked_prefill`) -> the
-        logits after the last (all_logits: `prefill_chunk`'s pair)."""
-        padded = serving.prefill_bucket(len(tokens), self.page_size)
-        ids = np.full(padded, self.config.pad_token_id or 0, np.int32)
-        ids[:len(tokens)] = tokens
-        pages = context_bucket(self.widths, len(seq.pages))     # the pages its prompt holds so far
-        table = np.full(pages, self.cache.scratch_page, np.int32)
-        table[:len(seq.pages)] = seq.pages[:pages]
-        if self.num_steps is not None:
-            logits, k, v = huginn.prefill_chunk(self.params, self.config, self.cache.k, self.cache.v, jnp.asarray(ids),
-                                                jnp.int32(start), jnp.int32(len(tokens)), jnp.asarray(table),
-                                                self.state_table, num_steps=self.num_steps, all_logits=all_logits)
-            self.cache = dataclasses.replace(self.cache, k=k, v=v)
-            return logits
-        logits, self.cache = prefill_chunk(self.params, self.cache, jnp.asarray(ids), jnp.int32(start),
-                                            jnp.int32(len(tokens)), jnp.asarray(table), config=self.config,
-                                            unroll=self.unroll, mesh=self.mesh, all_logits=all_logits)
-        return logits
+                pages = context_bucket(self.widths, len(seq.pages))     # the pages its prompt holds so far
+                table = np.full(pages, self.cache.scratch_page, np.int32)
+                table[:len(seq.pages)] = seq.pages[:pages]
+                logits, k, v = huginn.prefill_chunk(self.params, self.config, self.cache.k, self.cache.v,
+                                                    jnp.asarray(padded), jnp.int32(chunk.start), length,
+                                                    jnp.asarray(table), self.state_table, num_steps=self.num_steps,
+                                                    all_logits=all_logits)
+                self.cache = dataclasses.replace(self.cache, k=k, v=v)
+            logits, scores = logits if all_logits else (logits, None)
+            last.append(logits)
+            every.append(scores)
+        last += [jnp.zeros_like(last[0])] * (rows - len(chunks))
+        return jnp.stack(last), every
 
     def _offload(self, seq: Sequence, pages: list[int]) -> None:
         n = -(-seq.num_cached // self.page_size)

@@ -1,7 +1,7 @@
-"""The JAX engine's device programs: the decode step over a step plan's compacted rows, the first
-token of a prefilled prompt, logits-state rows, page writes and reads (prefill, offload), a
-chunk's prefill and prompt scores. Each is jit-compiled; the decode step is compiled ahead per
-(variant, bucket) by `wise_jax.engine.compiler`."""
+"""The JAX engine's device programs: the decode step over a step plan's compacted rows, the
+prefill step over a step's prompt chunks, the first tokens of prefilled prompts, logits-state
+rows, page writes and reads (offload, restore, scrub) and prompt scores. Each is jit-compiled;
+the decode step is compiled ahead per (variant, bucket) by `wise_jax.engine.compiler`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from wise_core.config import AdaptiveDepth, ModelConfig
@@ -19,7 +20,7 @@ from wise_core.request import MAX_LOGPROBS
 from wise_jax import huginn
 from wise_jax import kv_cache as kvc
 from wise_jax import sharding
-from wise_jax.chunked_prefill import sharded_prefill_chunk
+from wise_jax.chunked_prefill import sharded_prefill_chunks
 from wise_jax.params import Params
 from wise_jax.sampling import LogitsState, ranked
 from wise_jax.serving import TRACES
@@ -52,16 +53,22 @@ def spec_of(tree, mesh=None):
 
 
 @functools.partial(jax.jit, static_argnames=("sampling",), donate_argnames=("next_token", "logits_state"))
-def first_token(next_token, logits, slot, draw: Draw, processing: Processing | None = None,
+def first_tokens(next_token, logits, slots, draw: Draw, processing: Processing | None = None,
                  logits_state: LogitsState | None = None, *, sampling: bool):
-    """choose for one prefilled request (logits float32[vocab], draw of one row), noted as its
-    slot's next decode input -> (next_token, logits_state, (token, logprob, NaN flag, ranked))."""
-    TRACES["first_token"] += 1
-    rows = None if logits_state is None else logits_state.rows(slot[None])
-    token, logprob, top = choose(logits[None], draw, processing, rows, sampling=sampling)
+    """choose for the rows of a prefill step (logits float32[rows, vocab], draw of the rows); a
+    row whose prompt completes (slots int32[rows]: its sequence slot; -1: no token) is noted as
+    its slot's next decode input -> (next_token, logits_state, (token, logprob, NaN flag, ranked)),
+    per row."""
+    TRACES["first_tokens"] += 1
+    sampled = slots >= 0
+    slot = jnp.maximum(slots, 0)
+    rows = None if logits_state is None else logits_state.rows(slot)
+    token, logprob, top = choose(logits, draw, processing, rows, sampling=sampling)
     if logits_state is not None:
-        logits_state = counted(logits_state, slot[None], token, processing.active)
-    return next_token.at[slot].set(token[0]), logits_state, (token, logprob, jnp.isnan(logprob), top)
+        logits_state = counted(logits_state, slot, token, processing.active & sampled)
+    written = jnp.where(sampled, slots, next_token.shape[0])      # rows with no token write nothing
+    return (next_token.at[written].set(token, mode="drop"), logits_state,
+            (token, logprob, jnp.isnan(logprob), top))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -86,12 +93,46 @@ def read_pages(cache: kvc.PagedKVCache, pages):
     return cache.k[:, pages], cache.v[:, pages]
 
 
-@functools.partial(jax.jit, static_argnames=("config", "unroll", "mesh", "all_logits"), donate_argnames=("cache",))
-def prefill_chunk(params, cache: kvc.PagedKVCache, tokens, start, length, table, *, config: ModelConfig, unroll,
-                   mesh=None, all_logits: bool = False):
-    TRACES["prefill_chunk"] += 1
-    logits, k, v = sharded_prefill_chunk(params, config, cache.k, cache.v, tokens, start, length, table,
-                                         unroll=unroll, mesh=mesh, all_logits=all_logits)
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["tokens", "starts", "lengths", "tables"],
+                   meta_fields=[])
+@dataclasses.dataclass
+class Chunks:
+    """A prefill step's prompt chunks, a row each (`chunked_prefill.prefill_chunks`): tokens
+    int32[rows, seq] (row r valid up to lengths[r]), starts, lengths int32[rows] (a padding row:
+    length 0), tables int32[rows, width] (each row's pages; the scratch page past them)."""
+
+    tokens: jax.Array
+    starts: jax.Array
+    lengths: jax.Array
+    tables: jax.Array
+
+    @classmethod
+    def of(cls, chunks: list, *, rows: int, seq: int, width: int, page_size: int, scratch_page: int,
+           pad_id: int) -> "Chunks":
+        """The (rows, seq, width) bucket's arrays of `chunks` (`wise_core.engine.Chunk`s, each
+        within seq tokens and width pages), on the host."""
+        tokens = np.full((rows, seq), pad_id, np.int32)
+        starts, lengths = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        tables = np.full((rows, width), scratch_page, np.int32)
+        for r, chunk in enumerate(chunks):
+            tokens[r, :chunk.length] = chunk.seq.prompt[chunk.start:chunk.start + chunk.length]
+            starts[r], lengths[r] = chunk.start, chunk.length
+            pages = chunk.seq.pages[:-(-(chunk.start + chunk.length) // page_size)]
+            tables[r, :len(pages)] = pages
+        return cls(tokens, starts, lengths, tables)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "attention", "unroll", "mesh", "all_logits"),
+                   donate_argnames=("cache",))
+def prefill(params, cache: kvc.PagedKVCache, chunks: Chunks, *, config: ModelConfig, attention: str | None, unroll,
+            mesh=None, all_logits: bool = False):
+    """A prefill step of an Ouro model: every chunk in one program (`chunked_prefill.prefill_chunks`;
+    attention: its option) -> (logits float32[rows, vocab] after each row's last token
+    (all_logits: and [rows, seq, vocab] at every position), cache)."""
+    TRACES["prefill_step"] += 1
+    logits, k, v = sharded_prefill_chunks(params, config, cache.k, cache.v, chunks.tokens, chunks.starts,
+                                          chunks.lengths, chunks.tables, attention=attention, unroll=unroll,
+                                          mesh=mesh, all_logits=all_logits)
     return logits, dataclasses.replace(cache, k=k, v=v)
 
 
