@@ -316,10 +316,11 @@ class EngineStats:
     early_exit_threshold < 1, a Huginn engine's adaptive_depth), the loops (Huginn: core
     iterations) a decoded token ran on average over the decode steps (each token's exit loop +
     1; prefill not counted); None without early exit or before any decode step.
-    larger_bucket_steps (JAX): decode steps run in a larger compiled bucket than their own while
-    theirs compiled in the background; compile_blocked_steps and compile_blocked_s: decode steps
-    that waited for a program to compile and the seconds they waited (`wise_jax.engine.compiler`;
-    torch: 0, its graphs are captured on the step path, counted in step_build_s).
+    larger_bucket_steps (JAX): decode, prefill and first-token programs run in a larger compiled
+    bucket than their step's own while theirs compiled in the background; compile_blocked_steps
+    and compile_blocked_s: the programs a step waited for to compile and the seconds it waited
+    (`wise_jax.engine.compiler`; torch: 0, its graphs are captured on the step path, counted in
+    step_build_s).
     failed_step_programs: the steps whose program could not be made, each run eagerly from then
     on with the same tokens (torch: the CUDA-graph captures that failed, decode's as (batch
     bucket, context bucket), speculation's with its kind first; JAX: always (), a compile error

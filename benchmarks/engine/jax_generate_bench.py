@@ -252,7 +252,7 @@ def _engine_worker(spec: dict) -> dict:
 
     start = time.perf_counter()
     cohort(prompts, spec["warmup_tokens"])
-    llm.programs.wait()    # the programs the warm-up ran in a larger bucket, compiled in the background
+    llm.wait_compiles()    # the programs the warm-up ran in a larger bucket, compiled in the background
     warmup_s = time.perf_counter() - start
     return dict(status="ok", warmup_s=warmup_s, repeats=[cohort(prompts, spec["new_tokens"])
                                                          for _ in range(spec["repeats"])])

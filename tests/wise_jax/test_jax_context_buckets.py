@@ -32,9 +32,9 @@ def record_buckets(llm) -> list[tuple[int, int]]:
     shapes, choose = [], llm.programs.choose
 
     def recording(variant, rows, width):
-        program, rows, width = choose(variant, rows, width)
+        program, (rows, width) = choose(variant, rows, width)
         shapes.append((rows, width))
-        return program, rows, width
+        return program, (rows, width)
     llm.programs.choose = recording
     return shapes
 
@@ -73,7 +73,10 @@ def test_bucketed_decode_gives_the_unbucketed_tokens(params, kernel, wise_config
     stats = llm.stats()
     assert stats.step_program_bound == 8 * len(llm.row_buckets) * len(llm.widths) == 8 * 3 * 5
     assert stats.step_programs == len(set(shapes)) <= stats.step_program_bound
-    assert stats.compile_blocked_steps == len(set(shapes)) and stats.larger_bucket_steps == 0   # compiled on the step path
+    # compiled on the step path: each decode bucket once, and so every prefill and first-token program
+    assert llm.programs.stats()["compile_blocked_steps"] == len(set(shapes)) and stats.larger_bucket_steps == 0
+    sets = (llm.programs, llm.prefill_programs, llm.first_programs)
+    assert stats.compile_blocked_steps == sum(p.stats()["compiles"] for p in sets)
     assert stats.pool_sizing == "num_pages=64 as given"
     if wise_config is not None:
         assert stats.fallbacks == 0 and 0 < stats.density[2] < 1
@@ -108,16 +111,17 @@ def test_a_lone_request_in_a_high_slot_decodes_in_one_row(params):
 
 @pytest.mark.parametrize("wise_config", [None, WiseConfig(eta=0.5)], ids=["dense", "wise"])
 def test_background_compiles_never_stop_a_step_after_the_start_up_set(params, wise_config):
-    """With background compiles, once the start-up set (the largest bucket) is compiled, no step
-    waits for a compile: a step whose bucket is not compiled yet runs in the largest compiled
-    bucket holding it, to the very tokens of an engine compiling every bucket on the step path,
-    while its own compiles off the step path. The compiles stay within the buckets the steps
-    needed, plus the start-up set."""
+    """With background compiles, once the start-up set (the largest decode bucket, the prefill of
+    one prompt at each width, greedy first tokens) is compiled, no step waits for a compile: a
+    decode step whose bucket is not compiled yet runs in the smallest compiled bucket holding it,
+    and the four prompts prefilled together run one by one in the one-prompt program, to the very
+    tokens of an engine compiling every program on the step path, while their own compile off the
+    step path. The decode compiles stay within the buckets the steps needed, plus the start-up set."""
     blocking_tokens, blocking_shapes, _ = run(params, bucketed=True, kernel="reference", wise_config=wise_config,
                                               background_compile=False)
     llm = wise_jax.LLM(params, CONFIG, wise_config=wise_config, num_pages=64, page_size=PAGE, max_num_seqs=4,
                        max_model_len=512, kernel="reference", background_compile=True)
-    llm.programs.wait()                      # the start-up set: (4 rows, 16 pages) of the default variant
+    llm.wait_compiles()                      # the start-up set: decode at (4 rows, 16 pages) of the default variant
     assert llm.stats().step_programs == 1
     shapes = record_buckets(llm)
     rng = np.random.default_rng(0)
@@ -125,11 +129,12 @@ def test_background_compiles_never_stop_a_step_after_the_start_up_set(params, wi
     outs = llm.generate(prompts, [wise_jax.SamplingParams(max_tokens=n, ignore_eos=True) for n in BUDGETS],
                         use_tqdm=False)
     assert [o.token_ids for o in outs] == blocking_tokens
-    llm.programs.wait()
-    stats = llm.stats()
-    assert stats.compile_blocked_steps == 0 and stats.compile_blocked_s == 0
-    assert stats.larger_bucket_steps >= 1
-    assert sum(shape != own for shape, own in zip(shapes, blocking_shapes)) == stats.larger_bucket_steps
+    llm.wait_compiles()
+    stats, decode = llm.stats(), llm.programs.stats()
+    assert stats.compile_blocked_steps == 0 and stats.compile_blocked_s == 0     # decode, prefill, first tokens
+    assert decode["larger_bucket_steps"] >= 1
+    assert sum(shape != own for shape, own in zip(shapes, blocking_shapes)) == decode["larger_bucket_steps"]
     assert all(r >= own_r and w >= own_w for (r, w), (own_r, own_w) in zip(shapes, blocking_shapes))
     assert stats.step_programs <= len(set(blocking_shapes)) + 1
-    llm.programs.close()
+    for programs in (llm.programs, llm.prefill_programs, llm.first_programs):
+        programs.close()

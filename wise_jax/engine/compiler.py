@@ -1,25 +1,27 @@
-"""The JAX engine's compiled decode programs: which one runs a step, and compiling them off the step path.
+"""The JAX engine's compiled step programs: which one runs a step, and compiling them off the step path.
 
-A decode step runs a program compiled for its variant (greedy or sampling, logits kept, logits
-processing) and its bucket (batch rows x context width, `wise_core.buckets`). Compiling one is
-tens of seconds on a GPU for a large model, so a step never waits for one it can avoid: it runs
-in the exact program when that is compiled, else in the smallest compiled program of its variant
-whose bucket holds it -- padding rows and a wider page table give every row the very same token
+A step runs a program compiled for its variant (its static options: for decode greedy or
+sampling, logits kept, logits processing) and its bucket (sizes such as batch rows x context
+width, `wise_core.buckets`). Compiling one is seconds to tens of seconds on a GPU for a large
+model, so a step never waits for one it can avoid: it runs in the exact program when that is
+compiled, else in the smallest compiled program of its variant whose bucket holds it (every size
+at least the step's) -- padding rows and a wider page table give every row the very same token
 (`wise_core.engine.step_plan`) -- while the exact one compiles on a background thread. Only a
 step no compiled program holds waits (a "blocking" compile). With `background` off every program
 compiles when a step first needs it, on the step path (the CPU default: compiling costs the
 host's cores, which a CPU engine computes on).
 
-`StepPrograms.start` compiles the start-up set in the background: the largest bucket of the
-default variant (greedy, no kept logits, no processing), which holds every step of that variant.
-The counts (`stats`): programs compiled, their seconds, steps run in a larger bucket than their
-own, steps that waited for a compile and the seconds they waited.
+`StepPrograms.start` compiles a start-up set in the background (the engine's: the largest decode
+bucket of the default variant, which holds every step of it, and the prefill and first-token
+programs of single prompts). The counts (`stats`): programs compiled, their seconds, steps run in
+a larger bucket than their own, steps that waited for a compile and the seconds they waited.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 import weakref
@@ -27,12 +29,13 @@ from typing import Callable, Hashable
 
 log = logging.getLogger(__name__)
 
-# A program's key: (variant, rows, width); variant: any hashable naming the program's static options.
-Key = tuple[Hashable, int, int]
+# A program's key: (variant, *sizes); variant: any hashable naming the program's static options,
+# sizes: its bucket (ints, e.g. rows and width).
+Key = tuple
 
 
 class StepPrograms:
-    """Compiled decode programs by (variant, rows, width) (module docstring).
+    """Compiled programs of one kind by (variant, *sizes) (module docstring).
 
     compile(key) -> a callable program (it traces, lowers and compiles; may run on a background
     thread). background: compile missing programs off the step path and run steps in a larger
@@ -68,7 +71,7 @@ class StepPrograms:
         try:
             self._build(key)
         except BaseException as e:   # noqa: BLE001 -- kept: the step that needs it compiles it again and raises
-            log.warning("compiling the decode program %s in the background failed: %r", key, e)
+            log.warning("compiling the program %s in the background failed: %r", key, e)
             with self._lock:
                 self.failures[key] = e
         finally:
@@ -89,26 +92,34 @@ class StepPrograms:
         for key in keys:
             self.request(key)
 
-    def choose(self, variant: Hashable, rows: int, width: int) -> tuple[Callable, int, int]:
-        """The program a step of `variant` needing `rows` rows of `width` pages runs ->
-        (program, its rows, its width): the exact one, else (background) the smallest compiled
-        one of the variant holding it while the exact one compiles, else the exact one compiled
-        now (counted as a blocking compile)."""
-        key = (variant, rows, width)
+    def find(self, variant: Hashable, *sizes: int) -> tuple[Callable, tuple[int, ...]] | None:
+        """A compiled program for a step of `variant` needing a bucket of `sizes`, without
+        waiting -> (program, its sizes): the exact one, else (background) the smallest compiled
+        one of the variant holding it (every size at least the step's), the exact one then
+        compiling in the background; None when neither is compiled."""
+        key = (variant, *sizes)
         with self._lock:
             program = self._ready.get(key)
             if program is not None:
-                return program, rows, width
-            holding = [(r * w, r, w) for (v, r, w) in self._ready
-                       if self.background and v == variant and r >= rows and w >= width]
+                return program, sizes
+            holding = [(math.prod(k[1:]), k[1:]) for k in self._ready
+                       if self.background and k[0] == variant and all(a >= b for a, b in zip(k[1:], sizes))]
             if holding:
-                _, r, w = min(holding)
+                _, larger = min(holding)
                 self.larger_steps += 1
-                program = self._ready[variant, r, w]
+                program = self._ready[(variant, *larger)]
+        self.request(key)
+        return None if program is None else (program, larger)
+
+    def choose(self, variant: Hashable, *sizes: int) -> tuple[Callable, tuple[int, ...]]:
+        """The program a step of `variant` needing a bucket of `sizes` runs -> (program, its
+        sizes): `find`'s, else the exact one compiled now (counted as a blocking compile)."""
+        found = self.find(variant, *sizes)
+        if found is not None:
+            return found
+        key = (variant, *sizes)
+        with self._lock:
             pending = self._pending.get(key)
-        if program is not None:
-            self.request(key)
-            return program, r, w
         start = time.perf_counter()
         if pending is not None:
             concurrent.futures.wait([pending])
@@ -122,7 +133,7 @@ class StepPrograms:
         with self._lock:
             self.blocked_steps += 1
             self.blocked_s += time.perf_counter() - start
-        return program, rows, width
+        return program, sizes
 
     def stats(self) -> dict:
         with self._lock:

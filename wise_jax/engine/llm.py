@@ -74,8 +74,9 @@ from wise_jax.loading import load_model
 from wise_jax.params import Params, stack_layers, unstack_layers
 from wise_jax.sampling import LogitsState
 from wise_jax.engine.inflight import InFlight
-from wise_jax.engine.programs import (DEFAULT_VARIANT, Chunks, Rows, StepVariant, decode, first_tokens, prefill,
-                                      read_pages, score_prompt, set_logits_rows, spec_of, write_pages)
+from wise_jax.engine.programs import (DEFAULT_VARIANT, Chunks, FirstVariant, PrefillVariant, Rows, StepVariant,
+                                      decode, first_tokens, prefill, read_pages, score_prompt, set_logits_rows,
+                                      spec_of, write_pages)
 from wise_jax.engine.sampler import Draw, Processing, draw_of, processing_of
 from wise_jax.engine.compiler import StepPrograms
 
@@ -208,7 +209,17 @@ class LLM(LLMEngine):
         self._arg_specs = spec_of((self.params, self.cache, self.state, self.next_token, self.state_table), mesh)
         background = jax.default_backend() == "gpu" if background_compile is None else background_compile
         self.programs = StepPrograms(self._compile_step, background=background)
+        self.prefill_programs = StepPrograms(self._compile_prefill, background=background)
+        self.first_programs = StepPrograms(self._compile_first_tokens, background=background)
+        # The start-up set: the largest decode bucket of the default variant (it holds every step
+        # of that variant), the prefill of one prompt opening at each width a chunk may take (a
+        # step of several runs them one by one until its own compiles), and greedy first tokens.
         self.programs.start([(DEFAULT_VARIANT, self.row_buckets[-1], self.widths[-1])])
+        if self.num_steps is None:
+            chunk = context_bucket(self.widths, min(self.max_pages, -(-args.max_num_batched_tokens // self.page_size)))
+            self.prefill_programs.start([(PrefillVariant(self.attention, False), 1, w, w)
+                                         for w in self.widths if w <= chunk])
+        self.first_programs.start([(FirstVariant(False, False), rows) for rows in self.row_buckets])
         self.logits_state: LogitsState | None = None     # made when a request first needs it
         self._logits_owner: dict[int, Sequence] = {}       # slot -> the sequence its logits state rows are of
         self._seed = random.randrange(MAX_SEED) if args.seed is None else args.seed
@@ -249,7 +260,7 @@ class LLM(LLMEngine):
         extras = self._extras(seqs)
         variant = StepVariant(sampling=any(s.forced is None and s.params.temperature > 0 for s in seqs),
                               keep_logits=any(s.keep_logits for s in seqs), extras=extras)
-        program, rows, width = self.programs.choose(
+        program, (rows, width) = self.programs.choose(
             variant, batch_bucket(self.row_buckets, len(seqs)),
             context_bucket(self.widths, max(len(seq.pages) for seq in seqs)))
         plan = DecodePlan.build(seqs, rows=rows, width=width, page_size=self.page_size,
@@ -267,10 +278,7 @@ class LLM(LLMEngine):
         """The decode program of `key` = (StepVariant, rows, width), compiled ahead of its first
         step (`compiler.StepPrograms`; may run on its background thread)."""
         variant, rows, width = key
-        logits_state = None
-        if variant.extras:
-            logits_state = spec_of(jax.eval_shape(
-                lambda: LogitsState.create(self.args.max_num_seqs, self.config.vocab_size)), self.mesh)
+        logits_state = self._logits_state_spec() if variant.extras else None
         static = dict(config=self.config, wise_config=self.wise_config, kernel=self.kernel, unroll=self.unroll,
                       mesh=self.mesh, num_steps=self.num_steps, adaptive=self.adaptive_depth,
                       sampling=variant.sampling, keep_logits=variant.keep_logits, rows=rows, width=width,
@@ -280,6 +288,37 @@ class LLM(LLMEngine):
                             Processing.spec(rows) if variant.extras else None), self.mesh)
         return decode.lower(params, cache, state, next_token, *per_step, logits_state, state_table,
                             **static).compile()
+
+    def wait_compiles(self) -> None:
+        """Wait for every background compile requested so far (the start-up set's included)."""
+        for programs in self._program_sets():
+            programs.wait()
+
+    def _program_sets(self) -> tuple[StepPrograms, ...]:
+        """The compiled programs by kind: decode, prefill, first tokens."""
+        return self.programs, self.prefill_programs, self.first_programs
+
+    def _logits_state_spec(self):
+        return spec_of(jax.eval_shape(lambda: LogitsState.create(self.args.max_num_seqs, self.config.vocab_size)),
+                       self.mesh)
+
+    def _compile_prefill(self, key) -> Callable:
+        """The prefill program of `key` = (PrefillVariant, rows, tokens in pages, width in pages)."""
+        variant, rows, pages, width = key
+        params, cache = self._arg_specs[:2]
+        chunks = spec_of(Chunks.spec(rows, pages * self.page_size, width), self.mesh)
+        return prefill.lower(params, cache, chunks, config=self.config, attention=variant.attention,
+                             unroll=self.unroll, mesh=self.mesh, all_logits=variant.all_logits).compile()
+
+    def _compile_first_tokens(self, key) -> Callable:
+        """The first-token program of `key` = (FirstVariant, rows)."""
+        variant, rows = key
+        next_token = self._arg_specs[3]
+        per_step = spec_of((jax.ShapeDtypeStruct((rows, self.config.vocab_size), jnp.float32),
+                            jax.ShapeDtypeStruct((rows,), jnp.int32), Draw.spec(rows),
+                            Processing.spec(rows) if variant.extras else None), self.mesh)
+        return first_tokens.lower(next_token, *per_step, self._logits_state_spec() if variant.extras else None,
+                                  sampling=variant.sampling).compile()
 
     def _on_mesh(self, tree):
         """`tree` replicated on the mesh (as is without one): the decode programs, compiled ahead,
@@ -331,9 +370,10 @@ class LLM(LLMEngine):
         padded += [None] * (rows - len(chunks))
         slots = np.array([-1 if seq is None else seq.slot for seq in padded], np.int32)
         sampling = any(seq is not None and seq.forced is None and seq.params.temperature > 0 for seq in padded)
-        self.next_token, logits_state, (token, logprob, nan, top) = first_tokens(
-            self.next_token, last, slots, draw_of(padded), processing_of(padded) if extras else None,
-            self.logits_state if extras else None, sampling=sampling)
+        program, _ = self.first_programs.choose(FirstVariant(sampling, extras), rows)
+        self.next_token, logits_state, (token, logprob, nan, top) = program(
+            self.next_token, last, self._on_mesh(slots), draw_of(padded), processing_of(padded) if extras else None,
+            self.logits_state if extras else None)
         if extras:
             self.logits_state = logits_state
         seqs = [chunks[r].seq for r in at]
@@ -347,15 +387,28 @@ class LLM(LLMEngine):
         token, the logits at every position [rows, tokens, vocab] or None). A step whose chunks
         all open their prompts attends through the engine's prefill attention."""
         page_size = self.page_size
-        seq = context_bucket(self.widths, -(-max(c.length for c in chunks) // page_size)) * page_size
+        pages = context_bucket(self.widths, -(-max(c.length for c in chunks) // page_size))
         width = context_bucket(self.widths, max(-(-(c.start + c.length) // page_size) for c in chunks))
-        batch = Chunks.of(chunks, rows=rows, seq=seq, width=width, page_size=page_size,
-                          scratch_page=self.cache.scratch_page, pad_id=self.config.pad_token_id or 0)
-        fresh = all(c.start == 0 for c in chunks)
-        logits, self.cache = prefill(self.params, self.cache, self._on_mesh(batch), config=self.config,
-                                     attention=self.attention if fresh else None, unroll=self.unroll,
-                                     mesh=self.mesh, all_logits=all_logits)
+        variant = PrefillVariant(self.attention if all(c.start == 0 for c in chunks) else None, all_logits)
+        found = self.prefill_programs.find(variant, rows, pages, width)
+        single = None if found is not None or len(chunks) == 1 or all_logits else (
+            self.prefill_programs.find(variant, 1, pages, width))
+        if single is not None:
+            # Rows are independent: while the step's own program compiles in the background, its
+            # chunks run one by one in the compiled program of one chunk.
+            last = [self._run_prefill(single, [chunk])[:1] for chunk in chunks]
+            return jnp.concatenate(last + [jnp.zeros_like(last[0])] * (rows - len(chunks))), None
+        logits = self._run_prefill(found or self.prefill_programs.choose(variant, rows, pages, width), chunks)
         return logits if all_logits else (logits, None)
+
+    def _run_prefill(self, chosen: tuple, chunks: list[Chunk]):
+        """Run `chunks` in the prefill program `chosen` = (program, (rows, pages, width)) -> its
+        logits (`programs.prefill`'s), the cache updated."""
+        program, (rows, pages, width) = chosen
+        batch = Chunks.of(chunks, rows=rows, seq=pages * self.page_size, width=width, page_size=self.page_size,
+                          scratch_page=self.cache.scratch_page, pad_id=self.config.pad_token_id or 0)
+        logits, self.cache = program(self.params, self.cache, self._on_mesh(batch))
+        return logits
 
     def _prefill_huginn(self, chunks: list[Chunk], rows: int, all_logits: bool) -> tuple:
         """A Huginn model's chunks, one program each (a first chunk: `huginn.prefill`, its K/V
@@ -401,9 +454,9 @@ class LLM(LLMEngine):
         seq.offloaded = None
 
     def _build_seconds(self) -> float:
-        """Seconds steps waited for decode programs to compile (background compiles cost a step
-        nothing and are not counted)."""
-        return self.programs.stats()["compile_blocked_s"]
+        """Seconds steps waited for programs to compile (background compiles cost a step nothing
+        and are not counted)."""
+        return sum(p.stats()["compile_blocked_s"] for p in self._program_sets())
 
     def _scrub(self, pages: list[int]) -> None:
         """Zero the K/V of `pages` in every plane (a failed request's, before they go back)."""
@@ -416,13 +469,14 @@ class LLM(LLMEngine):
     def _device_stats(self) -> dict:
         state = self.state
         programs = self.programs.stats()
+        every = [p.stats() for p in self._program_sets()]
         return dict(fallbacks=None if state is None else int(state.fallbacks),
                     density=None if state is None else state.density(self.wise_config),
                     step_programs=programs["step_programs"],
                     step_program_bound=8 * len(self.row_buckets) * len(self.widths),
-                    step_build_s=programs["compile_s"], larger_bucket_steps=programs["larger_bucket_steps"],
-                    compile_blocked_steps=programs["compile_blocked_steps"],
-                    compile_blocked_s=programs["compile_blocked_s"],
+                    step_build_s=programs["compile_s"],
+                    **{name: sum(s[name] for s in every)
+                       for name in ("larger_bucket_steps", "compile_blocked_steps", "compile_blocked_s")},
                     mean_decode_depth=self._loops_run[0] / self._loops_run[1] if self._loops_run[1] else None)
 
     def _reset_device_counters(self) -> None:

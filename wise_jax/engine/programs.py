@@ -40,6 +40,22 @@ class StepVariant(NamedTuple):
 DEFAULT_VARIANT = StepVariant(sampling=False, keep_logits=False, extras=False)
 
 
+class PrefillVariant(NamedTuple):
+    """A prefill program's static options: attention (the prefill attention of chunks that all
+    open their prompts; None: over the pages, `chunked_prefill.prefill_chunks`), all_logits
+    (the logits of every position come back, for prompt scores)."""
+
+    attention: str | None
+    all_logits: bool
+
+
+class FirstVariant(NamedTuple):
+    """A first-token program's static options (`first_tokens`): sampling, extras (as StepVariant's)."""
+
+    sampling: bool
+    extras: bool
+
+
 def spec_of(tree, mesh=None):
     """The abstract values (shape, dtype, sharding) of a pytree of arrays (or of abstract values).
     With a mesh, a leaf not laid out over it (a host array, one on a single device) is replicated
@@ -120,6 +136,12 @@ class Chunks:
             pages = chunk.seq.pages[:-(-(chunk.start + chunk.length) // page_size)]
             tables[r, :len(pages)] = pages
         return cls(tokens, starts, lengths, tables)
+
+    @classmethod
+    def spec(cls, rows: int, seq: int, width: int) -> "Chunks":
+        """The abstract Chunks of a (rows, seq, width) bucket, to compile its program ahead."""
+        row = jax.ShapeDtypeStruct((rows,), jnp.int32)
+        return cls(jax.ShapeDtypeStruct((rows, seq), jnp.int32), row, row, jax.ShapeDtypeStruct((rows, width), jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attention", "unroll", "mesh", "all_logits"),
