@@ -32,6 +32,8 @@ the decode step costs:
 - stacked: the layers a scan over the stacked weights (LLM(layers="stacked")) instead of a
   Python loop over per-layer weights (the engine's default, params.unstack_layers);
 - unroll: with stacked, the layer scan fully unrolled (LLM(unroll=True));
+- straight: every loop of the decode step straight-line (an LLM subclass with scan_loops =
+  False) instead of a scan over each run of loops of one role (the engine's default);
 - unfused: q/k/v and gate/up as separate GEMMs (params.split_projections) instead of fused;
 - nocb: XLA_FLAGS --xla_gpu_enable_command_buffer= (no CUDA-graph command buffers);
 - cbloops: XLA_FLAGS --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL (loops in command buffers);
@@ -58,8 +60,8 @@ half of attn.qk_bias), laid out there by `wise_jax.huginn.huginn_from_tensors`. 
 benchmark draws the same recipe with torch's generator: the same distribution, not the same
 values. --num-steps core iterations per token (default total_ut_steps); the wise arms use
 `huginn_wise_config(num_steps)` (`throughput.wise_config_of`), the report states the profile;
-options that change Ouro's parameter layout (stacked, unroll, unfused, tp2) and the old arms run
-Ouro only; a Huginn run is held to no target (the issue's are Ouro-1.4B's).
+options that change Ouro's parameter layout or decode loops (stacked, unroll, straight, unfused,
+tp2) and the old arms run Ouro only; a Huginn run is held to no target (the issue's are Ouro-1.4B's).
 """
 
 from __future__ import annotations
@@ -87,12 +89,12 @@ from benchmarks.engine.throughput import (ADAPTIVE_ARMS, adaptive_text, adaptive
 # (Huginn: num_steps=--num-steps, wise_config=huginn_wise_config(num_steps)), every other constructor
 # argument at its default (pool, max_num_seqs, max_model_len, kernel).
 MODES = ("dense", "wise", "dense-default", "wise-default", "old", "old-wise", "adaptive", "wise-adaptive")
-OPTIONS = ("stacked", "unroll", "unfused", "nocb", "cbloops", "dsfusion", "cublas", "tp2")
+OPTIONS = ("stacked", "unroll", "straight", "unfused", "nocb", "cbloops", "dsfusion", "cublas", "tp2")
 XLA_FLAGS = {"nocb": "--xla_gpu_enable_command_buffer=",
              "cbloops": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
              "dsfusion": "--xla_gpu_enable_dynamic_slice_fusion=true",
              "cublas": "--xla_gpu_enable_triton_gemm=false"}
-OURO_LAYOUT = ("stacked", "unroll", "unfused", "tp2")   # options of Ouro's Params (layers, projections, mesh)
+OURO_LAYOUT = ("stacked", "unroll", "straight", "unfused", "tp2")   # Ouro only: its Params layout, decode loops, mesh
 OLD_COMMIT = "bef25e92fbb27d035f3f9973f69047951c897363"  # the last commit before the serving engine
 STEM = "jax_generate_bench"
 
@@ -222,15 +224,18 @@ def _engine_worker(spec: dict) -> dict:
     if "unfused" in options:
         params = split_projections(config, params)
     mesh = {"mesh": wise_jax.make_mesh(2)} if "tp2" in options else {}
+    engine = wise_jax.LLM
+    if "straight" in options:
+        engine = type("StraightLoopsLLM", (wise_jax.LLM,), {"scan_loops": False})
     if mode.endswith("-default"):
-        llm = wise_jax.LLM(params, config, num_steps=num_steps,
+        llm = engine(params, config, num_steps=num_steps,
                            wise_config=wise_config_of(config, steps) if mode == "wise-default" else None, **mesh)
     else:
         wise_config = wise_config_of(config, steps, eta=spec["eta"], kernel=spec["kernel"]) \
             if mode in ("wise", "wise-adaptive") else None
         from wise_core.config import AdaptiveDepth
         adaptive = AdaptiveDepth(threshold=spec["adaptive_threshold"]) if mode in ADAPTIVE_ARMS else None
-        llm = wise_jax.LLM(params, config, wise_config=wise_config, num_steps=num_steps, adaptive_depth=adaptive,
+        llm = engine(params, config, wise_config=wise_config, num_steps=num_steps, adaptive_depth=adaptive,
                            num_pages=spec["num_pages"], page_size=spec["page_size"], max_num_seqs=spec["batch"], kernel=spec["kernel"],
                            max_model_len=spec["context"] + max(spec["new_tokens"], spec["warmup_tokens"]),
                            unroll=True if "unroll" in options else 1,
