@@ -121,10 +121,10 @@ def torch_generate(model: HuginnForCausalLM, prompts: list[list[int]], *, max_ne
 def jax_generate(params: jax_huginn.HuginnParams, config: ModelConfig, prompts: list[list[int]], *,
                  max_new_tokens: int, num_steps: int, seed: int = 0, wise_config: WiseConfig | None = None,
                  kernel: str = "reference", adaptive: AdaptiveDepth | None = None,
-                 depths: list[list[int]] | None = None, pages: int | None = None):
+                 depths: list[list[int]] | None = None, pages: int | None = None, scan_loops: bool = True):
     """`torch_generate` in JAX: (tokens per prompt, logits float32[max_new_tokens, vocab] per
     prompt, the WiseState or None); adaptive, depths and pages as there. A prompt is padded to
-    whole pages for its prefill."""
+    whole pages for its prefill. scan_loops: `wise_jax.huginn.decode_step`'s."""
     rows, pages = len(prompts), _pages(prompts, max_new_tokens, pages)
     dtype = params.wte.dtype
     cache = kvc.create(config, batch=rows, max_pages=pages, num_pages=rows * pages, page_size=PAGE_SIZE,
@@ -148,7 +148,7 @@ def jax_generate(params: jax_huginn.HuginnParams, config: ModelConfig, prompts: 
         out, cache, wise, *ran = jax_huginn.decode_step(params, config, cache, tokens, state,
                                                         jnp.arange(rows, dtype=jnp.int32), num_steps=num_steps,
                                                         kernel=kernel, wise_config=wise_config, wise_state=wise,
-                                                        adaptive=adaptive)
+                                                        adaptive=adaptive, scan_loops=scan_loops)
         out = np.asarray(out, np.float32)
         for r in range(rows):
             logits[r].append(out[r])

@@ -167,19 +167,22 @@ Attend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any, Any], tuple[
 
 def run_model(params: HuginnParams, config: ModelConfig, input_ids: jax.Array, state: jax.Array, cos: jax.Array,
               sin: jax.Array, num_steps, attend: Attend, carry: Any = None, *,
-              unroll: bool = False, between: Callable | None = None) -> tuple[jax.Array, Any]:
+              runs: list[tuple[str, range]] | None = None, between: Callable | None = None) -> tuple[jax.Array, Any]:
     """input_ids int32[batch, seq], state [batch, seq, hidden] -> (the coda's normed output
-    [batch, seq, hidden], carry): the prelude, num_steps core iterations (a `lax.fori_loop`;
-    num_steps may be traced; unroll: a Python loop over a Python int num_steps, so that each
-    iteration's `attend` sees a static step and plane), the coda, each layer attending through
-    `attend` with its plane (`wise_core.huginn_reference.plane_index`). between (unrolled only):
-    after iteration i, (x, carry) = between(i, new state, state before, carry, readout), where
-    readout(x, carry) -> (the coda's normed output, carry) runs the coda on a state."""
+    [batch, seq, hidden], carry): the prelude, num_steps core iterations, the coda, each layer
+    attending through `attend(q, k, v, plane, carry, core)` with its plane
+    (`wise_core.huginn_reference.plane_index`) and core None (prelude, coda) or (step, layer of
+    the core block, role). The iterations: runs None, one `lax.fori_loop` (num_steps may be
+    traced; role None); else runs [(role, steps)] cover range(num_steps) in order (a decode
+    step's, `WiseConfig.role_runs`), each run a loop of one body with the step traced, or with
+    `between` a Python loop (every step static): after iteration i, (x, carry) = between(i, new
+    state, state before, carry, readout), where readout(x, carry) -> (the coda's normed output,
+    carry) runs the coda on a state."""
     c = config
 
-    def stack(blocks, x, carry, plane0, step=None):
+    def stack(blocks, x, carry, plane0, step=None, role=None):
         for n, bp in enumerate(blocks):
-            core = None if step is None else (step, n)
+            core = None if step is None else (step, n, role)
             plane = plane0 + n if step is None else plane0 + step * len(blocks) + n
             x, carry = sandwich_block(bp, c, x, cos, sin,
                                       lambda q, k, v, plane=plane, core=core: attend(q, k, v, plane, carry, core))
@@ -188,21 +191,24 @@ def run_model(params: HuginnParams, config: ModelConfig, input_ids: jax.Array, s
     embedded = params.wte.at[input_ids].get(mode="fill", fill_value=jnp.nan) * c.embed_scale
     embedded, carry = stack(params.prelude, embedded, carry, plane_index(c, "prelude", 0))
 
-    def step(i, x_carry):
+    def step(i, x_carry, role=None):
         x = jnp.concatenate([x_carry[0], embedded], axis=-1) @ params.adapter
-        return stack(params.core_block, x, x_carry[1], plane_index(c, "core_block", 0), i)
+        return stack(params.core_block, x, x_carry[1], plane_index(c, "core_block", 0), i, role)
 
     def readout(x, carry):
         x, carry = stack(params.coda, rms_norm(x, params.ln_f, c.rms_norm_eps), carry, plane_index(c, "coda", 0))
         return rms_norm(x, params.ln_f, c.rms_norm_eps), carry
 
     x_carry = (state.astype(embedded.dtype), carry)
-    if unroll:
-        for i in range(num_steps):
-            new = step(i, x_carry)
-            x_carry = new if between is None else between(i, new[0], x_carry[0], new[1], readout)
-    else:
+    if runs is None:
         x_carry = lax.fori_loop(0, num_steps, step, x_carry)
+    for role, steps in runs or ():
+        if between is None and len(steps) > 1:
+            x_carry = lax.fori_loop(steps.start, steps.stop, functools.partial(step, role=role), x_carry)
+            continue
+        for i in steps:
+            new = step(i, x_carry, role)
+            x_carry = new if between is None else between(i, new[0], x_carry[0], new[1], readout)
     return readout(*x_carry)
 
 
@@ -309,17 +315,20 @@ def prefill_chunk(params: HuginnParams, config: ModelConfig, k_pages: jax.Array,
     return _last_logits(params, x[0], length, all_logits), k_pages, v_pages
 
 
-@functools.partial(jax.jit, static_argnames=("config", "num_steps", "kernel", "wise_config", "adaptive", "allocate"))
+@functools.partial(jax.jit, static_argnames=("config", "num_steps", "kernel", "wise_config", "adaptive", "allocate",
+                                             "scan_loops"))
 def decode_step(params: HuginnParams, config: ModelConfig, cache: kvc.PagedKVCache, tokens: jax.Array,
                 state: jax.Array, slots: jax.Array, *, num_steps: int, kernel: str = "auto",
                 wise_config: WiseConfig | None = None, wise_state: ws.WiseState | None = None,
-                adaptive: AdaptiveDepth | None = None, allocate: bool = True):
+                adaptive: AdaptiveDepth | None = None, allocate: bool = True, scan_loops: bool = True):
     """One decode token per cache row (`wise_jax.model.decode_step`'s contract): tokens int32[batch]
     at each row's position seq_lens, state [batch, hidden] (the initial recurrent state), slots
     int32[batch] (the request each row serves, the WISE tag; -1: an empty row, a masked no-op).
     The cache holds num_planes(config, >= num_steps) planes. wise_config: WISE over the core
     iterations (its depths index them, each < num_steps) with `wise_state` (`wise_state.create`
-    with layers = the core block's); None: every plane dense. The core iterations run unrolled.
+    with layers = the core block's); None: every plane dense. Each run of core iterations of one
+    role (`WiseConfig.role_runs`; all of them without WISE) is one loop body, the step traced;
+    with adaptive depth, or scan_loops False, every iteration is straight-line.
     adaptive: per-token adaptive depth (`wise_core.huginn_reference`'s; `wise_torch.huginn`'s
     decode_step: rows that exited ride along held, their later iterations' K/V their exit
     iteration's). allocate: as `wise_jax.model.decode_step`'s. Returns (logits float32[batch,
@@ -353,18 +362,21 @@ def decode_step(params: HuginnParams, config: ModelConfig, cache: kvc.PagedKVCac
             out, _ = decode_attention(q[:, 0], k_pages, v_pages, page_table, seq_lens, modes, support,
                                       block_size=dense.block_size, eta=dense.eta, kernel=kernel, validate=False)
             return out[:, None], (cache, wise_state)
-        step, layer = core
-        if layer == 0 and wise_config.depth_role(step) == "reuse":   # every layer's counts at once
+        step, layer, role = core
+        if layer == 0 and role == "reuse":   # every layer's counts at once
             wise_state = ws.count_reuse(wise_state, wise_config, step, seq_lens, slots, live,
                                         cache.capacity // wise_config.block_size)
         out, wise_state = ws.wise_attention(wise_state, wise_config, step, layer, q[:, 0], k_pages, v_pages,
                                             page_table, seq_lens, slots, live, kernel=kernel, validate=False,
-                                            count=False)
+                                            count=False, role=role)
         return out[:, None], (cache, wise_state)
 
     exits = AdaptiveExits(params, config, num_steps, adaptive, live)
+    runs = [("dense", range(num_steps))] if wise_config is None else wise_config.role_runs(num_steps)
+    if not scan_loops:
+        runs = [(role, range(i, i + 1)) for role, steps in runs for i in steps]
     x, (cache, wise_state) = run_model(params, config, tokens[:, None], state[:, None], cos, sin, num_steps, attend,
-                                       (cache, wise_state), unroll=True, between=None if adaptive is None else exits)
+                                       (cache, wise_state), runs=runs, between=None if adaptive is None else exits)
     logits = head(params, x[:, 0])
     return (logits, cache, wise_state) if adaptive is None else (logits, cache, wise_state, exits.last + 1)
 

@@ -234,7 +234,8 @@ def decode(params: Params, cache: kvc.PagedKVCache, state, next_token, inputs: R
         exiting = adaptive is not None
         logits, step_cache, rows_state, *depths = huginn.decode_step(
             params, config, step_cache, tokens, state_table[inputs.positions], inputs.tags, num_steps=num_steps,
-            kernel=kernel, wise_config=wise_config, wise_state=rows_state, adaptive=adaptive, allocate=False)
+            kernel=kernel, wise_config=wise_config, wise_state=rows_state, adaptive=adaptive, allocate=False,
+            scan_loops=scan_loops)
     logits_rows = None if logits_state is None else logits_state.rows(inputs.seq_slots)
     token, logprob, top = choose(logits, draw, processing, logits_rows, sampling=sampling)
     written = jnp.where(live, inputs.seq_slots, next_token.shape[0])     # padding rows write nothing
