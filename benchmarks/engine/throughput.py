@@ -92,6 +92,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import os
 import platform
@@ -177,7 +178,7 @@ def _engine_worker(spec: dict) -> dict:
     arm = spec["arm"]
     if arm in FA4_ARMS:
         try:
-            import flash_attn.cute  # noqa: F401
+            importlib.import_module("flash_attn.cute")
         except Exception as e:  # not installed, or installed without its CUDA parts
             return dict(status=f"not importable: {type(e).__name__}: {e}"[:300])
     import torch
