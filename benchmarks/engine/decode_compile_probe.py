@@ -3,10 +3,11 @@
     python -m benchmarks.engine.decode_compile_probe --shapes 1024x16,1024x1             # on a GPU
     python -m benchmarks.engine.decode_compile_probe --preset test-tiny --dtype float32 --shapes 64x2   # CPU
 
-Variants: "unrolled" is `wise_jax.model.decode_step` as the engine runs it (every loop x every
-unstacked layer, straight-line code); "loopscan" is a `lax.scan` over the loops with the layers
-unrolled in its body and the K/V plane index traced (the weights are the same every loop, so
-nothing is copied per loop). Both dense, the decode attention `resolve_kernel("auto")` picks,
+Variants: "unrolled" is `wise_jax.model.decode_step(scan_loops=False)` (every loop x every
+unstacked layer, straight-line code); "loopscan" is a `lax.scan` over all the loops with the
+layers unrolled in its body and the K/V plane index traced (the weights are the same every loop,
+so nothing is copied per loop). The engine's step scans each run of loops of one role
+(`model.decode_step`'s default, `scan_loops=True`), which for dense decode is "loopscan"'s shape. Both dense, the decode attention `resolve_kernel("auto")` picks,
 random weights with q_proj x --q-scale, a donated cache of exactly the cohort's pages. Compile =
 `jit(...).lower(...).compile()`; step = wall time of one call with `block_until_ready` (dispatch
 included), the median of steps 3-12 and the minimum. Prints one JSON object per (shape,
@@ -96,7 +97,7 @@ def probe(args) -> list[dict]:
 
     def unrolled_step(params, cache, tokens, slots, width):
         logits, cache, _ = model.decode_step(params, config, cache, None, tokens, slots, wise_config=None,
-                                             kernel=kernel, width=width)
+                                             kernel=kernel, width=width, scan_loops=False)
         return logits, cache
 
     def full_cache(batch: int, context: int, page_size: int = 128):
