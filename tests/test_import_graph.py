@@ -1,5 +1,5 @@
 """The project's import graph, read from the source (module-level and function-level imports
-alike): wise_core at the ground, importing no package of the project but itself; the frameworks
+alike, and `importlib.import_module` of a literal name): wise_core at the ground, importing no package of the project but itself; the frameworks
 never import each other; nothing imports the `wise` application; no circle of imports in any
 package. The checker is shown to fail on a planted up-import and a planted circle."""
 
@@ -31,6 +31,14 @@ def modules(root: Path) -> dict[str, Path]:
     return found
 
 
+def is_literal_import_module(node: ast.AST) -> bool:
+    """`importlib.import_module("a.b")`: an import that a plain import statement would not show."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module" and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "importlib" and len(node.args) >= 1
+            and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str))
+
+
 def import_graph(root: Path) -> dict[str, set[str]]:
     """Module -> the project modules it imports anywhere in its source."""
     mods = modules(root)
@@ -48,6 +56,8 @@ def import_graph(root: Path) -> dict[str, set[str]]:
                     base = ".".join(up + ([base] if base else []))
                 targets.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in mods else base
                                for alias in node.names)
+            elif is_literal_import_module(node):
+                targets.add(node.args[0].value)
         deps = set()
         for target in targets:
             while target and target not in mods:
@@ -118,6 +128,8 @@ def test_the_checker_finds_a_planted_up_import_and_circle(tmp_path):
     (tmp_path / "wise_torch" / "kernels").mkdir()
     (tmp_path / "wise_torch" / "kernels" / "__init__.py").write_text("")
     (tmp_path / "wise_torch" / "kernels" / "k.py").write_text("from ..model import x\n")
+    (tmp_path / "wise_jax" / "a.py").write_text("import importlib\nB = importlib.import_module('wise_jax.b')\n")
+    (tmp_path / "wise_jax" / "b.py").write_text("from wise_jax.a import B\n")
     graph = import_graph(tmp_path)
     assert up_imports(graph) == [("wise_core.spec", "wise_torch.model")]
-    assert circles(graph) == [["wise_torch.kernels.k", "wise_torch.model"]]
+    assert sorted(circles(graph)) == [["wise_jax.a", "wise_jax.b"], ["wise_torch.kernels.k", "wise_torch.model"]]

@@ -54,12 +54,12 @@ give peaked attention; the measured reuse-union density per reuse depth is repor
 jax_generate_bench.json, .md (with the standing against the targets) and .png to --out.
 
 Huginn (huginn-0125, test-tiny-huginn): `random_huginn_params` draws every HF tensor on the
-device from its own key, fold_in(PRNGKey(seed), crc32(name)), as `throughput.random_recipe` says
+device from its own key, fold_in(PRNGKey(seed), crc32(name)), as `workload.random_recipe` says
 (`wise_core.checkpoint.random_init`; the queries times --q-scale: the q rows of attn.Wqkv and q's
 half of attn.qk_bias), laid out there by `wise_jax.huginn.huginn_from_tensors`. The torch
 benchmark draws the same recipe with torch's generator: the same distribution, not the same
 values. --num-steps core iterations per token (default total_ut_steps); the wise arms use
-`huginn_wise_config(num_steps)` (`throughput.wise_config_of`), the report states the profile;
+`huginn_wise_config(num_steps)` (`arms.wise_config_of`), the report states the profile;
 options that change Ouro's parameter layout or decode loops (stacked, unroll, straight, unfused,
 tp2) and the old arms run Ouro only; a Huginn run is held to no target (the issue's are Ouro-1.4B's).
 """
@@ -79,11 +79,12 @@ from pathlib import Path
 
 from benchmarks import report as rp
 from benchmarks.engine.speculative_arms import compare_tokens
-from benchmarks.engine.throughput import (ADAPTIVE_ARMS, adaptive_text, adaptive_threshold, base_of, check_depth,
-                                          cohort_pages, config_fields, density_text, engine_standing, mean_depth,
-                                          parse_floats, parse_shapes, parse_threshold, plot, prepare_old_src,
-                                          random_recipe, roofline, run_cohort, run_text, stats_dict, table,
-                                          targets_section, wise_config_of, wise_profile)
+from benchmarks.engine.arms import (ADAPTIVE_ARMS, adaptive_text, adaptive_threshold, base_of, check_depth,
+                                    parse_threshold, prepare_old_src, wise_config_of, wise_profile)
+from benchmarks.engine.decode_report import (density_text, engine_standing, mean_depth, plot, run_text, table,
+                                             targets_section)
+from benchmarks.engine.timing import roofline, run_cohort, stats_dict
+from benchmarks.engine.workload import cohort_pages, config_fields, parse_floats, parse_shapes, random_recipe
 
 # dense-default / wise-default: `LLM(params, config)` / `LLM(params, config, wise_config=WiseConfig())`
 # (Huginn: num_steps=--num-steps, wise_config=huginn_wise_config(num_steps)), every other constructor

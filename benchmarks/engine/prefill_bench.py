@@ -35,7 +35,7 @@ import traceback
 from pathlib import Path
 
 from benchmarks import report as rp
-from benchmarks.engine.throughput import random_model
+from benchmarks.engine.workload import random_model
 from wise_core.config import PRESETS
 
 PEAK_TFLOPS = 790.0

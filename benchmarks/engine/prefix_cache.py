@@ -44,7 +44,7 @@ def _engine_factory(spec: dict):
         import torch
         import wise_torch
         if spec["preset"]:              # drawn on the device, as the throughput benchmark's
-            from benchmarks.engine.throughput import random_model
+            from benchmarks.engine.workload import random_model
             cuda = torch.cuda.is_available()
             model = random_model(dict(dtype="bfloat16" if cuda else "float32", device="cuda" if cuda else "cpu",
                                       std=0.02, seed=0, q_scale=1.0), PRESETS[spec["preset"]])

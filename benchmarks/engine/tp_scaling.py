@@ -15,7 +15,7 @@ same random weights (drawn on rank 0's GPU, broadcast to the others), q_proj sca
 
 Per (shape, arm, size): decode tok/s, ms/step, the per-GPU bandwidth roofline (one GPU reads its
 shard's layer weights, the replicated norms, exit gate and LM head, and its heads' K/V:
-throughput.roofline of the rank's local config) and the share of it reached, the speedup over
+timing.roofline of the rank's local config) and the share of it reached, the speedup over
 the same arm on one GPU, the scaling efficiency (speedup / size), and how many requests' greedy
 tokens differ from that arm's on one GPU (in bf16 each all-reduce adds partial sums rounded to
 bf16, so requests may part on near ties). Writes tp_scaling.json and tp_scaling.md to --out.
@@ -31,7 +31,8 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import report as rp
-from benchmarks.engine import speculative_arms, throughput
+from benchmarks.engine import decode_report, speculative_arms, throughput, timing, workload
+from benchmarks.engine.arms import CUDA_GRAPHS
 
 ARMS = ("dense", "wise")
 
@@ -60,21 +61,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="ouro-1.4b")
     p.add_argument("--layers", type=int, default=0, help="override the preset's num_hidden_layers")
     p.add_argument("--std", type=float, default=0.02)
-    p.add_argument("--q-scale", type=throughput.parse_floats, default=[1.0], help="one value, or one per shape")
-    p.add_argument("--shapes", type=throughput.parse_shapes, default=throughput.parse_shapes("1024x64,8192x20"))
+    p.add_argument("--q-scale", type=workload.parse_floats, default=[1.0], help="one value, or one per shape")
+    p.add_argument("--shapes", type=workload.parse_shapes, default=workload.parse_shapes("1024x64,8192x20"))
     p.add_argument("--tensor-parallel-size", type=parse_sizes, default=[1, 2], help="sizes to run, 1 first")
     p.add_argument("--arms", type=parse_arms, default=list(ARMS))
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--warmup-tokens", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(throughput.DTYPE_BYTES))
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(timing.DTYPE_BYTES))
     p.add_argument("--device", default="cuda")
     p.add_argument("--kernel", default="triton", choices=("triton", "reference", "auto"))
     p.add_argument("--eta", type=float, default=0.95)
     p.add_argument("--page-size", type=int, default=128)
-    p.add_argument("--cuda-graphs", default="auto", choices=sorted(throughput.CUDA_GRAPHS))
+    p.add_argument("--cuda-graphs", default="auto", choices=sorted(CUDA_GRAPHS))
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    p.add_argument("--hbm-tbps", type=float, default=throughput.HBM_TBPS)
+    p.add_argument("--hbm-tbps", type=float, default=timing.HBM_TBPS)
     p.add_argument("--child-timeout", type=float, default=600)
     p.add_argument("--out", type=Path, default=rp.RESULTS)
     return p
@@ -91,9 +92,9 @@ def check_args(parser: argparse.ArgumentParser, args) -> list[float]:
 
 def per_gpu_roofline(config, size: int, dtype: str, context: int, batch: int, new_tokens: int, density,
                      hbm_tbps: float) -> dict:
-    """throughput.roofline of one rank: its local config (heads, KV heads, MLP columns / size)."""
+    """timing.roofline of one rank: its local config (heads, KV heads, MLP columns / size)."""
     from wise_torch.parallel import local_config
-    return throughput.roofline(local_config(config, size), dtype, context, batch, new_tokens, density, hbm_tbps)
+    return timing.roofline(local_config(config, size), dtype, context, batch, new_tokens, density, hbm_tbps)
 
 
 def row_of(spec: dict, result: dict, repeat: int | None, config, args) -> dict:
@@ -153,7 +154,7 @@ def markdown(report: dict) -> str:
     for s in report["summary"]:
         lines.append(f"| {s['context']} x {s['batch']} | {s['arm']} | {s['size']} | {s['decode_tokens_per_s']:.1f} | "
                      f"{s['ms_per_step']:.2f} | {s['roofline_share']:.0%} | {fmt(s['speedup'], '.2f')} | "
-                     f"{fmt(s['efficiency'], '.0%')} | {throughput.density_text(s['density'])} | {fmt(s['differ'], 'd')} |")
+                     f"{fmt(s['efficiency'], '.0%')} | {decode_report.density_text(s['density'])} | {fmt(s['differ'], 'd')} |")
     lines += ["", "## Every run", "", "| ctx x batch | arm | GPUs | repeat | decode tok/s | ms/step | prefill s | "
               "fallbacks | preemptions | status |", "|" + "---|" * 10]
     for r in report["rows"]:
@@ -177,14 +178,14 @@ def main(argv: list[str] | None = None) -> dict:
     scales = check_args(parser, args)
     workdir = Path(tempfile.mkdtemp(prefix="wise-tp-scaling-"))
     try:
-        config, checkpoint, recipe = throughput.prepare_model(args)
+        config, checkpoint, recipe = workload.prepare_model(args)
         report = dict(date=rp.now(), host=platform.node(),
                       model=args.model or f"random {args.preset} (std {args.std}, seed 0)",
                       config=dataclasses.asdict(config),
                       args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                       environment=None, rows=[], summary=[])
         for (context, batch), q_scale in zip(args.shapes, scales):
-            num_pages = throughput.cohort_pages(context, batch, args.new_tokens, args.page_size) + 1
+            num_pages = workload.cohort_pages(context, batch, args.new_tokens, args.page_size) + 1
             for arm in args.arms:
                 for size in args.tensor_parallel_size:
                     spec = dict(arm=arm, context=context, batch=batch, q_scale=q_scale, checkpoint=checkpoint,

@@ -23,7 +23,7 @@ bf16, pages of 128 keys scattered over the pool, every row at seq_len = ctx.
 - impl "jax-paged" (jax.experimental.pallas.ops.gpu.paged_attention, the best of the tile
   settings `JAX_PAGED_SETTINGS` that fit): mode dense, and mode contiguous: lengths of 13%
   of ctx, the floor a sparse kernel at that density can hope for (--no-jax-paged skips it).
-Time per call (`_time_us`): jitted chains of calls, each call's output the next call's query and
+Time per call (`time_us`): jitted chains of calls, each call's output the next call's query and
 each call its own copy of the support (lengths for jax-paged), so no call's work is hoisted or
 shared; on a GPU the profiler's device span of the longest chain over its length (kernels back
 to back, as CUDA-graph replay times the torch kernels; the median of `repeats` runs), in the
@@ -93,7 +93,7 @@ def chain_activity(run, args, calls) -> dict:
         return device_activity(Path(trace_dir), calls)
 
 
-def _time_us(chains, args, *, repeats):
+def time_us(chains, args, *, repeats):
     """Per-call microseconds. On a GPU: the device span (first kernel's start to last kernel's
     end, from the profiler) of one run of the longest chain over its length -- kernels back to
     back, as CUDA-graph replay times a torch kernel -- the median of `repeats` runs. Elsewhere
@@ -226,7 +226,7 @@ def _bench_kernel_shape(rows, impl, ctx, batch, densities, *, heads, head_dim, p
 
             def measure(modes=modes, support=support, attended=attended, mode=mode, density=density,
                         launch=launch, reuse=reuse):
-                us = _time_us(compiled(launch, reuse), (q, k, v, page_table, seq_lens, modes,
+                us = time_us(compiled(launch, reuse), (q, k, v, page_table, seq_lens, modes,
                                                         per_call(support, chain)), repeats=repeats)
                 return [_row(name, mode, ctx, batch, density, us,
                              float(attended.sum()) * block_bytes, str(launch))]
@@ -257,7 +257,7 @@ def _bench_jax_paged_shape(ctx, batch, *, heads, head_dim, page_size, dtype, int
         for k_splits, per_block in sorted(settings):
             setting = f"k_splits={k_splits},pages_per_compute_block={per_block}"
             try:
-                us = _time_us(chains[k_splits, per_block],
+                us = time_us(chains[k_splits, per_block],
                               (q, k_heads_first, v_heads_first, page_table, per_call(lengths, chain)),
                               repeats=repeats)
             except Exception as e:  # a setting that does not run is skipped

@@ -45,7 +45,7 @@ from pathlib import Path
 
 from benchmarks import report as rp
 from benchmarks.profile.device_trace import device_lines, stream_kernels
-from benchmarks.engine.throughput import parse_floats, parse_shapes
+from benchmarks.engine.workload import parse_floats, parse_shapes
 
 CATEGORIES = ("gemm", "attention, discovery loops", "attention, reuse loops", "selection / support bookkeeping",
               "norms / RoPE / KV writes / elementwise", "sampling and readback", "inputs")
@@ -177,11 +177,11 @@ def _torch_kernels(trace: Path, cpu: bool) -> list[Kernel]:
 
 def _torch_worker(spec: dict, tmp: Path) -> dict:
     import torch
-    from benchmarks.engine import throughput
+    from benchmarks.engine import workload
     import wise_torch
     from wise_core.config import ModelConfig, WiseConfig
     config = ModelConfig(**spec["config"])
-    model = throughput.random_model(dict(dtype=spec["dtype"], device=spec["device"], std=spec["std"], seed=0,
+    model = workload.random_model(dict(dtype=spec["dtype"], device=spec["device"], std=spec["std"], seed=0,
                                           q_scale=spec["q_scale"]), config)
     tight = dict(max_model_len=spec["context"] + spec["new_tokens"]) if spec["tight"] else {}
     kernel = {} if spec["kernel"] == "auto" else dict(kernel=spec["kernel"])

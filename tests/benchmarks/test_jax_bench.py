@@ -64,7 +64,7 @@ def test_random_huginn_params_scale_the_queries_only(bench):
 def test_huginn_wise_arm_end_to_end(bench, tmp_path):
     """test-tiny-huginn at 3 core iterations: WISE reusing iteration 2, its roofline, no targets;
     Ouro's layout options refused."""
-    from benchmarks.engine import throughput
+    from benchmarks.engine import timing
     from wise_core.config import PRESETS
     report = bench.main(["--preset", "test-tiny-huginn", "--num-steps", "3", "--dtype", "float32", "--kernel",
                          "reference", "--shapes", "64x3", "--new-tokens", "3", "--warmup-tokens", "2", "--repeats", "1",
@@ -73,7 +73,7 @@ def test_huginn_wise_arm_end_to_end(bench, tmp_path):
     assert row["status"] == "ok" and row["decode_tokens"] == 3 * 2 and row["recompiles"] == 0
     assert row["pages_returned"] and row["fallbacks"] == 0
     assert set(row["density"]) == {2} and 0 < row["density"][2] <= 1
-    roof = throughput.roofline(PRESETS["test-tiny-huginn"], "float32", 64, 3, 3, row["density"], 4.3, 3)
+    roof = timing.roofline(PRESETS["test-tiny-huginn"], "float32", 64, 3, 3, row["density"], 4.3, 3)
     assert row["roofline_tokens_per_s"] == roof["tokens_per_s"]
     assert report["standing"] == [] and report["num_steps"] == 3
     assert "3 core iterations per token; WISE profile: discovery on depths 0, 1, reuse on 2, eta 0.95" in \

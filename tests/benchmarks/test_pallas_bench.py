@@ -107,3 +107,10 @@ def test_support_random_and_contiguous():
     assert (contiguous == (np.arange(40) < 10)).all()
     assert len({tuple(row) for row in random.reshape(-1, 40)}) > 1
     assert np.asarray(support_of(2, 4, 40, None)).all()
+
+
+def test_l2_floor_arguments():
+    """benchmarks/kernels/l2_floor.py needs sm90 (Mosaic GPU) to mean anything: its arguments only."""
+    from benchmarks.kernels import l2_floor
+    args = l2_floor.build_parser().parse_args(["--shapes", "4096x20", "--stages", "2,3"])
+    assert args.shapes == [(4096, 20)] and args.stages == "2,3" and args.density == 0.13

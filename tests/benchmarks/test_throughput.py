@@ -1,4 +1,5 @@
-"""benchmarks/engine/throughput.py on CPU: arguments, the roofline arithmetic, the step-loop timing, the
+"""benchmarks/engine/throughput.py and the modules it is made of (arms, workload, timing,
+decode_report) on CPU: arguments, the roofline arithmetic, the step-loop timing, the
 report, and the pre-engine arms end to end (fresh worker processes) on a tiny model."""
 
 from __future__ import annotations
@@ -13,18 +14,19 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.engine import arms, decode_report, timing, workload
 from benchmarks.engine import throughput as tp
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_arguments():
-    assert tp.parse_shapes("1024x64, 4096x20") == [(1024, 64), (4096, 20)]
-    assert tp.parse_floats("8,7.3,7") == [8.0, 7.3, 7.0]
-    assert tp.parse_arms("wise,dense") == ["wise", "dense"]
-    for parse, bad in ((tp.parse_shapes, "1024"), (tp.parse_shapes, "0x4"), (tp.parse_shapes, "1kx4"),
-                       (tp.parse_floats, "8,x"), (tp.parse_floats, "0"), (tp.parse_floats, "nan"),
-                       (tp.parse_arms, "dense,flash"), (tp.parse_arms, "dense,dense")):
+    assert workload.parse_shapes("1024x64, 4096x20") == [(1024, 64), (4096, 20)]
+    assert workload.parse_floats("8,7.3,7") == [8.0, 7.3, 7.0]
+    assert arms.parse_arms("wise,dense") == ["wise", "dense"]
+    for parse, bad in ((workload.parse_shapes, "1024"), (workload.parse_shapes, "0x4"), (workload.parse_shapes, "1kx4"),
+                       (workload.parse_floats, "8,x"), (workload.parse_floats, "0"), (workload.parse_floats, "nan"),
+                       (arms.parse_arms, "dense,flash"), (arms.parse_arms, "dense,dense")):
         with pytest.raises(Exception):
             parse(bad)
     parser = tp.build_parser()
@@ -43,18 +45,18 @@ def test_roofline_reproduces_the_published_numbers():
     h, i, layers = 2048, 5632, 24
     per_layer = 4 * h * h + 3 * h * i + 4 * h
     per_loop = layers * per_layer + h + h + 1  # layers, model.norm, the exit gate
-    assert tp.weight_bytes_per_step(ouro, "bfloat16", 64) == 2 * (4 * per_loop + 49152 * h + 64 * h)
+    assert timing.weight_bytes_per_step(ouro, "bfloat16", 64) == 2 * (4 * per_loop + 49152 * h + 64 * h)
     # 8 KiB of K and V per token per (loop, layer) plane in bf16, 96 planes.
-    assert tp.kv_bytes_per_step(ouro, "bfloat16", 1, 1, None) == 96 * 8192
-    assert tp.kv_bytes_per_step(ouro, "bfloat16", 2, 10, {2: 0.5, 3: 0.25}) == 24 * (2 + 0.75) * 2 * 10 * 8192
-    # The README's roofline ms/step (shared/gpu/README.md, 32 new tokens): 14.5 / 17.4 / 17.4 / 2.5.
+    assert timing.kv_bytes_per_step(ouro, "bfloat16", 1, 1, None) == 96 * 8192
+    assert timing.kv_bytes_per_step(ouro, "bfloat16", 2, 10, {2: 0.5, 3: 0.25}) == 24 * (2 + 0.75) * 2 * 10 * 8192
+    # The published roofline ms/step of the Ouro-1.4B shape at 4.3 TB/s, 32 new tokens: 14.5 / 17.4 / 17.4 / 2.5.
     for (context, batch), ms in {(1024, 64): 14.5, (4096, 20): 17.4, (8192, 10): 17.4, (1024, 1): 2.5}.items():
-        roof = tp.roofline(ouro, "bfloat16", context, batch, 32, None, 4.3)
+        roof = timing.roofline(ouro, "bfloat16", context, batch, 32, None, 4.3)
         assert roof["ms_per_step"] == pytest.approx(ms, abs=0.05)
         assert roof["tokens_per_s"] == pytest.approx(batch / roof["ms_per_step"] * 1e3)
-    sparse = tp.roofline(ouro, "bfloat16", 4096, 20, 32, {2: 0.2, 3: 0.2}, 4.3)
+    sparse = timing.roofline(ouro, "bfloat16", 4096, 20, 32, {2: 0.2, 3: 0.2}, 4.3)
     assert sparse["ms_per_step"] < 17.4 * 0.75
-    assert tp.cohort_pages(1024, 64, 32, 128) == 64 * 9
+    assert workload.cohort_pages(1024, 64, 32, 128) == 64 * 9
 
 
 class FakeLLM:
@@ -86,7 +88,7 @@ class FakeLLM:
 
 def test_step_loop_times_only_tokens_after_the_cohort_has_its_first():
     ticks = iter(range(100))
-    result = tp.run_cohort(FakeLLM(), [[1, 2]] * 3, types.SimpleNamespace(max_tokens=5), 5,
+    result = timing.run_cohort(FakeLLM(), [[1, 2]] * 3, types.SimpleNamespace(max_tokens=5), 5,
                            clock=lambda: float(next(ticks)))
     # Steps at t = 1..7; the last request's first token comes at step 3 (t = 3), when 3 + 2 + 1
     # tokens exist; steps 4..7 give the other 9 in 4 s.
@@ -94,7 +96,7 @@ def test_step_loop_times_only_tokens_after_the_cohort_has_its_first():
     assert result["decode_tokens"] == 9 and result["decode_steps"] == 4
     assert result["decode_tokens_per_s"] == 9 / 4 and result["ms_per_step"] == 1000.0
     with pytest.raises(RuntimeError, match="expected 5 each"):
-        tp.run_cohort(FakeLLM(stop_early=1), [[1]] * 3, types.SimpleNamespace(max_tokens=5), 5)
+        timing.run_cohort(FakeLLM(stop_early=1), [[1]] * 3, types.SimpleNamespace(max_tokens=5), 5)
 
 
 def test_stats_dict():
@@ -103,8 +105,8 @@ def test_stats_dict():
         total_pages: int
         density: dict
 
-    assert tp.stats_dict(Stats(10, {2: 0.5})) == {"total_pages": 10, "density": {"2": 0.5}}
-    assert tp.stats_dict(types.SimpleNamespace(free_pages=3, _private=1)) == {"free_pages": 3}
+    assert timing.stats_dict(Stats(10, {2: 0.5})) == {"total_pages": 10, "density": {"2": 0.5}}
+    assert timing.stats_dict(types.SimpleNamespace(free_pages=3, _private=1)) == {"free_pages": 3}
 
 
 def _rows():
@@ -118,8 +120,8 @@ def _rows():
         result = dict(status="ok", repeats=[dict(decode_tokens_per_s=tok_s * f, ms_per_step=64e3 / (tok_s * f),
                                                  prefill_s=1.0, density=density, fallbacks=0, preemptions=0,
                                                  pages_returned=True) for f in (0.98, 1.02)])
-        rows += [tp.row_of(spec, result, i, config, args) for i in range(2)]
-    rows.append(tp.row_of(dict(context=1024, batch=64, q_scale=8.0, arm="fa4"),
+        rows += [decode_report.row_of(spec, result, i, config, args) for i in range(2)]
+    rows.append(decode_report.row_of(dict(context=1024, batch=64, q_scale=8.0, arm="fa4"),
                           dict(status="not importable: ModuleNotFoundError"), None, config, args))
     return args, rows
 
@@ -128,13 +130,13 @@ def test_summary_standing_and_report(tmp_path):
     args, rows = _rows()
     assert rows[2]["density"] == {2: 0.3, 3: 0.25}
     assert rows[2]["roofline_tokens_per_s"] > rows[0]["roofline_tokens_per_s"]  # WISE reads fewer bytes
-    summary = tp.summarize(rows)
+    summary = decode_report.summarize(rows)
     by_arm = {s["arm"]: s for s in summary}
     assert by_arm["dense"]["decode_tokens_per_s"] == pytest.approx(700.0)
     assert by_arm["wise"]["over_dense"] == pytest.approx(1000 / 700)
     assert by_arm["dense"]["roofline_share"] == pytest.approx(700 / rows[0]["roofline_tokens_per_s"])
     assert by_arm["wise-default"]["over_dense"] == pytest.approx(880 / 686)    # over dense-default
-    standing = {t["target"]: t for t in tp.standing(summary)}
+    standing = {t["target"]: t for t in decode_report.standing(summary)}
     assert standing["wise / dense >= 1.30"]["met"] and standing["wise / dense >= 1.30"]["value"] == pytest.approx(1000 / 700)
     assert not standing["wise-default / dense-default >= 1.30"]["met"]            # 880 / 686 = 1.28
     share = standing["dense >= 75% of the roofline"]
@@ -142,10 +144,10 @@ def test_summary_standing_and_report(tmp_path):
     assert standing["dense-default >= 0.97 x dense"]["met"]                        # 686 / 700 = 0.98
     assert not standing["wise-default >= 0.97 x wise"]["met"]                      # 880 / 1000
     one = [dict(s, batch=1) for s in summary if s["arm"] in ("dense", "wise")]   # WISE / dense >= 1 at batch 1
-    assert [t["target"] for t in tp.standing(one)] == ["dense: batch 1 at 1K <= 4.0 ms/step", "wise / dense >= 1.00"]
+    assert [t["target"] for t in decode_report.standing(one)] == ["dense: batch 1 at 1K <= 4.0 ms/step", "wise / dense >= 1.00"]
     report = dict(date="today", model="random", args=vars(args) | {"out": "x"}, rows=rows, summary=summary,
                   standing=list(standing.values()), environment=None)
-    text = tp.write_report(report, tmp_path)
+    text = decode_report.write_report(report, tmp_path)
     assert (tmp_path / "throughput.png").stat().st_size > 0
     assert json.loads((tmp_path / "throughput.json").read_text())["rows"][0]["arm"] == "dense"
     assert "not importable: ModuleNotFoundError" in text and "| wise / dense >= 1.30 | 1024x64 | 1.43 | yes |" in text
@@ -156,7 +158,7 @@ def test_summary_standing_and_report(tmp_path):
 def test_old_source_tree_from_git(tmp_path):
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     args = tp.build_parser().parse_args(["--old-commit", head])
-    src = Path(tp.prepare_old_src(args, tmp_path))
+    src = Path(arms.prepare_old_src(args, tmp_path))
     assert (src / "wise_torch" / "generate.py").is_file() and (src / "wise_core" / "config.py").is_file()
 
 
@@ -199,19 +201,19 @@ def test_roofline_of_huginn_by_hand():
     once = (1 + 2) * layer + h                                            # prelude, coda, ln_f
     per_step = 3 * layer + h * 2 * h                                      # the core block, the adapter
     head = 384 * h                                                        # wte, tied
-    assert tp.weight_bytes_per_step(tiny, "float32", 2, 5) == 4 * (5 * per_step + once + head + 2 * h)
-    assert tp.weight_bytes_per_step(tiny, "float32", 2) == tp.weight_bytes_per_step(tiny, "float32", 2, 4)
+    assert timing.weight_bytes_per_step(tiny, "float32", 2, 5) == 4 * (5 * per_step + once + head + 2 * h)
+    assert timing.weight_bytes_per_step(tiny, "float32", 2) == timing.weight_bytes_per_step(tiny, "float32", 2, 4)
     per_token = 2 * 2 * 64 * 4                                            # K and V, 2 heads of 64, float32
-    assert tp.kv_bytes_per_step(tiny, "float32", 1, 1, None, 5) == (1 + 2 + 3 * 5) * per_token
+    assert timing.kv_bytes_per_step(tiny, "float32", 1, 1, None, 5) == (1 + 2 + 3 * 5) * per_token
     # Iterations 2 and 4 reuse at densities 0.5 and 0.25: 3 dense planes + 3 per iteration.
-    assert tp.kv_bytes_per_step(tiny, "float32", 2, 10, {2: 0.5, 4: 0.25}, 5) == \
+    assert timing.kv_bytes_per_step(tiny, "float32", 2, 10, {2: 0.5, 4: 0.25}, 5) == \
         (3 + 3 * (3 + 0.5 + 0.25)) * 2 * 10 * per_token
     # huginn-0125 at r = 32: 2 + 4 x 32 + 2 = 132 planes of 2 x 5280 bf16 values, ~2.8 MB a token.
     big = PRESETS["huginn-0125"]
-    assert tp.kv_bytes_per_step(big, "bfloat16", 1, 1, None, 32) == 132 * 2 * 5280 * 2
-    roof = tp.roofline(big, "bfloat16", 1024, 32, 32, None, 4.3, 32)
-    assert roof["bytes"] == tp.weight_bytes_per_step(big, "bfloat16", 32, 32) + \
-        tp.kv_bytes_per_step(big, "bfloat16", 32, 1040, None, 32)
+    assert timing.kv_bytes_per_step(big, "bfloat16", 1, 1, None, 32) == 132 * 2 * 5280 * 2
+    roof = timing.roofline(big, "bfloat16", 1024, 32, 32, None, 4.3, 32)
+    assert roof["bytes"] == timing.weight_bytes_per_step(big, "bfloat16", 32, 32) + \
+        timing.kv_bytes_per_step(big, "bfloat16", 32, 1040, None, 32)
 
 
 def test_random_huginn_queries_scaled_and_nothing_else():
@@ -220,14 +222,14 @@ def test_random_huginn_queries_scaled_and_nothing_else():
     import torch
     from wise_core.config import PRESETS
     tiny = PRESETS["test-tiny-huginn"]
-    recipe = tp.random_recipe(tiny)
+    recipe = workload.random_recipe(tiny)
     assert recipe["transformer.core_block.0.attn.Wqkv.weight"] == [[3 * 128, 128], "normal", 128]
     assert recipe["transformer.coda.1.attn.qk_bias"] == [[2, 1, 2, 64], "normal", 1]
     assert recipe["transformer.prelude.0.norm_3.weight"][1:] == ["ones", 0]
     assert recipe["transformer.ln_f.weight"][1:] == ["ones", 0] and recipe["transformer.adapter.weight"][2] == 0
 
     def draw(name, q_scale):
-        return tp._hf_tensor(name, *recipe[name], dict(seed=0, std=0.02, q_scale=q_scale), torch.device("cpu"))
+        return workload.random_hf_tensor(name, *recipe[name], dict(seed=0, std=0.02, q_scale=q_scale), torch.device("cpu"))
 
     for name in ("transformer.core_block.0.attn.Wqkv.weight", "transformer.coda.1.attn.qk_bias"):
         one, three = draw(name, 1.0), draw(name, 3.0)
@@ -235,36 +237,36 @@ def test_random_huginn_queries_scaled_and_nothing_else():
         assert torch.equal(three[:rows], one[:rows] * 3) and torch.equal(three[rows:], one[rows:])
     assert not torch.equal(draw("transformer.core_block.0.attn.Wqkv.weight", 1.0),
                            draw("transformer.core_block.1.attn.Wqkv.weight", 1.0))
-    ouro = tp.random_recipe(PRESETS["test-tiny"])
+    ouro = workload.random_recipe(PRESETS["test-tiny"])
     assert ouro["model.layers.0.self_attn.q_proj.weight"][2] == 128     # every row of q_proj (2 heads of 64)
     assert ouro["model.early_exit_gate.bias"][1:] == ["zeros", 0]
-    assert "architecture" not in tp.config_fields(PRESETS["test-tiny"])
-    assert tp.config_fields(tiny)["architecture"] == "huginn"
+    assert "architecture" not in workload.config_fields(PRESETS["test-tiny"])
+    assert workload.config_fields(tiny)["architecture"] == "huginn"
 
 
 def test_huginn_arguments_and_report():
     from wise_core.config import PRESETS
     parser = tp.build_parser()
     huginn, ouro = PRESETS["huginn-0125"], PRESETS["ouro-1.4b"]
-    assert tp.check_depth(parser, parser.parse_args([]), huginn) == 32                 # total_ut_steps
-    assert tp.check_depth(parser, parser.parse_args(["--num-steps", "8"]), huginn) == 8
-    assert tp.check_depth(parser, parser.parse_args(["--num-steps", "4"]), ouro) == 4
+    assert arms.check_depth(parser, parser.parse_args([]), huginn) == 32                 # total_ut_steps
+    assert arms.check_depth(parser, parser.parse_args(["--num-steps", "8"]), huginn) == 8
+    assert arms.check_depth(parser, parser.parse_args(["--num-steps", "4"]), ouro) == 4
     for args, config, ouro_only in ((["--num-steps", "8"], ouro, []), ([], huginn, ["old"]),
                                     (["--num-steps", "0"], huginn, [])):
         with pytest.raises(SystemExit):
-            tp.check_depth(parser, parser.parse_args(args), config, ouro_only)
+            arms.check_depth(parser, parser.parse_args(args), config, ouro_only)
     with pytest.raises(SystemExit, match="--layers"):
-        tp.prepare_model(parser.parse_args(["--preset", "huginn-0125", "--layers", "4"]))
-    assert tp.wise_profile(huginn, 32, ["dense", "wise"], 0.95) == \
+        workload.prepare_model(parser.parse_args(["--preset", "huginn-0125", "--layers", "4"]))
+    assert arms.wise_profile(huginn, 32, ["dense", "wise"], 0.95) == \
         "discovery on depths 0, 1, reuse on 2..31, eta 0.95, blocks of 32 tokens"
-    assert tp.wise_profile(huginn, 32, ["dense"], 0.95) is None
-    assert tp.density_text({2: 0.3, 3: 0.25}) == "2: 0.300, 3: 0.250"
-    assert tp.density_text({d: 0.1 * (d % 3 + 1) for d in range(2, 32)}) == \
+    assert arms.wise_profile(huginn, 32, ["dense"], 0.95) is None
+    assert decode_report.density_text({2: 0.3, 3: 0.25}) == "2: 0.300, 3: 0.250"
+    assert decode_report.density_text({d: 0.1 * (d % 3 + 1) for d in range(2, 32)}) == \
         "2..31: mean 0.200 (0.100 at 3 .. 0.300 at 2)"
     _, rows = _rows()
-    summary = tp.summarize(rows)
-    assert tp.standing(summary, "huginn") == [] and tp.engine_standing(summary, "huginn") == []
-    assert tp.standing(summary, "ouro") == tp.standing(summary)
+    summary = decode_report.summarize(rows)
+    assert decode_report.standing(summary, "huginn") == [] and decode_report.engine_standing(summary, "huginn") == []
+    assert decode_report.standing(summary, "ouro") == decode_report.standing(summary)
 
 
 def test_huginn_smoke_in_fresh_processes(tmp_path, monkeypatch):
@@ -281,7 +283,7 @@ def test_huginn_smoke_in_fresh_processes(tmp_path, monkeypatch):
     config = PRESETS["test-tiny-huginn"]
     for r in rows:
         assert r["decode_tokens"] == 3 * 2 and r["pages_returned"] is True and r["preemptions"] == 0
-        roof = tp.roofline(config, "float32", 64, 3, 3, r["density"], 4.3, 3)
+        roof = timing.roofline(config, "float32", 64, 3, 3, r["density"], 4.3, 3)
         assert r["roofline_tokens_per_s"] == roof["tokens_per_s"]
     assert rows[0]["density"] is None
     assert set(rows[1]["density"]) == {2} and 0 < rows[1]["density"][2] <= 1 and rows[1]["fallbacks"] == 0
@@ -306,7 +308,7 @@ def test_adaptive_arms_smoke_in_fresh_processes(tmp_path, monkeypatch):
     assert [(r["arm"], r["status"]) for r in (dense, adaptive)] == [("dense", "ok"), ("adaptive", "ok")]
     assert dense["mean_depth"] is None and 1 <= adaptive["mean_depth"] < 4
     assert adaptive["roofline_tokens_per_s"] == dense["roofline_tokens_per_s"] == \
-        tp.roofline(PRESETS["test-tiny-huginn"], "float32", 64, 3, 4, None, 4.3, 4)["tokens_per_s"]
+        timing.roofline(PRESETS["test-tiny-huginn"], "float32", 64, 3, 4, None, 4.3, 4)["tokens_per_s"]
     by_arm = {s["arm"]: s for s in report["summary"]}
     assert by_arm["adaptive"]["mean_depth"] == adaptive["mean_depth"] and by_arm["dense"]["over_fixed"] is None
     assert by_arm["adaptive"]["over_fixed"] == pytest.approx(adaptive["decode_tokens_per_s"]
@@ -347,14 +349,14 @@ def test_adaptive_arms_arguments():
     from wise_core.config import AdaptiveDepth, PRESETS
     parser = tp.build_parser()
     args = parser.parse_args(["--arms", "dense,wise-adaptive"])
-    assert tp.adaptive_threshold(args) == AdaptiveDepth().threshold == 1e-3
-    assert tp.check_depth(parser, args, PRESETS["huginn-0125"], [], ["wise-adaptive"]) == 32
+    assert arms.adaptive_threshold(args) == AdaptiveDepth().threshold == 1e-3
+    assert arms.check_depth(parser, args, PRESETS["huginn-0125"], [], ["wise-adaptive"]) == 32
     with pytest.raises(SystemExit):
-        tp.check_depth(parser, args, PRESETS["ouro-1.4b"], [], ["wise-adaptive"])
+        arms.check_depth(parser, args, PRESETS["ouro-1.4b"], [], ["wise-adaptive"])
     with pytest.raises(SystemExit):
         tp.main(["--preset", "test-tiny", "--device", "cpu", "--arms", "adaptive", "--out", "/nonexistent"])
     for bad in ("-1", "nan", "x"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--adaptive-threshold", bad])
-    assert not set(parser.parse_args([]).arms) & set(tp.ADAPTIVE_ARMS)
-    assert tp.adaptive_text(["dense", "wise"], 1e-3) is None
+    assert not set(parser.parse_args([]).arms) & set(arms.ADAPTIVE_ARMS)
+    assert arms.adaptive_text(["dense", "wise"], 1e-3) is None

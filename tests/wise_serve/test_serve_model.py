@@ -29,8 +29,8 @@ def args_of(*argv):
 
 
 def test_dummy_weights_are_those_of_the_throughput_benchmark():
-    from benchmarks.engine import throughput
-    theirs = throughput.random_model(dict(dtype="float32", device="cpu", seed=3, std=0.02, q_scale=5.0),
+    from benchmarks.engine import workload
+    theirs = workload.random_model(dict(dtype="float32", device="cpu", seed=3, std=0.02, q_scale=5.0),
                                       PRESETS["test-tiny"]).state_dict()
     ours = dummy_model("test-tiny", dtype=torch.float32, device=torch.device("cpu"), q_scale=5.0, seed=3).state_dict()
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)

@@ -30,7 +30,7 @@ from wise_core import split_plan
 from wise_torch.kernels import triton_head_dim
 from wise_torch.kernels.triton_head_dim import lanes, store_lanes
 from wise_torch.kernels.triton_splits import merge_splits, splits
-from wise_torch.verification import check_verify_args
+from wise_torch.verify_check import check_verify_args
 
 
 @dataclasses.dataclass(frozen=True)
