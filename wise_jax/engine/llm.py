@@ -391,8 +391,8 @@ class LLM(LLMEngine):
         width = context_bucket(self.widths, max(-(-(c.start + c.length) // page_size) for c in chunks))
         variant = PrefillVariant(self.attention if all(c.start == 0 for c in chunks) else None, all_logits)
         found = self.prefill_programs.find(variant, rows, pages, width)
-        single = None if found is not None or len(chunks) == 1 or all_logits else (
-            self.prefill_programs.find(variant, 1, pages, width))
+        waiting = found is None and self.prefill_programs.background and len(chunks) > 1 and not all_logits
+        single = self.prefill_programs.find(variant, 1, pages, width) if waiting else None
         if single is not None:
             # Rows are independent: while the step's own program compiles in the background, its
             # chunks run one by one in the compiled program of one chunk.
