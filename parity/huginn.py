@@ -96,8 +96,8 @@ def torch_generate(model: HuginnForCausalLM, prompts: list[list[int]], *, max_ne
                                seq_lens=torch.tensor(positions, dtype=torch.int32, device=device) + 1,
                                page_table=table.int(),
                                slot_mapping=torch.cat([slots(r, [p]) for r, p in enumerate(positions)]),
-                               epochs=torch.tensor([r * config.max_position_embeddings + p
-                                                    for r, p in enumerate(positions)], device=device))
+                               tags=torch.tensor([r * config.max_position_embeddings + p
+                                                  for r, p in enumerate(positions)], device=device))
             tokens = torch.stack([row[-1].argmax() for row in logits])
             ran = torch.zeros(rows, dtype=torch.int32, device=device)
             inputs = state(positions)

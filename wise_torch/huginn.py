@@ -286,7 +286,7 @@ class HuginnForCausalLM(nn.Module):
         only): the rows still running are gathered after each checked iteration and only they
         run the later ones (`run_regrouped`: the same tokens and depths, dynamic shapes).
         depths: int32[batch], written with the iterations each row ran. loops_run int64[2], if
-        given, gets the iterations the real rows (epochs >= 0) ran and their count added in place
+        given, gets the iterations the real rows (tags >= 0) ran and their count added in place
         (`OuroForCausalLM.decode_step`'s)."""
         if regroup and (adaptive is None or wise is not None):
             raise ValueError("regroup runs adaptive depth (adaptive=) without WISE (wise=None)")
@@ -312,7 +312,7 @@ class HuginnForCausalLM(nn.Module):
         else:
             h = self.run_tokens(tokens, state, self.paged(ctx, cache, num_steps), num_steps, adaptive, depths)
         if loops_run is not None:
-            real = batch.epochs >= 0
+            real = batch.tags >= 0
             loops_run += torch.stack([(depths * real).sum(), real.sum()])
         return logits_fp32(h, self.head_weight)
 

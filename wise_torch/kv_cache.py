@@ -24,16 +24,18 @@ class DecodeBatch:
 
     positions: int64[batch] (position of the token decoded); seq_lens: int32[batch] (keys in the
     cache counting that token); page_table: int32[batch, max_pages]; slot_mapping: int64[batch]
-    (flat cache slot of the token); epochs: int64[batch], a number naming the token (request,
-    position and attempt) that no other decoded token shares, -1 for padding rows (WISE tags
-    supports with it).
+    (flat cache slot of the token); tags: int64[batch], the WISE token tag, a number naming the
+    token (request, position and attempt) that no other decoded token shares, -1 for padding
+    rows (WISE tags supports with it). The engine's tags come from the step plan's `TagCounter`
+    (`wise_core.engine.step_plan`: int32, modulo 2**31); torch holds them as int64, widened in
+    the int64 step metadata.
     """
 
     positions: torch.Tensor
     seq_lens: torch.Tensor
     page_table: torch.Tensor
     slot_mapping: torch.Tensor
-    epochs: torch.Tensor
+    tags: torch.Tensor
 
     @property
     def size(self) -> int:

@@ -193,7 +193,7 @@ class DecodeContext(PagedContext):
     calls it with reuse=True (no row selects). `attention` is a prepared `decode_attention`
     (validation off: the engine builds its inputs by construction);
     dense_attention, if given, runs the dense loops instead (`fa4.decode_attention_dense`'s
-    signature). verified: a sparse draft step (`WiseState.sparse_draft_modes`): the epochs and
+    signature). verified: a sparse draft step (`WiseState.sparse_draft_modes`): the tags and
     positions (int64[batch] each) of the tokens whose supports every loop attends. exits: the
     rows' early exit; rows that exited are not counted by WISE's reuse loops
     (`WiseState.begin_loop`'s `ran`)."""
@@ -416,13 +416,13 @@ class OuroForCausalLM(nn.Module):
         (its context bucket): every row's keys must lie in it. dense_attention: `DecodeContext`'s.
         With early_exit_threshold < 1 a row stops after its exit loop (`wise_torch.early_exit`):
         logits of that loop, its K/V of later loops that loop's; loops_run int64[2], if given,
-        gets the loops the real rows (epochs >= 0) ran and their count added in place."""
+        gets the loops the real rows (tags >= 0) ran and their count added in place."""
         exits = self.exit_state(batch.size, keep_kv=True, device=tokens.device)
         ctx = DecodeContext(self.config, batch, cache, wise, attention, dense_modes[:batch.size],
                             unused_support[:batch.size], dense_attention, exits=exits)
         logits = self.logits(self.run_tokens(tokens, ctx, exits=exits))
         if loops_run is not None and exits is not None:
-            real = batch.epochs >= 0
+            real = batch.tags >= 0
             loops_run += torch.stack([((exits.exit_loop + 1) * real).sum(), real.sum()])
         return logits
 

@@ -1,16 +1,16 @@
 """WISE state of a decode step: per-row supports, their provenance tags, and counters.
 
 A decode step runs every loop for each row's token. For every (row, layer) the state keeps the
-support `bool[heads, max_blocks]`, the epoch of the token it was discovered for
-(`DecodeBatch.epochs`: unique per decoded token, so two tokens at the same position of one
-request, or two requests, never share one) and the bitmask of discovery depths that stored it.
-Tags are written when a discovery loop has stored its supports (`end_loop`), never before. A
-reuse depth attends sparsely only where the support is complete for the row's token (same
-epoch, every discovery depth ran); otherwise that (token, layer) attends densely and
-`fallbacks` counts it. A sparse draft step of speculation reads, at every loop, the support of
-another token instead: its request's last verified one (`sparse_draft_modes`), by the same
-tags. Padding rows (epoch -1) are never counted. Everything runs as tensor ops
-on the state's device: no host sync, CUDA-graph capturable.
+support `bool[heads, max_blocks]`, the tag of the token it was discovered for
+(`DecodeBatch.tags`, the WISE token tag: unique per decoded token, so two tokens at the same
+position of one request, or two requests, never share one) and the bitmask of discovery
+depths that stored it. Tags are written when a discovery loop has stored its supports
+(`end_loop`), never before. A reuse depth attends sparsely only where the support is complete
+for the row's token (same tag, every discovery depth ran); otherwise that (token, layer)
+attends densely and `fallbacks` counts it. A sparse draft step of speculation reads, at every
+loop, the support of another token instead: its request's last verified one
+(`sparse_draft_modes`), by the same tags. Padding rows (tag -1) are never counted. Everything
+runs as tensor ops on the state's device: no host sync, CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ class WiseState:
         self.config = config
         layers, heads = model_config.loop_layers, model_config.num_attention_heads
         self.support = torch.zeros(layers, max_rows, heads, max_blocks, dtype=torch.bool, device=device)
-        self.tag_epoch = torch.full((max_rows, layers), -1, dtype=torch.int64, device=device)
+        # The token tag of each stored support (-1: none), int64 like `DecodeBatch.tags`.
+        self.tag = torch.full((max_rows, layers), -1, dtype=torch.int64, device=device)
         self.depths_run = torch.zeros(max_rows, layers, dtype=torch.int32, device=device)
         self.fallback_count = torch.zeros((), dtype=torch.int64, device=device)
         self.selected_blocks = torch.zeros(num_loops, dtype=torch.float64, device=device)
@@ -79,7 +80,7 @@ class WiseState:
 
     def _matches(self, batch: DecodeBatch) -> torch.Tensor:
         """bool[rows, layers]: the stored support was discovered for the row's token."""
-        return self.tag_epoch[:batch.size] == batch.epochs[:, None]
+        return self.tag[:batch.size] == batch.tags[:, None]
 
     # -- one decode step --------------------------------------------------------------------
     def begin_loop(self, loop: int, batch: DecodeBatch, blocks: int | None = None,
@@ -108,7 +109,7 @@ class WiseState:
         n = batch.size
         complete = matches & (self.depths_run[:n] == self.complete_mask)                      # [rows, layers]
         if self.config.depth_role(loop) == "reuse":
-            real = batch.epochs >= 0 if ran is None else (batch.epochs >= 0) & ran
+            real = batch.tags >= 0 if ran is None else (batch.tags >= 0) & ran
             self.fallback_count += (~complete & real[:, None]).sum()
             blocks = self.max_blocks if blocks is None else blocks
             causal = causal_block_mask(batch.seq_lens, blocks, self.config.block_size)        # [rows, blocks]
@@ -119,19 +120,19 @@ class WiseState:
             self.causal_blocks[loop] += (n_causal * real).sum() * self.num_layers * self.support.shape[2]
         return torch.where(complete, SPARSE, DENSE).t().to(torch.int32).contiguous()
 
-    def sparse_draft_modes(self, loop: int, batch: DecodeBatch, verified_epochs: torch.Tensor,
+    def sparse_draft_modes(self, loop: int, batch: DecodeBatch, verified_tags: torch.Tensor,
                            verified_positions: torch.Tensor, blocks: int | None = None) -> torch.Tensor:
         """Modes int32[layers, rows] of `loop` of a sparse draft step (`SpeculativeConfig(
         sparse_discovery=True)`), whatever the loop's role: row r's draft token attends the
-        support discovered for its request's last verified token, the token of epoch
-        verified_epochs[r] at verified_positions[r] (int64[rows] each), SPARSE where the stored
+        support discovered for its request's last verified token, the token of tag
+        verified_tags[r] at verified_positions[r] (int64[rows] each), SPARSE where the stored
         support is that token's and complete, else DENSE (a fallback; fallbacks and density are
         counted at reuse depths, as `begin_loop` counts them). Such a support first gets the
         blocks of the keys after the verified token (the drafts' own, up to the row's position),
         which its discovery could not see; nothing else is written, tags included. Call once per
         loop, before its layers run (no `end_loop`)."""
         n, bs = batch.size, self.config.block_size
-        matches = (self.tag_epoch[:n] == verified_epochs[:, None]) & (verified_epochs >= 0)[:, None]   # [rows, layers]
+        matches = (self.tag[:n] == verified_tags[:, None]) & (verified_tags >= 0)[:, None]   # [rows, layers]
         blocks = self.max_blocks if blocks is None else blocks
         index = torch.arange(blocks, device=self.support.device)
         after = (index[None, :] >= ((verified_positions + 1) // bs)[:, None]) & (
@@ -140,7 +141,7 @@ class WiseState:
         return self._reuse_modes(loop, batch, matches, blocks)
 
     def end_loop(self, loop: int, batch: DecodeBatch, blocks: int | None = None) -> None:
-        """After a discovery loop's layers stored their supports: tag them with the rows' epochs
+        """After a discovery loop's layers stored their supports: tag them with the rows' tags
         (`all_blocks`: first replace the first `blocks` blocks by every causal block)."""
         if self.config.depth_role(loop) != "discover":
             return
@@ -154,7 +155,7 @@ class WiseState:
             self.depths_run[:n] = bit
         else:
             self.depths_run[:n] = torch.where(self._matches(batch), self.depths_run[:n] | bit, bit)
-        self.tag_epoch[:n] = batch.epochs[:, None]
+        self.tag[:n] = batch.tags[:, None]
 
     # -- counters ---------------------------------------------------------------------------
     @property
@@ -177,7 +178,7 @@ class WiseState:
         self.causal_blocks.zero_()
 
     # -- snapshot ---------------------------------------------------------------------------
-    _TENSORS = ("support", "tag_epoch", "depths_run", "fallback_count", "selected_blocks", "causal_blocks")
+    _TENSORS = ("support", "tag", "depths_run", "fallback_count", "selected_blocks", "causal_blocks")
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Copies of every state tensor."""

@@ -75,7 +75,7 @@ def test_paged_prefill_and_decode_match_reference(tmp_path):
         for pos in range(37, 40):
             step = DecodeBatch(positions=torch.tensor([pos]), seq_lens=torch.tensor([pos + 1], dtype=torch.int32),
                                page_table=pages.int(), slot_mapping=torch.tensor([slot(pos)]),
-                               epochs=torch.tensor([pos]))
+                               tags=torch.tensor([pos]))
             got = model.decode_step(torch.tensor(ids[pos:pos + 1]), step, cache, num_steps=4,
                                     state=model.initial_state(1, range(pos, pos + 1), 9),
                                     attention=decode_attention_reference, dense_modes=torch.zeros(1, dtype=torch.int32),

@@ -108,16 +108,16 @@ def test_wise_draft_of_every_block_is_dense_and_always_accepted(model):
 @pytest.mark.parametrize("spec", KINDS)
 def test_rejections_leave_no_trace(model, spec):
     """After every round each sequence holds the pages of its committed tokens only; no two
-    draft tokens share a WISE epoch; and the committed K/V of every plane is dense: it equals
+    draft tokens share a WISE token tag; and the committed K/V of every plane is dense: it equals
     a dense prefill of the same tokens."""
     prompts = prompts_of([30, 50, 3], model.config.vocab_size, seed=5)
     llm = engine(model, spec)
-    epochs, stage = [], llm.speculator._stage
+    tags, stage = [], llm.speculator._stage
 
     def recording(seqs, ks, bucket, width):
         stage(seqs, ks, bucket, width)
-        meta = llm.speculator.meta[:, llm.speculator._EPOCH]
-        epochs.extend(meta[j, row].item() for row, k in enumerate(ks) for j in range(k + 1))
+        meta = llm.speculator.meta[:, llm.speculator._TAG]
+        tags.extend(meta[j, row].item() for row, k in enumerate(ks) for j in range(k + 1))
     llm.speculator._stage = recording
     ids = [llm.add_request(p, wt.SamplingParams(max_tokens=40, ignore_eos=True)) for p in prompts]
     for _ in range(8):
@@ -125,7 +125,7 @@ def test_rejections_leave_no_trace(model, spec):
         held = [len(seq.pages) for seq in llm.sequences.values()]
         assert held == [llm.blocks.pages_for(seq.num_cached) for seq in llm.sequences.values()]
         assert llm.blocks.num_free == llm.blocks.num_pages - sum(held)
-    assert len(set(epochs)) == len(epochs) and epochs == sorted(epochs)
+    assert len(set(tags)) == len(tags) and tags == sorted(tags)
     s = llm.stats()
     assert 0 < s.acceptance_rate < 1 and s.running == 3
     dense = engine(model)
@@ -299,7 +299,7 @@ def recorded_rounds(llm, plant=None) -> list[dict]:
         out = forward(bucket, kind, width)
         if not steps and plant is not None:
             plant(wise, spec.meta)
-        steps.append(dict(kind=kind, before=before, support=wise.support.clone(), tags=wise.tag_epoch.clone(),
+        steps.append(dict(kind=kind, before=before, support=wise.support.clone(), tags=wise.tag.clone(),
                           modes=list(modes)))
         return out
 
@@ -331,7 +331,7 @@ def test_sparse_drafts_attend_their_last_verified_tokens_support(model):
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == dense_tokens(model, prompts, params)
     assert check_stats(llm).fallbacks == 0
     s = llm.speculator
-    pos, epoch, token, bs = s._POSITION, s._EPOCH, s._TOKEN, WISE.block_size
+    pos, tag, token, bs = s._POSITION, s._TAG, s._TOKEN, WISE.block_size
     for r in rounds:
         meta = r["meta"]
         for i, (last, length) in enumerate(r["rows"]):    # step 0 feeds each row's last verified token
@@ -342,7 +342,7 @@ def test_sparse_drafts_attend_their_last_verified_tokens_support(model):
         assert len(step["modes"]) == 4                    # every loop on the support, discovery loops included
         for i in rows:
             assert meta[j, pos, i] == meta[0, pos, i] + j                 # the same request's row
-            assert bool((step["tags"][i] == meta[0, epoch, i]).all())
+            assert bool((step["tags"][i] == meta[0, tag, i]).all())
             want = first["support"][:, i].clone()
             want[:, :, (meta[0, pos, i] + 1) // bs:meta[j, pos, i] // bs + 1] = True
             assert torch.equal(step["support"][:, i], want)
@@ -359,10 +359,10 @@ def test_a_sparse_draft_without_its_verified_tokens_support_attends_densely(mode
     prompts = prompts_of([70, 33, 100], model.config.vocab_size, seed=11)
     params = wt.SamplingParams(max_tokens=16, ignore_eos=True)
     llm = engine(model, "wise-sparse")
-    epoch = llm.speculator._EPOCH
+    tag = llm.speculator._TAG
 
     def plant(wise, meta):
-        wise.tag_epoch[0] = meta[0, epoch, 0] - 1
+        wise.tag[0] = meta[0, tag, 0] - 1
 
     rounds = recorded_rounds(llm, plant)
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == dense_tokens(model, prompts, params)

@@ -1,4 +1,4 @@
-"""wise_torch.wise_state: per-loop modes, tags written only once supports are stored, epochs
+"""wise_torch.wise_state: per-loop modes, token tags written only once supports are stored and
 that tell tokens apart, fallbacks, density, snapshots; and, through the model, that an
 interrupted discovery decodes exactly as dense."""
 
@@ -24,11 +24,11 @@ def state(max_rows=2, max_blocks=4, **wise):
     return WiseState(WiseConfig(**wise), CONFIG, max_rows=max_rows, max_blocks=max_blocks)
 
 
-def batch(epochs, positions):
+def batch(tags, positions):
     positions = torch.tensor(positions)
     return DecodeBatch(positions=positions, seq_lens=(positions + 1).int(),
-                       page_table=torch.zeros(len(epochs), 1, dtype=torch.int32),
-                       slot_mapping=torch.zeros(len(epochs), dtype=torch.int64), epochs=torch.tensor(epochs))
+                       page_table=torch.zeros(len(tags), 1, dtype=torch.int32),
+                       slot_mapping=torch.zeros(len(tags), dtype=torch.int64), tags=torch.tensor(tags))
 
 
 def run_loops(ws, b, loops=range(4)):
@@ -71,7 +71,7 @@ def test_tags_are_written_when_supports_are_stored_not_before():
 def test_same_position_another_token_never_reuses():
     ws = state(max_rows=1)
     run_loops(ws, batch([1], [40]), [0, 1])
-    # The same row and position, another token (a rejected draft, a restarted request): a new epoch.
+    # The same row and position, another token (a rejected draft, a restarted request): a new tag.
     other = batch([2], [40])
     assert ws.begin_loop(2, other).tolist() == [[DENSE]] * LAYERS
     assert ws.begin_loop(1, other).tolist() == [[DISCOVER]] * LAYERS
@@ -112,14 +112,14 @@ def test_sparse_draft_reads_its_verified_tokens_support_only():
     run_loops(ws, batch([10, 11, 12], [40, 95, 60]), [0, 1])         # the verified tokens' discovery
     ws.support[:, :, :, :] = False
     ws.support[:, :, :, 0] = True                        # every support: block 0 alone
-    tags, supports = ws.tag_epoch.clone(), ws.support.clone()
+    tags, supports = ws.tag.clone(), ws.support.clone()
     ws.depths_run[2, 1] = 1                              # row 2, layer 1: depth 1 did not run
     draft = batch([20, 21, 22], [42, 97, 62])            # each row's second draft token
     verified = torch.tensor([10, 9, 12]), torch.tensor([40, 95, 60])   # row 1 names a stale token
     for loop in range(4):
         modes = ws.sparse_draft_modes(loop, draft, *verified).tolist()
         assert modes == [[SPARSE, DENSE, SPARSE], [SPARSE, DENSE, DENSE]], loop
-    assert torch.equal(ws.tag_epoch, tags)
+    assert torch.equal(ws.tag, tags)
     assert ws.fallbacks == 2 * (LAYERS + 1)              # row 1 at both layers, row 2 at layer 1; loops 2 and 3
     # Row 0: keys 41-42 after its verified token lie in block 1; row 1 (no support of its
     # token) unchanged; row 2: keys 61-62 in block 1 (layer 0 sparse; layer 1 falls back anyway).
@@ -197,13 +197,13 @@ class Interrupted(DecodeContext):
     def end_loop(self, loop):
         super().end_loop(loop)
         if loop == 0:
-            self.batch.epochs += 100
+            self.batch.tags += 100
 
 
 def run(model, cache, wise=None, context=DecodeContext):
     b = DecodeBatch(positions=torch.tensor([80]), seq_lens=torch.tensor([81], dtype=torch.int32),
                     page_table=torch.tensor([[2, 0, 3]], dtype=torch.int32),
-                    slot_mapping=torch.tensor([3 * 32 + 16]), epochs=torch.tensor([5]))
+                    slot_mapping=torch.tensor([3 * 32 + 16]), tags=torch.tensor([5]))
     heads = model.config.num_attention_heads
     ctx = context(model.config, b, cache, wise, decode_attention_reference, torch.zeros(1, dtype=torch.int32),
                   torch.zeros(1, heads, 3, dtype=torch.bool))

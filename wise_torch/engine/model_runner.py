@@ -128,7 +128,7 @@ class InFlight:
 
 
 class ModelRunner:
-    _META = ("tokens", "positions", "seq_lens", "slot_mapping", "epochs", "slots")
+    _META = ("tokens", "positions", "seq_lens", "slot_mapping", "tags", "slots")
 
     def __init__(self, model: OuroForCausalLM, *, wise_config: WiseConfig | None, num_pages: int, page_size: int,
                  max_num_seqs: int, max_model_len: int, use_graphs: bool, kernel: str, seed: int,
@@ -237,7 +237,7 @@ class ModelRunner:
         if self.tp is not None:
             self.tp.broadcast(tokens)   # rank 0 samples: its tokens are every rank's
         batch = DecodeBatch(positions=m[1], seq_lens=self.seq_lens[:bucket],
-                            page_table=self.table_view(self.page_table, bucket, width), slot_mapping=m[3], epochs=m[4])
+                            page_table=self.table_view(self.page_table, bucket, width), slot_mapping=m[3], tags=m[4])
         return self.model.decode_step(tokens, batch, self.cache, wise=self.wise, attention=self.attention[bucket],
                                       dense_modes=self.dense_modes, unused_support=self.unused_support,
                                       dense_attention=self.dense_decode_fn, loops_run=self.loops_run,

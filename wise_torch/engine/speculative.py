@@ -15,7 +15,7 @@ verify depth (`SpeculativeConfig.verify_depth`), D the model's loop count.
    Sparse discovery (`SpeculativeConfig.sparse_discovery`, d = 0): step 0 feeds the request's
    last verified token x_0 and runs as above, its discovery loops finding its support; every
    later step ("sparse") runs each loop, discovery loops included, on row r's support of x_0
-   (found by the row's step 0 of this round: checked by its epoch, else the loop attends
+   (found by the row's step 0 of this round: checked by its tag, else the loop attends
    densely), with the blocks of the round's later keys added (`WiseState.sparse_draft_modes`).
 2. Verify. One pass over num_draft + 1 positions per row (past k_i: padding that writes the
    scratch slot) runs loops d..D-1 from the saved hidden states (`VerifyContext`): it rewrites
@@ -30,7 +30,7 @@ verify depth (`SpeculativeConfig.verify_depth`), D the model's loop count.
 4. Roll back. Accepted positions have exact K/V in every plane; a sequence keeps the pages of
    its committed tokens only, the rest go back to the pool. K/V left at rejected positions lies
    past the row's keys and is rewritten before any query can reach it. WISE supports are
-   tagged with the epoch of the draft step that found them (fresh per step), so the support of
+   tagged with the tag of the draft step that found them (fresh per step), so the support of
    a rejected token never matches a later one.
 Seeded requests draw every random number from a generator seeded by (seed, position, purpose):
 reproducible whatever runs beside them, and each draw decides at most one committed token.
@@ -77,7 +77,7 @@ class Speculator:
     """Speculative rounds over a ModelRunner's cache, WISE state and decode attention."""
 
     # Rows of a draft step's metadata (the decode step's, plus where its hidden state goes).
-    _TOKEN, _POSITION, _SEQ_LEN, _SLOT, _EPOCH, _HIDDEN = range(6)
+    _TOKEN, _POSITION, _SEQ_LEN, _SLOT, _TAG, _HIDDEN = range(6)
 
     def __init__(self, runner: ModelRunner, blocks: BlockManager, config: SpeculativeConfig, *, kernel: str):
         if not isinstance(config, SpeculativeConfig):
@@ -160,10 +160,10 @@ class Speculator:
         self.seq_lens[:bucket].copy_(m[self._SEQ_LEN])
         batch = DecodeBatch(positions=m[self._POSITION], seq_lens=self.seq_lens[:bucket],
                             page_table=r.table_view(self.page_table, bucket, width), slot_mapping=m[self._SLOT],
-                            epochs=m[self._EPOCH])
+                            tags=m[self._TAG])
         verified = None
         if kind == "sparse":   # each row's step 0 fed its last verified token
-            verified = (self.meta[0, self._EPOCH, :bucket], self.meta[0, self._POSITION, :bucket])
+            verified = (self.meta[0, self._TAG, :bucket], self.meta[0, self._POSITION, :bucket])
         ctx = DecodeContext(model.config, batch, r.cache, r.wise, r.attention[bucket], r.dense_modes[:bucket],
                             r.unused_support[:bucket], verified=verified)
         h = model.run_loops(model.model.embed_tokens(m[self._TOKEN]), ctx, range(self.depth))
