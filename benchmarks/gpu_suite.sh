@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark of the project, in parts, for one H200 (tp: two):
-#   bash benchmarks/gpu_suite.sh tests1|tests2|tests3|tests4|tests-parity|tests-summary|train|bench|engine|jax|jax-bench|jax-tests|huginn|step-profile|pallas|pallas-sweep|kernel-profile|tp|fa4|prefix|drafts OUTDIR [MODEL_DIR]
+#   bash benchmarks/gpu_suite.sh tests1|tests2|tests3|tests4|tests-parity|tests-summary|train|bench|engine|jax|jax-bench|jax-tests|huginn|step-profile|stalls|pallas|pallas-sweep|kernel-profile|tp|fa4|prefix|drafts OUTDIR [MODEL_DIR]
 # tests1 .. tests4: the `gpu`-marked pytest suite in four parts of about 8 minutes each (one 10-minute call each;
 #        benchmarks.gpu_tests --part K/4: the files where pytest collects a gpu test, balanced by their
 #        FILE_SECONDS, each file in a process of its own, so a CUDA fault in one cannot fail the rest) into
@@ -29,6 +29,12 @@
 # step-profile: where a decode step's time goes, torch and JAX, dense and WISE, constructor defaults
 #               (benchmarks.profile.step_profile at 1K x 64 and 1K x 1; SHAPES, Q_SCALES, FRAMEWORKS override),
 #               about 5 minutes;
+# stalls: issue 45's start-up and stall targets, both engines with their constructor defaults
+#         (benchmarks.engine.compile_stalls, Ouro-1.4B shape, random bf16 weights): the first token of a 1K prompt
+#         from a cold start (empty compile cache) and a warm one, and a batch shrinking from 64 to 1 (the longest
+#         step, steps that waited for a compile); a fresh process per measurement, 170 s each, torch first (its
+#         three expected within about 2 minutes), JAX in the rest of one slot (FRAMEWORKS overrides); not yet
+#         timed on a GPU: a process that runs out of time says "timed out" in the report;
 # pallas: both Pallas kernels' gpu tests (Triton-lowered, Mosaic GPU) and the kernel benchmark, about 4 minutes;
 # pallas-sweep: the kernel benchmark with both Pallas kernels' launch sweeps (PALLAS_SWEEP seconds per kernel
 #               and shape, default 40: about 2 + 0.1 x PALLAS_SWEEP minutes);
@@ -153,6 +159,10 @@ case $part in
     run step_profile 560 python3 -m benchmarks.profile.step_profile --frameworks "${FRAMEWORKS:-torch,jax}" \
         --shapes "${SHAPES:-1024x64,1024x1}" --q-scale "${Q_SCALES:-8,8}" --child-timeout 150 --out "$out/step_profile"
     ;;
+  stalls)
+    run compile_stalls 560 python3 -m benchmarks.engine.compile_stalls --preset ouro-1.4b \
+        --engines "${FRAMEWORKS:-torch,jax}" --child-timeout 170 --out "$out/compile_stalls"
+    ;;
   pallas)
     run pallas_gpu_tests 150 python3 -m pytest -q -m gpu tests/wise_jax/test_pallas_decode.py tests/wise_jax/test_mosaic_decode.py \
         tests/wise_jax/test_pallas_lowering.py -p no:cacheprovider -rfE --durations=10
@@ -196,5 +206,5 @@ case $part in
     run draft_kinds 300 python3 -m benchmarks.engine.draft_kinds --dtype bfloat16 --prompts 64 --length 256 \
         --new-tokens 128 --out "$out/draft_kinds"
     ;;
-  *) echo "unknown part $part (tests1|tests2|tests3|tests4|tests-parity|tests-summary|train|bench|engine|jax|jax-bench|jax-tests|huginn|step-profile|pallas|pallas-sweep|kernel-profile|tp|fa4|prefix|drafts)" >&2; exit 2;;
+  *) echo "unknown part $part (tests1|tests2|tests3|tests4|tests-parity|tests-summary|train|bench|engine|jax|jax-bench|jax-tests|huginn|step-profile|stalls|pallas|pallas-sweep|kernel-profile|tp|fa4|prefix|drafts)" >&2; exit 2;;
 esac
