@@ -164,9 +164,7 @@ def _shrinking(spec: dict, make, sampling, prompts, save) -> dict:
     if wrong:
         raise RuntimeError(f"requests ended with token counts {wrong} (request id: tokens), not max_tokens")
     after = _program_stats(llm)
-    if spec["engine"] == "jax":   # drop the compiles still queued (exact buckets): the exit would wait for them
-        for programs in (llm.programs, llm.prefill_programs, llm.first_programs):
-            programs.close()
+    llm.close()   # JAX: drop the compiles still queued (exact buckets), which the exit would wait for
     return dict(status="ok", start_s=started - start, workload_s=workload_s, steps=steps, **extra,
                 programs_before=before, programs_after=after,
                 during={name: after[name] - before[name] for name in PROGRAM_STATS},

@@ -136,5 +136,4 @@ def test_background_compiles_never_stop_a_step_after_the_start_up_set(params, wi
     assert sum(shape != own for shape, own in zip(shapes, blocking_shapes)) == decode["larger_bucket_steps"]
     assert all(r >= own_r and w >= own_w for (r, w), (own_r, own_w) in zip(shapes, blocking_shapes))
     assert stats.step_programs <= len(set(blocking_shapes)) + 1
-    for programs in (llm.programs, llm.prefill_programs, llm.first_programs):
-        programs.close()
+    llm.close()

@@ -294,6 +294,19 @@ class LLM(LLMEngine):
         for programs in self._program_sets():
             programs.wait()
 
+    def close(self) -> None:
+        """Drop the background compiles not started yet (as wise_torch.LLM's close, the engine's
+        resources let go; a program compiling finishes). Also run when the LLM is
+        garbage-collected."""
+        for programs in self._program_sets():
+            programs.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _program_sets(self) -> tuple[StepPrograms, ...]:
         """The compiled programs by kind: decode, prefill, first tokens."""
         return self.programs, self.prefill_programs, self.first_programs
