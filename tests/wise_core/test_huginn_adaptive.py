@@ -54,16 +54,17 @@ def generate(request, ckpt):
     if request.param == "torch":
         from wise_torch.huginn import huginn_from_tensors
         model = huginn_from_tensors(TINY, ckpt.tensors)
-        run = lambda **kw: torch_generate(model, prompts(), **kw)  # noqa: E731
+        run = lambda straight, **kw: torch_generate(model, prompts(), **kw)  # noqa: E731
     else:
         from wise_jax.huginn import huginn_from_tensors
         params = huginn_from_tensors(TINY, ckpt.tensors)
-        run = lambda **kw: jax_generate(params, TINY, prompts(), **kw)  # noqa: E731
+        run = lambda straight, **kw: jax_generate(params, TINY, prompts(), scan_loops=not straight, **kw)  # noqa: E731
 
-    def generate(wise_config=None, adaptive=ADAPTIVE):
+    def generate(wise_config=None, adaptive=ADAPTIVE, straight=False):
+        """straight: JAX's iterations straight-line without adaptive depth too (as with it)."""
         depths = [[] for _ in prompts()]
-        tokens, logits, _ = run(max_new_tokens=NEW_TOKENS, num_steps=STEPS, seed=SEED, wise_config=wise_config,
-                                adaptive=adaptive, depths=None if adaptive is None else depths)
+        tokens, logits, _ = run(straight, max_new_tokens=NEW_TOKENS, num_steps=STEPS, seed=SEED,
+                                wise_config=wise_config, adaptive=adaptive, depths=None if adaptive is None else depths)
         return tokens, logits, depths
     return generate
 
@@ -83,9 +84,11 @@ def test_adaptive_generation_equals_the_reference(generate, ckpt, wise_config):
 
 
 def test_unreachable_threshold_is_fixed_depth_bitwise(generate):
-    """threshold 0: no KL is below it, so every row runs every iteration: fixed depth's logits."""
+    """threshold 0: no KL is below it, so every row runs every iteration: fixed depth's logits
+    (JAX's fixed depth straight-line, as adaptive depth's iterations are: a scan body may be
+    fused otherwise)."""
     tokens, logits, depths = generate(adaptive=AdaptiveDepth(threshold=0.0))
-    fixed_tokens, fixed_logits, _ = generate(adaptive=None)
+    fixed_tokens, fixed_logits, _ = generate(adaptive=None, straight=True)
     assert tokens == fixed_tokens and all(d == STEPS for row in depths for d in row)
     for got, want in zip(logits, fixed_logits):
         np.testing.assert_array_equal(got, want)
