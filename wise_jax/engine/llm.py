@@ -536,4 +536,5 @@ def _default_num_pages(config: ModelConfig, page_size: int, dtype, most: int,
     limit, used = memory["bytes_limit"], memory.get("bytes_in_use", 0)
     return pool_pages(max(0, int(GPU_POOL_FRACTION * limit) - used), per_page,
                       f"{GPU_POOL_FRACTION:.0%} of the {limit / 2**30:.1f} GiB jax may allocate, less the "
-                      f"{used / 2**30:.1f} GiB in use", most)
+                      f"{used / 2**30:.1f} GiB in use (the other {(1 - GPU_POOL_FRACTION) * limit / 2**30:.1f} GiB "
+                      f"left for the compiled programs' temporaries)", most)
