@@ -51,7 +51,7 @@ def _shape(x) -> tuple[int, ...] | None:
     return None if shape is None else tuple(shape)
 
 
-def _described(x) -> str:
+def described(x) -> str:
     """dtype[shape] of an array (or abstract value), else its type's name."""
     if _shape(x) is None or not hasattr(x, "dtype"):
         return type(x).__name__
@@ -123,7 +123,7 @@ def _layer(layer, want: LayerParams, what: str, stacked: int | None) -> None:
             total = sum((_shape(part) or (0,))[-1] for part in leaf)
             parts = [(_shape(part) or ())[:-1] for part in leaf]
             if any(p != shape[:-1] for p in parts) or total != shape[-1]:
-                got = " | ".join(_described(part) for part in leaf)
+                got = " | ".join(described(part) for part in leaf)
                 raise ValueError(f"{what}.{name} holds parts {got}; the config's {span} is {list(shape)} "
                                  f"(the parts' last axes summing to it)")
             for n, part in enumerate(leaf):
@@ -134,13 +134,13 @@ def _layer(layer, want: LayerParams, what: str, stacked: int | None) -> None:
 
 def _leaf(leaf, shape: tuple[int, ...], what: str, span: str) -> None:
     if _shape(leaf) != tuple(shape):
-        raise ValueError(f"{what} is {_described(leaf)}; the config's {span} is {list(shape)}")
+        raise ValueError(f"{what} is {described(leaf)}; the config's {span} is {list(shape)}")
     _floating(leaf, what)
 
 
 def _floating(leaf, what: str) -> None:
     if not jnp.issubdtype(leaf.dtype, jnp.floating):
-        raise ValueError(f"{what} is {_described(leaf)}; model weights must be floating")
+        raise ValueError(f"{what} is {described(leaf)}; model weights must be floating")
 
 
 def _fields(x, fields: tuple[str, ...], what: str, kind: str) -> None:
@@ -165,9 +165,9 @@ def prefill(params_, config: ModelConfig, tokens, length=None) -> None:
     (or a token-id sequence, serving's) and length an integer scalar when given."""
     params(params_, config)
     if _shape(tokens) is not None and (not _is_integer_array(tokens) or len(_shape(tokens)) != 1):
-        raise ValueError(f"tokens must be a 1-D integer array (one prompt), got {_described(tokens)}")
+        raise ValueError(f"tokens must be a 1-D integer array (one prompt), got {described(tokens)}")
     if length is not None and not _is_int(length) and (not _is_integer_array(length) or _shape(length) != ()):
-        raise ValueError(f"length must be an integer scalar, got {_described(length)}")
+        raise ValueError(f"length must be an integer scalar, got {described(length)}")
 
 
 def planes_of(config: ModelConfig) -> int:
@@ -212,7 +212,7 @@ def cache(cache_, config: ModelConfig, dtype=None, what: str = "cache") -> None:
     k, v = cache_.k, cache_.v
     if _shape(k) is None or len(_shape(k)) != 5 or _shape(v) != _shape(k):
         raise ValueError(f"{what}.k and .v must be [planes, pages + 1, page_size, kv_heads, head_dim] of one shape, "
-                         f"got {_described(k)} and {_described(v)}")
+                         f"got {described(k)} and {described(v)}")
     planes, _, _, kv_heads, head_dim = _shape(k)
     want = {"planes": (planes, planes_of(config),
                        f"config.total_ut_steps x num_hidden_layers = {config.total_ut_steps} x "
@@ -221,22 +221,22 @@ def cache(cache_, config: ModelConfig, dtype=None, what: str = "cache") -> None:
             "head_dim": (head_dim, config.head_dim, "config.head_dim")}
     for name, (got, expected, source) in want.items():
         if got != expected:
-            raise ValueError(f"{what} holds {got} {name} ({what}.k is {_described(k)}); {source} = {expected}")
+            raise ValueError(f"{what} holds {got} {name} ({what}.k is {described(k)}); {source} = {expected}")
     if k.dtype != v.dtype or not jnp.issubdtype(k.dtype, jnp.floating):
-        raise ValueError(f"{what}.k and .v must share one floating dtype, got {_described(k)} and {_described(v)}")
+        raise ValueError(f"{what}.k and .v must share one floating dtype, got {described(k)} and {described(v)}")
     if dtype is not None and jnp.dtype(k.dtype) != jnp.dtype(dtype):
         raise ValueError(f"{what} holds {jnp.dtype(k.dtype).name} K/V but the params compute in "
                          f"{jnp.dtype(dtype).name} (params.embed_tokens): make the cache in the params' dtype")
     table = _shape(cache_.page_table)
     if table is None or len(table) != 2 or cache_.page_table.dtype != jnp.int32:
-        raise ValueError(f"{what}.page_table must be int32[rows, max_pages], got {_described(cache_.page_table)}")
+        raise ValueError(f"{what}.page_table must be int32[rows, max_pages], got {described(cache_.page_table)}")
     rows = table[0]
     for name, shape, dtype_ in (("seq_lens", (rows,), jnp.int32), ("num_free", (), jnp.int32),
                                 ("overflowed", (), jnp.bool_)):
         x = getattr(cache_, name)
         if _shape(x) != shape or x.dtype != dtype_:
             raise ValueError(f"{what}.{name} must be {jnp.dtype(dtype_).name}{list(shape)} (page_table has {rows} "
-                             f"rows), got {_described(x)}")
+                             f"rows), got {described(x)}")
 
 
 def request_kv(cache_, k, v, length=None) -> None:
@@ -245,14 +245,14 @@ def request_kv(cache_, k, v, length=None) -> None:
     _fields(cache_, CACHE_FIELDS, "cache", "PagedKVCache (wise_jax.kv_cache.create)")
     if _shape(k) is None or len(_shape(k)) != 4 or _shape(v) != _shape(k):
         raise ValueError(f"the request's k and v must be [planes, positions, kv_heads, head_dim] of one shape, "
-                         f"got {_described(k)} and {_described(v)}")
+                         f"got {described(k)} and {described(v)}")
     planes, span, kv_heads, head_dim = _shape(k)
     c_planes, _, page_size, c_heads, c_dim = _shape(cache_.k)
     for name, got, want in (("planes", planes, c_planes), ("kv_heads", kv_heads, c_heads),
                             ("head_dim", head_dim, c_dim)):
         if got != want:
-            raise ValueError(f"the request's K/V hold {got} {name} (k is {_described(k)}), the cache {want} "
-                             f"(cache.k is {_described(cache_.k)})")
+            raise ValueError(f"the request's K/V hold {got} {name} (k is {described(k)}), the cache {want} "
+                             f"(cache.k is {described(cache_.k)})")
     if k.dtype != cache_.k.dtype or v.dtype != cache_.k.dtype:
         raise ValueError(f"the request's K/V are {jnp.dtype(k.dtype).name}, the cache "
                          f"{jnp.dtype(cache_.k.dtype).name}: prefill with params of the cache's dtype")
@@ -261,7 +261,7 @@ def request_kv(cache_, k, v, length=None) -> None:
         raise ValueError(f"K/V of {span} positions is not a whole number of pages of {page_size} "
                          f"within the {max_pages} a row holds")
     if length is not None and not _is_int(length) and (not _is_integer_array(length) or _shape(length) != ()):
-        raise ValueError(f"length must be an integer scalar, got {_described(length)}")
+        raise ValueError(f"length must be an integer scalar, got {described(length)}")
 
 
 def state_settings(wise_config, *, slots, layers, heads, max_blocks) -> None:
@@ -301,17 +301,17 @@ def state(state_, wise_config: WiseConfig, config: ModelConfig, *, rows: int, bl
     support = _shape(state_.support)
     if support is None or len(support) != 4 or state_.support.dtype != jnp.bool_:
         raise ValueError(f"{what}.support must be bool[layers, slots, heads, max_blocks], got "
-                         f"{_described(state_.support)}")
+                         f"{described(state_.support)}")
     layers, slots, heads, max_blocks = support
     for name, got, want, source in (("layers", layers, config.loop_layers, "config.loop_layers"),
                                     ("slots", slots, rows, "the cache's rows (page_table.shape[0])"),
                                     ("heads", heads, config.num_attention_heads, "config.num_attention_heads")):
         if got != want:
-            raise ValueError(f"{what} holds {got} {name} ({what}.support is {_described(state_.support)}); "
+            raise ValueError(f"{what} holds {got} {name} ({what}.support is {described(state_.support)}); "
                              f"{source} = {want}")
     if max_blocks < blocks:
         raise ValueError(f"{what} holds supports of {max_blocks} blocks ({what}.support is "
-                         f"{_described(state_.support)}); the step attends {blocks} (its pages x page_size / "
+                         f"{described(state_.support)}); the step attends {blocks} (its pages x page_size / "
                          f"block_size {wise_config.block_size})")
     n_reuse = len(wise_config.reuse_depths)
     for name, shape, dtype in (("tag_request", (layers, slots), jnp.int32), ("tag_position", (layers, slots), jnp.int32),
@@ -320,14 +320,14 @@ def state(state_, wise_config: WiseConfig, config: ModelConfig, *, rows: int, bl
                                ("causal_blocks", (n_reuse,), jnp.float32)):
         x = getattr(state_, name)
         if _shape(x) != shape or x.dtype != dtype:
-            raise ValueError(f"{what}.{name} must be {jnp.dtype(dtype).name}{list(shape)}, got {_described(x)}")
+            raise ValueError(f"{what}.{name} must be {jnp.dtype(dtype).name}{list(shape)}, got {described(x)}")
 
 
 def rows_of(x, name: str, rows: int) -> None:
     """x must be an integer array [rows] (one value per cache row)."""
     if not _is_integer_array(x) or _shape(x) != (rows,):
         raise ValueError(f"{name} must be an integer array [rows={rows}] (one per cache row, "
-                         f"cache.page_table.shape[0]), got {_described(x)}")
+                         f"cache.page_table.shape[0]), got {described(x)}")
 
 
 def decode_step(params_, config: ModelConfig, cache_, state_, tokens, slots, wise_config, width) -> None:
