@@ -19,6 +19,7 @@ import numpy as np
 
 from wise_core import modes as M
 from wise_core.config import WiseConfig
+from wise_core.selection import SelectionContext
 from wise_jax import checks
 from wise_jax.attention import causal_blocks, decode_attention
 
@@ -152,7 +153,9 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int | jax.Ar
     left as they were. validate: check the attention's input values (`decode_check.check_call`; the
     decode step, which builds them by construction, passes False); count: at a reuse depth, add
     this layer's fallbacks and density counts (the decode step passes False and counts every
-    layer at once, `count_reuse`). Returns (out [batch, heads, head_dim], state).
+    layer at once, `count_reuse`). A Custom(..., context=True) selection rule reads this call's
+    `SelectionContext` (seq_lens, the loop and layer as int32 arrays, head and block indices).
+    Returns (out [batch, heads, head_dim], state).
     """
     if role is None:
         if not isinstance(loop, int):
@@ -177,9 +180,13 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int | jax.Ar
     else:
         modes = jnp.full((batch,), M.DENSE, jnp.int32)
 
+    context = SelectionContext(seq_lens=seq_lens, loop=jnp.asarray(loop, jnp.int32), layer=jnp.asarray(layer, jnp.int32),
+                               head=jnp.arange(q.shape[1], dtype=jnp.int32),
+                               block=jnp.arange(n_blocks, dtype=jnp.int32), block_size=wise_config.block_size)
     out, new_support = decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support,
                                         block_size=wise_config.block_size, eta=wise_config.eta, kernel=kernel,
-                                        validate=validate, reuse=role == "reuse", selection=wise_config.selection)
+                                        validate=validate, reuse=role == "reuse", selection=wise_config.selection,
+                                        selection_context=context)
     causal = causal_blocks(seq_lens, wise_config.block_size, n_blocks)       # [batch, n_blocks]
 
     if role == "discover":
