@@ -1,11 +1,15 @@
 """wise_jax.evaluation: the quality benchmark's text run (backend jax) reports, for eta 0.95,
 the numbers the helper gives; a WiseConfig equal to one already run -- a new object, a Custom
-rule of the same function -- compiles nothing; a Custom rule is evaluated like any other; the
-held-out pairs are cut as documented. A 1-layer variant of test-tiny keeps the compiles short."""
+rule of the same function -- compiles nothing; README's research loop (a context rule
+evaluated, a gradient) runs; the held-out pairs are cut as documented. A 1-layer variant of
+test-tiny keeps the compiles short, and the tests share shapes, so compiled programs."""
 
 import argparse
 import dataclasses
+import re
+from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,6 +23,7 @@ from wise_jax import evaluation, scoring
 
 CONFIG = dataclasses.replace(PRESETS["test-tiny"], num_hidden_layers=1)
 GREEDY, BATCH = 4, 4
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -61,26 +66,30 @@ def test_eta_095_equals_the_quality_benchmark(params, pairs, monkeypatch):
     assert 7 < dense.bits_per_byte["mean"] < 11
 
 
-def keep_newest_two(mass):
-    """A Custom rule: the two highest-index blocks (the block ranked first is kept anyway)."""
-    index = jnp.arange(mass.shape[-1])
-    return jnp.broadcast_to(index >= mass.shape[-1] - 2, mass.shape)
+def readme_research_loop() -> str:
+    """The python block of README.md that defines top2_and_newest (the JAX research loop)."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    [block] = [b for b in blocks if "def top2_and_newest" in b]
+    return block
 
 
-def test_a_custom_rule_is_evaluated_and_an_equal_one_compiles_nothing(params, pairs):
-    contexts, continuations = pairs
-
-    def arm():   # a new rule and WiseConfig object each call
-        return evaluation.evaluate(params, CONFIG, WiseConfig(selection=Custom(keep_newest_two, "newest2"),
-                                                              kernel="reference"),
-                                   contexts, continuations, greedy_tokens=GREEDY, batch=BATCH)
-
-    first = arm()
+def test_the_readme_research_loop_runs_and_an_equal_rule_compiles_nothing(params, pairs, monkeypatch):
+    """README's loop, on this module's 1-layer model (wise_jax.load_model patched) and so at the
+    shapes of the benchmark test's dense arm: a context rule evaluated against dense, a gradient
+    through the model. The same rule made again compiles nothing."""
+    monkeypatch.setattr(wise_jax, "load_model", lambda name: (CONFIG, params))
+    namespace = {}
+    exec(compile(readme_research_loop(), "README.md", "exec"), namespace)
+    arm, grads = namespace["arm"], namespace["grads"]
+    assert arm.label == "top2+newest" and 0 < arm.density[2] < 1 and 0 <= arm.tokens_changed <= 1
+    assert arm.bits_per_byte["low"] <= arm.bits_per_byte["mean"] <= arm.bits_per_byte["high"]
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+    assert float(jnp.abs(grads.layers.qkv_proj).max()) > 0
     compiled = traces()
-    again = arm()
-    assert traces() == compiled
-    assert first.label == "newest2" and first.nll.tolist() == again.nll.tolist()
-    assert 0 < first.density[2] < 1                               # 2 blocks of 3-4 causal ones
+    again = evaluation.evaluate(params, CONFIG, WiseConfig(block_size=16, selection=Custom(
+        namespace["top2_and_newest"], "top2+newest", context=True)), namespace["contexts"], namespace["continuations"],
+        greedy_tokens=4)
+    assert traces() == compiled and again.nll.tolist() == arm.nll.tolist()
 
 
 def test_heldout_pairs_and_bad_arguments(params):
