@@ -5,16 +5,16 @@
     out.density()           # float32[n_reuse]: selected / causal blocks of each reuse depth
     jax.grad(lambda p: wise_jax.score(p, config, c, x).logprobs.sum())(params)
 
-Each row's context is prefilled (`model.prefill`, padded to whole pages as the engine's prefill
-is) and inserted into its own cache row; then one `lax.scan` runs `model.decode_step` (the
-unstacked layers, as the engine decodes) over the continuation, fed the continuation's tokens
-(`score`) or each step's argmax (`greedy`). These are the engine's computations at the engine's
-shapes, so in float32 `score` gives `teacher_force`'s log-probs bitwise and `greedy` the
-tokens of `generate(..., eos_token_id=None)` (tests/wise_jax/test_scoring.py) where each
-context pads to the whole pages of context_ids' width (the engine prefills a prompt at its own
-whole pages), when called as they are (inside another jit the layers are unstacked in that
-program, see `_decode`; the results are then equal within float32 rounding); both
-differentiate (`jax.grad` through the model, dense or WISE). A call compiles once per (shapes,
+Each context is prefilled alone by the engine's prefill program (`serving`'s, at the context's
+own whole pages) and inserted into its own cache row; then one jitted `lax.scan` runs
+`model.decode_step` (the unstacked layers, as the engine decodes) over the continuation, fed
+the continuation's tokens (`score`) or each step's argmax (`greedy`). These are the engine's
+programs at the engine's shapes, so in float32 `score` gives `teacher_force`'s log-probs
+bitwise and `greedy` the tokens of `generate(..., eos_token_id=None)`
+(tests/wise_jax/test_scoring.py), when called as they are: inside another jit (or with traced
+context_lengths, which prefill every row at context_ids' width) the programs differ and the
+results are equal within float32 rounding. Both differentiate (`jax.grad` through the model,
+dense or WISE). A call compiles once per (shapes,
 config, WiseConfig, page_size, kernel): an equal WiseConfig -- a rule equal by value, a `Custom`
 of the same function -- reuses the compilation (`TRACES` counts them).
 """
@@ -98,7 +98,7 @@ def _rows(ids, what: str) -> jax.Array:
 def _checked(params, config: ModelConfig, context_ids, context_lengths, wise_config, page_size: int, kernel,
              tokens: int) -> tuple:
     """The arguments of `score` / `greedy` checked and normalised -> (context int32[batch, n],
-    lengths int32[batch], wise_config, kernel name)."""
+    lengths int32[batch], the kernel's name); `tokens`: the tokens to decode after the context."""
     checks.params(params, config)
     context = _rows(context_ids, "context_ids")
     batch, n = context.shape

@@ -18,10 +18,9 @@ from wise_jax import scoring
 
 CONFIG = dataclasses.replace(PRESETS["test-tiny"], num_hidden_layers=1)
 PAGE = 32
-# Two contexts of 2 pages each (the engine prefills each at its own whole pages; score at
-# context_ids' width, so equal page counts give equal prefills), 12 forced tokens: every decode
-# step of the engine runs at one context bucket (2 pages).
-CONTEXTS, FORCED = (40, 35), 12
+# Two contexts of 2 pages and 1 (each prefilled at its own whole pages, as the engine does), 12
+# forced tokens: every decode step of the engine runs at one context bucket (2 pages).
+CONTEXTS, FORCED = (40, 20), 12
 
 
 @pytest.fixture(scope="module")
