@@ -5,15 +5,15 @@
     out.density()           # float32[n_reuse]: selected / causal blocks of each reuse depth
     jax.grad(lambda p: wise_jax.score(p, config, c, x).logprobs.sum())(params)
 
-Each context is prefilled alone by the engine's prefill program (`serving`'s, at the context's
-own whole pages) and inserted into its own cache row; then one jitted `lax.scan` runs
-`model.decode_step` (the unstacked layers, as the engine decodes) over the continuation, fed
-the continuation's tokens (`score`) or each step's argmax (`greedy`). These are the engine's
-programs at the engine's shapes, so in float32 `score` gives `teacher_force`'s log-probs
-bitwise and `greedy` the tokens of `generate(..., eos_token_id=None)`
-(tests/wise_jax/test_scoring.py), when called as they are: inside another jit (or with traced
-context_lengths, which prefill every row at context_ids' width) the programs differ and the
-results are equal within float32 rounding. Both differentiate (`jax.grad` through the model,
+The contexts are prefilled into a paged cache, a row each, by the engine's prefill program
+(`chunked_prefill.prefill_chunks`); then one jitted `lax.scan` runs `model.decode_step` (the
+unstacked layers, as the engine decodes) over the continuation, fed the continuation's tokens
+(`score`) or each step's argmax (`greedy`). These are the engine's programs at the shapes
+`teacher_force` runs them, so in float32 `score` gives `teacher_force`'s log-probs bitwise and
+`greedy` the tokens of `generate(..., eos_token_id=None)` (tests/wise_jax/test_scoring.py),
+when called as they are: inside another jit (or with traced context_lengths, which size the
+prefill by context_ids' width) the programs differ and the results are equal within float32
+rounding. Both differentiate (`jax.grad` through the model,
 dense or WISE). A call compiles once per (shapes,
 config, WiseConfig, page_size, kernel): an equal WiseConfig -- a rule equal by value, a `Custom`
 of the same function -- reuses the compilation (`TRACES` counts them).
@@ -30,18 +30,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from wise_core.buckets import context_bucket, context_buckets
 from wise_core.config import ModelConfig, WiseConfig
 from wise_jax import checks
+from wise_jax import chunked_prefill
 from wise_jax import kv_cache as kvc
 from wise_jax import model
 from wise_jax import wise_state as ws
 from wise_jax.attention import resolve_kernel
 from wise_jax.params import Params, unstack_layers
-from wise_jax.serving import DEFAULT_PAGE_SIZE, RequestKV, prefill_bucket
-from wise_jax.serving import _prefill as serving_prefill
+from wise_jax.generation import pool_bucket
+from wise_jax.serving import DEFAULT_PAGE_SIZE
 
 TRACES: collections.Counter = collections.Counter()
-"""Traces (= compilations) of `score` and `greedy`, by name."""
+"""Traces (= compilations) of the programs of `score` and `greedy`: "prefill" (the contexts),
+"score" and "greedy" (the decode)."""
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -161,25 +164,43 @@ def greedy(params: Params, config: ModelConfig, context_ids, num_tokens: int, wi
 def _decode(params: Params, context, lengths, continuation, *, config: ModelConfig, wise_config, page_size: int,
             kernel: str, steps: int) -> Decoded:
     """`steps` tokens after each context (continuation int32[batch, steps] forced, or None:
-    greedy) -> Decoded, by the engine's programs at the engine's shapes: each context prefilled
-    alone (`serving`'s prefill program) at its own whole pages when its length is concrete (at
-    context_ids' width when traced), the K/V inserted into its own cache row, then `_forced`.
-    params: unstacked (`unstack_layers`), each layer's weights an argument of their own, as the
-    engine's programs take them (slices of stacked weights made inside a program compile to
-    other code, whose float32 results may differ in the last bit)."""
+    greedy) -> Decoded, by the engine's programs at the shapes `teacher_force` runs them
+    (`generation._engine`): rows the batch rounded up to a power of two (the rows past it
+    empty), each row the pages of the engine's max_model_len, the contexts prefilled in one
+    program (`_prefill`: `chunked_prefill.prefill_chunks` into the cache) at the
+    context bucket of the longest, then `_forced`. params: unstacked (`unstack_layers`), each
+    layer's weights an argument of their own, as the engine's programs take them (slices of
+    stacked weights made inside a program compile to other code, whose float32 results may
+    differ in the last bit)."""
     batch, n = context.shape
+    rows = 1 << (batch - 1).bit_length()
+    pages = kvc.pages_for(min(pool_bucket(kvc.pages_for(n + steps, page_size)) * page_size,
+                              config.max_position_embeddings), page_size)
     known = _concrete(lengths)
-    logits, kvs = [], []
-    for row in range(batch):
-        span = prefill_bucket(n if known is None else int(known[row]), page_size)
-        tokens = context[row, :span] if span <= n else jnp.zeros((span,), jnp.int32).at[:n].set(context[row])
-        row_logits, kv = serving_prefill(params, tokens, lengths[row], config=config, attention="auto", unroll=1)
-        logits.append(row_logits)
-        kvs.append(kv)
-    pages = -(-(n + steps - 1) // page_size)    # keys after the last step: context + steps - 1
-    cache = _cache_of(kvs, config=config, page_size=page_size, pages=pages)
-    return _forced(params, cache, jnp.stack(logits), continuation, config=config, wise_config=wise_config,
-                   kernel=kernel, steps=steps)
+    longest = n if known is None else int(known.max())
+    seq = context_bucket(context_buckets(pages), kvc.pages_for(longest, page_size)) * page_size
+    tokens = jnp.zeros((rows, max(seq, n)), jnp.int32).at[:batch, :n].set(context)[:, :seq]
+    lengths = jnp.zeros((rows,), jnp.int32).at[:batch].set(lengths)
+    cache = kvc.create(config, batch=rows, max_pages=pages, num_pages=rows * pages, page_size=page_size,
+                       dtype=params.embed_tokens.dtype)
+    cache, _ = kvc.try_reserve(cache, lengths)
+    logits, cache = _prefill(params, cache, tokens, lengths, cache.page_table[:, :seq // page_size], config=config)
+    if continuation is not None:
+        continuation = jnp.zeros((rows, steps), jnp.int32).at[:batch].set(continuation)
+    out = _forced(params, cache, logits, continuation, jnp.arange(rows) < batch, config=config,
+                  wise_config=wise_config, kernel=kernel, steps=steps)
+    return dataclasses.replace(out, logprobs=out.logprobs[:batch], tokens=out.tokens[:batch])
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _prefill(params: Params, cache: kvc.PagedKVCache, tokens, lengths, tables, *, config: ModelConfig):
+    """The engine's prefill step program (`engine.programs.prefill`) of prompts that each start
+    at position 0: tokens int32[rows, seq] (row r valid up to lengths[r]), tables int32[rows,
+    seq / page_size] -> (logits float32[rows, vocab] after each prompt, the cache written)."""
+    TRACES["prefill"] += 1
+    logits, k, v = chunked_prefill.prefill_chunks(params, config, cache.k, cache.v, tokens, jnp.zeros_like(lengths),
+                                                  lengths, tables, attention="auto")
+    return logits, dataclasses.replace(cache, k=k, v=v)
 
 
 def _concrete(x) -> np.ndarray | None:
@@ -196,29 +217,18 @@ def _pick(logits, forced):
     return token, logprob
 
 
-@functools.partial(jax.jit, static_argnames=("config", "page_size", "pages"))
-def _cache_of(kvs: list[RequestKV], *, config: ModelConfig, page_size: int, pages: int) -> kvc.PagedKVCache:
-    """A cache of one row per prefilled request (`kvs`), `pages` pages a row."""
-    batch = len(kvs)
-    cache = kvc.create(config, batch=batch, max_pages=pages, num_pages=batch * pages, page_size=page_size,
-                       dtype=kvs[0].k.dtype)
-    for row, kv in enumerate(kvs):
-        cache = kvc.insert(cache, kv.k, kv.v, kv.length, jnp.int32(row))
-    return cache
-
-
 @functools.partial(jax.jit, static_argnames=("config", "wise_config", "kernel", "steps"))
-def _forced(params: Params, cache: kvc.PagedKVCache, logits, continuation, *, config: ModelConfig, wise_config,
-            kernel: str, steps: int) -> Decoded:
-    """The decode of `steps` tokens (the first from the prefill's logits float32[batch, vocab])
-    over `cache`, one row per context, in a `lax.scan`; the WISE state tags a row's supports
-    with its row and position."""
+def _forced(params: Params, cache: kvc.PagedKVCache, logits, continuation, live, *, config: ModelConfig,
+            wise_config, kernel: str, steps: int) -> Decoded:
+    """The decode of `steps` tokens (the first from the prefill's logits float32[rows, vocab])
+    over `cache`, one row per context (live bool[rows]; the others empty: masked no-ops), in a
+    `lax.scan`; the WISE state tags a row's supports with its row and position."""
     TRACES["greedy" if continuation is None else "score"] += 1
-    batch = logits.shape[0]
+    rows = logits.shape[0]
     state = None if wise_config is None else ws.create(
-        wise_config, slots=batch, layers=config.num_hidden_layers, heads=config.num_attention_heads,
+        wise_config, slots=rows, layers=config.num_hidden_layers, heads=config.num_attention_heads,
         max_blocks=cache.max_pages * cache.page_size // wise_config.block_size)
-    slots = jnp.arange(batch, dtype=jnp.int32)
+    slots = jnp.where(live, jnp.arange(rows, dtype=jnp.int32), -1)
     first, first_logprob = _pick(logits, None if continuation is None else continuation[:, 0])
 
     def step(carry, forced):
