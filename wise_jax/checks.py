@@ -7,7 +7,7 @@ A mismatch raises ValueError (TypeError for a value of the wrong kind) naming th
 both sides: what it holds and what the config says it must hold. The entry points call one
 function here as their first line:
 
-    model.forward / forward_with_exits    -> forward
+    model.forward / forward_with_exits    -> params (input_ids: model.check_input_ids)
     model.prefill, serving.prefill        -> prefill
     model.decode_step (serving, sharding) -> decode_step
     kv_cache.insert, serving.insert       -> request_kv
@@ -153,11 +153,6 @@ def compute_dtype(params) -> jnp.dtype:
     """The dtype the model computes in: its embeddings'."""
     inner = getattr(params, "params", params)
     return jnp.dtype(inner.embed_tokens.dtype)
-
-
-def forward(params_, config: ModelConfig, input_ids) -> None:
-    """`model.forward`'s params against config (input_ids: `model.check_input_ids`)."""
-    params(params_, config)
 
 
 def prefill(params_, config: ModelConfig, tokens, length=None) -> None:

@@ -187,8 +187,8 @@ def forward_with_exits(params: Params, config: ModelConfig, input_ids: jax.Array
     exit probabilities float32[loops, batch, seq]). Differentiable; `remat` recomputes each
     layer in the backward pass (only layer inputs are kept). attention: see
     `prefill_attention.causal_attention`. Bad ids and too-long sequences raise ValueError
-    (`check_input_ids`); params that do not match config raise (`checks.forward`)."""
-    checks.forward(params, config, input_ids)
+    (`check_input_ids`); params that do not match config raise (`checks.params`)."""
+    checks.params(params, config)
     check_input_ids(config, input_ids, 2)
     batch, seq = input_ids.shape
     h = embed(params, input_ids)
@@ -218,7 +218,7 @@ def forward(params: Params, config: ModelConfig, input_ids: jax.Array, *, remat:
     """input_ids int32[batch, seq] -> logits float32[batch, seq, vocab] of each token's exit loop
     (every loop runs; the last loop's when early_exit_threshold is 1). Checked as
     `forward_with_exits`."""
-    checks.forward(params, config, input_ids)
+    checks.params(params, config)
     if config.early_exit_threshold >= 1.0:
         return forward_with_exits(params, config, input_ids, remat=remat, attention=attention)[0]
     check_input_ids(config, input_ids, 2)
