@@ -6,23 +6,25 @@ weights (loaded into wise_torch, whose eager engine needs no compilation on CPU;
 uses wise_jax): dense, WISE with the eta rule (WiseConfig(eta=0.95)) and WISE with the top-k rule
 (WiseConfig(selection=TopK(k))). Prints, per arm: bits per byte of the held-out continuations
 teacher-forced through the decode step, the density of the reuse loops (selected / causal
-blocks), and the fraction of greedy tokens that differ from dense decode's.
+blocks), and the fraction of greedy tokens that differ from dense decode's (`wise_core.evaluation.Arm`;
+the JAX arms decoded by `wise_jax.evaluation.evaluate`). `--rules` names other arms.
 
     python examples/selection_rules.py                 # ~300 steps, under a minute on a CPU
     python examples/selection_rules.py --steps 50 --top-k 1
+    python examples/selection_rules.py --rules eta=0.9 threshold=0.05 --decode jax
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from pathlib import Path
 
 import numpy as np
 
 from wise_core.config import ModelConfig, WiseConfig
-from wise_core.selection import TopK
+from wise_core.evaluation import Arm
+from wise_core.selection import Eta, parse
 from wise_core.train_config import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,51 +50,49 @@ def train(stream: np.ndarray, steps: int, seq_len: int, seed: int):
     return state.params, metrics
 
 
-def arms(block_size: int, top_k: int) -> dict[str, WiseConfig | None]:
-    return {"dense": None,
-            "wise eta=0.95": WiseConfig(block_size=block_size, eta=0.95, kernel="reference"),
-            f"wise top_k={top_k}": WiseConfig(block_size=block_size, selection=TopK(top_k), kernel="reference")}
+def arms(block_size: int, rules: list[str]) -> list[WiseConfig | None]:
+    """Dense, then WISE with each rule (`wise_core.selection.parse`: "eta=0.95", "top_k=3", ...)."""
+    return [None] + [WiseConfig(block_size=block_size, kernel="reference",
+                                **({"eta": rule.eta} if isinstance(rule, Eta) else {"selection": rule}))
+                     for rule in map(parse, rules)]
 
 
-def decoders(params, framework: str):
-    """(teacher_force(contexts, continuations, wise) -> (logprobs, stats), generate(prompts, n, wise)
-    -> (tokens, stats)) of `framework` over the trained params."""
+def decode_arm(params, wise: WiseConfig | None, contexts, forced, framework: str, dense: Arm | None) -> Arm:
+    """One arm on the held-out pairs -> `wise_core.evaluation.Arm` (byte-level: a byte a token):
+    jax by `wise_jax.evaluation.evaluate`; torch by its engine's teacher_force and generate."""
     if framework == "jax":
-        import wise_jax
-        return (lambda c, x, w: _pair(wise_jax.teacher_force(params, MODEL, c, x, wise_config=w, page_size=32)),
-                lambda p, n, w: _pair(wise_jax.generate(params, MODEL, p, max_new_tokens=n, wise_config=w,
-                                                        eos_token_id=None, page_size=32), "tokens"))
+        from wise_jax import evaluation
+        return evaluation.evaluate(params, MODEL, wise, contexts, forced, greedy_tokens=len(forced[0]), dense=dense,
+                                   page_size=32)
     import torch
     import wise_torch
     from wise_jax.params import to_checkpoint_tensors
     torch.set_num_threads(1)  # tiny shapes: one thread is as fast, and does not spin against JAX's
     tensors = {name: np.array(x) for name, x in to_checkpoint_tensors(MODEL, params).items()}  # writable copies
     model = wise_torch.from_tensors(MODEL, tensors)
-    return (lambda c, x, w: _pair(wise_torch.teacher_force(model, c, x, wise_config=w, page_size=32)),
-            lambda p, n, w: _pair(wise_torch.generate(model, p, max_new_tokens=n, wise_config=w, eos_token_id=None,
-                                                      page_size=32), "tokens"))
-
-
-def _pair(out, field: str = "logprobs"):
-    return getattr(out, field), out.stats
+    scored = wise_torch.teacher_force(model, contexts, forced, wise_config=wise, page_size=32)
+    greedy = wise_torch.generate(model, contexts, max_new_tokens=len(forced[0]), wise_config=wise, eos_token_id=None,
+                                 page_size=32)
+    density = None if wise is None else {d: float(v) for d, v in scored.stats.density.items()}
+    return Arm(wise, scored.logprobs, np.array([len(f) for f in forced]), greedy.tokens, density,
+               None if wise is None else scored.stats.fallbacks, dense)
 
 
 def evaluate(heldout: np.ndarray, params, *, context: int, continuation: int, sequences: int, block_size: int,
-             top_k: int, framework: str) -> list[dict]:
-    """Per arm: held-out bits per byte (teacher-forced), reuse density, greedy tokens changed."""
-    starts = np.linspace(0, len(heldout) - context - continuation, sequences).astype(int)
-    contexts = [heldout[s:s + context].tolist() for s in starts]
-    forced = [heldout[s + context:s + context + continuation].tolist() for s in starts]
-    teacher_force, generate = decoders(params, framework)
-    rows, dense_tokens = [], None
-    for name, wise in arms(block_size, top_k).items():
-        logprobs, stats = teacher_force(contexts, forced, wise)
-        bpb = -float(sum(lp.sum() for lp in logprobs)) / math.log(2) / (sequences * continuation)
-        tokens, _ = generate(contexts, continuation, wise)
-        dense_tokens = tokens if dense_tokens is None else dense_tokens
-        changed = np.mean([a != b for x, y in zip(tokens, dense_tokens) for a, b in zip(x, y)])
-        density = None if wise is None else float(np.mean([d for d in stats.density.values() if d is not None]))
-        rows.append({"arm": name, "bits_per_byte": bpb, "density": density, "tokens_changed": float(changed)})
+             rules: list[str], framework: str) -> list[dict]:
+    """Per arm: held-out bits per byte (teacher-forced), reuse density averaged over the reuse
+    depths (jax: of the forced and greedy decode, pooled; torch: of the forced decode), greedy
+    tokens changed against dense."""
+    from wise_jax.evaluation import heldout_pairs
+    contexts, forced = heldout_pairs(heldout, context=context, continuation=continuation, count=sequences)
+    rows, dense = [], None
+    for wise in arms(block_size, rules):
+        arm = decode_arm(params, wise, contexts, forced, framework, dense)
+        dense = arm if dense is None else dense
+        rows.append({"arm": "dense" if wise is None else f"wise {arm.label}",
+                     "bits_per_byte": arm.bits_per_byte["mean"], "bits_per_byte_ci": arm.bits_per_byte,
+                     "density": None if arm.density is None else float(np.mean(list(arm.density.values()))),
+                     "tokens_changed": 0.0 if wise is None else arm.tokens_changed})
     return rows
 
 
@@ -115,6 +115,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--sequences", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=3, help="blocks the top-k arm keeps per head")
+    parser.add_argument("--rules", nargs="+", default=None,
+                        help="the WISE arms' selection rules (default: eta=0.95 top_k=TOP_K), e.g. threshold=0.05")
     parser.add_argument("--decode", choices=("torch", "jax"), default="torch",
                         help="framework that decodes (torch: eager, no compilation on CPU)")
     parser.add_argument("--seed", type=int, default=0)
@@ -122,6 +124,11 @@ def main(argv=None) -> list[dict]:
     for name in ("context", "continuation", "sequences"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be a positive integer")
+    for rule in args.rules or ():
+        try:
+            parse(rule)
+        except ValueError as e:
+            parser.error(str(e))
     if not 0 < args.heldout_fraction < 1:
         parser.error("--heldout-fraction must be in (0, 1)")
     stream = read_text(args.text)
@@ -136,7 +143,8 @@ def main(argv=None) -> list[dict]:
           f"last-loop train bits/byte {metrics[0]['bits_per_byte'][-1]:.3f} -> {metrics[-1]['bits_per_byte'][-1]:.3f}")
     start = time.perf_counter()
     rows = evaluate(heldout, params, context=args.context, continuation=args.continuation,
-                    sequences=args.sequences, block_size=args.block_size, top_k=args.top_k, framework=args.decode)
+                    sequences=args.sequences, block_size=args.block_size,
+                    rules=args.rules or ["eta=0.95", f"top_k={args.top_k}"], framework=args.decode)
     print(f"held out: {args.sequences} sequences, {args.context} bytes of context, {args.continuation} decoded "
           f"({args.decode}, {time.perf_counter() - start:.1f} s)")
     print(table(rows))

@@ -175,6 +175,56 @@ SELECTION_RULES = (rules.TopK(1), rules.TopK(4), rules.Threshold(0.01), rules.Th
 """The rules other than eta that `selection-rules` checks on the `selection_cases` masses."""
 
 
+def top2_and_newest(mass, ctx):
+    """A context rule, one source for every framework: the two blocks of highest mass and each
+    row's newest block (the one holding its last key)."""
+    newest = (ctx.seq_lens - 1) // ctx.block_size
+    return (ctx.rank < 2) | (ctx.block[None, None, :] == newest[:, None, None])
+
+
+def by_loop_layer_head(mass, ctx):
+    """A context rule reading the loop, layer and head: the 1 + (loop + layer + head) % 3 blocks
+    of highest mass."""
+    return ctx.rank < 1 + (ctx.loop + ctx.layer + ctx.head[None, :, None]) % 3
+
+
+CONTEXT_RULES = (rules.Custom(top2_and_newest, "top2+newest", context=True),
+                 rules.Custom(by_loop_layer_head, "by-loop-layer-head", context=True))
+"""The `Custom(..., context=True)` rules that `selection-context` checks on `selection_context_cases`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionContextCase:
+    """mass float32[batch, heads, n_blocks] of a decode call and its numpy SelectionContext."""
+
+    name: str
+    mass: np.ndarray
+    context: rules.SelectionContext
+
+
+def selection_context_cases(seed: int = 0, block_size: int = 32) -> list[SelectionContextCase]:
+    """Decode-call masses (zero past each row's keys) at several widths, loops and layers, and
+    exact ties."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for n, loop, layer in ((1, 0, 0), (6, 1, 3), (24, 0, 1), (128, 1, 0)):
+        seq_lens = rng.integers(1, n * block_size + 1, 3).astype(np.int32)
+        causal = np.arange(n)[None, :] * block_size < seq_lens[:, None]
+        mass = rng.dirichlet(np.full(n, 0.3), (3, 4)) * causal[:, None, :]
+        out.append(SelectionContextCase(f"decode-n{n}-loop{loop}-layer{layer}", mass.astype(np.float32),
+                                        _context(seq_lens, loop, layer, 4, n, block_size)))
+    ties = np.full((2, 2, 8), 0.125, np.float32)
+    out.append(SelectionContextCase("all-equal", ties, _context(np.array([256, 97], np.int32), 1, 2, 2, 8,
+                                                                block_size)))
+    return out
+
+
+def _context(seq_lens, loop: int, layer: int, heads: int, n: int, block_size: int) -> rules.SelectionContext:
+    return rules.SelectionContext(seq_lens=seq_lens, loop=np.int32(loop), layer=np.int32(layer),
+                                  head=np.arange(heads, dtype=np.int32), block=np.arange(n, dtype=np.int32),
+                                  block_size=block_size)
+
+
 # -- models and prompts -----------------------------------------------------------------------------
 MEDIUM = dataclasses.replace(
     PRESETS["ouro-1.4b"], vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,

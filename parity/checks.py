@@ -302,6 +302,31 @@ def check_selection_rules(suite: Suite):
                            functools.partial(_rule_vs_spec, suite, name, rule))
 
 
+def _context_rule_vs_spec(suite: Suite, name: str, rule) -> Measured:
+    """Support bits of `name`'s select_blocks(mass, rule, context) that differ from the numpy
+    spec's on every selection-context case (a rank-based rule has no sum: bitwise)."""
+    spec = suite.selectors["numpy-spec"]
+    lines, context_cases = [], cases.selection_context_cases()
+    for case in context_cases:
+        got, want = suite.selectors[name](case.mass, rule, case.context), spec(case.mass, rule, case.context)
+        if got.shape != want.shape or got.dtype != bool:
+            raise ValueError(f"{case.name}: got {got.dtype}{list(got.shape)}, want bool{list(want.shape)}")
+        lines += [f"{case.name}: row {row} head {head} block {block} {'kept' if got[row, head, block] else 'dropped'} "
+                  f"(spec: the opposite)" for row, head, block in zip(*np.nonzero(got != want))]
+    detail = "; ".join(lines[:SHOWN]) or f"identical on {len(context_cases)} cases"
+    return Measured(not lines, len(lines), 0, "support bits differ", detail)
+
+
+@check("selection-context", "Custom rules reading a SelectionContext (seq_lens, loop, layer, head, rank; JAX's "
+                            "traced) of torch and JAX equal their numpy reference, bitwise")
+def check_selection_context(suite: Suite):
+    for name in suite.selectors:
+        if name != "numpy-spec":
+            for rule in cases.CONTEXT_RULES:
+                yield Task(f"{name} vs numpy-spec", rule.describe(), "float32",
+                           functools.partial(_context_rule_vs_spec, suite, name, rule))
+
+
 # -- decode calls: all-blocks WISE is dense, bitwise ---------------------------------------------
 def _attention_tasks(suite: Suite, measure):
     for impl, case, dtype in itertools.product(suite.impls, suite.settings.attention_cases,

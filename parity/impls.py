@@ -9,6 +9,7 @@ checked once it is importable.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 from parity import environment  # (before triton and jax are imported)
@@ -106,11 +107,19 @@ def discover_impls(device: str) -> tuple[list[Impl], dict[str, str]]:
     return found, missing
 
 
+def _context_fields(context: rules.SelectionContext, convert) -> rules.SelectionContext:
+    """A numpy SelectionContext with its arrays converted by `convert`."""
+    return dataclasses.replace(context, **{name: convert(np.asarray(getattr(context, name)))
+                                           for name in ("seq_lens", "loop", "layer", "head", "block")})
+
+
 def torch_selector(device: str):
-    """wise_torch's select_blocks on `device`, as (mass (numpy), rule) -> support (numpy); rule: an
-    eta number or a `wise_core.selection` rule."""
-    def select(mass: np.ndarray, rule) -> np.ndarray:
-        return torch_attention.select_blocks(torch.from_numpy(np.array(mass)).to(device), rule).cpu().numpy()
+    """wise_torch's select_blocks on `device`, as (mass (numpy), rule, context=None) -> support
+    (numpy); rule: an eta number or a `wise_core.selection` rule; context: a numpy SelectionContext."""
+    def select(mass: np.ndarray, rule, context: rules.SelectionContext | None = None) -> np.ndarray:
+        if context is not None:
+            context = _context_fields(context, lambda x: torch.from_numpy(x.copy()).to(device))
+        return torch_attention.select_blocks(torch.from_numpy(np.array(mass)).to(device), rule, context).cpu().numpy()
     return select
 
 
@@ -118,16 +127,31 @@ _jax_select = jax.jit(jax_attention.select_blocks)  # eta traced: one compilatio
 _jax_select_rule = jax.jit(jax_attention.select_blocks, static_argnums=1)  # a rule object: static
 
 
-def jax_selector(mass: np.ndarray, rule) -> np.ndarray:
+@functools.partial(jax.jit, static_argnames=("rule", "block_size"))
+def _jax_select_context(mass, seq_lens, loop, layer, head, block, *, rule, block_size):
+    """select_blocks with a SelectionContext whose arrays are traced, the loop and layer included
+    (as a decode step's scan over loops and layers passes them)."""
+    context = rules.SelectionContext(seq_lens=seq_lens, loop=loop, layer=layer, head=head, block=block,
+                                     block_size=block_size)
+    return jax_attention.select_blocks(mass, rule, context)
+
+
+def jax_selector(mass: np.ndarray, rule, context: rules.SelectionContext | None = None) -> np.ndarray:
     """wise_jax's select_blocks (jit-compiled) on the default JAX device; rule: an eta number
-    (traced) or a `wise_core.selection` rule (static)."""
+    (traced) or a `wise_core.selection` rule (static); context: a numpy SelectionContext (its
+    arrays traced)."""
+    if context is not None:
+        fields = _context_fields(context, jnp.asarray)
+        return np.asarray(_jax_select_context(jnp.asarray(mass), fields.seq_lens, fields.loop, fields.layer,
+                                              fields.head, fields.block, rule=rule, block_size=context.block_size))
     select = _jax_select_rule if isinstance(rule, rules.SelectionRule) else _jax_select
     return np.asarray(select(jnp.asarray(mass), rule))
 
 
 def selectors(device: str) -> dict:
-    """name -> select(mass float32[..., n_blocks], rule) -> bool[..., n_blocks] (rule: an eta number
-    or a `wise_core.selection` rule); 'numpy-spec' first."""
+    """name -> select(mass float32[..., n_blocks], rule, context=None) -> bool[..., n_blocks] (rule:
+    an eta number or a `wise_core.selection` rule; context: a numpy SelectionContext, which a
+    Custom(..., context=True) rule reads); 'numpy-spec' first."""
     return {"numpy-spec": ref.select_blocks, "torch": torch_selector(device), "jax": jax_selector}
 
 

@@ -19,14 +19,18 @@ Both frameworks are tested against these functions. Conventions (shared by every
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from wise_core import selection
 
 
-def select_blocks(mass: np.ndarray, rule) -> np.ndarray:
+def select_blocks(mass: np.ndarray, rule, context: selection.SelectionContext | None = None) -> np.ndarray:
     """mass: float[..., n_blocks] (finite, non-negative) -> bool[..., n_blocks] support chosen by
-    `rule` (a `wise_core.selection` rule, or a number: the eta rule with that eta)."""
+    `rule` (a `wise_core.selection` rule, or a number: the eta rule with that eta). context: a
+    `SelectionContext` of numpy arrays, which a Custom(..., context=True) rule reads (its rank
+    filled here)."""
     rule = selection.as_rule(rule)
     mass = np.asarray(mass)
     if mass.ndim == 0 or mass.shape[-1] == 0:
@@ -47,7 +51,11 @@ def select_blocks(mass: np.ndarray, rule) -> np.ndarray:
     elif isinstance(rule, selection.Threshold):
         keep_ranked = (ranked >= np.float32(rule.fraction) * total) & (ranked > 0)
     else:  # Custom: the user's choice, in block order
-        chosen = np.asarray(rule.fn(mass))
+        if context is not None:
+            rank = np.empty_like(order)
+            np.put_along_axis(rank, order, np.broadcast_to(np.arange(mass.shape[-1]), order.shape), axis=-1)
+            context = dataclasses.replace(context, rank=rank.astype(np.int32))
+        chosen = np.asarray(rule.choose(mass, context))
         if chosen.shape != mass.shape or chosen.dtype != np.bool_:
             raise ValueError(f"selection rule {rule.describe()!r} returned {chosen.dtype}{list(chosen.shape)}; "
                              f"it must return bool{list(mass.shape)}")

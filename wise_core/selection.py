@@ -15,6 +15,14 @@ rule keeps the block ranked first, so a support is never empty.
   jax.Array under jit, a torch.Tensor), and must treat each (row, head) on its own (tensor
   parallelism splits the heads); the block ranked first is OR-ed in. It hashes and
   compares by `fn`'s identity: pass the same function object to reuse a compilation.
+  `Custom(fn, name, context=True)`: fn(mass, context) also reads a `SelectionContext` -- each
+  row's keys, the loop, the layer, the head and block indices and each block's rank, arrays
+  of the same framework -- so "the top-k blocks and the newest one" or a per-layer table can be
+  written once for every framework:
+
+      def top2_and_newest(mass, ctx):     # mass [batch, heads, n_blocks] in a decode step
+          newest = (ctx.seq_lens - 1) // ctx.block_size
+          return (ctx.rank < 2) | (ctx.block[None, None, :] == newest[:, None, None])
 
 The numpy references are `wise_core.reference.select_blocks(mass, rule)`; wise_torch and wise_jax
 implement each rule in their `attention.select_blocks`.
@@ -24,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Callable
+from typing import Any, Callable
 
 
 def _is_int(x) -> bool:
@@ -90,14 +98,38 @@ class Threshold(SelectionRule):
         return f"threshold={self.fraction:g}"
 
 
+@dataclasses.dataclass(frozen=True)
+class SelectionContext:
+    """What a `Custom(..., context=True)` rule reads beside the block masses of a decode call,
+    every array of the framework running it (numpy, jax -- loop and layer may be traced --, torch):
+
+    seq_lens int[batch]: the keys each row attends (its position + 1; a row's newest block is
+    (seq_lens - 1) // block_size); loop, layer int32[] (0-d arrays: the decode step's loop and
+    layer); head int32[heads]: the index of each head along the masses' heads axis (under
+    tensor parallelism a device's own heads, numbered from 0); block int32[n_blocks]: 0, 1, ...;
+    rank int32[batch, heads, n_blocks]: each block's rank by mass (0 the largest, ties to the
+    lower index; filled by select_blocks, None where a context is built); block_size: keys per
+    block (a Python int)."""
+
+    seq_lens: Any
+    loop: Any
+    layer: Any
+    head: Any
+    block: Any
+    block_size: int
+    rank: Any = None
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Custom(SelectionRule):
     """A user rule: fn(mass float32[..., n_blocks]) -> bool[..., n_blocks] of the same shape,
-    in the calling framework's array type; the block ranked first is always kept. Equal and
-    hashed by the identity of fn (a static jit argument then retraces only for a new fn)."""
+    in the calling framework's array type, or with context=True fn(mass, SelectionContext); the
+    block ranked first is always kept. Equal and hashed by the identity of fn, the label and
+    the context flag (a static jit argument then retraces only for a new fn)."""
 
     fn: Callable
     label: str = "custom"
+    context: bool = False
     name = "custom"
 
     def __post_init__(self) -> None:
@@ -105,12 +137,24 @@ class Custom(SelectionRule):
             raise ValueError(f"Custom: fn must be callable, got {self.fn!r}")
         if not isinstance(self.label, str) or not self.label:
             raise ValueError(f"Custom: label must be a non-empty string, got {self.label!r}")
+        if not isinstance(self.context, bool):
+            raise ValueError(f"Custom: context must be True or False, got {self.context!r}")
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, Custom) and other.fn is self.fn and other.label == self.label
+        return (isinstance(other, Custom) and other.fn is self.fn and other.label == self.label
+                and other.context == self.context)
 
     def __hash__(self) -> int:
-        return hash((Custom, id(self.fn), self.label))
+        return hash((Custom, id(self.fn), self.label, self.context))
+
+    def choose(self, mass, context: SelectionContext | None):
+        """fn's choice for `mass` (with `context`, which a context rule must be given)."""
+        if not self.context:
+            return self.fn(mass)
+        if context is None:
+            raise ValueError(f"selection rule {self.label!r} reads a SelectionContext (Custom(..., context=True)) "
+                             f"but this call passes none")
+        return self.fn(mass, context)
 
     def describe(self) -> str:
         return self.label

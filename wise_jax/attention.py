@@ -11,6 +11,9 @@ the public entry of both implementations (docs/DESIGN.md).
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -23,10 +26,11 @@ from wise_jax.decode_check import check_call
 KERNELS = FRAMEWORK_KERNELS["jax"]
 
 
-def select_blocks(mass: jax.Array, rule) -> jax.Array:
+def select_blocks(mass: jax.Array, rule, context: rules.SelectionContext | None = None) -> jax.Array:
     """mass: float[..., n_blocks] (non-negative) -> bool[..., n_blocks] support chosen by `rule`:
     a `wise_core.selection` rule (static), or an eta value (a number or an array, may be traced:
-    the eta rule) (`wise_core.reference.select_blocks`).
+    the eta rule) (`wise_core.reference.select_blocks`). context: the `SelectionContext` (jax
+    arrays) a Custom(..., context=True) rule reads; its rank is filled here.
 
     Blocks are ranked by float32 mass descending (ties to the lower index); the first is always
     kept. Eta: keep the block at rank r iff the mass ranked before it is < eta * total."""
@@ -45,7 +49,9 @@ def select_blocks(mass: jax.Array, rule) -> jax.Array:
     elif isinstance(rule, rules.Threshold):
         keep_ranked = (ranked >= jnp.float32(rule.fraction) * total) & (ranked > 0)
     else:
-        chosen = rule.fn(mass)
+        if context is not None:
+            context = dataclasses.replace(context, rank=jnp.argsort(order, axis=-1).astype(jnp.int32))
+        chosen = rule.choose(mass, context)
         if getattr(chosen, "shape", None) != mass.shape or getattr(chosen, "dtype", None) != jnp.bool_:
             got = f"{chosen.dtype}{list(chosen.shape)}" if hasattr(chosen, "shape") else type(chosen).__name__
             raise ValueError(f"selection rule {rule.describe()!r} returned {got}; it must return "
@@ -138,7 +144,7 @@ def attention_impl(kernel: str, head_dim: int | None = None):
     if resolve_kernel(kernel, head_dim) == "reference":
         return decode_attention_reference
     try:
-        from wise_jax.kernels.pallas_decode import decode_attention as _  # noqa: F401
+        importlib.import_module("wise_jax.kernels.pallas_decode")
     except ImportError as e:
         raise ImportError(f"kernel='pallas' needs wise_jax.kernels.pallas_decode.decode_attention, which "
                           f"cannot be imported ({e}); use kernel='reference'") from e
@@ -149,7 +155,8 @@ def attention_impl(kernel: str, head_dim: int | None = None):
 def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size: int,
                      eta: float, scale: float | None = None, return_mass: bool = False,
                      kernel: str = "auto", validate: bool = True, reuse: bool = False,
-                     selection: rules.SelectionRule | None = None):
+                     selection: rules.SelectionRule | None = None,
+                     selection_context: rules.SelectionContext | None = None):
     """decode_attention_reference's contract, run by `kernel` ('reference', 'pallas' or 'auto').
     reuse: a call of WISE's reuse loops: every row SPARSE or DENSE (checked with validate), most
     of them SPARSE; support' is the support held and the mass zeros, as for any row that does
@@ -160,7 +167,8 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
     selection: a rule other than eta (`wise_core.selection`; None or `Eta`: the eta rule of
     `eta`, computed inside the call): the call returns its block mass and the discovery rows'
     supports are the rule's selection of it (`update_support`), so every kernel runs any rule
-    unchanged."""
+    unchanged; selection_context: what a Custom(..., context=True) rule reads (`wise_state`
+    builds it for each loop and layer)."""
     if isinstance(selection, rules.Eta):
         eta, selection = selection.eta, None
     fn = attention_impl(kernel, q.shape[-1])
@@ -169,5 +177,5 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
                   scale=scale, return_mass=return_mass, validate=validate, reuse=reuse)
     out, _, mass = fn(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size, eta=eta,
                       scale=scale, return_mass=True, validate=validate, reuse=reuse)
-    new_support = update_support(modes, support, select_blocks(mass, rules.as_rule(selection)))
+    new_support = update_support(modes, support, select_blocks(mass, rules.as_rule(selection), selection_context))
     return (out, new_support, mass) if return_mass else (out, new_support)

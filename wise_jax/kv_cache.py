@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from wise_core.config import ModelConfig
+from wise_jax import checks
 
 
 class PoolExhaustedError(RuntimeError):
@@ -78,14 +79,11 @@ def create(config: ModelConfig, *, batch: int, max_pages: int, num_pages: int, p
            dtype=jnp.float32, planes: int | None = None) -> PagedKVCache:
     """An empty cache: zeroed storage (so unused pages hold finite values), every page free,
     every page-table entry on the scratch page. planes: None for Ouro's loops * layers (a Huginn
-    cache passes `wise_core.huginn_reference.num_planes`)."""
-    for name, value in (("batch", batch), ("max_pages", max_pages), ("num_pages", num_pages),
-                        ("page_size", page_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"PagedKVCache {name} must be a positive integer, got {value!r}")
+    cache passes `wise_core.huginn_reference.num_planes`). The arguments are checked
+    (`checks.cache_settings`)."""
+    checks.cache_settings(config, batch=batch, max_pages=max_pages, num_pages=num_pages, page_size=page_size,
+                          dtype=dtype, planes=planes)
     planes = config.total_ut_steps * config.num_hidden_layers if planes is None else planes
-    if not isinstance(planes, int) or isinstance(planes, bool) or planes <= 0:
-        raise ValueError(f"PagedKVCache planes must be a positive integer, got {planes!r}")
     shape = (planes, num_pages + 1, page_size, config.num_key_value_heads, config.head_dim)
     return PagedKVCache(
         k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
@@ -222,11 +220,10 @@ def insert(cache: PagedKVCache, k: jax.Array, v: jax.Array, length: jax.Array, s
 
     k, v: [planes, n * page_size, kv_heads, head_dim], valid up to `length` (int32[], with
     pages_for(length) == n); the pages are written whole. When the pages do not fit the pool,
-    nothing is written and `overflowed` is set."""
+    nothing is written and `overflowed` is set. The K/V are checked against the cache
+    (`checks.request_kv`: planes, heads, head_dim, dtype, whole pages)."""
+    checks.request_kv(cache, k, v, length)
     planes, span, kv_heads, dim = k.shape
-    if span % cache.page_size or span // cache.page_size > cache.max_pages:
-        raise ValueError(f"K/V of {span} positions is not a whole number of pages of {cache.page_size} "
-                         f"within the {cache.max_pages} a row holds")
     n = span // cache.page_size
     cache, fits = try_reserve(cache, cache.seq_lens.at[slot].set(length))
     pages = jax.lax.dynamic_index_in_dim(cache.page_table, slot, 0, keepdims=False)[:n]

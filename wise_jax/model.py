@@ -25,6 +25,7 @@ from jax import lax
 
 from wise_core import modes as M
 from wise_core.config import ModelConfig, WiseConfig
+from wise_jax import checks
 from wise_jax import kv_cache as kvc
 from wise_jax import wise_state as ws
 from wise_jax.attention import decode_attention
@@ -186,7 +187,8 @@ def forward_with_exits(params: Params, config: ModelConfig, input_ids: jax.Array
     exit probabilities float32[loops, batch, seq]). Differentiable; `remat` recomputes each
     layer in the backward pass (only layer inputs are kept). attention: see
     `prefill_attention.causal_attention`. Bad ids and too-long sequences raise ValueError
-    (`check_input_ids`)."""
+    (`check_input_ids`); params that do not match config raise (`checks.params`)."""
+    checks.params(params, config)
     check_input_ids(config, input_ids, 2)
     batch, seq = input_ids.shape
     h = embed(params, input_ids)
@@ -214,7 +216,9 @@ def exits_for(config: ModelConfig, h: jax.Array) -> ExitState | None:
 def forward(params: Params, config: ModelConfig, input_ids: jax.Array, *, remat: bool = False,
             attention: str = "auto") -> jax.Array:
     """input_ids int32[batch, seq] -> logits float32[batch, seq, vocab] of each token's exit loop
-    (every loop runs; the last loop's when early_exit_threshold is 1)."""
+    (every loop runs; the last loop's when early_exit_threshold is 1). Checked as
+    `forward_with_exits`."""
+    checks.params(params, config)
     if config.early_exit_threshold >= 1.0:
         return forward_with_exits(params, config, input_ids, remat=remat, attention=attention)[0]
     check_input_ids(config, input_ids, 2)
@@ -245,7 +249,9 @@ def prefill(params: Params, config: ModelConfig, tokens: jax.Array, length: jax.
     (a prompt's scores, SamplingParams.prompt_logprobs). The K/V buffers are written in place
     layer by layer (no per-loop copies). The layers always run
     as a scan (one quick compile per prompt bucket): unstacked weights are stacked here, one copy
-    of the layer weights per call, small beside the prefill's own work."""
+    of the layer weights per call, small beside the prefill's own work. The arguments are
+    checked against config (`checks.prefill`)."""
+    checks.prefill(params, config, tokens, length)
     params = stack_layers(params)
     seq = tokens.shape[0]
     planes = config.total_ut_steps * config.num_hidden_layers
@@ -297,7 +303,10 @@ def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, st
     no row overflows. scan_loops: each run of consecutive loops of one role (all loops dense;
     WISE's discovery loops, its reuse loops: `WiseConfig.role_runs`) runs as a `lax.scan` of one
     loop body, the plane index traced, so the program holds one copy of the layers per run, not
-    per loop (a shorter compile); False: every loop straight-line, the same arithmetic."""
+    per loop (a shorter compile); False: every loop straight-line, the same arithmetic. Every
+    argument is checked against config, wise_config and the others before anything is traced
+    (`checks.decode_step`)."""
+    checks.decode_step(params, config, cache, state, tokens, slots, wise_config, width)
     batch = tokens.shape[0]
     active = slots >= 0
     positions = cache.seq_lens

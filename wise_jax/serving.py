@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from wise_core.config import ModelConfig, WiseConfig
+from wise_jax import checks
 from wise_jax import kv_cache as kvc
 from wise_jax import sharding
 from wise_jax import wise_state as ws
@@ -97,7 +98,9 @@ def prefill(params: Params, config: ModelConfig, tokens: Sequence[int], *, page_
     The prompt is padded to whole pages of `page_size` (pad id: config.pad_token_id or 0);
     attention: see `wise_jax.prefill_attention`; unroll: layers per scan step; mesh: see the
     module docstring (the K/V come back sharded on kv_heads); all_logits: the logits are
-    (those, the logits float32[padded length, vocab] at every position), `model.prefill`'s."""
+    (those, the logits float32[padded length, vocab] at every position), `model.prefill`'s.
+    params are checked against config (`checks.prefill`)."""
+    checks.prefill(params, config, tokens)
     ids = check_ids(tokens, config, "tokens")
     if len(ids) > config.max_position_embeddings:
         raise ValueError(f"a prompt of {len(ids)} tokens exceeds max_position_embeddings "
@@ -118,7 +121,9 @@ def _insert(cache: kvc.PagedKVCache, kv: RequestKV, slot) -> kvc.PagedKVCache:
 
 def insert(cache: kvc.PagedKVCache, kv: RequestKV, slot: int) -> kvc.PagedKVCache:
     """Store a prefilled request in the empty cache row `slot` (donates `cache`). Raises
-    ValueError for a slot out of range or in use, PoolExhaustedError when its pages do not fit."""
+    ValueError for a slot out of range or in use or K/V that do not fit the cache
+    (`checks.request_kv`), PoolExhaustedError when its pages do not fit."""
+    checks.request_kv(cache, getattr(kv, "k", None), getattr(kv, "v", None))
     rows = cache.seq_lens.shape[0]
     if not isinstance(slot, numbers.Integral) or not 0 <= slot < rows:
         raise ValueError(f"slot must be an integer in [0, {rows}), got {slot!r}")
@@ -141,7 +146,9 @@ def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, st
     (logits float32[rows, vocab], cache, state). Check `cache.overflowed` after it. Pass
     unstacked params (`params.unstack_layers`, as `LLM` does) for the fast step: stacked ones
     run a scan that copies each layer's weights every step. mesh: see the module docstring.
-    width: the context bucket (`model.decode_step`; None: the whole page table)."""
+    width: the context bucket (`model.decode_step`; None: the whole page table). The arguments
+    are checked when traced, before the step is (`checks.decode_step`)."""
+    checks.decode_step(params, config, cache, state, tokens, slots, wise_config, width)
     TRACES["decode_step"] += 1
     return sharding.decode_step(params, config, cache, state, tokens, slots, wise_config=wise_config,
                                 kernel=kernel, unroll=unroll, mesh=mesh, width=width)

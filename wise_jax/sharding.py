@@ -43,8 +43,6 @@ AXIS = "tp"
 KV_SPEC = P(None, None, None, AXIS, None)          # [planes, pages, page_size, kv_heads, head_dim]
 CACHE_SPECS = kvc.PagedKVCache(k=KV_SPEC, v=KV_SPEC, page_table=P(), seq_lens=P(), free_pages=P(), num_free=P(),
                                overflowed=P())
-STATE_SPECS = ws.WiseState(support=P(None, None, AXIS, None), tag_request=P(), tag_position=P(), depths_run=P(),
-                           fallbacks=P(), selected_blocks=P(), causal_blocks=P())
 REQUEST_KV_SPEC = P(None, None, AXIS, None)        # a prefill's k, v [planes, seq, kv_heads, head_dim]
 
 
@@ -190,11 +188,20 @@ def create_cache(config: ModelConfig, mesh: Mesh | None, **kw) -> kvc.PagedKVCac
     return jax.jit(lambda: kvc.create(config, **kw), out_shardings=_named(mesh, CACHE_SPECS))()
 
 
+def state_specs(state: ws.WiseState) -> ws.WiseState:
+    """The PartitionSpec of every array of a WISE state (of its layout: `state`'s static fields):
+    support sharded on heads, tags and counters replicated."""
+    replicated = {name: P() for name in ("tag_request", "tag_position", "depths_run", "fallbacks",
+                                         "selected_blocks", "causal_blocks")}
+    return dataclasses.replace(state, support=P(None, None, AXIS, None), **replicated)
+
+
 def create_state(wise_config, mesh: Mesh | None, **kw) -> ws.WiseState:
     """`wise_state.create(wise_config, **kw)`, made sharded on the mesh (support on heads)."""
     if mesh is None:
         return ws.create(wise_config, **kw)
-    return jax.jit(lambda: ws.create(wise_config, **kw), out_shardings=_named(mesh, STATE_SPECS))()
+    specs = state_specs(jax.eval_shape(lambda: ws.create(wise_config, **kw)))
+    return jax.jit(lambda: ws.create(wise_config, **kw), out_shardings=_named(mesh, specs))()
 
 
 def decode_step(params: Params | MeshParams, config: ModelConfig, cache: kvc.PagedKVCache, state: ws.WiseState | None,
@@ -225,10 +232,10 @@ def decode_step(params: Params | MeshParams, config: ModelConfig, cache: kvc.Pag
                 causal_blocks=state.causal_blocks + lax.psum(new.causal_blocks, AXIS))
         return (logits, cache, new, *depths)
 
-    state_specs = None if state is None else STATE_SPECS
+    states = None if state is None else state_specs(state)
     depth_specs = (P(),) if return_depths else ()
-    return jax.shard_map(step, mesh=mesh, in_specs=(param_specs(params), CACHE_SPECS, state_specs, P(), P()),
-                         out_specs=(P(), CACHE_SPECS, state_specs, *depth_specs), check_vma=False)(
+    return jax.shard_map(step, mesh=mesh, in_specs=(param_specs(params), CACHE_SPECS, states, P(), P()),
+                         out_specs=(P(), CACHE_SPECS, states, *depth_specs), check_vma=False)(
         params, cache, state, tokens, slots)
 
 

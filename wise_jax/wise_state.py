@@ -19,12 +19,15 @@ import numpy as np
 
 from wise_core import modes as M
 from wise_core.config import WiseConfig
+from wise_core.selection import SelectionContext
+from wise_jax import checks
 from wise_jax.attention import causal_blocks, decode_attention
 
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["support", "tag_request", "tag_position", "depths_run", "fallbacks",
-                                "selected_blocks", "causal_blocks"], meta_fields=[])
+                                "selected_blocks", "causal_blocks"],
+                   meta_fields=["block_size", "discover_depths", "reuse_depths"])
 @dataclasses.dataclass
 class WiseState:
     """support bool[layers, slots, heads, max_blocks]; tag_request, tag_position int32[layers,
@@ -32,7 +35,8 @@ class WiseState:
     fallbacks int32[] ((token, layer) pairs that fell back to dense at a reuse depth);
     selected_blocks, causal_blocks float32[n_reuse], in reuse_depths order: sums over reuse-depth
     calls, per (row, head), of the causal blocks attended (all of them on a fallback) and of the
-    causal blocks."""
+    causal blocks. block_size, discover_depths, reuse_depths (static): those of the WiseConfig
+    the state was made for, which a decode step checks its WiseConfig against (`wise_jax.checks`)."""
 
     support: jax.Array
     tag_request: jax.Array
@@ -41,6 +45,9 @@ class WiseState:
     fallbacks: jax.Array
     selected_blocks: jax.Array
     causal_blocks: jax.Array
+    block_size: int
+    discover_depths: tuple[int, ...]
+    reuse_depths: tuple[int, ...]
 
     def density(self, wise_config: WiseConfig) -> dict[int, float | None]:
         """Per reuse depth: selected / causal blocks over its calls (None before any); on the host."""
@@ -50,7 +57,8 @@ class WiseState:
 
 
 def create(wise_config: WiseConfig, *, slots: int, layers: int, heads: int, max_blocks: int) -> WiseState:
-    """A state with no support recorded (tags -1) and zero counters."""
+    """A state with no support recorded (tags -1) and zero counters, for `wise_config`."""
+    checks.state_settings(wise_config, slots=slots, layers=layers, heads=heads, max_blocks=max_blocks)
     n_reuse = len(wise_config.reuse_depths)
     return WiseState(
         support=jnp.zeros((layers, slots, heads, max_blocks), bool),
@@ -59,7 +67,9 @@ def create(wise_config: WiseConfig, *, slots: int, layers: int, heads: int, max_
         depths_run=jnp.zeros((layers, slots), jnp.int32),
         fallbacks=jnp.zeros((), jnp.int32),
         selected_blocks=jnp.zeros((n_reuse,), jnp.float32),
-        causal_blocks=jnp.zeros((n_reuse,), jnp.float32))
+        causal_blocks=jnp.zeros((n_reuse,), jnp.float32),
+        block_size=wise_config.block_size, discover_depths=wise_config.discover_depths,
+        reuse_depths=wise_config.reuse_depths)
 
 
 def reset_counters(state: WiseState) -> WiseState:
@@ -143,7 +153,9 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int | jax.Ar
     left as they were. validate: check the attention's input values (`decode_check.check_call`; the
     decode step, which builds them by construction, passes False); count: at a reuse depth, add
     this layer's fallbacks and density counts (the decode step passes False and counts every
-    layer at once, `count_reuse`). Returns (out [batch, heads, head_dim], state).
+    layer at once, `count_reuse`). A Custom(..., context=True) selection rule reads this call's
+    `SelectionContext` (seq_lens, the loop and layer as int32 arrays, head and block indices).
+    Returns (out [batch, heads, head_dim], state).
     """
     if role is None:
         if not isinstance(loop, int):
@@ -168,9 +180,13 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int | jax.Ar
     else:
         modes = jnp.full((batch,), M.DENSE, jnp.int32)
 
+    context = SelectionContext(seq_lens=seq_lens, loop=jnp.asarray(loop, jnp.int32), layer=jnp.asarray(layer, jnp.int32),
+                               head=jnp.arange(q.shape[1], dtype=jnp.int32),
+                               block=jnp.arange(n_blocks, dtype=jnp.int32), block_size=wise_config.block_size)
     out, new_support = decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support,
                                         block_size=wise_config.block_size, eta=wise_config.eta, kernel=kernel,
-                                        validate=validate, reuse=role == "reuse", selection=wise_config.selection)
+                                        validate=validate, reuse=role == "reuse", selection=wise_config.selection,
+                                        selection_context=context)
     causal = causal_blocks(seq_lens, wise_config.block_size, n_blocks)       # [batch, n_blocks]
 
     if role == "discover":

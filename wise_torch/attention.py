@@ -143,9 +143,10 @@ def resolve_dense_decode(name: str, device: torch.device | str, dtype: torch.dty
     return fa4.decode_attention_dense
 
 
-def select_blocks(mass: torch.Tensor, rule) -> torch.Tensor:
+def select_blocks(mass: torch.Tensor, rule, context: rules.SelectionContext | None = None) -> torch.Tensor:
     """A selection rule (`wise_core.selection`; a number: the eta rule with that eta), vectorised:
-    `wise_core.reference.select_blocks`'s.
+    `wise_core.reference.select_blocks`'s. context: the `SelectionContext` (torch tensors) a
+    Custom(..., context=True) rule reads; its rank is filled here.
 
     mass: float[..., n_blocks], non-negative (not checked: no host sync) -> bool[..., n_blocks].
     Blocks are ranked by float32 mass, descending, ties to the lower index; the first is always
@@ -165,7 +166,11 @@ def select_blocks(mass: torch.Tensor, rule) -> torch.Tensor:
     elif isinstance(rule, rules.Threshold):
         keep_ranked = (ranked >= total * rule.fraction) & (ranked > 0)
     else:
-        chosen = rule.fn(mass)
+        if context is not None:
+            index = torch.arange(mass.shape[-1], device=mass.device, dtype=torch.int32).expand(order.shape)
+            rank = torch.empty_like(order, dtype=torch.int32).scatter_(-1, order, index)
+            context = dataclasses.replace(context, rank=rank)
+        chosen = rule.choose(mass, context)
         if not isinstance(chosen, torch.Tensor) or chosen.shape != mass.shape or chosen.dtype != torch.bool:
             got = f"{chosen.dtype}{list(chosen.shape)}" if isinstance(chosen, torch.Tensor) else type(chosen).__name__
             raise ValueError(f"selection rule {rule.describe()!r} returned {got}; it must return a "
@@ -269,17 +274,17 @@ def select_after(fn: Callable, selection: rules.SelectionRule) -> Callable:
     """`fn` (a decode_attention implementation) running `selection` instead of the eta rule: the
     call returns its block mass and the discovery rows' supports become the rule's selection of
     it (`update_support`, onto a copy of the support held), so every kernel runs any rule
-    unchanged."""
+    unchanged. The call takes selection_context, what a Custom(..., context=True) rule reads."""
     selection = rules.as_rule(selection)
 
     def call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, return_mass: bool = False,
-             reuse: bool = False, **kwargs):
+             reuse: bool = False, selection_context: rules.SelectionContext | None = None, **kwargs):
         if reuse:   # a reuse call selects nothing
             return fn(q, k_pages, v_pages, page_table, seq_lens, modes, support, return_mass=return_mass,
                       reuse=True, **kwargs)
         held = support.clone()
         out, _, mass = fn(q, k_pages, v_pages, page_table, seq_lens, modes, support, return_mass=True, **kwargs)
-        support.copy_(update_support(modes, held, select_blocks(mass, selection)))
+        support.copy_(update_support(modes, held, select_blocks(mass, selection, selection_context)))
         return (out, support, mass) if return_mass else (out, support)
     return call
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from wise_core.config import ModelConfig, WiseConfig
+from wise_core.selection import Custom, SelectionContext
 from wise_torch.attention import prefill_attention
 from wise_torch.early_exit import ExitState
 from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch
@@ -209,6 +210,8 @@ class DecodeContext(PagedContext):
         self.verified, self.exits = verified, exits
         wise_config = wise.config if wise is not None else WiseConfig()
         self.block_size, self.eta = wise_config.block_size, wise_config.eta
+        rule = wise_config.selection
+        self.context_rule = isinstance(rule, Custom) and rule.context    # reads a SelectionContext
         # The blocks the step's page table covers: the decode step's context bucket.
         self.blocks = batch.page_table.shape[1] * cache.page_size // self.block_size
         self.dense_modes, self.unused_support = dense_modes, unused_support[:, :, :self.blocks]
@@ -235,9 +238,25 @@ class DecodeContext(PagedContext):
             modes, support = self.dense_modes, self.unused_support
         else:
             modes, support = self.modes[layer], self.wise.support_of(layer, self.batch.size, self.blocks)
+        context = {}
+        if self.context_rule and self.role == "discover":
+            context["selection_context"] = self.selection_context(q, loop, layer)
         out, _ = self.attention(q, k_plane, v_plane, self.batch.page_table, self.batch.seq_lens, modes, support,
-                                block_size=self.block_size, eta=self.eta, reuse=self.role != "discover")
+                                block_size=self.block_size, eta=self.eta, reuse=self.role != "discover", **context)
         return out
+
+    def selection_context(self, q: torch.Tensor, loop: int, layer: int) -> SelectionContext:
+        """What a Custom(..., context=True) rule reads at (loop, layer): the rows' seq_lens, the
+        loop and layer as int32 tensors, the head and block indices (made on q's device by
+        kernels, never copied from the host, so a CUDA graph can capture them)."""
+        def index(n: int) -> torch.Tensor:
+            return torch.arange(n, dtype=torch.int32, device=q.device)
+
+        def scalar(x: int) -> torch.Tensor:
+            return torch.full((), x, dtype=torch.int32, device=q.device)
+
+        return SelectionContext(seq_lens=self.batch.seq_lens, loop=scalar(loop), layer=scalar(layer),
+                                head=index(q.shape[1]), block=index(self.blocks), block_size=self.block_size)
 
 
 # -- the model ------------------------------------------------------------------------------------

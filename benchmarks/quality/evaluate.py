@@ -12,7 +12,11 @@ followed by a `--continuation` of held-out text. Per eta it reports
 - NLL difference: per context, the mean NLL (nats/token) of the teacher-forced continuation
   under WISE minus under dense decode, with a paired bootstrap 95% interval over contexts;
 - density: the reused-union support density per reuse depth over all WISE decode steps (forced
-  and greedy; per-call densities weighted by their tokens), and the dense fallbacks.
+  and greedy; jax: the selected over the causal blocks of every step, `wise_jax.evaluation`;
+  torch: per-call densities weighted by their tokens), and the dense fallbacks.
+Each setting is a `wise_core.evaluation.Arm`; with `--backend jax` it is decoded by
+`wise_jax.evaluation.evaluate` (the functional model's `score` and `greedy`), with torch by the
+engine's teacher_force and generate.
 `qa`: greedy answers (`--max-new-tokens`, stopping at eos; the first line is the answer) to the
 prompts of `qa_scoring.PROMPT_TEMPLATE`, scored by EM and token F1 for dense decode and WISE,
 with the paired bootstrap interval of the F1 difference.
@@ -40,47 +44,7 @@ from benchmarks.quality import qa_scoring, stdlib_corpus
 from benchmarks import report as rp
 from wise_core.checkpoint import DEFAULT_MODEL
 from wise_core.config import WiseConfig
-
-
-# -- statistics -------------------------------------------------------------------------------
-def paired_bootstrap(a, b, *, n_resamples: int = 10_000, confidence: float = 0.95,
-                     seed: int = 0) -> tuple[float, float, float]:
-    """Mean of the paired differences a - b and its percentile bootstrap interval.
-
-    a, b: [n] per-sample values of two systems on the same samples.
-    Returns (mean, low, high), the interval at `confidence`.
-    """
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    if a.ndim != 1 or a.shape != b.shape:
-        raise ValueError(f"paired samples must be 1-D of the same length, got {a.shape} and {b.shape}")
-    d = a - b
-    if d.size == 0:
-        raise ValueError("paired_bootstrap needs at least one sample")
-    if not 0.0 < confidence < 1.0:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
-    rng = np.random.default_rng(seed)
-    means = np.empty(n_resamples)
-    chunk = max(1, 2_000_000 // d.size)  # bound the index matrix to ~16 MB
-    for start in range(0, n_resamples, chunk):
-        stop = min(start + chunk, n_resamples)
-        means[start:stop] = d[rng.integers(0, d.size, (stop - start, d.size))].mean(1)
-    tail = (1.0 - confidence) / 2
-    low, high = np.quantile(means, [tail, 1.0 - tail])
-    return float(d.mean()), float(low), float(high)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def _interval(mean_low_high: tuple[float, float, float]) -> dict:
-    return dict(zip(("mean", "low", "high"), mean_low_high))
+from wise_core.evaluation import Arm, interval, paired_bootstrap
 
 
 # -- backends ---------------------------------------------------------------------------------
@@ -123,6 +87,31 @@ class Backend:
     def forced(self, contexts, continuations, wise_config):
         out = self.lib.teacher_force(*self._args(), contexts, continuations, wise_config=wise_config)
         return [np.asarray(lp, np.float64) for lp in out.logprobs], self._stats(out.stats)
+
+    def arm(self, contexts, continuations, wise_config, *, greedy: int, batch: int, dense: Arm | None, seed: int,
+            progress) -> Arm:
+        """One setting on the pairs -> `wise_core.evaluation.Arm`: jax by `wise_jax.evaluation.evaluate`
+        (the functional model; density pooled from the block counts), torch by the engine's
+        teacher_force and generate (density: the calls' densities weighted by their tokens)."""
+        if self.name == "jax":
+            from wise_jax import evaluation
+            out = evaluation.evaluate(self.params, self.config, wise_config, contexts, continuations,
+                                      greedy_tokens=greedy, dense=dense, tokenizer=self.tokenizer, batch=batch, seed=seed)
+            progress(len(contexts))
+            return out
+        logprobs, tokens, meter = [], [], DensityMeter()
+        for sl in _batches(len(contexts), batch):
+            forced, stats = self.forced(contexts[sl], continuations[sl], wise_config)
+            meter.add(stats)
+            chosen, stats = self.greedy(contexts[sl], greedy, wise_config, stop_at_eos=False)
+            meter.add(stats)
+            logprobs += forced
+            tokens += chosen
+            progress(sl.stop - sl.start)
+        pooled = meter.result()
+        return Arm(wise_config, logprobs, np.array([len(self.tokenizer.decode(c).encode("utf-8")) for c in continuations]),
+                   tokens, None if wise_config is None else {int(d): v for d, v in pooled["density"].items()},
+                   None if wise_config is None else pooled["fallbacks"], dense, seed)
 
     def greedy(self, prompts, max_new_tokens: int, wise_config, *, stop_at_eos: bool):
         kwargs = {} if stop_at_eos else {"eos_token_id": None}
@@ -172,42 +161,31 @@ def heldout_contexts(backend: Backend, args) -> list[tuple[list[int], list[int]]
 def run_text(backend: Backend, args) -> dict:
     pairs = heldout_contexts(backend, args)
     contexts, continuations = [p[0] for p in pairs], [p[1] for p in pairs]
-    batches = _batches(len(pairs), args.batch)
     settings = [None] + [WiseConfig(eta=eta, kernel=args.kernel) for eta in args.etas]
-    forced: dict[str, list[np.ndarray]] = {}
-    greedy: dict[str, list[list[int]]] = {}
-    meters: dict[str, DensityMeter] = {}
+    arms: dict[str, Arm] = {}
     seconds: dict[str, float] = {}
     with tqdm(total=len(settings) * len(pairs), desc="text", unit="ctx", disable=args.quiet) as bar:
         for wise in settings:
             key = "dense" if wise is None else f"{wise.eta:g}"
-            forced[key], greedy[key], meters[key] = [], [], DensityMeter()
+            bar.set_postfix(setting=key)
             start = time.perf_counter()
-            for sl in batches:
-                logprobs, stats = backend.forced(contexts[sl], continuations[sl], wise)
-                forced[key] += logprobs
-                meters[key].add(stats)
-                tokens, stats = backend.greedy(contexts[sl], args.greedy, wise, stop_at_eos=False)
-                greedy[key] += tokens
-                meters[key].add(stats)
-                bar.set_postfix(setting=key)
-                bar.update(sl.stop - sl.start)
+            arms[key] = backend.arm(contexts, continuations, wise, greedy=args.greedy, batch=args.batch,
+                                    dense=arms.get("dense"), seed=args.seed, progress=bar.update)
             seconds[key] = time.perf_counter() - start
 
-    dense_nll = np.array([-lp.mean() for lp in forced["dense"]])
+    dense_nll = arms["dense"].nll
     rows = []
     for eta in args.etas:
-        key = f"{eta:g}"
-        nll = np.array([-lp.mean() for lp in forced[key]])
-        prefix = np.array([common_prefix(a, b) / args.greedy for a, b in zip(greedy[key], greedy["dense"])])
+        arm = arms[f"{eta:g}"]
+        prefix = arm.prefix_agreement
         rows.append({
             "eta": eta,
-            "nll_diff": _interval(paired_bootstrap(nll, dense_nll, seed=args.seed)),
-            "greedy_prefix_agreement": _interval(paired_bootstrap(prefix, np.zeros_like(prefix), seed=args.seed)),
+            "nll_diff": arm.nll_diff,
+            "greedy_prefix_agreement": interval(paired_bootstrap(prefix, np.zeros_like(prefix), seed=args.seed)),
             "greedy_full_match": float(np.mean(prefix == 1.0)),
-            **meters[key].result(),
-            "seconds": round(seconds[key], 1),
-            "per_context": {"nll": nll.tolist(), "prefix_agreement": prefix.tolist()},
+            "density": {str(d): v for d, v in arm.density.items()}, "fallbacks": arm.fallbacks,
+            "seconds": round(seconds[f"{eta:g}"], 1),
+            "per_context": {"nll": arm.nll.tolist(), "prefix_agreement": prefix.tolist()},
         })
     return {"rows": rows, "dense": {"nll_mean": float(dense_nll.mean()), "per_context_nll": dense_nll.tolist(),
                                     "seconds": round(seconds["dense"], 1)},
@@ -305,8 +283,8 @@ def run_qa(backend: Backend, args) -> dict:
         key = f"{eta:g}"
         em, f1 = scores(key)
         rows.append({"eta": eta, "em": float(em.mean()), "f1": float(f1.mean()),
-                     "f1_diff": _interval(paired_bootstrap(f1, dense_f1, seed=args.seed)),
-                     "em_diff": _interval(paired_bootstrap(em, dense_em, seed=args.seed)),
+                     "f1_diff": interval(paired_bootstrap(f1, dense_f1, seed=args.seed)),
+                     "em_diff": interval(paired_bootstrap(em, dense_em, seed=args.seed)),
                      "same_answer": float(np.mean([a == b for a, b in zip(answers[key], answers["dense"])])),
                      **meters[key].result()})
     return {"rows": rows, "dense": {"em": float(dense_em.mean()), "f1": float(dense_f1.mean())},

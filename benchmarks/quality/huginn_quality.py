@@ -16,7 +16,7 @@ numpy specification, float64 on the checkpoint's weights; initial state seed 0 f
   `AdaptiveDepth`, at each `--thresholds`, at most the arm's maximum depth).
 Arms: dense at each of `--depths`; WISE (`huginn_wise_config`: discovery on iterations 0 and 1,
 reuse on the rest) at each depth; adaptive depth at the largest depth per threshold. Differences
-carry a paired bootstrap 95% interval over contexts (`evaluate.paired_bootstrap`).
+carry a paired bootstrap 95% interval over contexts (`wise_core.evaluation.paired_bootstrap`).
 
 Writes huginn_quality.json (every per-context value, the settings, machine, versions, date) and
 huginn_quality.md into `--out`. On 2 shared CPU cores the defaults on `huginn-py-3m` take ~7 minutes.
@@ -36,9 +36,9 @@ import numpy as np
 
 from benchmarks import report as rp
 from benchmarks.quality import stdlib_corpus
-from benchmarks.quality.evaluate import _interval, common_prefix, paired_bootstrap
 from wise_core.checkpoint import load_checkpoint
 from wise_core.config import AdaptiveDepth, huginn_wise_config
+from wise_core.evaluation import common_prefix, interval, paired_bootstrap
 from wise_core.huginn_reference import HuginnCache, huginn_forward, huginn_weights
 
 N_BYTES = 256
@@ -117,7 +117,7 @@ def run(args) -> dict:
                "per_context": {"bits_per_byte": bpb.tolist(), "forced_tokens_changed": forced_changed.tolist(),
                                "greedy_tokens_changed": greedy_changed.tolist()}}
         if name != row["against"]:
-            row["bpb_diff"] = _interval(paired_bootstrap(bpb, base_bpb, seed=args.seed))
+            row["bpb_diff"] = interval(paired_bootstrap(bpb, base_bpb, seed=args.seed))
         rows.append(row)
     return {"model": str(args.model), "config": config.to_dict(), "rows": rows,
             "settings": {"depths": args.depths, "thresholds": args.thresholds, "eta": args.eta,

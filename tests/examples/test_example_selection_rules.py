@@ -1,5 +1,6 @@
 """examples/selection_rules.py runs end to end (few steps here): train with wise_jax.train, then
-decode held-out text densely, with WISE eta 0.95 and with top-k, and print the table."""
+decode held-out text densely, with WISE eta 0.95 and with top-k, and print the table; --rules
+takes any built-in rule."""
 
 import importlib.util
 from pathlib import Path
@@ -32,6 +33,14 @@ def test_example_runs_and_reports_every_arm(example, capsys):
         assert f"{r['bits_per_byte']:.4f}" in out
 
 
-def test_example_rejects_bad_arguments(example):
+def test_example_rejects_bad_arguments(example, capsys):
     with pytest.raises(SystemExit):
         example.main(["--continuation", "0"])
+    with pytest.raises(SystemExit):
+        example.main(["--rules", "eta=0.9", "nearest=2"])
+    assert "a selection rule is NAME=VALUE" in capsys.readouterr().err
+
+
+def test_example_arms_take_any_rule(example):
+    dense, eta, threshold = example.arms(8, ["eta=0.9", "threshold=0.05"])
+    assert dense is None and eta.rule.describe() == "eta=0.9" and threshold.rule.describe() == "threshold=0.05"

@@ -17,13 +17,14 @@ from hypothesis import strategies as st
 
 import wise_jax
 import wise_torch
+from parity.cases import CONTEXT_RULES, selection_context_cases, top2_and_newest
 from parity.impls import selectors
 from wise_core import modes as M
 from wise_core import reference as ref
 from wise_core import rounding
 from wise_core.checkpoint import random_tensors
 from wise_core.config import PRESETS, ConfigError, WiseConfig
-from wise_core.selection import Custom, Eta, Threshold, TopK, as_rule, parse
+from wise_core.selection import Custom, Eta, SelectionContext, Threshold, TopK, as_rule, parse
 from wise_jax import attention as jax_attention
 from wise_torch import attention as torch_attention
 
@@ -280,3 +281,69 @@ def test_top_k_of_every_block_is_dense_decode(torch_model):
                                  wise_config=wise)
     assert sparse.tokens == dense.tokens and sparse.stats.fallbacks == 0
     assert all(d == 1 for d in sparse.stats.density.values())
+
+
+# -- rules that read a SelectionContext -------------------------------------------------------------
+def _numpy_context(seq_lens, n_blocks, *, loop=0, layer=0, heads=1, block_size=32):
+    return SelectionContext(seq_lens=np.asarray(seq_lens, np.int32), loop=np.int32(loop), layer=np.int32(layer),
+                            head=np.arange(heads, dtype=np.int32), block=np.arange(n_blocks, dtype=np.int32),
+                            block_size=block_size)
+
+
+TOP2_AND_NEWEST = Custom(top2_and_newest, "top2+newest", context=True)
+
+
+def test_a_context_rule_by_hand_and_the_one_argument_form():
+    mass = np.array([[[0.1, 0.4, 0.2, 0.3, 0.0]], [[0.1, 0.4, 0.2, 0.3, 0.0]]], np.float32)   # [batch 2, 1 head, 5]
+    got = ref.select_blocks(mass, TOP2_AND_NEWEST, _numpy_context([97, 65], 5))
+    np.testing.assert_array_equal(got[:, 0], [[0, 1, 0, 1, 0], [0, 1, 1, 1, 0]])   # top 2 = {1, 3}; newest 3, 2
+    table = Custom(lambda m, ctx: ctx.rank < 1 + ctx.layer, "top-(1+layer)", context=True)
+    assert ref.select_blocks(mass, table, _numpy_context([160, 160], 5, layer=2))[0, 0].tolist() == \
+        [False, True, True, True, False]
+    with pytest.raises(ValueError, match=r"rule 'top2\+newest' reads a SelectionContext .* but this call passes none"):
+        ref.select_blocks(mass, TOP2_AND_NEWEST)
+    one = Custom(lambda m: m >= 0.3)                                              # the one-argument form
+    assert ref.select_blocks(mass, one, _numpy_context([97, 65], 5))[0, 0].tolist() == [0, 1, 0, 1, 0]
+    assert TOP2_AND_NEWEST != Custom(top2_and_newest, "top2+newest")               # context is part of the rule
+    assert TOP2_AND_NEWEST == Custom(top2_and_newest, "top2+newest", context=True)
+    with pytest.raises(ValueError, match="context must be True or False"):
+        Custom(top2_and_newest, context=1)
+
+
+@pytest.mark.parametrize("case", selection_context_cases(), ids=lambda c: c.name)
+def test_context_rules_in_both_frameworks_equal_the_reference(case):
+    """Rank-based rules: no sum, bitwise (JAX's loop and layer traced; parity's selection-context)."""
+    for rule in CONTEXT_RULES:
+        want = SELECT["numpy-spec"](case.mass, rule, case.context)
+        for name in ("torch", "jax"):
+            np.testing.assert_array_equal(SELECT[name](case.mass, rule, case.context), want, err_msg=name)
+
+
+def test_torch_decode_hands_each_discovery_call_its_context(torch_model):
+    """generate with a context rule: every discovery call (loops 0 and 1, each layer) gets its
+    loop, layer, rows' seq_lens, heads and blocks; the tokens are those of the numpy reference
+    selecting with the same context."""
+    seen = []
+
+    def recording(mass, ctx):
+        seen.append((int(ctx.loop), int(ctx.layer), ctx.seq_lens.tolist(), ctx.head.tolist(), ctx.block.tolist(),
+                     mass.shape[-1], ctx.block_size))
+        return top2_and_newest(mass, ctx)
+
+    def numpy_reference(mass, ctx):
+        fields = {n: getattr(ctx, n).cpu().numpy() for n in ("seq_lens", "loop", "layer", "head", "block")}
+        context = SelectionContext(block_size=ctx.block_size, **fields)
+        return torch.from_numpy(ref.select_blocks(mass.cpu().numpy(), TOP2_AND_NEWEST, context))
+
+    def run(fn):
+        return wise_torch.generate(torch_model, PROMPTS[:1], max_new_tokens=3, page_size=32, eos_token_id=None,
+                                   wise_config=WiseConfig(block_size=16, kernel="reference",
+                                                          selection=Custom(fn, "rule", context=True)))
+    got = run(recording)
+    assert got.tokens == run(numpy_reference).tokens and got.stats.fallbacks == 0
+    layers = CONFIG.num_hidden_layers
+    assert [(loop, layer) for loop, layer, *_ in seen] == [(lp, ly) for _ in range(2) for lp in (0, 1)
+                                                            for ly in range(layers)]   # 2 decode steps
+    assert [s[2][0] for s in seen] == [71] * 2 * layers + [72] * 2 * layers   # the row's keys: its position + 1
+    assert {tuple(s[3]) for s in seen} == {tuple(range(CONFIG.num_attention_heads))}
+    assert {(tuple(s[4]), s[5], s[6]) for s in seen} == {(tuple(range(6)), 6, 16)}   # the step's 3 pages of 2 blocks

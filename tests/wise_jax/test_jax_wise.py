@@ -162,3 +162,37 @@ def test_count_reuse_adds_every_layer_as_wise_attention_does_layer_by_layer(cach
         assert np.array_equal(at_once.selected_blocks, layer_by_layer.selected_blocks)
         assert np.array_equal(at_once.causal_blocks, layer_by_layer.causal_blocks)
         assert float(at_once.causal_blocks[0]) > 0 and float(at_once.selected_blocks[1]) == 0
+
+
+def _at_loop_layer_head(mass, ctx):
+    """A context rule: the block (loop + layer + head) mod the blocks, and each row's newest."""
+    newest = (ctx.seq_lens - 1) // ctx.block_size
+    chosen = ctx.block[None, None, :] == (ctx.loop + ctx.layer + ctx.head[None, :, None]) % mass.shape[-1]
+    return chosen | (ctx.block[None, None, :] == newest[:, None, None])
+
+
+def test_a_context_rule_reads_the_loop_layer_heads_and_rows_of_the_call(cache):
+    """wise_attention hands a Custom(..., context=True) rule this call's SelectionContext (the
+    loop and a traced layer as arrays): the support is the numpy reference's with that context."""
+    from wise_core import reference
+    from wise_core.selection import Custom, SelectionContext
+    k, v, table = cache
+    rule = Custom(_at_loop_layer_head, "loop-layer-head", context=True)
+    wise = WiseConfig(selection=rule, kernel="reference")
+    lens, req = jnp.asarray([100, 57], jnp.int32), jnp.asarray([7, 8], jnp.int32)
+    state = ws.create(wise, slots=2, layers=2, heads=HEADS, max_blocks=4)
+
+    @jax.jit
+    def discover(state, q, layer):
+        return ws.wise_attention(state, wise, 1, layer, q, k, v, table, lens, req, jnp.ones(2, bool),
+                                 kernel="reference")[1]
+
+    state = discover(state, _q(3), jnp.int32(LAYER))
+    _, _, mass = decode_attention_reference(_q(3), k, v, table, lens, _modes(M.DISCOVER, M.DISCOVER),
+                                            jnp.zeros((2, HEADS, 4), bool), block_size=32, eta=0.95, return_mass=True)
+    context = SelectionContext(seq_lens=np.asarray(lens), loop=np.int32(1), layer=np.int32(LAYER),
+                               head=np.arange(HEADS, dtype=np.int32), block=np.arange(4, dtype=np.int32), block_size=32)
+    want = reference.select_blocks(np.asarray(mass), rule, context)
+    np.testing.assert_array_equal(np.asarray(state.support[LAYER]), want)
+    assert not np.array_equal(want, reference.select_blocks(np.asarray(mass), rule,
+                                                            dataclasses.replace(context, loop=np.int32(0))))

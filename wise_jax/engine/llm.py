@@ -64,6 +64,7 @@ from wise_core.engine.step_plan import DecodePlan, TagCounter
 from wise_core.huginn_reference import initial_state, num_planes
 from wise_core.request import MAX_SEED, SamplingParams
 from wise_core.tokenizer import encode_text
+from wise_jax import checks
 from wise_jax import huginn
 from wise_jax import kv_cache as kvc
 from wise_jax import serving
@@ -158,6 +159,8 @@ class LLM(LLMEngine):
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
         self.num_steps = self._huginn_steps(params, config, num_steps, mesh)    # None: an Ouro model
+        if self.num_steps is None:
+            checks.params(params, config)
         self.adaptive_depth = check_adaptive_depth(adaptive_depth, config)
         if self.num_steps is not None:
             check_exit_iterations(self.adaptive_depth, self.num_steps)

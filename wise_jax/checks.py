@@ -1,0 +1,350 @@
+"""Input checks of wise_jax's public functions: what each is given against the ModelConfig and
+WiseConfig it is given, before anything is traced.
+
+Every check reads only Python values, shapes, dtypes and pytree structure, never an array's
+values, so it runs once per trace of a jitted caller and costs nothing in the compiled step.
+A mismatch raises ValueError (TypeError for a value of the wrong kind) naming the argument and
+both sides: what it holds and what the config says it must hold. The entry points call one
+function here as their first line:
+
+    model.forward / forward_with_exits    -> params (input_ids: model.check_input_ids)
+    model.prefill, serving.prefill        -> prefill
+    model.decode_step (serving, sharding) -> decode_step
+    kv_cache.insert, serving.insert       -> request_kv
+    kv_cache.create                       -> cache_settings
+    wise_state.create                     -> state_settings
+
+The cache and the WISE state are recognised by their fields (this module sits below
+`kv_cache` and `wise_state`, which call it); the decode kernels check the decode contract at
+their own entry (`wise_jax.decode_check`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from wise_core.config import ModelConfig, WiseConfig
+from wise_jax.params import LayerParams, Params, param_shapes
+
+CACHE_FIELDS = ("k", "v", "page_table", "seq_lens", "free_pages", "num_free", "overflowed")
+STATE_FIELDS = ("support", "tag_request", "tag_position", "depths_run", "fallbacks", "selected_blocks",
+                "causal_blocks", "block_size", "discover_depths", "reuse_depths")
+
+# What each Params leaf spans, in config fields (the layer axis first where the layers are stacked).
+PARAM_SPANS = {
+    "embed_tokens": "[vocab_size, hidden_size]",
+    "norm": "[hidden_size]",
+    "early_exit_gate": "[hidden_size, 1]",
+    "early_exit_gate_bias": "[1]",
+    "lm_head": "[hidden_size, vocab_size]",
+    "qkv_proj": "[hidden_size, (num_attention_heads + 2 * num_key_value_heads) * head_dim]",
+    "o_proj": "[num_attention_heads * head_dim, hidden_size]",
+    "gate_up_proj": "[hidden_size, 2 * intermediate_size]",
+    "down_proj": "[intermediate_size, hidden_size]",
+}
+
+
+def _shape(x) -> tuple[int, ...] | None:
+    shape = getattr(x, "shape", None)
+    return None if shape is None else tuple(shape)
+
+
+def described(x) -> str:
+    """dtype[shape] of an array (or abstract value), else its type's name."""
+    if _shape(x) is None or not hasattr(x, "dtype"):
+        return type(x).__name__
+    return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
+
+
+def _is_integer_array(x) -> bool:
+    return _shape(x) is not None and hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.integer)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def config_of(config, what: str = "config") -> None:
+    """config must be a ModelConfig of an Ouro model (wise_jax.huginn runs Huginn's)."""
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"{what} must be a wise_core ModelConfig, got {type(config).__name__}")
+    if config.architecture != "ouro":
+        raise ValueError(f"{what} is a {config.architecture} model's; this function runs Ouro models "
+                         f"(wise_jax.huginn runs Huginn's)")
+
+
+def params(params, config: ModelConfig, what: str = "params") -> None:
+    """params (wise_jax Params: stacked or unstacked layers, fused or split projections; or
+    sharding.MeshParams, whose leaves keep the global shapes) against config's widths, layer
+    count and tied embeddings; every leaf floating."""
+    config_of(config)
+    inner = getattr(params, "params", None)
+    if not isinstance(params, Params) and isinstance(inner, Params) and hasattr(params, "size"):
+        params, what = inner, f"{what}.params"   # MeshParams: the global shapes, columns reordered
+    if not isinstance(params, Params):
+        raise TypeError(f"{what} must be wise_jax Params (an Ouro model, wise_jax.load_model / init_params), "
+                        f"got {type(params).__name__}")
+    want = param_shapes(config)
+    if (params.lm_head is None) != config.tie_word_embeddings:
+        raise ValueError(f"{what}.lm_head is {'None (tied to the embeddings)' if params.lm_head is None else 'given'} "
+                         f"but config.tie_word_embeddings is {config.tie_word_embeddings}")
+    for name in ("embed_tokens", "norm", "early_exit_gate", "early_exit_gate_bias", "lm_head"):
+        leaf = getattr(params, name)
+        if leaf is not None:
+            _leaf(leaf, getattr(want, name), f"{what}.{name}", PARAM_SPANS[name])
+    layers, count = params.layers, config.num_hidden_layers
+    if isinstance(layers, tuple):                           # unstack_layers: one LayerParams per layer
+        if len(layers) != count:
+            raise ValueError(f"{what} hold {len(layers)} layers, the config {count} (num_hidden_layers)")
+        for n, layer in enumerate(layers):
+            _layer(layer, want.layers, f"{what}.layers[{n}]", stacked=None)
+    else:
+        _layer(layers, want.layers, f"{what}.layers", stacked=count)
+
+
+def _layer(layer, want: LayerParams, what: str, stacked: int | None) -> None:
+    """One LayerParams against the fused shapes `want` ([layers, ...]); stacked: the layer
+    count of a stacked leaf's first axis, None for one layer's leaves."""
+    if not isinstance(layer, LayerParams):
+        raise TypeError(f"{what} must be wise_jax LayerParams, got {type(layer).__name__}")
+    if stacked is not None:
+        first = _shape(layer.o_proj)
+        if first and first[0] != stacked:
+            raise ValueError(f"{what.split('.')[0]} hold {first[0]} layers, the config {stacked} (num_hidden_layers)")
+    lead = "[layers, " if stacked is not None else "["
+    for field in dataclasses.fields(want):
+        name, shape = field.name, getattr(want, field.name)
+        shape = shape if stacked is not None else shape[1:]
+        leaf, span = getattr(layer, name), PARAM_SPANS.get(name, "[hidden_size]")
+        span = lead + span[1:]
+        if isinstance(leaf, tuple):                          # split_projections: the parts along the last axis
+            total = sum((_shape(part) or (0,))[-1] for part in leaf)
+            parts = [(_shape(part) or ())[:-1] for part in leaf]
+            if any(p != shape[:-1] for p in parts) or total != shape[-1]:
+                got = " | ".join(described(part) for part in leaf)
+                raise ValueError(f"{what}.{name} holds parts {got}; the config's {span} is {list(shape)} "
+                                 f"(the parts' last axes summing to it)")
+            for n, part in enumerate(leaf):
+                _floating(part, f"{what}.{name}[{n}]")
+        else:
+            _leaf(leaf, shape, f"{what}.{name}", span)
+
+
+def _leaf(leaf, shape: tuple[int, ...], what: str, span: str) -> None:
+    if _shape(leaf) != tuple(shape):
+        raise ValueError(f"{what} is {described(leaf)}; the config's {span} is {list(shape)}")
+    _floating(leaf, what)
+
+
+def _floating(leaf, what: str) -> None:
+    if not jnp.issubdtype(leaf.dtype, jnp.floating):
+        raise ValueError(f"{what} is {described(leaf)}; model weights must be floating")
+
+
+def _fields(x, fields: tuple[str, ...], what: str, kind: str) -> None:
+    missing = [f for f in fields if not hasattr(x, f)]
+    if missing:
+        raise TypeError(f"{what} must be a {kind}, got {type(x).__name__} (no {missing[0]!r})")
+
+
+def compute_dtype(params) -> jnp.dtype:
+    """The dtype the model computes in: its embeddings'."""
+    inner = getattr(params, "params", params)
+    return jnp.dtype(inner.embed_tokens.dtype)
+
+
+def prefill(params_, config: ModelConfig, tokens, length=None) -> None:
+    """`model.prefill` / `serving.prefill`: params against config; tokens a 1-D integer array
+    (or a token-id sequence, serving's) and length an integer scalar when given."""
+    params(params_, config)
+    if _shape(tokens) is not None and (not _is_integer_array(tokens) or len(_shape(tokens)) != 1):
+        raise ValueError(f"tokens must be a 1-D integer array (one prompt), got {described(tokens)}")
+    if length is not None and not _is_int(length) and (not _is_integer_array(length) or _shape(length) != ()):
+        raise ValueError(f"length must be an integer scalar, got {described(length)}")
+
+
+def planes_of(config: ModelConfig) -> int:
+    """Planes of an Ouro model's cache: one per (loop, layer)."""
+    return config.total_ut_steps * config.num_hidden_layers
+
+
+def cache_settings(config: ModelConfig, *, batch, max_pages, num_pages, page_size, dtype, planes) -> None:
+    """`kv_cache.create`'s arguments: positive integer sizes; a floating dtype; planes None or
+    an Ouro model's loops x layers, given for a Huginn model (`huginn_reference.num_planes`:
+    prelude + coda + a whole number of core iterations)."""
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a wise_core ModelConfig, got {type(config).__name__}")
+    for name, value in (("batch", batch), ("max_pages", max_pages), ("num_pages", num_pages),
+                        ("page_size", page_size)):
+        if not _is_int(value) or value <= 0:
+            raise ValueError(f"PagedKVCache {name} must be a positive integer, got {value!r}")
+    try:
+        floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    except TypeError:
+        floating = False
+    if not floating:
+        raise ValueError(f"PagedKVCache dtype must be a floating dtype (the model's), got {dtype!r}")
+    if planes is not None and (not _is_int(planes) or planes <= 0):
+        raise ValueError(f"PagedKVCache planes must be a positive integer, got {planes!r}")
+    if config.architecture == "huginn":
+        outer = config.n_layers_in_prelude + config.n_layers_in_coda
+        core = config.n_layers_in_recurrent_block
+        if planes is None or planes <= outer or (planes - outer) % core:
+            raise ValueError(f"a Huginn cache takes planes = prelude + coda + steps x core layers ({outer} + steps x "
+                             f"{core}, wise_core.huginn_reference.num_planes), got planes={planes!r}")
+    elif planes is not None and planes != planes_of(config):
+        raise ValueError(f"PagedKVCache planes={planes} but the config runs {config.total_ut_steps} loops x "
+                         f"{config.num_hidden_layers} layers = {planes_of(config)} planes")
+
+
+def cache(cache_, config: ModelConfig, dtype=None, what: str = "cache") -> None:
+    """A PagedKVCache against an Ouro config: k, v [loops x layers planes, pages + 1, page_size,
+    num_key_value_heads, head_dim] of one floating dtype (`dtype`, the params', when given);
+    the bookkeeping arrays of `kv_cache.create`'s shapes and dtypes."""
+    _fields(cache_, CACHE_FIELDS, what, "PagedKVCache (wise_jax.kv_cache.create)")
+    k, v = cache_.k, cache_.v
+    if _shape(k) is None or len(_shape(k)) != 5 or _shape(v) != _shape(k):
+        raise ValueError(f"{what}.k and .v must be [planes, pages + 1, page_size, kv_heads, head_dim] of one shape, "
+                         f"got {described(k)} and {described(v)}")
+    planes, _, _, kv_heads, head_dim = _shape(k)
+    want = {"planes": (planes, planes_of(config),
+                       f"config.total_ut_steps x num_hidden_layers = {config.total_ut_steps} x "
+                       f"{config.num_hidden_layers}"),
+            "kv_heads": (kv_heads, config.num_key_value_heads, "config.num_key_value_heads"),
+            "head_dim": (head_dim, config.head_dim, "config.head_dim")}
+    for name, (got, expected, source) in want.items():
+        if got != expected:
+            raise ValueError(f"{what} holds {got} {name} ({what}.k is {described(k)}); {source} = {expected}")
+    if k.dtype != v.dtype or not jnp.issubdtype(k.dtype, jnp.floating):
+        raise ValueError(f"{what}.k and .v must share one floating dtype, got {described(k)} and {described(v)}")
+    if dtype is not None and jnp.dtype(k.dtype) != jnp.dtype(dtype):
+        raise ValueError(f"{what} holds {jnp.dtype(k.dtype).name} K/V but the params compute in "
+                         f"{jnp.dtype(dtype).name} (params.embed_tokens): make the cache in the params' dtype")
+    table = _shape(cache_.page_table)
+    if table is None or len(table) != 2 or cache_.page_table.dtype != jnp.int32:
+        raise ValueError(f"{what}.page_table must be int32[rows, max_pages], got {described(cache_.page_table)}")
+    rows = table[0]
+    for name, shape, dtype_ in (("seq_lens", (rows,), jnp.int32), ("num_free", (), jnp.int32),
+                                ("overflowed", (), jnp.bool_)):
+        x = getattr(cache_, name)
+        if _shape(x) != shape or x.dtype != dtype_:
+            raise ValueError(f"{what}.{name} must be {jnp.dtype(dtype_).name}{list(shape)} (page_table has {rows} "
+                             f"rows), got {described(x)}")
+
+
+def request_kv(cache_, k, v, length=None) -> None:
+    """`kv_cache.insert` / `serving.insert`: one request's k, v [planes, n * page_size, kv_heads,
+    head_dim] against the cache's planes, heads, head_dim, dtype and page size."""
+    _fields(cache_, CACHE_FIELDS, "cache", "PagedKVCache (wise_jax.kv_cache.create)")
+    if _shape(k) is None or len(_shape(k)) != 4 or _shape(v) != _shape(k):
+        raise ValueError(f"the request's k and v must be [planes, positions, kv_heads, head_dim] of one shape, "
+                         f"got {described(k)} and {described(v)}")
+    planes, span, kv_heads, head_dim = _shape(k)
+    c_planes, _, page_size, c_heads, c_dim = _shape(cache_.k)
+    for name, got, want in (("planes", planes, c_planes), ("kv_heads", kv_heads, c_heads),
+                            ("head_dim", head_dim, c_dim)):
+        if got != want:
+            raise ValueError(f"the request's K/V hold {got} {name} (k is {described(k)}), the cache {want} "
+                             f"(cache.k is {described(cache_.k)})")
+    if k.dtype != cache_.k.dtype or v.dtype != cache_.k.dtype:
+        raise ValueError(f"the request's K/V are {jnp.dtype(k.dtype).name}, the cache "
+                         f"{jnp.dtype(cache_.k.dtype).name}: prefill with params of the cache's dtype")
+    max_pages = _shape(cache_.page_table)[1]
+    if span % page_size or span // page_size > max_pages:
+        raise ValueError(f"K/V of {span} positions is not a whole number of pages of {page_size} "
+                         f"within the {max_pages} a row holds")
+    if length is not None and not _is_int(length) and (not _is_integer_array(length) or _shape(length) != ()):
+        raise ValueError(f"length must be an integer scalar, got {described(length)}")
+
+
+def state_settings(wise_config, *, slots, layers, heads, max_blocks) -> None:
+    """`wise_state.create`'s arguments: a WiseConfig and positive integer sizes."""
+    if not isinstance(wise_config, WiseConfig):
+        raise TypeError(f"wise_config must be a wise_core WiseConfig, got {type(wise_config).__name__}")
+    for name, value in (("slots", slots), ("layers", layers), ("heads", heads), ("max_blocks", max_blocks)):
+        if not _is_int(value) or value <= 0:
+            raise ValueError(f"WiseState {name} must be a positive integer, got {value!r}")
+
+
+def wise_config_for(wise_config, config: ModelConfig, page_size: int) -> None:
+    """A WiseConfig for a model of config.total_ut_steps loops and a cache of page_size."""
+    if not isinstance(wise_config, WiseConfig):
+        raise TypeError(f"wise_config must be None (dense) or a wise_core WiseConfig, got {type(wise_config).__name__}")
+    bad = [d for d in wise_config.discover_depths + wise_config.reuse_depths if d >= config.total_ut_steps]
+    if bad:
+        raise ValueError(f"wise_config depths {bad} (discover_depths {wise_config.discover_depths}, reuse_depths "
+                         f"{wise_config.reuse_depths}) are out of range for config.total_ut_steps = "
+                         f"{config.total_ut_steps} loops")
+    if page_size % wise_config.block_size:
+        raise ValueError(f"wise_config.block_size {wise_config.block_size} does not divide the cache's page_size "
+                         f"{page_size}")
+
+
+def state(state_, wise_config: WiseConfig, config: ModelConfig, *, rows: int, blocks: int,
+          what: str = "state") -> None:
+    """A WiseState against the WiseConfig it serves (its block size and depths), the model's
+    layers and heads, the step's rows and the blocks its attention reads (at least)."""
+    _fields(state_, STATE_FIELDS, what, "WiseState (wise_jax.wise_state.create)")
+    made = (state_.block_size, state_.discover_depths, state_.reuse_depths)
+    given = (wise_config.block_size, wise_config.discover_depths, wise_config.reuse_depths)
+    if made != given:
+        raise ValueError(f"{what} was made for a WiseConfig of block_size {made[0]}, discover_depths {made[1]}, "
+                         f"reuse_depths {made[2]}; wise_config has block_size {given[0]}, discover_depths "
+                         f"{given[1]}, reuse_depths {given[2]}")
+    support = _shape(state_.support)
+    if support is None or len(support) != 4 or state_.support.dtype != jnp.bool_:
+        raise ValueError(f"{what}.support must be bool[layers, slots, heads, max_blocks], got "
+                         f"{described(state_.support)}")
+    layers, slots, heads, max_blocks = support
+    for name, got, want, source in (("layers", layers, config.loop_layers, "config.loop_layers"),
+                                    ("slots", slots, rows, "the cache's rows (page_table.shape[0])"),
+                                    ("heads", heads, config.num_attention_heads, "config.num_attention_heads")):
+        if got != want:
+            raise ValueError(f"{what} holds {got} {name} ({what}.support is {described(state_.support)}); "
+                             f"{source} = {want}")
+    if max_blocks < blocks:
+        raise ValueError(f"{what} holds supports of {max_blocks} blocks ({what}.support is "
+                         f"{described(state_.support)}); the step attends {blocks} (its pages x page_size / "
+                         f"block_size {wise_config.block_size})")
+    n_reuse = len(wise_config.reuse_depths)
+    for name, shape, dtype in (("tag_request", (layers, slots), jnp.int32), ("tag_position", (layers, slots), jnp.int32),
+                               ("depths_run", (layers, slots), jnp.int32), ("fallbacks", (), jnp.int32),
+                               ("selected_blocks", (n_reuse,), jnp.float32),
+                               ("causal_blocks", (n_reuse,), jnp.float32)):
+        x = getattr(state_, name)
+        if _shape(x) != shape or x.dtype != dtype:
+            raise ValueError(f"{what}.{name} must be {jnp.dtype(dtype).name}{list(shape)}, got {described(x)}")
+
+
+def rows_of(x, name: str, rows: int) -> None:
+    """x must be an integer array [rows] (one value per cache row)."""
+    if not _is_integer_array(x) or _shape(x) != (rows,):
+        raise ValueError(f"{name} must be an integer array [rows={rows}] (one per cache row, "
+                         f"cache.page_table.shape[0]), got {described(x)}")
+
+
+def decode_step(params_, config: ModelConfig, cache_, state_, tokens, slots, wise_config, width) -> None:
+    """`model.decode_step`'s arguments against each other and the configs (module docstring)."""
+    params(params_, config)
+    cache(cache_, config, compute_dtype(params_))
+    rows, max_pages = _shape(cache_.page_table)
+    page_size = _shape(cache_.k)[2]
+    rows_of(tokens, "tokens", rows)
+    rows_of(slots, "slots", rows)
+    if width is not None and (not _is_int(width) or not 1 <= width <= max_pages):
+        raise ValueError(f"width must be None or an integer in [1, {max_pages}] (the cache's max_pages), "
+                         f"got {width!r}")
+    if wise_config is None:
+        if state_ is not None:
+            raise ValueError("a WISE state is given but wise_config is None: the step would run dense and leave "
+                             "it unused; pass the WiseConfig it was made for, or state=None")
+        return
+    wise_config_for(wise_config, config, page_size)
+    if state_ is None:
+        raise ValueError("wise_config is given but state is None: a WISE step needs a WiseState "
+                         "(wise_jax.wise_state.create(wise_config, slots=rows, layers=config.num_hidden_layers, "
+                         "heads=config.num_attention_heads, max_blocks=max_pages * page_size // block_size))")
+    pages = max_pages if width is None else width
+    state(state_, wise_config, config, rows=rows, blocks=pages * page_size // wise_config.block_size)
