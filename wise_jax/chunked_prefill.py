@@ -25,14 +25,19 @@ from wise_jax.model import embed, exit_gate, exits_for, head, rope, run_loop
 from wise_jax.params import Params, stack_layers
 
 
-def prefix_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, block: int) -> jax.Array:
+def prefix_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, block: int,
+                     held: jax.Array) -> jax.Array:
     """q [seq, heads, head_dim] at `positions` int32[seq]; k, v [keys, kv_heads, head_dim], key j
-    at position j -> [seq, heads, head_dim]: query i reads the keys at positions <= positions[i].
-    Queries run `block` at a time (seq a multiple of it); scale head_dim**-0.5."""
+    at position j, the first `held` (int32[]) the request's -> [seq, heads, head_dim]: query i
+    reads the keys at positions <= positions[i]. A value past `held` reads as 0: the pages' slots
+    the request has not written hold whatever their last holder left (NaN too), and 0 x NaN in
+    probs @ v would reach a query that never attends them. Queries run `block` at a time (seq a
+    multiple of it); scale head_dim**-0.5."""
     seq, heads, dim = q.shape
     kv_heads = k.shape[1]
     qg = q.reshape(seq // block, block, kv_heads, heads // kv_heads, dim)
     key_pos = jnp.arange(k.shape[0], dtype=jnp.int32)
+    v = jnp.where((key_pos < held)[:, None, None], v, jnp.zeros((), v.dtype))
 
     def one(args):
         qb, pos = args
@@ -71,7 +76,7 @@ def prefill_chunk(params: Params, config: ModelConfig, k_pages: jax.Array, v_pag
             plane = loop * config.num_hidden_layers + layer
             pages = tuple(store.at[plane, page, offset].set(x[0].astype(store.dtype)) for store, x in zip(pages, (k, v)))
             context = [store[plane, table].reshape((keys,) + store.shape[3:]) for store in pages]
-            return prefix_attention(q[0], *context, positions, page_size)[None], pages
+            return prefix_attention(q[0], *context, positions, page_size, start + length)[None], pages
         h, pages = run_loop(params, config, h, cos, sin, attend, pages, unroll=unroll, axis_name=axis_name)
         if exits is not None:                                    # every token's exit, as torch's
             exits = exits.end_loop(loop, h[0], exit_gate(params, h[0]))

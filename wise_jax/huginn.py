@@ -302,7 +302,7 @@ def prefill_chunk(params: HuginnParams, config: ModelConfig, k_pages: jax.Array,
     def attend(q, k, v, plane, pages, core):
         pages = tuple(store.at[plane, page, offset].set(x[0].astype(store.dtype)) for store, x in zip(pages, (k, v)))
         context = [store[plane, table].reshape((keys,) + store.shape[3:]) for store in pages]
-        return prefix_attention(q[0], *context, positions, page_size)[None], pages
+        return prefix_attention(q[0], *context, positions, page_size, start + length)[None], pages
 
     x, (k_pages, v_pages) = run_model(params, config, tokens[None], state_table[positions][None], cos, sin, num_steps,
                                       attend, (k_pages, v_pages))
