@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cases import held_slots
 from wise_core import modes as M
 from wise_core import reference as ref
 from wise_core import rounding, split_plan
@@ -92,14 +93,9 @@ def assert_within(got, want, bound, what=""):
 
 
 def stale(case):
-    """The case with NaN in every K/V slot that is not one of a row's keys (past its seq_len in
-    its pages, and pages no row holds): what a reused page's slots may hold."""
+    """The case with NaN in every K/V slot that is not one of a row's keys (`cases.held_slots`)."""
     k, v = np.array(case["k"].astype(jnp.float32)), np.array(case["v"].astype(jnp.float32))
-    page_size = k.shape[1]
-    held = np.zeros(k.shape[:2], bool)
-    for pages, n in zip(np.asarray(case["page_table"]), np.asarray(case["seq_lens"])):
-        for i, page in enumerate(pages):
-            held[page, :max(0, min(page_size, n - i * page_size))] = True
+    held = held_slots(case["page_table"], case["seq_lens"], *k.shape[:2])
     k[~held], v[~held] = np.nan, np.nan
     return dict(case, k=jnp.asarray(k, case["k"].dtype), v=jnp.asarray(v, case["v"].dtype))
 

@@ -19,6 +19,7 @@ from wise_torch.attention import decode_attention_reference
 from wise_torch.union_decode import (block_mass_from_lse, decode_attention_union, paged_decode_reference,
                                      resolve_wise_decode, union_page_table)
 
+from cases import held_slots
 from fa4_cases import stand_in_fa4
 
 PAGE, BLOCK = 8, 4          # two blocks a page
@@ -148,13 +149,9 @@ def test_discovery_rows_select_as_the_reference_does():
 
 
 def poisoned(k, v, table, lens):
-    """k, v with NaN in every slot that is not one of a row's keys (past its seq_lens in its
-    pages, and pages no row holds): what stale pages may hold."""
-    held = torch.zeros(k.shape[:2], dtype=torch.bool)
-    for pages, n in zip(table.tolist(), lens.tolist()):
-        for i, page in enumerate(pages):
-            held[page, :max(0, min(PAGE, n - i * PAGE))] = True
-    return k.masked_fill(~held[..., None, None], float("nan")), v.masked_fill(~held[..., None, None], float("nan"))
+    """k, v with NaN in every slot that is not one of a row's keys (`cases.held_slots`)."""
+    held = torch.from_numpy(held_slots(table, lens, k.shape[0], PAGE))[..., None, None]
+    return k.masked_fill(~held, float("nan")), v.masked_fill(~held, float("nan"))
 
 
 def test_nan_past_a_rows_keys_never_reaches_its_output():

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from cases import held_slots
 from wise_core import rounding, split_plan
 from wise_torch.attention import prefill_attention
 from wise_torch.kernels.triton_verify import KernelConfig, VerifyWorkspace, verify_attention
@@ -65,10 +66,7 @@ def test_nan_past_a_querys_keys_never_reaches_it():
     reads every key of the round) and the reference."""
     n, page = 4, 32
     q, k, v, table, starts = paged_problem(4, 2, 32, page, n, [0, page - 2, 70])
-    held = torch.zeros(k.shape[:2], dtype=torch.bool, device=DEVICE)
-    for pages, start in zip(table.tolist(), starts.tolist()):
-        for i, p in enumerate(pages):
-            held[p, :max(0, min(page, start + 2 - i * page))] = True
+    held = torch.from_numpy(held_slots(table.cpu(), starts.cpu() + 2, k.shape[0], page)).to(DEVICE)
     bad_k, bad_v = (x.masked_fill(~held[..., None, None], float("nan")) for x in (k, v))
     config = KernelConfig(tile_n=16, split_keys=32)
     for attention in (functools.partial(verify_attention, workspace=VerifyWorkspace.allocate(
