@@ -354,6 +354,14 @@ def test_gpu_modes_against_references_and_dense(name, kind):
     check_modes(GPU_COMBOS[name], config=GPU_CONFIGS[kind], exact=False, impl=mosaic)
 
 
+@pytest.mark.parametrize("kind", list(GPU_CONFIGS))
+@on_gpu
+def test_gpu_nan_past_a_rows_keys_never_reaches_it(kind):
+    """Each products path zeroes the values past a row's keys in the slot of its last block (the
+    interpreted test runs the reductions only)."""
+    check_stale_nan_unread(GPU_COMBOS["ouro-page128-d128-bf16"], impl=mosaic, config=GPU_CONFIGS[kind])
+
+
 @pytest.mark.parametrize("products", ["reduce", "mma"])
 @on_gpu
 def test_gpu_matches_triton_lowering_repeatably_and_rows_alone(products):
