@@ -38,12 +38,15 @@ def paged_decode_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torc
     """One query per row over its first seq_lens[b] paged keys: q [batch, heads, head_dim];
     k_pages, v_pages [num_pages, page_size, kv_heads, head_dim]; page_table int32[batch, width];
     seq_lens int32[batch] -> (out [batch, heads, head_dim] in q's dtype, lse float32[batch,
-    heads]). float32 math; a row with no key gives NaN."""
+    heads]). float32 math; a row with no key gives NaN. A value past seq_lens[b] reads as 0: a
+    page's slots past the row's keys hold their last holder's values, and 0 x NaN there would
+    make the row NaN."""
     batch, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     keys = page_table.shape[1] * page_size
     scores = paged_scores(q, k_pages, page_table, seq_lens, scale)
     v = v_pages[page_table.long()].reshape(batch, keys, kv_heads, head_dim).float()
+    v = v.masked_fill(~held_keys(seq_lens, keys)[:, :, None, None], 0.0)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None])
     out = torch.einsum("bkgs,bskd->bkgd", probs.reshape(batch, kv_heads, heads // kv_heads, keys), v)
@@ -92,8 +95,12 @@ def paged_scores(q: torch.Tensor, k_pages: torch.Tensor, page_table: torch.Tenso
     k = k_pages[page_table.long()].reshape(batch, keys, kv_heads, head_dim).float()
     qg = q.float().reshape(batch, kv_heads, heads // kv_heads, head_dim)
     scores = torch.einsum("bkgd,bskd->bkgs", qg, k).reshape(batch, heads, keys) * scale
-    causal = torch.arange(keys, device=q.device)[None, :] < seq_lens.long()[:, None]
-    return scores.masked_fill(~causal[:, None, :], float("-inf"))
+    return scores.masked_fill(~held_keys(seq_lens, keys)[:, None, :], float("-inf"))
+
+
+def held_keys(seq_lens: torch.Tensor, keys: int) -> torch.Tensor:
+    """bool[batch, keys]: key j of row b is one of its seq_lens[b] keys."""
+    return torch.arange(keys, device=seq_lens.device)[None, :] < seq_lens.long()[:, None]
 
 
 def decode_attention_union(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size: int,

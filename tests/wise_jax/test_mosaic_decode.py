@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from test_pallas_decode import (BLOCK, COMBOS, ETA, GPU_COMBOS, assert_within, bits, check_modes,
-                                make_case, on_gpu, out_bound, run)
+                                check_stale_nan_unread, make_case, on_gpu, out_bound, run)
 from wise_core import modes as M
 from wise_jax.kernels import mosaic_decode, pallas_decode
 from wise_jax.kernels.mosaic_decode import MosaicConfig
@@ -74,6 +74,13 @@ def test_interpreted_rows_bitwise_one_row():
         several = run(case, modes, impl=mosaic, config=dataclasses.replace(config, rows=rows))
         for x, y in zip(several, one):
             assert np.array_equal(bits(x), bits(y)), (config, rows)
+
+
+def test_interpreted_nan_past_a_rows_keys_never_reaches_it():
+    """A row whose keys end inside its last block: the block's ring slot holds the slots past
+    them too (a whole-block copy), which the kernel zeroes before p.V."""
+    check_stale_nan_unread(dict(COMBOS[MOSAIC_COMBOS[0]], max_pages=2, seq_lens=[97, 70, 65]), impl=mosaic,
+                           config=RING)
 
 
 def test_interpreted_unvalidated_empty_sparse_head_is_nan():
@@ -345,6 +352,14 @@ SPLIT_RULES = (MosaicConfig(), MosaicConfig(min_splits=3))   # one split a row; 
 @on_gpu
 def test_gpu_modes_against_references_and_dense(name, kind):
     check_modes(GPU_COMBOS[name], config=GPU_CONFIGS[kind], exact=False, impl=mosaic)
+
+
+@pytest.mark.parametrize("kind", list(GPU_CONFIGS))
+@on_gpu
+def test_gpu_nan_past_a_rows_keys_never_reaches_it(kind):
+    """Each products path zeroes the values past a row's keys in the slot of its last block (the
+    interpreted test runs the reductions only)."""
+    check_stale_nan_unread(GPU_COMBOS["ouro-page128-d128-bf16"], impl=mosaic, config=GPU_CONFIGS[kind])
 
 
 @pytest.mark.parametrize("products", ["reduce", "mma"])

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cases import held_slots
 from wise_core import modes as M
 from wise_core import reference as ref
 from wise_core import rounding, split_plan
@@ -89,6 +90,23 @@ def mass_bound(case, b):
 def assert_within(got, want, bound, what=""):
     err = np.abs(np.asarray(got, np.float64) - want)
     assert np.all(err <= bound), f"{what}: max |diff| {err.max():.3g} > bound {bound:.3g}"
+
+
+def stale(case):
+    """The case with NaN in every K/V slot that is not one of a row's keys (`cases.held_slots`)."""
+    k, v = np.array(case["k"].astype(jnp.float32)), np.array(case["v"].astype(jnp.float32))
+    held = held_slots(case["page_table"], case["seq_lens"], *k.shape[:2])
+    k[~held], v[~held] = np.nan, np.nan
+    return dict(case, k=jnp.asarray(k, case["k"].dtype), v=jnp.asarray(v, case["v"].dtype))
+
+
+def check_stale_nan_unread(spec, *, impl=decode_attention, **kw):
+    """NaN in the slots past every row's keys changes no output, mass or support, bitwise: the
+    rows of every mode read no value past their keys (0 x NaN would be NaN)."""
+    case = make_case(2, **spec)
+    modes = [(M.SPARSE, M.DISCOVER, M.DENSE, M.DISCOVER_UNION)[b % 4] for b in range(len(spec["seq_lens"]))]
+    for got, want in zip(run(stale(case), modes, impl=impl, **kw), run(case, modes, impl=impl, **kw)):
+        assert np.array_equal(bits(got), bits(want))
 
 
 def run(case, modes, support=None, *, impl=decode_attention, **kw):
@@ -301,6 +319,10 @@ def test_matches_jnp_reference():
     for b in range(2):
         assert_within(np.asarray(mass[b]), np.asarray(ref_mass[b]), 2 * mass_bound(case, b), f"mass row {b}")
     assert np.array_equal(np.asarray(support), np.asarray(ref_support))
+
+
+def test_nan_past_a_rows_keys_never_reaches_it():
+    check_stale_nan_unread(dict(COMBOS["page64-gqa-d128-bf16"], max_pages=2, seq_lens=[97, 70, 65]))
 
 
 def test_mixed_batch_rows_equal_rows_alone():

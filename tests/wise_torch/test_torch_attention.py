@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from cases import held_slots
 from wise_core import reference as ref
 from wise_core import rounding
 from wise_core.modes import DENSE, DISCOVER, DISCOVER_UNION, SPARSE
@@ -103,6 +104,19 @@ def test_dense_matches_numpy_and_discovery_is_bitwise_dense():
     mixed = torch.tensor([DISCOVER, DENSE, DISCOVER_UNION, DENSE], dtype=torch.int32)
     out, _, _ = call(q, kp, vp, table, lens, mixed, support.clone())
     assert torch.equal(out, dense)
+
+
+def test_nan_past_a_rows_keys_never_reaches_it():
+    """NaN in every slot that is not one of a row's keys (a reused page's stale slots) changes no
+    output, support or mass, bitwise, in any mode: a value there is read as 0, not as 0 x NaN."""
+    q, kp, vp, table, lens, nb, _ = paged_problem()
+    held = torch.from_numpy(held_slots(table, lens, *kp.shape[:2]))[..., None, None]
+    stale = [x.masked_fill(~held, float("nan")) for x in (kp, vp)]
+    modes = torch.tensor([DISCOVER, SPARSE, DENSE, DISCOVER_UNION], dtype=torch.int32)
+    support = torch.zeros(q.shape[0], q.shape[1], nb, dtype=torch.bool)
+    support[:, :, 0] = support[1, :, 1] = True
+    got, want = (call(q, k, v, table, lens, modes, support.clone()) for k, v in (stale, (kp, vp)))
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
 
 
 def test_discover_mass_and_selection():

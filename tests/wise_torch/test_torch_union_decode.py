@@ -19,6 +19,7 @@ from wise_torch.attention import decode_attention_reference
 from wise_torch.union_decode import (block_mass_from_lse, decode_attention_union, paged_decode_reference,
                                      resolve_wise_decode, union_page_table)
 
+from cases import held_slots
 from fa4_cases import stand_in_fa4
 
 PAGE, BLOCK = 8, 4          # two blocks a page
@@ -145,6 +146,32 @@ def test_discovery_rows_select_as_the_reference_does():
     assert torch.equal(union_support, ref_support)
     torch.testing.assert_close(got_mass, mass, rtol=0, atol=2e-6)           # basis: the mass test's
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)         # basis as above
+
+
+def poisoned(k, v, table, lens):
+    """k, v with NaN in every slot that is not one of a row's keys (`cases.held_slots`)."""
+    held = torch.from_numpy(held_slots(table, lens, k.shape[0], PAGE))[..., None, None]
+    return k.masked_fill(~held, float("nan")), v.masked_fill(~held, float("nan"))
+
+
+def test_nan_past_a_rows_keys_never_reaches_its_output():
+    """Stale NaN in the slots past each row's keys (a reused page) changes no output, mass or
+    selection, bitwise, in reuse rows over their compacted table and in discovery rows; nor the
+    Triton block mass (interpreted on CPU) of the fa4-union arm."""
+    q, k, v, table, lens = random_call(9, [29, 17, 3, 11])
+    bad_k, bad_v = poisoned(k, v, table, lens)
+    support = torch.zeros(4, HEADS, 8, dtype=torch.bool)
+    support[:, :, 0] = support[0, 1, 3] = True
+    for modes, reuse in (([SPARSE] * 4, True), ([DISCOVER, DISCOVER_UNION, DENSE, SPARSE], False)):
+        modes = torch.tensor(modes, dtype=torch.int32)
+        got, want = (decode_attention_union(q, kk, vv, table, lens, modes, support.clone(), block_size=BLOCK,
+                                            eta=0.9, paged_decode=paged_decode_reference, return_mass=True,
+                                            reuse=reuse) for kk, vv in ((bad_k, bad_v), (k, v)))
+        assert all(torch.equal(x, y) for x, y in zip(got, want))
+    from wise_torch.kernels.triton_block_mass import block_mass_from_lse as triton_mass   # the fa4-union arm's
+    _, lse = paged_decode_reference(q, k, v, table, lens)
+    assert torch.equal(triton_mass(q, bad_k, table, lens, lse, block_size=BLOCK),
+                       triton_mass(q, k, table, lens, lse, block_size=BLOCK))
 
 
 def test_reuse_refuses_discovery_rows_when_validated():

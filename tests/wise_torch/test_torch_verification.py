@@ -4,11 +4,13 @@ reference (on CUDA when there is one, else in the Triton interpreter; fp32 here:
 interpreter's bf16 dots are not the GPU's, bf16 is checked by the gpu tests)."""
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
 import torch
 
+from cases import held_slots
 from wise_core import rounding, split_plan
 from wise_torch.attention import prefill_attention
 from wise_torch.kernels.triton_verify import KernelConfig, VerifyWorkspace, verify_attention
@@ -55,6 +57,23 @@ def test_triton_matches_reference(heads, kv_heads, head_dim, page, n, min_splits
     want = verify_attention_reference(q, k, v, table, starts)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=0)   # fp32, another summation order over <= 256 keys
     assert torch.isnan(workspace.out[3]).all(), "stored past the batch's outputs (a lane past head_dim?)"
+
+
+def test_nan_past_a_querys_keys_never_reaches_it():
+    """A round that wrote its rows' first two positions (one draft; the later queries pad): the
+    slots past them hold NaN (a reused page, the scratch page). Queries 0 and 1 read none of it:
+    their outputs are bitwise those over finite slots there, in the Triton kernel (whose dot
+    reads every key of the round) and the reference."""
+    n, page = 4, 32
+    q, k, v, table, starts = paged_problem(4, 2, 32, page, n, [0, page - 2, 70])
+    held = torch.from_numpy(held_slots(table.cpu(), starts.cpu() + 2, k.shape[0], page)).to(DEVICE)
+    bad_k, bad_v = (x.masked_fill(~held[..., None, None], float("nan")) for x in (k, v))
+    config = KernelConfig(tile_n=16, split_keys=32)
+    for attention in (functools.partial(verify_attention, workspace=VerifyWorkspace.allocate(
+            3, n, 4, 32, 4 * page, dtype=q.dtype, device=DEVICE, config=config)), verify_attention_reference):
+        want = attention(q, k, v, table, starts)[:, :2].clone()
+        got = attention(q, bad_k, bad_v, table, starts)[:, :2]
+        assert torch.equal(got, want)
 
 
 def test_triton_splits_are_the_split_plans():

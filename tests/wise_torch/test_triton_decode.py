@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from cases import held_slots
 from parity.environment import widen_interpreted_bf16_dots
 from wise_core import reference as ref
 from wise_core import rounding, split_plan
@@ -262,6 +263,20 @@ def test_reuse_call_is_the_selecting_call_without_selection():
     assert torch.equal(mass, torch.zeros_like(mass))
     with pytest.raises(ValueError, match="reuse call must be SPARSE or DENSE"):
         run(case, [DISCOVER, DENSE, SPARSE, DENSE], support.clone(), reuse=True)
+
+
+def test_nan_past_a_rows_keys_never_reaches_it():
+    """NaN in every slot that is not one of a row's keys (a reused page's stale slots, pages no
+    row holds) changes no output, support or mass, bitwise, in any mode."""
+    case = make_case([45, 96, 70, 1])
+    held = torch.from_numpy(held_slots(case.page_table.cpu(), case.seq_lens.cpu(), *case.k_pages.shape[:2]))
+    held = held.to(DEVICE)[..., None, None]
+    stale = dataclasses.replace(case, k_pages=case.k_pages.masked_fill(~held, float("nan")),
+                                v_pages=case.v_pages.masked_fill(~held, float("nan")))
+    modes = [DISCOVER, SPARSE, DENSE, DISCOVER_UNION]
+    support = random_support(case, 0.5, seed=3)
+    got, want = (run(c, modes, support.clone()) for c in (stale, case))
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
 
 
 def test_mixed_batch_rows_match_each_row_alone():

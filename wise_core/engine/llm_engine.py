@@ -400,10 +400,10 @@ class LLMEngine:
 
     def _scrub(self, pages: list[int]) -> None:
         """A failed request's pages (`Sequence.fail`) go back to the pool: overwrite their K/V
-        (every plane) with zeros after the steps already launched, so that no later holder
-        reads its NaN (an attention whose masked keys still reach softmax(scores) @ V as 0 x
-        value turns a stale NaN into NaN output). Default: nothing, for a device side whose
-        attention never reads a key past a sequence's length."""
+        (every plane) with zeros after the steps already launched. The project's attentions read
+        no value past a row's keys (docs/DESIGN.md, "No request can harm another"); this guards
+        an attention that might (FlashAttention-4's) against the NaN the request left. Default:
+        nothing."""
 
     def _device_stats(self) -> dict:
         """The EngineStats fields of the device side: fallbacks, density and the step programs'."""

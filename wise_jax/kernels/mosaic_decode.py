@@ -20,8 +20,10 @@ q/K/V with head_dim a multiple of 64. A call is two launches, or one for a reuse
       tile's q.K and p.V by `MosaicConfig.products` (layout-hinted f32 reductions, or mma.sync
       a warp: `wise_jax.kernels.mosaic_ptx`); an online softmax in base 2. Discovery rows store
       per block (running max, sum of exponentials); outputs are computed as for DENSE, so
-      DISCOVER is bitwise DENSE. A split stores its (max, sum) and its acc or, for a row's only
-      split, the output itself (the choice depends on the list length only).
+      DISCOVER is bitwise DENSE. A block is copied whole, so in the tile of a row's last block
+      the values past the row's keys (a page's stale slots, NaN too) are zeroed in the slot
+      before p.V (`_zero_values_past_keys`). A split stores its (max, sum) and its acc or, for
+      a row's only split, the output itself (the choice depends on the list length only).
 2. Finish: `pallas_decode`'s finish kernel (merge by maxima, mass, selection, support'), reading
    this kernel's partials and counts; rows of one split keep the split kernel's output (`out`
    is one buffer of the two launches: an input-output alias).
@@ -331,6 +333,9 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
                 scores = jnp.sum(k.astype(jnp.float32) * q, axis=1)
             scores = jnp.where(ok, scores, -jnp.inf)
             plgpu.barrier_wait(v_bar.at[slot])
+            _zero_values_past_keys(v_smem.at[slot], ok, first, hi=row["hi"], n_listed=row["n_listed"],
+                                   tail_keys=row["tail_keys"], tile_blocks=tile_blocks, block_size=block_size,
+                                   interpret=interpret)
             if products == "mma":  # V's fragments for the tensor cores (a container: load_vt)
                 v = load_vt(v_smem.at[slot])
             else:
@@ -470,6 +475,20 @@ def _list_in_kernel(support_ref, page_table_ref, list_smem, meta_smem, totals_sm
     return [(meta_smem[g, 0], meta_smem[g, 1]) for g in range(n_rows)]
 
 
+def _zero_values_past_keys(v_slot, ok, first, *, hi, n_listed, tail_keys, tile_blocks, block_size, interpret):
+    """Zero the values of a ring slot (V [tile_n, head_dim] in SMEM) at the key slots that are
+    not `ok` (bool[tile_n], ROW), in the tile of the row's last block when the row's keys end
+    inside it (entries first, first + 1, ...): its slots past them hold whatever the page's last
+    holder left, NaN too, and p = 0 times NaN in p.V would make the row NaN. (Slots past the
+    split's entries repeat one of its blocks: the row's keys.) Committed for the products."""
+    def zero():
+        v = _layout(v_slot[...], plgpu.Layout.WGMMA, interpret)
+        v_slot[...] = jnp.where(lax.broadcast_in_dim(ok, v.shape, [0]), v, jnp.zeros_like(v))
+        plgpu.commit_smem()
+
+    pl.when((hi == n_listed) & (first + tile_blocks >= n_listed) & (tail_keys < block_size))(zero)
+
+
 def _valid_keys(first, key_slot, *, hi, n_listed, tail_keys, block_size):
     """Which key slots of a tile whose first slot holds list entry `first` attend: their entry
     is in the split ([.., hi)) and, in the list's last entry, below its tail_keys."""
@@ -558,6 +577,7 @@ def _attend_dots(q_smem, q_tile, k_smem, v_smem, k_bar, v_bar, stat_m_ref, stat_
     key_slot = plgpu.broadcasted_iota(jnp.int32, (DOT_ROWS, tile_n), 1, layout=wgmma_layout)
     key_block = key_slot // block_size
     row0 = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (DOT_ROWS,), 0), ROW) == 0
+    slot_keys = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (tile_n,), 0), ROW)
 
     def first_row(x):  # x [DOT_ROWS] (ROW) -> x[0], exactly (the other rows add zeros)
         return jnp.sum(jnp.where(row0, x, 0.0))
@@ -588,6 +608,11 @@ def _attend_dots(q_smem, q_tile, k_smem, v_smem, k_bar, v_bar, stat_m_ref, stat_
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         p16 = p.astype(v_smem.dtype)
         plgpu.barrier_wait(v_bar.at[slot])
+        first = lo + t * tile_blocks
+        _zero_values_past_keys(v_smem.at[slot], _valid_keys(first, slot_keys, hi=hi, n_listed=n_listed,
+                                                            tail_keys=tail_keys, block_size=block_size),
+                               first, hi=hi, n_listed=n_listed, tail_keys=tail_keys, tile_blocks=tile_blocks,
+                               block_size=block_size, interpret=False)
 
         def pv(acc_ref):
             plgpu.wgmma(acc_ref, p16, v_smem.at[slot])

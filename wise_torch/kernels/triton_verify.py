@@ -8,8 +8,10 @@ to itself. Two launches per call, as the decode kernel (`triton_decode`):
    keys: the fewest splits of at most `split_keys`, more for a short row given `min_splits`, as
    even as whole tiles allow), `tile_n` keys per iteration, read once for every
    (query, head) of the KV group: the query tile is [n * group (padded), head_dim], so the
-   scores are one tensor-core dot. Query i masks keys past starts + i. Online softmax in base 2;
-   each split stores (acc, max, sum) per (query, head).
+   scores are one tensor-core dot. Query i masks keys past starts + i, and reads no value past
+   them (a stale NaN there would reach it as 0 x NaN): the dot takes the values of the keys up
+   to starts, which every query reads, and those of the round's later keys go in per query.
+   Online softmax in base 2; each split stores (acc, max, sum) per (query, head).
 2. Finish kernel, program (row, query, head): merges the row's splits in split order
    (`triton_splits.merge_splits`, the decode kernel's merge).
 head_dim: any multiple of 16, tiles the next power of two wide (`triton_head_dim`).
@@ -174,7 +176,17 @@ def _split_kernel(
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        # Every query reads the keys up to `start`; a later key is query i's only from start + i
+        # on, and its value goes in per query: p is 0 for the others, but 0 x v in the dot is
+        # NaN where the slot is (a position this round did not write holds its last holder's).
+        v_all = tl.where((key <= start)[:, None], v, 0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v_all, input_precision=DOT_PRECISION)
+        if t + TILE_N > start + 1:
+            for j in tl.static_range(1, N_Q):
+                at = offs_n == start + j - t                                     # key start + j's column
+                p_j = tl.sum(tl.where(at[None, :], p, 0.0), 1)                   # [BLOCK_M]
+                v_j = tl.sum(tl.where(at[:, None], v, 0.0), 0).to(tl.float32)    # [D]
+                acc += tl.where((qi >= j)[:, None], p_j[:, None] * v_j[None, :], 0.0)
         m_i = m_new
 
     part = ((row * N_Q + qi) * heads + head) * ws_splits + split                 # [BLOCK_M]

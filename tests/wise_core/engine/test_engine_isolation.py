@@ -94,6 +94,25 @@ def test_step_by_step_the_failed_request_is_reported_once_and_gone(llm):
     drained(llm)
 
 
+def test_pages_a_nan_request_left_unscrubbed_harm_no_later_holder(llm):
+    """NaN requests aborted between the launch of their prefill and the read of their NaN free
+    pages full of NaN K/V, unscrubbed (no NaN was seen). A healthy prompt continuing a cached
+    prefix then takes one: its prefill chunk (over the pages it holds) and its decode steps
+    read a page whose slots past its keys hold NaN, and it keeps its tokens of a run before."""
+    prompt = [20 + i % 50 for i in range(72)]    # 2 full pages cached, the third from the free list
+    want = llm.generate([prompt], PARAMS, use_tqdm=False)[0].token_ids
+    free, page = len(llm.blocks.free), llm.page_size
+    sizes = [min(7, free - 7 * i) for i in range(-(-free // 7))]    # pages of each: every free page
+    bad = [llm.add_request([BAD] * (n * page), PARAMS) for n in sizes]
+    llm.step()                                   # their prefills launched, not read
+    assert not llm.blocks.free
+    assert [llm.abort(r).finish_reason for r in bad] == ["abort"] * len(bad)
+    got = llm.generate([prompt], PARAMS, use_tqdm=False)[0]
+    assert (got.token_ids, got.finish_reason) == (want, "length")
+    assert llm.stats().prefix_cache_hits >= 2 * page
+    drained(llm)
+
+
 def test_nan_in_a_speculative_round_fails_that_request_alone():
     """torch's speculative rounds read their own tokens: there too the NaN request ends alone."""
     import wise_torch
