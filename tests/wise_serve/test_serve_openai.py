@@ -164,7 +164,9 @@ def test_echo_with_logprobs_scores_the_prompt_first(client, llm):
     r = client.completions.create(model="chatty", prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=0,
                                   n=2)
     for c in r.choices:
-        assert c.logprobs.token_logprobs[:len(ids)] == lp.token_logprobs[:len(ids)]
+        # n=2: both completions' prompts may prefill in one step, a program over two rows (the JAX
+        # engine's prefill step): float32 GEMMs over more rows may round otherwise
+        assert c.logprobs.token_logprobs[:len(ids)] == pytest.approx(lp.token_logprobs[:len(ids)], abs=LOGPROB_ATOL)
 
 
 def test_streamed_completion_logprobs_equal_the_engine(client, llm):
