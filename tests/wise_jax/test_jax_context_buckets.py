@@ -137,3 +137,37 @@ def test_background_compiles_never_stop_a_step_after_the_start_up_set(params, wi
     assert all(r >= own_r and w >= own_w for (r, w), (own_r, own_w) in zip(shapes, blocking_shapes))
     assert stats.step_programs <= len(set(blocking_shapes)) + 1
     llm.close()
+
+
+def run_in_larger_buckets(programs, grow) -> None:
+    """Make every step of `programs` (a `compiler.StepPrograms`) run in a larger bucket than its
+    own, as `find` may hand a step while its own compiles: grow(sizes) -> the sizes it runs at."""
+    built = {}
+
+    def larger(variant, *sizes):
+        key = (variant, *grow(sizes))
+        if key not in built:
+            built[key] = programs._compile(key)
+        return built[key], key[1:]
+    programs.find = programs.choose = larger
+
+
+@pytest.mark.parametrize("chunk_budget", [8192, 64], ids=["whole-prompts", "chunked"])
+def test_prefill_and_first_tokens_in_larger_buckets_give_the_same_tokens(params, chunk_budget):
+    """A prefill step run in a compiled program of more rows (and a wider page table) than the
+    step's, and its first tokens in one of more rows: the step's rows are the program's first,
+    the rest padding that writes nothing -- the tokens of an engine running every step in its own
+    bucket. (On a GPU the engine met this while a step's own program compiled in the background:
+    a one-chunk step in the 16-row prefill program passed 16 rows of logits to the 1-row
+    first-token program and failed.)"""
+    want, _, _ = run(params, bucketed=True, kernel="reference", max_num_batched_tokens=chunk_budget)
+    llm = wise_jax.LLM(params, CONFIG, num_pages=64, page_size=PAGE, max_num_seqs=4, max_model_len=512,
+                       kernel="reference", max_num_batched_tokens=chunk_budget)
+    run_in_larger_buckets(llm.prefill_programs,
+                          lambda s: (s[0] + 2, s[1], min(2 * s[2], llm.max_pages)))   # (rows, tokens, width)
+    run_in_larger_buckets(llm.first_programs, lambda s: (s[0] + 3,))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, n).tolist() for n in LENGTHS]
+    outs = llm.generate(prompts, [wise_jax.SamplingParams(max_tokens=n, ignore_eos=True) for n in BUDGETS],
+                        use_tqdm=False)
+    assert [o.token_ids for o in outs] == want

@@ -90,6 +90,15 @@ GPU_POOL_FRACTION = 0.7
 COMPILATION_CACHE = Path("~/.cache/wise/jax-compilation")   # compilation_cache="auto" on a GPU
 
 
+def _rows(x: jax.Array, rows: int) -> jax.Array:
+    """x's first `rows` rows (axis 0), zero rows appended where it has fewer."""
+    if x.shape[0] == rows:
+        return x
+    if x.shape[0] > rows:
+        return x[:rows]
+    return jnp.concatenate([x, jnp.zeros((rows - x.shape[0],) + x.shape[1:], x.dtype)])
+
+
 def seed_key(seed: int) -> jax.Array:
     """A raw PRNG key for a seed in [0, 2**63) (jax.random.PRNGKey keeps only the low 32 bits)."""
     return jax.random.fold_in(jax.random.PRNGKey(seed & 0xFFFFFFFF), seed >> 32)
@@ -383,10 +392,13 @@ class LLM(LLMEngine):
             return InFlight([], (np.zeros(0, np.int32), np.zeros(0), np.zeros(0, bool), None, None, None), [],
                              prompt_rows, prompt)
         padded: list[Sequence | None] = [c.seq if c.completes else None for c in chunks]
-        padded += [None] * (rows - len(chunks))
-        slots = np.array([-1 if seq is None else seq.slot for seq in padded], np.int32)
         sampling = any(seq is not None and seq.forced is None and seq.params.temperature > 0 for seq in padded)
-        program, _ = self.first_programs.choose(FirstVariant(sampling, extras), rows)
+        # The program may hold more rows than the step (a larger compiled bucket): padding rows
+        # (no slot, zero logits) write and count nothing.
+        program, (program_rows,) = self.first_programs.choose(FirstVariant(sampling, extras), rows)
+        padded += [None] * (program_rows - len(chunks))
+        last = _rows(last, program_rows)
+        slots = np.array([-1 if seq is None else seq.slot for seq in padded], np.int32)
         self.next_token, logits_state, (token, logprob, nan, top) = program(
             self.next_token, last, self._on_mesh(slots), draw_of(padded), processing_of(padded) if extras else None,
             self.logits_state if extras else None)
@@ -413,9 +425,10 @@ class LLM(LLMEngine):
             # Rows are independent: while the step's own program compiles in the background, its
             # chunks run one by one in the compiled program of one chunk.
             last = [self._run_prefill(single, [chunk])[:1] for chunk in chunks]
-            return jnp.concatenate(last + [jnp.zeros_like(last[0])] * (rows - len(chunks))), None
+            return _rows(jnp.concatenate(last), rows), None
         logits = self._run_prefill(found or self.prefill_programs.choose(variant, rows, pages, width), chunks)
-        return logits if all_logits else (logits, None)
+        # A larger compiled bucket runs more rows than the step's: the step's rows are the first.
+        return (_rows(logits[0], rows), _rows(logits[1], rows)) if all_logits else (_rows(logits, rows), None)
 
     def _run_prefill(self, chosen: tuple, chunks: list[Chunk]):
         """Run `chunks` in the prefill program `chosen` = (program, (rows, pages, width)) -> its
