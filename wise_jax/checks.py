@@ -29,7 +29,7 @@ from wise_core.config import ModelConfig, WiseConfig
 from wise_jax.params import LayerParams, Params, param_shapes
 
 CACHE_FIELDS = ("k", "v", "page_table", "seq_lens", "free_pages", "num_free", "overflowed")
-STATE_FIELDS = ("support", "tag_request", "tag_position", "depths_run", "fallbacks", "selected_blocks",
+STATE_FIELDS = ("support", "tag", "tag_position", "depths_run", "fallbacks", "selected_blocks",
                 "causal_blocks", "block_size", "discover_depths", "reuse_depths")
 
 # What each Params leaf spans, in config fields (the layer axis first where the layers are stacked).
@@ -309,7 +309,7 @@ def state(state_, wise_config: WiseConfig, config: ModelConfig, *, rows: int, bl
                          f"{described(state_.support)}); the step attends {blocks} (its pages x page_size / "
                          f"block_size {wise_config.block_size})")
     n_reuse = len(wise_config.reuse_depths)
-    for name, shape, dtype in (("tag_request", (layers, slots), jnp.int32), ("tag_position", (layers, slots), jnp.int32),
+    for name, shape, dtype in (("tag", (layers, slots), jnp.int32), ("tag_position", (layers, slots), jnp.int32),
                                ("depths_run", (layers, slots), jnp.int32), ("fallbacks", (), jnp.int32),
                                ("selected_blocks", (n_reuse,), jnp.float32),
                                ("causal_blocks", (n_reuse,), jnp.float32)):
@@ -325,14 +325,14 @@ def rows_of(x, name: str, rows: int) -> None:
                          f"cache.page_table.shape[0]), got {described(x)}")
 
 
-def decode_step(params_, config: ModelConfig, cache_, state_, tokens, slots, wise_config, width) -> None:
+def decode_step(params_, config: ModelConfig, cache_, state_, tokens, tags, wise_config, width) -> None:
     """`model.decode_step`'s arguments against each other and the configs (module docstring)."""
     params(params_, config)
     cache(cache_, config, compute_dtype(params_))
     rows, max_pages = _shape(cache_.page_table)
     page_size = _shape(cache_.k)[2]
     rows_of(tokens, "tokens", rows)
-    rows_of(slots, "slots", rows)
+    rows_of(tags, "tags", rows)
     if width is not None and (not _is_int(width) or not 1 <= width <= max_pages):
         raise ValueError(f"width must be None or an integer in [1, {max_pages}] (the cache's max_pages), "
                          f"got {width!r}")

@@ -318,12 +318,13 @@ def prefill_chunk(params: HuginnParams, config: ModelConfig, k_pages: jax.Array,
 @functools.partial(jax.jit, static_argnames=("config", "num_steps", "kernel", "wise_config", "adaptive", "allocate",
                                              "scan_loops"))
 def decode_step(params: HuginnParams, config: ModelConfig, cache: kvc.PagedKVCache, tokens: jax.Array,
-                state: jax.Array, slots: jax.Array, *, num_steps: int, kernel: str = "auto",
+                state: jax.Array, tags: jax.Array, *, num_steps: int, kernel: str = "auto",
                 wise_config: WiseConfig | None = None, wise_state: ws.WiseState | None = None,
                 adaptive: AdaptiveDepth | None = None, allocate: bool = True, scan_loops: bool = True):
     """One decode token per cache row (`wise_jax.model.decode_step`'s contract): tokens int32[batch]
-    at each row's position seq_lens, state [batch, hidden] (the initial recurrent state), slots
-    int32[batch] (the request each row serves, the WISE tag; -1: an empty row, a masked no-op).
+    at each row's position seq_lens, state [batch, hidden] (the initial recurrent state), tags
+    int32[batch] (each row's WISE token tag, `wise_core.engine.step_plan`; -1: an empty row, a
+    masked no-op).
     The cache holds num_planes(config, >= num_steps) planes. wise_config: WISE over the core
     iterations (its depths index them, each < num_steps) with `wise_state` (`wise_state.create`
     with layers = the core block's); None: every plane dense. Each run of core iterations of one
@@ -344,7 +345,7 @@ def decode_step(params: HuginnParams, config: ModelConfig, cache: kvc.PagedKVCac
             raise ValueError(f"WISE decode needs a wise_state of the core block's "
                              f"{config.n_layers_in_recurrent_block} layers, got {got}")
     batch = tokens.shape[0]
-    active = slots >= 0
+    active = tags >= 0
     positions = cache.seq_lens
     grow = active & ~cache.overflowed
     cache, live = kvc.grow_rows(cache, grow, allocate=allocate)
@@ -364,10 +365,10 @@ def decode_step(params: HuginnParams, config: ModelConfig, cache: kvc.PagedKVCac
             return out[:, None], (cache, wise_state)
         step, layer, role = core
         if layer == 0 and role == "reuse":   # every layer's counts at once
-            wise_state = ws.count_reuse(wise_state, wise_config, step, seq_lens, slots, live,
+            wise_state = ws.count_reuse(wise_state, wise_config, step, seq_lens, tags, live,
                                         cache.capacity // wise_config.block_size)
         out, wise_state = ws.wise_attention(wise_state, wise_config, step, layer, q[:, 0], k_pages, v_pages,
-                                            page_table, seq_lens, slots, live, kernel=kernel, validate=False,
+                                            page_table, seq_lens, tags, live, kernel=kernel, validate=False,
                                             count=False, role=role)
         return out[:, None], (cache, wise_state)
 

@@ -277,38 +277,38 @@ def prefill(params: Params, config: ModelConfig, tokens: jax.Array, length: jax.
 
 
 def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, state: ws.WiseState | None,
-                tokens: jax.Array, slots: jax.Array, *, wise_config: WiseConfig | None, kernel: str,
+                tokens: jax.Array, tags: jax.Array, *, wise_config: WiseConfig | None, kernel: str,
                 unroll: int | bool = 1, axis_name: str | None = None,
                 width: int | None = None, return_depths: bool = False, allocate: bool = True,
                 scan_loops: bool = True) -> tuple:
     """Decode one token per cache row: append it (allocating a page at a page boundary) and run
     every loop; dense when wise_config is None, else WISE (state required).
 
-    tokens int32[batch]: the token at each row's position seq_lens; slots int32[batch]: the
-    request each row serves (the WISE tag), -1 for an empty row. With early_exit_threshold < 1 a
-    row stops after its exit loop (`wise_jax.early_exit`): its logits are that loop's and its K/V
-    of the later loops that loop's; it rides along masked. An empty row is a masked
-    no-op: it reserves nothing, writes only the scratch page, attends one scratch key and leaves
-    its WISE state alone. When the pool cannot hold the step's new pages nothing is written, no
-    row advances, and `cache.overflowed` is set (the caller reports it); a cache whose flag is
-    already set is written no more. The attention inputs are built here by construction, so
-    their values are not validated (no host callback per call). width: the step's context
-    bucket, the page-table columns (and WISE support blocks) attention reads (None: all); a
-    row that would need more pages than that does not fit (the step writes nothing, as for a
-    full pool). A row's attention does not depend on it beyond its keys.
-    Returns (logits float32[batch, vocab] (garbage for masked rows), cache, state), and with
-    return_depths the loops each row ran, int32[batch] (its exit loop + 1). allocate=False: the
-    page table already holds every active row's page for its new token (an engine's host
-    allocator chose it, `wise_core.engine.step_plan`): nothing is taken from the free stack and
-    no row overflows. scan_loops: each run of consecutive loops of one role (all loops dense;
-    WISE's discovery loops, its reuse loops: `WiseConfig.role_runs`) runs as a `lax.scan` of one
-    loop body, the plane index traced, so the program holds one copy of the layers per run, not
+    tokens int32[batch]: the token at each row's position seq_lens; tags int32[batch]: each row's
+    WISE token tag (`wise_core.engine.step_plan`), -1 for an empty row (a tag reused across steps,
+    e.g. a request's id, is safe: `wise_jax.wise_state`). With early_exit_threshold < 1 a row stops
+    after its exit loop (`wise_jax.early_exit`): its logits are that loop's and its K/V of the
+    later loops that loop's; it rides along masked. An empty row is a masked no-op: it reserves
+    nothing, writes only the scratch page, attends one scratch key and leaves its WISE state alone.
+    When the pool cannot hold the step's new pages nothing is written, no row advances, and
+    `cache.overflowed` is set (the caller reports it); a cache whose flag is already set is written
+    no more. The attention inputs are built here by construction, so their values are not validated
+    (no host callback per call). width: the step's context bucket, the page-table columns (and WISE
+    support blocks) attention reads (None: all); a row that would need more pages than that does
+    not fit (the step writes nothing, as for a full pool). A row's attention does not depend on it
+    beyond its keys. Returns (logits float32[batch, vocab] (garbage for masked rows), cache,
+    state), and with return_depths the loops each row ran, int32[batch] (its exit loop + 1).
+    allocate=False: the page table already holds every active row's page for its new token (an
+    engine's host allocator chose it, `wise_core.engine.step_plan`): nothing is taken from the free
+    stack and no row overflows. scan_loops: each run of consecutive loops of one role (all loops
+    dense; WISE's discovery loops, its reuse loops: `WiseConfig.role_runs`) runs as a `lax.scan` of
+    one loop body, the plane index traced, so the program holds one copy of the layers per run, not
     per loop (a shorter compile); False: every loop straight-line, the same arithmetic. Every
     argument is checked against config, wise_config and the others before anything is traced
     (`checks.decode_step`)."""
-    checks.decode_step(params, config, cache, state, tokens, slots, wise_config, width)
+    checks.decode_step(params, config, cache, state, tokens, tags, wise_config, width)
     batch = tokens.shape[0]
-    active = slots >= 0
+    active = tags >= 0
     positions = cache.seq_lens
     grow = active & ~cache.overflowed                 # a cache that overflowed once takes no more
     cache, live = kvc.grow_rows(cache, grow, width, allocate)
@@ -329,7 +329,7 @@ def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, st
         h, cache, state, exits = carry
         if role == "reuse":       # every layer's counts at once
             ran = live if exits is None else live & ~exits.exited    # a row that exited is not counted
-            state = ws.count_reuse(state, wise_config, loop, seq_lens, slots, ran, n_blocks)
+            state = ws.count_reuse(state, wise_config, loop, seq_lens, tags, ran, n_blocks)
 
         def attend(q, k, v, layer, carry):
             cache, state = carry
@@ -345,7 +345,7 @@ def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, st
                                           kernel=kernel, validate=False)
             else:
                 out, state = ws.wise_attention(state, wise_config, loop, layer, q[:, 0], k_pages, v_pages,
-                                               page_table, seq_lens, slots, live, kernel=kernel, validate=False,
+                                               page_table, seq_lens, tags, live, kernel=kernel, validate=False,
                                                count=False, role=role)
             return out[:, None], (cache, state)
         h, (cache, state) = run_loop(params, config, h, cos, sin, attend, (cache, state), unroll=unroll,

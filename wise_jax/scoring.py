@@ -228,12 +228,12 @@ def _forced(params: Params, cache: kvc.PagedKVCache, logits, continuation, live,
     state = None if wise_config is None else ws.create(
         wise_config, slots=rows, layers=config.num_hidden_layers, heads=config.num_attention_heads,
         max_blocks=cache.max_pages * cache.page_size // wise_config.block_size)
-    slots = jnp.where(live, jnp.arange(rows, dtype=jnp.int32), -1)
+    tags = jnp.where(live, jnp.arange(rows, dtype=jnp.int32), -1)
     first, first_logprob = _pick(logits, None if continuation is None else continuation[:, 0])
 
     def step(carry, forced):
         cache, state, token = carry
-        logits, cache, state = model.decode_step(params, config, cache, state, token, slots, wise_config=wise_config,
+        logits, cache, state = model.decode_step(params, config, cache, state, token, tags, wise_config=wise_config,
                                                  kernel=kernel)
         token, logprob = _pick(logits, forced)
         counts = None if state is None else (state.selected_blocks, state.causal_blocks)

@@ -3,7 +3,7 @@ decode every row one token.
 
     logits, kv = prefill(params, config, prompt_ids)          # one request, its own bucket
     cache = insert(cache, kv, slot)                             # into an empty row
-    logits, cache, state = decode_step(params, config, cache, state, tokens, slots,
+    logits, cache, state = decode_step(params, config, cache, state, tokens, tags,
                                        wise_config=wise_config, kernel="auto")
 
 `decode_step` is jit-compiled and donates the cache and the WISE state (updated in place). The
@@ -139,16 +139,16 @@ def insert(cache: kvc.PagedKVCache, kv: RequestKV, slot: int) -> kvc.PagedKVCach
 @functools.partial(jax.jit, static_argnames=("config", "wise_config", "kernel", "unroll", "mesh", "width"),
                    donate_argnames=("cache", "state"))
 def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, state: ws.WiseState | None,
-                tokens: jax.Array, slots: jax.Array, *, wise_config: WiseConfig | None = None,
+                tokens: jax.Array, tags: jax.Array, *, wise_config: WiseConfig | None = None,
                 kernel: str = "auto", unroll: int | bool = 1, mesh=None, width: int | None = None):
     """`wise_jax.model.decode_step`, jit-compiled, donating cache and state: tokens int32[rows]
-    (each row's next input), slots int32[rows] (request per row, -1 empty) ->
+    (each row's next input), tags int32[rows] (each row's WISE token tag, -1 empty) ->
     (logits float32[rows, vocab], cache, state). Check `cache.overflowed` after it. Pass
     unstacked params (`params.unstack_layers`, as `LLM` does) for the fast step: stacked ones
     run a scan that copies each layer's weights every step. mesh: see the module docstring.
     width: the context bucket (`model.decode_step`; None: the whole page table). The arguments
     are checked when traced, before the step is (`checks.decode_step`)."""
-    checks.decode_step(params, config, cache, state, tokens, slots, wise_config, width)
+    checks.decode_step(params, config, cache, state, tokens, tags, wise_config, width)
     TRACES["decode_step"] += 1
-    return sharding.decode_step(params, config, cache, state, tokens, slots, wise_config=wise_config,
+    return sharding.decode_step(params, config, cache, state, tokens, tags, wise_config=wise_config,
                                 kernel=kernel, unroll=unroll, mesh=mesh, width=width)

@@ -191,7 +191,7 @@ def create_cache(config: ModelConfig, mesh: Mesh | None, **kw) -> kvc.PagedKVCac
 def state_specs(state: ws.WiseState) -> ws.WiseState:
     """The PartitionSpec of every array of a WISE state (of its layout: `state`'s static fields):
     support sharded on heads, tags and counters replicated."""
-    replicated = {name: P() for name in ("tag_request", "tag_position", "depths_run", "fallbacks",
+    replicated = {name: P() for name in ("tag", "tag_position", "depths_run", "fallbacks",
                                          "selected_blocks", "causal_blocks")}
     return dataclasses.replace(state, support=P(None, None, AXIS, None), **replicated)
 
@@ -205,25 +205,25 @@ def create_state(wise_config, mesh: Mesh | None, **kw) -> ws.WiseState:
 
 
 def decode_step(params: Params | MeshParams, config: ModelConfig, cache: kvc.PagedKVCache, state: ws.WiseState | None,
-                tokens: jax.Array, slots: jax.Array, *, wise_config, kernel: str, unroll: int | bool = 1,
+                tokens: jax.Array, tags: jax.Array, *, wise_config, kernel: str, unroll: int | bool = 1,
                 mesh: Mesh | None = None, width: int | None = None, return_depths: bool = False,
                 allocate: bool = True, scan_loops: bool = True):
     """`wise_jax.model.decode_step`; over the mesh (MeshParams, sharded cache and state) one
     shard_map'd step at the local config. Returns (logits float32[rows, vocab], cache, state),
     and with return_depths the loops each row ran (int32[rows])."""
     if mesh is None:
-        return model.decode_step(_layout_of(params, None), config, cache, state, tokens, slots,
+        return model.decode_step(_layout_of(params, None), config, cache, state, tokens, tags,
                                  wise_config=wise_config, kernel=kernel, unroll=unroll, width=width,
                                  return_depths=return_depths, allocate=allocate, scan_loops=scan_loops)
     params = _layout_of(params, mesh).params
     local = local_config(config, tp_size(mesh))
 
-    def step(params, cache, state, tokens, slots):
+    def step(params, cache, state, tokens, tags):
         counting = None if state is None else dataclasses.replace(
             state, selected_blocks=jnp.zeros_like(state.selected_blocks),
             causal_blocks=jnp.zeros_like(state.causal_blocks))
         logits, cache, new, *depths = model.decode_step(
-            params, local, cache, counting, tokens, slots, wise_config=wise_config, kernel=kernel, unroll=unroll,
+            params, local, cache, counting, tokens, tags, wise_config=wise_config, kernel=kernel, unroll=unroll,
             axis_name=AXIS, width=width, return_depths=return_depths, allocate=allocate,
             scan_loops=scan_loops)
         if state is not None:   # this step's counts of every device's heads, added to the totals
@@ -236,7 +236,7 @@ def decode_step(params: Params | MeshParams, config: ModelConfig, cache: kvc.Pag
     depth_specs = (P(),) if return_depths else ()
     return jax.shard_map(step, mesh=mesh, in_specs=(param_specs(params), CACHE_SPECS, states, P(), P()),
                          out_specs=(P(), CACHE_SPECS, states, *depth_specs), check_vma=False)(
-        params, cache, state, tokens, slots)
+        params, cache, state, tokens, tags)
 
 
 def prefill(params: Params | MeshParams, config: ModelConfig, tokens: jax.Array, length: jax.Array, *, attention: str = "auto",

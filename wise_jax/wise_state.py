@@ -1,11 +1,14 @@
 """WISE decode state as a pytree, and the decode attention of one (loop, layer) under WISE.
 
 Per layer and slot (a batch row) the state holds the support found for the token being decoded,
-the (request id, position) it was found for, and a bitmask of the discovery depths that ran for
-it. A reuse depth attends sparsely only when that tag matches the row's current (request,
-position) and every discovery depth ran; otherwise it attends densely and counts a fallback.
-The arrays are layer-major, so one layer's rows are one contiguous slice, read and written in
-place by the decode step.
+the (tag, position) it was found for, and a bitmask of the discovery depths that ran for it. The
+tag is the WISE token tag the caller passes per row (`tags`; `wise_core.engine.step_plan`: the
+engines issue one per decoded token). A reuse depth attends sparsely only when the stored
+(tag, position) matches the row's current (tag, position) and every discovery depth ran;
+otherwise it attends densely and counts a fallback. The position keeps a tag that a functional
+caller reuses across steps (e.g. a request's id every step) safe: a support found for that
+request's previous token does not match its next one. The arrays are layer-major, so one layer's
+rows are one contiguous slice, read and written in place by the decode step.
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ from wise_jax.attention import causal_blocks, decode_attention
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["support", "tag_request", "tag_position", "depths_run", "fallbacks",
+                   data_fields=["support", "tag", "tag_position", "depths_run", "fallbacks",
                                 "selected_blocks", "causal_blocks"],
                    meta_fields=["block_size", "discover_depths", "reuse_depths"])
 @dataclasses.dataclass
 class WiseState:
-    """support bool[layers, slots, heads, max_blocks]; tag_request, tag_position int32[layers,
-    slots] (-1: none); depths_run int32[layers, slots] (bit d set when discovery depth d ran);
+    """support bool[layers, slots, heads, max_blocks]; tag, tag_position int32[layers, slots]
+    (-1: none): the WISE token tag and the position of the token each support was found for (the
+    position keeps a tag that a functional caller reuses across steps, e.g. a request's id every
+    step, safe); depths_run int32[layers, slots] (bit d set when discovery depth d ran);
     fallbacks int32[] ((token, layer) pairs that fell back to dense at a reuse depth);
     selected_blocks, causal_blocks float32[n_reuse], in reuse_depths order: sums over reuse-depth
     calls, per (row, head), of the causal blocks attended (all of them on a fallback) and of the
@@ -39,7 +44,7 @@ class WiseState:
     the state was made for, which a decode step checks its WiseConfig against (`wise_jax.checks`)."""
 
     support: jax.Array
-    tag_request: jax.Array
+    tag: jax.Array
     tag_position: jax.Array
     depths_run: jax.Array
     fallbacks: jax.Array
@@ -62,7 +67,7 @@ def create(wise_config: WiseConfig, *, slots: int, layers: int, heads: int, max_
     n_reuse = len(wise_config.reuse_depths)
     return WiseState(
         support=jnp.zeros((layers, slots, heads, max_blocks), bool),
-        tag_request=jnp.full((layers, slots), -1, jnp.int32),
+        tag=jnp.full((layers, slots), -1, jnp.int32),
         tag_position=jnp.full((layers, slots), -1, jnp.int32),
         depths_run=jnp.zeros((layers, slots), jnp.int32),
         fallbacks=jnp.zeros((), jnp.int32),
@@ -84,15 +89,13 @@ def discovery_mask(wise_config: WiseConfig) -> int:
     return sum(1 << d for d in wise_config.discover_depths)
 
 
-def _complete(state: WiseState, wise_config: WiseConfig, request_ids, position, layer=None):
-    """Rows whose support is this very token's, found by every discovery depth: bool[batch] for
-    `layer`, or bool[layers, batch] for every layer (layer None)."""
-    tag_request, tag_position, depths_run = ((state.tag_request, state.tag_position, state.depths_run)
-                                             if layer is None else
-                                             (state.tag_request[layer], state.tag_position[layer],
-                                              state.depths_run[layer]))
+def _complete(state: WiseState, wise_config: WiseConfig, tags, position, layer=None):
+    """Rows whose support is this very token's (tags, position int32[batch]), found by every
+    discovery depth: bool[batch] for `layer`, or bool[layers, batch] for every layer (layer None)."""
+    tag, tag_position, depths_run = ((state.tag, state.tag_position, state.depths_run) if layer is None else
+                                     (state.tag[layer], state.tag_position[layer], state.depths_run[layer]))
     full = discovery_mask(wise_config)
-    return (tag_request == request_ids) & (tag_position == position) & ((depths_run & full) == full)
+    return (tag == tags) & (tag_position == position) & ((depths_run & full) == full)
 
 
 def _reuse_index(wise_config: WiseConfig, loop: int | jax.Array) -> int | jax.Array:
@@ -105,14 +108,14 @@ def _reuse_index(wise_config: WiseConfig, loop: int | jax.Array) -> int | jax.Ar
     return jnp.asarray(table)[loop]
 
 
-def count_reuse(state: WiseState, wise_config: WiseConfig, loop: int | jax.Array, seq_lens, request_ids, active,
+def count_reuse(state: WiseState, wise_config: WiseConfig, loop: int | jax.Array, seq_lens, tags, active,
                 n_blocks: int) -> WiseState:
     """Add reuse depth `loop`'s fallbacks and density counts of every layer at once (what
     `wise_attention(..., count=True)` adds one layer at a time): the decode step calls it once per
     reuse loop, before the loop's layers, as nothing they run changes the supports or tags.
-    loop: a Python int or a traced int32[] (a reuse depth); seq_lens, request_ids, active [batch]
-    as wise_attention's; n_blocks: the blocks attended."""
-    complete = _complete(state, wise_config, request_ids, seq_lens - 1)            # [layers, batch]
+    loop: a Python int or a traced int32[] (a reuse depth); seq_lens, tags, active [batch] as
+    wise_attention's; n_blocks: the blocks attended."""
+    complete = _complete(state, wise_config, tags, seq_lens - 1)                   # [layers, batch]
     return _add_counts(state, wise_config, loop, state.support[:, :, :, :n_blocks], complete,
                        causal_blocks(seq_lens, wise_config.block_size, n_blocks), active)
 
@@ -137,7 +140,7 @@ def _add_counts(state: WiseState, wise_config: WiseConfig, loop: int | jax.Array
 
 
 def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int | jax.Array, layer: jax.Array, q, k_pages,
-                   v_pages, page_table, seq_lens, request_ids, active, *, kernel: str, validate: bool = True,
+                   v_pages, page_table, seq_lens, tags, active, *, kernel: str, validate: bool = True,
                    count: bool = True, role: str | None = None) -> tuple[jax.Array, WiseState]:
     """Decode attention of `layer` at `loop` with the row modes WISE assigns, updating the state.
 
@@ -148,12 +151,14 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int | jax.Ar
     q: [batch, heads, head_dim]; pages / page_table / seq_lens as decode_attention (the token at
     position seq_lens - 1 is being decoded; the supports read and written are the first
     page_table.shape[1] * page_size // block_size blocks, the step's context bucket: a support
-    never outlives its token, so the blocks past them are never read); request_ids int32[batch]; active bool[batch]: the rows
-    that decode a token. Other rows (empty slots) are masked: their support, tags and counters are
-    left as they were. validate: check the attention's input values (`decode_check.check_call`; the
-    decode step, which builds them by construction, passes False); count: at a reuse depth, add
-    this layer's fallbacks and density counts (the decode step passes False and counts every
-    layer at once, `count_reuse`). A Custom(..., context=True) selection rule reads this call's
+    never outlives its token, so the blocks past them are never read); tags int32[batch]: each
+    row's WISE token tag (`wise_core.engine.step_plan`; a support is reused only under the same
+    tag and position); active bool[batch]: the rows that decode a token. Other rows (empty
+    slots) are masked: their support, tags and counters are left as they were. validate: check
+    the attention's input values (`decode_check.check_call`; the decode step, which builds them
+    by construction, passes False); count: at a reuse depth, add this layer's fallbacks and
+    density counts (the decode step passes False and counts every layer at once,
+    `count_reuse`). A Custom(..., context=True) selection rule reads this call's
     `SelectionContext` (seq_lens, the loop and layer as int32 arrays, head and block indices).
     Returns (out [batch, heads, head_dim], state).
     """
@@ -165,7 +170,7 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int | jax.Ar
     position = seq_lens - 1
     n_blocks = page_table.shape[1] * k_pages.shape[1] // wise_config.block_size
     support = state.support[layer, :, :, :n_blocks]
-    tagged = (state.tag_request[layer] == request_ids) & (state.tag_position[layer] == position)
+    tagged = (state.tag[layer] == tags) & (state.tag_position[layer] == position)
     depths_run = state.depths_run[layer]
     bit = jnp.left_shift(jnp.int32(1), loop)
 
@@ -175,7 +180,7 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int | jax.Ar
         fresh = (loop == min(wise_config.discover_depths)) | ~tagged
         modes = jnp.where(fresh, M.DISCOVER, M.DISCOVER_UNION).astype(jnp.int32)
     elif role == "reuse":
-        complete = _complete(state, wise_config, request_ids, position, layer)
+        complete = _complete(state, wise_config, tags, position, layer)
         modes = jnp.where(complete, M.SPARSE, M.DENSE).astype(jnp.int32)
     else:
         modes = jnp.full((batch,), M.DENSE, jnp.int32)
@@ -199,7 +204,7 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int | jax.Ar
         state = dataclasses.replace(
             state,
             support=state.support.at[layer, :, :, :n_blocks].set(keep(new_support, support)),
-            tag_request=state.tag_request.at[layer].set(keep(request_ids, state.tag_request[layer])),
+            tag=state.tag.at[layer].set(keep(tags, state.tag[layer])),
             tag_position=state.tag_position.at[layer].set(keep(position, state.tag_position[layer])),
             depths_run=state.depths_run.at[layer].set(
                 keep(jnp.where(fresh, bit, depths_run | bit), depths_run)))

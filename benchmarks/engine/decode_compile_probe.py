@@ -65,10 +65,10 @@ def probe(args) -> list[dict]:
     layers = config.num_hidden_layers
     dense = WiseConfig()
 
-    def loopscan_step(params, cache, tokens, slots, width):
+    def loopscan_step(params, cache, tokens, tags, width):
         batch = tokens.shape[0]
         positions = cache.seq_lens
-        active = slots >= 0
+        active = tags >= 0
         cache, fits = kv_cache.try_reserve(cache, jnp.where(active, positions + 1, positions), width)
         live = active & fits
         seq_lens = jnp.where(live, cache.seq_lens, 1)
@@ -95,8 +95,8 @@ def probe(args) -> list[dict]:
         (h, cache), _ = lax.scan(one_loop, (h, cache), jnp.arange(config.total_ut_steps, dtype=jnp.int32))
         return model.head(params, h[:, 0]), cache
 
-    def unrolled_step(params, cache, tokens, slots, width):
-        logits, cache, _ = model.decode_step(params, config, cache, None, tokens, slots, wise_config=None,
+    def unrolled_step(params, cache, tokens, tags, width):
+        logits, cache, _ = model.decode_step(params, config, cache, None, tokens, tags, wise_config=None,
                                              kernel=kernel, width=width, scan_loops=False)
         return logits, cache
 
@@ -117,9 +117,9 @@ def probe(args) -> list[dict]:
         for name in args.variants.split(","):
             cache, width = full_cache(batch, context)
             jitted = jax.jit(steps[name], static_argnames=("width",), donate_argnums=(1,))
-            tokens = slots = jnp.arange(batch, dtype=jnp.int32)
+            tokens = tags = jnp.arange(batch, dtype=jnp.int32)
             start = time.perf_counter()
-            lowered = jitted.lower(params, cache, tokens, slots, width=width)
+            lowered = jitted.lower(params, cache, tokens, tags, width=width)
             lowered_at = time.perf_counter()
             compiled = lowered.compile()
             compiled_at = time.perf_counter()
@@ -137,14 +137,14 @@ def probe(args) -> list[dict]:
                           alias_gib=round(memory.alias_size_in_bytes / 2**30, 3), pool_ops=sorted(pool_ops))
             print(json.dumps(result), flush=True)
             try:
-                out, cache = compiled(params, cache, tokens, slots)
+                out, cache = compiled(params, cache, tokens, tags)
                 out.block_until_ready()
                 times = []
                 for _ in range(TIMED_STEPS):   # every step decodes at the same context
                     cache = dataclasses.replace(cache, seq_lens=jnp.full((batch,), context, jnp.int32),
                                                 num_free=jnp.asarray(1, jnp.int32))
                     start = time.perf_counter()
-                    out, cache = compiled(params, cache, tokens, slots)
+                    out, cache = compiled(params, cache, tokens, tags)
                     out.block_until_ready()
                     times.append(time.perf_counter() - start)
                 result.update(step_ms_median=round(1e3 * float(np.median(times[UNTIMED_STEPS:])), 3),

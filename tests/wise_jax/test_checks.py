@@ -36,7 +36,7 @@ def state_of(wise_config=WISE, slots=ROWS, layers=2, heads=2, max_blocks=MAX_PAG
     return ws.create(wise_config, slots=slots, layers=layers, heads=heads, max_blocks=max_blocks)
 
 
-TOKENS, SLOTS = jnp.zeros((ROWS,), jnp.int32), jnp.arange(ROWS, dtype=jnp.int32)
+TOKENS, TAGS = jnp.zeros((ROWS,), jnp.int32), jnp.arange(ROWS, dtype=jnp.int32)
 OTHER = {"loops": dict(total_ut_steps=2), "kv_heads": dict(num_key_value_heads=1), "head_dim": dict(head_dim=32)}
 
 # (case, the arguments changed from a matching call, the error's message); issue 51's cases first
@@ -54,7 +54,7 @@ DECODE_CASES = [
     ("two_dim_tokens", dict(tokens=lambda: jnp.zeros((ROWS, 1), jnp.int32)),
      r"tokens must be an integer array \[rows=2\] .*got int32\[2, 1\]"),
     ("float_tokens", dict(tokens=lambda: jnp.zeros((ROWS,), jnp.float32)), r"tokens must be .*got float32\[2\]"),
-    ("slots_list", dict(slots=lambda: [0, 1]), r"slots must be an integer array \[rows=2\] .*got list"),
+    ("tags_list", dict(tags=lambda: [0, 1]), r"tags must be an integer array \[rows=2\] .*got list"),
     ("wise_without_state", dict(state=lambda: None), r"wise_config is given but state is None"),
     ("state_without_wise", dict(wise_config=None), r"a WISE state is given but wise_config is None"),
     ("state_layers", dict(state=lambda: state_of(layers=1)),
@@ -80,10 +80,10 @@ DECODE_CASES = [
 
 
 def call(entry, params, *, config=CONFIG, width=None, **changed):
-    args = dict(cache=cache_of, state=state_of, tokens=lambda: TOKENS, slots=lambda: SLOTS, wise_config=WISE)
+    args = dict(cache=cache_of, state=state_of, tokens=lambda: TOKENS, tags=lambda: TAGS, wise_config=WISE)
     args.update(changed)
     made = {k: v() if callable(v) else v for k, v in args.items()}
-    return entry(params, config, made["cache"], made["state"], made["tokens"], made["slots"],
+    return entry(params, config, made["cache"], made["state"], made["tokens"], made["tags"],
                  wise_config=made["wise_config"], kernel="reference", width=width)
 
 
@@ -210,5 +210,5 @@ def test_model_prefill_checks_its_tokens(params):
 def test_a_matching_call_passes_every_check(params):
     """The checks refuse no matching structure (the decode itself is tested elsewhere): the
     check of a WISE step of the engine's shapes -- a state wider than the step's width."""
-    checks.decode_step(params, CONFIG, cache_of(), state_of(max_blocks=8), TOKENS, SLOTS, WISE, 1)
+    checks.decode_step(params, CONFIG, cache_of(), state_of(max_blocks=8), TOKENS, TAGS, WISE, 1)
     checks.decode_step(unstack_layers(params), CONFIG, cache_of(), None, TOKENS, np.arange(ROWS), None, None)

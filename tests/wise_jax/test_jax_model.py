@@ -111,10 +111,10 @@ def test_prefill_insert_and_paged_decode_match_forward(preset, page_size, tiny, 
         position = prefix + step
         live = position < lengths
         fed = np.append(np.where(live, tokens[np.arange(3), np.minimum(position, 79)], 0), 0).astype(np.int32)
-        slots = np.append(np.where(live, np.arange(3), -1), -1).astype(np.int32)
+        tags = np.append(np.where(live, np.arange(3), -1), -1).astype(np.int32)
         if step == 10:
             held = np.asarray(cache.k).copy()
-        logits, cache, _ = wise_jax.decode_step(params, config, cache, None, jnp.asarray(fed), jnp.asarray(slots),
+        logits, cache, _ = wise_jax.decode_step(params, config, cache, None, jnp.asarray(fed), jnp.asarray(tags),
                                                 kernel="reference")
         diff, bound = rounding.model_difference(np.asarray(logits)[:3][live], full[np.arange(3)[live], position[live]],
                                                 config, keys=80)
@@ -218,8 +218,8 @@ def test_decode_step_scanned_loops_match_straight_line_loops(gqa, mode):
         outputs = []
         for n in range(3):
             tokens = jnp.asarray([3 + n, 50 + n, 7, 11 + 2 * n], jnp.int32)
-            slots = jnp.asarray([0, 1, -1, 3] if n == 1 else [0, 1, 2, 3], jnp.int32)
-            logits, cache, state, depths = step(params, cache=cache, state=state, tokens=tokens, slots=slots)
+            tags = jnp.asarray([0, 1, -1, 3] if n == 1 else [0, 1, 2, 3], jnp.int32)
+            logits, cache, state, depths = step(params, cache=cache, state=state, tokens=tokens, tags=tags)
             outputs.append((np.asarray(logits), np.asarray(depths)))
         runs[scan_loops] = outputs, jax.tree.map(np.asarray, state)
     (straight, state_a), (scanned, state_b) = runs[False], runs[True]

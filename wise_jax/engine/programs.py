@@ -169,7 +169,7 @@ def score_prompt(logits, tokens):
 def state_rows(state, rows: int, whole=None):
     """The first `rows` slots of a WISE state (whole None), or `state` (those rows) written back
     into `whole`."""
-    names = ("support", "tag_request", "tag_position", "depths_run")
+    names = ("support", "tag", "tag_position", "depths_run")
     if whole is None:
         return dataclasses.replace(state, **{n: getattr(state, n)[:, :rows] for n in names})
     return dataclasses.replace(state, **{n: getattr(whole, n).at[:, :rows].set(getattr(state, n)) for n in names})
