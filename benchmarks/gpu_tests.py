@@ -1,4 +1,5 @@
-"""The `gpu`-marked pytest suite, each test file in a process of its own, and one summary table.
+"""The `gpu`- and `cuda`-marked pytest suite (`-m "gpu or cuda"`: tests that need a GPU, and those that run on
+one when there is one), each test file in a process of its own, and one summary table.
 
     python3 -m benchmarks.gpu_tests --part 1/4 --out OUTDIR       # one of four parts (~8 minutes each)
     python3 -m benchmarks.gpu_tests --files tests/wise_jax/test_jax_gpu.py --out OUTDIR
@@ -6,10 +7,10 @@
     python3 -m benchmarks.gpu_tests --summarize OUTDIR [OUTDIR...] --out benchmarks/results/DIR
 
 A CUDA fault, a poisoned context or a hung compile in one file cannot fail the files after it: each
-runs as `pytest -m gpu FILE` in a fresh process under its own time limit (--file-timeout, or the
+runs as `pytest -m "gpu or cuda" FILE` in a fresh process under its own time limit (--file-timeout, or the
 file's entry in FILE_SECONDS), with JAX's persistent compilation cache in OUTDIR/jax-cache so that
 files sharing programs compile them once. The files are those where pytest collects a `gpu` test
-(`--collect-only -m gpu`, run in a process of its own), split into parts by FILE_SECONDS so that a
+(`--collect-only -m "gpu or cuda"`, run in a process of its own), split into parts by FILE_SECONDS so that a
 part fits one ~9-minute run. Each file's junit XML gives its passed / failed / skipped counts and
 every skip's reason; OUTDIR/gpu_tests.json and .md hold the table (one row a file, the failures
 and skips named), with the machine, the versions, the date and the commit. --summarize merges the
@@ -47,14 +48,16 @@ FILE_SECONDS = {
     "tests/wise_torch/test_torch_gpu.py": 120,
     "tests/wise_torch/test_torch_speculative_gpu.py": 120,
     "tests/wise_torch/test_triton_decode.py": 90,
+    "tests/wise_core/test_decode_contract.py": 120,   # the gpu suite's jax-tests part gave it 120 s
 }
 DEFAULT_SECONDS = 60
+SELECT = "gpu or cuda"   # the tests the suite runs: needing a GPU, or running on one when there is one
 PARITY = "python3 -m parity"   # the parity suite's row in the table
 
 
 def collect(timeout: float) -> dict[str, int]:
     """{test file: number of gpu tests pytest collects in it}, from a collection in its own process."""
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "tests",
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", SELECT, "tests",
                            "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     counts: dict[str, int] = {}
     for line in proc.stdout.splitlines():
@@ -156,10 +159,10 @@ def run_parity(out: Path, timeout: float, extra_env: dict) -> dict:
 
 
 def run_file(path: str, out: Path, timeout: float, extra_env: dict) -> dict:
-    """`pytest -m gpu path` in a process of its own -> its row of the table."""
+    """`pytest -m "gpu or cuda" path` in a process of its own -> its row of the table."""
     stem = path.replace("/", "__").removesuffix(".py")
     xml = out / f"{stem}.xml"
-    return run_row(path, [sys.executable, "-m", "pytest", "-q", "-m", "gpu", path, "-p", "no:cacheprovider", "-rfEs",
+    return run_row(path, [sys.executable, "-m", "pytest", "-q", "-m", SELECT, path, "-p", "no:cacheprovider", "-rfEs",
                           f"--junitxml={xml}"], xml, junit_counts, out / f"{stem}.log", timeout, extra_env)
 
 

@@ -9,6 +9,8 @@ import torch
 
 from benchmarks.kernels.gemv_bench import MAX_ROWS, GemvConfig, gemv, supports
 
+pytestmark = pytest.mark.cuda   # on the GPU when there is one (the gpu suite runs it there)
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=1)
 

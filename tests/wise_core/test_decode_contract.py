@@ -20,6 +20,8 @@ from wise_jax.kernels import pallas_decode
 from wise_torch import attention as torch_attention
 from wise_torch.kernels import triton_decode
 
+pytestmark = pytest.mark.cuda   # on the GPU when there is one (the gpu suite runs it there)
+
 BLOCK, PAGE, ETA = 32, 32, 0.9
 IMPLS = ("torch-reference", "torch-triton", "jax-reference", "jax-pallas")
 

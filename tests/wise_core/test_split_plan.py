@@ -126,6 +126,7 @@ def _rule_kernel(n_ptr, size_ptr, count_ptr, N: tl.constexpr, TILE: tl.constexpr
     tl.store(count_ptr + offs, count)
 
 
+@pytest.mark.cuda
 def test_triton_device_rule_is_the_plan():
     """triton_splits.splits (decode: n in blocks; verification: in keys) in the interpreter
     or on the GPU, for widths 0..299 and several rules."""

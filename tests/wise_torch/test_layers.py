@@ -15,6 +15,8 @@ import torch.nn.functional as F
 
 from wise_torch import layers as L
 
+pytestmark = pytest.mark.cuda   # on the GPU when there is one (the gpu suite runs it there)
+
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 EPS = 1e-6

@@ -16,6 +16,8 @@ from wise_torch.attention import prefill_attention
 from wise_torch.kernels.triton_verify import KernelConfig, VerifyWorkspace, verify_attention
 from wise_torch.verification import prepare_verify_attention, verify_attention_reference
 
+pytestmark = pytest.mark.cuda   # on the GPU when there is one (the gpu suite runs it there)
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

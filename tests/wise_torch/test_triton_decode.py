@@ -22,6 +22,8 @@ from wise_torch.attention import decode_attention_reference
 from wise_torch.kernels.triton_decode import (DecodeWorkspace, KernelConfig, all_blocks_support,
                                               config_for, decode_attention)
 
+pytestmark = pytest.mark.cuda   # on the GPU when there is one (the gpu suite runs it there)
+
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 BLOCK = 32
