@@ -41,6 +41,10 @@ the decode step costs:
   a layer's slice of the stacked weights in place where XLA can);
 - cublas: XLA_FLAGS --xla_gpu_enable_triton_gemm=false (every GEMM on cuBLAS, none as an XLA Triton
   GEMM fusion);
+- noremat: XLA_FLAGS --xla_disable_hlo_passes=rematerialization (no rematerialization pass: on an H100
+  its estimate of a decode program's memory (90-114 GiB) far exceeded the buffers it assigned (the pool,
+  aliased in place, and 0.05 GiB of temporaries): it warned and added rematerialized copies of the K/V
+  scatters; measured against the default to see what the pass costs or saves);
 - tp2: the heads split over two devices (LLM(mesh=wise_jax.make_mesh(2))); its "over base" is
   the speedup over one device.
 Arms old, old-wise: the pre-engine `wise_jax.generate` (dense / WISE) of --old-commit, run from a
@@ -90,11 +94,12 @@ from benchmarks.engine.workload import cohort_pages, config_fields, parse_floats
 # (Huginn: num_steps=--num-steps, wise_config=huginn_wise_config(num_steps)), every other constructor
 # argument at its default (pool, max_num_seqs, max_model_len, kernel).
 MODES = ("dense", "wise", "dense-default", "wise-default", "old", "old-wise", "adaptive", "wise-adaptive")
-OPTIONS = ("stacked", "unroll", "straight", "unfused", "nocb", "cbloops", "dsfusion", "cublas", "tp2")
+OPTIONS = ("stacked", "unroll", "straight", "unfused", "nocb", "cbloops", "dsfusion", "cublas", "noremat", "tp2")
 XLA_FLAGS = {"nocb": "--xla_gpu_enable_command_buffer=",
              "cbloops": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
              "dsfusion": "--xla_gpu_enable_dynamic_slice_fusion=true",
-             "cublas": "--xla_gpu_enable_triton_gemm=false"}
+             "cublas": "--xla_gpu_enable_triton_gemm=false",
+             "noremat": "--xla_disable_hlo_passes=rematerialization"}
 OURO_LAYOUT = ("stacked", "unroll", "straight", "unfused", "tp2")   # Ouro only: its Params layout, decode loops, mesh
 OLD_COMMIT = "bef25e92fbb27d035f3f9973f69047951c897363"  # the last commit before the serving engine
 STEM = "jax_generate_bench"
