@@ -171,3 +171,25 @@ def test_prefill_and_first_tokens_in_larger_buckets_give_the_same_tokens(params,
     outs = llm.generate(prompts, [wise_jax.SamplingParams(max_tokens=n, ignore_eos=True) for n in BUDGETS],
                         use_tqdm=False)
     assert [o.token_ids for o in outs] == want
+
+
+def test_a_long_prompts_later_chunks_never_wait_for_a_compile_after_the_start_up_set(params):
+    """A prompt of 300 tokens in chunks of 64 (2 pages) widens its page table past one chunk: its
+    later chunks run in the start-up set's whole-chunk programs at the wider widths (the ones
+    of their own lengths compiling in the background), so no step waits, and the tokens are an
+    engine's compiling every program on the step path."""
+    lengths, budgets = [300, 40], [6, 5]
+    want, _, _ = run(params, bucketed=True, kernel="reference", lengths=lengths, budgets=budgets,
+                     max_num_batched_tokens=64, background_compile=False)
+    llm = wise_jax.LLM(params, CONFIG, num_pages=64, page_size=PAGE, max_num_seqs=4, max_model_len=512,
+                       kernel="reference", max_num_batched_tokens=64, background_compile=True)
+    llm.wait_compiles()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, n).tolist() for n in lengths]
+    outs = llm.generate(prompts, [wise_jax.SamplingParams(max_tokens=n, ignore_eos=True) for n in budgets],
+                        use_tqdm=False)
+    assert [o.token_ids for o in outs] == want
+    llm.wait_compiles()
+    assert llm.prefill_programs.stats()["compile_blocked_steps"] == 0
+    assert llm.prefill_programs.stats()["larger_bucket_steps"] >= 1
+    llm.close()

@@ -225,12 +225,15 @@ class LLM(LLMEngine):
         self.first_programs = StepPrograms(self._compile_first_tokens, background=background)
         # The start-up set: the largest decode bucket of the default variant (it holds every step
         # of that variant), the prefill of one prompt opening at each width a chunk may take (a
-        # step of several runs them one by one until its own compiles), and greedy first tokens.
+        # step of several runs them one by one until its own compiles), then of a later chunk of a
+        # prompt longer than one step's chunk, a whole chunk at each wider width (it holds every
+        # later chunk there), and greedy first tokens.
         self.programs.start([(DEFAULT_VARIANT, self.row_buckets[-1], self.widths[-1])])
         if self.num_steps is None:
             chunk = context_bucket(self.widths, min(self.max_pages, -(-args.max_num_batched_tokens // self.page_size)))
             self.prefill_programs.start([(PrefillVariant(self.attention, False), 1, w, w)
-                                         for w in self.widths if w <= chunk])
+                                         for w in self.widths if w <= chunk]
+                                        + [(PrefillVariant(None, False), 1, chunk, w) for w in self.widths if w > chunk])
         self.first_programs.start([(FirstVariant(False, False), rows) for rows in self.row_buckets])
         self.logits_state: LogitsState | None = None     # made when a request first needs it
         self._logits_owner: dict[int, Sequence] = {}       # slot -> the sequence its logits state rows are of
