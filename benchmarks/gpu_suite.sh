@@ -19,7 +19,9 @@
 #         SPEC adds speculative arms, e.g. SPEC="--spec wise --spec loops --num-draft 4");
 # jax: jax-bench then jax-tests (two 10-minute slots); jax-bench: the JAX engine's throughput benchmark
 #      (dense and WISE at 1K x 64, 4K x 20, 8K x 10, 1K x 1; a 32K x 2 prefill; JAX_ARMS, SHAPES,
-#      Q_SCALES override; each (shape, arm) warms up for about 40 s); jax-tests: JAX's gpu tests (engine,
+#      Q_SCALES override; each (shape, arm) warms up for about 40 s; JAX_PER_SHAPE=SECONDS: one invocation and
+#      report per shape under that limit, each arm's process JAX_CHILD seconds (default 150), no prefill shape);
+#      jax-tests: JAX's gpu tests (engine,
 #      selection in generate, the Pallas kernel in generate, parity's kernel checks) and the decode
 #      contract compiled for the GPU;
 # huginn: the Huginn-3.5B shape (huginn-0125, random bf16 weights) through both engines at r = 32 core
@@ -54,7 +56,8 @@
 #         tokens per round, tokens against dense;
 # bench: the kernel benchmark (Triton, Pallas, cuDNN SDPA, FlashAttention-4 when importable) and
 #        the WISE quality run on MODEL_DIR when given.
-# Logs and results go to OUTDIR. The project runs from the source tree (PYTHONPATH), the benchmarks as
+# Every part on a GPU first measures the card's copy bandwidth (OUTDIR/bandwidth.json), the engine benchmarks'
+# roofline (--hbm-tbps). Logs and results go to OUTDIR. The project runs from the source tree (PYTHONPATH), the benchmarks as
 # `python3 -m benchmarks.GROUP.NAME` from its root.
 set -uo pipefail
 part=$1; out=$2; model=${3:-}
@@ -67,10 +70,14 @@ run() {  # run NAME SECONDS CMD...: log to OUTDIR/NAME.log, keep going on failur
   timeout "$secs" "$@" > "$out/$name.log" 2>&1
   echo "== $name exit $?  ($(tail -n 1 "$out/$name.log"))"
 }
+hbm=4.3   # the roofline's bandwidth, TB/s: the card's copy bandwidth, measured below on a GPU
 if [ "$part" != tests-summary ]; then   # the summary runs where the parts came back, not on the GPU
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     python3 -c "import sys,torch,triton,jax;print(sys.version.split()[0],'torch',torch.__version__,'triton',triton.__version__,'jax',jax.__version__)"
-    date -u +%FT%TZ; } > "$out/machine.txt" 2>&1
+    date -u +%FT%TZ; git log -1 --format=%h 2>/dev/null; } > "$out/machine.txt" 2>&1
+  if python3 -m benchmarks.bandwidth --json "$out/bandwidth.json" >> "$out/machine.txt" 2>&1; then
+    hbm=$(python3 -c "import json;print(json.load(open('$out/bandwidth.json'))['tbps'])")
+  fi
 fi
 case $part in
   tests1|tests2|tests3|tests4)
@@ -103,12 +110,21 @@ case $part in
     run fused_ops 120 python3 -m benchmarks.kernels.fused_ops_bench --out "$out/fused_ops"
     run throughput 540 python3 -m benchmarks.engine.throughput --preset ouro-1.4b --arms "${ARMS:-dense,wise}" \
         --shapes "${SHAPES:-1024x64,4096x20,8192x10,1024x1}" --q-scale "${Q_SCALES:-8,7.3,7,8}" \
-        --max-num-batched-tokens 81920 ${OLD_SRC:+--old-src "$OLD_SRC"} ${SPEC:-} --out "$out/throughput"
+        --max-num-batched-tokens 81920 --hbm-tbps "$hbm" ${OLD_SRC:+--old-src "$OLD_SRC"} ${SPEC:-} --out "$out/throughput"
     ;;
   jax|jax-bench|jax-tests)
-    if [ "$part" != jax-tests ]; then
+    if [ "$part" != jax-tests ] && [ -n "${JAX_PER_SHAPE:-}" ]; then
+      # one invocation (and report) per shape, so that a shape that fails or runs long loses only its own rows
+      IFS=, read -ra jshapes <<< "${SHAPES:-1024x64,4096x20,8192x10,1024x1}"
+      IFS=, read -ra jscales <<< "${Q_SCALES:-8,7.3,7,8}"
+      for i in "${!jshapes[@]}"; do
+        run "jax_throughput_${jshapes[$i]}" "$JAX_PER_SHAPE" python3 -m benchmarks.engine.jax_generate_bench --preset ouro-1.4b \
+            --arms "${JAX_ARMS:-dense,wise}" --shapes "${jshapes[$i]}" --q-scale "${jscales[$i]}" --hbm-tbps "$hbm" \
+            --child-timeout "${JAX_CHILD:-150}" --compile-cache "$out/jax-cache" --out "$out/jax_throughput_${jshapes[$i]}"
+      done
+    elif [ "$part" != jax-tests ]; then
       run jax_throughput 560 python3 -m benchmarks.engine.jax_generate_bench --preset ouro-1.4b --arms "${JAX_ARMS:-dense,wise}" \
-          --shapes "${SHAPES:-1024x64,4096x20,8192x10,1024x1}" --q-scale "${Q_SCALES:-8,7.3,7,8}" \
+          --shapes "${SHAPES:-1024x64,4096x20,8192x10,1024x1}" --q-scale "${Q_SCALES:-8,7.3,7,8}" --hbm-tbps "$hbm" \
           --prefill-shapes 32768x2 --child-timeout 150 --out "$out/jax_throughput"
     fi
     if [ "$part" != jax-bench ]; then
