@@ -61,6 +61,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: on; --no-enable-prefix-caching turns it off)")
     parser.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
                         help="CUDA-graph decode (torch; default: auto, on with CUDA)")
+    parser.add_argument("--compile-ahead", action=argparse.BooleanOptionalAction, default=None,
+                        help="jax: compile the engine's start-up set of step programs (the widest decode bucket, "
+                             "the prefill and first-token programs of single prompts) before serving, and every "
+                             "later program in the background while a step runs in a larger compiled one, so no "
+                             "request waits for a compile (default: on; --no-compile-ahead: the engine's own "
+                             "default, which on a CPU compiles each program when a step first needs it)")
     parser.add_argument("--seed", type=int, default=None,
                         help="the generator of requests without a seed (default: random)")
 
@@ -100,6 +106,9 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
                             ("--cuda-graphs", args.cuda_graphs != "auto")):
             if given:
                 raise ValueError(f"{flag} is a torch engine feature: drop it or use --backend torch")
+    elif args.compile_ahead is not None:
+        raise ValueError("--compile-ahead is a jax engine feature (torch captures a decode graph per bucket in "
+                         "well under a second): drop it or use --backend jax")
     if args.eta is not None and not (args.wise or args.speculative == "wise"):
         raise ValueError("--eta needs --wise (or --speculative wise)")
     if args.wise and args.speculative == "loops":

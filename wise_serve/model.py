@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
+import time
 import zlib
 from typing import Callable, ContextManager
 
@@ -26,6 +28,8 @@ from wise_core.checkpoint import expected_shapes, open_checkpoint, random_tensor
 from wise_core.config import PRESETS, ModelConfig, SpeculativeConfig, WiseConfig
 from wise_core.engine.protocol import Engine
 from wise_serve.args import check_engine_arguments
+
+log = logging.getLogger(__name__)
 
 DUMMY_STD = 0.02
 
@@ -135,12 +139,22 @@ def _jax_engine(args: argparse.Namespace) -> Engine:
     if args.device == "cpu" and platform != "cpu":
         raise RuntimeError(f"--device cpu: jax runs on {platform!r} (JAX_PLATFORMS={os.environ['JAX_PLATFORMS']!r})")
     dtype = None if args.dtype == "auto" else args.dtype    # None: bfloat16 on a GPU, float32 otherwise
+    ahead = args.compile_ahead is not False
+    options = dict(engine_arguments(args), background_compile=True if ahead else None)
     if args.load_format != "dummy":
-        return wise_jax.LLM(args.model, dtype=dtype, **engine_arguments(args))
-    config = PRESETS[args.model]      # a preset: check_engine_arguments
-    tensors = random_tensors(config, seed=args.seed or 0, std=DUMMY_STD)
-    for name, t in tensors.items():
-        if name.endswith("self_attn.q_proj.weight"):
-            t *= args.q_scale
-    dtype = dtype or ("bfloat16" if platform == "gpu" else "float32")
-    return wise_jax.LLM(wise_jax.from_checkpoint_tensors(config, tensors, dtype), config, **engine_arguments(args))
+        llm = wise_jax.LLM(args.model, dtype=dtype, **options)
+    else:
+        config = PRESETS[args.model]      # a preset: check_engine_arguments
+        tensors = random_tensors(config, seed=args.seed or 0, std=DUMMY_STD)
+        for name, t in tensors.items():
+            if name.endswith("self_attn.q_proj.weight"):
+                t *= args.q_scale
+        dtype = dtype or ("bfloat16" if platform == "gpu" else "float32")
+        llm = wise_jax.LLM(wise_jax.from_checkpoint_tensors(config, tensors, dtype), config, **options)
+    if ahead:   # before the server listens: its first requests find their programs compiled
+        start = time.perf_counter()
+        llm.wait_compiles()
+        stats = llm.stats()
+        log.info("compiled the start-up set ahead in %.1f s (%d decode programs, %.1f s of compiles in all)",
+                 time.perf_counter() - start, stats.step_programs, stats.step_build_s)
+    return llm

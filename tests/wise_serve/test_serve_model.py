@@ -58,6 +58,29 @@ def test_build_llm_jax_follows_the_flags():
     assert len(out.token_ids) == 3
 
 
+def test_a_jax_server_compiles_ahead_so_its_first_requests_never_wait_for_a_compile():
+    """By default the jax engine of `wise serve` compiles its start-up set before the server
+    listens (background compiles on, even on a CPU), so a first request of each length finds its
+    programs: no step waits for a compile. --no-compile-ahead leaves the engine's own default,
+    which on a CPU compiles on the step path: its first request waits."""
+    import wise_jax
+
+    blocked = {}
+    for ahead in ("--compile-ahead", "--no-compile-ahead"):
+        llm = build_llm(args_of("--backend", "jax", "--model", "test-tiny", "--load-format", "dummy", "--kernel",
+                                "reference", ahead))
+        for prompt in ([1, 2, 3], list(range(1, 41))):      # one page, then two
+            llm.generate([prompt], wise_jax.SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        blocked[ahead] = llm.stats().compile_blocked_steps
+        llm.close()
+    assert blocked["--compile-ahead"] == 0 and blocked["--no-compile-ahead"] > 0, blocked
+
+
+def test_compile_ahead_is_refused_with_torch():
+    with pytest.raises(ValueError, match="--compile-ahead is a jax engine feature"):
+        build_llm(args_of("--model", "test-tiny", "--load-format", "dummy", "--no-compile-ahead"))
+
+
 @pytest.mark.parametrize("argv, message", [
     (("--speculative", "wise"), "--speculative is a torch engine feature"),
     (("--cuda-graphs", "off"), "--cuda-graphs is a torch engine feature"),

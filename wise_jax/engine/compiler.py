@@ -12,7 +12,7 @@ compiles when a step first needs it, on the step path (the CPU default: compilin
 host's cores, which a CPU engine computes on).
 
 `StepPrograms.start` compiles a start-up set in the background (the engine's: the largest decode
-bucket of the default variant, which holds every step of it, and the prefill (opening chunks and
+bucket of the default variant, which holds every step of it, one row at every width, and the prefill (opening chunks and
 later ones) and first-token programs of single prompts). The counts (`stats`): programs compiled, their seconds, steps run in
 a larger bucket than their own, steps that waited for a compile and the seconds they waited.
 """

@@ -224,11 +224,13 @@ class LLM(LLMEngine):
         self.prefill_programs = StepPrograms(self._compile_prefill, background=background)
         self.first_programs = StepPrograms(self._compile_first_tokens, background=background)
         # The start-up set: the largest decode bucket of the default variant (it holds every step
-        # of that variant), the prefill of one prompt opening at each width a chunk may take (a
+        # of that variant), one row at every width (a lone request's steps: in the largest bucket a
+        # CPU computes 256 rows for it), the prefill of one prompt opening at each width a chunk may take (a
         # step of several runs them one by one until its own compiles), then of a later chunk of a
         # prompt longer than one step's chunk, a whole chunk at each wider width (it holds every
         # later chunk there), and greedy first tokens.
-        self.programs.start([(DEFAULT_VARIANT, self.row_buckets[-1], self.widths[-1])])
+        self.programs.start([(DEFAULT_VARIANT, self.row_buckets[-1], self.widths[-1])]
+                            + [(DEFAULT_VARIANT, 1, w) for w in self.widths])
         if self.num_steps is None:
             chunk = context_bucket(self.widths, min(self.max_pages, -(-args.max_num_batched_tokens // self.page_size)))
             self.prefill_programs.start([(PrefillVariant(self.attention, False), 1, w, w)
