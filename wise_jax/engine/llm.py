@@ -223,23 +223,30 @@ class LLM(LLMEngine):
         self.programs = StepPrograms(self._compile_step, background=background)
         self.prefill_programs = StepPrograms(self._compile_prefill, background=background)
         self.first_programs = StepPrograms(self._compile_first_tokens, background=background)
-        # The start-up set: the largest decode bucket of the default variant (it holds every step
-        # of that variant), one row at every width (a lone request's steps: in the largest bucket a
-        # CPU computes 256 rows for it), the prefill of one prompt opening at each width a chunk may take (a
-        # step of several runs them one by one until its own compiles), then of a later chunk of a
-        # prompt longer than one step's chunk, a whole chunk at each wider width (it holds every
-        # later chunk there), and greedy first tokens.
-        self.programs.start([(DEFAULT_VARIANT, self.row_buckets[-1], self.widths[-1])]
-                            + [(DEFAULT_VARIANT, 1, w) for w in self.widths])
-        if self.num_steps is None:
-            chunk = context_bucket(self.widths, min(self.max_pages, -(-args.max_num_batched_tokens // self.page_size)))
-            self.prefill_programs.start([(PrefillVariant(self.attention, False), 1, w, w)
-                                         for w in self.widths if w <= chunk]
-                                        + [(PrefillVariant(None, False), 1, chunk, w) for w in self.widths if w > chunk])
-        self.first_programs.start([(FirstVariant(False, False), rows) for rows in self.row_buckets])
+        # The start-up set (`startup_set`), compiled in this order on each kind's background thread.
+        self.startup = self.startup_set(args.max_num_batched_tokens)
+        for programs, keys in zip((self.programs, self.prefill_programs, self.first_programs), self.startup):
+            programs.start(keys)
         self.logits_state: LogitsState | None = None     # made when a request first needs it
         self._logits_owner: dict[int, Sequence] = {}       # slot -> the sequence its logits state rows are of
         self._seed = random.randrange(MAX_SEED) if args.seed is None else args.seed
+
+    def startup_set(self, max_num_batched_tokens: int) -> tuple[list, list, list]:
+        """The programs compiled ahead, (decode, prefill, first-token) keys: the largest decode
+        bucket of the default variant (it holds every step of that variant) and one row at every
+        width (a lone request's steps: in the largest bucket a CPU computes every row for it); the
+        prefill of one prompt opening at each width a chunk may take (a step of several runs them
+        one by one until its own compiles), then of a later chunk of a prompt longer than one
+        step's chunk, a whole chunk at each wider width (it holds every later chunk there); greedy
+        first tokens at every batch bucket. (A Huginn model prefills chunk by chunk outside them.)"""
+        decode = [(DEFAULT_VARIANT, self.row_buckets[-1], self.widths[-1])] + [
+            (DEFAULT_VARIANT, 1, w) for w in self.widths if (1, w) != (self.row_buckets[-1], self.widths[-1])]
+        prefill = []
+        if self.num_steps is None:
+            chunk = context_bucket(self.widths, min(self.max_pages, -(-max_num_batched_tokens // self.page_size)))
+            prefill = ([(PrefillVariant(self.attention, False), 1, w, w) for w in self.widths if w <= chunk]
+                       + [(PrefillVariant(None, False), 1, chunk, w) for w in self.widths if w > chunk])
+        return decode, prefill, [(FirstVariant(False, False), rows) for rows in self.row_buckets]
 
     @staticmethod
     def _huginn_steps(params, config: ModelConfig, num_steps, mesh) -> int | None:
