@@ -7,7 +7,7 @@ A mismatch raises ValueError (TypeError for a value of the wrong kind) naming th
 both sides: what it holds and what the config says it must hold. The entry points call one
 function here as their first line:
 
-    model.forward / forward_with_exits    -> params (input_ids: model.check_input_ids)
+    model.forward / forward_with_exits    -> params, forward_inputs (input_ids: model.check_input_ids)
     model.prefill, serving.prefill        -> prefill
     model.decode_step (serving, sharding) -> decode_step
     kv_cache.insert, serving.insert       -> request_kv
@@ -147,6 +147,19 @@ def _fields(x, fields: tuple[str, ...], what: str, kind: str) -> None:
     missing = [f for f in fields if not hasattr(x, f)]
     if missing:
         raise TypeError(f"{what} must be a {kind}, got {type(x).__name__} (no {missing[0]!r})")
+
+
+def forward_inputs(input_ids, positions, segment_ids, return_hidden) -> None:
+    """`model.forward` / `forward_with_exits`: positions and segment_ids None or integer arrays of
+    input_ids' shape [batch, seq]; return_hidden a bool (it picks what is returned)."""
+    shape = _shape(input_ids)
+    for name, x in (("positions", positions), ("segment_ids", segment_ids)):
+        if x is not None and (not _is_integer_array(x) or _shape(x) != shape):
+            raise ValueError(f"{name} must be None or an integer array [batch, seq] = {list(shape)} (input_ids' "
+                             f"shape), got {described(x)}")
+    if not isinstance(return_hidden, bool):
+        raise TypeError(f"return_hidden must be a bool (it picks what forward returns), got "
+                        f"{type(return_hidden).__name__}")
 
 
 def compute_dtype(params) -> jnp.dtype:

@@ -212,3 +212,31 @@ def test_a_matching_call_passes_every_check(params):
     check of a WISE step of the engine's shapes -- a state wider than the step's width."""
     checks.decode_step(params, CONFIG, cache_of(), state_of(max_blocks=8), TOKENS, TAGS, WISE, 1)
     checks.decode_step(unstack_layers(params), CONFIG, cache_of(), None, TOKENS, np.arange(ROWS), None, None)
+
+
+FORWARD_CASES = [   # (case, forward's keyword arguments, message); input_ids int32[2, 4]
+    ("positions_shape", dict(positions=jnp.zeros((1, 4), jnp.int32)),
+     r"positions must be None or an integer array \[batch, seq\] = \[2, 4\] \(input_ids' shape\), got int32\[1, 4\]"),
+    ("positions_one_dim", dict(positions=jnp.arange(4, dtype=jnp.int32)),
+     r"positions must be .*got int32\[4\]"),
+    ("positions_float", dict(positions=jnp.zeros((2, 4), jnp.float32)), r"positions must be .*got float32\[2, 4\]"),
+    ("positions_list", dict(positions=[[0, 1, 2, 3]] * 2), r"positions must be .*got list"),
+    ("segment_ids_shape", dict(segment_ids=jnp.zeros((2, 5), jnp.int32)),
+     r"segment_ids must be None or an integer array \[batch, seq\] = \[2, 4\] .*got int32\[2, 5\]"),
+    ("segment_ids_bool", dict(segment_ids=jnp.zeros((2, 4), bool)), r"segment_ids must be .*got bool\[2, 4\]"),
+    ("return_hidden", dict(return_hidden="yes"), r"return_hidden must be a bool .*got str"),
+]
+
+
+@pytest.mark.parametrize("case,kwargs,match", FORWARD_CASES, ids=[c[0] for c in FORWARD_CASES])
+def test_forward_refuses_positions_and_segments_that_do_not_match_the_tokens(params, case, kwargs, match):
+    """Eagerly and under jit (the array arguments traced: raised at trace, from their shapes)."""
+    ids = jnp.zeros((2, 4), jnp.int32)
+    error = TypeError if case == "return_hidden" else ValueError
+    for entry in (wise_jax.forward, wise_jax.forward_with_exits):
+        with pytest.raises(error, match=match):
+            entry(params, CONFIG, ids, **kwargs)
+    (name, value), = kwargs.items()
+    if isinstance(value, jax.Array):
+        with pytest.raises(error, match=match):
+            jax.jit(lambda p, x: wise_jax.forward(p, CONFIG, ids, **{name: x}))(params, value)
