@@ -115,10 +115,21 @@ def mass_bound_of(q, k, *, scale=None) -> float:
     return mass_bound(qk_max=qk_max, head_dim=head_dim, n_keys=len(k))
 
 
-def model_bound(config, *, scale: float, keys: int = 0, dtype="float32") -> float:
+def rope_error(max_position: int) -> float:
+    """Absolute error of a float32 RoPE angle p * inv_freq at positions |p| <= max_position, the
+    part that grows with the position: inv_freq (<= 1) is a float32 power (up to two ulps, 4 u)
+    and division (u), the product rounds once more (u), so the angle is off by up to 6 u p; cos
+    and sin pass it on as an absolute error (their own rounding is one u, as any sublayer's)."""
+    return 6 * abs(max_position) * unit_roundoff("float32")
+
+
+def model_bound(config, *, scale: float, keys: int = 0, dtype="float32", positions: int = 0) -> float:
     """`network_bound` of a ModelConfig: depth layers * loops (Huginn: prelude + core block *
     total_ut_steps + coda layers), width its longest reduction (hidden size, MLP width, Huginn's
-    adapter over 2 * hidden, or the `keys` attended)."""
+    adapter over 2 * hidden, or the `keys` attended). positions: the largest RoPE position of
+    either run, when it matters (two runs at other positions): each sublayer's rotated q and k
+    are then off by `rope_error(positions)` (relative), taken as two more roundings of that size
+    a sublayer, of independent sign over the depth."""
     if config.architecture == "huginn":
         depth = (config.n_layers_in_prelude + config.n_layers_in_recurrent_block * config.total_ut_steps
                  + config.n_layers_in_coda)
@@ -126,12 +137,14 @@ def model_bound(config, *, scale: float, keys: int = 0, dtype="float32") -> floa
     else:
         depth = config.num_hidden_layers * config.total_ut_steps
         width = max(config.hidden_size, config.intermediate_size, keys)
-    return network_bound(scale=scale, depth=depth, width=width, dtype=dtype)
+    rope = LAMBDA * math.sqrt(depth) * 2 * rope_error(positions) * scale
+    return network_bound(scale=scale, depth=depth, width=width, dtype=dtype) + rope
 
 
-def model_difference(got, want, config, *, keys: int = 0, dtype="float32") -> tuple[float, float]:
+def model_difference(got, want, config, *, keys: int = 0, dtype="float32", positions: int = 0
+                     ) -> tuple[float, float]:
     """(max |got - want|, `model_bound` at scale max |want|) of two runs' logits or log-probs
     (numpy arrays or CPU tensors): a test asserts the first <= the second."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    bound = model_bound(config, scale=float(np.abs(want).max()), keys=keys, dtype=dtype)
+    bound = model_bound(config, scale=float(np.abs(want).max()), keys=keys, dtype=dtype, positions=positions)
     return float(np.abs(got - want).max()), bound

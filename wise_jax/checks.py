@@ -7,15 +7,19 @@ A mismatch raises ValueError (TypeError for a value of the wrong kind) naming th
 both sides: what it holds and what the config says it must hold. The entry points call one
 function here as their first line:
 
-    model.forward / forward_with_exits    -> params (input_ids: model.check_input_ids)
+    model.forward / forward_with_exits    -> params, forward_inputs (input_ids: model.check_input_ids)
     model.prefill, serving.prefill        -> prefill
     model.decode_step (serving, sharding) -> decode_step
     kv_cache.insert, serving.insert       -> request_kv
     kv_cache.create                       -> cache_settings
     wise_state.create                     -> state_settings
+    huginn.forward                        -> huginn_params (input_ids: model.check_input_ids)
+    huginn.prefill                        -> huginn_prefill
+    huginn.prefill_chunk                  -> huginn_prefill_chunk
+    huginn.decode_step                    -> huginn_decode_step
 
-The cache and the WISE state are recognised by their fields (this module sits below
-`kv_cache` and `wise_state`, which call it); the decode kernels check the decode contract at
+The cache, the WISE state and Huginn's params are recognised by their fields (this module sits
+below `kv_cache`, `wise_state` and `huginn`, which call it); the decode kernels check the decode contract at
 their own entry (`wise_jax.decode_check`).
 """
 
@@ -25,7 +29,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from wise_core.config import ModelConfig, WiseConfig
+from wise_core.config import AdaptiveDepth, ModelConfig, WiseConfig
+from wise_core.huginn_reference import num_planes
 from wise_jax.params import LayerParams, Params, param_shapes
 
 CACHE_FIELDS = ("k", "v", "page_table", "seq_lens", "free_pages", "num_free", "overflowed")
@@ -149,6 +154,19 @@ def _fields(x, fields: tuple[str, ...], what: str, kind: str) -> None:
         raise TypeError(f"{what} must be a {kind}, got {type(x).__name__} (no {missing[0]!r})")
 
 
+def forward_inputs(input_ids, positions, segment_ids, return_hidden) -> None:
+    """`model.forward` / `forward_with_exits`: positions and segment_ids None or integer arrays of
+    input_ids' shape [batch, seq]; return_hidden a bool (it picks what is returned)."""
+    shape = _shape(input_ids)
+    for name, x in (("positions", positions), ("segment_ids", segment_ids)):
+        if x is not None and (not _is_integer_array(x) or _shape(x) != shape):
+            raise ValueError(f"{name} must be None or an integer array [batch, seq] = {list(shape)} (input_ids' "
+                             f"shape), got {described(x)}")
+    if not isinstance(return_hidden, bool):
+        raise TypeError(f"return_hidden must be a bool (it picks what forward returns), got "
+                        f"{type(return_hidden).__name__}")
+
+
 def compute_dtype(params) -> jnp.dtype:
     """The dtype the model computes in: its embeddings'."""
     inner = getattr(params, "params", params)
@@ -204,24 +222,44 @@ def cache(cache_, config: ModelConfig, dtype=None, what: str = "cache") -> None:
     num_key_value_heads, head_dim] of one floating dtype (`dtype`, the params', when given);
     the bookkeeping arrays of `kv_cache.create`'s shapes and dtypes."""
     _fields(cache_, CACHE_FIELDS, what, "PagedKVCache (wise_jax.kv_cache.create)")
-    k, v = cache_.k, cache_.v
+    _storage(cache_.k, cache_.v, config, dtype, what, f"{what}.k", f"{what}.v", "params.embed_tokens", None)
+    _bookkeeping(cache_, what)
+
+
+def _storage(k, v, config: ModelConfig, dtype, what: str, k_name: str, v_name: str, dtype_source: str,
+             num_steps: int | None) -> None:
+    """K/V storage [planes, pages + 1, page_size, kv_heads, head_dim] against an Ouro config (num_steps
+    None: loops x layers planes) or a Huginn one (at least `huginn_reference.num_planes(config,
+    num_steps)` planes: a cache may hold more iterations' than a call runs), and the params' dtype."""
     if _shape(k) is None or len(_shape(k)) != 5 or _shape(v) != _shape(k):
-        raise ValueError(f"{what}.k and .v must be [planes, pages + 1, page_size, kv_heads, head_dim] of one shape, "
-                         f"got {described(k)} and {described(v)}")
+        raise ValueError(f"{k_name} and {v_name} must be [planes, pages + 1, page_size, kv_heads, head_dim] of one "
+                         f"shape, got {described(k)} and {described(v)}")
     planes, _, _, kv_heads, head_dim = _shape(k)
-    want = {"planes": (planes, planes_of(config),
-                       f"config.total_ut_steps x num_hidden_layers = {config.total_ut_steps} x "
-                       f"{config.num_hidden_layers}"),
-            "kv_heads": (kv_heads, config.num_key_value_heads, "config.num_key_value_heads"),
+    if num_steps is not None and planes < num_planes(config, num_steps):
+        raise ValueError(f"the {what} holds {planes} planes; {num_steps} core iterations need "
+                         f"{num_planes(config, num_steps)} (prelude {config.n_layers_in_prelude} + coda "
+                         f"{config.n_layers_in_coda} + num_steps x {config.n_layers_in_recurrent_block} core layers, "
+                         f"wise_core.huginn_reference.num_planes; {k_name} is {described(k)})")
+    want = {"kv_heads": (kv_heads, config.num_key_value_heads, "config.num_key_value_heads"),
             "head_dim": (head_dim, config.head_dim, "config.head_dim")}
+    if num_steps is None:
+        want = {"planes": (planes, planes_of(config),
+                           f"config.total_ut_steps x num_hidden_layers = {config.total_ut_steps} x "
+                           f"{config.num_hidden_layers}"), **want}
     for name, (got, expected, source) in want.items():
         if got != expected:
-            raise ValueError(f"{what} holds {got} {name} ({what}.k is {described(k)}); {source} = {expected}")
+            raise ValueError(f"{what} holds {got} {name} ({k_name} is {described(k)}); {source} = {expected}")
     if k.dtype != v.dtype or not jnp.issubdtype(k.dtype, jnp.floating):
-        raise ValueError(f"{what}.k and .v must share one floating dtype, got {described(k)} and {described(v)}")
+        raise ValueError(f"{k_name} and {v_name} must share one floating dtype, got {described(k)} and "
+                         f"{described(v)}")
     if dtype is not None and jnp.dtype(k.dtype) != jnp.dtype(dtype):
         raise ValueError(f"{what} holds {jnp.dtype(k.dtype).name} K/V but the params compute in "
-                         f"{jnp.dtype(dtype).name} (params.embed_tokens): make the cache in the params' dtype")
+                         f"{jnp.dtype(dtype).name} ({dtype_source}): make the cache in the params' dtype")
+
+
+def _bookkeeping(cache_, what: str) -> None:
+    """A PagedKVCache's page table, lengths, free count and overflow flag of `kv_cache.create`'s
+    shapes and dtypes."""
     table = _shape(cache_.page_table)
     if table is None or len(table) != 2 or cache_.page_table.dtype != jnp.int32:
         raise ValueError(f"{what}.page_table must be int32[rows, max_pages], got {described(cache_.page_table)}")
@@ -348,3 +386,160 @@ def decode_step(params_, config: ModelConfig, cache_, state_, tokens, tags, wise
                          "heads=config.num_attention_heads, max_blocks=max_pages * page_size // block_size))")
     pages = max_pages if width is None else width
     state(state_, wise_config, config, rows=rows, blocks=pages * page_size // wise_config.block_size)
+
+
+# -- Huginn (wise_jax.huginn) ----------------------------------------------------------------------
+HUGINN_FIELDS = ("wte", "prelude", "adapter", "core_block", "coda", "ln_f", "lm_head")
+BLOCK_FIELDS = ("qkv", "qkv_bias", "proj", "fc", "mlp_proj", "norm_1", "norm_2", "norm_3", "norm_4")
+
+
+def huginn_config(config, what: str = "config") -> None:
+    """config must be a ModelConfig of a Huginn model (wise_jax.model runs Ouro's)."""
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"{what} must be a wise_core ModelConfig, got {type(config).__name__}")
+    if config.architecture != "huginn":
+        raise ValueError(f"{what} is an {config.architecture} model's; wise_jax.huginn runs Huginn models "
+                         f"(wise_jax.model runs Ouro's)")
+
+
+def num_steps(value) -> int:
+    """Core iterations: a non-negative int."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"num_steps must be a non-negative integer, got {value!r}")
+    return value
+
+
+def huginn_params(params_, config: ModelConfig, what: str = "params") -> None:
+    """HuginnParams (`huginn.huginn_from_tensors`) against a Huginn config: wte [vocab_size,
+    hidden_size]; adapter [2 * hidden_size, hidden_size]; ln_f [hidden_size]; lm_head
+    [hidden_size, vocab_size], None exactly when tie_word_embeddings; prelude, core_block and
+    coda tuples of n_layers_in_prelude, n_layers_in_recurrent_block and n_layers_in_coda
+    BlockParams: qkv [hidden_size, 3 * heads * head_dim], qkv_bias [3 * heads * head_dim]
+    exactly when qk_bias (else None), proj [heads * head_dim, hidden_size], fc [hidden_size,
+    2 * intermediate_size], mlp_proj [intermediate_size, hidden_size], norm_1..4 [hidden_size];
+    every leaf floating."""
+    huginn_config(config)
+    missing = [f for f in HUGINN_FIELDS if not hasattr(params_, f)]
+    if missing:
+        kind = "Ouro Params (wise_jax.model runs them)" if isinstance(params_, Params) else type(params_).__name__
+        raise TypeError(f"{what} must be wise_jax.huginn.HuginnParams (wise_jax.load_model / huginn_from_tensors of "
+                        f"a Huginn checkpoint), got {kind}")
+    c = config
+    hidden, vocab, width = c.hidden_size, c.vocab_size, c.num_attention_heads * c.head_dim
+    for name, shape, span in (("wte", (vocab, hidden), "[vocab_size, hidden_size]"),
+                              ("adapter", (2 * hidden, hidden), "[2 * hidden_size, hidden_size]"),
+                              ("ln_f", (hidden,), "[hidden_size]")):
+        _leaf(getattr(params_, name), shape, f"{what}.{name}", span)
+    if (params_.lm_head is None) != c.tie_word_embeddings:
+        raise ValueError(f"{what}.lm_head is {'None (tied to wte)' if params_.lm_head is None else 'given'} "
+                         f"but config.tie_word_embeddings is {c.tie_word_embeddings}")
+    if params_.lm_head is not None:
+        _leaf(params_.lm_head, (hidden, vocab), f"{what}.lm_head", "[hidden_size, vocab_size]")
+    block = {"qkv": ((hidden, 3 * width), "[hidden_size, 3 * num_attention_heads * head_dim]"),
+             "qkv_bias": ((3 * width,), "[3 * num_attention_heads * head_dim]"),
+             "proj": ((width, hidden), "[num_attention_heads * head_dim, hidden_size]"),
+             "fc": ((hidden, 2 * c.intermediate_size), "[hidden_size, 2 * intermediate_size]"),
+             "mlp_proj": ((c.intermediate_size, hidden), "[intermediate_size, hidden_size]"),
+             **{f"norm_{i}": ((hidden,), "[hidden_size]") for i in range(1, 5)}}
+    for stack, count, field in (("prelude", c.n_layers_in_prelude, "n_layers_in_prelude"),
+                                ("core_block", c.n_layers_in_recurrent_block, "n_layers_in_recurrent_block"),
+                                ("coda", c.n_layers_in_coda, "n_layers_in_coda")):
+        blocks = getattr(params_, stack)
+        if not isinstance(blocks, (tuple, list)) or len(blocks) != count:
+            got = f"{len(blocks)} layers" if isinstance(blocks, (tuple, list)) else type(blocks).__name__
+            raise ValueError(f"{what}.{stack} holds {got}, the config {count} (config.{field})")
+        for n, bp in enumerate(blocks):
+            name = f"{what}.{stack}[{n}]"
+            _fields(bp, BLOCK_FIELDS, name, "wise_jax.huginn BlockParams")
+            if (bp.qkv_bias is None) == c.qk_bias:
+                raise ValueError(f"{name}.qkv_bias is {'None' if bp.qkv_bias is None else 'given'} but config.qk_bias "
+                                 f"is {c.qk_bias}")
+            for field_name, (shape, span) in block.items():
+                leaf = getattr(bp, field_name)
+                if leaf is not None:
+                    _leaf(leaf, shape, f"{name}.{field_name}", span)
+
+
+def _huginn_state(x, rows: int, config: ModelConfig, name: str, what: str) -> None:
+    """A recurrent state: a floating array [rows, hidden_size]."""
+    if _shape(x) != (rows, config.hidden_size) or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{name} must be a floating array [{what}, hidden_size] = [{rows}, {config.hidden_size}] "
+                         f"(the initial recurrent state), got {described(x)}")
+
+
+def _scalar(x, name: str) -> None:
+    if not _is_int(x) and (not _is_integer_array(x) or _shape(x) != ()):
+        raise ValueError(f"{name} must be an integer scalar, got {described(x)}")
+
+
+def huginn_prefill(params_, config: ModelConfig, tokens, length, state_, steps) -> None:
+    """`huginn.prefill`: params against config; tokens int[seq] (one prompt); length an integer
+    scalar; state floating [seq, hidden_size]; num_steps a non-negative int."""
+    huginn_params(params_, config)
+    num_steps(steps)
+    if not _is_integer_array(tokens) or len(_shape(tokens)) != 1:
+        raise ValueError(f"tokens must be a 1-D integer array (one prompt), got {described(tokens)}")
+    _scalar(length, "length")
+    _huginn_state(state_, _shape(tokens)[0], config, "state", "seq (tokens' length)")
+
+
+def huginn_prefill_chunk(params_, config: ModelConfig, k_pages, v_pages, tokens, start, length, table, state_table,
+                         steps) -> None:
+    """`huginn.prefill_chunk`: params against config; the K/V storage against config, num_steps
+    and the params' dtype (`_storage`); tokens int[seq]; start and length integer scalars; table
+    int[pages]; state_table floating [positions, hidden_size]."""
+    huginn_params(params_, config)
+    num_steps(steps)
+    _storage(k_pages, v_pages, config, params_.wte.dtype, "K/V storage", "k_pages", "v_pages", "params.wte", steps)
+    if not _is_integer_array(tokens) or len(_shape(tokens)) != 1:
+        raise ValueError(f"tokens must be a 1-D integer array (one prompt chunk), got {described(tokens)}")
+    _scalar(start, "start")
+    _scalar(length, "length")
+    if not _is_integer_array(table) or len(_shape(table)) != 1:
+        raise ValueError(f"table must be a 1-D integer array (the request's pages), got {described(table)}")
+    shape = _shape(state_table)
+    if shape is None or len(shape) != 2 or shape[1] != config.hidden_size or not jnp.issubdtype(
+            state_table.dtype, jnp.floating):
+        raise ValueError(f"state_table must be a floating array [positions, hidden_size = {config.hidden_size}] "
+                         f"(each position's initial state), got {described(state_table)}")
+
+
+def huginn_decode_step(params_, config: ModelConfig, cache_, tokens, state_, tags, steps, wise_config, wise_state,
+                       adaptive) -> None:
+    """`huginn.decode_step`: params against config; the cache against config, num_steps and the
+    params' dtype; tokens, tags int[rows] and state floating [rows, hidden_size], rows the cache's;
+    wise_config None (dense, wise_state None too) or a WiseConfig of depths below num_steps and a
+    block size dividing the page size, with a WiseState of the core block's layers made for it
+    (`state`); adaptive None or an AdaptiveDepth."""
+    huginn_params(params_, config)
+    num_steps(steps)
+    _fields(cache_, CACHE_FIELDS, "cache", "PagedKVCache (wise_jax.kv_cache.create)")
+    _storage(cache_.k, cache_.v, config, params_.wte.dtype, "cache", "cache.k", "cache.v", "params.wte", steps)
+    _bookkeeping(cache_, "cache")
+    rows, max_pages = _shape(cache_.page_table)
+    page_size = _shape(cache_.k)[2]
+    rows_of(tokens, "tokens", rows)
+    rows_of(tags, "tags", rows)
+    _huginn_state(state_, rows, config, "state", "rows")
+    if adaptive is not None and not isinstance(adaptive, AdaptiveDepth):
+        raise TypeError(f"adaptive must be None or a wise_core AdaptiveDepth, got {type(adaptive).__name__}")
+    if wise_config is None:
+        if wise_state is not None:
+            raise ValueError("a wise_state is given but wise_config is None: the step would run dense and leave it "
+                             "unused; pass the WiseConfig it was made for, or wise_state=None")
+        return
+    if not isinstance(wise_config, WiseConfig):
+        raise TypeError(f"wise_config must be None (dense) or a wise_core WiseConfig, got {type(wise_config).__name__}")
+    wise_config.validate_for(steps, f"num_steps={steps} core iterations")
+    if page_size % wise_config.block_size:
+        raise ValueError(f"wise_config.block_size {wise_config.block_size} does not divide the cache's page_size "
+                         f"{page_size}")
+    layers = config.n_layers_in_recurrent_block
+    if wise_state is None or _shape(getattr(wise_state, "support", None)) is None \
+            or _shape(wise_state.support)[0] != layers:
+        got = "none" if wise_state is None else (f"one of {_shape(wise_state.support)[0]} layers"
+                                                 if _shape(getattr(wise_state, "support", None)) else
+                                                 type(wise_state).__name__)
+        raise ValueError(f"WISE decode needs a wise_state of the core block's {layers} layers, got {got}")
+    state(wise_state, wise_config, config, rows=rows, blocks=max_pages * page_size // wise_config.block_size,
+          what="wise_state")

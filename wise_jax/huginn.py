@@ -34,6 +34,7 @@ from wise_core.checkpoint import HUGINN_STACKS, huginn_layers, validate_tensors
 from wise_core import modes as M
 from wise_core.config import AdaptiveDepth, ModelConfig, WiseConfig
 from wise_core.huginn_reference import initial_state, num_planes, plane_index
+from wise_jax import checks
 from wise_jax import kv_cache as kvc
 from wise_jax import wise_state as ws
 from wise_jax.attention import decode_attention
@@ -233,16 +234,17 @@ def _forward(params: HuginnParams, config: ModelConfig, input_ids: jax.Array, nu
 
 
 def check_num_steps(num_steps) -> int:
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
-        raise ValueError(f"num_steps must be a non-negative integer, got {num_steps!r}")
-    return num_steps
+    """num_steps, a non-negative int (`checks.num_steps`)."""
+    return checks.num_steps(num_steps)
 
 
 def forward(params: HuginnParams, config: ModelConfig, input_ids, *, num_steps: int | None = None, seed: int = 0,
             state=None) -> jax.Array:
     """input_ids int32[batch, seq] -> logits float32[batch, seq, vocab], the core block run
     num_steps times (default total_ut_steps) from `state` [batch, seq, hidden] (None: the seeded
-    initial state of each position, `wise_core.huginn_reference.initial_state`)."""
+    initial state of each position, `wise_core.huginn_reference.initial_state`). params are
+    checked against config (`checks.huginn_params`), input_ids as Ouro's (`check_input_ids`)."""
+    checks.huginn_params(params, config)
     input_ids = jnp.asarray(input_ids)
     check_input_ids(config, input_ids, 2)
     num_steps = check_num_steps(config.total_ut_steps if num_steps is None else num_steps)
@@ -261,7 +263,9 @@ def prefill(params: HuginnParams, config: ModelConfig, tokens: jax.Array, length
     (`wise_jax.model.prefill`'s contract). tokens int32[seq] (valid up to length, int32[] >= 1); state [seq, hidden].
     Returns (logits float32[vocab] at position length - 1, k, v [num_planes(config, num_steps),
     seq, heads, head_dim] in the params' dtype); all_logits: logits is (those, the logits
-    float32[seq, vocab] at every position), as `wise_jax.model.prefill`."""
+    float32[seq, vocab] at every position), as `wise_jax.model.prefill`. The arguments are
+    checked against config and each other before anything is traced (`checks.huginn_prefill`)."""
+    checks.huginn_prefill(params, config, tokens, length, state, num_steps)
     seq = tokens.shape[0]
     cos, sin = rope(jnp.arange(seq, dtype=jnp.int32)[None], config.head_dim, config.rope_theta)
     dtype = params.wte.dtype
@@ -296,7 +300,10 @@ def prefill_chunk(params: HuginnParams, config: ModelConfig, k_pages: jax.Array,
     scratch page), each query attending over the request's keys up to its position. k_pages,
     v_pages: the storage [planes, num_pages + 1, page_size, heads, head_dim] (donated). Returns
     (logits float32[vocab] after the chunk's last token, k_pages, v_pages); all_logits as
-    `prefill`'s."""
+    `prefill`'s. The arguments are checked against config, num_steps and each other before
+    anything is traced (`checks.huginn_prefill_chunk`)."""
+    checks.huginn_prefill_chunk(params, config, k_pages, v_pages, tokens, start, length, table, state_table,
+                                num_steps)
     seq = tokens.shape[0]
     page_size, scratch = k_pages.shape[2], k_pages.shape[1] - 1
     positions = start + jnp.arange(seq, dtype=jnp.int32)
@@ -334,16 +341,10 @@ def decode_step(params: HuginnParams, config: ModelConfig, cache: kvc.PagedKVCac
     decode_step: rows that exited ride along held, their later iterations' K/V their exit
     iteration's). allocate: as `wise_jax.model.decode_step`'s. Returns (logits float32[batch,
     vocab] (garbage for masked rows), cache, wise_state), and with adaptive also the iterations
-    each row ran, int32[batch]."""
-    if cache.k.shape[0] < num_planes(config, num_steps):
-        raise ValueError(f"the cache holds {cache.k.shape[0]} planes; {num_steps} core iterations need "
-                         f"{num_planes(config, num_steps)}")
-    if wise_config is not None:
-        wise_config.validate_for(num_steps, f"num_steps={num_steps} core iterations")
-        if wise_state is None or wise_state.support.shape[0] != config.n_layers_in_recurrent_block:
-            got = "none" if wise_state is None else f"one of {wise_state.support.shape[0]} layers"
-            raise ValueError(f"WISE decode needs a wise_state of the core block's "
-                             f"{config.n_layers_in_recurrent_block} layers, got {got}")
+    each row ran, int32[batch]. Every argument is checked against config, num_steps, wise_config
+    and the others before anything is traced (`checks.huginn_decode_step`)."""
+    checks.huginn_decode_step(params, config, cache, tokens, state, tags, num_steps, wise_config, wise_state,
+                              adaptive)
     batch = tokens.shape[0]
     active = tags >= 0
     positions = cache.seq_lens

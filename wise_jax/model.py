@@ -104,11 +104,11 @@ def decoder_layer(lp: LayerParams, config: ModelConfig, h: jax.Array, cos: jax.A
 
 def run_loop(params: Params, config: ModelConfig, h: jax.Array, cos: jax.Array, sin: jax.Array,
              attend: Attend, carry: Any = None, *, remat: bool = False,
-             unroll: int | bool = 1, axis_name: str | None = None) -> tuple[jax.Array, Any]:
+             unroll: int | bool = 1, axis_name: str | None = None, residual: bool = False) -> tuple:
     """One pass over the shared layers (a scan, `unroll` layers per scan step, True unrolling
     all; a Python loop over unstacked layers), then model.norm. h: [batch, seq, hidden]. `carry`
     threads through every layer's `attend`; axis_name: see `decoder_layer`. Returns (normed h,
-    carry)."""
+    carry), with residual (normed h, carry, h before the norm)."""
     def body(state, xs):
         h, carry = state
         lp, layer = xs
@@ -128,7 +128,8 @@ def run_loop(params: Params, config: ModelConfig, h: jax.Array, cos: jax.Array, 
     else:
         layers = jnp.arange(config.num_hidden_layers, dtype=jnp.int32)
         (h, carry), _ = lax.scan(body, (h, carry), (params.layers, layers), unroll=unroll)
-    return rms_norm(h, params.norm, config.rms_norm_eps), carry
+    normed = rms_norm(h, params.norm, config.rms_norm_eps)
+    return (normed, carry, h) if residual else (normed, carry)
 
 
 def check_input_ids(config: ModelConfig, input_ids, dims: int) -> None:
@@ -181,28 +182,65 @@ def exit_probabilities(lambdas: jax.Array) -> jax.Array:
     return jnp.stack(probs + [remaining])
 
 
-def forward_with_exits(params: Params, config: ModelConfig, input_ids: jax.Array, *,
-                       remat: bool = False, attention: str = "auto") -> tuple[jax.Array, jax.Array]:
-    """input_ids int32[batch, seq] -> (logits float32[batch, seq, vocab] of the last loop,
-    exit probabilities float32[loops, batch, seq]). Differentiable; `remat` recomputes each
-    layer in the backward pass (only layer inputs are kept). attention: see
-    `prefill_attention.causal_attention`. Bad ids and too-long sequences raise ValueError
-    (`check_input_ids`); params that do not match config raise (`checks.params`)."""
-    checks.params(params, config)
-    check_input_ids(config, input_ids, 2)
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+    """segment_ids int[batch, seq] -> int32[batch, seq]: each token's index in its run of equal
+    consecutive ids (0 where a row's id changes), the RoPE positions of sequences packed one after
+    another, each as if it ran alone (`forward`'s positions)."""
+    seq = segment_ids.shape[-1]
+    index = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), segment_ids.shape)
+    starts = jnp.concatenate([jnp.ones(segment_ids.shape[:-1] + (1,), bool),
+                              segment_ids[..., 1:] != segment_ids[..., :-1]], axis=-1)
+    return index - lax.cummax(jnp.where(starts, index, 0), axis=segment_ids.ndim - 1)
+
+
+def _run(params: Params, config: ModelConfig, input_ids: jax.Array, positions, segment_ids, *, remat: bool,
+         attention: str, exits: bool, return_hidden: bool) -> tuple:
+    """The whole-sequence pass `forward` and `forward_with_exits` share, every loop for every
+    token -> (the last loop's normed states [batch, seq, hidden], or each token's exit loop's
+    with `exits` (early_exit_threshold < 1); the gate probabilities float32[loops, batch, seq];
+    the states before model.norm after each loop [loops, batch, seq, hidden], or None)."""
     batch, seq = input_ids.shape
     h = embed(params, input_ids)
-    cos, sin = rope(jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq)),
-                    config.head_dim, config.rope_theta)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+    cos, sin = rope(positions, config.head_dim, config.rope_theta)
 
     def attend(q, k, v, layer, carry):
-        return causal_attention(q, k, v, implementation=attention), carry
+        return causal_attention(q, k, v, implementation=attention, segment_ids=segment_ids), carry
 
-    lambdas = []
-    for _ in range(config.total_ut_steps):
-        h, _ = run_loop(params, config, h, cos, sin, attend, remat=remat)
+    state = exits_for(config, h) if exits else None
+    lambdas, hidden = [], []
+    for loop in range(config.total_ut_steps):
+        h, _, *residual = run_loop(params, config, h, cos, sin, attend, remat=remat, residual=return_hidden)
+        hidden += residual
         lambdas.append(exit_gate(params, h))
-    return head(params, h), exit_probabilities(jnp.stack(lambdas))
+        if state is not None:
+            state = state.end_loop(loop, h, lambdas[-1])
+    out = h if state is None else state.output(h)
+    return out, jnp.stack(lambdas), jnp.stack(hidden) if return_hidden else None
+
+
+def _checked(params, config, input_ids, positions, segment_ids, return_hidden) -> None:
+    checks.params(params, config)
+    check_input_ids(config, input_ids, 2)
+    checks.forward_inputs(input_ids, positions, segment_ids, return_hidden)
+
+
+def forward_with_exits(params: Params, config: ModelConfig, input_ids: jax.Array, *,
+                       positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                       return_hidden: bool = False, remat: bool = False, attention: str = "auto") -> tuple:
+    """input_ids int32[batch, seq] -> (logits float32[batch, seq, vocab] of the last loop,
+    exit probabilities float32[loops, batch, seq]); with return_hidden (logits, exit
+    probabilities, hidden), hidden as `forward`'s. positions, segment_ids: as `forward`'s.
+    Differentiable; `remat` recomputes each layer in the backward pass (only layer inputs are
+    kept). attention: see `prefill_attention.causal_attention`. Bad ids and too-long sequences
+    raise ValueError (`check_input_ids`); params that do not match config, and positions or
+    segment_ids that do not match input_ids, raise (`checks.params`, `checks.forward_inputs`)."""
+    _checked(params, config, input_ids, positions, segment_ids, return_hidden)
+    h, lambdas, hidden = _run(params, config, input_ids, positions, segment_ids, remat=remat, attention=attention,
+                              exits=False, return_hidden=return_hidden)
+    logits, probs = head(params, h), exit_probabilities(lambdas)
+    return (logits, probs, hidden) if return_hidden else (logits, probs)
 
 
 def exits_for(config: ModelConfig, h: jax.Array) -> ExitState | None:
@@ -213,28 +251,34 @@ def exits_for(config: ModelConfig, h: jax.Array) -> ExitState | None:
     return ExitState.create(h, config.total_ut_steps, config.early_exit_threshold)
 
 
-def forward(params: Params, config: ModelConfig, input_ids: jax.Array, *, remat: bool = False,
-            attention: str = "auto") -> jax.Array:
+def forward(params: Params, config: ModelConfig, input_ids: jax.Array, *, positions: jax.Array | None = None,
+            segment_ids: jax.Array | None = None, return_hidden: bool = False, remat: bool = False,
+            attention: str = "auto") -> jax.Array | tuple[jax.Array, jax.Array]:
     """input_ids int32[batch, seq] -> logits float32[batch, seq, vocab] of each token's exit loop
-    (every loop runs; the last loop's when early_exit_threshold is 1). Checked as
-    `forward_with_exits`."""
-    checks.params(params, config)
-    if config.early_exit_threshold >= 1.0:
-        return forward_with_exits(params, config, input_ids, remat=remat, attention=attention)[0]
-    check_input_ids(config, input_ids, 2)
-    batch, seq = input_ids.shape
-    h = embed(params, input_ids)
-    cos, sin = rope(jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq)),
-                    config.head_dim, config.rope_theta)
+    (every loop runs; the last loop's when early_exit_threshold is 1).
 
-    def attend(q, k, v, layer, carry):
-        return causal_attention(q, k, v, implementation=attention), carry
+    positions int[batch, seq] (None: 0..seq-1 in every row): each token's RoPE position, any
+    integers (not checked against max_position_embeddings; the limit on seq stays).
+    segment_ids int[batch, seq] (None: one segment a row): packed sequences, each token attending
+    only to the earlier tokens of its own segment id (causal AND the same id); padding may be a
+    segment of its own. Positions stay as given: to run each packed sequence as if alone, pass
+    positions that restart at 0 in each segment (`segment_positions(segment_ids)`); with the
+    default positions a row's later segments run at later positions (the same logits up to the
+    float32 rounding of the RoPE angles, as attention depends only on position differences).
+    With segment_ids, "auto" attention is the chunked jnp one on a GPU too (`prefill_attention`).
+    return_hidden: returns (logits, hidden), hidden [loops, batch, seq, hidden] in the params'
+    dtype: the residual stream after each loop's last layer, before model.norm. The logit lens of
+    loop l is `head(params, rms_norm(hidden[l], params.norm, config.rms_norm_eps))`; that of the
+    last loop (of each token's exit loop, early_exit_threshold < 1) is the logits; model.norm of
+    hidden[l] is loop l + 1's input. The torch reference's forward (wise_torch) takes none of the
+    three arguments.
 
-    exits = exits_for(config, h)
-    for loop in range(config.total_ut_steps):
-        h, _ = run_loop(params, config, h, cos, sin, attend, remat=remat)
-        exits = exits.end_loop(loop, h, exit_gate(params, h))
-    return head(params, exits.output(h))
+    Checked as `forward_with_exits`; the defaults compute what they did before these arguments."""
+    _checked(params, config, input_ids, positions, segment_ids, return_hidden)
+    h, _, hidden = _run(params, config, input_ids, positions, segment_ids, remat=remat, attention=attention,
+                        exits=config.early_exit_threshold < 1.0, return_hidden=return_hidden)
+    logits = head(params, h)
+    return (logits, hidden) if return_hidden else logits
 
 
 def prefill(params: Params, config: ModelConfig, tokens: jax.Array, length: jax.Array, *,

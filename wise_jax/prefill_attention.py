@@ -21,6 +21,13 @@ multiple of kv_heads (query head h reads KV head h // (heads // kv_heads)); scal
 softmax in float32; output in q's dtype. Right padding needs no mask: with causal masking a
 position < length never sees a later (padding) key, and rows at padding positions are discarded
 by the caller.
+
+Packed sequences: `segment_ids` int[batch, seq] (None: one segment) restricts each query to the
+earlier keys of its own segment (causal AND equal segment id), so several sequences share a row
+(a padding run is one more segment). "chunked" and "reference" take them (a query chunk's tile
+masks the keys of other segments; a key chunk holding none of its segment adds nothing); "auto"
+then picks "chunked" on a GPU too, as `jax.nn.dot_product_attention` takes segments to cuDNN only
+as a [seq, seq] mask, and "cudnn" with segment_ids is an error.
 """
 
 from __future__ import annotations
@@ -53,22 +60,45 @@ def _check(q, k, v) -> None:
                          f"and heads must be a multiple of kv_heads")
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str = "auto") -> jax.Array:
-    """Causal GQA attention (module docstring) -> [batch, seq, heads, head_dim]."""
+def _check_segments(q, segment_ids) -> None:
+    if segment_ids is None:
+        return
+    shape = getattr(segment_ids, "shape", None)
+    dtype = getattr(segment_ids, "dtype", None)
+    if shape is None or dtype is None or not jnp.issubdtype(dtype, jnp.integer) or tuple(shape) != q.shape[:2]:
+        got = f"{jnp.dtype(dtype).name}{list(shape)}" if shape is not None and dtype is not None else type(
+            segment_ids).__name__
+        raise ValueError(f"segment_ids must be an integer array [batch, seq] = {list(q.shape[:2])} (q's), got {got}")
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str = "auto",
+                     segment_ids: jax.Array | None = None) -> jax.Array:
+    """Causal GQA attention (module docstring) -> [batch, seq, heads, head_dim]; segment_ids
+    int[batch, seq] or None: packed sequences (module docstring)."""
     _check(q, k, v)
+    _check_segments(q, segment_ids)
     name = resolve_implementation(implementation, q.dtype, q.shape[-1])
+    if segment_ids is not None and name == "cudnn":
+        if implementation == "cudnn":
+            raise ValueError("prefill attention 'cudnn' takes no segment_ids (jax.nn.dot_product_attention passes "
+                             "them to cuDNN only as a [seq, seq] mask); use 'chunked' or 'auto'")
+        name = "chunked"
     if name == "cudnn":
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     if name == "chunked":
-        return causal_attention_chunked(q, k, v)
-    return causal_attention_reference(q, k, v)
+        return causal_attention_chunked(q, k, v, segment_ids=segment_ids)
+    return causal_attention_reference(q, k, v, segment_ids=segment_ids)
 
 
-def causal_attention_chunked(q: jax.Array, k: jax.Array, v: jax.Array, *, chunk: int = CHUNK) -> jax.Array:
+def causal_attention_chunked(q: jax.Array, k: jax.Array, v: jax.Array, *, chunk: int = CHUNK,
+                             segment_ids: jax.Array | None = None) -> jax.Array:
     """Flash-style causal attention in jnp (module docstring); memory linear in seq. Chunks are
     laid out contiguously first ([chunks, batch, kv_heads, positions (x group), head_dim]) so each
-    tile is a plain batched matmul."""
+    tile is a plain batched matmul. segment_ids: each tile also masks other segments' keys; a
+    query's running max stays -inf over chunks of none of its keys, and is shifted by 0 there
+    (its exponentials are 0, not NaN)."""
     _check(q, k, v)
+    _check_segments(q, segment_ids)
     batch, seq, heads, dim = q.shape
     kv_heads = k.shape[2]
     group = heads // kv_heads
@@ -77,6 +107,11 @@ def causal_attention_chunked(q: jax.Array, k: jax.Array, v: jax.Array, *, chunk:
     pad = n * size - seq   # trailing positions: causal, so no real query sees them
     if pad:
         q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+        if segment_ids is not None:
+            segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)))
+    if segment_ids is not None:   # [n, batch, size]: each chunk's ids; queries' repeated over the group
+        seg_k = segment_ids.reshape(batch, n, size).transpose(1, 0, 2)
+        seg_q = jnp.repeat(seg_k, group, axis=2)
     rows = size * group                                                 # query rows: (position, group)
     qc = q.reshape(batch, n, size, kv_heads, group, dim).transpose(1, 0, 3, 2, 4, 5).reshape(
         n, batch, kv_heads, rows, dim)
@@ -93,10 +128,15 @@ def causal_attention_chunked(q: jax.Array, k: jax.Array, v: jax.Array, *, chunk:
                 m, l, acc = carry
                 s = jnp.einsum("bkqd,bksd->bkqs", qi, kc[j], preferred_element_type=jnp.float32) * scale
                 visible = (j * size + key_pos)[None, :] <= (i * size + query_pos)[:, None]
+                if segment_ids is not None:                             # [batch, 1, rows, size]
+                    visible = visible & (seg_q[i][:, None, :, None] == seg_k[j][:, None, None, :])
                 s = jnp.where(visible, s, -jnp.inf)
                 m_new = jnp.maximum(m, s.max(-1))
-                p = jnp.exp(s - m_new[..., None])
-                correction = jnp.exp(m - m_new)
+                shift = m_new
+                if segment_ids is not None:     # no key of the query's segment yet: exp(-inf - 0) = 0
+                    shift = jnp.where(m_new == -jnp.inf, jnp.float32(0), m_new)
+                p = jnp.exp(s - shift[..., None])
+                correction = jnp.exp(m - shift)
                 pv = jnp.einsum("bkqs,bksd->bkqd", p.astype(vc.dtype), vc[j], preferred_element_type=jnp.float32)
                 return m_new, l * correction + p.sum(-1), acc * correction[..., None] + pv
             return lax.cond(j <= i, update, lambda c: c, carry), None
@@ -112,14 +152,19 @@ def causal_attention_chunked(q: jax.Array, k: jax.Array, v: jax.Array, *, chunk:
     return out.reshape(batch, n * size, heads, dim)[:, :seq]
 
 
-def causal_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """The full-matrix float32 softmax (module docstring): memory quadratic in seq."""
+def causal_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                               segment_ids: jax.Array | None = None) -> jax.Array:
+    """The full-matrix float32 softmax (module docstring): memory quadratic in seq. segment_ids:
+    the mask is also [batch, seq, seq] (equal segment ids)."""
     _check(q, k, v)
+    _check_segments(q, segment_ids)
     batch, seq, heads, dim = q.shape
     kv_heads = k.shape[2]
     qg = q.reshape(batch, seq, kv_heads, heads // kv_heads, dim)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32) * dim ** -0.5
     causal = jnp.tril(jnp.ones((seq, seq), bool))
+    if segment_ids is not None:                                          # [batch, 1, 1, seq, seq]
+        causal = causal & (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, None]
     probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v)
     return out.reshape(batch, seq, heads, dim)

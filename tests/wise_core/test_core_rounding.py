@@ -7,6 +7,9 @@ import pytest
 
 from wise_core import reference as ref
 from wise_core import rounding
+from wise_core.config import PRESETS
+
+PRESET = PRESETS["test-tiny"]
 
 
 def test_unit_roundoff_and_gamma():
@@ -57,3 +60,23 @@ def test_network_bound_low_precision_is_led_by_the_output_rounding():
     bf16 = rounding.network_bound(scale=1.0, depth=16, width=256, dtype="bfloat16")
     assert fp32 == pytest.approx(rounding.LAMBDA * (64 + 4) * 2.0 ** -24)
     assert bf16 == pytest.approx(rounding.LAMBDA * (64 * 2.0 ** -24 + 4 * 2.0 ** -8))
+
+
+def test_rope_error_bounds_float32_angles_and_their_cos_sin():
+    """The float32 RoPE angles and cos / sin (numpy's, computed as the models do: inv_freq by a
+    float32 power and division, times the position) against float64, up to position 20000:
+    within `rope_error` plus the evaluation's one u (the constant part `network_bound` holds)."""
+    head_dim, theta = 64, 10000.0
+    inv32 = np.float32(1) / np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))
+    inv64 = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    positions = np.arange(0, 20001, 7)
+    angle32 = positions.astype(np.float32)[:, None] * inv32
+    angle64 = positions[:, None] * inv64
+    u = rounding.unit_roundoff("float32")
+    for p, a32, a64 in zip(positions, angle32, angle64):
+        bound = rounding.rope_error(p) + 2 * u
+        assert np.abs(a32.astype(np.float64) - a64).max() <= bound, p
+        assert np.abs(np.cos(a32).astype(np.float64) - np.cos(a64)).max() <= bound, p
+        assert np.abs(np.sin(a32).astype(np.float64) - np.sin(a64)).max() <= bound, p
+    assert rounding.rope_error(0) == 0 and rounding.model_bound(
+        PRESET, scale=1.0, positions=0) == rounding.model_bound(PRESET, scale=1.0)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import wise_jax
-from wise_core import rounding
+from wise_core import ouro_reference, rounding
 from wise_core.checkpoint import random_tensors
 from wise_core.config import PRESETS, WiseConfig
 from wise_jax import kv_cache as kvc
@@ -34,15 +34,20 @@ def gqa():
     return _setup("test-tiny-gqa")
 
 
-def numpy_forward(config, t, ids):
-    """Ouro per docs/DESIGN.md "Model", in float64 from the HF-named tensors: (logits, lambdas)."""
+def numpy_forward(config, t, ids, positions=None, segment_ids=None):
+    """Ouro per docs/DESIGN.md "Model", in float64 from the HF-named tensors: (logits, lambdas).
+    positions: the RoPE positions (None: 0..seq-1); segment_ids: a token attends to the earlier
+    tokens of its own id only (None: one segment)."""
     seq, heads, kv_heads, dim = len(ids), config.num_attention_heads, config.num_key_value_heads, config.head_dim
     w = {k: v.astype(np.float64) for k, v in t.items()}
+    positions = np.arange(seq) if positions is None else np.asarray(positions)
+    segments = np.zeros(seq, int) if segment_ids is None else np.asarray(segment_ids)
+    mask = np.where(np.tril(segments[:, None] == segments[None, :]), 0.0, -np.inf)
 
     def norm(x, weight):
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + config.rms_norm_eps) * weight
 
-    angles = np.arange(seq)[:, None] * config.rope_theta ** (-np.arange(0, dim, 2) / dim)
+    angles = positions[:, None] * config.rope_theta ** (-np.arange(0, dim, 2) / dim)
     cos, sin = np.cos(np.concatenate([angles] * 2, -1))[:, None], np.sin(np.concatenate([angles] * 2, -1))[:, None]
 
     def rope(x):
@@ -57,7 +62,7 @@ def numpy_forward(config, t, ids):
             q = rope((x @ p["self_attn.q_proj.weight"].T).reshape(seq, heads, dim))
             k = np.repeat(rope((x @ p["self_attn.k_proj.weight"].T).reshape(seq, kv_heads, dim)), heads // kv_heads, 1)
             v = np.repeat((x @ p["self_attn.v_proj.weight"].T).reshape(seq, kv_heads, dim), heads // kv_heads, 1)
-            s = np.einsum("qhd,khd->hqk", q, k) * dim ** -0.5 + np.triu(np.full((seq, seq), -np.inf), 1)
+            s = np.einsum("qhd,khd->hqk", q, k) * dim ** -0.5 + mask
             probs = np.exp(s - s.max(-1, keepdims=True))
             probs /= probs.sum(-1, keepdims=True)
             o = np.einsum("hqk,khd->qhd", probs, v).reshape(seq, heads * dim)
@@ -232,3 +237,136 @@ def test_decode_step_scanned_loops_match_straight_line_loops(gqa, mode):
         assert diff <= bound, (n, diff, bound)
     for a, b in zip(jax.tree.leaves(state_a), jax.tree.leaves(state_b)):
         np.testing.assert_array_equal(b, a)
+
+
+# -- positions, segment_ids, return_hidden --------------------------------------------------------
+FORWARD = jax.jit(wise_jax.forward, static_argnames=("config", "return_hidden", "attention"))
+
+
+def test_positions_and_packed_segments_match_numpy(gqa):
+    """forward at given RoPE positions (a gap of 90 inside the row) and a row packing two
+    sequences and a padding segment (positions restarting in each: `segment_positions`) against
+    the float64 equations at those positions and masks, and each packed sequence against the
+    equations and the JAX forward of it alone. fp32 against float64 or another summation order
+    (a packed query also sums the zero weights of other segments' keys): `rounding.model_bound`,
+    with the RoPE angles' rounding at the largest position (`rounding.rope_error`)."""
+    config, tensors, params = gqa
+    rng = np.random.default_rng(7)
+    ids = rng.integers(0, config.vocab_size, 30).astype(np.int32)
+    positions = np.concatenate([np.arange(10), 100 + np.arange(20)]).astype(np.int32)
+    got = np.asarray(FORWARD(params, config, jnp.asarray(ids[None]), positions=jnp.asarray(positions[None])))[0]
+    want, _ = numpy_forward(config, tensors, ids, positions=positions)
+    diff, bound = rounding.model_difference(got, want, config, keys=30, positions=119)
+    assert diff <= bound, (diff, bound)
+    plain, _ = numpy_forward(config, tensors, ids)
+    assert np.abs(got[10:] - plain[10:]).max() > 100 * bound       # the positions are used
+
+    a, b = ids[:12], ids[12:26]
+    segments = np.array([0] * 12 + [1] * 14 + [7] * 4, np.int32)   # the last 4: padding of its own
+    packed = np.concatenate([a, b, np.zeros(4, np.int32)])
+    seg_positions = model.segment_positions(jnp.asarray(segments[None]))
+    assert np.asarray(seg_positions)[0].tolist() == list(range(12)) + list(range(14)) + list(range(4))
+    for attention in ("chunked", "reference"):
+        out = np.asarray(FORWARD(params, config, jnp.asarray(packed[None]), positions=seg_positions,
+                                 segment_ids=jnp.asarray(segments[None]), attention=attention))[0]
+        for seq, rows in ((a, slice(0, 12)), (b, slice(12, 26))):
+            alone_np, _ = numpy_forward(config, tensors, seq)
+            diff, bound = rounding.model_difference(out[rows], alone_np, config, keys=14)
+            assert diff <= bound, (attention, diff, bound)
+            alone = np.asarray(FORWARD(params, config, jnp.asarray(seq[None]), attention=attention))[0]
+            diff, bound = rounding.model_difference(out[rows], alone, config, keys=14)
+            assert diff <= bound, (attention, diff, bound)
+    mixed, _ = numpy_forward(config, tensors, packed, positions=np.asarray(seg_positions)[0], segment_ids=segments)
+    diff, bound = rounding.model_difference(out, mixed, config, keys=14)   # the padding segment too
+    assert diff <= bound, (diff, bound)
+
+
+def test_shifted_positions_give_the_same_logits_and_default_arguments_change_nothing(gqa):
+    """RoPE attention depends on position differences only: every position shifted by 1000 (past
+    max_position_embeddings: positions are not limited) gives the unshifted logits within
+    `rounding.model_bound` with the angles' rounding at position 1023; a second sequence packed
+    after the first at the default positions (12.., not restarted) gives its logits alone likewise.
+    Explicit 0..seq-1 positions are the default's program: bitwise equal; one segment a row
+    within rounding."""
+    config, _, params = gqa
+    ids = jnp.asarray(np.random.default_rng(8).integers(0, config.vocab_size, (2, 24)), jnp.int32)
+    base = np.asarray(FORWARD(params, config, ids))
+    arange = jnp.broadcast_to(jnp.arange(24, dtype=jnp.int32), (2, 24))
+    np.testing.assert_array_equal(np.asarray(FORWARD(params, config, ids, positions=arange)), base)
+    shifted = np.asarray(FORWARD(params, config, ids, positions=arange + 1000))
+    diff, bound = rounding.model_difference(shifted, base, config, keys=24, positions=1023)
+    assert diff <= bound, (diff, bound)
+    one = np.asarray(FORWARD(params, config, ids, segment_ids=jnp.zeros((2, 24), jnp.int32)))
+    diff, bound = rounding.model_difference(one, base, config, keys=24)
+    assert diff <= bound, (diff, bound)
+    segments = jnp.asarray([[0] * 12 + [1] * 12, [3] * 24], jnp.int32)
+    packed = np.asarray(FORWARD(params, config, ids, segment_ids=segments))
+    second = np.asarray(FORWARD(params, config, ids[:1, 12:]))[0]
+    diff, bound = rounding.model_difference(packed[0, 12:], second, config, keys=12, positions=23)
+    assert diff <= bound, (diff, bound)
+    diff, bound = rounding.model_difference(packed[1], base[1], config, keys=24)
+    assert diff <= bound, (diff, bound)
+
+
+def test_return_hidden_is_the_residual_stream_the_logits_read(gqa):
+    """hidden [loops, batch, seq, hidden] in the params' dtype; the head over model.norm of the last
+    loop's is the logits, bitwise (eager: the same operations), and of each token's exit loop's
+    with early exit (threshold 0.6: tokens exit at different loops); loop 0's lens is a one-loop
+    model's logits (another program: within rounding); the logits with return_hidden are those
+    without it, and forward_with_exits returns the same hidden."""
+    config, _, params = gqa
+    ids = jnp.asarray(np.random.default_rng(9).integers(0, config.vocab_size, (2, 20)), jnp.int32)
+
+    def lens(hidden):
+        return np.asarray(model.head(params, model.rms_norm(hidden, params.norm, config.rms_norm_eps)))
+
+    logits, hidden = wise_jax.forward(params, config, ids, return_hidden=True)
+    assert hidden.shape == (config.total_ut_steps, 2, 20, config.hidden_size) and hidden.dtype == jnp.float32
+    np.testing.assert_array_equal(lens(hidden[-1]), np.asarray(logits))
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(wise_jax.forward(params, config, ids)))
+    logits_x, exits, hidden_x = wise_jax.forward_with_exits(params, config, ids, return_hidden=True)
+    np.testing.assert_array_equal(np.asarray(hidden_x), np.asarray(hidden))
+    np.testing.assert_array_equal(np.asarray(logits_x), np.asarray(logits))
+    one_loop = np.asarray(FORWARD(params, dataclasses.replace(config, total_ut_steps=1), ids))
+    diff, bound = rounding.model_difference(lens(hidden[0]), one_loop, config, keys=20)
+    assert diff <= bound, (diff, bound)
+
+    exiting = dataclasses.replace(config, early_exit_threshold=0.6)
+    logits, hidden = wise_jax.forward(params, exiting, ids, return_hidden=True)
+    lenses = np.stack([lens(h) for h in hidden])                          # [loops, batch, seq, vocab]
+    lambdas = np.stack([np.asarray(model.exit_gate(params, model.rms_norm(h, params.norm, config.rms_norm_eps)))
+                        for h in hidden])
+    exit_loop = ouro_reference.exit_loops(lambdas, 0.6)
+    assert len(np.unique(exit_loop)) >= 2
+    chosen = np.take_along_axis(lenses, exit_loop[None, ..., None], 0)[0]
+    np.testing.assert_array_equal(chosen, np.asarray(logits))
+
+
+def test_gradients_through_positions_segments_and_hidden_are_finite(tiny):
+    """A loss over the logits and the hidden states of a row packing a 258-token and a 6-token
+    sequence (so the second's queries find no key of theirs in the first 256-key chunk of the
+    chunked attention), at restarted positions: finite gradients that descend; with remat the same
+    within float32 rounding of the two backward passes."""
+    config, _, params = tiny
+    config = dataclasses.replace(config, total_ut_steps=2)
+    ids = jnp.asarray(np.random.default_rng(10).integers(0, config.vocab_size, (1, 265)), jnp.int32)
+    segments = jnp.asarray([[0] * 258 + [1] * 7], jnp.int32)
+    positions = model.segment_positions(segments)
+    keep = (segments[:, 1:] == segments[:, :-1]).astype(jnp.float32)       # no target across segments
+
+    def loss(params, remat):
+        logits, hidden = wise_jax.forward(params, config, ids[:, :-1], positions=positions[:, :-1],
+                                          segment_ids=segments[:, :-1], return_hidden=True, remat=remat)
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), ids[:, 1:, None], -1)[..., 0]
+        return (nll * keep).sum() / keep.sum() + 1e-3 * jnp.mean(hidden[0] ** 2)
+
+    value_and_grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+    value, grads = value_and_grad(params, False)
+    value_remat, grads_remat = value_and_grad(params, True)
+    assert np.isfinite(float(value)) and float(value) == pytest.approx(float(value_remat), abs=1e-6)
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_remat)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-4)
+    assert float(jnp.abs(grads.layers.qkv_proj).max()) > 0
+    stepped = jax.tree.map(lambda p, g: p - 0.05 * g, params, grads)
+    assert float(jax.jit(loss, static_argnums=1)(stepped, False)) < float(value)

@@ -1,6 +1,6 @@
 """wise_jax.prefill_attention: the chunked (flash-style) causal attention against the full-matrix
 reference for right-padded rows of mixed lengths, MHA and GQA; its temporary memory grows
-linearly with the sequence; the dispatcher's choice on CPU."""
+linearly with the sequence; the dispatcher's choice on CPU; packed segments (segment_ids)."""
 
 import jax
 import jax.numpy as jnp
@@ -61,3 +61,44 @@ def test_chunked_memory_grows_linearly():
     small, large = (_temp_bytes(pa.causal_attention_chunked, n) for n in (2048, 8192))
     assert large <= 4.5 * small, (small, large)
     assert large < 2 * 8192 * 8192 * 4 / 20, large
+
+
+def test_segments_attend_only_their_own_earlier_keys():
+    """Packed rows (chunks of 8 over 40 positions): row 0 holds segments of 5, 20 and 15 tokens
+    (the last one's queries find none of their keys in the first chunk), row 1 two interleaved
+    ids. Chunked and reference attention with segment_ids equal each segment run alone, within
+    twice `rounding.attention_bound` (both within it of exact; fp32, up to 40 keys). The gradient
+    of a segment's outputs is finite and exactly zero on every other segment's keys and values."""
+    rng = np.random.default_rng(3)
+    q, k, v = _qkv(rng, 2, 40, 4, 2, 16)
+    segments = jnp.asarray([[0] * 5 + [1] * 20 + [2] * 15, [0, 1] * 20], jnp.int32)
+    chunked = jax.jit(lambda q, k, v, s: pa.causal_attention_chunked(q, k, v, chunk=8, segment_ids=s))
+    qk_max = 16 ** -0.5 * float(jnp.linalg.norm(q, axis=-1).max() * jnp.linalg.norm(k, axis=-1).max())
+    bound = 2 * rounding.attention_bound(v_max=float(jnp.abs(v).max()), qk_max=qk_max, head_dim=16, n_keys=40)
+    outs = (np.asarray(chunked(q, k, v, segments)),
+            np.asarray(pa.causal_attention(q, k, v, implementation="reference", segment_ids=segments)))
+    for b in range(2):
+        for segment in np.unique(np.asarray(segments[b])):
+            where = np.flatnonzero(np.asarray(segments[b]) == segment)
+            alone = np.asarray(pa.causal_attention_reference(*(x[b:b + 1, where] for x in (q, k, v))))[0]
+            for out in outs:
+                assert np.abs(out[b, where] - alone).max() <= bound, (b, segment)
+
+    def loss(q, k, v):
+        return (chunked(q, k, v, segments)[0, 25:] ** 2).sum()          # segment 2 of row 0
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    for g in grads:
+        g = np.asarray(g)
+        assert np.isfinite(g).all() and np.abs(g[0, 25:]).max() > 0
+        assert not g[0, :25].any() and not g[1].any()
+
+
+def test_segment_ids_are_checked_and_cudnn_takes_none():
+    q, k, v = _qkv(np.random.default_rng(0), 2, 16, 2, 2, 16)
+    with pytest.raises(ValueError, match=r"segment_ids must be an integer array \[batch, seq\] = \[2, 16\] \(q's\), "
+                                         r"got int32\[1, 16\]"):
+        pa.causal_attention(q, k, v, segment_ids=jnp.zeros((1, 16), jnp.int32))
+    with pytest.raises(ValueError, match=r"segment_ids must be .*got float32\[2, 16\]"):
+        pa.causal_attention_chunked(q, k, v, segment_ids=jnp.zeros((2, 16), jnp.float32))
+    with pytest.raises(ValueError, match="prefill attention 'cudnn' takes no segment_ids"):
+        pa.causal_attention(q, k, v, implementation="cudnn", segment_ids=jnp.zeros((2, 16), jnp.int32))
