@@ -28,6 +28,7 @@ from typing import Callable
 import numpy as np
 
 from parity import cases
+from parity import kv_quant
 from parity.convert import bits, jax_to_torch, jax_weights, params_differences, tensor_differences, \
     torch_to_jax, torch_weights
 from parity.suite import HUGINN_MODEL, Suite
@@ -121,11 +122,12 @@ def bitwise(pairs: list[tuple[str, np.ndarray, np.ndarray]]) -> Measured:
             continue
         differ = bits(got) != bits(want)
         if differ.any():
+            with np.errstate(invalid="ignore"):   # inf - inf in the largest difference: NaN
+                largest = np.max(np.abs(got.astype(np.float64) - want.astype(np.float64)))
             count += int(differ.sum())
             where = [int(i) for i in np.argwhere(differ)[0]]
             lines.append(f"{label}: {int(differ.sum())} of {differ.size} values differ, first at {where} "
-                         f"({got[tuple(where)]!r} vs {want[tuple(where)]!r}), max |diff| "
-                         f"{np.max(np.abs(got.astype(np.float64) - want.astype(np.float64))):.3g}")
+                         f"({got[tuple(where)]!r} vs {want[tuple(where)]!r}), max |diff| {largest:.3g}")
     detail = "; ".join(lines[:SHOWN]) if lines else "bitwise identical: " + ", ".join(p[0] for p in pairs)
     return Measured(count == 0, count, 0, "values differing", detail)
 
@@ -433,6 +435,31 @@ def _discover_support(suite: Suite, impl, case, dtype) -> Measured:
                            "(rows and margins named); DISCOVER_UNION gives support | selection, bitwise")
 def check_discover_support(suite: Suite):
     return _attention_tasks(suite, _discover_support)
+
+
+# -- the fp8 K/V quantization rule: the same bytes in every implementation -------------------------
+def _nan_as_one(x: np.ndarray) -> np.ndarray:
+    """float32 values with every NaN replaced by one NaN (a dequantized NaN's payload is not
+    specified: `wise_core.kv_quant`)."""
+    return np.where(np.isnan(x), np.float32(np.nan), x).astype(np.float32)
+
+
+def _kv_quant(suite: Suite, a: str, b: str, case: kv_quant.KVQuantCase, dtype: str) -> Measured:
+    codes_a, scales_a, values_a = suite.quantized(a, case, dtype)
+    codes_b, scales_b, values_b = suite.quantized(b, case, dtype)
+    pairs = [("codes", codes_a, codes_b), ("scales", scales_a, scales_b)]
+    pairs += [(f"dequantize -> {out}", _nan_as_one(values_a[out]), _nan_as_one(values_b[out])) for out in values_a]
+    return bitwise(pairs)
+
+
+@check("kv-quant", "the fp8 K/V quantization rule (wise_core.kv_quant): torch and JAX write the same codes "
+                   "(the bytes of an fp8 page) and scales as each other and as the numpy spec, bitwise; "
+                   "dequantized values too, NaN payloads aside")
+def check_kv_quant(suite: Suite):
+    for case, dtype in itertools.product(kv_quant.kv_quant_cases(suite.settings.quick), kv_quant.DTYPES):
+        for a, b in (("torch", "jax"), ("torch", "numpy-spec"), ("jax", "numpy-spec")):
+            yield Task(f"{a}|{b}" if b != "numpy-spec" else f"{a} vs {b}", case.name, dtype,
+                       functools.partial(_kv_quant, suite, a, b, case, dtype))
 
 
 # -- generation: all-blocks WISE is dense, bitwise ------------------------------------------------

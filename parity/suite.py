@@ -16,6 +16,7 @@ import torch
 import wise_jax
 import wise_torch
 from parity import cases, huginn
+from parity import kv_quant
 from parity.convert import DTYPES
 from parity.impls import Decoded, Impl, discover_impls, jax_backend
 from parity.impls import selectors as default_selectors
@@ -133,17 +134,19 @@ class Suite:
     """Settings, implementations and memoised results of one run.
 
     impls: the attention implementations (default: every kernel importable here);
-    selectors: name -> selection function (default: `impls.selectors`). Tests replace either to
+    selectors: name -> selection function (default: `impls.selectors`); quantizers: name ->
+    `parity.kv_quant.Quantizer` (default: `parity.kv_quant.quantizers`). Tests replace any of them to
     plant a difference; models are cached, so perturbing `torch_model(...)` in place is seen by
     every later check.
     """
 
     def __init__(self, settings: Settings | None = None, *, quick: bool = True,
-                 impls: list[Impl] | None = None, selectors: dict | None = None):
+                 impls: list[Impl] | None = None, selectors: dict | None = None, quantizers: dict | None = None):
         self.settings = settings or Settings.for_machine(quick)
         found, self.unavailable = discover_impls(self.settings.device)
         self.impls = found if impls is None else list(impls)
         self.selectors = default_selectors(self.settings.device) if selectors is None else selectors
+        self.quantizers = kv_quant.quantizers(self.settings.device) if quantizers is None else quantizers
         self._dir = tempfile.TemporaryDirectory(prefix="wise-parity-")
         self._memo: dict = {}
 
@@ -201,6 +204,16 @@ class Suite:
             modes, support = self.call_inputs(case, dtype, call)
             return case.spec(dtype, support, modes)
         return self._once(("spec", case, dtype, call), run)
+
+    # -- the fp8 K/V quantization rule ---------------------------------------------------------
+    def quantized(self, name: str, case: kv_quant.KVQuantCase, dtype: str) -> tuple[np.ndarray, np.ndarray, dict]:
+        """quantizers[name] on the case's pages in `dtype`: (codes, scales, {output dtype:
+        dequantized values as float32}), each dequantized from that quantizer's own codes."""
+        def run():
+            quantizer = self.quantizers[name]
+            codes, scales = quantizer.quantize(case.inputs(dtype))
+            return codes, scales, {out: quantizer.dequantize(codes, scales, out) for out in kv_quant.DTYPES}
+        return self._once(("kv-quant", name, case, dtype), run)
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, framework: str, model: str, kernel: str, mode: str, workload: cases.Workload,
