@@ -31,9 +31,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from wise_core.adaptive_depth import AdaptiveDepth
 from wise_core.checkpoint import huginn_layers, validate_tensors
-from wise_core.config import AdaptiveDepth, ModelConfig
 from wise_core.huginn_reference import initial_state, num_planes, plane_index
+from wise_core.model_config import ModelConfig
 from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch
 from wise_torch.layers import rms_norm, rope_store_kv, rope_table, silu_mul
 from wise_torch.model import ROPE_ROWS, DecodeContext, PrefillContext, SequenceContext, logits_fp32

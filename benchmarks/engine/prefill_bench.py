@@ -36,7 +36,7 @@ from pathlib import Path
 
 from benchmarks import report as rp
 from benchmarks.engine.workload import random_model
-from wise_core.config import PRESETS
+from wise_core.presets import PRESETS
 
 PEAK_TFLOPS = 790.0
 

@@ -3,10 +3,11 @@ errors naming the argument (no comparison of a str with 0, no overflow deep in a
 
 import pytest
 
-from wise_core.config import ConfigError, WiseConfig
+from wise_core.config_error import ConfigError
 from wise_core.generate_args import (MODEL_EOS, check_max_new_tokens, check_sampling, check_seed,
                                      check_wise_config, resolve_eos)
 from wise_core.tokenizer import byte_tokenizer, encode_text
+from wise_core.wise_config import WiseConfig
 
 
 @pytest.mark.parametrize("temperature, top_p, error, message", [

@@ -21,9 +21,13 @@ import pytest
 from cases import prompts_of
 from engine_cases import FRAMEWORKS, Framework, drained
 from parity.huginn import jax_generate, torch_generate
-from wise_core.config import PRESETS, AdaptiveDepth, ConfigError, SpeculativeConfig, WiseConfig
+from wise_core.adaptive_depth import AdaptiveDepth
+from wise_core.config_error import ConfigError
 from wise_core.huginn_reference import num_planes
+from wise_core.presets import PRESETS
 from wise_core.request import SamplingParams
+from wise_core.speculative_config import SpeculativeConfig
+from wise_core.wise_config import WiseConfig
 from wise_torch.engine.llm import check_regroup
 
 CONFIG = PRESETS["test-tiny-huginn"]

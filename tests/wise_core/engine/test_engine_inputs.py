@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from wise_core.checkpoint import random_tensors
-from wise_core.config import PRESETS
+from wise_core.presets import PRESETS
 from wise_core.request import SamplingParams
 
 CONFIG = PRESETS["test-tiny"]

@@ -10,7 +10,7 @@ import pytest
 
 from engine_cases import drained
 from wise_core.checkpoint import random_tensors
-from wise_core.config import PRESETS
+from wise_core.presets import PRESETS
 from wise_core.request import SamplingParams
 
 CONFIG = PRESETS["test-tiny"]

@@ -9,8 +9,9 @@ import re
 import pytest
 
 from engine_cases import FRAMEWORKS, Framework, drained
-from wise_core.config import PRESETS, AdaptiveDepth
+from wise_core.adaptive_depth import AdaptiveDepth
 from wise_core.engine.args import MAX_PAGES, check_pool_fits
+from wise_core.presets import PRESETS
 from wise_core.request import SamplingParams
 
 OURO, HUGINN = PRESETS["test-tiny"], PRESETS["test-tiny-huginn"]
