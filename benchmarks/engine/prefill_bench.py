@@ -80,7 +80,7 @@ def prompts_of(length: int, batch: int, vocab: int, seed: int) -> list[list[int]
 
 def run_cohort(llm, prompts: list[list[int]]) -> dict:
     """Prefill a cohort to its first tokens -> prefill_s, wall_s, steps, first tokens."""
-    from wise_core.request import SamplingParams
+    from wise_core.sampling_params import SamplingParams
     llm.reset_stats()
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     start = time.perf_counter()

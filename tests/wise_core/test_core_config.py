@@ -1,5 +1,6 @@
 """wise_core.model_config, wise_core.wise_config, wise_core.speculative_config: ModelConfig, WiseConfig and
-SpeculativeConfig validation; wise_core.config re-exports them, importing and defining nothing else."""
+SpeculativeConfig validation; wise_core.config re-exports them (and wise_core.request what the engines take
+and give), importing and defining nothing else."""
 
 import ast
 import dataclasses
@@ -200,9 +201,9 @@ def test_speculative_config_verify_depth():
         SpeculativeConfig("loops", draft_loops=4).verify_depth(4, None)
 
 
-@pytest.mark.parametrize("name", ["config"])
+@pytest.mark.parametrize("name", ["config", "request"])
 def test_the_one_import_modules_only_re_export(name):
-    """wise_core.config holds imports from the modules of each job and
+    """wise_core.config and wise_core.request hold imports from the modules of each job and
     `__all__` naming them all: every name is the object of its home module."""
     module = importlib.import_module(f"wise_core.{name}")
     tree = ast.parse(Path(module.__file__).read_text())

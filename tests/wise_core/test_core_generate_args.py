@@ -62,9 +62,9 @@ def test_encode_text_rejects_a_lone_surrogate():
 
 
 def test_generate_prompts_and_params_are_paired_or_refused():
-    """LLM.generate's arguments (wise_core.request.prompts_with_params, both engines)."""
+    """LLM.generate's arguments (wise_core.sampling_params.prompts_with_params, both engines)."""
     import numpy as np
-    from wise_core.request import SamplingParams, prompts_with_params
+    from wise_core.sampling_params import SamplingParams, prompts_with_params
     a, b = SamplingParams(max_tokens=2), SamplingParams(max_tokens=3)
     assert prompts_with_params(["x", [1, 2]], a) == [("x", a), ([1, 2], a)]
     assert prompts_with_params(("x", "y"), [a, b]) == [("x", a), ("y", b)]

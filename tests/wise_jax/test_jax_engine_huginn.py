@@ -14,7 +14,7 @@ from huginn_cases import TINY, checkpoint
 from parity.huginn import jax_generate
 from wise_core.checkpoint import random_tensors
 from wise_core.presets import PRESETS
-from wise_core.request import SamplingParams
+from wise_core.sampling_params import SamplingParams
 from wise_core.wise_config import WiseConfig
 from wise_jax import LLM, from_checkpoint_tensors
 

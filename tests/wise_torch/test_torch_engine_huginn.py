@@ -15,7 +15,7 @@ from huginn_cases import TINY, checkpoint
 from parity.huginn import torch_generate
 from wise_core.checkpoint import random_tensors
 from wise_core.presets import PRESETS
-from wise_core.request import SamplingParams
+from wise_core.sampling_params import SamplingParams
 from wise_core.speculative_config import SpeculativeConfig
 from wise_core.wise_config import WiseConfig
 from wise_torch import LLM, from_tensors, generate

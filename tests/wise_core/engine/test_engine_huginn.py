@@ -25,7 +25,7 @@ from wise_core.adaptive_depth import AdaptiveDepth
 from wise_core.config_error import ConfigError
 from wise_core.huginn_reference import num_planes
 from wise_core.presets import PRESETS
-from wise_core.request import SamplingParams
+from wise_core.sampling_params import SamplingParams
 from wise_core.speculative_config import SpeculativeConfig
 from wise_core.wise_config import WiseConfig
 from wise_torch.engine.llm import check_regroup

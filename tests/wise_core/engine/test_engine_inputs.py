@@ -9,7 +9,7 @@ import pytest
 
 from wise_core.checkpoint import random_tensors
 from wise_core.presets import PRESETS
-from wise_core.request import SamplingParams
+from wise_core.sampling_params import SamplingParams
 
 CONFIG = PRESETS["test-tiny"]
 PROMPTS = [[5, 9, 2, 7, 1, 3], [4, 4, 8, 1]]

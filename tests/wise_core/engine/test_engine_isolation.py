@@ -11,7 +11,7 @@ import pytest
 from engine_cases import drained
 from wise_core.checkpoint import random_tensors
 from wise_core.presets import PRESETS
-from wise_core.request import SamplingParams
+from wise_core.sampling_params import SamplingParams
 
 CONFIG = PRESETS["test-tiny"]
 BAD = 11                                     # the token whose embedding row is NaN

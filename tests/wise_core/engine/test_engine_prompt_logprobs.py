@@ -13,7 +13,7 @@ import pytest
 
 from engine_cases import FRAMEWORKS, Framework, drained
 from wise_core.presets import PRESETS
-from wise_core.request import MAX_LOGPROBS, SamplingParams
+from wise_core.sampling_params import MAX_LOGPROBS, SamplingParams
 
 CONFIG = PRESETS["test-tiny-gqa"]
 # Engine (paged, chunked prefill) against the full forward, both fp32: the same sums in other

@@ -11,7 +11,7 @@ import pytest
 from wise_core.checkpoint import random_tensors
 from wise_core.detokenize import TextStream
 from wise_core.presets import PRESETS
-from wise_core.request import MAX_LOGPROBS, SamplingParams
+from wise_core.sampling_params import MAX_LOGPROBS, SamplingParams
 
 EOS = 17
 CONFIG = dataclasses.replace(PRESETS["test-tiny"], eos_token_id=EOS)

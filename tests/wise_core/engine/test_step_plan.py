@@ -11,7 +11,7 @@ from wise_core.buckets import batch_bucket, context_bucket
 from wise_core.engine.sequence import PENDING, Sequence
 from wise_core.engine.step_plan import TAG_LIMIT, DecodePlan, TagCounter
 from wise_core.presets import PRESETS
-from wise_core.request import SamplingParams
+from wise_core.sampling_params import SamplingParams
 from wise_core.wise_config import WiseConfig
 
 PAGE = 4
