@@ -130,7 +130,7 @@ case $part in
     if [ "$part" != jax-bench ]; then
       run jax_gpu_tests 240 python3 -m pytest -q -m gpu tests/wise_jax/test_jax_gpu.py tests/wise_jax/test_jax_selection_in_generate.py \
           tests/parity/test_kernels_in_generate_gpu.py tests/parity/test_parity_gpu.py -p no:cacheprovider -rfE --durations=10
-      run decode_contract 120 python3 -m pytest -q tests/wise_core/test_decode_contract.py -p no:cacheprovider -rfE
+      run decode_contract 120 python3 -m pytest -q tests/parity/test_decode_contract.py -p no:cacheprovider -rfE
     fi
     ;;
   huginn)

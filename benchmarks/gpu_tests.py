@@ -48,7 +48,7 @@ FILE_SECONDS = {
     "tests/wise_torch/test_torch_gpu.py": 120,
     "tests/wise_torch/test_torch_speculative_gpu.py": 120,
     "tests/wise_torch/test_triton_decode.py": 90,
-    "tests/wise_core/test_decode_contract.py": 120,   # the gpu suite's jax-tests part gave it 120 s
+    "tests/parity/test_decode_contract.py": 120,   # the gpu suite's jax-tests part gave it 120 s
 }
 DEFAULT_SECONDS = 60
 SELECT = "gpu or cuda"   # the tests the suite runs: needing a GPU, or running on one when there is one

@@ -22,10 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from wise_core.config import ModelConfig, WiseConfig
 from wise_core.evaluation import Arm
+from wise_core.model_config import ModelConfig
 from wise_core.selection import Eta, parse
 from wise_core.train_config import TrainConfig
+from wise_core.wise_config import WiseConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ModelConfig(

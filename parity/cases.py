@@ -16,7 +16,8 @@ import numpy as np
 from wise_core import modes as M
 from wise_core import reference as ref
 from wise_core import selection as rules
-from wise_core.config import PRESETS, ModelConfig
+from wise_core.model_config import ModelConfig
+from wise_core.presets import PRESETS
 
 DTYPES = ("float32", "bfloat16")
 

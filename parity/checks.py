@@ -463,14 +463,19 @@ def check_kv_quant(suite: Suite):
 
 
 # -- generation: all-blocks WISE is dense, bitwise ------------------------------------------------
-def _all_blocks_generate(suite: Suite, impl) -> Measured:
-    model, workload = suite.settings.equivalence_model, suite.settings.equivalence_workload
-    dense = suite.generate(impl.framework, model, impl.kernel, "dense", workload)
-    wise = suite.generate(impl.framework, model, impl.kernel, "all-blocks", workload)
+def bitwise_runs(wise, dense) -> Measured:
+    """Two generations (`Generated`) bitwise the same: each prompt's tokens, then its logits."""
     pairs = [(f"prompt {i} tokens", np.asarray(w), np.asarray(d)) for i, (w, d) in
              enumerate(zip(wise.tokens, dense.tokens))]
     pairs += [(f"prompt {i} logits", w, d) for i, (w, d) in enumerate(zip(wise.logits, dense.logits))]
     return bitwise(pairs)
+
+
+def _all_blocks_generate(suite: Suite, impl) -> Measured:
+    model, workload = suite.settings.equivalence_model, suite.settings.equivalence_workload
+    dense = suite.generate(impl.framework, model, impl.kernel, "dense", workload)
+    wise = suite.generate(impl.framework, model, impl.kernel, "all-blocks", workload)
+    return bitwise_runs(wise, dense)
 
 
 @check("all-blocks-generate", "generate with WiseConfig(all_blocks=True) gives dense decode's tokens and "
@@ -550,10 +555,7 @@ def check_end_to_end(suite: Suite):
 def _huginn_all_blocks(suite: Suite, impl) -> Measured:
     dense = suite.huginn_generate(impl.framework, impl.kernel, "dense")
     wise = suite.huginn_generate(impl.framework, impl.kernel, "all-blocks")
-    pairs = [(f"prompt {i} tokens", np.asarray(w), np.asarray(d)) for i, (w, d) in
-             enumerate(zip(wise.tokens, dense.tokens))]
-    pairs += [(f"prompt {i} logits", w, d) for i, (w, d) in enumerate(zip(wise.logits, dense.logits))]
-    return bitwise(pairs)
+    return bitwise_runs(wise, dense)
 
 
 @check("huginn-all-blocks", "Huginn: WISE over core iterations with every block selected gives dense decode's "

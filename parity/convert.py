@@ -15,7 +15,7 @@ import torch
 
 import wise_jax
 import wise_torch
-from wise_core.config import ModelConfig
+from wise_core.model_config import ModelConfig
 
 DTYPES = {"float32": (torch.float32, jnp.float32), "bfloat16": (torch.bfloat16, jnp.bfloat16),
           "float16": (torch.float16, jnp.float16)}

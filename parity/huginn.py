@@ -18,9 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from wise_core.config import AdaptiveDepth, ModelConfig, WiseConfig
+from wise_core.adaptive_depth import AdaptiveDepth
 from wise_core.huginn_reference import initial_state, num_planes
+from wise_core.model_config import ModelConfig
 from wise_core.modes import DENSE
+from wise_core.wise_config import WiseConfig
 from wise_jax import huginn as jax_huginn
 from wise_jax import kv_cache as kvc
 from wise_jax import wise_state as jax_ws

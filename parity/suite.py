@@ -22,7 +22,7 @@ from parity.impls import Decoded, Impl, discover_impls, jax_backend
 from parity.impls import selectors as default_selectors
 from wise_core import modes as M
 from wise_core.checkpoint import DEFAULT_MODEL, Checkpoint, load_checkpoint, random_tensors, save_checkpoint
-from wise_core.config import WiseConfig, huginn_wise_config
+from wise_core.wise_config import WiseConfig, huginn_wise_config
 from wise_jax import huginn as jax_huginn
 from wise_torch import huginn as torch_huginn
 

@@ -10,10 +10,11 @@ FRAMEWORKS = ("torch", "jax")
 
 
 class Framework:
-    """`name`'s model of `config` with random weights (`random_tensors(config, seed, std)`)."""
+    """`name`'s model of `config` in float32 with random weights (`random_tensors(config, seed,
+    std)`), or with `tensors` (a checkpoint's) where given."""
 
-    def __init__(self, name: str, config, *, seed: int, std: float = 0.08):
-        tensors = random_tensors(config, seed=seed, std=std)
+    def __init__(self, name: str, config, *, seed: int = 0, std: float = 0.08, tensors=None):
+        tensors = random_tensors(config, seed=seed, std=std) if tensors is None else tensors
         self.name, self.config = name, config
         if name == "torch":
             import wise_torch
@@ -27,6 +28,13 @@ class Framework:
         if self.name == "torch":
             return self.lib.LLM(self.model, **engine_args)
         return self.lib.LLM(self.model, self.config, **engine_args)
+
+    def engine_at(self, path, **engine_args):
+        """The framework's LLM over the checkpoint directory `path`, loaded as a model of this
+        class is built: float32 (torch: on the CPU; JAX: on its default device)."""
+        if self.name == "torch":
+            return self.lib.LLM(str(path), device="cpu", **engine_args)
+        return self.lib.LLM(str(path), dtype="float32", **engine_args)
 
     def forward(self, ids: list[int]):
         """The model's full-sequence forward of `ids` -> logits float32[len(ids), vocab] (numpy)."""

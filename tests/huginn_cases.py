@@ -6,9 +6,10 @@ import numpy as np
 
 from wise_core import rounding
 from wise_core.checkpoint import Checkpoint, load_checkpoint, random_tensors, save_checkpoint
-from wise_core.config import PRESETS, WiseConfig
 from wise_core.huginn_reference import HuginnCache, huginn_forward
+from wise_core.presets import PRESETS
 from wise_core.selection import TopK
+from wise_core.wise_config import WiseConfig
 
 TINY = PRESETS["test-tiny-huginn"]
 

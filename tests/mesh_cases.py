@@ -14,7 +14,8 @@ from jax.sharding import NamedSharding
 import wise_jax
 from wise_core import rounding
 from wise_core.checkpoint import random_tensors
-from wise_core.config import PRESETS, WiseConfig
+from wise_core.presets import PRESETS
+from wise_core.wise_config import WiseConfig
 from wise_jax import serving, sharding
 
 from cases import prompts_of

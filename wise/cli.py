@@ -26,12 +26,12 @@ from typing import Callable, ContextManager
 
 from wise_core import __version__
 from wise_core.checkpoint import BUILTIN_MODELS, DEFAULT_MODEL
-from wise_core.config import KERNELS, WiseConfig
 from wise_core.detokenize import TextStream
 from wise_core.engine.protocol import Engine
 from wise_core.generate_args import check_sampling, check_seed
-from wise_core.request import MAX_SEED, SamplingParams
+from wise_core.sampling_params import MAX_SEED, SamplingParams
 from wise_core.tokenizer import encode_text
+from wise_core.wise_config import KERNELS, WiseConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_NUM_SEQS = 256      # `wise generate`: requests decoding at once

@@ -2,7 +2,10 @@
 
 __version__ = "0.1.0"
 
-from wise_core.config import ModelConfig, WiseConfig, SpeculativeConfig, PRESETS
 from wise_core import reference
+from wise_core.model_config import ModelConfig
+from wise_core.presets import PRESETS
+from wise_core.speculative_config import SpeculativeConfig
+from wise_core.wise_config import WiseConfig
 
 __all__ = ["ModelConfig", "WiseConfig", "SpeculativeConfig", "PRESETS", "reference"]

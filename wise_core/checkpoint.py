@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from wise_core.config import ModelConfig, PRESETS
+from wise_core.model_config import ModelConfig
+from wise_core.presets import PRESETS
 from wise_core.safetensors_io import FLOAT_DTYPES, TensorInfo, read_header, read_tensors, write_tensors
 from wise_core.tokenizer import byte_tokenizer, load_tokenizer
 

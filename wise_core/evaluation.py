@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from wise_core.config import WiseConfig
+from wise_core.wise_config import WiseConfig
 
 
 def _resampled_means(values: list[np.ndarray], n_resamples: int, seed: int) -> list[np.ndarray]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from wise_core.config import WiseConfig
+from wise_core.wise_config import WiseConfig
 
 
 class _ModelEos:

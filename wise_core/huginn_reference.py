@@ -50,8 +50,10 @@ from typing import Callable
 import numpy as np
 
 from wise_core import reference as wise_ref
+from wise_core.adaptive_depth import AdaptiveDepth
 from wise_core.checkpoint import huginn_layers, validate_tensors
-from wise_core.config import AdaptiveDepth, ModelConfig, WiseConfig
+from wise_core.model_config import ModelConfig
+from wise_core.wise_config import WiseConfig
 
 
 def plane_index(config: ModelConfig, stack: str, layer: int, step: int = 0) -> int:

@@ -34,7 +34,7 @@ import dataclasses
 import numpy as np
 
 from wise_core.checkpoint import validate_tensors
-from wise_core.config import ModelConfig
+from wise_core.model_config import ModelConfig
 
 
 def cumulative_exit(lambdas: np.ndarray) -> np.ndarray:

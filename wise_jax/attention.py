@@ -20,7 +20,7 @@ from jax import lax
 
 from wise_core import modes as M
 from wise_core import selection as rules
-from wise_core.config import FRAMEWORK_KERNELS
+from wise_core.wise_config import FRAMEWORK_KERNELS
 from wise_jax.decode_check import check_call
 
 KERNELS = FRAMEWORK_KERNELS["jax"]

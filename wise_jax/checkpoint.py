@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from wise_core.checkpoint import CheckpointError
-from wise_core.config import ModelConfig
+from wise_core.model_config import ModelConfig
 from wise_jax.params import LayerParams, Params, param_shapes
 
 MANIFEST = "wise_params.json"

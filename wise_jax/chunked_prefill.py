@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from wise_core.config import ModelConfig
+from wise_core.model_config import ModelConfig
 from wise_jax import sharding
 from wise_jax.model import embed, exit_gate, exits_for, head, rope, run_loop
 from wise_jax.params import Params, stack_layers

@@ -20,9 +20,10 @@ from typing import Sequence
 import numpy as np
 from tokenizers import Tokenizer
 
-from wise_core.config import ModelConfig, WiseConfig
 from wise_core.evaluation import Arm
+from wise_core.model_config import ModelConfig
 from wise_core.tokenizer import encode_text
+from wise_core.wise_config import WiseConfig
 from wise_jax.params import Params
 from wise_jax.scoring import greedy, score
 from wise_jax.serving import DEFAULT_PAGE_SIZE, check_ids, prefill_bucket

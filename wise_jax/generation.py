@@ -17,10 +17,11 @@ import jax
 import numpy as np
 from tokenizers import Tokenizer
 
-from wise_core.config import ModelConfig, WiseConfig
-from wise_core.request import GenerationStats
 from wise_core.generate_args import (MODEL_EOS, check_max_new_tokens, check_sampling, check_wise_config,
                                      resolve_eos)
+from wise_core.model_config import ModelConfig
+from wise_core.stats import GenerationStats
+from wise_core.wise_config import WiseConfig
 from wise_jax.engine import LLM, SamplingParams, encode
 from wise_jax.params import Params
 from wise_jax.serving import DEFAULT_PAGE_SIZE, trace_counts

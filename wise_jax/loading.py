@@ -29,7 +29,7 @@ from tokenizers import Tokenizer
 from wise_core import tokenizer as core_tokenizer
 from wise_core.checkpoint import (BUILTIN_MODELS, Checkpoint, CheckpointError, CheckpointFiles, expected_shapes,
                                   load_checkpoint, open_checkpoint, validate_tensors)
-from wise_core.config import ModelConfig
+from wise_core.model_config import ModelConfig
 from wise_jax.huginn import HuginnParams, huginn_from_tensors
 from wise_jax.params import LAYER_NAMES, LINEAR_FIELDS, LayerParams, Params, param_shapes
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from wise_core.config import ModelConfig
+from wise_core.model_config import ModelConfig
 from wise_jax import model as wm
 from wise_jax.params import LAYER_NAMES, LayerParams, Params, init_params
 from wise_jax.train import loop_losses

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from wise_core.checkpoint import expected_shapes, validate_tensors
-from wise_core.config import ModelConfig
+from wise_core.model_config import ModelConfig
 
 # LayerParams field -> the HF tensors under `model.layers.{n}.` it holds, in output-axis order
 LAYER_NAMES = {

@@ -31,7 +31,8 @@ import numpy as np
 from jax import lax
 
 from wise_core.buckets import context_bucket, context_buckets
-from wise_core.config import ModelConfig, WiseConfig
+from wise_core.model_config import ModelConfig
+from wise_core.wise_config import WiseConfig
 from wise_jax import checks
 from wise_jax import chunked_prefill
 from wise_jax import kv_cache as kvc

@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from wise_core.config import ModelConfig, WiseConfig
+from wise_core.model_config import ModelConfig
+from wise_core.wise_config import WiseConfig
 from wise_jax import checks
 from wise_jax import kv_cache as kvc
 from wise_jax import sharding

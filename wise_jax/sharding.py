@@ -32,8 +32,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from wise_core.config import ModelConfig
 from wise_core.engine.args import check_pool_fits, host_available_bytes
+from wise_core.model_config import ModelConfig
 from wise_jax import kv_cache as kvc
 from wise_jax import model
 from wise_jax import wise_state as ws

@@ -44,10 +44,10 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from wise_core.config import ModelConfig
-from wise_core.train_config import TrainConfig
 from wise_core.checkpoint import random_tensors
 from wise_core.huginn_reference import initial_state
+from wise_core.model_config import ModelConfig
+from wise_core.train_config import TrainConfig
 from wise_jax import huginn as hg
 from wise_jax import model as wm
 from wise_jax.params import Params, init_params

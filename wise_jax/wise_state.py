@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from wise_core import modes as M
-from wise_core.config import WiseConfig
 from wise_core.selection import SelectionContext
+from wise_core.wise_config import WiseConfig
 from wise_jax import checks
 from wise_jax.attention import causal_blocks, decode_attention
 

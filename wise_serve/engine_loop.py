@@ -27,7 +27,9 @@ import threading
 from typing import Callable, ContextManager
 
 from wise_core.engine.protocol import Engine
-from wise_core.request import EngineStats, RequestOutput, SamplingParams
+from wise_core.outputs import RequestOutput
+from wise_core.sampling_params import SamplingParams
+from wise_core.stats import EngineStats
 
 log = logging.getLogger("wise_serve")
 

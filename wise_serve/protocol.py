@@ -36,7 +36,7 @@ import math
 import time
 import uuid
 
-from wise_core.request import MAX_LOGPROBS, MAX_SEED, SamplingParams
+from wise_core.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
 
 SAMPLING_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "logprobs",

@@ -62,7 +62,7 @@ from aiohttp import web
 
 from wise_core.detokenize import TextStream
 from wise_core.engine.protocol import Engine
-from wise_core.request import RequestOutput
+from wise_core.outputs import RequestOutput
 from wise_serve import protocol
 from wise_serve.args import MAX_REQUEST_SEQUENCES, MAX_REQUEST_TOKENS, READ_TIMEOUT
 from wise_serve.chat import ChatTemplate, TemplateError

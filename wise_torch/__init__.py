@@ -1,6 +1,6 @@
 """PyTorch implementation of wise: the Ouro decoder, paged KV cache, WISE decode, the serving engine."""
 
-from wise_core.config import SpeculativeConfig
+from wise_core.speculative_config import SpeculativeConfig
 from wise_torch.engine import LLM, EngineStats, RequestOutput, SamplingParams
 from wise_torch.generate import ForcedOutput, GenerationOutput, GenerationStats, generate, teacher_force
 from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from wise_core import selection as rules
-from wise_core.config import FRAMEWORK_KERNELS
 from wise_core.modes import DISCOVER, DISCOVER_UNION, SPARSE
+from wise_core.wise_config import FRAMEWORK_KERNELS
 from wise_torch.decode_check import check_call
 from wise_torch.kv_cache import VarlenPrefill
 

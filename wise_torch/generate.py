@@ -14,11 +14,12 @@ import numbers
 import numpy as np
 import torch
 
-from wise_core.config import WiseConfig
 from wise_core.generate_args import (MODEL_EOS, check_max_new_tokens, check_sampling, check_seed, check_wise_config,
                                      resolve_eos)
-from wise_core.request import GenerationStats, SamplingParams
+from wise_core.sampling_params import SamplingParams
+from wise_core.stats import GenerationStats
 from wise_core.tokenizer import encode_text
+from wise_core.wise_config import WiseConfig
 from wise_torch.engine.llm import LLM
 from wise_torch.engine.sampler import seed_for
 from wise_torch.model import OuroForCausalLM

@@ -31,9 +31,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from wise_core.adaptive_depth import AdaptiveDepth
 from wise_core.checkpoint import huginn_layers, validate_tensors
-from wise_core.config import AdaptiveDepth, ModelConfig
 from wise_core.huginn_reference import initial_state, num_planes, plane_index
+from wise_core.model_config import ModelConfig
 from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch
 from wise_torch.layers import rms_norm, rope_store_kv, rope_table, silu_mul
 from wise_torch.model import ROPE_ROWS, DecodeContext, PrefillContext, SequenceContext, logits_fp32
@@ -145,31 +146,22 @@ class HuginnForCausalLM(nn.Module):
         """Flat tokens ids int64[n] from initial state [n, hidden] -> the coda's normed output
         [n, hidden]. adaptive: per-token exits of a decode step (`AdaptiveDepth`; see
         `decode_step`), the iterations each row ran written to depths int32[n]."""
-        c, t = self.config, self.transformer
         self.check_inputs(ids, state, num_steps)
-        embedded = t.wte(ids) * c.embed_scale
-        for n, layer in enumerate(t.prelude):
-            embedded = self.block(layer, embedded, ctx, plane_index(c, "prelude", n))
+        embedded = self.run_prelude(ids, ctx)
         x = state
         exited = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
         last = torch.full((ids.shape[0],), num_steps - 1, dtype=torch.int64, device=ids.device)
         previous = None
         for step in range(num_steps):
-            ctx.begin_loop(step)
-            new = t.adapter(torch.cat([x, embedded], dim=-1))
-            for n, layer in enumerate(t.core_block):
-                new = self.block(layer, new, ctx, plane_index(c, "core_block", n, step))
-            ctx.end_loop(step)
+            new = self.run_iteration(x, embedded, ctx, step)
             if adaptive is None:
                 x = new
                 continue
             x = torch.where(exited[:, None], x, new)          # rows that exited ride along, held
             self.hold_exited(ctx, exited, last, step)
             if adaptive.min_steps <= step < num_steps - 1:
-                log_p = torch.log_softmax(logits_fp32(self.readout(x, ctx), self.head_weight), dim=-1)
-                if previous is None:
-                    previous = torch.full_like(log_p, -math.log(log_p.shape[-1]))
-                now = ~exited & ((previous.exp() * (previous - log_p)).sum(-1) < adaptive.threshold)
+                kl, log_p = self.exit_kl(x, ctx, previous)
+                now = ~exited & (kl < adaptive.threshold)
                 last = torch.where(now, step, last)
                 exited, previous = exited | now, log_p
         if depths is not None:
@@ -185,29 +177,19 @@ class HuginnForCausalLM(nn.Module):
         what it computes riding along (a row's computation does not involve the others'), and
         an exited row's later iterations' K/V are its exit iteration's, written once after the
         last iteration ("latest-m4"), so the tokens and depths are `run_tokens`'s."""
-        c, t = self.config, self.transformer
         self.check_inputs(ids, state, num_steps)
-        embedded = t.wte(ids) * c.embed_scale
-        for n, layer in enumerate(t.prelude):
-            embedded = self.block(layer, embedded, ctx, plane_index(c, "prelude", n))
+        embedded = self.run_prelude(ids, ctx)
         x = state.clone()
         last = torch.full((ids.shape[0],), num_steps - 1, dtype=torch.int64, device=ids.device)
         rows = torch.arange(ids.shape[0], device=ids.device)      # the rows running
         group, group_x, group_embedded, previous = ctx, x, embedded, None
         for step in range(num_steps):
-            group.begin_loop(step)
-            group_x = t.adapter(torch.cat([group_x, group_embedded], dim=-1))
-            for n, layer in enumerate(t.core_block):
-                group_x = self.block(layer, group_x, group, plane_index(c, "core_block", n, step))
-            group.end_loop(step)
+            group_x = self.run_iteration(group_x, group_embedded, group, step)
             x[rows] = group_x
             if not adaptive.min_steps <= step < num_steps - 1:
                 continue
-            log_p = torch.log_softmax(logits_fp32(self.readout(group_x, group), self.head_weight), dim=-1)
-            if previous is None:
-                previous = torch.full_like(log_p, -math.log(log_p.shape[-1]))
-            stay = ~((previous.exp() * (previous - log_p)).sum(-1) < adaptive.threshold)   # NaN stays, as riding along
-            previous = log_p
+            kl, previous = self.exit_kl(group_x, group, previous)
+            stay = ~(kl < adaptive.threshold)   # NaN stays, as riding along
             if bool(stay.all()):
                 continue
             last[rows[~stay]] = step
@@ -219,6 +201,34 @@ class HuginnForCausalLM(nn.Module):
             self.hold_exited(ctx, last < step, last, step)
         depths.copy_(last + 1)
         return self.readout(x, ctx)
+
+    def run_prelude(self, ids: torch.Tensor, ctx) -> torch.Tensor:
+        """Flat tokens ids int64[n] -> their scaled embeddings through the prelude [n, hidden]."""
+        c, t = self.config, self.transformer
+        x = t.wte(ids) * c.embed_scale
+        for n, layer in enumerate(t.prelude):
+            x = self.block(layer, x, ctx, plane_index(c, "prelude", n))
+        return x
+
+    def run_iteration(self, x: torch.Tensor, embedded: torch.Tensor, ctx, step: int) -> torch.Tensor:
+        """Core iteration `step` of state x [n, hidden]: the adapter over [x, embedded], then the
+        core block's layers, between ctx's begin_loop and end_loop."""
+        c, t = self.config, self.transformer
+        ctx.begin_loop(step)
+        x = t.adapter(torch.cat([x, embedded], dim=-1))
+        for n, layer in enumerate(t.core_block):
+            x = self.block(layer, x, ctx, plane_index(c, "core_block", n, step))
+        ctx.end_loop(step)
+        return x
+
+    def exit_kl(self, x: torch.Tensor, ctx, previous: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The adaptive exit criterion at state x [n, hidden]: (KL(p_previous || p) float32[n], log p
+        float32[n, vocab]) of the readout's next-token distribution p, against the previous checked
+        iteration's log-probabilities `previous` (None: the uniform distribution)."""
+        log_p = torch.log_softmax(logits_fp32(self.readout(x, ctx), self.head_weight), dim=-1)
+        if previous is None:
+            previous = torch.full_like(log_p, -math.log(log_p.shape[-1]))
+        return (previous.exp() * (previous - log_p)).sum(-1), log_p
 
     def check_inputs(self, ids: torch.Tensor, state: torch.Tensor, num_steps: int) -> None:
         self.check_steps(num_steps)

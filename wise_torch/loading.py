@@ -16,7 +16,7 @@ import torch
 
 from wise_core.checkpoint import (Checkpoint, CheckpointError, expected_shapes, load_checkpoint, open_checkpoint,
                                   validate_tensors)
-from wise_core.config import ModelConfig
+from wise_core.model_config import ModelConfig
 from wise_torch.huginn import HuginnForCausalLM, huginn_from_tensors
 from wise_torch.model import OuroForCausalLM, fused_groups, fused_state_dict
 

@@ -29,8 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wise_core.config import ModelConfig, WiseConfig
+from wise_core.model_config import ModelConfig
 from wise_core.selection import Custom, SelectionContext
+from wise_core.wise_config import WiseConfig
 from wise_torch.attention import prefill_attention
 from wise_torch.early_exit import ExitState
 from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch

@@ -25,7 +25,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from wise_core.config import ModelConfig
+from wise_core.model_config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,8 +19,9 @@ from typing import Callable
 
 import torch
 
-from wise_core.config import ModelConfig, WiseConfig
+from wise_core.model_config import ModelConfig
 from wise_core.modes import DENSE, DISCOVER, DISCOVER_UNION, SPARSE
+from wise_core.wise_config import WiseConfig
 from wise_torch.kv_cache import DecodeBatch
 
 

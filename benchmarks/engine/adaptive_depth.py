@@ -37,7 +37,7 @@ ARMS = ("fixed", "ride-along", "regroup")
 def run_arm(model, prompts: list[list[int]], arm: str, args) -> dict:
     """One decode run of `arm` -> its step times, tokens and depths."""
     from parity.huginn import torch_generate
-    from wise_core.config import AdaptiveDepth
+    from wise_core.adaptive_depth import AdaptiveDepth
     times, depths = [], [[] for _ in prompts]
     adaptive = None if arm == "fixed" else AdaptiveDepth(threshold=args.threshold)
     tokens, _, _ = torch_generate(model, prompts, max_new_tokens=args.new_tokens + 1, num_steps=args.depth,

@@ -50,7 +50,7 @@ def parse_threshold(text: str) -> float:
 
 def adaptive_threshold(args) -> float:
     """--adaptive-threshold, or AdaptiveDepth's default."""
-    from wise_core.config import AdaptiveDepth
+    from wise_core.adaptive_depth import AdaptiveDepth
     return AdaptiveDepth().threshold if args.adaptive_threshold is None else args.adaptive_threshold
 
 
@@ -92,7 +92,7 @@ def wise_config_of(config, num_steps: int, **settings):
     """The WISE profile of the wise arms: Ouro's `WiseConfig` (discovery on loops 0 and 1, reuse on
     2 and 3), Huginn's `huginn_wise_config(num_steps)` (discovery on core iterations 0 and 1, reuse
     on 2 .. num_steps - 1); `settings`: the other fields (eta, kernel)."""
-    from wise_core.config import WiseConfig, huginn_wise_config
+    from wise_core.wise_config import WiseConfig, huginn_wise_config
     if config.architecture == "huginn":
         return huginn_wise_config(num_steps, **settings)
     return WiseConfig(**settings)

@@ -72,7 +72,7 @@ def write_checkpoint(directory: Path, smoke: bool) -> int:
     import numpy as np
 
     from wise_core.checkpoint import Checkpoint, expected_shapes, save_checkpoint
-    from wise_core.config import PRESETS
+    from wise_core.presets import PRESETS
 
     config = PRESETS["ouro-1.4b"]
     if smoke:

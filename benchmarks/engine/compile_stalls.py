@@ -106,7 +106,7 @@ def _torch_engine(spec: dict):
     import torch
     import wise_torch
     from benchmarks.engine.workload import random_model, random_prompts
-    from wise_core.config import ModelConfig
+    from wise_core.model_config import ModelConfig
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = random_model(dict(spec, device=device), ModelConfig(**spec["config"]))
     return (lambda: wise_torch.LLM(model)), wise_torch.SamplingParams, random_prompts(spec, model.config.vocab_size)
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         parser.error("--q-scale takes one value (one context)")
     if args.context < 1 or args.batch < 1:
         parser.error("--context and --batch must be positive")
-    from wise_core.config import PRESETS
+    from wise_core.presets import PRESETS
     if args.preset not in PRESETS:
         raise SystemExit(f"unknown --preset {args.preset!r}; one of {sorted(PRESETS)}")
     config = dataclasses.replace(PRESETS[args.preset], eos_token_id=None)

@@ -52,7 +52,8 @@ def probe(args) -> list[dict]:
 
     import wise_jax
     from wise_core import modes
-    from wise_core.config import PRESETS, WiseConfig
+    from wise_core.presets import PRESETS
+    from wise_core.wise_config import WiseConfig
     from wise_jax import kv_cache, model
     from wise_jax.attention import decode_attention, resolve_kernel
     from wise_jax.params import scale_queries, unstack_layers

@@ -28,7 +28,7 @@ TARGET = 1.5   # the defaults within this factor of the tight max_model_len's ti
 
 
 def _config(max_position_embeddings: int):
-    from wise_core.config import PRESETS
+    from wise_core.presets import PRESETS
     return dataclasses.replace(PRESETS["test-tiny"], max_position_embeddings=max_position_embeddings)
 
 
@@ -42,7 +42,8 @@ def _torch_run(spec: dict):
     import torch
     import wise_torch
     from wise_core.checkpoint import random_tensors
-    from wise_core.config import SpeculativeConfig, WiseConfig
+    from wise_core.speculative_config import SpeculativeConfig
+    from wise_core.wise_config import WiseConfig
     torch.set_num_threads(1)
     config = _config(spec["max_position_embeddings"])
     model = wise_torch.from_tensors(config, random_tensors(config, seed=0, std=0.08))
@@ -59,7 +60,7 @@ def _torch_run(spec: dict):
 def _jax_run(spec: dict):
     import wise_jax
     from wise_core.checkpoint import random_tensors
-    from wise_core.config import WiseConfig
+    from wise_core.wise_config import WiseConfig
     config = _config(spec["max_position_embeddings"])
     params = wise_jax.from_checkpoint_tensors(config, random_tensors(config, seed=0, std=0.08))
     kw = {} if spec["sizing"] == "defaults" else {"max_model_len": spec["tight"]}

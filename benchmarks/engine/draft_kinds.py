@@ -41,7 +41,8 @@ KINDS = ("wise", "wise3", "wise2", "loops2", "wise-sparse")
 
 def arm_config(arm: str, num_draft: int, eta: float, kernel: str):
     """(SpeculativeConfig or None, WiseConfig or None) of an arm name."""
-    from wise_core.config import SpeculativeConfig, WiseConfig
+    from wise_core.speculative_config import SpeculativeConfig
+    from wise_core.wise_config import WiseConfig
     kind = arm.removesuffix("-adaptive")
     if kind == "dense":
         return None, None

@@ -201,7 +201,7 @@ def cohort_setup(spec: dict):
     import jax.numpy as jnp
     import numpy as np
     import wise_jax
-    from wise_core.config import ModelConfig
+    from wise_core.model_config import ModelConfig
     config = ModelConfig(**spec["config"])
     rng = np.random.default_rng(spec["context"] * 1000 + spec["batch"])
     prompts = rng.integers(0, config.vocab_size, (spec["batch"], spec["context"])).tolist()
@@ -239,7 +239,7 @@ def _engine_worker(spec: dict) -> dict:
     else:
         wise_config = wise_config_of(config, steps, eta=spec["eta"], kernel=spec["kernel"]) \
             if mode in ("wise", "wise-adaptive") else None
-        from wise_core.config import AdaptiveDepth
+        from wise_core.adaptive_depth import AdaptiveDepth
         adaptive = AdaptiveDepth(threshold=spec["adaptive_threshold"]) if mode in ADAPTIVE_ARMS else None
         llm = engine(params, config, wise_config=wise_config, num_steps=num_steps, adaptive_depth=adaptive,
                            num_pages=spec["num_pages"], page_size=spec["page_size"], max_num_seqs=spec["batch"], kernel=spec["kernel"],
@@ -272,7 +272,7 @@ def _engine_worker(spec: dict) -> dict:
 def _old_worker(spec: dict) -> dict:
     """The pre-engine generate, imported from the old source tree (first on the path: PYTHONPATH)."""
     import wise_jax
-    from wise_core.config import WiseConfig
+    from wise_core.wise_config import WiseConfig
     config, params, prompts = cohort_setup(spec)
     wise_config = WiseConfig(eta=spec["eta"], kernel=spec["kernel"]) if spec["arm"] == "old-wise" else None
 
@@ -454,7 +454,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         worker_main(args.worker)
         return None
     scales = check_args(parser, args)
-    from wise_core.config import PRESETS
+    from wise_core.presets import PRESETS
     if args.preset not in PRESETS:
         raise SystemExit(f"unknown --preset {args.preset!r}; one of {sorted(PRESETS)}")
     config = dataclasses.replace(PRESETS[args.preset], eos_token_id=None)

@@ -31,7 +31,7 @@ def _case(args):
     import numpy as np
 
     from wise_core.checkpoint import random_tensors
-    from wise_core.config import PRESETS
+    from wise_core.presets import PRESETS
     config = dataclasses.replace(PRESETS["test-tiny"], max_position_embeddings=16384)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in args.lengths]

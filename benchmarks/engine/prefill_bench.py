@@ -36,7 +36,7 @@ from pathlib import Path
 
 from benchmarks import report as rp
 from benchmarks.engine.workload import random_model
-from wise_core.config import PRESETS
+from wise_core.presets import PRESETS
 
 PEAK_TFLOPS = 790.0
 
@@ -80,7 +80,7 @@ def prompts_of(length: int, batch: int, vocab: int, seed: int) -> list[list[int]
 
 def run_cohort(llm, prompts: list[list[int]]) -> dict:
     """Prefill a cohort to its first tokens -> prefill_s, wall_s, steps, first tokens."""
-    from wise_core.request import SamplingParams
+    from wise_core.sampling_params import SamplingParams
     llm.reset_stats()
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     start = time.perf_counter()

@@ -37,7 +37,7 @@ def _prompts(spec: dict, vocab: int) -> list[list[int]]:
 def _engine_factory(spec: dict):
     """(a function making a fresh engine, its SamplingParams class, the vocabulary size)."""
     from wise_core.checkpoint import random_tensors
-    from wise_core.config import PRESETS
+    from wise_core.presets import PRESETS
     kw = dict(enable_prefix_caching=spec["arm"] == "on", max_num_batched_tokens=spec["max_num_batched_tokens"],
               max_model_len=spec["prefix"] + spec["suffix"] + spec["new_tokens"])
     if spec["engine"] == "torch":

@@ -78,7 +78,8 @@ def arms_of(args) -> list[str]:
 def engine_kwargs(arm: str, spec: dict) -> dict:
     """`LLM` keyword arguments of a speculative arm from the worker's spec (num_draft,
     draft_loops, eta, kernel; the set acceptance of a spec-METHOD@P arm)."""
-    from wise_core.config import SpeculativeConfig, WiseConfig
+    from wise_core.speculative_config import SpeculativeConfig
+    from wise_core.wise_config import WiseConfig
     method, rate = method_and_rate(arm)
     common = dict(num_draft=spec["num_draft"], accept_rate=rate, adaptive=spec.get("adaptive_draft", False))
     if method == "wise2":

@@ -199,7 +199,7 @@ def _engine_worker(spec: dict) -> dict:
                            if arm in ("wise", "wise-fa4", "wise-adaptive") else None)
         cuda_graphs = CUDA_GRAPHS[spec["cuda_graphs"]]
         if arm in ADAPTIVE_ARMS:
-            from wise_core.config import AdaptiveDepth
+            from wise_core.adaptive_depth import AdaptiveDepth
             configs["adaptive_depth"] = AdaptiveDepth(threshold=spec["adaptive_threshold"])
         if arm == "adaptive-regroup":   # gathers rows (dynamic shapes): eager
             configs["adaptive_regroup"], cuda_graphs = True, False
@@ -243,7 +243,7 @@ def _old_worker(spec: dict) -> dict:
     """The pre-engine generate, imported from the old source tree (first on the path: PYTHONPATH)."""
     import torch
     import wise_torch
-    from wise_core.config import WiseConfig
+    from wise_core.wise_config import WiseConfig
     model = load_model(spec)
     prompts = random_prompts(spec, model.config.vocab_size)
     wise_config = WiseConfig(eta=spec["eta"], kernel=spec["kernel"]) if spec["arm"] == "old-wise" else None

@@ -60,7 +60,7 @@ def random_recipe(config) -> dict[str, list]:
 def config_fields(config) -> dict:
     """The config as ModelConfig keyword arguments for a worker; an Ouro config's architecture and
     Huginn fields (at their defaults) left out, which the pre-engine tree's ModelConfig lacks."""
-    from wise_core.config import HUGINN_FIELDS
+    from wise_core.model_config import HUGINN_FIELDS
     fields = dataclasses.asdict(config)
     if config.architecture == "ouro":
         for name in ("architecture",) + HUGINN_FIELDS:
@@ -111,7 +111,7 @@ def load_model(spec: dict):
     import torch
     import wise_torch
     from wise_core.checkpoint import load_checkpoint
-    from wise_core.config import ModelConfig
+    from wise_core.model_config import ModelConfig
     if spec.get("random"):
         return random_model(spec, ModelConfig(**spec["random"]))
     checkpoint = load_checkpoint(spec["checkpoint"])
@@ -138,7 +138,7 @@ def prepare_model(args) -> tuple:
     """(config, checkpoint or None, the config's fields for a worker or None): --model as given, or
     random --preset weights that each worker draws on its device (`random_model`)."""
     from wise_core.checkpoint import load_checkpoint
-    from wise_core.config import PRESETS
+    from wise_core.presets import PRESETS
     if args.model:  # a directory as an absolute path: an old arm's worker runs in another folder
         model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
         return load_checkpoint(model).config, model, None

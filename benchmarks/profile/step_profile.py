@@ -179,7 +179,8 @@ def _torch_worker(spec: dict, tmp: Path) -> dict:
     import torch
     from benchmarks.engine import workload
     import wise_torch
-    from wise_core.config import ModelConfig, WiseConfig
+    from wise_core.model_config import ModelConfig
+    from wise_core.wise_config import WiseConfig
     config = ModelConfig(**spec["config"])
     model = workload.random_model(dict(dtype=spec["dtype"], device=spec["device"], std=spec["std"], seed=0,
                                           q_scale=spec["q_scale"]), config)
@@ -242,7 +243,7 @@ def _jax_worker(spec: dict, tmp: Path) -> dict:
     import jax
     from benchmarks.engine import jax_generate_bench as bench
     import wise_jax
-    from wise_core.config import WiseConfig
+    from wise_core.wise_config import WiseConfig
     config, params, prompts = bench.cohort_setup(dict(spec, seed=0))
     tight = dict(max_model_len=spec["context"] + spec["new_tokens"]) if spec["tight"] else {}
     kernel = {} if spec["kernel"] == "auto" else dict(kernel=spec["kernel"])
@@ -259,7 +260,8 @@ def _jax_worker(spec: dict, tmp: Path) -> dict:
 
 
 def worker(spec: dict) -> dict:
-    from wise_core.config import ModelConfig, WiseConfig
+    from wise_core.model_config import ModelConfig
+    from wise_core.wise_config import WiseConfig
     tmp = Path(spec["tmp"])
     out = (_torch_worker if spec["framework"] == "torch" else _jax_worker)(spec, tmp)
     config = ModelConfig(**spec["config"])
@@ -349,7 +351,7 @@ def main(argv=None) -> dict:
         return result
     if args.out is None:
         p.error("--out is required")
-    from wise_core.config import PRESETS
+    from wise_core.presets import PRESETS
     config = dataclasses.replace(PRESETS[args.preset], eos_token_id=None)
     scales = args.q_scale * len(args.shapes) if len(args.q_scale) == 1 else args.q_scale
     if len(scales) != len(args.shapes):

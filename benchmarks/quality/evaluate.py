@@ -43,8 +43,8 @@ from tqdm import tqdm
 from benchmarks.quality import qa_scoring, stdlib_corpus
 from benchmarks import report as rp
 from wise_core.checkpoint import DEFAULT_MODEL
-from wise_core.config import WiseConfig
 from wise_core.evaluation import Arm, interval, paired_bootstrap
+from wise_core.wise_config import WiseConfig
 
 
 # -- backends ---------------------------------------------------------------------------------

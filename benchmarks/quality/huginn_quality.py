@@ -36,10 +36,11 @@ import numpy as np
 
 from benchmarks import report as rp
 from benchmarks.quality import stdlib_corpus
+from wise_core.adaptive_depth import AdaptiveDepth
 from wise_core.checkpoint import load_checkpoint
-from wise_core.config import AdaptiveDepth, huginn_wise_config
 from wise_core.evaluation import common_prefix, interval, paired_bootstrap
 from wise_core.huginn_reference import HuginnCache, huginn_forward, huginn_weights
+from wise_core.wise_config import huginn_wise_config
 
 N_BYTES = 256
 

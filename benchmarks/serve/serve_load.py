@@ -348,7 +348,7 @@ def run_offline(args) -> dict:
     """The workload on an in-process engine (the `wise serve` engine flags, --backend among them):
     every request queued at once."""
     from wise_serve.model import build_llm, engine_context
-    from wise_core.request import SamplingParams
+    from wise_core.sampling_params import SamplingParams
 
     llm = build_llm(args)
     vocab = args.vocab_size or llm.vocab_size

@@ -7,7 +7,7 @@ import json
 
 from benchmarks.quality import huginn_quality
 from wise_core.checkpoint import Checkpoint, random_tensors, save_checkpoint
-from wise_core.config import PRESETS
+from wise_core.presets import PRESETS
 from wise_core.tokenizer import byte_tokenizer
 
 CONFIG = dataclasses.replace(PRESETS["test-tiny-huginn"], vocab_size=258, bos_token_id=256, eos_token_id=256,

@@ -45,7 +45,7 @@ def test_random_huginn_params_scale_the_queries_only(bench):
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from wise_core.config import PRESETS
+    from wise_core.presets import PRESETS
     config = PRESETS["test-tiny-huginn"]
     h = config.num_attention_heads * config.head_dim
     one, three = (bench.random_huginn_params(config, 0, 0.02, s, jnp.float32) for s in (1.0, 3.0))
@@ -65,7 +65,7 @@ def test_huginn_wise_arm_end_to_end(bench, tmp_path):
     """test-tiny-huginn at 3 core iterations: WISE reusing iteration 2, its roofline, no targets;
     Ouro's layout options refused."""
     from benchmarks.engine import timing
-    from wise_core.config import PRESETS
+    from wise_core.presets import PRESETS
     report = bench.main(["--preset", "test-tiny-huginn", "--num-steps", "3", "--dtype", "float32", "--kernel",
                          "reference", "--shapes", "64x3", "--new-tokens", "3", "--warmup-tokens", "2", "--repeats", "1",
                          "--arms", "wise", "--q-scale", "2", "--out", str(tmp_path)])

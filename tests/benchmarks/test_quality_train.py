@@ -12,7 +12,7 @@ import wise_jax
 from benchmarks.quality import qa_scoring, evaluate as quality
 from benchmarks.train import train_builtin as tb
 from wise_core.checkpoint import load_checkpoint
-from wise_core.config import ModelConfig
+from wise_core.model_config import ModelConfig
 from wise_core.train_config import TrainConfig
 from wise_jax import train as T
 

@@ -40,7 +40,7 @@ def test_arguments():
 
 
 def test_roofline_reproduces_the_published_numbers():
-    from wise_core.config import PRESETS
+    from wise_core.presets import PRESETS
     ouro = PRESETS["ouro-1.4b"]
     h, i, layers = 2048, 5632, 24
     per_layer = 4 * h * h + 3 * h * i + 4 * h
@@ -110,7 +110,7 @@ def test_stats_dict():
 
 
 def _rows():
-    from wise_core.config import PRESETS
+    from wise_core.presets import PRESETS
     args = tp.build_parser().parse_args([])
     config = PRESETS["ouro-1.4b"]
     rows = []
@@ -194,7 +194,7 @@ def test_smoke_run_end_to_end_in_fresh_processes(tmp_path, monkeypatch):
 def test_roofline_of_huginn_by_hand():
     """test-tiny-huginn (1 prelude, 3 core, 2 coda layers; hidden 128, MLP 256, 2 heads of 64, vocab
     384, tied head), float32, counted by hand."""
-    from wise_core.config import PRESETS
+    from wise_core.presets import PRESETS
     tiny = PRESETS["test-tiny-huginn"]
     h, i = 128, 256
     layer = 4 * h + 3 * h * h + h * h + 2 * i * h + h * i + 2 * 2 * 64   # norms, Wqkv, proj, fc, mlp.proj, qk_bias
@@ -220,7 +220,7 @@ def test_random_huginn_queries_scaled_and_nothing_else():
     """The recipe scales q's rows of attn.Wqkv and q's half of attn.qk_bias; norms are ones; each
     tensor's draw depends on its name and the seed alone."""
     import torch
-    from wise_core.config import PRESETS
+    from wise_core.presets import PRESETS
     tiny = PRESETS["test-tiny-huginn"]
     recipe = workload.random_recipe(tiny)
     assert recipe["transformer.core_block.0.attn.Wqkv.weight"] == [[3 * 128, 128], "normal", 128]
@@ -245,7 +245,7 @@ def test_random_huginn_queries_scaled_and_nothing_else():
 
 
 def test_huginn_arguments_and_report():
-    from wise_core.config import PRESETS
+    from wise_core.presets import PRESETS
     parser = tp.build_parser()
     huginn, ouro = PRESETS["huginn-0125"], PRESETS["ouro-1.4b"]
     assert arms.check_depth(parser, parser.parse_args([]), huginn) == 32                 # total_ut_steps
@@ -273,7 +273,7 @@ def test_huginn_smoke_in_fresh_processes(tmp_path, monkeypatch):
     """test-tiny-huginn at 3 core iterations (fp32, reference kernel): a tight arm and a default arm
     through the engine, the roofline of 3 iterations, WISE reusing iteration 2."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    from wise_core.config import PRESETS
+    from wise_core.presets import PRESETS
     report = tp.main(["--preset", "test-tiny-huginn", "--num-steps", "3", "--dtype", "float32", "--device", "cpu",
                       "--kernel", "reference", "--shapes", "64x3", "--q-scale", "2", "--new-tokens", "3",
                       "--warmup-tokens", "2", "--repeats", "1", "--page-size", "32", "--arms", "dense,wise-default",
@@ -299,7 +299,7 @@ def test_adaptive_arms_smoke_in_fresh_processes(tmp_path, monkeypatch):
     on these random weights: a mean depth under 4), its roofline is dense's (every iteration runs),
     and it is compared with dense (tok/s over fixed, differ counted, not an error)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    from wise_core.config import PRESETS
+    from wise_core.presets import PRESETS
     report = tp.main(["--preset", "test-tiny-huginn", "--num-steps", "4", "--dtype", "float32", "--device", "cpu",
                       "--kernel", "reference", "--shapes", "64x3", "--q-scale", "2", "--new-tokens", "4",
                       "--warmup-tokens", "2", "--repeats", "1", "--page-size", "32", "--arms", "dense,adaptive",
@@ -346,7 +346,8 @@ def test_adaptive_regroup_arm_smoke_in_fresh_processes(tmp_path, monkeypatch):
 def test_adaptive_arms_arguments():
     """The adaptive arms refused on an Ouro model (it exits by early_exit_threshold); the threshold's
     default is AdaptiveDepth's; a bad threshold refused; the arms not in the default list."""
-    from wise_core.config import AdaptiveDepth, PRESETS
+    from wise_core.adaptive_depth import AdaptiveDepth
+    from wise_core.presets import PRESETS
     parser = tp.build_parser()
     args = parser.parse_args(["--arms", "dense,wise-adaptive"])
     assert arms.adaptive_threshold(args) == AdaptiveDepth().threshold == 1e-3

@@ -14,7 +14,7 @@ def test_arguments_and_per_gpu_roofline():
                        (ts.parse_arms, "fa4"), (ts.parse_arms, "dense,dense")):
         with pytest.raises(Exception):
             parse(bad)
-    from wise_core.config import PRESETS
+    from wise_core.presets import PRESETS
     ouro = PRESETS["ouro-1.4b"]
     one = ts.per_gpu_roofline(ouro, 1, "bfloat16", 8192, 20, 32, None, 4.3)
     two = ts.per_gpu_roofline(ouro, 2, "bfloat16", 8192, 20, 32, None, 4.3)

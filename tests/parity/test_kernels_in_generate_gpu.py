@@ -18,7 +18,7 @@ from parity.suite import Generated
 from wise_core import modes as M
 from wise_core import reference as ref
 from wise_core.checkpoint import DEFAULT_MODEL
-from wise_core.config import WiseConfig
+from wise_core.wise_config import WiseConfig
 
 torch = pytest.importorskip("torch")
 

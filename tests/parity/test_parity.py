@@ -14,7 +14,7 @@ from parity import suite as suite_module
 from parity.checks import CHECKS, compare_runs
 from parity.suite import EndToEnd, Generated, Settings, Suite
 from wise_core.checkpoint import DEFAULT_MODEL
-from wise_core.config import PRESETS
+from wise_core.presets import PRESETS
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 
 from wise_core.checkpoint import (BUILTIN_MODELS, DEFAULT_MODEL, Checkpoint, CheckpointError,
                                   expected_shapes, load_checkpoint, random_tensors, save_checkpoint)
-from wise_core.config import PRESETS
+from wise_core.presets import PRESETS
 from wise_core.safetensors_io import read_tensors, write_tensors
 from wise_core.tokenizer import byte_tokenizer
 

@@ -1,12 +1,21 @@
-"""wise_core.config: ModelConfig and WiseConfig validation."""
+"""wise_core.model_config, wise_core.wise_config, wise_core.speculative_config: ModelConfig, WiseConfig and
+SpeculativeConfig validation; wise_core.config re-exports them (and wise_core.request what the engines take
+and give), importing and defining nothing else."""
 
+import ast
 import dataclasses
+import importlib
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from wise_core.config import PRESETS, ConfigError, ModelConfig, SpeculativeConfig, WiseConfig
+from wise_core.config_error import ConfigError
+from wise_core.model_config import ModelConfig
+from wise_core.presets import PRESETS
+from wise_core.speculative_config import SpeculativeConfig
+from wise_core.wise_config import WiseConfig
 
 TINY = PRESETS["test-tiny"]
 
@@ -190,3 +199,20 @@ def test_speculative_config_verify_depth():
         SpeculativeConfig("loops").verify_depth(4, wise)
     with pytest.raises(ConfigError, match=r"draft_loops must be in \[1, 3\]"):
         SpeculativeConfig("loops", draft_loops=4).verify_depth(4, None)
+
+
+@pytest.mark.parametrize("name", ["config", "request"])
+def test_the_one_import_modules_only_re_export(name):
+    """wise_core.config and wise_core.request hold imports from the modules of each job and
+    `__all__` naming them all: every name is the object of its home module."""
+    module = importlib.import_module(f"wise_core.{name}")
+    tree = ast.parse(Path(module.__file__).read_text())
+    imported = {}
+    for node in tree.body[1:]:    # after the docstring
+        if isinstance(node, ast.ImportFrom):
+            imported.update({alias.name: node.module for alias in node.names})
+        else:
+            assert isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["__all__"], ast.dump(node)[:200]
+    assert sorted(module.__all__) == sorted(imported)
+    for symbol, home in imported.items():
+        assert home.startswith("wise_core.") and getattr(module, symbol) is getattr(importlib.import_module(home), symbol)

@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from wise_core.config import WiseConfig
 from wise_core.evaluation import Arm, common_prefix, paired_bootstrap, ratio_bootstrap
+from wise_core.wise_config import WiseConfig
 
 
 def test_ratio_bootstrap_pools_and_brackets_the_ratio():

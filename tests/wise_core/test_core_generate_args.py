@@ -3,10 +3,11 @@ errors naming the argument (no comparison of a str with 0, no overflow deep in a
 
 import pytest
 
-from wise_core.config import ConfigError, WiseConfig
+from wise_core.config_error import ConfigError
 from wise_core.generate_args import (MODEL_EOS, check_max_new_tokens, check_sampling, check_seed,
                                      check_wise_config, resolve_eos)
 from wise_core.tokenizer import byte_tokenizer, encode_text
+from wise_core.wise_config import WiseConfig
 
 
 @pytest.mark.parametrize("temperature, top_p, error, message", [
@@ -61,9 +62,9 @@ def test_encode_text_rejects_a_lone_surrogate():
 
 
 def test_generate_prompts_and_params_are_paired_or_refused():
-    """LLM.generate's arguments (wise_core.request.prompts_with_params, both engines)."""
+    """LLM.generate's arguments (wise_core.sampling_params.prompts_with_params, both engines)."""
     import numpy as np
-    from wise_core.request import SamplingParams, prompts_with_params
+    from wise_core.sampling_params import SamplingParams, prompts_with_params
     a, b = SamplingParams(max_tokens=2), SamplingParams(max_tokens=3)
     assert prompts_with_params(["x", [1, 2]], a) == [("x", a), ([1, 2], a)]
     assert prompts_with_params(("x", "y"), [a, b]) == [("x", a), ("y", b)]

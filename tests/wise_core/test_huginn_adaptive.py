@@ -16,7 +16,7 @@ import pytest
 from huginn_cases import (NEW_TOKENS, PROMPT_LENS, SEED, STEPS, TINY, WISE, bound, checkpoint, prompts,
                           reference_generate)
 from parity.huginn import jax_generate, torch_generate
-from wise_core.config import AdaptiveDepth
+from wise_core.adaptive_depth import AdaptiveDepth
 from wise_core.huginn_reference import huginn_weights
 
 ADAPTIVE = AdaptiveDepth(threshold=0.45)

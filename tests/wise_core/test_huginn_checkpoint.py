@@ -10,8 +10,8 @@ import pytest
 
 from wise_core.checkpoint import (Checkpoint, CheckpointError, expected_shapes, huginn_layers, load_checkpoint,
                                   open_checkpoint, random_tensors, save_checkpoint)
-from wise_core.config import PRESETS
 from wise_core.huginn_reference import huginn_weights
+from wise_core.presets import PRESETS
 from wise_core.safetensors_io import write_tensors
 
 HUGINN = PRESETS["huginn-0125"]

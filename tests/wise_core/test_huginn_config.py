@@ -1,10 +1,12 @@
-"""wise_core.config: the Huginn architecture's fields, the released config's names, validation."""
+"""wise_core.model_config: the Huginn architecture's fields, the released config's names, validation."""
 
 import dataclasses
 
 import pytest
 
-from wise_core.config import PRESETS, ConfigError, ModelConfig
+from wise_core.config_error import ConfigError
+from wise_core.model_config import ModelConfig
+from wise_core.presets import PRESETS
 
 HUGINN = PRESETS["huginn-0125"]
 TINY = PRESETS["test-tiny-huginn"]

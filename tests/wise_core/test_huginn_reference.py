@@ -14,10 +14,11 @@ import torch.nn.functional as F
 from torch.nn.attention import bias as attn_bias
 
 from wise_core import rounding
+from wise_core.adaptive_depth import AdaptiveDepth
 from wise_core.checkpoint import Checkpoint, load_checkpoint, random_tensors, save_checkpoint
-from wise_core.config import PRESETS, AdaptiveDepth
 from wise_core.huginn_reference import (HuginnCache, huginn_forward, huginn_weights, initial_state, num_planes,
                                         plane_index)
+from wise_core.presets import PRESETS
 
 TINY = PRESETS["test-tiny-huginn"]
 

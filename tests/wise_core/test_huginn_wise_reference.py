@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from huginn_cases import STEPS, TINY, WISE, checkpoint, prompts
-from wise_core.config import ConfigError, WiseConfig, huginn_wise_config
+from wise_core.config_error import ConfigError
 from wise_core.huginn_reference import HuginnCache, huginn_forward, huginn_weights
+from wise_core.wise_config import WiseConfig, huginn_wise_config
 
 
 def test_huginn_wise_config():

@@ -14,8 +14,10 @@ import torch
 from wise_core import ouro_reference as R
 from wise_core import rounding
 from wise_core.checkpoint import random_tensors
-from wise_core.config import ConfigError, ModelConfig, WiseConfig
-from wise_core.request import SamplingParams
+from wise_core.config_error import ConfigError
+from wise_core.model_config import ModelConfig
+from wise_core.sampling_params import SamplingParams
+from wise_core.wise_config import WiseConfig
 
 CONFIG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=8, rope_theta=10000.0, total_ut_steps=4,

@@ -23,8 +23,10 @@ from wise_core import modes as M
 from wise_core import reference as ref
 from wise_core import rounding
 from wise_core.checkpoint import random_tensors
-from wise_core.config import PRESETS, ConfigError, WiseConfig
+from wise_core.config_error import ConfigError
+from wise_core.presets import PRESETS
 from wise_core.selection import Custom, Eta, SelectionContext, Threshold, TopK, as_rule, parse
+from wise_core.wise_config import WiseConfig
 from wise_jax import attention as jax_attention
 from wise_torch import attention as torch_attention
 

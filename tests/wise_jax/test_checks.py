@@ -12,9 +12,12 @@ import numpy as np
 import pytest
 
 import wise_jax
+from wise_core.adaptive_depth import AdaptiveDepth
 from wise_core.checkpoint import random_tensors
-from wise_core.config import PRESETS, AdaptiveDepth, ConfigError, WiseConfig
+from wise_core.config_error import ConfigError
 from wise_core.huginn_reference import num_planes
+from wise_core.presets import PRESETS
+from wise_core.wise_config import WiseConfig
 from wise_jax import checks, model
 from wise_jax import huginn as hg
 from wise_jax import kv_cache as kvc

@@ -11,8 +11,8 @@ import pytest
 import wise_jax
 from huginn_cases import TINY, bound, checkpoint
 from wise_core.checkpoint import random_tensors
-from wise_core.config import PRESETS
 from wise_core.huginn_reference import HuginnCache, huginn_forward, huginn_weights, initial_state, num_planes
+from wise_core.presets import PRESETS
 from wise_jax import kv_cache as kvc
 from wise_jax.huginn import decode_step, forward, huginn_from_tensors, prefill, split_half_rows
 from wise_jax.loading import params_from_tensors

@@ -8,8 +8,9 @@ import pytest
 
 from huginn_cases import NEW_TOKENS, SEED, STEPS, TINY, TOP2, WISE, checkpoint, prompts, reference_generate
 from parity.huginn import jax_generate
-from wise_core.config import ConfigError, WiseConfig
+from wise_core.config_error import ConfigError
 from wise_core.huginn_reference import huginn_weights, num_planes
+from wise_core.wise_config import WiseConfig
 from wise_jax import kv_cache as kvc
 from wise_jax import wise_state as ws
 from wise_jax.huginn import decode_step, huginn_from_tensors

@@ -11,7 +11,8 @@ import pytest
 
 import wise_jax
 from wise_core.checkpoint import random_tensors
-from wise_core.config import PRESETS, WiseConfig
+from wise_core.presets import PRESETS
+from wise_core.wise_config import WiseConfig
 from wise_jax.engine import llm as jax_engine
 
 CONFIG = PRESETS["test-tiny"]

@@ -8,7 +8,8 @@ import pytest
 import wise_jax
 from wise_core import rounding
 from wise_core.checkpoint import random_tensors
-from wise_core.config import PRESETS, WiseConfig
+from wise_core.presets import PRESETS
+from wise_core.wise_config import WiseConfig
 
 from cases import prompts_of
 

@@ -13,8 +13,10 @@ import pytest
 import wise_jax
 from wise_core import rounding
 from wise_core.checkpoint import random_tensors
-from wise_core.config import ConfigError, PRESETS, WiseConfig
+from wise_core.config_error import ConfigError
+from wise_core.presets import PRESETS
 from wise_core.tokenizer import byte_tokenizer
+from wise_core.wise_config import WiseConfig
 from wise_jax.engine import programs, sampler
 from wise_jax import kv_cache as kvc
 from wise_jax import wise_state as ws

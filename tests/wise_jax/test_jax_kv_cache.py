@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from wise_core.config import PRESETS
+from wise_core.presets import PRESETS
 from wise_jax import kv_cache as kvc
 
 CONFIG = PRESETS["test-tiny"]

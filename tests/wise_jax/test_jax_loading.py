@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 import wise_jax
 from wise_core.checkpoint import Checkpoint, random_tensors, save_checkpoint
-from wise_core.config import PRESETS
+from wise_core.presets import PRESETS
 from wise_core.tokenizer import byte_tokenizer
 from wise_jax.loading import from_checkpoint_tensors
 

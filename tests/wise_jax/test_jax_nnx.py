@@ -10,7 +10,7 @@ import optax
 import pytest
 from flax import nnx
 
-from wise_core.config import ModelConfig
+from wise_core.model_config import ModelConfig
 from wise_jax import model as wm
 from wise_jax import train as T
 from wise_jax.nnx import Ouro

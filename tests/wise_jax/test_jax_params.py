@@ -10,7 +10,7 @@ import pytest
 
 import wise_jax
 from wise_core.checkpoint import Checkpoint, CheckpointError, expected_shapes, random_tensors, save_checkpoint
-from wise_core.config import PRESETS
+from wise_core.presets import PRESETS
 from wise_core.tokenizer import byte_tokenizer
 
 CONFIG = PRESETS["test-tiny-gqa"]

@@ -10,7 +10,7 @@ import pytest
 
 import wise_jax
 from wise_core.checkpoint import random_tensors
-from wise_core.config import PRESETS
+from wise_core.presets import PRESETS
 from wise_jax.sampling import sample
 
 LOGITS = np.array([2.0, -1.0, 3.5, 0.0, 3.25, -7.0, 1.0, 12.0, 11.0, -30.0, 0.5, 2.5], np.float32)

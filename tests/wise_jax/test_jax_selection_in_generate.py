@@ -22,7 +22,8 @@ from parity.checks import support_differences
 from wise_core import modes as M
 from wise_core import reference as ref
 from wise_core.checkpoint import DEFAULT_MODEL, random_tensors
-from wise_core.config import PRESETS, WiseConfig
+from wise_core.presets import PRESETS
+from wise_core.wise_config import WiseConfig
 from wise_jax import attention
 
 

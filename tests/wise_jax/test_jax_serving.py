@@ -12,7 +12,8 @@ import pytest
 
 import wise_jax
 from wise_core.checkpoint import random_tensors
-from wise_core.config import PRESETS, WiseConfig
+from wise_core.presets import PRESETS
+from wise_core.wise_config import WiseConfig
 from wise_jax import kv_cache as kvc
 from wise_jax import wise_state as ws
 from wise_jax.engine import LLM, SamplingParams

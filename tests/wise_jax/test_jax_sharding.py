@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from wise_core.config import PRESETS
+from wise_core.presets import PRESETS
 from wise_jax import sharding
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ import pytest
 import wise_jax
 from parity.checks import compare_runs
 from parity.suite import Generated
-from wise_core.config import WiseConfig
+from wise_core.wise_config import WiseConfig
 
 
 def _gpus() -> int:

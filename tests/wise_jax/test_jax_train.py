@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from wise_core.config import ModelConfig
+from wise_core.model_config import ModelConfig
 from wise_jax import train as T
 
 CONFIG = ModelConfig(

@@ -13,7 +13,7 @@ import pytest
 
 from huginn_cases import bound
 from wise_core.checkpoint import random_tensors
-from wise_core.config import PRESETS
+from wise_core.presets import PRESETS
 from wise_core.train_config import TrainConfig
 from wise_jax import huginn as hg
 from wise_jax import train as T

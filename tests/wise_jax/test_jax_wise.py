@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from wise_core import modes as M
-from wise_core.config import WiseConfig
+from wise_core.wise_config import WiseConfig
 from wise_jax import wise_state as ws
 from wise_jax.attention import decode_attention_reference
 

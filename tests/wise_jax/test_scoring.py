@@ -13,7 +13,8 @@ import pytest
 
 import wise_jax
 from wise_core.checkpoint import random_tensors
-from wise_core.config import PRESETS, WiseConfig
+from wise_core.presets import PRESETS
+from wise_core.wise_config import WiseConfig
 from wise_jax import scoring
 
 CONFIG = dataclasses.replace(PRESETS["test-tiny"], num_hidden_layers=1)

@@ -16,7 +16,7 @@ import pytest
 
 from benchmarks.serve import serve_load
 from serve_cases import BACKENDS, Server, offline_engine
-from wise_core.request import SamplingParams
+from wise_core.sampling_params import SamplingParams
 
 MAIN = dict(model="ouro-py-3m", num_pages=12, page_size=32, max_model_len=96, max_num_seqs=16)
 PROMPTS = ["def fib(n):", "import os\n", "class Stack:\n    def push(self, x):", "for i in range(10):",

@@ -14,7 +14,7 @@ import pytest
 
 from serve_cases import BACKENDS, Server, offline_engine
 from wise_core.checkpoint import RANDOM_TINY, Checkpoint, random_tensors, save_checkpoint
-from wise_core.request import SamplingParams
+from wise_core.sampling_params import SamplingParams
 from wise_core.tokenizer import byte_tokenizer
 
 BAD = 90                                # the token whose embedding row is NaN ("Z" in the byte tokenizer)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from wise_core.config import PRESETS
 from wise_core.engine.protocol import Engine
+from wise_core.presets import PRESETS
 from wise_serve.args import add_serve_arguments
 from wise_serve.model import build_llm, dummy_model
 

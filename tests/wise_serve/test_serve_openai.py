@@ -17,7 +17,7 @@ openai = pytest.importorskip("openai")
 
 from serve_cases import BACKENDS, Server, offline_engine
 from wise_core.checkpoint import load_checkpoint, save_checkpoint
-from wise_core.request import SamplingParams
+from wise_core.sampling_params import SamplingParams
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}"
             "{% if m['role'] == 'tool' %}{{ raise_exception('no tools here') }}{% endif %}"

@@ -9,49 +9,15 @@ in SiLU, and for speed 16-byte global loads and no register spills.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+
+from triton_compile_cases import compile_offline, resources
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the other tests compile it for real")
 
 SCRIPT = r"""
-import json, os, re, subprocess, sys, tempfile
-import torch
-import triton
-try:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile, make_backend
-    from triton.runtime.jit import create_function_from_signature
-except ImportError as e:
-    print(json.dumps({"skip": f"this triton has no offline compile API: {e}"}))
-    sys.exit(0)
 from wise_torch.kernels import fused as F
-
-target = GPUTarget("cuda", 90, 32)
-backend = make_backend(target)
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-
-
-def compiled(launch):
-    kernel, grid, args, kwargs = launch
-    bound, spec, options = create_function_from_signature(kernel.signature, kernel.params, backend)(*args, **kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, spec, options)
-    return compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
-
-
-def local_bytes(cubin):
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-    found = re.search(r"STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
-    return sum(map(int, found.groups())) if found else None
 
 
 def launches(dtype, n=64, hidden=2048, inter=5632, heads=16, kv_heads=16, head_dim=128):
@@ -78,7 +44,7 @@ for name, launch in cases.items():
     c = compiled(launch)
     ptx = c.asm["ptx"]
     results[name] = dict(
-        cubin=len(c.asm["cubin"]), local=local_bytes(c.asm["cubin"]),
+        cubin=len(c.asm["cubin"]), usage=usage_of(c.asm["cubin"]),
         fma=len(re.findall(r"\bfma\.[a-z.]*f32", ptx)),
         div_rn=ptx.count("div.rn.f32"), div_approx=len(re.findall(r"div\.(full|approx)", ptx)),
         wide_loads=ptx.count("ld.global.v4"), atomics=ptx.count("atom."))
@@ -87,20 +53,14 @@ print(json.dumps(results))
 
 
 def test_fused_kernels_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
-    if "skip" in results:
-        pytest.skip(results["skip"])
+    results = compile_offline(SCRIPT)
     ops = ("rms_norm", "add_rms_norm", "rope_store_kv", "silu_mul")
     assert sorted(results) == sorted([f"{d}/{op}" for d in ("bf16", "fp32") for op in ops]
                                      + ["bf16-gqa-d64/rope_store_kv"])
     for name, facts in results.items():
         assert facts["cubin"] > 0 and facts["atomics"] == 0, (name, facts)
-        assert facts["local"] == 0, f"{name} spills to local memory: {facts}"
+        usage = resources(facts.pop("usage"))
+        assert usage["LOCAL"] == usage["STACK"] == 0, f"{name} spills to local memory: {usage}"
         assert facts["div_approx"] == 0, f"{name}: approximate division: {facts}"
         if not name.endswith("silu_mul"):  # libdevice's expf uses fma internally
             assert facts["fma"] == 0, f"{name}: a product and sum fused (fp contraction on): {facts}"

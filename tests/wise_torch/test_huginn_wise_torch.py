@@ -10,8 +10,10 @@ import torch
 
 from huginn_cases import NEW_TOKENS, SEED, STEPS, TINY, TOP2, WISE, checkpoint, prompts, reference_generate
 from parity.huginn import torch_generate
-from wise_core.config import PRESETS, ConfigError, WiseConfig
+from wise_core.config_error import ConfigError
 from wise_core.huginn_reference import huginn_weights
+from wise_core.presets import PRESETS
+from wise_core.wise_config import WiseConfig
 from wise_torch.huginn import huginn_from_tensors
 from wise_torch.wise_state import WiseState
 

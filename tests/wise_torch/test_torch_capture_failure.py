@@ -18,7 +18,9 @@ import torch
 
 import wise_torch as wt
 from wise_core.checkpoint import random_tensors
-from wise_core.config import PRESETS, SpeculativeConfig, WiseConfig
+from wise_core.presets import PRESETS
+from wise_core.speculative_config import SpeculativeConfig
+from wise_core.wise_config import WiseConfig
 from wise_torch.engine import model_runner
 from cases import prompts_of
 

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 import wise_torch as wt
-from wise_core.checkpoint import random_tensors
-from wise_core.config import PRESETS, SpeculativeConfig, WiseConfig
 from wise_core.buckets import context_buckets
+from wise_core.checkpoint import random_tensors
+from wise_core.presets import PRESETS
+from wise_core.speculative_config import SpeculativeConfig
+from wise_core.wise_config import WiseConfig
 from cases import prompts_of
 
 # Prompt lengths and budgets: the first row grows across a page (1 -> 2 pages of 32, the first

@@ -9,7 +9,8 @@ import torch
 import wise_torch as wt
 from wise_core import rounding
 from wise_core.checkpoint import random_tensors
-from wise_core.config import PRESETS, WiseConfig
+from wise_core.presets import PRESETS
+from wise_core.wise_config import WiseConfig
 from cases import prompts_of
 
 pytestmark = [pytest.mark.gpu,

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from wise_core.config import PRESETS
 from wise_core.engine.block_manager import BlockManager
 from wise_core.engine.sequence import Sequence
-from wise_core.request import SamplingParams
+from wise_core.presets import PRESETS
+from wise_core.sampling_params import SamplingParams
 from wise_torch.kv_cache import PagedKVCache
 
 

@@ -13,7 +13,7 @@ import wise_torch as wt
 from wise_core import rounding
 from wise_torch.model import SequenceContext, fused_groups
 from wise_core.checkpoint import Checkpoint, CheckpointError, load_checkpoint, random_tensors, save_checkpoint
-from wise_core.config import PRESETS
+from wise_core.presets import PRESETS
 
 
 def make_model(name, **changes):

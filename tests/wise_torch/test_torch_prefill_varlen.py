@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from wise_core.checkpoint import random_tensors
-from wise_core.config import PRESETS, WiseConfig
 from wise_core.engine.scheduler import Chunk
 from wise_core.engine.sequence import Sequence
-from wise_core.request import SamplingParams
 from wise_core.modes import DENSE
+from wise_core.presets import PRESETS
+from wise_core.sampling_params import SamplingParams
+from wise_core.wise_config import WiseConfig
 from wise_torch.attention import (decode_attention_reference, prefill_attention, prefill_attention_varlen_reference,
                                   resolve_dense_decode, resolve_prefill_attention)
 from wise_torch.engine.model_runner import ModelRunner

@@ -11,7 +11,8 @@ import torch
 
 import wise_torch as wt
 from wise_core.checkpoint import random_tensors
-from wise_core.config import PRESETS, WiseConfig
+from wise_core.presets import PRESETS
+from wise_core.wise_config import WiseConfig
 from wise_torch.kernels.triton_verify import verify_attention
 from wise_torch.verification import verify_attention_reference
 from cases import prompts_of

@@ -17,7 +17,7 @@ import torch
 import wise_torch as wt
 from parity.checks import compare_runs
 from parity.suite import Generated
-from wise_core.config import WiseConfig
+from wise_core.wise_config import WiseConfig
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,

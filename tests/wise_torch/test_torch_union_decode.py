@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from wise_core.checkpoint import random_tensors
-from wise_core.config import PRESETS, WiseConfig
 from wise_core.modes import DENSE, DISCOVER, DISCOVER_UNION, SPARSE
-from wise_core.request import SamplingParams
+from wise_core.presets import PRESETS
+from wise_core.sampling_params import SamplingParams
+from wise_core.wise_config import WiseConfig
 from wise_torch.attention import decode_attention_reference
 from wise_torch.union_decode import (block_mass_from_lse, decode_attention_union, paged_decode_reference,
                                      resolve_wise_decode, union_page_table)

@@ -9,8 +9,10 @@ import torch
 
 import wise_torch as wt
 from wise_core.checkpoint import random_tensors
-from wise_core.config import PRESETS, ConfigError, WiseConfig
+from wise_core.config_error import ConfigError
 from wise_core.modes import DENSE, DISCOVER, DISCOVER_UNION, SPARSE
+from wise_core.presets import PRESETS
+from wise_core.wise_config import WiseConfig
 from wise_torch.attention import decode_attention_reference
 from wise_torch.kv_cache import DecodeBatch, PrefillBatch, PrefillGroup
 from wise_torch.model import DecodeContext

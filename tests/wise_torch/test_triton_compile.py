@@ -11,44 +11,15 @@ benchmark's split kernel does not spill registers.
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+
+from triton_compile_cases import compile_offline, resources
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the other tests compile it for real")
 
 SCRIPT = r"""
-import json, os, re, subprocess, sys, tempfile
-import torch
-import triton
-try:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile, make_backend
-    from triton.runtime.jit import create_function_from_signature
-except ImportError as e:
-    print(json.dumps({"skip": f"this triton has no offline compile API: {e}"}))
-    sys.exit(0)
 from wise_torch.kernels import triton_decode as td
-
-target = GPUTarget("cuda", 90, 32)
-backend = make_backend(target)
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-
-
-def usage_of(cubin):
-    # cuobjdump's resource usage of the cubin, as text (parsed by the test)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        done = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True)
-    return done.stdout + done.stderr
-
 
 results = {}
 for name, (batch, heads, kv_heads, dim, ctx, page, dtype, return_mass) in {
@@ -65,27 +36,14 @@ for name, (batch, heads, kv_heads, dim, ctx, page, dtype, return_mass) in {
     launches = td.kernel_launches(
         q, k, torch.empty_like(k), ints(batch, ctx // page), ints(batch), ints(batch), support,
         ws.out[:batch], ws.mass[:batch], ws, scale=dim ** -0.5, eta=0.95, return_mass=return_mass)
-    for kernel, grid, args, kwargs in launches:
-        bound, spec, options = create_function_from_signature(kernel.signature, kernel.params, backend)(*args, **kwargs)
-        options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, spec, options)
-        compiled = compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
-        ptx = compiled.asm["ptx"]
+    for launch in launches:
+        c = compiled(launch)
+        ptx = c.asm["ptx"]
         wide = ptx.count("ld.global.v4.b32") + len(re.findall(r"cp\.async\.cg\.shared\.global [^;]*, 0x10", ptx))
-        results[f"{name}/{kernel.fn.__name__}"] = dict(
-            cubin=len(compiled.asm["cubin"]), wide_loads=wide, atomics=ptx.count("atom."),
-            usage=usage_of(compiled.asm["cubin"]))
+        results[f"{name}/{launch[0].fn.__name__}"] = dict(
+            cubin=len(c.asm["cubin"]), wide_loads=wide, atomics=ptx.count("atom."), usage=usage_of(c.asm["cubin"]))
 print(json.dumps(results))
 """
-
-
-def resources(usage: str) -> dict[str, int]:
-    """cuobjdump -res-usage text -> {"REG": registers per thread, "STACK", "SHARED", "LOCAL": bytes
-    of local memory (spills)}; ValueError when it says none of them (a check that cannot read
-    the usage must not pass)."""
-    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
-    if found is None:
-        raise ValueError(f"cuobjdump's resource usage did not parse: {usage[:300]!r}")
-    return dict(zip(("REG", "STACK", "SHARED", "LOCAL"), map(int, found.groups())))
 
 
 def test_resources_refuses_what_it_cannot_read():
@@ -97,14 +55,7 @@ def test_resources_refuses_what_it_cannot_read():
 
 
 def test_kernel_compiles_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
-    if "skip" in results:
-        pytest.skip(results["skip"])
+    results = compile_offline(SCRIPT)
     assert sorted(results) == [f"{name}/{kernel}" for name in ("gqa-bf16-d128", "gqa-fp32-d64", "mha-bf16-d128",
                                                                "mha-bf16-d96")
                                for kernel in ("_finish_kernel", "_split_kernel")]

@@ -18,12 +18,14 @@ from pathlib import Path
 
 import torch
 
-from wise_core.config import AdaptiveDepth, SpeculativeConfig, WiseConfig
+from wise_core.adaptive_depth import AdaptiveDepth
 from wise_core.engine import EngineArgs, LLMEngine
 from wise_core.engine.args import (check_adaptive_depth, check_exit_iterations, check_pool_fits, cpu_pool,
                                    host_available_bytes, pool_pages, positive_int)
 from wise_core.engine.scheduler import Chunk
 from wise_core.engine.sequence import Sequence
+from wise_core.speculative_config import SpeculativeConfig
+from wise_core.wise_config import WiseConfig
 from wise_torch.engine import distributed
 from wise_torch.engine.model_runner import InFlight, ModelRunner
 from wise_torch.engine.speculative import Speculator

@@ -41,12 +41,13 @@ import time
 import numpy as np
 import torch
 
+from wise_core.adaptive_depth import AdaptiveDepth
 from wise_core.buckets import batch_bucket, context_bucket, context_buckets, decode_buckets
-from wise_core.config import AdaptiveDepth, WiseConfig
 from wise_core.engine.scheduler import Chunk
 from wise_core.engine.sequence import Sequence
 from wise_core.engine.step_plan import DecodePlan, TagCounter
 from wise_core.modes import DENSE
+from wise_core.wise_config import WiseConfig
 from wise_torch.attention import prepare_decode_attention, resolve_dense_decode, resolve_prefill_attention
 from wise_torch.union_decode import resolve_wise_decode
 from wise_torch.engine.sampler import LogitsState, ranked, sample, seed_for

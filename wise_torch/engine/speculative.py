@@ -48,9 +48,9 @@ import dataclasses
 import numpy as np
 import torch
 
-from wise_core.config import SpeculativeConfig
 from wise_core.engine.block_manager import BlockManager
 from wise_core.engine.sequence import PENDING, Sequence, Status
+from wise_core.speculative_config import SpeculativeConfig
 from wise_torch.engine.model_runner import ModelRunner, min_splits_for
 from wise_torch.engine.sampler import scaled_logits, seed_for
 from wise_torch.kv_cache import DecodeBatch

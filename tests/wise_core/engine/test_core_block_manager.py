@@ -2,7 +2,7 @@
 
 from wise_core.engine.block_manager import BlockManager, page_key
 from wise_core.engine.sequence import Sequence
-from wise_core.request import SamplingParams
+from wise_core.sampling_params import SamplingParams
 
 
 def seq_of(prompt, request_id=0):

@@ -11,8 +11,9 @@ import pytest
 
 from cases import prompts_of
 from engine_cases import FRAMEWORKS, Framework, drained
-from wise_core.config import PRESETS, WiseConfig
-from wise_core.request import SamplingParams
+from wise_core.presets import PRESETS
+from wise_core.sampling_params import SamplingParams
+from wise_core.wise_config import WiseConfig
 
 CONFIG = PRESETS["test-tiny-gqa"]
 PAGE = 32

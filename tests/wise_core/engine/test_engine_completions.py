@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 
 from engine_cases import FRAMEWORKS, Framework, drained
-from wise_core.config import PRESETS, WiseConfig
-from wise_core.request import SamplingParams
+from wise_core.presets import PRESETS
+from wise_core.sampling_params import SamplingParams
+from wise_core.wise_config import WiseConfig
 from cases import prompts_of
 
 CONFIG = PRESETS["test-tiny"]

@@ -4,9 +4,13 @@ steps, chunked prefill, preemption with offload, an abort and a cached prompt pr
 a request the greedy tokens of its prompt decoded alone through the model's own prefill and
 decode_step (`parity.huginn`, the same seeded initial state of each position), dense and with
 WISE over the core iterations; the pool's planes follow num_steps, and WISE depths past it and
-a bad num_steps are refused. With per-token adaptive depth (`adaptive_depth`) requests joining
-between steps and preempted ones get the tokens and exit depths of their prompt decoded alone
-with the same `AdaptiveDepth`, and mean_decode_depth is the mean of those depths."""
+a bad num_steps are refused, and an Ouro model runs its loops every step. A checkpoint directory
+loads by path and serves the tokens of the model built from its tensors; huginn-0125's head_dim
+(96) decodes on the framework's GPU kernel (interpreted on a CPU) with the reference kernel's
+tokens. With per-token adaptive depth (`adaptive_depth`) requests joining between steps and
+preempted ones get the tokens and exit depths of their prompt decoded alone with the same
+`AdaptiveDepth`, and mean_decode_depth is the mean of those depths. Each framework's own cases:
+tests/wise_torch/test_torch_engine_huginn.py, tests/wise_jax/test_jax_engine_huginn.py."""
 
 from __future__ import annotations
 
@@ -17,13 +21,19 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from cases import prompts_of
 from engine_cases import FRAMEWORKS, Framework, drained
+from huginn_cases import checkpoint
 from parity.huginn import jax_generate, torch_generate
-from wise_core.config import PRESETS, AdaptiveDepth, ConfigError, SpeculativeConfig, WiseConfig
+from wise_core.adaptive_depth import AdaptiveDepth
+from wise_core.config_error import ConfigError
 from wise_core.huginn_reference import num_planes
-from wise_core.request import SamplingParams
+from wise_core.presets import PRESETS
+from wise_core.sampling_params import SamplingParams
+from wise_core.speculative_config import SpeculativeConfig
+from wise_core.wise_config import WiseConfig
 from wise_torch.engine.llm import check_regroup
 
 CONFIG = PRESETS["test-tiny-huginn"]
@@ -66,14 +76,19 @@ def alone_run(fw, prompt: list[int], wise_config, n: int = NEW, adaptive: Adapti
     key = (tuple(prompt), n, wise_config, adaptive)
     if key not in done:
         depths = None if adaptive is None else [[]]
-        if fw.name == "torch":
-            run = torch_generate(fw.model, [prompt], max_new_tokens=n, num_steps=STEPS, wise_config=wise_config,
-                                 pages=3, adaptive=adaptive, depths=depths)
-        else:   # every prompt's decode the same program
-            run = jax_generate(fw.model, fw.config, [prompt], max_new_tokens=n, num_steps=STEPS,
-                               wise_config=wise_config, pages=3, adaptive=adaptive, depths=depths)
+        # pages=3: every prompt's decode the same program (JAX)
+        run = model_generate(fw, prompt, max_new_tokens=n, num_steps=STEPS, wise_config=wise_config, pages=3,
+                             adaptive=adaptive, depths=depths)
         done[key] = run[0][0], None if depths is None else depths[0]
     return done[key]
+
+
+def model_generate(fw, prompt: list[int], **settings):
+    """`parity.huginn`'s greedy run of `prompt` alone on fw's model through its own prefill and
+    decode_step (`torch_generate` / `jax_generate`, with their `settings`)."""
+    if fw.name == "torch":
+        return torch_generate(fw.model, [prompt], **settings)
+    return jax_generate(fw.model, fw.config, [prompt], **settings)
 
 
 def pool_planes(fw, llm) -> int:
@@ -161,8 +176,63 @@ def test_the_pool_holds_the_planes_of_num_steps_and_wise_depths_are_checked_agai
         assert pool_planes(fw, engine(fw, num_steps=steps)) == num_planes(CONFIG, steps or CONFIG.total_ut_steps)
     with pytest.raises(ConfigError, match=r"WISE depths \[3\] are out of range for num_steps=3 core iterations"):
         engine(fw, dataclasses.replace(WISE, reuse_depths=(1, 3)))
-    with pytest.raises(ValueError, match="num_steps must be a non-negative integer, got -1"):
-        engine(fw, num_steps=-1)
+    for bad in (-1, 2.5):
+        with pytest.raises(ValueError, match=f"num_steps must be a non-negative integer, got {bad}"):
+            engine(fw, num_steps=bad)
+
+
+def test_an_ouro_model_runs_its_loops_every_step(fw):
+    ouro = Framework(fw.name, PRESETS["test-tiny"], seed=0)
+    with pytest.raises(ValueError, match=r"an Ouro model runs its 4 loops every step, got num_steps=3"):
+        ouro.engine(num_pages=4, page_size=PAGE, num_steps=3)
+    assert pool_planes(ouro, ouro.engine(num_pages=4, page_size=PAGE, num_steps=4)) == 4 * 2
+
+
+def test_a_huginn_checkpoint_directory_serves_the_tokens_of_its_tensors(fw, tmp_path):
+    ckpt = checkpoint(tmp_path)
+    prompt = prompts_of([37], CONFIG.vocab_size, seed=7)[0]
+    llm = fw.engine_at(tmp_path / "ckpt", num_steps=2, num_pages=8, page_size=PAGE, max_model_len=64, max_num_seqs=2,
+                       kernel="reference")
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    built = Framework(fw.name, CONFIG, tensors=ckpt.tensors)
+    assert out.token_ids == model_generate(built, prompt, max_new_tokens=6, num_steps=2)[0][0]
+
+
+HEAD_DIM_96 = dataclasses.replace(CONFIG, hidden_size=192, head_dim=96)
+"""test-tiny-huginn with huginn-0125's head_dim (2 heads of 96): the GPU kernels run 128-lane tiles."""
+GPU_KERNEL = {"torch": "triton", "jax": "pallas"}
+
+
+def decode_kernel(fw, llm) -> str:
+    """The kernel fw's engine decodes with (torch: read from the module of its attention function)."""
+    if fw.name == "jax":
+        return llm.kernel
+    attention = next(iter(llm.runner.attention.values()))
+    return {"wise_torch.attention": "reference", "wise_torch.kernels.triton_decode": "triton"}[
+        getattr(attention, "func", attention).__module__]
+
+
+@pytest.mark.parametrize("wise_config", [None, WiseConfig(block_size=16, eta=0.8, discover_depths=(0,),
+                                                          reuse_depths=(1,))], ids=["dense", "wise"])
+def test_head_dim_96_on_the_gpu_kernel_gives_the_reference_kernels_tokens(fw, wise_config):
+    """LLM(kernel="triton" / "pallas") on a Huginn of head_dim 96 (interpreted on a CPU) decodes
+    on that kernel, not the reference, and gives the reference kernel's greedy tokens, dense and
+    WISE (sparse: the reuse iteration attends fewer blocks than dense)."""
+    if fw.name == "torch" and os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs Triton")
+    model = Framework(fw.name, HEAD_DIM_96, seed=3)
+    prompts = prompts_of([40, 20], HEAD_DIM_96.vocab_size, seed=9)
+    tokens, stats = {}, {}
+    for kernel in ("reference", GPU_KERNEL[fw.name]):
+        llm = model.engine(wise_config=wise_config, num_steps=2, num_pages=8, page_size=PAGE, max_model_len=64,
+                           max_num_seqs=2, kernel=kernel)
+        assert decode_kernel(model, llm) == kernel
+        outs = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+        tokens[kernel], stats[kernel] = [o.token_ids for o in outs], llm.stats()
+    gpu = GPU_KERNEL[fw.name]
+    assert tokens[gpu] == tokens["reference"]
+    if wise_config is not None:
+        assert stats[gpu].fallbacks == 0 and 0 < stats[gpu].density[1] < 1, stats[gpu].density
 
 
 # The JAX adaptive-depth cases run in a process of their own (`test_adaptive_depth_jax_cases_run_
@@ -304,7 +374,6 @@ def test_prompt_logprobs_are_the_forward_log_softmax(fw, budget):
     import numpy as np
     prompt = PROMPTS[0]
     if fw.name == "torch":
-        import torch
         with torch.no_grad():
             logits = fw.model(torch.tensor([prompt]), num_steps=STEPS)[0].double().numpy()
     else:

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from wise_core.checkpoint import random_tensors
-from wise_core.config import PRESETS
-from wise_core.request import SamplingParams
+from wise_core.presets import PRESETS
+from wise_core.sampling_params import SamplingParams
 
 CONFIG = PRESETS["test-tiny"]
 PROMPTS = [[5, 9, 2, 7, 1, 3], [4, 4, 8, 1]]

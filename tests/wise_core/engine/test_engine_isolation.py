@@ -10,8 +10,8 @@ import pytest
 
 from engine_cases import drained
 from wise_core.checkpoint import random_tensors
-from wise_core.config import PRESETS
-from wise_core.request import SamplingParams
+from wise_core.presets import PRESETS
+from wise_core.sampling_params import SamplingParams
 
 CONFIG = PRESETS["test-tiny"]
 BAD = 11                                     # the token whose embedding row is NaN

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from engine_cases import FRAMEWORKS, Framework, drained
-from wise_core.config import PRESETS
-from wise_core.request import MAX_LOGPROBS, SamplingParams
+from wise_core.presets import PRESETS
+from wise_core.sampling_params import MAX_LOGPROBS, SamplingParams
 
 CONFIG = PRESETS["test-tiny-gqa"]
 # Engine (paged, chunked prefill) against the full forward, both fp32: the same sums in other
@@ -165,7 +165,7 @@ def test_n_completions_score_the_prompt_once(model):
 def test_speculative_decoding_scores_the_prompt():
     """Speculation changes decode only: the prompt's scores are those of an engine without it."""
     import wise_torch
-    from wise_core.config import SpeculativeConfig
+    from wise_core.speculative_config import SpeculativeConfig
     model = Framework("torch", CONFIG, seed=3)
     spec = engine(model, speculative_config=SpeculativeConfig(num_draft=2))
     p = dataclasses.replace(SCORED, max_tokens=8, ignore_eos=True)

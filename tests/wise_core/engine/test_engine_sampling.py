@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from wise_core.checkpoint import random_tensors
-from wise_core.config import PRESETS
 from wise_core.detokenize import TextStream
-from wise_core.request import MAX_LOGPROBS, SamplingParams
+from wise_core.presets import PRESETS
+from wise_core.sampling_params import MAX_LOGPROBS, SamplingParams
 
 EOS = 17
 CONFIG = dataclasses.replace(PRESETS["test-tiny"], eos_token_id=EOS)
@@ -252,7 +252,7 @@ def test_jax_does_not_recompile_per_value():
 
 def test_speculation_refuses_processing():
     import wise_torch
-    from wise_core.config import SpeculativeConfig
+    from wise_core.speculative_config import SpeculativeConfig
     llm = wise_torch.LLM(wise_torch.from_tensors(CONFIG, random_tensors(CONFIG, seed=3, std=0.08)), num_pages=16,
                          page_size=32, max_model_len=256, speculative_config=SpeculativeConfig(num_draft=2))
     for params in (dict(repetition_penalty=1.1), dict(presence_penalty=0.1), dict(logit_bias={1: 1.0}),

@@ -9,9 +9,10 @@ import re
 import pytest
 
 from engine_cases import FRAMEWORKS, Framework, drained
-from wise_core.config import PRESETS, AdaptiveDepth
+from wise_core.adaptive_depth import AdaptiveDepth
 from wise_core.engine.args import MAX_PAGES, check_pool_fits
-from wise_core.request import SamplingParams
+from wise_core.presets import PRESETS
+from wise_core.sampling_params import SamplingParams
 
 OURO, HUGINN = PRESETS["test-tiny"], PRESETS["test-tiny-huginn"]
 POOL_TOO_LARGE = r"num_pages=\d+ pages of \d+ bytes \(K and V of every plane\) need [\d.]+ GiB, more than the "

@@ -8,10 +8,11 @@ import pytest
 from cases import prompts_of
 from engine_cases import Framework
 from wise_core.buckets import batch_bucket, context_bucket
-from wise_core.config import PRESETS, WiseConfig
 from wise_core.engine.sequence import PENDING, Sequence
 from wise_core.engine.step_plan import TAG_LIMIT, DecodePlan, TagCounter
-from wise_core.request import SamplingParams
+from wise_core.presets import PRESETS
+from wise_core.sampling_params import SamplingParams
+from wise_core.wise_config import WiseConfig
 
 PAGE = 4
 SCRATCH = 99
