@@ -72,7 +72,8 @@ def measure(args) -> dict:
 
     import wise_jax
     from wise_core.checkpoint import random_tensors
-    from wise_core.config import PRESETS, WiseConfig
+    from wise_core.presets import PRESETS
+    from wise_core.wise_config import WiseConfig
 
     config = PRESETS[args.preset]
     params = wise_jax.from_checkpoint_tensors(config, random_tensors(config, seed=0, std=0.02), args.dtype)

@@ -7,7 +7,7 @@ import pytest
 
 from wise_core import reference as ref
 from wise_core import rounding
-from wise_core.config import PRESETS
+from wise_core.presets import PRESETS
 
 PRESET = PRESETS["test-tiny"]
 
