@@ -32,7 +32,9 @@ from jax import lax
 
 from wise_core.checkpoint import HUGINN_STACKS, huginn_layers, validate_tensors
 from wise_core import modes as M
-from wise_core.config import AdaptiveDepth, ModelConfig, WiseConfig
+from wise_core.adaptive_depth import AdaptiveDepth
+from wise_core.model_config import ModelConfig
+from wise_core.wise_config import WiseConfig
 from wise_core.huginn_reference import initial_state, num_planes, plane_index
 from wise_jax import checks
 from wise_jax import kv_cache as kvc

@@ -24,7 +24,8 @@ import numpy as np
 from jax import lax
 
 from wise_core import modes as M
-from wise_core.config import ModelConfig, WiseConfig
+from wise_core.model_config import ModelConfig
+from wise_core.wise_config import WiseConfig
 from wise_jax import checks
 from wise_jax import kv_cache as kvc
 from wise_jax import wise_state as ws

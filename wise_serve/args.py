@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 
 from wise_core.checkpoint import BUILTIN_MODELS, DEFAULT_MODEL
-from wise_core.config import FRAMEWORK_KERNELS, KERNELS, PRESETS, WiseConfig
+from wise_core.presets import PRESETS
+from wise_core.wise_config import FRAMEWORK_KERNELS, KERNELS, WiseConfig
 
 BACKENDS = ("torch", "jax")
 MAX_REQUEST_SEQUENCES = 256     # prompts x n of one request

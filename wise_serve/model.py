@@ -6,7 +6,7 @@ is the one module of wise_serve that imports a framework, each inside the builde
 backend, so that `--backend jax` never imports torch and `--backend torch` never imports jax;
 the rest of the server speaks to the engine through the protocol only.
 
-`--load-format dummy` builds a preset architecture (wise_core.config.PRESETS, e.g. ouro-1.4b)
+`--load-format dummy` builds a preset architecture (wise_core.presets.PRESETS, e.g. ouro-1.4b)
 with random weights, in seconds: the load benchmark's workload when no checkpoint is at hand
 (as vLLM's `--load-format dummy`). torch draws them on the device (`dummy_model`: the values
 benchmarks/engine/throughput.py's random models hold); jax on the host (`wise_core.checkpoint.
@@ -25,7 +25,10 @@ import zlib
 from typing import Callable, ContextManager
 
 from wise_core.checkpoint import expected_shapes, open_checkpoint, random_tensors
-from wise_core.config import PRESETS, ModelConfig, SpeculativeConfig, WiseConfig
+from wise_core.model_config import ModelConfig
+from wise_core.presets import PRESETS
+from wise_core.speculative_config import SpeculativeConfig
+from wise_core.wise_config import WiseConfig
 from wise_core.engine.protocol import Engine
 from wise_serve.args import check_engine_arguments
 

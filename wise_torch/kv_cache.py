@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from wise_core.config import ModelConfig
+from wise_core.model_config import ModelConfig
 
 
 @dataclasses.dataclass

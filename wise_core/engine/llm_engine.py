@@ -26,7 +26,9 @@ from wise_core.engine.block_manager import BlockManager
 from wise_core.engine.scheduler import Chunk, Scheduler
 from wise_core.engine.sequence import Sequence, Status, output_of, ranked_entry
 from wise_core.engine.single_thread import SingleThread, one_thread
-from wise_core.request import EngineStats, RequestOutput, SamplingParams, add_all, prompts_with_params
+from wise_core.outputs import RequestOutput
+from wise_core.sampling_params import SamplingParams, add_all, prompts_with_params
+from wise_core.stats import EngineStats
 from wise_core.tokenizer import encode_text
 
 COUNTERS = ("prompt_tokens", "generated_tokens", "prefill_s", "decode_s", "decode_steps", "decode_tokens")

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from wise_core.config import WiseConfig
-from wise_core.request import EngineStats, RequestOutput, SamplingParams
+from wise_core.wise_config import WiseConfig
+from wise_core.outputs import RequestOutput
+from wise_core.sampling_params import SamplingParams
+from wise_core.stats import EngineStats
 
 
 @runtime_checkable

@@ -8,7 +8,8 @@ import enum
 import numpy as np
 
 from wise_core.detokenize import TextStream
-from wise_core.request import RequestOutput, SamplingParams
+from wise_core.outputs import RequestOutput
+from wise_core.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

@@ -4,7 +4,9 @@ sampling (sampler.py) and in-flight reads (inflight.py)."""
 
 from wise_jax.engine.llm import (COMPILATION_CACHE, GPU_POOL_FRACTION, LLM, encode, seed_key,  # noqa: F401
                                  use_compilation_cache)
-from wise_core.request import EngineStats, RequestOutput, SamplingParams  # noqa: F401
+from wise_core.outputs import RequestOutput  # noqa: F401
+from wise_core.sampling_params import SamplingParams  # noqa: F401
+from wise_core.stats import EngineStats  # noqa: F401
 
 __all__ = ["LLM", "EngineStats", "RequestOutput", "SamplingParams", "encode", "seed_key", "use_compilation_cache",
            "COMPILATION_CACHE", "GPU_POOL_FRACTION"]

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from wise_core.engine.sequence import Sequence
-from wise_core.request import MAX_LOGPROBS
+from wise_core.sampling_params import MAX_LOGPROBS
 from wise_jax.sampling import LogitsState, process_logits, ranked, sample
 
 
