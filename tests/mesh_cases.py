@@ -84,6 +84,25 @@ def test_engine_on_the_mesh_gives_the_single_device_tokens(tiny, mesh, mode):
         assert [s.data.shape[2] for s in llm.state.support.addressable_shards] == [2, 2]
 
 
+def test_fp8_cache_on_the_mesh_gives_the_single_device_tokens(tiny, mesh):
+    """kv_cache_dtype="fp8" (WISE): codes and scales sharded on kv_heads, each device quantizing its
+    heads' K/V (a (token, KV head) scale is one device's); the tokens of one device (the logits may
+    part by a code an fp8 rounding decision moves, so only the tokens are compared)."""
+    config, params = tiny
+    prompts = prompts_of([70, 3, 40], config.vocab_size)
+    kw = dict(wise_config=MODES["wise"], page_size=32, max_num_seqs=4, max_model_len=128, num_pages=16,
+              max_num_batched_tokens=64, kv_cache_dtype="fp8")
+    tokens = {}
+    for name, m in (("one", None), ("two", mesh)):
+        llm = wise_jax.LLM(params, config, mesh=m, **kw)
+        outs = llm.generate(prompts, wise_jax.SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+        tokens[name] = [o.outputs[0].token_ids for o in outs]
+    assert tokens["two"] == tokens["one"]
+    for x, spec in ((llm.cache.k, sharding.KV_SPEC), (llm.cache.k_scale, sharding.SCALE_SPEC)):
+        assert x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim)
+    assert [s.data.shape for s in llm.cache.k_scale.addressable_shards] == [llm.cache.k_scale.shape[:3] + (1,)] * 2
+
+
 def test_mesh_layout_of_the_fused_projections(tiny, mesh):
     """Device r's block of qkv_proj is q_r | k_r | v_r, of gate_up_proj gate_r | up_r."""
     config, params = tiny

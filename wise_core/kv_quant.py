@@ -84,6 +84,8 @@ INV_E4M3_MAX = np.float32(1.0 / 448.0)            # C = RN(1 / 448), float32 0x3
 MIN_SCALE = 2.0 ** -116                           # smaller scales are replaced by 1 (step 4)
 NAN_CODE = 0x7F                                   # the code of every non-finite entry
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8")                 # an engine's kv_cache_dtype (`check_kv_cache_dtype`)
+SCALE_BYTES = 4                                   # one float32 scale per (token, KV head) of K or V
 _NUMPY_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
                  "float16": np.dtype(np.float16)}
 
@@ -189,3 +191,20 @@ def dequantize(codes: np.ndarray, scales: np.ndarray, dtype) -> np.ndarray:
     values = decode_e4m3fn(codes) * scales[..., None]
     with np.errstate(over="ignore"):  # float16 overflows to inf above 65504, as its cast does
         return values.astype(_NUMPY_DTYPES[name])
+
+
+def check_kv_cache_dtype(value) -> str:
+    """An engine's or cache's kv_cache_dtype: "auto" (K/V held in the model's dtype) or "fp8"
+    (e4m3fn codes, a byte a value, and a float32 scale per (token, KV head), by this module's
+    rule); ValueError otherwise."""
+    if not isinstance(value, str) or value not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {value!r}")
+    return value
+
+
+def entry_bytes(head_dim: int, itemsize: int, kv_cache_dtype: str) -> int:
+    """Bytes one (token, KV head) of K (or of V) takes in a cache: head_dim values of `itemsize`
+    bytes ("auto": the model's dtype), or head_dim one-byte codes and a float32 scale ("fp8")."""
+    if check_kv_cache_dtype(kv_cache_dtype) == "fp8":
+        return head_dim + SCALE_BYTES
+    return head_dim * itemsize

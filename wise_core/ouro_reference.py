@@ -25,6 +25,12 @@ The project's rule (`prefill`, `decode`):
   same position (the "latest-m4" lookup of the released Huginn code, applied to Ouro's loops).
   Later tokens read those planes. This is where decode departs from the released code, which
   keeps computing an exited token's later loops and saves no work.
+
+An fp8 K/V cache (issue 50; `OuroCache(kv_quant=True)`, `generate(..., kv_quant=True)`): every
+K/V a token appends is held as an fp8 cache gives it back, `dequantize(*quantize(float32(x)),
+float32)` by `wise_core.kv_quant`'s rule, and every attention (prefill's too, a token's own key
+included) reads those values; an exited token's K/V copied to later planes are copied as held,
+not quantized again. What an engine with kv_cache_dtype="fp8" computes, in float64 elsewhere.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import dataclasses
 
 import numpy as np
 
+from wise_core import kv_quant as quant
 from wise_core.checkpoint import validate_tensors
 from wise_core.model_config import ModelConfig
 
@@ -66,18 +73,30 @@ def exit_loops(lambdas: np.ndarray, threshold: float) -> np.ndarray:
     return np.where(reached.any(0), reached.argmax(0), last)
 
 
+def fp8_round_trip(x: np.ndarray) -> np.ndarray:
+    """K or V [..., kv_heads, head_dim] as an fp8 cache holds it, in float64:
+    dequantize(quantize(float32(x)), float32) (`wise_core.kv_quant`)."""
+    return quant.dequantize(*quant.quantize(np.asarray(x, np.float32)), np.float32).astype(np.float64)
+
+
 @dataclasses.dataclass
 class OuroCache:
     """K/V per plane `loop * num_hidden_layers + layer`: planes[plane] = (k, v), each float64
-    [positions, kv_heads, head_dim]."""
+    [positions, kv_heads, head_dim]. kv_quant: hold every appended K/V as an fp8 cache returns
+    it (`fp8_round_trip`; module docstring)."""
 
     planes: dict[int, tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
+    kv_quant: bool = False
 
     @property
     def length(self) -> int:
         return 0 if not self.planes else self.planes[0][0].shape[0]
 
-    def append(self, plane: int, k: np.ndarray, v: np.ndarray) -> None:
+    def append(self, plane: int, k: np.ndarray, v: np.ndarray, held: bool = False) -> None:
+        """Append k, v [positions, kv_heads, head_dim] to `plane` (through `fp8_round_trip` with
+        kv_quant, unless `held`: K/V read from this cache, appended as they are)."""
+        if self.kv_quant and not held:
+            k, v = fp8_round_trip(k), fp8_round_trip(v)
         if plane in self.planes:
             k0, v0 = self.planes[plane]
             k, v = np.concatenate([k0, k]), np.concatenate([v0, v])
@@ -185,17 +204,17 @@ def decode(config: ModelConfig, w: dict[str, np.ndarray], token: int, cache: Our
     for later in range(loop + 1, loops):   # the exit loop's K/V stand for the skipped loops'
         for layer in range(layers):
             k, v = cache.planes[loop * layers + layer]
-            cache.append(later * layers + layer, k[-1:], v[-1:])
+            cache.append(later * layers + layer, k[-1:], v[-1:], held=True)
     return (h @ w["lm_head.weight"].T)[0], loop
 
 
-def generate(config: ModelConfig, tensors: dict[str, np.ndarray], prompt, max_new_tokens: int
-             ) -> tuple[list[int], list[int], np.ndarray]:
+def generate(config: ModelConfig, tensors: dict[str, np.ndarray], prompt, max_new_tokens: int,
+             kv_quant: bool = False) -> tuple[list[int], list[int], np.ndarray]:
     """Greedy decoding -> (the max_new_tokens tokens after `prompt`, the exit loop and the logits
     [max_new_tokens, vocab] each came from: the last prompt token's, then each generated
-    token's but the last)."""
+    token's but the last). kv_quant: over an fp8 K/V cache (`OuroCache`'s)."""
     w = ouro_weights(config, tensors)
-    cache = OuroCache()
+    cache = OuroCache(kv_quant=kv_quant)
     logits, loops = prefill(config, w, prompt, cache)
     rows, depths = [logits[-1]], [int(loops[-1])]
     tokens = [int(np.argmax(rows[-1]))]

@@ -7,6 +7,14 @@ into the support held; SPARSE attends only the keys of supported blocks. Every m
 same masked code path, so a SPARSE row whose support holds every causal block, and a DISCOVER
 row, are bitwise equal to DENSE. `wise_jax.decode_check.check_call` is the contract's check at
 the public entry of both implementations (docs/DESIGN.md).
+
+An fp8 K/V cache (`kv_cache.create(..., kv_cache_dtype="fp8")`): k_pages and v_pages are uint8
+e4m3fn codes and `k_scale`, `v_scale` float32 [num_pages, page_size, kv_heads] their scales
+(`wise_core.kv_quant`). Only the reference reads them: it gathers a row's pages and dequantizes
+them to q's dtype, then runs the same code as over unquantized pages, so its output, mass and
+selection are those of attention over the dequantized K/V. The Pallas and Mosaic kernels do not
+read fp8 pages yet: kernel "auto" runs the reference for such a cache on every backend, and
+kernel "pallas" is refused (`resolve_kernel`).
 """
 
 from __future__ import annotations
@@ -20,7 +28,9 @@ from jax import lax
 
 from wise_core import modes as M
 from wise_core import selection as rules
+from wise_core.kv_quant import check_kv_cache_dtype
 from wise_core.wise_config import FRAMEWORK_KERNELS
+from wise_jax import kv_quant
 from wise_jax.decode_check import check_call
 
 KERNELS = FRAMEWORK_KERNELS["jax"]
@@ -75,7 +85,8 @@ def causal_blocks(seq_lens: jax.Array, block_size: int, n_blocks: int) -> jax.Ar
 
 def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,
                                block_size: int, eta: float, scale: float | None = None,
-                               return_mass: bool = False, validate: bool = True, reuse: bool = False):
+                               return_mass: bool = False, validate: bool = True, reuse: bool = False,
+                               k_scale=None, v_scale=None):
     """One query token per row over a paged cache, every mode (see the module docstring).
 
     q: [batch, heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim];
@@ -84,10 +95,14 @@ def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes,
     Returns out [batch, heads, head_dim] (q's dtype), support' and, with return_mass, the block
     mass float32[batch, heads, max_blocks] (zeros past seq_len; that of the attended keys).
     Scores and softmax are float32. validate: also check the values (`check_call`). reuse: a
-    reuse loop's call, no row discovers (`decode_attention`).
+    reuse loop's call, no row discovers (`decode_attention`). k_scale, v_scale: None, or an fp8
+    cache's scales float32 [num_pages, page_size, kv_heads], k_pages and v_pages then its uint8
+    codes: the gathered pages are dequantized to q's dtype (`kv_quant.dequantize`) before the
+    same arithmetic (module docstring).
     """
     seq_lens = check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support,
-                          block_size=block_size, eta=eta, validate=validate, reuse=reuse)
+                          block_size=block_size, eta=eta, validate=validate, reuse=reuse,
+                          k_scale=k_scale, v_scale=v_scale)
     batch, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     n_keys = page_table.shape[1] * page_size
@@ -95,8 +110,12 @@ def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes,
     group = heads // kv_heads
     scale = head_dim ** -0.5 if scale is None else scale
 
-    k = k_pages[page_table].reshape(batch, n_keys, kv_heads, head_dim)
-    v = v_pages[page_table].reshape(batch, n_keys, kv_heads, head_dim)
+    k, v = k_pages[page_table], v_pages[page_table]
+    if k_scale is not None:    # an fp8 cache: the row's pages dequantized
+        k = kv_quant.dequantize(k, k_scale[page_table], q.dtype)
+        v = kv_quant.dequantize(v, v_scale[page_table], q.dtype)
+    k = k.reshape(batch, n_keys, kv_heads, head_dim)
+    v = v.reshape(batch, n_keys, kv_heads, head_dim)
     qg = q.reshape(batch, kv_heads, group, head_dim)
     scores = jnp.einsum("bkgd,bskd->bkgs", qg, k, preferred_element_type=jnp.float32,
                         precision=lax.Precision.HIGHEST).reshape(batch, heads, n_keys) * scale
@@ -120,14 +139,23 @@ def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes,
     return (out, new_support, mass) if return_mass else (out, new_support)
 
 
-def resolve_kernel(kernel: str, head_dim: int | None = None) -> str:
+def resolve_kernel(kernel: str, head_dim: int | None = None, kv_cache_dtype: str = "auto") -> str:
     """'auto' -> 'pallas' on a GPU when the Pallas kernel takes q/K/V of `head_dim`
     (`pallas_decode.takes`: a power of two or a multiple of 16; None: not known, any; the Mosaic
     kernel that `kernels.choice` may run instead needs a multiple of 64, else the Pallas one
     runs), 'reference' otherwise; other names are checked. The callers that run attention pass
-    head_dim, so 'auto' never picks a kernel that refuses it."""
+    head_dim, so 'auto' never picks a kernel that refuses it. kv_cache_dtype "fp8" (pages of
+    e4m3fn codes and scales): 'auto' -> 'reference' on every backend, and 'pallas' is a
+    ValueError, as neither the Pallas nor the Mosaic GPU kernel reads fp8 pages yet."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown JAX decode-attention kernel {kernel!r}; choose one of {KERNELS}")
+    if kv_cache_dtype != "auto":
+        check_kv_cache_dtype(kv_cache_dtype)
+        if kernel == "pallas":
+            raise ValueError(f"kernel='pallas' (the Pallas and Mosaic GPU decode kernels) does not read "
+                             f"kv_cache_dtype={kv_cache_dtype!r} pages yet: use kernel='reference' or 'auto' "
+                             f"(which runs the reference for an fp8 cache)")
+        return "reference"
     if kernel != "auto":
         return kernel
     if jax.default_backend() not in ("gpu", "cuda", "rocm"):
@@ -138,10 +166,10 @@ def resolve_kernel(kernel: str, head_dim: int | None = None) -> str:
     return "pallas" if takes(head_dim) else "reference"
 
 
-def attention_impl(kernel: str, head_dim: int | None = None):
-    """The decode_attention function named by `kernel` for q/K/V of `head_dim` (`resolve_kernel`;
-    imports the Pallas kernel lazily)."""
-    if resolve_kernel(kernel, head_dim) == "reference":
+def attention_impl(kernel: str, head_dim: int | None = None, kv_cache_dtype: str = "auto"):
+    """The decode_attention function named by `kernel` for q/K/V of `head_dim` and pages of
+    `kv_cache_dtype` (`resolve_kernel`; imports the Pallas kernel lazily)."""
+    if resolve_kernel(kernel, head_dim, kv_cache_dtype) == "reference":
         return decode_attention_reference
     try:
         importlib.import_module("wise_jax.kernels.pallas_decode")
@@ -156,7 +184,7 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
                      eta: float, scale: float | None = None, return_mass: bool = False,
                      kernel: str = "auto", validate: bool = True, reuse: bool = False,
                      selection: rules.SelectionRule | None = None,
-                     selection_context: rules.SelectionContext | None = None):
+                     selection_context: rules.SelectionContext | None = None, k_scale=None, v_scale=None):
     """decode_attention_reference's contract, run by `kernel` ('reference', 'pallas' or 'auto').
     reuse: a call of WISE's reuse loops: every row SPARSE or DENSE (checked with validate), most
     of them SPARSE; support' is the support held and the mass zeros, as for any row that does
@@ -168,14 +196,21 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
     `eta`, computed inside the call): the call returns its block mass and the discovery rows'
     supports are the rule's selection of it (`update_support`), so every kernel runs any rule
     unchanged; selection_context: what a Custom(..., context=True) rule reads (`wise_state`
-    builds it for each loop and layer)."""
+    builds it for each loop and layer). k_scale, v_scale: an fp8 cache's scales, k_pages and
+    v_pages its codes (module docstring): the reference runs ('auto' picks it; 'pallas' is a
+    ValueError, `resolve_kernel`)."""
     if isinstance(selection, rules.Eta):
         eta, selection = selection.eta, None
-    fn = attention_impl(kernel, q.shape[-1])
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("k_scale and v_scale must be given together (an fp8 cache's scales) or both be None")
+    if k_scale is None:
+        fn, scales = attention_impl(kernel, q.shape[-1]), {}
+    else:
+        fn, scales = attention_impl(kernel, q.shape[-1], "fp8"), dict(k_scale=k_scale, v_scale=v_scale)
     if selection is None or reuse:  # a reuse call discovers nothing
         return fn(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size, eta=eta,
-                  scale=scale, return_mass=return_mass, validate=validate, reuse=reuse)
+                  scale=scale, return_mass=return_mass, validate=validate, reuse=reuse, **scales)
     out, _, mass = fn(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size, eta=eta,
-                      scale=scale, return_mass=True, validate=validate, reuse=reuse)
+                      scale=scale, return_mass=True, validate=validate, reuse=reuse, **scales)
     new_support = update_support(modes, support, select_blocks(mass, rules.as_rule(selection), selection_context))
     return (out, new_support, mass) if return_mass else (out, new_support)

@@ -30,6 +30,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from wise_core.config import AdaptiveDepth, ModelConfig, WiseConfig
+from wise_core.kv_quant import check_kv_cache_dtype
 from wise_core.huginn_reference import num_planes
 from wise_jax.params import LayerParams, Params, param_shapes
 
@@ -188,10 +189,15 @@ def planes_of(config: ModelConfig) -> int:
     return config.total_ut_steps * config.num_hidden_layers
 
 
-def cache_settings(config: ModelConfig, *, batch, max_pages, num_pages, page_size, dtype, planes) -> None:
+def cache_settings(config: ModelConfig, *, batch, max_pages, num_pages, page_size, dtype, planes,
+                   kv_cache_dtype="auto") -> None:
     """`kv_cache.create`'s arguments: positive integer sizes; a floating dtype; planes None or
     an Ouro model's loops x layers, given for a Huginn model (`huginn_reference.num_planes`:
-    prelude + coda + a whole number of core iterations)."""
+    prelude + coda + a whole number of core iterations); kv_cache_dtype "auto" or "fp8" (an
+    Ouro model's only, so far)."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype == "fp8" and getattr(config, "architecture", None) == "huginn":
+        raise ValueError("kv_cache_dtype='fp8' is not implemented for Huginn models yet (an Ouro model's cache only)")
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a wise_core ModelConfig, got {type(config).__name__}")
     for name, value in (("batch", batch), ("max_pages", max_pages), ("num_pages", num_pages),
@@ -219,18 +225,40 @@ def cache_settings(config: ModelConfig, *, batch, max_pages, num_pages, page_siz
 
 def cache(cache_, config: ModelConfig, dtype=None, what: str = "cache") -> None:
     """A PagedKVCache against an Ouro config: k, v [loops x layers planes, pages + 1, page_size,
-    num_key_value_heads, head_dim] of one floating dtype (`dtype`, the params', when given);
-    the bookkeeping arrays of `kv_cache.create`'s shapes and dtypes."""
+    num_key_value_heads, head_dim] of one floating dtype (`dtype`, the params', when given), or
+    of an fp8 cache uint8 codes with float32 scales k_scale, v_scale of their shape without
+    head_dim (any params' dtype: attention reads them dequantized to it); the bookkeeping arrays
+    of `kv_cache.create`'s shapes and dtypes."""
     _fields(cache_, CACHE_FIELDS, what, "PagedKVCache (wise_jax.kv_cache.create)")
-    _storage(cache_.k, cache_.v, config, dtype, what, f"{what}.k", f"{what}.v", "params.embed_tokens", None)
+    quantized = _scales(cache_, what)
+    _storage(cache_.k, cache_.v, config, None if quantized else dtype, what, f"{what}.k", f"{what}.v",
+             "params.embed_tokens", None, quantized=quantized)
     _bookkeeping(cache_, what)
 
 
+def _scales(cache_, what: str) -> bool:
+    """Whether the cache is an fp8 one (k_scale and v_scale given): then k_scale, v_scale float32
+    [planes, pages + 1, page_size, kv_heads] (k's shape without head_dim) beside uint8 k, v."""
+    k_scale, v_scale = getattr(cache_, "k_scale", None), getattr(cache_, "v_scale", None)
+    if k_scale is None and v_scale is None:
+        return False
+    if k_scale is None or v_scale is None:
+        raise ValueError(f"{what}.k_scale and {what}.v_scale must both be None (an unquantized cache) or both be "
+                         f"float32 scales (an fp8 cache), got {described(k_scale)} and {described(v_scale)}")
+    want = _shape(cache_.k)[:-1] if _shape(cache_.k) else None
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if _shape(x) != want or x.dtype != jnp.float32:
+            raise ValueError(f"{what}.{name} must be float32{list(want or ())} ({what}.k's shape without head_dim: "
+                             f"one scale per (token, KV head)), got {described(x)}")
+    return True
+
+
 def _storage(k, v, config: ModelConfig, dtype, what: str, k_name: str, v_name: str, dtype_source: str,
-             num_steps: int | None) -> None:
+             num_steps: int | None, quantized: bool = False) -> None:
     """K/V storage [planes, pages + 1, page_size, kv_heads, head_dim] against an Ouro config (num_steps
     None: loops x layers planes) or a Huginn one (at least `huginn_reference.num_planes(config,
-    num_steps)` planes: a cache may hold more iterations' than a call runs), and the params' dtype."""
+    num_steps)` planes: a cache may hold more iterations' than a call runs), and the params' dtype;
+    quantized: an fp8 cache's uint8 codes (any params' dtype)."""
     if _shape(k) is None or len(_shape(k)) != 5 or _shape(v) != _shape(k):
         raise ValueError(f"{k_name} and {v_name} must be [planes, pages + 1, page_size, kv_heads, head_dim] of one "
                          f"shape, got {described(k)} and {described(v)}")
@@ -249,6 +277,11 @@ def _storage(k, v, config: ModelConfig, dtype, what: str, k_name: str, v_name: s
     for name, (got, expected, source) in want.items():
         if got != expected:
             raise ValueError(f"{what} holds {got} {name} ({k_name} is {described(k)}); {source} = {expected}")
+    if quantized:
+        if k.dtype != jnp.uint8 or v.dtype != jnp.uint8:
+            raise ValueError(f"{k_name} and {v_name} of an fp8 cache must be uint8 codes, got {described(k)} and "
+                             f"{described(v)}")
+        return
     if k.dtype != v.dtype or not jnp.issubdtype(k.dtype, jnp.floating):
         raise ValueError(f"{k_name} and {v_name} must share one floating dtype, got {described(k)} and "
                          f"{described(v)}")
@@ -286,7 +319,11 @@ def request_kv(cache_, k, v, length=None) -> None:
         if got != want:
             raise ValueError(f"the request's K/V hold {got} {name} (k is {described(k)}), the cache {want} "
                              f"(cache.k is {described(cache_.k)})")
-    if k.dtype != cache_.k.dtype or v.dtype != cache_.k.dtype:
+    if _scales(cache_, "cache"):    # an fp8 cache quantizes K/V of any floating dtype
+        if k.dtype != v.dtype or not jnp.issubdtype(k.dtype, jnp.floating):
+            raise ValueError(f"the request's K/V must share one floating dtype (an fp8 cache quantizes them), got "
+                             f"{described(k)} and {described(v)}")
+    elif k.dtype != cache_.k.dtype or v.dtype != cache_.k.dtype:
         raise ValueError(f"the request's K/V are {jnp.dtype(k.dtype).name}, the cache "
                          f"{jnp.dtype(cache_.k.dtype).name}: prefill with params of the cache's dtype")
     max_pages = _shape(cache_.page_table)[1]
@@ -514,6 +551,8 @@ def huginn_decode_step(params_, config: ModelConfig, cache_, tokens, state_, tag
     huginn_params(params_, config)
     num_steps(steps)
     _fields(cache_, CACHE_FIELDS, "cache", "PagedKVCache (wise_jax.kv_cache.create)")
+    if getattr(cache_, "k_scale", None) is not None:
+        raise ValueError("an fp8 K/V cache (kv_cache_dtype='fp8') is not implemented for Huginn models yet")
     _storage(cache_.k, cache_.v, config, params_.wte.dtype, "cache", "cache.k", "cache.v", "params.wte", steps)
     _bookkeeping(cache_, "cache")
     rows, max_pages = _shape(cache_.page_table)

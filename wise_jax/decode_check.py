@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from wise_core import decode_contract
+from wise_core import kv_quant
 
 
 def _described(arrays: dict) -> tuple[dict, dict]:
@@ -17,7 +18,7 @@ def _described(arrays: dict) -> tuple[dict, dict]:
 
 
 def check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size, eta,
-               validate: bool, reuse: bool = False) -> jax.Array:
+               validate: bool, reuse: bool = False, k_scale=None, v_scale=None) -> jax.Array:
     """The decode contract (`wise_core.decode_contract`) at a public entry; returns seq_lens.
 
     Shapes, dtypes and settings are always checked (at trace time under jit). With `validate`
@@ -26,10 +27,22 @@ def check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, blo
     passed, and a failure raises (as a JaxRuntimeError carrying the ValueError's message) when
     the result is read. The callback is a device-host round trip per call: callers that build
     the inputs by construction pass validate=False. reuse: a reuse loop's call (no row
-    discovers; `decode_contract.check_values`)."""
+    discovers; `decode_contract.check_values`). k_scale, v_scale: an fp8 cache's scales
+    float32 [num_pages, page_size, kv_heads], k_pages and v_pages then uint8 codes
+    (`wise_core.kv_quant.check_dequantize_input`), checked as pages of q's dtype otherwise."""
     arrays = dict(q=q, k_pages=k_pages, v_pages=v_pages, page_table=page_table, seq_lens=seq_lens,
                   modes=modes, support=support)
     shapes, dtypes = _described(arrays)
+    if k_scale is not None or v_scale is not None:
+        if k_scale is None or v_scale is None:
+            raise ValueError("k_scale and v_scale must be given together (an fp8 cache's scales) or both be None")
+        for pages, scales, name in ((k_pages, k_scale, "k"), (v_pages, v_scale, "v")):
+            try:
+                kv_quant.check_dequantize_input(tuple(pages.shape), jnp.dtype(pages.dtype).name, tuple(scales.shape),
+                                                jnp.dtype(scales.dtype).name, "float32")
+            except ValueError as e:
+                raise ValueError(f"fp8 pages {name}_pages / {name}_scale: {e}") from None
+        dtypes["k_pages"] = dtypes["v_pages"] = dtypes["q"]    # read as q's dtype (decode_contract checks it)
     decode_contract.check_inputs(shapes, dtypes, block_size=block_size, eta=eta)
     if not validate:
         return seq_lens

@@ -58,12 +58,15 @@ class ExitState:
                                    exited=self.exited | now, exit_loop=jnp.where(now, loop, self.exit_loop),
                                    state=jnp.where(now[..., None], h, self.state))
 
-    def store_kv(self, k: jax.Array, v: jax.Array, k_before: jax.Array, v_before: jax.Array
-                 ) -> tuple[jax.Array, jax.Array]:
+    def store_kv(self, k, v, k_before, v_before) -> tuple:
         """A loop's new k, v [rows, kv_heads, head_dim] -> what each row writes: the previous
-        loop's (k_before, v_before at its position) where it exited."""
-        keep = self.exited[:, None, None]
-        return jnp.where(keep, k_before, k), jnp.where(keep, v_before, v)
+        loop's (k_before, v_before at its position) where it exited. Each may be a cache's entries
+        (`kv_cache.encode`, `read_token`): an fp8 cache's (codes [rows, kv_heads, head_dim], scales
+        [rows, kv_heads]) pairs, chosen alike."""
+        def pick(new, old):
+            keep = self.exited.reshape(self.exited.shape + (1,) * (new.ndim - self.exited.ndim))
+            return jnp.where(keep, old, new)
+        return jax.tree.map(pick, k, k_before), jax.tree.map(pick, v, v_before)
 
     def output(self, h: jax.Array) -> jax.Array:
         """h [*rows, hidden], the last loop's normed states -> each row's exit loop's."""

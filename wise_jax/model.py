@@ -348,7 +348,10 @@ def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, st
     stack and no row overflows. scan_loops: each run of consecutive loops of one role (all loops
     dense; WISE's discovery loops, its reuse loops: `WiseConfig.role_runs`) runs as a `lax.scan` of
     one loop body, the plane index traced, so the program holds one copy of the layers per run, not
-    per loop (a shorter compile); False: every loop straight-line, the same arithmetic. Every
+    per loop (a shorter compile); False: every loop straight-line, the same arithmetic. An fp8
+    cache (`kv_cache`, kv_cache_dtype "fp8"): the new K/V are written quantized, an exited row's
+    later planes take its exit loop's codes and scales, and attention reads the pages dequantized
+    to the params' dtype (the reference kernel, `attention.resolve_kernel`). Every
     argument is checked against config, wise_config and the others before anything is traced
     (`checks.decode_step`)."""
     checks.decode_step(params, config, cache, state, tokens, tags, wise_config, width)
@@ -381,17 +384,20 @@ def decode_step(params: Params, config: ModelConfig, cache: kvc.PagedKVCache, st
             plane = loop * layers + layer
             k, v = k[:, 0], v[:, 0]
             if exits is not None and not (isinstance(loop, int) and loop == 0):   # none exited before loop 0
-                k, v = exits.store_kv(k, v, *kvc.read_token(cache, jnp.maximum(plane - layers, 0), live))
+                # entries, not values: an fp8 cache copies the earlier plane's codes and scales
+                k, v = exits.store_kv(*kvc.encode(cache, k, v),
+                                      *kvc.read_token(cache, jnp.maximum(plane - layers, 0), live))
             cache = kvc.write_token(cache, plane, k, v, live)
             k_pages, v_pages, page_table = kvc.plane_pages(cache, plane, width)
+            scales = dict(zip(("k_scale", "v_scale"), kvc.plane_scales(cache))) if cache.quantized else {}
             if wise_config is None:
                 out, _ = decode_attention(q[:, 0], k_pages, v_pages, page_table, seq_lens, dense_modes,
                                           no_support, block_size=dense.block_size, eta=dense.eta,
-                                          kernel=kernel, validate=False)
+                                          kernel=kernel, validate=False, **scales)
             else:
                 out, state = ws.wise_attention(state, wise_config, loop, layer, q[:, 0], k_pages, v_pages,
                                                page_table, seq_lens, tags, live, kernel=kernel, validate=False,
-                                               count=False, role=role)
+                                               count=False, role=role, **scales)
             return out[:, None], (cache, state)
         h, (cache, state) = run_loop(params, config, h, cos, sin, attend, (cache, state), unroll=unroll,
                                      axis_name=axis_name)

@@ -199,9 +199,9 @@ def _prefill(params: Params, cache: kvc.PagedKVCache, tokens, lengths, tables, *
     at position 0: tokens int32[rows, seq] (row r valid up to lengths[r]), tables int32[rows,
     seq / page_size] -> (logits float32[rows, vocab] after each prompt, the cache written)."""
     TRACES["prefill"] += 1
-    logits, k, v = chunked_prefill.prefill_chunks(params, config, cache.k, cache.v, tokens, jnp.zeros_like(lengths),
-                                                  lengths, tables, attention="auto")
-    return logits, dataclasses.replace(cache, k=k, v=v)
+    logits, written = chunked_prefill.prefill_chunks(params, config, cache, tokens, jnp.zeros_like(lengths), lengths,
+                                                     tables, attention="auto")
+    return logits, dataclasses.replace(cache, k=written.k, v=written.v)
 
 
 def _concrete(x) -> np.ndarray | None:

@@ -7,8 +7,8 @@ MLP columns [r I/N, (r+1) I/N), as `wise_torch.parallel`'s ranks do:
   q_r | k_r | v_r) and gate_up_proj's likewise (gate_r | up_r), both sharded on the output
   axis; o_proj and down_proj sharded on their input axis; embeddings, norms, the exit gate and
   the LM head replicated;
-- the paged cache: k and v sharded on kv_heads, page tables, lengths and the free stack
-  replicated; the WISE state: support sharded on heads, tags and counters replicated.
+- the paged cache: k and v (and an fp8 cache's scales) sharded on kv_heads, page tables,
+  lengths and the free stack replicated; the WISE state: support sharded on heads, tags and counters replicated.
 `decode_step` and `prefill` are `wise_jax.model`'s run per device by `jax.shard_map` at the
 local config (heads, KV heads, intermediate / N): each device's attention -- the Pallas kernel
 or the reference -- reads only its heads and its K/V, the o_proj and down_proj outputs are
@@ -43,6 +43,7 @@ AXIS = "tp"
 KV_SPEC = P(None, None, None, AXIS, None)          # [planes, pages, page_size, kv_heads, head_dim]
 CACHE_SPECS = kvc.PagedKVCache(k=KV_SPEC, v=KV_SPEC, page_table=P(), seq_lens=P(), free_pages=P(), num_free=P(),
                                overflowed=P())
+SCALE_SPEC = P(None, None, None, AXIS)             # an fp8 cache's scales [planes, pages, page_size, kv_heads]
 REQUEST_KV_SPEC = P(None, None, AXIS, None)        # a prefill's k, v [planes, seq, kv_heads, head_dim]
 
 
@@ -176,16 +177,26 @@ def device_memory_available() -> tuple[int | None, str]:
     return host_available_bytes(), "of host memory available"
 
 
+def cache_specs(cache: kvc.PagedKVCache) -> kvc.PagedKVCache:
+    """The PartitionSpec of every array of a cache (CACHE_SPECS; an fp8 cache's scales sharded on
+    kv_heads too)."""
+    if not cache.quantized:
+        return CACHE_SPECS
+    return dataclasses.replace(CACHE_SPECS, k_scale=SCALE_SPEC, v_scale=SCALE_SPEC)
+
+
 def create_cache(config: ModelConfig, mesh: Mesh | None, **kw) -> kvc.PagedKVCache:
     """`kv_cache.create(config, **kw)`, made sharded on the mesh (each device allocates only its
     KV heads), or on the default device without a mesh. A pool larger than the device's free
     memory is a ValueError saying the bytes it needs (`check_pool_fits`), before allocating."""
     local = config if mesh is None else local_config(config, tp_size(mesh))
     check_pool_fits(kw["num_pages"], kvc.page_bytes(local, kw["page_size"], kw.get("dtype", jnp.float32),
-                                                    kw.get("planes")), *device_memory_available())
+                                                    kw.get("planes"), kw.get("kv_cache_dtype", "auto")),
+                    *device_memory_available())
     if mesh is None:
         return kvc.create(config, **kw)
-    return jax.jit(lambda: kvc.create(config, **kw), out_shardings=_named(mesh, CACHE_SPECS))()
+    specs = cache_specs(jax.eval_shape(lambda: kvc.create(config, **kw)))
+    return jax.jit(lambda: kvc.create(config, **kw), out_shardings=_named(mesh, specs))()
 
 
 def state_specs(state: ws.WiseState) -> ws.WiseState:
@@ -234,8 +245,9 @@ def decode_step(params: Params | MeshParams, config: ModelConfig, cache: kvc.Pag
 
     states = None if state is None else state_specs(state)
     depth_specs = (P(),) if return_depths else ()
-    return jax.shard_map(step, mesh=mesh, in_specs=(param_specs(params), CACHE_SPECS, states, P(), P()),
-                         out_specs=(P(), CACHE_SPECS, states, *depth_specs), check_vma=False)(
+    specs = cache_specs(cache)
+    return jax.shard_map(step, mesh=mesh, in_specs=(param_specs(params), specs, states, P(), P()),
+                         out_specs=(P(), specs, states, *depth_specs), check_vma=False)(
         params, cache, state, tokens, tags)
 
 

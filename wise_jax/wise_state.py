@@ -141,7 +141,8 @@ def _add_counts(state: WiseState, wise_config: WiseConfig, loop: int | jax.Array
 
 def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int | jax.Array, layer: jax.Array, q, k_pages,
                    v_pages, page_table, seq_lens, tags, active, *, kernel: str, validate: bool = True,
-                   count: bool = True, role: str | None = None) -> tuple[jax.Array, WiseState]:
+                   count: bool = True, role: str | None = None, k_scale=None,
+                   v_scale=None) -> tuple[jax.Array, WiseState]:
     """Decode attention of `layer` at `loop` with the row modes WISE assigns, updating the state.
 
     loop: a Python int, or a traced int32[] (a decode step scanning a run of loops of one role,
@@ -160,6 +161,8 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int | jax.Ar
     density counts (the decode step passes False and counts every layer at once,
     `count_reuse`). A Custom(..., context=True) selection rule reads this call's
     `SelectionContext` (seq_lens, the loop and layer as int32 arrays, head and block indices).
+    k_scale, v_scale: an fp8 cache's scales, the pages its codes (`decode_attention`: the
+    reference reads them dequantized, so the selection runs on the dequantized scores).
     Returns (out [batch, heads, head_dim], state).
     """
     if role is None:
@@ -188,10 +191,11 @@ def wise_attention(state: WiseState, wise_config: WiseConfig, loop: int | jax.Ar
     context = SelectionContext(seq_lens=seq_lens, loop=jnp.asarray(loop, jnp.int32), layer=jnp.asarray(layer, jnp.int32),
                                head=jnp.arange(q.shape[1], dtype=jnp.int32),
                                block=jnp.arange(n_blocks, dtype=jnp.int32), block_size=wise_config.block_size)
+    scales = {} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
     out, new_support = decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support,
                                         block_size=wise_config.block_size, eta=wise_config.eta, kernel=kernel,
                                         validate=validate, reuse=role == "reuse", selection=wise_config.selection,
-                                        selection_context=context)
+                                        selection_context=context, **scales)
     causal = causal_blocks(seq_lens, wise_config.block_size, n_blocks)       # [batch, n_blocks]
 
     if role == "discover":

@@ -29,7 +29,7 @@ def test_two_device_mesh_cases():
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-6000:]
     passed = re.search(r"(\d+) passed", log)
-    assert passed and int(passed.group(1)) == 6 and "skipped" not in log and "failed" not in log, log[-3000:]
+    assert passed and int(passed.group(1)) == 7 and "skipped" not in log and "failed" not in log, log[-3000:]
 
 
 def test_rank_major_layout_and_local_config():

@@ -103,3 +103,12 @@ def test_bad_inputs_are_named(model):
         engine(model, wise_config={"eta": 0.9})
     with pytest.raises(TypeError, match="model must be an OuroForCausalLM"):
         wt.LLM(3)
+
+
+def test_an_fp8_kv_cache_is_refused_for_now(model):
+    """kv_cache_dtype="fp8" runs in wise_jax.LLM only (issue 50); "auto" is the default."""
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' is not implemented in the torch engine yet"):
+        engine(model, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8'\)"):
+        engine(model, kv_cache_dtype="float8")
+    assert engine(model, kv_cache_dtype="auto").args.kv_cache_dtype == "auto"

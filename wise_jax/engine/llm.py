@@ -36,6 +36,15 @@ of every position (`all_logits`), ranked on the device (`score_prompt`).
 Preemption offloads: a preempted request's pages of every plane are copied to host memory and
 written back into its new pages when it resumes, so it continues with the same tokens.
 
+kv_cache_dtype="fp8" (`EngineArgs`): the pool holds K/V as e4m3fn codes and a float32 scale per
+(token, KV head) (`kv_cache`, `wise_core.kv_quant`): prefill and decode write them quantized,
+every attention reads them dequantized to the model's dtype (prefill's own chunk's keys too), a
+preemption copies codes and scales as they are. Pages are smaller (1 byte a value + 4 a (token,
+KV head) scale), so num_pages=None holds about 1.9x the tokens of bf16 (3.8x float32) in the
+same memory. The decode attention is the reference: kernel "auto" resolves to it on every
+backend, "pallas" is refused (the Pallas and Mosaic kernels do not read fp8 pages yet). Ouro
+models only (a Huginn model's is refused).
+
 WISE tags a row's supports with the step plan's token tag (docs/DESIGN.md "WISE state"): the
 tag the step passes to `model.decode_step` is issued once per decoded token (int32, modulo
 2**31), beside its position.
@@ -76,8 +85,8 @@ from wise_jax.params import Params, stack_layers, unstack_layers
 from wise_jax.sampling import LogitsState
 from wise_jax.engine.inflight import InFlight
 from wise_jax.engine.programs import (DEFAULT_VARIANT, Chunks, FirstVariant, PrefillVariant, Rows, StepVariant,
-                                      decode, first_tokens, prefill, read_pages, score_prompt, set_logits_rows,
-                                      spec_of, write_pages)
+                                      decode, first_tokens, prefill, read_pages, restore_pages, score_prompt,
+                                      set_logits_rows, spec_of, write_pages)
 from wise_jax.engine.sampler import Draw, Processing, draw_of, processing_of
 from wise_jax.engine.compiler import StepPrograms
 
@@ -111,10 +120,11 @@ class LLM(LLMEngine):
     built-in model name and config None (loaded here with its tokenizer, in `dtype`: None is
     bfloat16 on a GPU, float32 otherwise). engine_args: `wise_core.engine.EngineArgs`
     (wise_config, num_pages, page_size, max_num_seqs, max_model_len, max_num_batched_tokens,
-    kernel ('auto', 'reference', 'pallas'), seed), the same arguments and defaults as
-    wise_torch.LLM's; num_pages=None fills GPU_POOL_FRACTION of the memory jax may allocate less
-    what is in use on a GPU, CPU_POOL_BYTES on a CPU, never more than max_num_seqs x the pages of
-    max_model_len. tokenizer: for string prompts and texts; attention: prefill attention
+    kernel ('auto', 'reference', 'pallas'), seed, enable_prefix_caching, kv_cache_dtype ('auto',
+    'fp8': module docstring)), the same arguments and defaults as wise_torch.LLM's;
+    num_pages=None fills GPU_POOL_FRACTION of the memory jax may allocate less what is in use on
+    a GPU, CPU_POOL_BYTES on a CPU, never more than max_num_seqs x the pages of max_model_len.
+    tokenizer: for string prompts and texts; attention: prefill attention
     (`wise_jax.prefill_attention`); layers: "unstacked" (default) decodes with one weight buffer
     per layer (`params.unstack_layers`: straight-line code, no per-layer weight copies; the
     engine makes that copy of stacked params once, and its decode step compiles slower) or
@@ -173,6 +183,8 @@ class LLM(LLMEngine):
         self.adaptive_depth = check_adaptive_depth(adaptive_depth, config)
         if self.num_steps is not None:
             check_exit_iterations(self.adaptive_depth, self.num_steps)
+            if args.kv_cache_dtype == "fp8":
+                raise ValueError("kv_cache_dtype='fp8' is not implemented for Huginn models yet (Ouro models run it)")
         planes = None if self.num_steps is None else num_planes(config, self.num_steps)
         args.checked_for(config.total_ut_steps if self.num_steps is None else self.num_steps,
                          config.max_position_embeddings,
@@ -189,17 +201,25 @@ class LLM(LLMEngine):
         elif isinstance(params, Params):   # MeshParams without a mesh: the step says what is wrong
             params = unstack_layers(params) if layers == "unstacked" else stack_layers(params)
         self.params, self.config, self.wise_config, self.mesh = params, config, args.wise_config, mesh
-        self.kernel = resolve_kernel(args.decode_kernel, config.head_dim)
+        self.kernel = resolve_kernel(args.decode_kernel, config.head_dim, args.kv_cache_dtype)
+        self.kv_cache_dtype, self.dtype = args.kv_cache_dtype, dtype
         self.attention, self.unroll = attention, unroll
         num_pages, sizing = args.num_pages, f"num_pages={args.num_pages} as given"
         if num_pages is None:
             num_pages, sizing = _default_num_pages(per_device, args.page_size, dtype, args.max_num_seqs
-                                                   * args.pages_per_request(config.max_position_embeddings), planes)
+                                                   * args.pages_per_request(config.max_position_embeddings), planes,
+                                                   args.kv_cache_dtype)
+        if args.kv_cache_dtype == "fp8":
+            sizing += (f"; kv_cache_dtype='fp8': K/V as 1-byte e4m3fn codes and a float32 scale per (token, KV "
+                       f"head), pages of {kvc.page_bytes(per_device, args.page_size, dtype, planes, 'fp8')} bytes "
+                       f"(of {kvc.page_bytes(per_device, args.page_size, dtype, planes)} in "
+                       f"{jnp.dtype(dtype).name})")
         # The storage of the pool (its page table is each step's, the host's bookkeeping), made
         # before the host's free list: a pool too large for the memory is refused (with the bytes
         # it needs) before anything is allocated.
         self.cache = sharding.create_cache(config, mesh, batch=1, max_pages=1, num_pages=num_pages,
-                                           page_size=args.page_size, dtype=dtype, planes=planes)
+                                           page_size=args.page_size, dtype=dtype, planes=planes,
+                                           kv_cache_dtype=args.kv_cache_dtype)
         self._start(args, num_pages=num_pages, pool_sizing=sizing,
                     max_model_len=args.model_len(config.max_position_embeddings, num_pages), tokenizer=tokenizer,
                     vocab_size=config.vocab_size, eos_token_id=config.eos_token_id)
@@ -486,12 +506,15 @@ class LLM(LLMEngine):
         return jnp.stack(last), every
 
     def _offload(self, seq: Sequence, pages: list[int]) -> None:
+        """The storage of the pages holding seq's cached keys, to host memory as the pool holds it
+        (K, V and an fp8 pool's scales: `kv_cache.read_pages`)."""
         n = -(-seq.num_cached // self.page_size)
         seq.offloaded = jax.device_get(read_pages(self.cache, jnp.asarray(pages[:n], jnp.int32))) if n else None
 
     def _restore(self, seq: Sequence) -> None:
-        k, v = seq.offloaded
-        self.cache = write_pages(self.cache, k, v, jnp.asarray(seq.pages[:k.shape[1]], jnp.int32))
+        """The offloaded storage written back, as it is, into seq's new pages."""
+        stored = seq.offloaded
+        self.cache = restore_pages(self.cache, stored, jnp.asarray(seq.pages[:stored[0].shape[1]], jnp.int32))
         seq.offloaded = None
 
     def _build_seconds(self) -> float:
@@ -504,7 +527,7 @@ class LLM(LLMEngine):
         if not pages:
             return
         planes, _, page_size, kv_heads, head_dim = self.cache.k.shape
-        zeros = jnp.zeros((planes, len(pages), page_size, kv_heads, head_dim), self.cache.k.dtype)
+        zeros = jnp.zeros((planes, len(pages), page_size, kv_heads, head_dim), self.dtype)   # an fp8 pool: quantized
         self.cache = write_pages(self.cache, zeros, zeros, jnp.asarray(pages, jnp.int32))
 
     def _device_stats(self) -> dict:
@@ -554,9 +577,10 @@ def encode(prompt, config: ModelConfig, tokenizer: Tokenizer | None, what: str) 
 
 
 def _default_num_pages(config: ModelConfig, page_size: int, dtype, most: int,
-                       planes: int | None = None) -> tuple[int, str]:
-    """(pages, how they were sized) for num_pages=None (planes: the pool's, `kv_cache.create`'s)."""
-    per_page = kvc.page_bytes(config, page_size, dtype, planes)
+                       planes: int | None = None, kv_cache_dtype: str = "auto") -> tuple[int, str]:
+    """(pages, how they were sized) for num_pages=None (planes, kv_cache_dtype: the pool's,
+    `kv_cache.create`'s: an fp8 pool's pages are smaller, so more of them fit)."""
+    per_page = kvc.page_bytes(config, page_size, dtype, planes, kv_cache_dtype)
     device = jax.devices()[0]
     memory = (device.memory_stats() or {}) if device.platform == "gpu" else {}
     if "bytes_limit" not in memory:

@@ -97,16 +97,25 @@ def set_logits_rows(state: LogitsState, slot, prompt, counts, bias, stops) -> Lo
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def write_pages(cache: kvc.PagedKVCache, k, v, pages) -> kvc.PagedKVCache:
-    """Write k, v [planes, len(pages), page_size, kv_heads, head_dim] into storage `pages`."""
+    """Write K/V values k, v [planes, len(pages), page_size, kv_heads, head_dim] into storage
+    `pages` (quantized for an fp8 cache, `kv_cache.store`)."""
     TRACES["write_pages"] += 1
-    return dataclasses.replace(cache, k=cache.k.at[:, pages].set(k.astype(cache.k.dtype)),
-                               v=cache.v.at[:, pages].set(v.astype(cache.v.dtype)))
+    return kvc.store(cache, (slice(None), pages), k, v)
 
 
 @jax.jit
-def read_pages(cache: kvc.PagedKVCache, pages):
-    """The K/V of storage `pages`: k, v [planes, len(pages), page_size, kv_heads, head_dim]."""
-    return cache.k[:, pages], cache.v[:, pages]
+def read_pages(cache: kvc.PagedKVCache, pages) -> tuple:
+    """The storage of `pages`, as the cache holds it (`kv_cache.read_pages`): k, v [planes,
+    len(pages), page_size, kv_heads, head_dim], and an fp8 cache's scales [planes, len(pages),
+    page_size, kv_heads]."""
+    return kvc.read_pages(cache, pages)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def restore_pages(cache: kvc.PagedKVCache, stored: tuple, pages) -> kvc.PagedKVCache:
+    """`read_pages`' tuple written back, as it is, into storage `pages` (`kv_cache.write_pages`)."""
+    TRACES["restore_pages"] += 1
+    return kvc.write_pages(cache, pages, stored)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["tokens", "starts", "lengths", "tables"],
@@ -152,10 +161,10 @@ def prefill(params, cache: kvc.PagedKVCache, chunks: Chunks, *, config: ModelCon
     attention: its option) -> (logits float32[rows, vocab] after each row's last token
     (all_logits: and [rows, seq, vocab] at every position), cache)."""
     TRACES["prefill_step"] += 1
-    logits, k, v = sharded_prefill_chunks(params, config, cache.k, cache.v, chunks.tokens, chunks.starts,
-                                          chunks.lengths, chunks.tables, attention=attention, unroll=unroll,
-                                          mesh=mesh, all_logits=all_logits)
-    return logits, dataclasses.replace(cache, k=k, v=v)
+    logits, written = sharded_prefill_chunks(params, config, cache, chunks.tokens, chunks.starts, chunks.lengths,
+                                             chunks.tables, attention=attention, unroll=unroll, mesh=mesh,
+                                             all_logits=all_logits)
+    return logits, dataclasses.replace(cache, **{name: getattr(written, name) for name in kvc.storage_names(cache)})
 
 
 @jax.jit
@@ -242,7 +251,7 @@ def decode(params: Params, cache: kvc.PagedKVCache, state, next_token, inputs: R
     next_token = next_token.at[written].set(token, mode="drop")
     if logits_state is not None:
         logits_state = counted(logits_state, inputs.seq_slots, token, processing.active & live)
-    cache = dataclasses.replace(cache, k=step_cache.k, v=step_cache.v)
+    cache = dataclasses.replace(cache, **{name: getattr(step_cache, name) for name in kvc.storage_names(cache)})
     if state is not None:
         state = state_rows(rows_state, rows, state)
     loops_run = jnp.stack([jnp.where(live, depths[0], 0).sum(), live.sum()]) if exiting else None

@@ -87,7 +87,8 @@ class LLM(LLMEngine):
     tensor parallelism.
     engine_args: `wise_core.engine.EngineArgs` (wise_config, num_pages, page_size, max_num_seqs,
     max_model_len, max_num_batched_tokens, kernel ("auto", "reference", "triton"), seed), the
-    same arguments and defaults as wise_jax.LLM's. num_pages=None sizes the pool from free
+    same arguments and defaults as wise_jax.LLM's, but kv_cache_dtype: "auto" only here ("fp8" is a
+    ValueError: not implemented in this engine yet). num_pages=None sizes the pool from free
     device memory on CUDA (GPU_MEMORY_FRACTION of it less GPU_RESERVE_BYTES), CPU_POOL_BYTES of
     K/V on a CPU. cuda_graphs: True, False or "auto" (on CUDA). prefill_attention: "auto"
     (FlashAttention-4 when flash_attn.cute imports and the model is float16/bfloat16 on CUDA,
@@ -125,6 +126,8 @@ class LLM(LLMEngine):
                  prefill_attention: str = "auto", dense_decode: str = "kernel", wise_decode: str = "kernel",
                  **engine_args):
         args = EngineArgs(**engine_args)
+        if args.kv_cache_dtype == "fp8":
+            raise ValueError("kv_cache_dtype='fp8' is not implemented in the torch engine yet (wise_jax.LLM runs it)")
         positive_int("tensor_parallel_size", tensor_parallel_size)
         if tensor_parallel_size > 1 and speculative_config is not None:
             raise ValueError("speculative decoding does not run with tensor_parallel_size > 1")
