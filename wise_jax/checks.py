@@ -29,9 +29,11 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from wise_core.config import AdaptiveDepth, ModelConfig, WiseConfig
-from wise_core.kv_quant import check_kv_cache_dtype
+from wise_core.adaptive_depth import AdaptiveDepth
 from wise_core.huginn_reference import num_planes
+from wise_core.kv_quant import check_kv_cache_dtype
+from wise_core.model_config import ModelConfig
+from wise_core.wise_config import WiseConfig
 from wise_jax.params import LayerParams, Params, param_shapes
 
 CACHE_FIELDS = ("k", "v", "page_table", "seq_lens", "free_pages", "num_free", "overflowed")

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from wise_core import kv_quant as quant_spec
-from wise_core.config import ModelConfig
+from wise_core.model_config import ModelConfig
 from wise_jax import checks
 from wise_jax import kv_quant
 

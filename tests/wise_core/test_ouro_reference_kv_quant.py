@@ -8,7 +8,7 @@ import numpy as np
 from wise_core import kv_quant as K
 from wise_core import ouro_reference as R
 from wise_core.checkpoint import random_tensors
-from wise_core.config import PRESETS
+from wise_core.presets import PRESETS
 
 CONFIG = PRESETS["test-tiny-gqa"]
 

@@ -22,10 +22,12 @@ import pytest
 import wise_jax
 from wise_core import ouro_reference as R
 from wise_core.checkpoint import random_tensors
-from wise_core.config import PRESETS, ModelConfig, WiseConfig
 from wise_core.engine import EngineArgs
 from wise_core.engine import args as engine_args
-from wise_core.request import SamplingParams
+from wise_core.model_config import ModelConfig
+from wise_core.presets import PRESETS
+from wise_core.sampling_params import SamplingParams
+from wise_core.wise_config import WiseConfig
 from wise_jax import kv_cache as kvc
 
 from engine_cases import drained

@@ -16,7 +16,7 @@ import wise_jax
 from wise_core import kv_quant as spec
 from wise_core import modes as M
 from wise_core.checkpoint import random_tensors
-from wise_core.config import PRESETS
+from wise_core.presets import PRESETS
 from wise_jax import attention as A
 from wise_jax import kv_cache as kvc
 from wise_jax import kv_quant

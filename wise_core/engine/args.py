@@ -13,9 +13,11 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
-from wise_core.config import AdaptiveDepth, ModelConfig, WiseConfig
+from wise_core.adaptive_depth import AdaptiveDepth
 from wise_core.generate_args import check_seed
 from wise_core.kv_quant import check_kv_cache_dtype
+from wise_core.model_config import ModelConfig
+from wise_core.wise_config import WiseConfig
 
 CPU_POOL_BYTES = 1 << 30       # num_pages=None on a CPU: a pool of at most 1 GiB of K/V
 MAX_PAGES = 2 ** 31 - 1        # page ids are int32 on the device

@@ -63,15 +63,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 import numpy as np
 from tokenizers import Tokenizer
 
+from wise_core.adaptive_depth import AdaptiveDepth
 from wise_core.buckets import batch_bucket, context_bucket, context_buckets, decode_buckets
-from wise_core.config import AdaptiveDepth, ModelConfig
 from wise_core.engine import EngineArgs, LLMEngine
 from wise_core.engine.args import check_adaptive_depth, check_exit_iterations, cpu_pool, pool_pages
 from wise_core.engine.scheduler import Chunk
 from wise_core.engine.sequence import Sequence, logits_rows
 from wise_core.engine.step_plan import DecodePlan, TagCounter
 from wise_core.huginn_reference import initial_state, num_planes
-from wise_core.request import MAX_SEED, SamplingParams
+from wise_core.model_config import ModelConfig
+from wise_core.sampling_params import MAX_SEED, SamplingParams
 from wise_core.tokenizer import encode_text
 from wise_jax import checks
 from wise_jax import huginn

@@ -14,9 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from wise_core.config import AdaptiveDepth, ModelConfig
+from wise_core.adaptive_depth import AdaptiveDepth
 from wise_core.engine.step_plan import DecodePlan
-from wise_core.request import MAX_LOGPROBS
+from wise_core.model_config import ModelConfig
+from wise_core.sampling_params import MAX_LOGPROBS
 from wise_jax import huginn
 from wise_jax import kv_cache as kvc
 from wise_jax import sharding
