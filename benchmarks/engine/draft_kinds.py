@@ -60,7 +60,7 @@ def arm_config(arm: str, num_draft: int, eta: float, kernel: str):
 
 
 class StepTimer:
-    """Wall time of each kind of device step of an LLM (`ModelRunner._decode_staged` for a dense
+    """Wall time of each kind of device step of an LLM (`ModelRunner.decode_staged` for a dense
     decode step; `Speculator._run` for a draft step, keyed by its kind, and for the verification
     pass), the device synchronized after each so no step overlaps the next."""
 
@@ -69,7 +69,7 @@ class StepTimer:
         self.total, self.count = {}, {}
         self.sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
         if llm.speculator is None:
-            self._wrap(llm.runner, "_decode_staged", lambda *args: "dense")
+            self._wrap(llm.runner, "decode_staged", lambda *args: "dense")
         else:
             self._wrap(llm.speculator, "_run", lambda key, fn: "verify" if key[0] == "verify" else key[2])
 

@@ -21,7 +21,7 @@ from wise_core.checkpoint import random_tensors
 from wise_core.presets import PRESETS
 from wise_core.speculative_config import SpeculativeConfig
 from wise_core.wise_config import WiseConfig
-from wise_torch.engine import model_runner
+from wise_torch.engine import graphs as engine_graphs
 from cases import prompts_of
 
 LENGTHS, BUDGETS = [20, 70, 130], [14, 6, 3]   # rows over three context buckets, batches of 3, 2 and 1
@@ -137,8 +137,8 @@ def check_failed_captures(llm, fake: FakeCuda, caplog, *, began: bool) -> tuple:
     the failed steps."""
     failed = llm.stats().failed_step_programs
     assert failed and len(set(failed)) == len(failed)
-    assert set(failed) == set(llm.runner.eager_steps) and not llm.runner.graphs
-    warnings = [r for r in caplog.records if r.name == model_runner.__name__ and r.levelno == logging.WARNING]
+    assert set(failed) == set(llm.runner.step_graphs.eager_steps) and not llm.runner.graphs
+    warnings = [r for r in caplog.records if r.name == engine_graphs.__name__ and r.levelno == logging.WARNING]
     assert len(warnings) == len(failed)
     assert all("runs eagerly" in r.getMessage() and INVALIDATED in r.getMessage() for r in warnings)
     if began:   # each capture ended, its pool's routing undone; thread_local error mode
@@ -155,7 +155,7 @@ def check_failed_captures(llm, fake: FakeCuda, caplog, *, began: bool) -> tuple:
 def test_failed_decode_capture_runs_the_step_eagerly(model, fake_cuda, caplog, monkeypatch, phase, wise_config):
     want_tokens, want_logits, eager = run(model, graphs=False, wise_config=wise_config)
     fail_steps_in(model, fake_cuda, phase, monkeypatch)
-    with caplog.at_level(logging.WARNING, logger=model_runner.__name__):
+    with caplog.at_level(logging.WARNING, logger=engine_graphs.__name__):
         tokens, logits, llm = run(model, graphs=True, wise_config=wise_config)
     assert tokens == want_tokens
     assert all(torch.equal(a, b) for a, b in zip(logits, want_logits))   # the same padded step: bitwise

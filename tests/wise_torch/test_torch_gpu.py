@@ -196,7 +196,7 @@ def test_failed_capture_runs_eagerly(fault, monkeypatch, caplog):
             raise RuntimeError("a launch failed under capture (forced by the test)")
         return decode_step(tokens, *args, **kwargs)
     monkeypatch.setattr(model, "decode_step", first_capture_fails)
-    with caplog.at_level("WARNING", logger="wise_torch.engine.model_runner"):
+    with caplog.at_level("WARNING", logger="wise_torch.engine.graphs"):
         tokens, logits, llm = staggered_outputs(model, prompts, budgets, cuda_graphs=True)
     stats = llm.stats()
     assert faults == [fault] and stats.failed_step_programs == ((3, 4),)

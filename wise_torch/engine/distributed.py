@@ -5,13 +5,14 @@ sequences, the sampler and its own shard. `start` spawns ranks 1..N-1 with torch
 (start method "spawn": a CUDA context cannot be forked); every rank joins torch.distributed's
 default process group (NCCL on CUDA, rank r on device index base + r; gloo on CPU), receives its
 shard of rank 0's model by broadcast (`wise_torch.parallel.broadcast_shard`) and builds a
-ModelRunner with rank 0's settings. Then each worker follows: rank 0 sends every device-side
-call of a step (with its host inputs: the staged decode rows, the prefill chunks' arrays, the
-pages to offload or restore) down a pipe to each worker before running it itself, and a worker
-runs the same calls in the same order, so the collectives inside them -- the all-reduces of
-every layer, the broadcast of each decode step's input tokens -- pair up. Workers never report
-back: only rank 0 samples and reads tokens, and its sampled tokens reach the workers' devices
-through that broadcast, on the device, so the engine's one-step-behind pipelining is kept.
+ModelRunner with rank 0's settings. Then each worker follows (`wise_torch.engine.follower`):
+rank 0 sends every device-side call of a step (with its host inputs: the staged decode rows,
+the prefill chunks' arrays, the pages to offload or restore) down a pipe to each worker before
+running it itself, and a worker's Follower runs the same calls in the same order on its runner,
+so the collectives inside them -- the all-reduces of every layer, the broadcast of each decode
+step's input tokens -- pair up. Workers never report back: only rank 0 samples and reads
+tokens, and its sampled tokens reach the workers' devices through that broadcast, on the
+device, so the engine's one-step-behind pipelining is kept.
 
 Why spawned workers rather than a torchrun launch: an LLM is one object in one Python process
 (a script, a notebook, `generate`, a test), and with torchrun every rank would run the user's
@@ -41,7 +42,7 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 class Workers:
-    """Rank 0's handle on ranks 1..N-1: `send` a ModelRunner call to all of them, `close` them."""
+    """Rank 0's handle on ranks 1..N-1: `send` a Follower call to all of them, `close` them."""
 
     def __init__(self, device: torch.device):
         self.device = device                  # rank 0's
@@ -50,7 +51,7 @@ class Workers:
         self.closed = False
 
     def send(self, name: str, *args) -> None:
-        """Every worker runs `runner.<name>(*args)` next (in the order sent)."""
+        """Every worker runs `Follower.<name>(*args)` next (in the order sent)."""
         if self.closed:
             raise RuntimeError("the engine's tensor-parallel workers are closed")
         for rank, (process, pipe) in enumerate(zip(self.processes, self.pipes), 1):
@@ -163,6 +164,7 @@ def _worker(rank: int, size: int, init_method: str, backend: str, device: str, c
             threads: int, pipe) -> None:
     """Rank `rank`: join the group, take its shard, build its runner, then run rank 0's calls
     until told to stop (None) or rank 0's end of the pipe closes."""
+    from wise_torch.engine.follower import Follower
     from wise_torch.engine.model_runner import ModelRunner
     torch.set_num_threads(threads)
     device = torch.device(device)
@@ -173,7 +175,7 @@ def _worker(rank: int, size: int, init_method: str, backend: str, device: str, c
                             timeout=COLLECTIVE_TIMEOUT)
     try:
         model = broadcast_shard(None, config, TensorParallel(rank, size), dtype=dtype, device=device)
-        runner = None
+        follower = None
         with torch.inference_mode():
             while True:
                 try:
@@ -184,10 +186,10 @@ def _worker(rank: int, size: int, init_method: str, backend: str, device: str, c
                     break
                 name, args = message
                 if name == "settings":
-                    runner = ModelRunner(model, **args[0])
+                    follower = Follower(ModelRunner(model, **args[0]))
                     pipe.send("ready")
                 else:
-                    getattr(runner, name)(*args)
+                    getattr(follower, name)(*args)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     finally:

@@ -27,7 +27,8 @@ from wise_core.engine.sequence import Sequence
 from wise_core.speculative_config import SpeculativeConfig
 from wise_core.wise_config import WiseConfig
 from wise_torch.engine import distributed
-from wise_torch.engine.model_runner import InFlight, ModelRunner
+from wise_torch.engine.inflight import InFlight
+from wise_torch.engine.model_runner import ModelRunner
 from wise_torch.engine.speculative import Speculator
 from wise_torch.huginn import HuginnForCausalLM
 from wise_torch.kv_cache import PagedKVCache
@@ -250,11 +251,11 @@ class LLM(LLMEngine):
         return None if self.speculator is None else self.speculator.decode(seqs, spoken)
 
     def _launch_decode(self, seqs: list[Sequence]) -> InFlight:
-        return self.runner.sample(self.runner.decode(seqs), seqs)
+        return self.runner.sampler.sample(self.runner.decode(seqs), seqs)
 
     def _launch_prefill(self, chunks: list[Chunk]) -> InFlight:
         logits, prompt = self.runner.prefill(chunks)
-        return self.runner.sample(logits, [c.seq for c in chunks if c.completes], prompt)
+        return self.runner.sampler.sample(logits, [c.seq for c in chunks if c.completes], prompt)
 
     def _offload(self, seq: Sequence, pages: list[int]) -> None:
         self.runner.offload(seq, pages)
@@ -268,16 +269,12 @@ class LLM(LLMEngine):
             self.speculator.forget(seq)
 
     def _build_seconds(self) -> float:
-        return self.runner.capture_s
+        return self.runner.step_graphs.capture_s
 
     def _scrub(self, pages: list[int]) -> None:
-        """Zero the K/V of `pages` on every rank (a zero broadcast over each rank's shard)."""
-        if not pages:
-            return
-        zero = torch.zeros(())
-        if self.workers is not None:
-            self.workers.send("_copy_in", pages, zero, zero)
-        self.runner._copy_in(pages, zero, zero)
+        """Zero the K/V of `pages` on every rank."""
+        if pages:
+            self.runner.scrub(pages)
 
     def _device_stats(self) -> dict:
         wise = self.runner.wise
@@ -295,14 +292,14 @@ class LLM(LLMEngine):
 
     def _program_stats(self) -> dict:
         """The EngineStats fields of the decode programs (CUDA graphs), speculation's included."""
-        r, spec = self.runner, self.speculator
+        r, spec, step_graphs = self.runner, self.speculator, self.runner.step_graphs
         graphs, bound = len(r.graphs), len(r.buckets) * len(r.widths)
         if spec is not None:   # draft steps of two kinds per (batch, width), verification per (batch, width)
             graphs, bound = graphs + len(spec.graphs), bound * 4
         memory = 0
-        if r.graph_pool is not None:
+        if step_graphs.pool is not None:
             memory = sum(s["total_size"] for s in torch.cuda.memory_snapshot()
-                         if tuple(s.get("segment_pool_id", ())) == tuple(r.graph_pool))
-        return dict(step_programs=graphs, step_program_bound=bound, step_build_s=r.capture_s,
-                    step_memory_bytes=memory, failed_step_programs=tuple(r.eager_steps))
+                         if tuple(s.get("segment_pool_id", ())) == tuple(step_graphs.pool))
+        return dict(step_programs=graphs, step_program_bound=bound, step_build_s=step_graphs.capture_s,
+                    step_memory_bytes=memory, failed_step_programs=tuple(step_graphs.eager_steps))
 

@@ -1,13 +1,16 @@
 """Next-token choice on the device: logits processing (logit_bias, min_tokens, penalties), then
-greedy, or sampling in log space with min-p, top-k and top-p; the logprobs reported."""
+greedy, or sampling in log space with min-p, top-k and top-p; the logprobs reported. `StepSampler`
+runs it for a step's sequences and hands back an `InFlight`."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from wise_core.engine.scheduler import Chunk
 from wise_core.engine.sequence import Sequence, logits_rows
 from wise_torch.attention import select_blocks
+from wise_torch.engine.inflight import InFlight, PromptScores
 
 _GOLDEN = 0x9E3779B97F4A7C15
 
@@ -129,3 +132,77 @@ class LogitsState:
         """The tokens int64[len(seqs)] just sampled for processed `seqs` join their counts."""
         slots = torch.tensor([s.slot for s in seqs], device=tokens.device)
         self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+
+
+class StepSampler:
+    """A step's sampling for the engine, eagerly after the step's logits (outside any CUDA
+    graph), on `device`: per sequence slot, the last token sampled (`next_token`
+    int64[max_num_seqs]: a decode row whose token is still in flight reads it there, so a step
+    never waits for the host to see tokens) and the logits state of processed requests
+    (`logits_state`, made when a processed request first samples); the engine's generator
+    (`generator`, seeded by `seed`) for requests without a seed of their own."""
+
+    def __init__(self, max_num_seqs: int, device: torch.device, seed: int):
+        self.device = device
+        self.next_token = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.logits_state: LogitsState | None = None
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], prompt: PromptScores | None = None) -> InFlight:
+        """Sample each sequence's next token from its row of logits float32[len(seqs), vocab]
+        (its forced token when teacher-forced), note it in the sequence slots' `next_token` and
+        hold its place in the sequence; log p of it (under the raw logits) and the logits where
+        asked. Nothing waits for the host. prompt: the step's prompt scores, copied out with the
+        tokens.
+
+        The rows of processed requests (`SamplingParams.processed`) go through
+        `LogitsState.process` first; when no row is, the logits go to `sample` untouched and no
+        logits state is read or made."""
+        if not seqs:   # a step that samples nothing still marks when it is done
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            return InFlight([], empty, empty.bool(), None, {}, prompt=prompt)
+        temperatures, generators = [], []
+        for seq in seqs:
+            p = seq.params
+            temperatures.append(0.0 if seq.forced is not None else p.temperature)
+            if p.temperature > 0 and p.seed is not None:
+                if seq.generator is None:
+                    seq.generator = torch.Generator(device=self.device)
+                seq.generator.manual_seed(seed_for(p.seed, len(seq.tokens)))
+            generators.append(seq.generator if p.seed is not None else self.generator)
+        processed = [i for i, s in enumerate(seqs) if s.forced is None and s.params.processed]
+        chosen_from = logits
+        if processed:
+            if self.logits_state is None:
+                self.logits_state = LogitsState(len(self.next_token), logits.shape[1], self.device)
+            index = torch.tensor(processed, device=self.device)
+            chosen_from = logits.index_copy(0, index, self.logits_state.process(logits[index],
+                                                                                [seqs[i] for i in processed]))
+        tokens = sample(chosen_from, temperatures, [s.params for s in seqs], generators)
+        forced = [i for i, s in enumerate(seqs) if s.forced is not None]
+        if forced:
+            tokens[torch.tensor(forced, device=self.device)] = torch.tensor(
+                [seqs[i].forced[seqs[i].num_generated] for i in forced], device=self.device)
+        if processed:
+            self.logits_state.count([seqs[i] for i in processed], tokens[index])
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        self.next_token.index_copy_(0, slots, tokens)
+        logprobs = top = None
+        if any(s.params.logprobs is not None or s.forced is not None for s in seqs):
+            logprobs = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
+        asked = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+        if asked:
+            top = ranked(logits, tokens, min(max(asked), logits.shape[1]))[1:]
+        kept = {i: logits[i] for i, s in enumerate(seqs) if s.keep_logits}
+        rows = [(seq, seq.expect()) for seq in seqs]
+        return InFlight(rows, tokens, torch.isnan(logits).any(-1), logprobs, kept, top, prompt)
+
+    def score_prompt(self, logits: torch.Tensor, chunks: list[Chunk]) -> PromptScores:
+        """The scores of `chunks`' scored positions (logits float32[positions, vocab], chunk by
+        chunk): `ranked` of each position's next prompt token with the chunks' largest
+        prompt_logprobs k."""
+        rows = [(c.seq, c.start + 1, c.scored) for c in chunks]
+        tokens = torch.tensor([t for c in chunks for t in c.seq.prompt[c.start + 1:c.start + 1 + c.scored]],
+                              dtype=torch.int64).to(self.device, non_blocking=True)
+        k = min(max(c.seq.params.prompt_logprobs for c in chunks), logits.shape[1])
+        return PromptScores(rows, ranked(logits, tokens, k))

@@ -37,7 +37,7 @@ reproducible whatever runs beside them, and each draw decides at most one commit
 
 Draft steps run as CUDA graphs per (batch bucket, step kind, context bucket), verification per
 (batch bucket, context bucket) at num_draft + 1 positions per row, captured like the decode
-graphs (lazily, `ModelRunner.capture`) and sharing their memory pool; the context bucket is the
+graphs (lazily, `wise_torch.engine.graphs`) and sharing their memory pool; the context bucket is the
 round's: the page-table width holding every row's pages, drafts included.
 """
 
@@ -53,6 +53,7 @@ from wise_core.engine.sequence import PENDING, Sequence, Status
 from wise_core.speculative_config import SpeculativeConfig
 from wise_torch.engine.model_runner import ModelRunner, min_splits_for
 from wise_torch.engine.sampler import scaled_logits, seed_for
+from wise_torch.engine.staging import table_view
 from wise_torch.kv_cache import DecodeBatch
 from wise_torch.model import DecodeContext
 from wise_torch.verification import VerifyBatch, VerifyContext, prepare_verify_attention
@@ -159,7 +160,7 @@ class Speculator:
         r, m, model = self.runner, self.step_meta[:, :bucket], self.model
         self.seq_lens[:bucket].copy_(m[self._SEQ_LEN])
         batch = DecodeBatch(positions=m[self._POSITION], seq_lens=self.seq_lens[:bucket],
-                            page_table=r.table_view(self.page_table, bucket, width), slot_mapping=m[self._SLOT],
+                            page_table=table_view(self.page_table, bucket, width), slot_mapping=m[self._SLOT],
                             tags=m[self._TAG])
         verified = None
         if kind == "sparse":   # each row's step 0 fed its last verified token
@@ -180,7 +181,7 @@ class Speculator:
         n = bucket * self.queries
         self.starts[:bucket].copy_(self.meta[0, self._POSITION, :bucket])
         batch = VerifyBatch(positions=self.verify_meta[0, :n], slot_mapping=self.verify_meta[1, :n],
-                            page_table=self.runner.table_view(self.page_table, bucket, width),
+                            page_table=table_view(self.page_table, bucket, width),
                             starts=self.starts[:bucket])
         ctx = VerifyContext(self.model.config.num_hidden_layers, batch, self.runner.cache,
                             self.verify_attention[bucket])
@@ -209,7 +210,7 @@ class Speculator:
         meta[:, :, :bucket] = np.array([0, 0, 1, scratch_slot, -1, 0])[None, :, None]
         meta[:, self._HIDDEN, :bucket] = np.arange(bucket)[None, :] * q + np.arange(q)[:, None]
         vmeta[0, :bucket * q], vmeta[1, :bucket * q] = 0, scratch_slot
-        table = r.table_view(self.host_table, bucket, width).numpy()
+        table = table_view(self.host_table, bucket, width).numpy()
         table[:] = r.cache.scratch_page
         for row, (seq, k) in enumerate(zip(seqs, ks)):
             table[row, :len(seq.pages)] = seq.pages
@@ -259,7 +260,7 @@ class Speculator:
     # -- sampling -------------------------------------------------------------------------------------
     def _uniform(self, seq: Sequence, position: int, purpose: int, n: int) -> torch.Tensor:
         """n uniforms in [0, 1) for a request's `purpose` at `position` (its own seed, else the engine's generator)."""
-        generator = self.runner.generator
+        generator = self.runner.sampler.generator
         if seq.params.seed is not None:
             generator = self.draw_generator.manual_seed(draw_seed(seq.params.seed, position, purpose))
         return torch.rand(n, generator=generator, device=self.device)

@@ -39,7 +39,7 @@ def llm(request):
 
 def state_of(llm):
     """The engine's per-slot logits state (None until a request needs it)."""
-    return llm.runner.logits_state if hasattr(llm, "runner") else llm.logits_state
+    return llm.runner.sampler.logits_state if hasattr(llm, "runner") else llm.logits_state
 
 
 def run(llm, params_list, prompts=PROMPTS):
