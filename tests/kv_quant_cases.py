@@ -106,6 +106,19 @@ def decision_neighbourhoods(ulps: int = 40) -> np.ndarray:
     return np.concatenate([y, -y])
 
 
+def decision_rows(ulps: int = 40, head_dim: int = 128) -> np.ndarray:
+    """`decision_neighbourhoods` within +-448 packed as K/V float32 [n, 1, head_dim]: each vector
+    holds 448 (its scale 1, so every value quantizes as itself) and head_dim - 1 of the values, the
+    last vector padded with the last value."""
+    y = decision_neighbourhoods(ulps)
+    y = y[np.abs(y) <= 448]
+    n = -(-y.size // (head_dim - 1))
+    x = np.full((n, 1, head_dim), y[-1], np.float32)
+    x[:, 0, 0] = 448.0
+    x[:, 0, 1:].reshape(-1)[:y.size] = y
+    return x
+
+
 def nearest_code(y: np.ndarray) -> np.ndarray:
     """An independent oracle of the rounding: the code of the e4m3fn value nearest to y (ties to
     the even code), finite y saturated to +-448 first, NaN and +-inf -> NAN_CODE. Slow: small
