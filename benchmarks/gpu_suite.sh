@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark of the project, in parts, for one H200 (tp: two):
-#   bash benchmarks/gpu_suite.sh tests1|tests2|tests3|tests4|tests-parity|tests-summary|train|bench|engine|jax|jax-bench|jax-tests|huginn|step-profile|stalls|pallas|pallas-sweep|kernel-profile|tp|fa4|prefix|drafts OUTDIR [MODEL_DIR]
+#   bash benchmarks/gpu_suite.sh tests1|tests2|tests3|tests4|tests-parity|tests-summary|train|bench|engine|jax|jax-bench|jax-tests|huginn|step-profile|stalls|pallas|pallas-sweep|kernel-profile|tp|fa4|prefix|long|drafts OUTDIR [MODEL_DIR]
 # tests1 .. tests4: the `gpu`-marked pytest suite in four parts of about 8 minutes each (one 10-minute call each;
 #        benchmarks.gpu_tests --part K/4: the files where pytest collects a gpu test, balanced by their
 #        FILE_SECONDS, each file in a process of its own, so a CUDA fault in one cannot fail the rest) into
@@ -52,6 +52,8 @@
 #      throughput of dense, WISE, fa4 and wise-fa4 (the FlashAttention WISE arm), about 18 minutes;
 # prefix: prefix caching on and off on a shared-system-prompt workload (64 requests, a 1,024-token common
 #         prefix, 128 own tokens), torch and JAX, Ouro-1.4B shape, random bf16 weights;
+# long: batch 1 at 32K and 64K contexts, dense and WISE defaults, torch then JAX (LONG_SHAPES="SHAPE:QSCALE ...",
+#       FRAMEWORKS pick), each engine and shape in one invocation of 280 s: two 10-minute slots;
 # drafts: each speculative draft kind on the trained built-in model (bf16, CUDA graphs): acceptance,
 #         tokens per round, tokens against dense;
 # bench: the kernel benchmark (Triton, Pallas, cuDNN SDPA, FlashAttention-4 when importable) and
@@ -218,9 +220,25 @@ case $part in
     run prefix_cache 560 python3 -m benchmarks.engine.prefix_cache --preset ouro-1.4b --engines "${FRAMEWORKS:-torch,jax}" \
         --timeout 270 --out "$out/prefix_cache"
     ;;
+  long)
+    # batch 1 at long contexts (issue 48): K/V is most of a step's bytes, where WISE's reuse loops count most;
+    # 65,504 prompt tokens + 32 new = the model's 65,536 positions
+    for shape_scale in ${LONG_SHAPES:-32768x1:6.5 65504x1:6.2}; do
+      shape=${shape_scale%%:*}; scale=${shape_scale##*:}
+      if [ "${FRAMEWORKS:-torch,jax}" != jax ]; then
+        run "long_torch_$shape" 280 python3 -m benchmarks.engine.throughput --preset ouro-1.4b --arms dense-default,wise-default \
+            --shapes "$shape" --q-scale "$scale" --hbm-tbps "$hbm" --child-timeout 135 --out "$out/long_torch_$shape"
+      fi
+      if [ "${FRAMEWORKS:-torch,jax}" != torch ]; then
+        run "long_jax_$shape" 280 python3 -m benchmarks.engine.jax_generate_bench --preset ouro-1.4b --arms dense-default,wise-default \
+            --shapes "$shape" --q-scale "$scale" --hbm-tbps "$hbm" --child-timeout 135 --compile-cache "$out/jax-cache" \
+            --out "$out/long_jax_$shape"
+      fi
+    done
+    ;;
   drafts)
     run draft_kinds 300 python3 -m benchmarks.engine.draft_kinds --dtype bfloat16 --prompts 64 --length 256 \
         --new-tokens 128 --out "$out/draft_kinds"
     ;;
-  *) echo "unknown part $part (tests1|tests2|tests3|tests4|tests-parity|tests-summary|train|bench|engine|jax|jax-bench|jax-tests|huginn|step-profile|stalls|pallas|pallas-sweep|kernel-profile|tp|fa4|prefix|drafts)" >&2; exit 2;;
+  *) echo "unknown part $part (tests1|tests2|tests3|tests4|tests-parity|tests-summary|train|bench|engine|jax|jax-bench|jax-tests|huginn|step-profile|stalls|pallas|pallas-sweep|kernel-profile|tp|fa4|prefix|long|drafts)" >&2; exit 2;;
 esac
