@@ -14,7 +14,7 @@ import torch
 from wise_core.engine.protocol import Engine
 from wise_core.presets import PRESETS
 from wise_serve.args import add_serve_arguments
-from wise_serve.model import build_llm, dummy_model
+from wise_serve.model import build_engine, build_llm, dummy_model
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,6 +102,50 @@ def test_one_backend_serves_without_importing_the_other(backend, other):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("backend, options, message", [
+    ("tensorflow", {}, "unknown backend 'tensorflow': the engines are 'torch', 'jax'"),
+    ("jax", {"cuda_graphs": False}, "cuda_graphs is an option of the torch engine; the jax engine does not take it"),
+    ("torch", {"mesh": None}, "mesh is an option of the jax engine; the torch engine does not take it"),
+    ("torch", {"num_page": 4}, "unknown engine option 'num_page' for the torch engine"),
+    ("jax", {"dtype": "int8"}, "dtype 'int8' is not one an engine loads"),
+    ("torch", {"kernel": "pallas"}, "kernel 'pallas' is not a torch kernel"),
+])
+def test_build_engine_names_what_it_refuses_before_a_framework_loads(backend, options, message):
+    code = (f"import sys; from wise_serve.model import build_engine\n"
+            f"try:\n    build_engine({backend!r}, 'test-tiny', **{options!r})\n"
+            f"except ValueError as e:\n    print(e)\n"
+            f"print(sorted({{'torch', 'jax'}} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "[]", done.stdout + done.stderr
+    assert message in done.stdout, done.stdout
+
+
+def test_the_backend_options_are_the_engines_own_arguments():
+    """BACKEND_OPTIONS (what build_engine checks before a framework loads) lists exactly the
+    keyword arguments of each LLM beside its model and EngineArgs'."""
+    import inspect
+
+    import wise_jax
+    import wise_torch
+    from wise_core.engine.backends import BACKEND_OPTIONS
+
+    for backend, llm in (("torch", wise_torch.LLM), ("jax", wise_jax.LLM)):
+        own = [name for name, p in inspect.signature(llm.__init__).parameters.items()
+               if p.kind is p.KEYWORD_ONLY or name == "config"]
+        assert sorted(own) == sorted(BACKEND_OPTIONS[backend]), backend
+
+
+def test_build_engine_builds_either_backend_by_name():
+    import wise_jax
+    import wise_torch
+
+    kw = dict(num_pages=4, page_size=32, max_model_len=64, max_num_seqs=2, kernel="reference")
+    for backend, llm_type in (("torch", wise_torch.LLM), ("jax", wise_jax.LLM)):
+        llm = build_engine(backend, "random-tiny", dtype="float32", **kw)
+        assert isinstance(llm, llm_type) and isinstance(llm, Engine) and llm.get_tokenizer() is not None
+        assert (llm.blocks.num_pages, llm.page_size, llm.max_model_len) == (4, 32, 64)
 
 
 @pytest.mark.parametrize("argv, message", [
