@@ -14,7 +14,7 @@ import torch
 from wise_core.engine.protocol import Engine
 from wise_core.presets import PRESETS
 from wise_serve.args import add_serve_arguments
-from wise_serve.model import build_engine, build_llm, dummy_model
+from wise_serve.model import build_llm, dummy_model
 
 
 ROOT = Path(__file__).resolve().parents[2]
