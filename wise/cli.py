@@ -2,7 +2,8 @@
 
 Subcommands are listed in `COMMANDS` (name -> (help, add_arguments, run)); `run(args)` returns
 the exit status. `wise generate` runs the engine of --backend (`wise_torch.LLM` or
-`wise_jax.LLM`, through the engine protocol `wise_core.engine.protocol.Engine`) on one prompt
+`wise_jax.LLM`, built by `wise_serve.model.build_engine` and driven through the engine protocol
+`wise_core.engine.protocol.Engine`) on one prompt
 (--prompt TEXT, or - for standard input) or a batch (--prompt-file: one prompt a line, or JSONL
 objects with a "prompt" field and an optional "max_tokens"; a UTF-8 byte-order mark is dropped,
 blank lines are skipped), printing the text (--stream: as it comes; --logprobs: each token's
@@ -15,23 +16,22 @@ completions server (wise_serve, either backend). Sampling flags (--top-p, --top-
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable, ContextManager
 
 from wise_core import __version__
-from wise_core.checkpoint import BUILTIN_MODELS, DEFAULT_MODEL
+from wise_core.checkpoint import BUILTIN_MODELS, DEFAULT_MODEL, open_checkpoint
 from wise_core.detokenize import TextStream
 from wise_core.engine.protocol import Engine
 from wise_core.generate_args import check_sampling, check_seed
 from wise_core.sampling_params import MAX_SEED, SamplingParams
 from wise_core.tokenizer import encode_text
 from wise_core.wise_config import KERNELS, WiseConfig
+from wise_serve.model import build_engine, engine_context, select_device
 
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_NUM_SEQS = 256      # `wise generate`: requests decoding at once
@@ -153,49 +153,19 @@ def _jsonl_prompt(line: str, n: int, where: str) -> Prompt:
     return Prompt(obj["prompt"], max_tokens, n, where)
 
 
-# -- backends -------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Backend:
-    """A loaded model of one framework: its tokenizer, engine(**EngineArgs) -> the framework's
-    `LLM` over it (an `Engine`), context: what the engine runs in, threads: the CPU threads
-    (None: the framework's own)."""
+# -- the engine -----------------------------------------------------------------------------------------
+def _engine(args, **engine_args) -> tuple[Engine, int | None]:
+    """The --backend engine over --model, in --dtype on --device (`wise_serve.model.build_engine`)
+    -> (the engine, the CPU threads torch runs on; None for jax, which keeps XLA's own)."""
+    device = select_device(args.backend, args.device)
+    threads = None
+    if args.backend == "torch":
+        import torch
 
-    tokenizer: object
-    engine: Callable[..., Engine]
-    context: Callable[[], ContextManager]
-    threads: int | None
-    max_positions: int
-
-
-def _torch_backend(args) -> Backend:
-    import torch
-
-    import wise_torch
-
-    torch.set_num_threads(args.threads or physical_cores())
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda: torch sees no CUDA device")
-    model = wise_torch.load_model(args.model, dtype=args.dtype, device=device)
-    return Backend(model.tokenizer, lambda **kw: wise_torch.LLM(model, **kw), torch.inference_mode,
-                   torch.get_num_threads(), model.config.max_position_embeddings)
-
-
-def _jax_backend(args) -> Backend:
-    if args.device == "cpu":
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    try:
-        import jax
-
-        import wise_jax
-    except ImportError as e:
-        raise RuntimeError(f"--backend jax needs jax and the wise_jax package: {e}") from e
-    if args.device == "cuda" and jax.default_backend() != "gpu":
-        raise RuntimeError(f"--device cuda: jax runs on {jax.default_backend()!r}, not a GPU")
-    config, params, tokenizer = wise_jax.load_model(args.model, dtype=args.dtype, with_tokenizer=True,
-                                                    layers="unstacked")
-    return Backend(tokenizer, lambda **kw: wise_jax.LLM(params, config, tokenizer=tokenizer, **kw),
-                   contextlib.nullcontext, None, config.max_position_embeddings)
+        torch.set_num_threads(args.threads or physical_cores())
+        threads = torch.get_num_threads()
+        engine_args["device"] = device
+    return build_engine(args.backend, args.model, dtype=args.dtype, **engine_args), threads
 
 
 def _new_tokens(args, prompt: Prompt, prompt_tokens: int, max_positions: int) -> int:
@@ -215,19 +185,19 @@ def _generate(args, wise_config: WiseConfig | None, prompts: list[Prompt], on_te
     finish_reason, logprobs (None without --logprobs), prompt_tokens, ttft_s, latency_s; the
     engine's stats as a dict). Prompt i samples with seed --seed + i, so its tokens do not depend
     on the other prompts. on_text(delta): called as the (single) prompt's text grows."""
-    backend = (_torch_backend if args.backend == "torch" else _jax_backend)(args)
-    tokenizer = backend.tokenizer
+    checkpoint = open_checkpoint(args.model)      # the tokenizer and the positions, before the engine loads
+    tokenizer = checkpoint.tokenizer
     if tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer.json; `wise generate` needs one")
     ids = [encode_text(tokenizer, p.text, p.name) for p in prompts]
-    new = [_new_tokens(args, p, len(i), backend.max_positions) for p, i in zip(prompts, ids)]
+    new = [_new_tokens(args, p, len(i), checkpoint.config.max_position_embeddings) for p, i in zip(prompts, ids)]
     max_num_seqs, page_size = min(len(ids), MAX_NUM_SEQS), PAGE_SIZE
     lengths = [len(p) + n for p, n in zip(ids, new)]
     # Every request at once: the pool they need (as wise_torch.generate); a larger batch queues
     # in a pool sized by the engine's default.
     num_pages = sum(-(-n // page_size) for n in lengths) if len(ids) <= max_num_seqs else None
-    llm = backend.engine(wise_config=wise_config, num_pages=num_pages, page_size=page_size,
-                         max_num_seqs=max_num_seqs, max_model_len=max(lengths), seed=args.seed or 0)
+    llm, threads = _engine(args, wise_config=wise_config, num_pages=num_pages, page_size=page_size,
+                           max_num_seqs=max_num_seqs, max_model_len=max(lengths), seed=args.seed or 0)
     requests = {}
     for i, prompt in enumerate(ids):
         params = SamplingParams(max_tokens=new[i], temperature=args.temperature, stop=tuple(args.stop),
@@ -235,14 +205,14 @@ def _generate(args, wise_config: WiseConfig | None, prompts: list[Prompt], on_te
                                 **sampling_filters(args))
         requests[llm.add_request(prompt, params)] = i
     results: list[dict | None] = [None] * len(ids)
-    text = TextStream(tokenizer, tuple(args.stop)) if on_text is not None else None
+    text = TextStream(tokenizer, tuple(args.stop), cut=False) if on_text is not None else None   # the engine cuts
     bar = None
     if len(ids) > 1:
         from tqdm.auto import tqdm
         bar = tqdm(total=len(ids), desc="prompts", unit="prompt", dynamic_ncols=True, file=sys.stderr,
                    disable=None)   # None: no bar without a terminal
     start, first = time.perf_counter(), {}
-    with backend.context():
+    with engine_context(args.backend)():
         while llm.has_unfinished():
             for out in llm.step():
                 now = time.perf_counter()
@@ -250,7 +220,7 @@ def _generate(args, wise_config: WiseConfig | None, prompts: list[Prompt], on_te
                 if text is not None:
                     text.add(out.token_ids[len(text.ids):])
                     if out.finished:
-                        text.finish()
+                        text.finish(out.text)
                     on_text(text.delta(final=out.finished))
                 if out.finished:
                     i = requests[out.request_id]
@@ -266,7 +236,7 @@ def _generate(args, wise_config: WiseConfig | None, prompts: list[Prompt], on_te
     s = llm.stats()
     stats = dict(prefill_s=s.prefill_s, prefill_tokens=s.prompt_tokens, decode_s=s.decode_s,
                  decode_tokens=s.decode_tokens, decode_tokens_per_s=s.decode_tokens_per_s,
-                 preemptions=s.preemptions, fallbacks=s.fallbacks, density=s.density, threads=backend.threads,
+                 preemptions=s.preemptions, fallbacks=s.fallbacks, density=s.density, threads=threads,
                  step_programs=s.step_programs, step_build_s=s.step_build_s)
     return results, stats
 

@@ -10,6 +10,12 @@ the whole output is decoded once more, so the completed text is exactly
 their first occurrence; while streaming, the last `max(len(stop)) - 1` characters are held back
 until they cannot begin a stop string. With min_tokens, no stop string is looked for before that
 many tokens; include_stop keeps the stop string in the text (it ends after it).
+
+The engine alone cuts a request's text at its stop strings (`LLMEngine.add_request` gives each
+request with stop strings a `TextStream`). A caller streaming the request's text as it comes
+(`wise serve`, `wise generate --stream`) follows the engine's outputs with
+`TextStream(tokenizer, stop, cut=False)`: it holds back as much text as the stop strings could
+take, looks for none of them, and at the end takes the engine's text (`finish(text)`).
 """
 
 from __future__ import annotations
@@ -19,10 +25,13 @@ REPLACEMENT = "\ufffd"
 
 class TextStream:
     """tokenizer: has decode(ids) -> str (or None: no text, token ids only); stop: stop strings
-    (min_tokens, include_stop: the module docstring)."""
+    (min_tokens, include_stop: the module docstring); cut: look for the stop strings and cut the
+    text at the first (the engine's stream); False: only hold back the text they could begin (a
+    stream that follows an engine's request, whose text the engine cuts: `finish(text)`)."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = (), *, min_tokens: int = 0, include_stop: bool = False):
-        self.tokenizer, self.stop = tokenizer, stop
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), *, min_tokens: int = 0, include_stop: bool = False,
+                 cut: bool = True):
+        self.tokenizer, self.stop, self.cut = tokenizer, stop, cut
         self.min_tokens, self.include_stop = min_tokens, include_stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.ids: list[int] = []
@@ -48,9 +57,19 @@ class TextStream:
                 self._extend(window[len(prefix):])
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
 
-    def finish(self) -> None:
-        """The output is complete: decode it whole (the text is then exactly decode(ids), cut at a stop)."""
+    def finish(self, text: str | None = None) -> None:
+        """The output is complete: decode it whole (the text is then exactly decode(ids), cut at a
+        stop). text: the engine's final text of the request (its `RequestOutput.text`, cut at its
+        stop string), which a stream of cut=False takes; the text handed out must begin it."""
         if self.tokenizer is None or self.stopped:
+            return
+        if text is not None:
+            if self.cut:
+                raise ValueError("finish(text) takes the engine's text: a stream that cuts its own takes none")
+            if not text.startswith(self.text[:self.sent]):
+                raise RuntimeError(f"the engine's text {text!r:.80} does not begin with the text already handed out "
+                                   f"{self.text[:self.sent]!r:.80}")
+            self.text = text
             return
         full = self.tokenizer.decode(self.ids)
         if not full.startswith(self.text):
@@ -63,7 +82,7 @@ class TextStream:
             return
         start = max(len(self.text) - self.hold, 0)
         self.text += delta
-        if self.num_tokens < self.min_tokens:
+        if not self.cut or self.num_tokens < self.min_tokens:
             return
         found = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
         if found:

@@ -1,7 +1,11 @@
-"""Tokenizers: `tokenizer.json` through the `tokenizers` library, and the byte-level one wise ships."""
+"""Tokenizers: `tokenizer.json` through the `tokenizers` library, and the byte-level one wise
+ships; prompts as text (`encode_text`) and as token ids (`check_token_ids`, the one check of
+token ids a caller gives, in both engines, both `generate`s and the JAX functional paths)."""
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -60,3 +64,25 @@ def encode_text(tokenizer: Tokenizer, text: str, what: str = "prompt") -> list[i
         raise ValueError(f"{what} holds a lone surrogate {text[e.start]!r} at index {e.start}: not valid "
                          f"Unicode text (decode its bytes with errors='replace' first)") from None
     return tokenizer.encode(text).ids
+
+
+def check_token_ids(ids, vocab_size: int, what: str) -> list[int]:
+    """Token ids a caller gives (a prompt, a forced continuation): a sequence (list, tuple), or a 1-D
+    array (numpy, torch, jax: anything with ndim and tolist), of integers -> list[int], each in
+    [0, vocab_size). Anything else is an error naming `what`: a TypeError for what is not
+    integer ids (bools are not), a ValueError for an array not 1-D, no ids, or ids outside the
+    vocabulary (the first five named)."""
+    if hasattr(ids, "ndim") and hasattr(ids, "tolist"):
+        if ids.ndim != 1:
+            raise ValueError(f"{what}'s token ids must be 1-D, got shape {tuple(ids.shape)}")
+        ids = ids.tolist()
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+        raise TypeError(f"{what} must be a string or a sequence of integer token ids, got {ids!r:.80}")
+    ids = [int(t) for t in ids]
+    if not ids:
+        raise ValueError(f"{what} is empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{what} holds token ids {bad[:5]} outside the vocabulary (size {vocab_size})")
+    return ids

@@ -22,11 +22,11 @@ from tokenizers import Tokenizer
 
 from wise_core.evaluation import Arm
 from wise_core.model_config import ModelConfig
-from wise_core.tokenizer import encode_text
+from wise_core.generation import prompt_lists
 from wise_core.wise_config import WiseConfig
 from wise_jax.params import Params
 from wise_jax.scoring import greedy, score
-from wise_jax.serving import DEFAULT_PAGE_SIZE, check_ids, prefill_bucket
+from wise_jax.serving import DEFAULT_PAGE_SIZE, prefill_bucket
 
 
 def heldout_pairs(ids, *, context: int, continuation: int, count: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -43,19 +43,6 @@ def heldout_pairs(ids, *, context: int, continuation: int, count: int) -> tuple[
     starts = np.linspace(0, len(ids) - context - continuation, count).astype(int)
     return ([ids[s:s + context].tolist() for s in starts],
             [ids[s + context:s + context + continuation].tolist() for s in starts])
-
-
-def _ids(items, config: ModelConfig, tokenizer: Tokenizer | None, what: str) -> list[list[int]]:
-    if isinstance(items, str) or not isinstance(items, Sequence) or not len(items):
-        raise ValueError(f"{what} must be a non-empty list of token-id lists or strings")
-    out = []
-    for n, item in enumerate(items):
-        if isinstance(item, str):
-            if tokenizer is None:
-                raise ValueError(f"{what}[{n}] is a string: pass tokenizer= to encode it")
-            item = encode_text(tokenizer, item, f"{what}[{n}]")
-        out.append(check_ids(item, config, f"{what}[{n}]"))
-    return out
 
 
 def _batches(lengths: list[int], batch: int) -> list[list[int]]:
@@ -79,8 +66,9 @@ def evaluate(params: Params, config: ModelConfig, wise_config: WiseConfig | None
     one byte per token, a byte-level model). batch: contexts decoded together. kernel: the
     decode-attention kernel (None: wise_config.kernel, or "auto"). seed, confidence: of the
     bootstrap intervals."""
-    contexts = _ids(contexts, config, tokenizer, "contexts")
-    continuations = _ids(continuations, config, tokenizer, "continuations")
+    contexts = prompt_lists(contexts, config.vocab_size, tokenizer, "contexts", "pass tokenizer= to encode it")
+    continuations = prompt_lists(continuations, config.vocab_size, tokenizer, "continuations",
+                                 "pass tokenizer= to encode it")
     if len(contexts) != len(continuations):
         raise ValueError(f"{len(contexts)} contexts but {len(continuations)} continuations")
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:

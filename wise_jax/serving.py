@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from wise_core.model_config import ModelConfig
+from wise_core.tokenizer import check_token_ids
 from wise_core.wise_config import WiseConfig
 from wise_jax import checks
 from wise_jax import kv_cache as kvc
@@ -62,19 +63,8 @@ class RequestKV:
 
 
 def check_ids(ids, config: ModelConfig, what: str) -> list[int]:
-    """A non-empty sequence of integer token ids in the vocabulary -> list[int], else a named error."""
-    if isinstance(ids, (np.ndarray, jax.Array)):
-        ids = np.asarray(ids).tolist()
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or not all(
-            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
-        raise TypeError(f"{what} must be a string or a sequence of integer token ids, got {ids!r:.80}")
-    ids = [int(t) for t in ids]
-    if not ids:
-        raise ValueError(f"{what} is empty")
-    bad = [t for t in ids if not 0 <= t < config.vocab_size]
-    if bad:
-        raise ValueError(f"{what} holds token ids {bad[:5]} outside the vocabulary (size {config.vocab_size})")
-    return ids
+    """`wise_core.tokenizer.check_token_ids` against config's vocabulary (what `wise_jax.engine.encode` calls)."""
+    return check_token_ids(ids, config.vocab_size, what)
 
 
 def prefill_bucket(length: int, page_size: int) -> int:
@@ -102,7 +92,7 @@ def prefill(params: Params, config: ModelConfig, tokens: Sequence[int], *, page_
     (those, the logits float32[padded length, vocab] at every position), `model.prefill`'s.
     params are checked against config (`checks.prefill`)."""
     checks.prefill(params, config, tokens)
-    ids = check_ids(tokens, config, "tokens")
+    ids = check_token_ids(tokens, config.vocab_size, "tokens")
     if len(ids) > config.max_position_embeddings:
         raise ValueError(f"a prompt of {len(ids)} tokens exceeds max_position_embeddings "
                          f"({config.max_position_embeddings})")

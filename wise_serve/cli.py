@@ -25,5 +25,5 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--chat-template needs a model with a tokenizer (a chat is text)")
     asyncio.run(serve(llm, host=args.host, port=args.port, model_name=args.served_model_name or args.model,
                       shutdown_timeout=args.shutdown_timeout, chat_template=template, description=describe(args),
-                      engine_context=engine_context(args), limits=limits))
+                      engine_context=engine_context(args.backend), limits=limits))
     return 0

@@ -6,8 +6,9 @@
 Routes: POST /v1/completions and POST /v1/chat/completions (JSON, or server-sent events with
 `stream`: one chunk per generated token of each choice, then `data: [DONE]`), POST
 /tokenize and POST /detokenize (vLLM's), GET /v1/models, GET /health, GET /metrics
-(Prometheus). Each prompt is one engine request of `n` completions (one choice each, its stop
-strings applied by a TextStream of its own). Every request
+(Prometheus). Each prompt is one engine request of `n` completions (one choice each; the engine
+cuts its text at a stop string, and a TextStream follows the engine's outputs to stream the text
+that no later token can change: `wise_core.detokenize`). Every request
 gets one access-log line (logger "wise_serve.access": its id, status, prompt and completion
 tokens, latency) and its id in the X-Request-Id header.
 
@@ -143,8 +144,9 @@ class _Timing:
 
 class _Choice:
     """One completion as it arrives (completion `completion` of the engine request `handle`):
-    its text (the server's own TextStream: stop strings cut, min_tokens and
-    include_stop_str_in_output as the engine applies them), tokens and logprobs. index: the
+    its text (a TextStream following the engine's: the text the stop strings could still take
+    held back, the engine's text at the end, which the engine cut at a stop string), tokens and
+    logprobs. index: the
     choice's index in the response; prefix: text that starts the choice (echo: the prompt; None:
     no echo); prompt: with echo and logprobs, the prompt's ids and scores (RequestOutput's
     prompt_token_ids and prompt_ranked), once its first token came."""
@@ -152,8 +154,7 @@ class _Choice:
     def __init__(self, index: int, handle: RequestHandle, completion: int, tokenizer, generation: Generation,
                  timing: _Timing, prefix: str | None = None):
         self.index, self.handle, self.completion, self.timing, self.prefix = index, handle, completion, timing, prefix
-        self.text = TextStream(tokenizer, generation.stop, min_tokens=generation.sampling["min_tokens"],
-                               include_stop=generation.sampling["include_stop_str_in_output"])
+        self.text = TextStream(tokenizer, generation.stop, cut=False)
         self.want_logprobs = generation.logprobs is not None
         self.logprobs: list[float] = []
         self.ranked: list[dict[int, tuple[float, int]]] = []   # per token: the chosen's and the top k's (logprob, rank)
@@ -197,11 +198,9 @@ class _Choice:
                                        f"{self.handle.request_id}, which asked for them")
                 self.logprobs.append(out.logprobs[at])
                 self.ranked.append(out.ranked[at])
-            if self.text.stopped:                        # the engine stops it too (the same stop strings)
-                return items + [(token, self._end("stop"))]
             if out.finished and k == len(new) - 1:
-                self.text.finish()
-                return items + [(token, self._end("stop" if self.text.stopped else out.finish_reason))]
+                self.text.finish(out.text)
+                return items + [(token, self._end(out.finish_reason))]
             items.append((token, None))
         if out.finished and not new:                     # aborted (shutdown) without a new token
             items.append((None, self._end(out.finish_reason)))

@@ -94,22 +94,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 # -- workers (one process per (engine, measurement)) -------------------------------------------------------
 def _jax_engine(spec: dict):
-    """(a function building the engine with its defaults, SamplingParams, the prompts)."""
-    import wise_jax
+    """(a function building the engine with its defaults (`build_engine`), SamplingParams, the prompts)."""
     from benchmarks.engine.jax_generate_bench import cohort_setup
+    from wise_core.sampling_params import SamplingParams
+    from wise_serve.model import build_engine
     config, params, prompts = cohort_setup(spec)
-    return (lambda: wise_jax.LLM(params, config, compilation_cache=spec["cache"])), wise_jax.SamplingParams, prompts
+    build = lambda: build_engine("jax", params, config=config, compilation_cache=spec["cache"])  # noqa: E731
+    return build, SamplingParams, prompts
 
 
 def _torch_engine(spec: dict):
     """As `_jax_engine`; the Triton kernel cache is the process's TRITON_CACHE_DIR (`run_child`)."""
     import torch
-    import wise_torch
     from benchmarks.engine.workload import random_model, random_prompts
     from wise_core.model_config import ModelConfig
+    from wise_core.sampling_params import SamplingParams
+    from wise_serve.model import build_engine
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = random_model(dict(spec, device=device), ModelConfig(**spec["config"]))
-    return (lambda: wise_torch.LLM(model)), wise_torch.SamplingParams, random_prompts(spec, model.config.vocab_size)
+    return (lambda: build_engine("torch", model)), SamplingParams, random_prompts(spec, model.config.vocab_size)
 
 
 def _program_stats(llm) -> dict:

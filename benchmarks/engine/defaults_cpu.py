@@ -42,8 +42,10 @@ def _torch_run(spec: dict):
     import torch
     import wise_torch
     from wise_core.checkpoint import random_tensors
+    from wise_core.sampling_params import SamplingParams
     from wise_core.speculative_config import SpeculativeConfig
     from wise_core.wise_config import WiseConfig
+    from wise_serve.model import build_engine
     torch.set_num_threads(1)
     config = _config(spec["max_position_embeddings"])
     model = wise_torch.from_tensors(config, random_tensors(config, seed=0, std=0.08))
@@ -52,20 +54,23 @@ def _torch_run(spec: dict):
         kw["wise_config"] = WiseConfig()
     if spec["arm"] == "spec-wise":
         kw.update(wise_config=WiseConfig(), speculative_config=SpeculativeConfig("wise", num_draft=4))
-    llm = wise_torch.LLM(model, **kw)
-    params = wise_torch.SamplingParams(max_tokens=spec["new_tokens"], ignore_eos=True)
+    llm = build_engine("torch", model, **kw)
+    params = SamplingParams(max_tokens=spec["new_tokens"], ignore_eos=True)
     return llm, lambda: [o.token_ids for o in llm.generate(_prompts(spec), params, use_tqdm=False)]
 
 
 def _jax_run(spec: dict):
     import wise_jax
     from wise_core.checkpoint import random_tensors
+    from wise_core.sampling_params import SamplingParams
     from wise_core.wise_config import WiseConfig
+    from wise_serve.model import build_engine
     config = _config(spec["max_position_embeddings"])
     params = wise_jax.from_checkpoint_tensors(config, random_tensors(config, seed=0, std=0.08))
     kw = {} if spec["sizing"] == "defaults" else {"max_model_len": spec["tight"]}
-    llm = wise_jax.LLM(params, config, wise_config=WiseConfig() if spec["arm"] == "wise" else None, **kw)
-    sampling = wise_jax.SamplingParams(max_tokens=spec["new_tokens"], ignore_eos=True)
+    llm = build_engine("jax", params, config=config, wise_config=WiseConfig() if spec["arm"] == "wise" else None,
+                       **kw)
+    sampling = SamplingParams(max_tokens=spec["new_tokens"], ignore_eos=True)
     return llm, lambda: [o.token_ids for o in llm.generate(_prompts(spec), sampling, use_tqdm=False)]
 
 

@@ -35,9 +35,11 @@ def _prompts(spec: dict, vocab: int) -> list[list[int]]:
 
 
 def _engine_factory(spec: dict):
-    """(a function making a fresh engine, its SamplingParams class, the vocabulary size)."""
+    """(a function making a fresh engine (`build_engine`), its SamplingParams class, the vocabulary size)."""
     from wise_core.checkpoint import random_tensors
     from wise_core.presets import PRESETS
+    from wise_core.sampling_params import SamplingParams
+    from wise_serve.model import build_engine
     kw = dict(enable_prefix_caching=spec["arm"] == "on", max_num_batched_tokens=spec["max_num_batched_tokens"],
               max_model_len=spec["prefix"] + spec["suffix"] + spec["new_tokens"])
     if spec["engine"] == "torch":
@@ -50,7 +52,7 @@ def _engine_factory(spec: dict):
                                       std=0.02, seed=0, q_scale=1.0), PRESETS[spec["preset"]])
         else:
             model = wise_torch.load_model(spec["model"])
-        return (lambda: wise_torch.LLM(model, **kw)), wise_torch.SamplingParams, model.config.vocab_size
+        return (lambda: build_engine("torch", model, **kw)), SamplingParams, model.config.vocab_size
     import jax
     import jax.numpy as jnp
     import wise_jax
@@ -60,7 +62,7 @@ def _engine_factory(spec: dict):
         params = wise_jax.from_checkpoint_tensors(config, random_tensors(config, seed=0), dtype=dtype)
     else:
         config, params = wise_jax.load_model(spec["model"], layers="unstacked")
-    return (lambda: wise_jax.LLM(params, config, **kw)), wise_jax.SamplingParams, config.vocab_size
+    return (lambda: build_engine("jax", params, config=config, **kw)), SamplingParams, config.vocab_size
 
 
 def _workload(llm, prompts, params) -> dict:

@@ -357,7 +357,7 @@ def run_offline(args) -> dict:
                       args.workload_seed + 7)
 
     def run(reqs):
-        with engine_context(args)():
+        with engine_context(args.backend)():
             start = time.perf_counter()
             for r in reqs:
                 llm.add_request(r.prompt, SamplingParams(max_tokens=r.max_tokens, temperature=args.temperature,

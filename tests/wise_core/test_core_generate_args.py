@@ -82,3 +82,45 @@ def test_generate_prompts_and_params_are_paired_or_refused():
         prompts_with_params(Array(), a, (Array,))
     with pytest.raises(ValueError, match="2 prompts but 1 SamplingParams"):
         prompts_with_params(["x", "y"], [a])
+
+
+def test_token_ids_are_checked_once_for_every_caller():
+    """wise_core.tokenizer.check_token_ids: what the engines, both generates and the JAX
+    functional paths take as token ids."""
+    import numpy as np
+
+    from wise_core.tokenizer import check_token_ids
+    assert check_token_ids(np.array([1, 2], np.int64), 8, "p") == [1, 2] and check_token_ids((7,), 8, "p") == [7]
+    for ids, error, message in (
+            ([1, True], TypeError, "p must be a string or a sequence of integer token ids"),
+            ("ab", TypeError, "integer token ids"),
+            (np.zeros((1, 2), np.int64), ValueError, r"p's token ids must be 1-D, got shape \(1, 2\)"),
+            ([], ValueError, "p is empty"),
+            ([3, 8, -1], ValueError, r"p holds token ids \[8, -1\] outside the vocabulary \(size 8\)")):
+        with pytest.raises(error, match=message):
+            check_token_ids(ids, 8, "p")
+
+
+def test_generate_prompts_and_eos_policy_are_one():
+    """wise_core.generation: prompts (strings through the tokenizer), lengths, and the eos
+    policy both generates run: the model's eos stops as eos; another id replaces it; None never stops."""
+    from wise_core.generation import check_positions, forced_pairs, generation_params, prompt_lists
+    tok = byte_tokenizer()
+    assert prompt_lists(["hi", [1, 2]], 258, tok, "prompts", "no") == [[104, 105], [1, 2]]
+    for prompts, error, message in (("hi", TypeError, "non-empty list"), ([], ValueError, "non-empty list"),
+                                    ([[1], [300]], ValueError, r"prompts\[1\] holds token ids \[300\]")):
+        with pytest.raises(error, match=message):
+            prompt_lists(prompts, 258, tok, "prompts", "no")
+    with pytest.raises(ValueError, match=r"prompts\[0\] is a string: pass token ids"):
+        prompt_lists(["hi"], 258, None, "prompts", "pass token ids")
+    assert forced_pairs([1, 2], [3], 258, None, "no") == ([[1, 2]], [[3]])
+    assert forced_pairs([[1], [2]], [[3], [4]], 258, None, "no") == ([[1], [2]], [[3], [4]])
+    with pytest.raises(ValueError, match="2 contexts but 1 continuations"):
+        forced_pairs([[1], [2]], [[3]], 258, None, "no")
+    assert check_positions([[1, 2]], [3], 5, "prompts") == [5]
+    with pytest.raises(ValueError, match=r"prompts\[0\]: 2 tokens \+ 4 more exceed max_position_embeddings \(5\)"):
+        check_positions([[1, 2]], [4], 5, "prompts")
+    kw = dict(max_new_tokens=3, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, stop=(), vocab_size=258, model_eos=256)
+    for eos, ignore_eos, stops in ((MODEL_EOS, False, ()), (256, False, ()), (7, True, (7,)), (None, True, ())):
+        p = generation_params(eos_token_id=eos, **kw)
+        assert (p.ignore_eos, p.stop_token_ids, p.max_tokens) == (ignore_eos, stops, 3), eos

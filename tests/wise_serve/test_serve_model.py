@@ -104,6 +104,46 @@ def test_one_backend_serves_without_importing_the_other(backend, other):
     assert done.returncode == 0, done.stderr
 
 
+REFUSED = [
+    ("tensorflow", {}, "unknown backend 'tensorflow': the engines are 'torch', 'jax'"),
+    ("jax", {"cuda_graphs": False}, "cuda_graphs is an option of the torch engine; the jax engine does not take it"),
+    ("torch", {"mesh": None}, "mesh is an option of the jax engine; the torch engine does not take it"),
+    ("torch", {"num_page": 4}, "unknown engine option 'num_page' for the torch engine"),
+    ("jax", {"dtype": "int8"}, "dtype 'int8' is not one an engine loads"),
+    ("torch", {"kernel": "pallas"}, "kernel 'pallas' is not a torch kernel"),
+]
+
+
+def test_build_engine_names_what_it_refuses_before_a_framework_loads():
+    """Each refusal is a ValueError naming the backend or option, raised before any framework is
+    imported (one fresh process for all of them)."""
+    code = ("import sys; from wise_serve.model import build_engine\n"
+            f"for backend, options in {[(b, o) for b, o, _ in REFUSED]!r}:\n"
+            "    try:\n        build_engine(backend, 'test-tiny', **options)\n"
+            "    except ValueError as e:\n        print(e)\n"
+            "print(sorted({'torch', 'jax'} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0 and len(lines) == len(REFUSED) + 1 and lines[-1] == "[]", done.stdout + done.stderr
+    for line, (_, _, message) in zip(lines, REFUSED):
+        assert message in line, (line, message)
+
+
+def test_the_backend_options_are_the_engines_own_arguments():
+    """BACKEND_OPTIONS (what build_engine checks before a framework loads) lists exactly the
+    keyword arguments of each LLM beside its model and EngineArgs'."""
+    import inspect
+
+    import wise_jax
+    import wise_torch
+    from wise_core.engine.backends import BACKEND_OPTIONS
+
+    for backend, llm in (("torch", wise_torch.LLM), ("jax", wise_jax.LLM)):
+        own = [name for name, p in inspect.signature(llm.__init__).parameters.items()
+               if p.kind is p.KEYWORD_ONLY or name == "config"]
+        assert sorted(own) == sorted(BACKEND_OPTIONS[backend]), backend
+
+
 @pytest.mark.parametrize("argv, message", [
     (("--eta", "0.9"), "--eta needs --wise"),
     (("--load-format", "dummy"), "--load-format dummy needs --model to be a preset"),

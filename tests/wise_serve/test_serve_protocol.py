@@ -248,6 +248,36 @@ def test_stop_strings_cut_the_text_across_token_boundaries(stop, text, want):
     assert all(s not in "".join(pieces) for s in stop)
 
 
+def test_a_stream_following_the_engine_never_hands_out_text_the_engine_cuts():
+    """A follower (cut=False: what `wise serve` and `wise generate --stream` run) fed the tokens
+    an engine-side stream (cut=True) consumed hands out, piece by piece until the engine's last
+    token, a prefix of the engine's final text, and with finish(that text) exactly it: for random
+    byte streams (split characters among them), stop strings, min_tokens and include_stop."""
+    tok, rng = byte_tokenizer(), random.Random(1)
+    alphabet = list("ab\né".encode())
+    for _ in range(300):
+        ids = [rng.choice(alphabet) for _ in range(rng.randint(1, 24))]
+        stop = tuple({"".join(rng.choice("ab\n") for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(1, 2))})
+        kw = dict(min_tokens=rng.randint(0, 4), include_stop=rng.random() < 0.5)
+        engine, follower, pieces = TextStream(tok, stop, **kw), TextStream(tok, stop, cut=False), []
+        for t in ids:
+            engine.add([t])
+            follower.add([t])
+            if engine.stopped:          # the engine's output of this token is its last: finish(text) follows
+                break
+            pieces.append(follower.delta(final=False))
+        engine.finish()
+        assert engine.text.startswith("".join(pieces)), (ids, stop, kw)
+        follower.finish(engine.text)
+        pieces.append(follower.delta(final=True))
+        assert "".join(pieces) == engine.text and not follower.stopped
+    with pytest.raises(RuntimeError, match="does not begin with the text already handed out"):
+        follower = TextStream(tok, cut=False)
+        follower.add(list(b"abc"))
+        follower.delta(final=False)
+        follower.finish("xyz")
+
+
 def test_histogram_buckets_are_cumulative_and_le_inclusive():
     h = Histogram("wise_x_seconds", "x.", (0.1, 1.0))
     for v in (0.05, 0.1, 0.5, 2.0):

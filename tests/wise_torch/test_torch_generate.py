@@ -151,7 +151,7 @@ def test_bad_inputs_are_named(byte_model, model):
     gen = wt.generate
     with pytest.raises(ValueError, match=r"prompts\[0\]: 4090 tokens \+ 7 more exceed max_position_embeddings \(4096\)"):
         gen(byte_model, [[1] * 4090], max_new_tokens=7)
-    with pytest.raises(TypeError, match="non-empty list"):
+    with pytest.raises(ValueError, match="non-empty list"):     # as wise_jax.generate's (wise_core.generation)
         gen(byte_model, [], max_new_tokens=1)
     with pytest.raises(TypeError, match="non-empty list"):
         gen(byte_model, "a string", max_new_tokens=1)

@@ -16,7 +16,6 @@ back, and its program and WISE counters.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import time
 from typing import Protocol
 
@@ -29,7 +28,7 @@ from wise_core.engine.single_thread import SingleThread, one_thread
 from wise_core.outputs import RequestOutput
 from wise_core.sampling_params import SamplingParams, add_all, prompts_with_params
 from wise_core.stats import EngineStats
-from wise_core.tokenizer import encode_text
+from wise_core.tokenizer import check_token_ids, encode_text
 
 COUNTERS = ("prompt_tokens", "generated_tokens", "prefill_s", "decode_s", "decode_steps", "decode_tokens")
 
@@ -136,27 +135,13 @@ class LLMEngine:
         return first.request_id
 
     def _checked_ids(self, prompt, what: str) -> list[int]:
-        """A string (through the tokenizer) or a sequence / 1-D array of integer ids -> a
-        non-empty list of ids in the vocabulary, else an error naming the problem."""
+        """A string (through the tokenizer) or token ids -> a non-empty list of ids in the
+        vocabulary (`check_token_ids`), else an error naming the problem."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"the {what} is a string but the engine has no tokenizer; pass token ids")
-            ids = encode_text(self.tokenizer, prompt, what)
-        else:
-            if hasattr(prompt, "ndim") and hasattr(prompt, "tolist"):     # a numpy / torch / jax array
-                if prompt.ndim != 1:
-                    raise ValueError(f"the {what}'s token ids must be 1-D, got shape {tuple(prompt.shape)}")
-                prompt = prompt.tolist()
-            if not isinstance(prompt, (list, tuple)) or not all(
-                    isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
-                raise TypeError(f"the {what} must be a string or a sequence of integer token ids, got {prompt!r:.80}")
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError(f"the {what} is empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"the {what} holds token ids {bad[:5]} outside the vocabulary (size {self.vocab_size})")
-        return ids
+            prompt = encode_text(self.tokenizer, prompt, what)
+        return check_token_ids(prompt, self.vocab_size, f"the {what}")
 
     def _request(self, request_id: int) -> list[Sequence]:
         """The sequences of an unfinished request (its completions, for n > 1); KeyError if none."""
