@@ -358,7 +358,8 @@ def prepare_decode_attention(kernel: str, *, batches: list[int], heads: int, kv_
     if fn is decode_attention_reference:
         return dict.fromkeys(batches, _with_selection(functools.partial(fn, validate=False), selection))
     module = importlib.import_module(fn.__module__)
-    configs = {b: dataclasses.replace(module.config_for(head_dim, dtype), min_splits=min_splits(b)) for b in batches}
+    configs = {b: dataclasses.replace(module.config_for(head_dim, dtype, kv_cache_dtype), min_splits=min_splits(b))
+               for b in batches}
     widest = max(configs.values(), key=lambda c: c.min_splits)
     workspace = module.DecodeWorkspace.allocate(
         max(batches), heads, kv_heads, head_dim, max_blocks, dtype=dtype, device=device, block_size=block_size,
