@@ -7,8 +7,10 @@ import pytest
 import torch
 
 import wise_torch as wt
+from wise_core import ouro_reference as R
 from wise_core.checkpoint import random_tensors
 from wise_core.presets import PRESETS
+from wise_core.speculative_config import SpeculativeConfig
 from wise_core.wise_config import WiseConfig
 from wise_torch.engine.sampler import sample
 from cases import prompts_of
@@ -110,8 +112,6 @@ def test_fp8_pools_refuse_the_paths_that_do_not_read_them_and_run_the_reference_
     torch's fast paths that do not read fp8 pages yet are refused, each error naming its option;
     prefill_attention "auto" resolves to SDPA, and the packed "reference" prefill reads the pages
     dequantized, giving the tokens of the numpy reference over an fp8 cache."""
-    from wise_core import ouro_reference as R
-    from wise_core.speculative_config import SpeculativeConfig
     for kw, option in ((dict(prefill_attention="fa4"), "prefill_attention='fa4'"),
                        (dict(dense_decode="fa4"), "dense_decode='fa4'"),
                        (dict(wise_config=WiseConfig(kernel="reference"), wise_decode="fa4-union"),
