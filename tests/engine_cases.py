@@ -36,6 +36,10 @@ class Framework:
             return self.lib.LLM(str(path), device="cpu", **engine_args)
         return self.lib.LLM(str(path), dtype="float32", **engine_args)
 
+    def cache(self, llm):
+        """The engine's paged pool (a `PagedKVCache` of the framework)."""
+        return llm.runner.cache if self.name == "torch" else llm.cache
+
     def forward(self, ids: list[int]):
         """The model's full-sequence forward of `ids` -> logits float32[len(ids), vocab] (numpy)."""
         import numpy as np

@@ -8,6 +8,16 @@ loops may run through FA4's paged decode instead of the decode kernel (`resolve_
 `decode_attention_reference` is the plain-torch reference of the decode contract in
 docs/DESIGN.md; `decode_attention` dispatches to it or to the Triton kernel
 (`wise_torch.kernels.triton_decode`, same signature).
+
+An fp8 K/V cache (`PagedKVCache(..., kv_cache_dtype="fp8")`): k_pages and v_pages are uint8
+e4m3fn codes and `k_scale`, `v_scale` float32 [num_pages, page_size, kv_heads] their scales
+(`wise_core.kv_quant`). The references read them: `decode_attention_reference` and
+`prefill_attention_varlen_reference` gather a row's pages and dequantize them to q's dtype, then
+run the same code as over unquantized pages, so their output, mass and selection are those of
+attention over the dequantized K/V (grouped SDPA prefill reads them through `KVPlane.gather`).
+The Triton decode kernel and FlashAttention-4 do not read fp8 pages yet: for such a cache
+kernel "auto" and prefill attention "auto" resolve to what does (`resolve_kernel`,
+`resolve_prefill_attention`), and naming one of them is a ValueError.
 """
 
 from __future__ import annotations
@@ -22,8 +32,10 @@ import torch
 import torch.nn.functional as F
 
 from wise_core import selection as rules
+from wise_core.kv_quant import check_kv_cache_dtype
 from wise_core.modes import DISCOVER, DISCOVER_UNION, SPARSE
 from wise_core.wise_config import FRAMEWORK_KERNELS
+from wise_torch import kv_quant
 from wise_torch.decode_check import check_call
 from wise_torch.kv_cache import VarlenPrefill
 
@@ -49,7 +61,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, star
 
 
 def prefill_attention_varlen_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-                                       varlen: VarlenPrefill, *, scale: float | None = None) -> torch.Tensor:
+                                       varlen: VarlenPrefill, *, scale: float | None = None,
+                                       k_scale: torch.Tensor | None = None,
+                                       v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a step's packed prompt chunks over their paged keys (`VarlenPrefill`).
 
     q: [total, heads, head_dim] (request r's queries at rows cu_seqlens_q[r]:cu_seqlens_q[r + 1]);
@@ -57,6 +71,8 @@ def prefill_attention_varlen_reference(q: torch.Tensor, k_pages: torch.Tensor, v
     q's dtype. The query at position p of a request attends its keys 0..p (p = its causal offset
     seqused_k - chunk length, plus its index in the chunk). float32 math, one request at a time
     after reading the metadata on the host: the CPU path and the oracle of the FA4 call.
+    k_scale, v_scale: an fp8 cache's scales float32 [num_pages, page_size, kv_heads], k_pages
+    and v_pages then its uint8 codes: a request's pages are dequantized to q's dtype first.
     """
     total, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
@@ -74,8 +90,12 @@ def prefill_attention_varlen_reference(q: torch.Tensor, k_pages: torch.Tensor, v
         if start < 0 or -(-keys // page_size) > varlen.page_table.shape[1]:
             raise ValueError(f"chunk {r}: {n} queries over {keys} keys in {varlen.page_table.shape[1]} pages")
         pages = varlen.page_table[r, :-(-keys // page_size)].long()
-        k = k_pages[pages].flatten(0, 1)[:keys].float()                       # [keys, kv_heads, head_dim]
-        v = v_pages[pages].flatten(0, 1)[:keys].float()
+        k, v = k_pages[pages], v_pages[pages]
+        if k_scale is not None:    # an fp8 cache: the request's pages dequantized
+            k = kv_quant.dequantize(k, k_scale[pages], q.dtype)
+            v = kv_quant.dequantize(v, v_scale[pages], q.dtype)
+        k = k.flatten(0, 1)[:keys].float()                                     # [keys, kv_heads, head_dim]
+        v = v.flatten(0, 1)[:keys].float()
         qr = q[cu[r]:cu[r + 1]].float().view(n, kv_heads, group, head_dim)
         scores = torch.einsum("nkgd,skd->kgns", qr, k) * scale
         causal = torch.arange(keys, device=q.device)[None, :] <= start + torch.arange(n, device=q.device)[:, None]
@@ -87,14 +107,22 @@ def prefill_attention_varlen_reference(q: torch.Tensor, k_pages: torch.Tensor, v
 PREFILL_ATTENTION = ("auto", "sdpa", "fa4", "reference")
 
 
-def resolve_prefill_attention(name: str, device: torch.device | str,
-                              dtype: torch.dtype) -> tuple[str, Callable | None]:
+def resolve_prefill_attention(name: str, device: torch.device | str, dtype: torch.dtype,
+                              kv_cache_dtype: str = "auto") -> tuple[str, Callable | None]:
     """The prefill attention `name` runs as for `dtype` activations on `device` -> (what runs,
     its varlen function (`prefill_attention_varlen_reference`'s signature), None for "sdpa").
     "auto": "fa4" on a CUDA device in float16/bfloat16 when flash_attn.cute imports, else
-    "sdpa". "fa4" where it cannot run raises, naming what is missing."""
+    "sdpa". "fa4" where it cannot run raises, naming what is missing. kv_cache_dtype "fp8"
+    (pages of e4m3fn codes and scales): "auto" -> "sdpa", and "fa4" is a ValueError, as
+    FlashAttention-4 does not read fp8 pages yet."""
     if name not in PREFILL_ATTENTION:
         raise ValueError(f"prefill attention {name!r} is not available in wise_torch (choose from {PREFILL_ATTENTION})")
+    if check_kv_cache_dtype(kv_cache_dtype) != "auto":
+        if name == "fa4":
+            raise ValueError(f"prefill_attention='fa4' (FlashAttention-4) does not read kv_cache_dtype="
+                             f"{kv_cache_dtype!r} pages yet: use prefill_attention='sdpa', 'reference' or 'auto'")
+        if name == "auto":
+            name = "sdpa"
     if name == "sdpa":
         return name, None
     if name == "reference":
@@ -130,14 +158,19 @@ def require_fa4(what: str, device: torch.device | str, dtype: torch.dtype) -> No
 DENSE_DECODE = ("kernel", "fa4")
 
 
-def resolve_dense_decode(name: str, device: torch.device | str, dtype: torch.dtype) -> Callable | None:
+def resolve_dense_decode(name: str, device: torch.device | str, dtype: torch.dtype,
+                         kv_cache_dtype: str = "auto") -> Callable | None:
     """What runs the DENSE decode calls (no WISE, or a WISE config's dense loops): "kernel" ->
     None (the decode kernel's dense rows); "fa4" -> `wise_torch.kernels.fa4.decode_attention_dense`
-    (an error where it cannot run). WISE calls stay on the decode kernel either way."""
+    (an error where it cannot run, and for kv_cache_dtype "fp8": FA4 does not read fp8 pages
+    yet). WISE calls stay on the decode kernel either way."""
     if name not in DENSE_DECODE:
         raise ValueError(f"dense_decode {name!r} is not available in wise_torch (choose from {DENSE_DECODE})")
     if name == "kernel":
         return None
+    if check_kv_cache_dtype(kv_cache_dtype) != "auto":
+        raise ValueError(f"dense_decode='fa4' (FlashAttention-4's paged decode) does not read kv_cache_dtype="
+                         f"{kv_cache_dtype!r} pages yet: use dense_decode='kernel'")
     require_fa4("dense_decode", device, dtype)
     from wise_torch.kernels import fa4
     return fa4.decode_attention_dense
@@ -189,7 +222,8 @@ def update_support(modes: torch.Tensor, support: torch.Tensor, selected: torch.T
 
 def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,
                                block_size: int, eta: float, scale: float | None = None,
-                               return_mass: bool = False, validate: bool = True, reuse: bool = False):
+                               return_mass: bool = False, validate: bool = True, reuse: bool = False,
+                               k_scale=None, v_scale=None):
     """One query token per row against its paged keys, per row mode (docs/DESIGN.md).
 
     q: [batch, heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim];
@@ -200,9 +234,12 @@ def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes,
     Every mode runs the same masked softmax, so DENSE, DISCOVER and a SPARSE row with every
     causal block selected are bitwise equal. validate: also check the values (`check_call`).
     reuse: a reuse loop's call, no row discovers (checked with validate): nothing is selected.
+    k_scale, v_scale: None, or an fp8 cache's scales float32 [num_pages, page_size, kv_heads],
+    k_pages and v_pages then its uint8 codes: the gathered pages are dequantized to q's dtype
+    (`kv_quant.dequantize`) before the same arithmetic (module docstring).
     """
     check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size, eta=eta,
-               validate=validate, reuse=reuse)
+               validate=validate, reuse=reuse, k_scale=k_scale, v_scale=v_scale)
     batch, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     max_keys = page_table.shape[1] * page_size
@@ -211,8 +248,12 @@ def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes,
     scale = head_dim ** -0.5 if scale is None else scale
 
     pages = page_table.long()
-    k = k_pages[pages].reshape(batch, max_keys, kv_heads, head_dim).float()
-    v = v_pages[pages].reshape(batch, max_keys, kv_heads, head_dim).float()
+    k, v = k_pages[pages], v_pages[pages]
+    if k_scale is not None:    # an fp8 cache: the row's pages dequantized
+        k = kv_quant.dequantize(k, k_scale[pages], q.dtype)
+        v = kv_quant.dequantize(v, v_scale[pages], q.dtype)
+    k = k.reshape(batch, max_keys, kv_heads, head_dim).float()
+    v = v.reshape(batch, max_keys, kv_heads, head_dim).float()
     qg = q.float().reshape(batch, kv_heads, group, head_dim)
     scores = torch.einsum("bkgd,bskd->bkgs", qg, k).reshape(batch, heads, max_keys) * scale
 
@@ -235,10 +276,11 @@ def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes,
 TORCH_KERNELS = FRAMEWORK_KERNELS["torch"]
 
 
-def auto_kernel(device: torch.device | str, head_dim: int | None) -> str:
+def auto_kernel(device: torch.device | str, head_dim: int | None, kv_cache_dtype: str = "auto") -> str:
     """What kernel="auto" runs: "triton" on CUDA when the Triton kernels take head_dim (a multiple
-    of 16, `kernels.triton_head_dim.takes`; None: not known, any), else "reference"."""
-    if torch.device(device).type != "cuda":
+    of 16, `kernels.triton_head_dim.takes`; None: not known, any), else "reference"; "reference"
+    for kv_cache_dtype "fp8" on every device (the Triton kernel does not read fp8 pages yet)."""
+    if torch.device(device).type != "cuda" or check_kv_cache_dtype(kv_cache_dtype) != "auto":
         return "reference"
     if head_dim is None:
         return "triton"
@@ -246,16 +288,21 @@ def auto_kernel(device: torch.device | str, head_dim: int | None) -> str:
     return "triton" if takes(head_dim) else "reference"
 
 
-def resolve_kernel(kernel: str, device: torch.device | str, head_dim: int | None = None) -> Callable:
+def resolve_kernel(kernel: str, device: torch.device | str, head_dim: int | None = None,
+                   kv_cache_dtype: str = "auto") -> Callable:
     """The decode_attention implementation for `kernel` on `device` for q of `head_dim` ("auto":
     `auto_kernel`; the callers that run attention pass head_dim, so "auto" never picks a kernel
     that refuses it). Triton runs on a CUDA device, or anywhere in its interpreter
-    (TRITON_INTERPRET=1)."""
+    (TRITON_INTERPRET=1). kv_cache_dtype "fp8" (pages of e4m3fn codes and scales): "auto" ->
+    the reference, and "triton" is a ValueError (the Triton kernel does not read fp8 pages yet)."""
     if kernel not in TORCH_KERNELS:
         raise ValueError(f"kernel {kernel!r} is not available in wise_torch (choose from {TORCH_KERNELS})")
+    if check_kv_cache_dtype(kv_cache_dtype) != "auto" and kernel == "triton":
+        raise ValueError(f"kernel='triton' (the Triton split decode kernel) does not read kv_cache_dtype="
+                         f"{kv_cache_dtype!r} pages yet: use kernel='reference' or 'auto'")
     on_cuda = torch.device(device).type == "cuda"
     if kernel == "auto":
-        kernel = auto_kernel(device, head_dim)
+        kernel = auto_kernel(device, head_dim, kv_cache_dtype)
     if kernel == "reference":
         return decode_attention_reference
     if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
@@ -297,19 +344,22 @@ def _with_selection(fn: Callable, selection: rules.SelectionRule | None) -> Call
 def prepare_decode_attention(kernel: str, *, batches: list[int], heads: int, kv_heads: int, head_dim: int,
                              max_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str,
                              min_splits: Callable[[int], int] = lambda batch: 1,
-                             selection: rules.SelectionRule | None = None) -> dict[int, Callable]:
+                             selection: rules.SelectionRule | None = None,
+                             kv_cache_dtype: str = "auto") -> dict[int, Callable]:
     """Per batch size of `batches`, `kernel`'s decode attention for a decode loop that builds its
     inputs by construction: values not validated (validate=False), calls of up to that many rows
     and `max_blocks` blocks per row (any narrower support too: a decode step sized by its live
     context). Triton: one workspace shared by all, so that a call allocates nothing and never
     syncs, and `min_splits(batch)` programs per row at least, to fill the GPU when batches are
     small (`prepare_verify_attention`'s pattern). selection: a rule other than eta runs as
-    `select_after` (None or `Eta`: the eta rule, of the calls' eta)."""
-    fn = resolve_kernel(kernel, device, head_dim)
+    `select_after` (None or `Eta`: the eta rule, of the calls' eta). kv_cache_dtype: the pages'
+    (`resolve_kernel`: "fp8" runs the reference, which takes the calls' k_scale, v_scale)."""
+    fn = resolve_kernel(kernel, device, head_dim, kv_cache_dtype)
     if fn is decode_attention_reference:
         return dict.fromkeys(batches, _with_selection(functools.partial(fn, validate=False), selection))
     module = importlib.import_module(fn.__module__)
-    configs = {b: dataclasses.replace(module.config_for(head_dim, dtype), min_splits=min_splits(b)) for b in batches}
+    configs = {b: dataclasses.replace(module.config_for(head_dim, dtype, kv_cache_dtype), min_splits=min_splits(b))
+               for b in batches}
     widest = max(configs.values(), key=lambda c: c.min_splits)
     workspace = module.DecodeWorkspace.allocate(
         max(batches), heads, kv_heads, head_dim, max_blocks, dtype=dtype, device=device, block_size=block_size,
@@ -322,14 +372,17 @@ def prepare_decode_attention(kernel: str, *, batches: list[int], heads: int, kv_
 def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,
                      block_size: int, eta: float, scale: float | None = None,
                      return_mass: bool = False, kernel: str = "auto", validate: bool = True,
-                     reuse: bool = False, selection: rules.SelectionRule | None = None):
+                     reuse: bool = False, selection: rules.SelectionRule | None = None,
+                     k_scale=None, v_scale=None):
     """`decode_attention_reference`'s contract, run by `kernel` ("auto", "reference", "triton").
     reuse: a call of WISE's reuse loops, every row SPARSE or DENSE (checked with validate):
     support' is the support held, as for any row that does not discover (the Triton kernel then
     skips its selection). selection: None or `Eta` (whose eta then replaces `eta`): the eta
-    rule; another rule runs as `select_after`."""
+    rule; another rule runs as `select_after`. k_scale, v_scale: an fp8 cache's scales, the
+    pages its codes (`decode_attention_reference`; "auto" runs the reference for them)."""
     if isinstance(selection, rules.Eta):
         eta, selection = selection.eta, None
-    fn = _with_selection(resolve_kernel(kernel, q.device, q.shape[-1]), selection)
+    scales = {} if k_scale is None and v_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
+    fn = _with_selection(resolve_kernel(kernel, q.device, q.shape[-1], "fp8" if scales else "auto"), selection)
     return fn(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size,
-              eta=eta, scale=scale, return_mass=return_mass, validate=validate, reuse=reuse)
+              eta=eta, scale=scale, return_mass=return_mass, validate=validate, reuse=reuse, **scales)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from wise_torch.kv_cache import KVPlane
+
 
 class ExitState:
     """rows: the step's token rows; threshold: `early_exit_threshold` (< 1); keep_kv: write the
@@ -32,15 +34,17 @@ class ExitState:
         self.exit_loop = torch.full((rows,), loops - 1, dtype=torch.int32, device=device)
         self.state: torch.Tensor | None = None
 
-    def store_kv(self, loop: int, planes: tuple[torch.Tensor, torch.Tensor],
-                 previous: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor) -> None:
-        """After loop `loop` stored its K/V (planes k, v [pages, page_size, kv_heads, head_dim]) at
-        `slots` int64[rows]: exited rows take the previous loop's plane's K/V there instead."""
+    def store_kv(self, loop: int, planes: KVPlane, previous: KVPlane, slots: torch.Tensor) -> None:
+        """After loop `loop` stored its K/V (planes: its `KVPlane`, k, v [pages, page_size,
+        kv_heads, head_dim]) at `slots` int64[rows]: exited rows take the previous loop's plane's
+        storage there instead (an fp8 plane's codes and scales, as they are)."""
         if not self.keep_kv or loop == 0:
             return
-        keep = self.exited[:, None, None]
         for plane, before in zip(planes, previous):
+            if plane is None:     # an unquantized plane's scales
+                continue
             flat, flat_before = plane.view(-1, *plane.shape[2:]), before.view(-1, *before.shape[2:])
+            keep = self.exited.view(-1, *(1,) * (flat.dim() - 1))
             flat[slots] = torch.where(keep, flat_before[slots], flat[slots])
 
     def end_loop(self, loop: int, h: torch.Tensor, gate: nn.Linear) -> None:

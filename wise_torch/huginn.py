@@ -35,7 +35,7 @@ from wise_core.adaptive_depth import AdaptiveDepth
 from wise_core.checkpoint import huginn_layers, validate_tensors
 from wise_core.huginn_reference import initial_state, num_planes, plane_index
 from wise_core.model_config import ModelConfig
-from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch
+from wise_torch.kv_cache import DecodeBatch, KVPlane, PagedKVCache, PrefillBatch
 from wise_torch.layers import rms_norm, rope_store_kv, rope_table, silu_mul
 from wise_torch.model import ROPE_ROWS, DecodeContext, PrefillContext, SequenceContext, logits_fp32
 from wise_torch.wise_state import WiseState
@@ -52,8 +52,8 @@ class HuginnDecodeContext(DecodeContext):
         super().__init__(config, batch, cache, wise, attention, dense_modes, unused_support, dense_attention)
         self.first_core, self.core_layers = plane_index(config, "core_block", 0), config.n_layers_in_recurrent_block
 
-    def planes(self, plane: int, layer: int = 0):
-        return self.cache.k[plane], self.cache.v[plane]
+    def planes(self, plane: int, layer: int = 0) -> KVPlane:
+        return self.cache.plane(plane)
 
     def end_loop(self, step: int) -> None:
         super().end_loop(step)
@@ -136,8 +136,9 @@ class HuginnForCausalLM(nn.Module):
         """One sandwich block on flat tokens x [n, hidden], its K/V stored in plane `plane`."""
         c = self.config
         eps, heads, head_dim = c.rms_norm_eps, c.num_attention_heads, c.head_dim
+        kv = ctx.planes(plane, 0)
         q = rope_store_kv(layer.attn.qkv(rms_norm(x, layer.norm_1, eps)), ctx.positions, self.cos_sin,
-                          *ctx.planes(plane, 0), ctx.slot_mapping, heads=heads, kv_heads=heads, head_dim=head_dim)
+                          kv.k, kv.v, ctx.slot_mapping, heads=heads, kv_heads=heads, head_dim=head_dim)
         x = rms_norm(layer.attn.proj(ctx.attend(q, plane, 0).flatten(1)) + x, layer.norm_2, eps)
         return rms_norm(layer.mlp(rms_norm(x, layer.norm_3, eps)) + x, layer.norm_4, eps)
 
@@ -258,6 +259,8 @@ class HuginnForCausalLM(nn.Module):
     def paged(self, ctx, cache: PagedKVCache, num_steps: int):
         """ctx with each plane index taken as its loop (see the module docstring), after checking
         that the cache holds num_steps iterations' planes."""
+        if cache.quantized:
+            raise ValueError("an fp8 K/V cache (kv_cache_dtype='fp8') is not implemented for Huginn models yet")
         need = num_planes(self.config, num_steps)
         if cache.k.shape[0] < need:
             raise ValueError(f"the cache holds {cache.k.shape[0]} planes; {num_steps} core iterations need {need}")

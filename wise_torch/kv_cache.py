@@ -6,16 +6,30 @@ plane. A token at position `pos` lives at flat slot `pages[pos // page_size] * p
 pos % page_size` of each plane's `[(num_pages + 1) * page_size, kv_heads, head_dim]` view. The
 extra last page (`scratch_page`) belongs to no request: padding rows write there and page-table
 entries past a request's pages point there. Which request holds which page is the engine's
-block manager's business (`wise_torch.engine.block_manager`).
+block manager's business (`wise_core.engine.block_manager`).
+
+An fp8 cache (`PagedKVCache(..., kv_cache_dtype="fp8")`, issue 50) holds k, v as uint8 float8
+e4m3fn codes and `k_scale`, `v_scale` float32 [planes, num_pages + 1, page_size, kv_heads], one
+scale per (token, KV head), by `wise_core.kv_quant`'s rule (`wise_torch.kv_quant`); an
+unquantized cache has scales None. Every write of K/V values quantizes them
+(`layers.rope_store_kv` with a plane's scales); a copy of what the cache holds (early exit's
+later planes, preemption's offload and restore: `wise_torch.engine.offload`) moves codes and
+scales as they are, never quantizing twice. Every attention reads the values dequantized to the
+model's dtype (`KVPlane.gather`; the decode reference dequantizes the pages it gathers,
+`wise_torch.attention`). An empty fp8 page holds the quantization of zeros: codes 0 (+0.0) and
+scales 1.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
+from wise_core import kv_quant as quant_spec
 from wise_core.model_config import ModelConfig
+from wise_torch import kv_quant
 
 
 @dataclasses.dataclass
@@ -118,35 +132,95 @@ class PrefillBatch:
     score_index: torch.Tensor | None = None
 
 
+class KVPlane(NamedTuple):
+    """One (loop, layer) plane of a cache: k, v [num_pages + 1, page_size, kv_heads, head_dim] (the
+    model's dtype, or an fp8 cache's uint8 codes) and k_scale, v_scale (an fp8 cache's float32
+    [num_pages + 1, page_size, kv_heads]; None otherwise). Iterating gives the four, Nones included."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def scales(self) -> dict:
+        """The keyword arguments an attention over the plane's pages takes beside k and v:
+        {k_scale, v_scale} for an fp8 plane, {} otherwise."""
+        return {} if self.k_scale is None else dict(k_scale=self.k_scale, v_scale=self.v_scale)
+
+    def gather(self, pages: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V values of `pages` (an int64 index of any shape [...]) -> k, v [..., page_size,
+        kv_heads, head_dim]: as stored, or an fp8 plane's dequantized to `dtype`."""
+        k, v = self.k[pages], self.v[pages]
+        if self.k_scale is None:
+            return k, v
+        return kv_quant.dequantize(k, self.k_scale[pages], dtype), kv_quant.dequantize(v, self.v_scale[pages], dtype)
+
+
+STORAGE = ("k", "v", "k_scale", "v_scale")
+
+
 class PagedKVCache:
-    """K/V storage for every plane, plus the scratch page."""
+    """K/V storage for every plane, plus the scratch page. dtype: the model's (the K/V it writes
+    and its attention reads); kv_cache_dtype: "auto" holds them in dtype, "fp8" as uint8 e4m3fn
+    codes with float32 scales k_scale, v_scale (module docstring)."""
 
     def __init__(self, *, planes: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 kv_cache_dtype: str = "auto"):
         for name, value in (("planes", planes), ("num_pages", num_pages), ("page_size", page_size),
                             ("kv_heads", kv_heads), ("head_dim", head_dim)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"PagedKVCache: {name} must be a positive integer, got {value!r}")
+        fp8 = quant_spec.check_kv_cache_dtype(kv_cache_dtype) == "fp8"
         shape = (planes, num_pages + 1, page_size, kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = torch.zeros(shape, dtype=torch.uint8 if fp8 else dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.k_scale = torch.ones(shape[:-1], dtype=torch.float32, device=device) if fp8 else None
+        self.v_scale = torch.ones(shape[:-1], dtype=torch.float32, device=device) if fp8 else None
+        self.dtype = dtype
         self.page_size = page_size
         self.num_pages = num_pages
 
     @classmethod
     def for_model(cls, config: ModelConfig, *, num_pages: int, page_size: int,
-                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "PagedKVCache":
+                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                  kv_cache_dtype: str = "auto") -> "PagedKVCache":
         return cls(planes=config.num_loops * config.num_hidden_layers, num_pages=num_pages,
                    page_size=page_size, kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-                   dtype=dtype, device=device)
+                   dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
 
     @staticmethod
-    def page_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype, planes: int | None = None) -> int:
+    def page_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype, planes: int | None = None,
+                   kv_cache_dtype: str = "auto") -> int:
         """Bytes of one page in every plane (K and V); planes: the cache's (None: Ouro's loops x
-        layers; a Huginn cache's is `wise_core.huginn_reference.num_planes`)."""
+        layers; a Huginn cache's is `wise_core.huginn_reference.num_planes`); per (token, KV head)
+        head_dim values of `dtype`, or for kv_cache_dtype "fp8" head_dim bytes of codes and a
+        4-byte scale (`wise_core.kv_quant.entry_bytes`)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         planes = config.num_loops * config.num_hidden_layers if planes is None else planes
-        return 2 * planes * page_size * config.num_key_value_heads * config.head_dim * itemsize
+        return 2 * planes * page_size * config.num_key_value_heads * quant_spec.entry_bytes(
+            config.head_dim, itemsize, kv_cache_dtype)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the K/V are fp8 codes with scales (kv_cache_dtype "fp8")."""
+        return self.k_scale is not None
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """"fp8" for a quantized cache, "auto" (the model's dtype) otherwise."""
+        return "fp8" if self.quantized else "auto"
+
+    def storage_names(self) -> tuple[str, ...]:
+        """The attributes holding the K/V: ("k", "v"), and an fp8 cache's scales."""
+        return STORAGE if self.quantized else STORAGE[:2]
+
+    def plane(self, plane: int) -> KVPlane:
+        """The storage of plane `plane` (views: writes through it land in the cache)."""
+        if not self.quantized:
+            return KVPlane(self.k[plane], self.v[plane])
+        return KVPlane(self.k[plane], self.v[plane], self.k_scale[plane], self.v_scale[plane])
 
     @property
     def scratch_page(self) -> int:

@@ -21,6 +21,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from wise_torch import kv_quant
+
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 IMPLS = ("auto", "torch", "triton")
 
@@ -176,7 +178,8 @@ def _apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     return (xf * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
 
 
-def _rope_store_kv_torch(qkv, positions, cos_sin, k_plane, v_plane, slot_mapping, heads, kv_heads, head_dim):
+def _rope_store_kv_torch(qkv, positions, cos_sin, k_plane, v_plane, slot_mapping, heads, kv_heads, head_dim,
+                         k_scale=None, v_scale=None):
     n, page_size = qkv.shape[0], k_plane.shape[1]
     torch._assert_async(((positions >= 0) & (positions < cos_sin.shape[0])).all(),
                         "rope_store_kv: a position is outside the cos_sin table")
@@ -188,14 +191,20 @@ def _rope_store_kv_torch(qkv, positions, cos_sin, k_plane, v_plane, slot_mapping
     q = _apply_rope_torch(q.view(n, heads, head_dim), cos, sin)
     k = _apply_rope_torch(k.view(n, kv_heads, head_dim), cos, sin)
     page, offset = slot_mapping // page_size, slot_mapping % page_size
-    k_plane[page, offset] = k.to(k_plane.dtype)
-    v_plane[page, offset] = v.view(n, kv_heads, head_dim).to(v_plane.dtype)
+    v = v.view(n, kv_heads, head_dim)
+    if k_scale is None:
+        k_plane[page, offset] = k.to(k_plane.dtype)
+        v_plane[page, offset] = v.to(v_plane.dtype)
+        return q
+    for x, codes, scales in ((k, k_plane, k_scale), (v, v_plane, v_scale)):   # an fp8 plane: quantized
+        codes[page, offset], scales[page, offset] = kv_quant.quantize(x)
     return q
 
 
 def rope_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, k_plane: torch.Tensor,
                   v_plane: torch.Tensor, slot_mapping: torch.Tensor, *, heads: int, kv_heads: int,
-                  head_dim: int, impl: str = "auto") -> torch.Tensor:
+                  head_dim: int, impl: str = "auto", k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Split-half RoPE on q and k of a fused qkv projection; k and v stored in a paged plane.
 
     qkv: [n, (heads + 2 kv_heads) * head_dim] (q | k | v); positions: int64[n];
@@ -212,6 +221,12 @@ def rope_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Ten
 
     An out-of-range position or slot: torch raises (device-side assert on CUDA); Triton gives
     that token a NaN q (and a NaN k where the slot is valid) and stores nothing outside the planes.
+
+    k_scale, v_scale: an fp8 plane's scales float32 [num_pages, page_size, kv_heads] (both or
+    neither), k_plane and v_plane then its uint8 e4m3fn codes: the roped k (in qkv's dtype) and v
+    are stored as `wise_torch.kv_quant.quantize` gives them, codes and one scale per (token, KV
+    head). The torch version runs it on every device ("auto"; the fused Triton kernel does not
+    quantize, so impl="triton" is a ValueError).
     """
     for name, value in (("heads", heads), ("kv_heads", kv_heads), ("head_dim", head_dim)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -230,26 +245,46 @@ def rope_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Ten
             or cos_sin.shape[1] != head_dim or cos_sin.stride(1) != 1):
         got = f"{cos_sin.dtype}{list(cos_sin.shape)}" if isinstance(cos_sin, torch.Tensor) else type(cos_sin).__name__
         raise ValueError(f"cos_sin must be float32[max_positions, {head_dim}] (rope_table), got {got}")
+    quantized = _check_scales(k_scale, v_scale, k_plane)
     for name, t in (("k_plane", k_plane), ("v_plane", v_plane)):
         if (not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape[2:]) != (kv_heads, head_dim)
-                or t.dtype not in DTYPES or t.stride(3) != 1):
+                or (t.dtype != torch.uint8 if quantized else t.dtype not in DTYPES) or t.stride(3) != 1):
             got = f"{t.dtype}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be a floating [num_pages, page_size, {kv_heads}, {head_dim}] plane "
+            kind = "uint8 (fp8 codes, with k_scale and v_scale)" if quantized else "floating"
+            raise ValueError(f"{name} must be a {kind} [num_pages, page_size, {kv_heads}, {head_dim}] plane "
                              f"contiguous in head_dim, got {got}")
     if k_plane.shape != v_plane.shape or k_plane.dtype != v_plane.dtype or k_plane.stride() != v_plane.stride():
         raise ValueError(f"k_plane and v_plane must share shape, dtype and strides, got "
                          f"{k_plane.dtype}{list(k_plane.shape)} {k_plane.stride()} and "
                          f"{v_plane.dtype}{list(v_plane.shape)} {v_plane.stride()}")
     device = _check_device(qkv=qkv, positions=positions, cos_sin=cos_sin, k_plane=k_plane, v_plane=v_plane,
-                           slot_mapping=slot_mapping)
-    if not _use_triton(impl, device):
+                           slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    if quantized and impl == "triton":
+        raise ValueError("impl='triton' (the fused kernel) does not quantize K/V: an fp8 plane (k_scale, v_scale) "
+                         "is stored by the torch version (impl='auto' or 'torch')")
+    if quantized or not _use_triton(impl, device):
         return _rope_store_kv_torch(qkv, positions, cos_sin, k_plane, v_plane, slot_mapping, heads, kv_heads,
-                                    head_dim)
+                                    head_dim, k_scale, v_scale)
     from wise_torch.kernels import fused
     q = torch.empty(n, heads, head_dim, dtype=qkv.dtype, device=device)
     fused.rope_store_kv(qkv, positions, cos_sin, k_plane, v_plane, slot_mapping, q,
                         heads=heads, kv_heads=kv_heads, head_dim=head_dim)
     return q
+
+
+def _check_scales(k_scale, v_scale, k_plane) -> bool:
+    """rope_store_kv's k_scale, v_scale: both None (a plane of the model's dtype), or both float32
+    [num_pages, page_size, kv_heads] (k_plane's shape without head_dim: an fp8 plane) -> whether
+    they are given."""
+    if k_scale is None and v_scale is None:
+        return False
+    want = list(k_plane.shape[:-1]) if isinstance(k_plane, torch.Tensor) else "k_plane's shape without head_dim"
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or list(t.shape) != want:
+            got = f"{t.dtype}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"k_scale and v_scale must both be None or both float32{want} (an fp8 plane's scales, "
+                             f"one per (token, KV head)), got {name} {got}")
+    return True
 
 
 # -- SiLU * up ------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from wise_core.selection import Custom, SelectionContext
 from wise_core.wise_config import WiseConfig
 from wise_torch.attention import prefill_attention
 from wise_torch.early_exit import ExitState
-from wise_torch.kv_cache import DecodeBatch, PagedKVCache, PrefillBatch
+from wise_torch.kv_cache import DecodeBatch, KVPlane, PagedKVCache, PrefillBatch
 from wise_torch.layers import add_rms_norm, rms_norm, rope_store_kv, rope_table, silu_mul
 from wise_torch.wise_state import WiseState
 
@@ -128,8 +128,8 @@ class SequenceContext:
         shape = (batch, seq, config.num_key_value_heads, config.head_dim)
         self.k, self.v = torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
 
-    def planes(self, loop: int, layer: int):
-        return self.k, self.v
+    def planes(self, loop: int, layer: int) -> KVPlane:
+        return KVPlane(self.k, self.v)
 
     def begin_loop(self, loop: int) -> None:
         pass
@@ -144,15 +144,15 @@ class SequenceContext:
 
 class PagedContext:
     """Attention over the paged cache: a batch with `positions` and `slot_mapping` stores each
-    (loop, layer) plane's K/V at its slots; the loop hooks do nothing (subclasses attend)."""
+    (loop, layer) plane's K/V at its slots (an fp8 cache's quantized); the loop hooks do nothing
+    (subclasses attend, an fp8 cache's pages read dequantized to the model's dtype)."""
 
     def __init__(self, num_layers: int, batch, cache: PagedKVCache):
         self.batch, self.cache, self.num_layers = batch, cache, num_layers
         self.positions, self.slot_mapping = batch.positions, batch.slot_mapping
 
-    def planes(self, loop: int, layer: int):
-        plane = loop * self.num_layers + layer
-        return self.cache.k[plane], self.cache.v[plane]
+    def planes(self, loop: int, layer: int) -> KVPlane:
+        return self.cache.plane(loop * self.num_layers + layer)
 
     def begin_loop(self, loop: int) -> None:
         pass
@@ -176,14 +176,15 @@ class PrefillContext(PagedContext):
         self.attention = attention
 
     def attend(self, q: torch.Tensor, loop: int, layer: int) -> torch.Tensor:
-        k_plane, v_plane = self.planes(loop, layer)
+        plane = self.planes(loop, layer)
         if self.attention is not None:
-            return self.attention(q, k_plane, v_plane, self.batch.varlen)
+            return self.attention(q, plane.k, plane.v, self.batch.varlen, **plane.scales)
         out = torch.empty_like(q)
         for group in self.batch.groups:  # chunks of one (start, length): one attention call
             g, n, keys = group.count, group.length, group.start + group.length
-            k = k_plane[group.pages].flatten(1, 2)[:, :keys]            # [g, keys, kv_heads, head_dim]
-            v = v_plane[group.pages].flatten(1, 2)[:, :keys]
+            k, v = plane.gather(group.pages, q.dtype)
+            k = k.flatten(1, 2)[:, :keys]            # [g, keys, kv_heads, head_dim]
+            v = v.flatten(1, 2)[:, :keys]
             out[group.token_index] = prefill_attention(
                 q[group.token_index].view(g, n, *q.shape[1:]), k, v, start=group.start).flatten(0, 1)
         return out
@@ -232,17 +233,17 @@ class DecodeContext(PagedContext):
             self.wise.end_loop(loop, self.batch, self.blocks)
 
     def attend(self, q: torch.Tensor, loop: int, layer: int) -> torch.Tensor:
-        k_plane, v_plane = self.planes(loop, layer)
+        plane = self.planes(loop, layer)
         if self.role == "dense" and self.dense_attention is not None:
-            return self.dense_attention(q, k_plane, v_plane, self.batch.page_table, self.batch.seq_lens)
+            return self.dense_attention(q, plane.k, plane.v, self.batch.page_table, self.batch.seq_lens)
         if self.role == "dense":
             modes, support = self.dense_modes, self.unused_support
         else:
             modes, support = self.modes[layer], self.wise.support_of(layer, self.batch.size, self.blocks)
-        context = {}
+        context = dict(plane.scales)       # an fp8 plane: the reference reads its pages dequantized
         if self.context_rule and self.role == "discover":
             context["selection_context"] = self.selection_context(q, loop, layer)
-        out, _ = self.attention(q, k_plane, v_plane, self.batch.page_table, self.batch.seq_lens, modes, support,
+        out, _ = self.attention(q, plane.k, plane.v, self.batch.page_table, self.batch.seq_lens, modes, support,
                                 block_size=self.block_size, eta=self.eta, reuse=self.role != "discover", **context)
         return out
 
@@ -352,10 +353,12 @@ class OuroForCausalLM(nn.Module):
             ctx.begin_loop(loop)
             for i, layer in enumerate(layers):
                 attn, mlp = layer.self_attn, layer.mlp
-                q = rope_store_kv(attn.qkv_proj(x), ctx.positions, self.cos_sin, *ctx.planes(loop, i),
-                                  ctx.slot_mapping, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+                plane = ctx.planes(loop, i)
+                q = rope_store_kv(attn.qkv_proj(x), ctx.positions, self.cos_sin, plane.k, plane.v,
+                                  ctx.slot_mapping, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                  k_scale=plane.k_scale, v_scale=plane.v_scale)
                 if exits is not None:
-                    exits.store_kv(loop, ctx.planes(loop, i), ctx.planes(loop - 1, i), ctx.slot_mapping)
+                    exits.store_kv(loop, plane, ctx.planes(loop - 1, i), ctx.slot_mapping)
                 a = attn.o_proj(ctx.attend(q, loop, i).flatten(1))
                 if tp is not None:
                     tp.all_reduce(a)          # the partial sums of the ranks' heads

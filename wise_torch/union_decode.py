@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from wise_core import selection as rules
+from wise_core.kv_quant import check_kv_cache_dtype
 from wise_core.modes import SPARSE
 from wise_torch.attention import require_fa4, select_after, select_blocks, update_support
 from wise_torch.decode_check import check_call
@@ -130,17 +131,21 @@ def decode_attention_union(q, k_pages, v_pages, page_table, seq_lens, modes, sup
 
 
 def resolve_wise_decode(name: str, device: torch.device | str, dtype: torch.dtype,
-                        selection: rules.SelectionRule | None = None) -> Callable | None:
+                        selection: rules.SelectionRule | None = None, kv_cache_dtype: str = "auto") -> Callable | None:
     """What runs the WISE loops: "kernel" -> None (the WiseConfig's decode kernel, the
     contract); "fa4-union" -> `decode_attention_union` over FlashAttention-4's paged decode, the
     block mass by the Triton kernel (`wise_torch.kernels.triton_block_mass`; an error naming
     what is missing where FA4 cannot run); "reference-union" -> over `paged_decode_reference`
     and `block_mass_from_lse`. Validation off (the engine builds the inputs); a selection rule
-    other than eta runs on the rebuilt mass."""
+    other than eta runs on the rebuilt mass. kv_cache_dtype "fp8": the union arms do not read
+    fp8 pages yet (a ValueError naming wise_decode); "kernel" runs."""
     if name not in WISE_DECODE:
         raise ValueError(f"wise_decode {name!r} is not available in wise_torch (choose from {WISE_DECODE})")
     if name == "kernel":
         return None
+    if check_kv_cache_dtype(kv_cache_dtype) != "auto":
+        raise ValueError(f"wise_decode={name!r} (the union arm) does not read kv_cache_dtype={kv_cache_dtype!r} "
+                         f"pages yet: use wise_decode='kernel'")
     if name == "fa4-union":
         require_fa4("wise_decode", device, dtype)
         from wise_torch.kernels import fa4, triton_block_mass

@@ -69,8 +69,10 @@ class VerifyContext(PagedContext):
 
     def attend(self, q: torch.Tensor, loop: int, layer: int) -> torch.Tensor:
         b = self.batch
-        out = self.attention(q.view(b.rows, b.queries, *q.shape[1:]), *self.planes(loop, layer), b.page_table,
-                             b.starts)
+        plane = self.planes(loop, layer)
+        if plane.k_scale is not None:
+            raise ValueError("verification attention does not read kv_cache_dtype='fp8' pages yet")
+        out = self.attention(q.view(b.rows, b.queries, *q.shape[1:]), plane.k, plane.v, b.page_table, b.starts)
         return out.view(q.shape)
 
 

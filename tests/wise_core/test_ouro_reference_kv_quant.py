@@ -1,7 +1,7 @@
 """wise_core.ouro_reference over an fp8 K/V cache (`OuroCache(kv_quant=True)`, `generate(...,
 kv_quant=True)`): every appended K/V is held as `wise_core.kv_quant` gives it back, K/V copied
 from the cache (an exited token's later planes) are held as they are, and kv_quant off is the
-unquantized model. The engines' comparison with it: tests/wise_jax/test_jax_engine_fp8.py."""
+unquantized model. The engines' comparison with it: tests/wise_core/engine/test_engine_fp8.py."""
 
 import numpy as np
 

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 import wise_torch as wt
+from wise_core import ouro_reference as R
 from wise_core.checkpoint import random_tensors
 from wise_core.presets import PRESETS
+from wise_core.speculative_config import SpeculativeConfig
 from wise_core.wise_config import WiseConfig
 from wise_torch.engine.sampler import sample
 from cases import prompts_of
@@ -105,10 +107,23 @@ def test_bad_inputs_are_named(model):
         wt.LLM(3)
 
 
-def test_an_fp8_kv_cache_is_refused_for_now(model):
-    """kv_cache_dtype="fp8" runs in wise_jax.LLM only (issue 50); "auto" is the default."""
-    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' is not implemented in the torch engine yet"):
-        engine(model, kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8'\)"):
-        engine(model, kv_cache_dtype="float8")
-    assert engine(model, kv_cache_dtype="auto").args.kv_cache_dtype == "auto"
+def test_fp8_pools_refuse_the_paths_that_do_not_read_them_and_run_the_reference_prefill(model):
+    """kv_cache_dtype="fp8" (tests/wise_core/engine/test_engine_fp8.py runs it in both engines):
+    torch's fast paths that do not read fp8 pages yet are refused, each error naming its option;
+    prefill_attention "auto" resolves to SDPA, and the packed "reference" prefill reads the pages
+    dequantized, giving the tokens of the numpy reference over an fp8 cache."""
+    for kw, option in ((dict(prefill_attention="fa4"), "prefill_attention='fa4'"),
+                       (dict(dense_decode="fa4"), "dense_decode='fa4'"),
+                       (dict(wise_config=WiseConfig(kernel="reference"), wise_decode="fa4-union"),
+                        "wise_decode='fa4-union'"),
+                       (dict(wise_config=WiseConfig(kernel="reference"), wise_decode="reference-union"),
+                        "wise_decode='reference-union'"),
+                       (dict(speculative_config=SpeculativeConfig()), "speculative decoding")):
+        with pytest.raises(ValueError, match=rf"{option}.* does not read kv_cache_dtype='fp8' pages yet"):
+            engine(model, kv_cache_dtype="fp8", **kw)
+    assert engine(model, kv_cache_dtype="fp8").runner.prefill_attention == "sdpa"
+    llm = engine(model, kv_cache_dtype="fp8", prefill_attention="reference", max_num_batched_tokens=64)
+    prompts = prompts_of([70, 9], model.config.vocab_size, seed=3)     # 70: two chunks, the second over pages
+    outs = llm.generate(prompts, wt.SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    tensors = random_tensors(model.config, seed=0, std=0.08)
+    assert [o.token_ids for o in outs] == [R.generate(model.config, tensors, p, 6, kv_quant=True)[0] for p in prompts]

@@ -18,6 +18,7 @@ from parity.environment import widen_interpreted_bf16_dots
 from wise_core import reference as ref
 from wise_core import rounding, split_plan
 from wise_core.modes import DENSE, DISCOVER, DISCOVER_UNION, SPARSE
+from wise_torch import kv_quant
 from wise_torch.attention import decode_attention_reference
 from wise_torch.kernels.triton_decode import (DecodeWorkspace, KernelConfig, all_blocks_support,
                                               config_for, decode_attention)
@@ -518,6 +519,67 @@ def test_bad_input_raises_clear_errors():
         KernelConfig(min_splits=0)
 
 
+def fp8_pages(case: Case) -> tuple[Case, dict]:
+    """case's K/V quantized as an fp8 cache holds them (`wise_torch.kv_quant`) -> (the case over
+    the dequantized pages, in q's dtype; the codes and scales: the fp8 call's k_pages, v_pages,
+    k_scale, v_scale)."""
+    (k_codes, k_scale), (v_codes, v_scale) = kv_quant.quantize(case.k_pages), kv_quant.quantize(case.v_pages)
+    dequantized = dataclasses.replace(case, k_pages=kv_quant.dequantize(k_codes, k_scale, case.q.dtype),
+                                      v_pages=kv_quant.dequantize(v_codes, v_scale, case.q.dtype))
+    return dequantized, dict(k_pages=k_codes, v_pages=v_codes, k_scale=k_scale, v_scale=v_scale)
+
+
+def run_fp8(case: Case, pages: dict, modes, support, workspace=None, **kw):
+    """decode_attention over fp8 pages (`fp8_pages`' dict) with `case`'s queries and rows."""
+    modes = torch.tensor(modes, dtype=torch.int32, device=case.q.device)
+    return decode_attention(case.q, pages["k_pages"], pages["v_pages"], case.page_table, case.seq_lens, modes,
+                            support, block_size=case.block_size, eta=ETA, return_mass=True,
+                            workspace=case.workspace() if workspace is None else workspace,
+                            k_scale=pages["k_scale"], v_scale=pages["v_scale"], **kw)
+
+
+def assert_fp8_is_the_dequantized_call(case: Case, modes, support, workspace=None) -> torch.Tensor:
+    """Over fp8 pages the kernel's output, support' and mass are bitwise its own over the
+    dequantized pages (a discovery call, then a reuse call); returns the output."""
+    dequantized, pages = fp8_pages(case)
+    want = [x.clone() for x in run(dequantized, modes, support.clone(), workspace)]
+    got = run_fp8(case, pages, modes, support.clone(), workspace)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    reuse = [m if m in (DENSE, SPARSE) else SPARSE for m in modes]
+    want = run(dequantized, reuse, support.clone(), workspace, reuse=True)[0].clone()
+    assert torch.equal(run_fp8(case, pages, reuse, support.clone(), workspace, reuse=True)[0], want)
+    return want
+
+
+FP8_LAYOUTS = ["p32-gqa-d128-fp32", "p32-mha-d96-fp32"] + (["p64-gqa-d64-bf16"] if CUDA else [])
+
+
+@pytest.mark.parametrize("layout", FP8_LAYOUTS)
+def test_fp8_pages_are_read_as_their_dequantized_values(layout):
+    """Codes and scales dequantized in registers (issue 50): every mode, GQA dots and the padded
+    head_dim's lanes, bitwise the call over `wise_torch.kv_quant.dequantize`'s pages; a NaN code
+    (0x7F) in a key's V makes that lane of its KV head's outputs NaN, as a NaN value does. Not
+    run by the engine yet (`attention.resolve_kernel` refuses kernel="triton" for an fp8 pool).
+    bfloat16 on a GPU only: Triton's interpreter rounds float32 -> bfloat16 toward zero, not to
+    nearest even as a GPU's conversion and torch's do."""
+    case = layout_case(layout)
+    case = dataclasses.replace(case, k_pages=case.k_pages * torch.linspace(0.01, 100, case.k_pages.shape[1],
+                                                                           dtype=case.q.dtype)[None, :, None, None])
+    modes = [DENSE, DISCOVER, DISCOVER_UNION, SPARSE]
+    out = assert_fp8_is_the_dequantized_call(case, modes, random_support(case, 0.5, seed=3))
+    assert not out.isnan().any() and out.float().std() > 0.1
+    _, pages = fp8_pages(case)
+    page = int(case.page_table[0, 0])
+    pages["v_pages"][page, 5, 0, 3] = 0x7F
+    got = run_fp8(case, pages, modes, random_support(case, 0.5, seed=3))[0]
+    group = case.heads // case.k_pages.shape[2]
+    assert got[0, :group, 3].isnan().all() and int(got.isnan().sum()) == group   # that lane of its heads
+    deep = case.workspace(config=dataclasses.replace(SMALL, num_stages=3))
+    with pytest.raises(ValueError, match=r"fp8 pages run at num_stages <= 2 .* has 3"):
+        run_fp8(case, pages, modes, random_support(case, 0.5, seed=3), deep)
+
+
 # ---- GPU: the same properties at larger shapes with the table's configurations -------------
 
 @pytest.mark.gpu
@@ -545,6 +607,22 @@ def test_gpu_modes_at_scale(heads, kv_heads, head_dim, page_size, dtype):
     sparse, _, _ = run(case, [SPARSE] * batch, held.clone(), workspace=ws)
     expected_sparse, _ = numpy_attention(case, held)
     assert_within(sparse.double().cpu().numpy(), expected_sparse, out_bounds(case))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("heads, kv_heads, head_dim, page_size, dtype", [
+    (16, 16, 128, 128, torch.bfloat16), (16, 4, 128, 64, torch.bfloat16), (8, 8, 64, 32, torch.float32),
+    (55, 55, 96, 128, torch.bfloat16)])
+def test_gpu_fp8_pages_at_scale(heads, kv_heads, head_dim, page_size, dtype):
+    """fp8 pages with their configurations (`config_for(..., "fp8")`), bfloat16 too (rounded to
+    nearest even on a GPU): bitwise the same kernel's call over the dequantized pages."""
+    case = make_case([4096, 1000, 2047, 33, 3000, 1], heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                     page_size=page_size, dtype=dtype, seed=16)
+    modes = [DENSE, DISCOVER, DISCOVER_UNION, SPARSE, DISCOVER, SPARSE]
+    out = assert_fp8_is_the_dequantized_call(case, modes, random_support(case, 0.2, seed=17),
+                                             case.workspace(config=config_for(head_dim, dtype, "fp8")))
+    assert not out.isnan().any()
 
 
 @pytest.mark.gpu

@@ -20,7 +20,7 @@ class Follower:
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
-        self.offloaded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.offloaded: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def decode(self, bucket: int, width: int, meta: np.ndarray, table: np.ndarray) -> None:
         """The decode step of rank 0's staged rows (`DecodeStaging.stage`'s views). The staging
@@ -41,7 +41,7 @@ class Follower:
 
     def restore(self, request_id: int, pages: list[int]) -> None:
         """The request's copies back into its (new) `pages`."""
-        copy_in(self.runner.cache, pages, *self.offloaded.pop(request_id))
+        copy_in(self.runner.cache, pages, self.offloaded.pop(request_id))
 
     def forget(self, request_id: int) -> None:
         """The request left the engine while offloaded: drop its copies."""

@@ -7,6 +7,17 @@ or step by step: `add_request`, `step` (the requests that produced a token or fi
 `has_unfinished`, `abort`, and `stats`. With `tensor_parallel_size=N` the model's heads are split
 over N devices, one process each (`wise_torch.engine.distributed`); `close` (or a `with` block)
 stops those processes.
+
+kv_cache_dtype="fp8" (`EngineArgs`): the pool holds K/V as e4m3fn codes and a float32 scale per
+(token, KV head) (`wise_torch.kv_cache`, `wise_core.kv_quant`): prefill and decode write them
+quantized, every attention reads them dequantized to the model's dtype (prefill's own chunk's
+keys too), a preemption copies codes and scales as they are. Pages are smaller (1 byte a value +
+4 a (token, KV head) scale), so num_pages=None holds about 1.9x the tokens of bf16 (3.8x
+float32) in the same memory. The attentions are the references: kernel "auto" and
+prefill_attention "auto" resolve to them on every device; kernel="triton", prefill_attention=
+"fa4", dense_decode="fa4", the union wise_decode arms and speculative decoding (its verification
+kernel) are refused, as they do not read fp8 pages yet. Ouro models only (a Huginn model's is
+refused).
 """
 
 from __future__ import annotations
@@ -87,9 +98,9 @@ class LLM(LLMEngine):
     still runs WISE's later iterations; the model refuses it); Huginn has no speculation or
     tensor parallelism.
     engine_args: `wise_core.engine.EngineArgs` (wise_config, num_pages, page_size, max_num_seqs,
-    max_model_len, max_num_batched_tokens, kernel ("auto", "reference", "triton"), seed), the
-    same arguments and defaults as wise_jax.LLM's, but kv_cache_dtype: "auto" only here ("fp8" is a
-    ValueError: not implemented in this engine yet). num_pages=None sizes the pool from free
+    max_model_len, max_num_batched_tokens, kernel ("auto", "reference", "triton"), seed,
+    enable_prefix_caching, kv_cache_dtype ("auto", "fp8": module docstring)), the same arguments
+    and defaults as wise_jax.LLM's. num_pages=None sizes the pool from free
     device memory on CUDA (GPU_MEMORY_FRACTION of it less GPU_RESERVE_BYTES), CPU_POOL_BYTES of
     K/V on a CPU. cuda_graphs: True, False or "auto" (on CUDA). prefill_attention: "auto"
     (FlashAttention-4 when flash_attn.cute imports and the model is float16/bfloat16 on CUDA,
@@ -127,8 +138,9 @@ class LLM(LLMEngine):
                  prefill_attention: str = "auto", dense_decode: str = "kernel", wise_decode: str = "kernel",
                  **engine_args):
         args = EngineArgs(**engine_args)
-        if args.kv_cache_dtype == "fp8":
-            raise ValueError("kv_cache_dtype='fp8' is not implemented in the torch engine yet (wise_jax.LLM runs it)")
+        if args.kv_cache_dtype == "fp8" and speculative_config is not None:
+            raise ValueError("speculative decoding (its verification kernel) does not read kv_cache_dtype='fp8' "
+                             "pages yet: pass kv_cache_dtype='auto' or speculative_config=None")
         positive_int("tensor_parallel_size", tensor_parallel_size)
         if tensor_parallel_size > 1 and speculative_config is not None:
             raise ValueError("speculative decoding does not run with tensor_parallel_size > 1")
@@ -144,6 +156,8 @@ class LLM(LLMEngine):
         if isinstance(model, HuginnForCausalLM) and (speculative_config is not None or tensor_parallel_size > 1):
             raise ValueError("speculative decoding and tensor parallelism run Ouro models only; this is a Huginn "
                              "model")
+        if isinstance(model, HuginnForCausalLM) and args.kv_cache_dtype == "fp8":
+            raise ValueError("kv_cache_dtype='fp8' is not implemented for Huginn models yet (Ouro models run it)")
         num_steps = model.config.num_loops if num_steps is None else num_steps
         model.planes(num_steps)   # checks num_steps against the model
         adaptive_depth = check_adaptive_depth(adaptive_depth, model.config)
@@ -186,11 +200,17 @@ class LLM(LLMEngine):
         config, weight = model.config, model.head_weight
         if self.workers is not None and self.device.type == "cuda":
             torch.cuda.empty_cache()     # a whole model loaded by name is gone: its memory is free
-        page_bytes = PagedKVCache.page_bytes(config, args.page_size, weight.dtype, model.planes(num_steps))
+        planes = model.planes(num_steps)
+        page_bytes = PagedKVCache.page_bytes(config, args.page_size, weight.dtype, planes, args.kv_cache_dtype)
         num_pages, sizing = args.num_pages, f"num_pages={args.num_pages} as given"
         if num_pages is None:
             num_pages, sizing = self._default_pages(page_bytes, args.max_num_seqs * args.pages_per_request(
                 config.max_position_embeddings))
+        if args.kv_cache_dtype == "fp8":
+            sizing += (f"; kv_cache_dtype='fp8': K/V as 1-byte e4m3fn codes and a float32 scale per (token, KV "
+                       f"head), pages of {page_bytes} bytes (of "
+                       f"{PagedKVCache.page_bytes(config, args.page_size, weight.dtype, planes)} in "
+                       f"{str(weight.dtype).removeprefix('torch.')})")
         check_pool_fits(num_pages, page_bytes, *self._available_memory())
         max_model_len = args.model_len(config.max_position_embeddings, num_pages)
         self.model, self.wise_config = model, args.wise_config
@@ -202,7 +222,8 @@ class LLM(LLMEngine):
                         use_graphs=use_graphs,
                         kernel=kernel, seed=random.randrange(2 ** 63) if args.seed is None else args.seed,
                         prefill_attention=prefill_attention, dense_decode=dense_decode, wise_decode=wise_decode,
-                        num_steps=num_steps, adaptive_depth=adaptive_depth, adaptive_regroup=adaptive_regroup)
+                        num_steps=num_steps, adaptive_depth=adaptive_depth, adaptive_regroup=adaptive_regroup,
+                        kv_cache_dtype=args.kv_cache_dtype)
         if self.workers is not None:
             self.workers.send("settings", settings)
         self.runner = ModelRunner(model, **settings, workers=self.workers)
@@ -272,7 +293,7 @@ class LLM(LLMEngine):
         return self.runner.step_graphs.capture_s
 
     def _scrub(self, pages: list[int]) -> None:
-        """Zero the K/V of `pages` on every rank."""
+        """Zero the K/V of `pages` on every rank (an fp8 pool's quantized zeros)."""
         if pages:
             self.runner.scrub(pages)
 

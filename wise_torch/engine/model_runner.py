@@ -4,6 +4,12 @@ steps (`staging`: their inputs; `graphs`: as CUDA graphs), prefill chunks, the K
 preemption (`offload`) and sampling (`sampler.StepSampler`), each call mirrored on the other
 tensor-parallel ranks (`follower`).
 
+kv_cache_dtype "fp8": the pool holds e4m3fn codes and a float32 scale per (token, KV head)
+(`wise_torch.kv_cache`); prefill and decode write them quantized and read them dequantized
+through the reference attentions (the decode kernel "auto" and prefill attention "auto" resolve
+to them; the Triton kernel, FlashAttention-4 and the union arms refuse such a pool), and
+preemption copies codes and scales as they are.
+
 Decode runs at a (batch bucket, context bucket): `decode_buckets` sizes the rows (those past
 the real ones are padding rows that read and write only the scratch page), `context_buckets`
 the page-table width (`wise_core.buckets`), the smallest rung of a power-of-two ladder holding
@@ -49,7 +55,7 @@ from wise_core.wise_config import WiseConfig
 from wise_torch.attention import prepare_decode_attention, resolve_dense_decode, resolve_prefill_attention
 from wise_torch.engine.graphs import StepGraphs
 from wise_torch.engine.inflight import PromptScores
-from wise_torch.engine.offload import copy_in, copy_out
+from wise_torch.engine.offload import copy_in, copy_out, scrub
 from wise_torch.engine.sampler import StepSampler
 from wise_torch.engine.staging import DecodeStaging, PrefillInputs
 from wise_torch.kv_cache import DecodeBatch, PagedKVCache
@@ -77,7 +83,7 @@ class ModelRunner:
                  max_num_seqs: int, max_model_len: int, use_graphs: bool, kernel: str, seed: int,
                  prefill_attention: str = "auto", dense_decode: str = "kernel", wise_decode: str = "kernel",
                  num_steps: int | None = None, adaptive_depth: AdaptiveDepth | None = None,
-                 adaptive_regroup: bool = False, workers=None):
+                 adaptive_regroup: bool = False, kv_cache_dtype: str = "auto", workers=None):
         config = model.config
         # Tensor parallelism: the model's `tp` on every rank (None: one device); `workers` on rank
         # 0 (distributed.Workers), whose followers repeat its device-side calls (`_mirror`).
@@ -88,9 +94,9 @@ class ModelRunner:
         self.page_size = page_size
         # What prefill attention runs ("sdpa", "fa4", "reference") and its varlen function (None: SDPA).
         self.prefill_attention, self.prefill_fn = resolve_prefill_attention(prefill_attention, self.device,
-                                                                            self.dtype)
+                                                                            self.dtype, kv_cache_dtype)
         self.dense_decode = dense_decode   # "kernel" or "fa4": what runs the dense decode loops
-        self.dense_decode_fn = resolve_dense_decode(dense_decode, self.device, self.dtype)
+        self.dense_decode_fn = resolve_dense_decode(dense_decode, self.device, self.dtype, kv_cache_dtype)
         self.max_pages = -(-max_model_len // page_size)
         positions = min(self.max_pages * page_size, config.max_position_embeddings)
         model.rope_rows(positions)   # before any graph
@@ -100,7 +106,7 @@ class ModelRunner:
         self.num_steps = config.num_loops if num_steps is None else num_steps
         self.cache = PagedKVCache(planes=model.planes(self.num_steps), num_pages=num_pages, page_size=page_size,
                                   kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=self.dtype,
-                                  device=self.device)
+                                  device=self.device, kv_cache_dtype=kv_cache_dtype)
         self.step_inputs = model.step_inputs(self.num_steps, positions)
         # Decode's: those and Huginn's per-token adaptive depth (prefill runs every iteration),
         # regrouped (eager: `LLM`'s adaptive_regroup) or not.
@@ -118,13 +124,13 @@ class ModelRunner:
             kernel, batches=self.buckets, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim, max_blocks=max_blocks, block_size=block_size, dtype=self.dtype,
             device=self.device, min_splits=lambda b: min_splits_for(b, config.num_key_value_heads),
-            selection=None if wise_config is None else wise_config.selection)
+            selection=None if wise_config is None else wise_config.selection, kv_cache_dtype=kv_cache_dtype)
         # What runs the WISE loops: the kernel above, or an arm of `wise_torch.union_decode`.
         if wise_decode != "kernel" and wise_config is None:
             raise ValueError(f"wise_decode={wise_decode!r} runs WISE loops; the engine has no wise_config")
         self.wise_decode = wise_decode
         union = resolve_wise_decode(wise_decode, self.device, self.dtype,
-                                    None if wise_config is None else wise_config.selection)
+                                    None if wise_config is None else wise_config.selection, kv_cache_dtype)
         if union is not None:
             self.attention = dict.fromkeys(self.buckets, union)
         self.staging = DecodeStaging(rows, self.max_pages, self.device)
@@ -218,7 +224,8 @@ class ModelRunner:
 
     # -- preemption -------------------------------------------------------------------------
     def offload(self, seq: Sequence, pages: list[int]) -> None:
-        """Copy the K/V of seq's cached tokens (every plane; every rank its heads') to host memory."""
+        """Copy the K/V of seq's cached tokens (every plane; every rank its heads'; an fp8 pool's
+        codes and scales) to host memory."""
         n = -(-seq.num_cached // self.page_size)
         if n == 0:
             seq.offloaded = None
@@ -227,11 +234,11 @@ class ModelRunner:
         seq.offloaded = copy_out(self.cache, pages[:n])
 
     def restore(self, seq: Sequence) -> None:
-        """Copy an offloaded sequence's K/V back into its (new) pages."""
-        k, v = seq.offloaded
-        pages = seq.pages[:k.shape[1]]
+        """Copy an offloaded sequence's K/V back, as they were, into its (new) pages."""
+        stored = seq.offloaded
+        pages = seq.pages[:stored[0].shape[1]]
         self._mirror("restore", seq.request_id, pages)
-        copy_in(self.cache, pages, k, v)
+        copy_in(self.cache, pages, stored)
         seq.offloaded = None
 
     def forget(self, seq: Sequence) -> None:
@@ -240,10 +247,10 @@ class ModelRunner:
             self._mirror("forget", seq.request_id)
 
     def scrub(self, pages: list[int]) -> None:
-        """Zero the K/V of `pages` on every rank (a zero broadcast over each rank's shard)."""
+        """`pages` as an empty pool holds them on every rank: zero K/V (an fp8 pool's quantized
+        zeros), each rank over its shard (`offload.scrub`)."""
         self._mirror("scrub", pages)
-        zero = torch.zeros(())
-        copy_in(self.cache, pages, zero, zero)
+        scrub(self.cache, pages)
 
     # -- WISE and early-exit counters --------------------------------------------------------
     def wise_density(self) -> dict[int, float | None]:

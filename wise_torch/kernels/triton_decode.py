@@ -27,6 +27,18 @@ A program attends at most `split_keys` keys, so a long dense row costs more prog
 ones, and the sparse rows of a mixed batch are not paced by its longest dense row. The merge
 runs in its own launch (the launch boundary orders it after every split, no atomics), which
 keeps the selection's sort out of the split kernel's register budget.
+
+fp8 pages (k_scale, v_scale given: an fp8 cache's, `wise_torch.kv_cache`): k_pages and v_pages
+are uint8 e4m3fn codes and each key's K and V carry one float32 scale per KV head. A tile's
+codes are loaded as bytes, bitcast to float8e4nv, widened to float32, multiplied by their scale
+and rounded to q's dtype in registers -- `wise_core.kv_quant.dequantize`'s arithmetic, so the
+tile holds bitwise the values the reference dequantizes, and the rest of the kernel runs
+unchanged: its output, mass and selection on fp8 pages are bitwise those on the dequantized
+pages. A key's scale sits at its code offset / head_dim (codes and scales both contiguous: a
+cache plane's layout). Launches over fp8 pages take `config_for(..., "fp8")` (at most
+FP8_MAX_STAGES pipeline stages). The engine does not run this path yet
+(`attention.resolve_kernel` refuses kernel="triton" for an fp8 pool): it has run in the
+interpreter and been compiled offline for sm90, not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -90,11 +102,27 @@ CONFIGS: dict[tuple[int, torch.dtype], KernelConfig] = {
 }
 
 
-def config_for(head_dim: int, dtype: torch.dtype) -> KernelConfig:
+# fp8 pages: the tiles are dequantized in registers, and Triton cannot pipeline one-byte loads
+# over three stages on sm90 (its cp.async needs 4 bytes a copy): 16-bit head_dim 128 takes 8
+# warps and 2 stages (no spill in the sm90 offline compile; 4 warps spill), other entries their
+# table's configuration at 2 stages at most. Not tuned on a GPU.
+FP8_MAX_STAGES = 2
+FP8_CONFIGS: dict[tuple[int, torch.dtype], KernelConfig] = {
+    (128, torch.bfloat16): KernelConfig(tile_n=64, split_keys=512, num_warps=8, num_stages=2, mha_dots=True),
+    (128, torch.float16): KernelConfig(tile_n=64, split_keys=512, num_warps=8, num_stages=2, mha_dots=True),
+}
+
+
+def config_for(head_dim: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> KernelConfig:
     """The table's configuration for (head_dim, dtype); KernelConfig() for other head dims. A
     head_dim that is not a power of two (huginn-0125's 96) runs its tiles' width's entry
-    (`triton_head_dim.block_d`: 128 for 96), its tiles being that wide: not tuned on a GPU."""
-    return CONFIGS.get((triton_head_dim.block_d(head_dim), dtype), KernelConfig())
+    (`triton_head_dim.block_d`: 128 for 96), its tiles being that wide: not tuned on a GPU.
+    kv_cache_dtype "fp8": `FP8_CONFIGS`' entry, else the table's at FP8_MAX_STAGES stages at most."""
+    key = (triton_head_dim.block_d(head_dim), dtype)
+    config = CONFIGS.get(key, KernelConfig())
+    if kv_cache_dtype != "fp8":
+        return config
+    return FP8_CONFIGS.get(key, dataclasses.replace(config, num_stages=min(config.num_stages, FP8_MAX_STAGES)))
 
 
 def split_rule(config: KernelConfig, block_size: int) -> dict:
@@ -263,6 +291,16 @@ def _finish_head(row, head, heads, mode, n_splits, n_causal, max_blocks, eta,
 
 
 @triton.jit
+def _dequantize(codes, scales, dtype: tl.constexpr):
+    """codes uint8 [TILE_N, D], scales float32 [TILE_N] -> values of `dtype` [TILE_N, D]:
+    RN_dtype(RN(value(code) * scale)) (`wise_core.kv_quant.dequantize`). Codes 0x7F and 0xFF
+    are NaN (the conversion is set explicitly: Triton's interpreter reads them as +-480)."""
+    x = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    x = tl.where((codes & 0x7F) == 0x7F, float("nan"), x)
+    return (x * scales[:, None]).to(dtype, fp_downcast_rounding="rtne")
+
+
+@triton.jit
 def _listed_blocks(support_ptr, row, kvh, is_sparse, n_causal, stride_sb, stride_sh,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NB_PAD: tl.constexpr):
     """bool [NB_PAD]: the blocks the (row, kv_head) attends, every causal block or (SPARSE) the
@@ -277,7 +315,7 @@ def _listed_blocks(support_ptr, row, kvh, is_sparse, n_causal, stride_sb, stride
 
 @triton.jit
 def _split_kernel(
-        q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, modes_ptr, support_ptr,
+        q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, page_table_ptr, seq_lens_ptr, modes_ptr, support_ptr,
         starts_ptr, blocks_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, stat_m_ptr, stat_l_ptr,
         kv_heads, max_blocks, qk_scale,
         stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_pt, stride_sb, stride_sh,
@@ -285,8 +323,10 @@ def _split_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK: tl.constexpr,
         PAGE: tl.constexpr, TILE_N: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, MIN_SPLITS: tl.constexpr,
-        NB_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_ALIGN: tl.constexpr):
-    """Steps 1 and 2 of the module docstring for program (row * kv_heads + kv_head, split)."""
+        NB_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_ALIGN: tl.constexpr, FP8: tl.constexpr):
+    """Steps 1 and 2 of the module docstring for program (row * kv_heads + kv_head, split).
+    FP8: k_ptr, v_ptr hold uint8 codes, k_scale_ptr, v_scale_ptr their scales (module docstring);
+    otherwise the scale pointers are not read."""
     row = tl.program_id(0) // kv_heads
     kvh = tl.program_id(0) % kv_heads
     split = tl.program_id(1)
@@ -340,10 +380,17 @@ def _split_kernel(
         in_list = entry < hi
         key_start = tl.multiple_of(tl.load(starts_ptr + list_base + entry, mask=in_list, other=0), KV_ALIGN)
         key_ok = in_list & ((entry < n_listed - 1) | (within < tail_keys))
-        kv = (key_start + within.to(tl.int64) * stride_kt)[:, None] + offs_d[None, :]
+        key = key_start + within.to(tl.int64) * stride_kt                         # [TILE_N]
+        kv = key[:, None] + offs_d[None, :]
         kv_ok = lanes(key_ok[:, None], offs_d[None, :], HEAD_DIM, BLOCK_D)
-        k = tl.load(k_ptr + kv, mask=kv_ok, other=0.0)
-        v = tl.load(v_ptr + kv, mask=kv_ok, other=0.0)
+        if FP8:   # codes and a scale per key, dequantized to q's dtype in registers
+            k_scale = tl.load(k_scale_ptr + key // HEAD_DIM, mask=key_ok, other=1.0)
+            v_scale = tl.load(v_scale_ptr + key // HEAD_DIM, mask=key_ok, other=1.0)
+            k = _dequantize(tl.load(k_ptr + kv, mask=kv_ok, other=0), k_scale, q_ptr.dtype.element_ty)
+            v = _dequantize(tl.load(v_ptr + kv, mask=kv_ok, other=0), v_scale, q_ptr.dtype.element_ty)
+        else:
+            k = tl.load(k_ptr + kv, mask=kv_ok, other=0.0)
+            v = tl.load(v_ptr + kv, mask=kv_ok, other=0.0)
         s = _scores(q, k, BLOCK_G, DOT_PRECISION) * qk_scale                   # [TILE_N, BLOCK_G]
         keep = key_ok[:, None]
         if GROUP > 1:  # a sparse row lists the union of its heads' blocks; mask per head
@@ -399,12 +446,19 @@ def _finish_kernel(
                  ws_blocks, ws_splits, HEAD_DIM, BLOCK_D, S_CHUNK, NB_PAD, RETURN_MASS, SELECT)
 
 
-def _check_kernel_inputs(q, k_pages, v_pages, page_table, seq_lens, modes, support) -> None:
+def _check_kernel_inputs(q, k_pages, v_pages, page_table, seq_lens, modes, support, k_scale=None,
+                         v_scale=None) -> None:
     """What this kernel needs beyond the shared contract (no host sync): head_dim a multiple of
-    16 (`triton_head_dim`), one device, unit strides where the kernel indexes densely."""
+    16 (`triton_head_dim`), one device, unit strides where the kernel indexes densely; fp8
+    pages and their scales contiguous (a key's scale is found at its code offset / head_dim)."""
     triton_head_dim.check(q.shape[2])
     tensors = {"q": q, "k_pages": k_pages, "v_pages": v_pages, "page_table": page_table,
                "seq_lens": seq_lens, "modes": modes, "support": support}
+    if k_scale is not None:
+        tensors.update(k_scale=k_scale, v_scale=v_scale)
+        if not all(t.is_contiguous() for t in (k_pages, v_pages, k_scale, v_scale)):
+            raise ValueError("fp8 pages: k_pages, v_pages, k_scale and v_scale must be contiguous (a cache "
+                             "plane's layout)")
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) != 1:
         raise ValueError(f"all tensors must be on one device, got {devices}")
@@ -422,7 +476,7 @@ def _check_kernel_inputs(q, k_pages, v_pages, page_table, seq_lens, modes, suppo
 def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *,
                      block_size: int, eta: float, scale: float | None = None,
                      return_mass: bool = False, workspace: DecodeWorkspace | None = None,
-                     validate: bool = True, reuse: bool = False):
+                     validate: bool = True, reuse: bool = False, k_scale=None, v_scale=None):
     """One query token per row against its paged keys, per-row WISE mode (docs/DESIGN.md).
 
     q: [batch, heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim]
@@ -436,16 +490,19 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
     outputs; a SPARSE head that selects no causal block (outside the contract) gives NaN
     outputs when not validated. reuse: a reuse loop's call, every row SPARSE or DENSE (checked
     with validate): the finish kernel is compiled without the selection (mass: zeros).
+    k_scale, v_scale: an fp8 cache's scales float32 [num_pages, page_size, kv_heads], k_pages and
+    v_pages then its uint8 codes, dequantized in registers (module docstring).
     """
     check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size, eta=eta,
-               validate=validate, reuse=reuse)
-    _check_kernel_inputs(q, k_pages, v_pages, page_table, seq_lens, modes, support)
+               validate=validate, reuse=reuse, k_scale=k_scale, v_scale=v_scale)
+    _check_kernel_inputs(q, k_pages, v_pages, page_table, seq_lens, modes, support, k_scale, v_scale)
     batch, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     max_blocks = support.shape[2]
     if workspace is None:
+        config = config_for(head_dim, q.dtype, "auto" if k_scale is None else "fp8")
         workspace = DecodeWorkspace.allocate(max(batch, 1), heads, kv_heads, head_dim, max_blocks,
-                                             dtype=q.dtype, device=q.device, block_size=block_size)
+                                             dtype=q.dtype, device=q.device, block_size=block_size, config=config)
     else:
         workspace.check_fits(batch, heads, kv_heads, head_dim, max_blocks, block_size, q.dtype, q.device)
     out, mass = workspace.out[:batch], workspace.mass[:batch, :, :max_blocks]
@@ -453,15 +510,20 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
         for kernel, grid, args, kwargs in kernel_launches(
                 q, k_pages, v_pages, page_table, seq_lens, modes, support, out, mass, workspace,
                 scale=head_dim ** -0.5 if scale is None else scale, eta=eta, return_mass=return_mass,
-                reuse=reuse):
+                reuse=reuse, k_scale=k_scale, v_scale=v_scale):
             kernel[grid](*args, **kwargs)
     return (out, support, mass) if return_mass else (out, support)
 
 
 def kernel_launches(q, k_pages, v_pages, page_table, seq_lens, modes, support, out, mass, ws, *,
-                    scale, eta, return_mass, reuse: bool = False):
+                    scale, eta, return_mass, reuse: bool = False, k_scale=None, v_scale=None):
     """[(kernel, grid, args, kwargs)] of a checked call in launch order: the split kernel, then
-    the finish kernel (also used to compile offline)."""
+    the finish kernel (also used to compile offline). k_scale, v_scale: fp8 pages' scales."""
+    fp8 = k_scale is not None
+    if fp8 and ws.config.num_stages > FP8_MAX_STAGES:
+        raise ValueError(f"fp8 pages run at num_stages <= {FP8_MAX_STAGES} (Triton cannot pipeline one-byte loads "
+                         f"deeper on sm90); the workspace's config has {ws.config.num_stages}: use "
+                         f"config_for(head_dim, dtype, 'fp8')")
     batch, heads, head_dim = q.shape
     kv_heads = k_pages.shape[2]
     max_blocks = support.shape[2]
@@ -476,14 +538,15 @@ def kernel_launches(q, k_pages, v_pages, page_table, seq_lens, modes, support, o
                   SPLIT_BLOCKS=rule["split"], MIN_SPLITS=rule["min_splits"], NB_PAD=triton.next_power_of_2(max_blocks))
     split = (
         _split_kernel, (batch * kv_heads, max_splits),
-        (q, k_pages, v_pages, page_table, seq_lens, modes, support, ws.starts, ws.blocks, *partials,
+        (q, k_pages, v_pages, k_scale if fp8 else k_pages, v_scale if fp8 else v_pages, page_table, seq_lens,
+         modes, support, ws.starts, ws.blocks, *partials,
          kv_heads, max_blocks, scale * math.log2(math.e),
          q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
          page_table.stride(0), support.stride(0), support.stride(1), ws.max_blocks, ws.max_splits),
         dict(shared, BLOCK_G=1 if group == 1 and not config.mha_dots else max(16, triton.next_power_of_2(group)),
              PAGE=k_pages.shape[1], TILE_N=rule["tile"] * block_size,
              DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-             KV_ALIGN=16 if all(stride % 16 == 0 for stride in k_pages.stride()[:3]) else 1,
+             KV_ALIGN=16 if all(stride % 16 == 0 for stride in k_pages.stride()[:3]) else 1, FP8=fp8,
              num_warps=config.num_warps, num_stages=config.num_stages))
     finish = (
         _finish_kernel, (batch * heads,),

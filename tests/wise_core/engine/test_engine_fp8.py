@@ -1,9 +1,11 @@
-"""wise_jax.LLM(..., kv_cache_dtype="fp8") (issue 50): greedy tokens equal to the numpy reference
-model over an fp8 cache (`ouro_reference.generate(..., kv_quant=True)`), dense and all-blocks WISE,
-with chunked prefill and staggered arrivals, Ouro's early exit too; prefix caching and preemption
-(offload / restore) keep the tokens, dense and WISE; the pool holds 3.56x the float32 pages of
-this model (head_dim 32) in the same memory; the fast kernel, Huginn and a bad kv_cache_dtype are
-refused. CPU, float32 model, reference kernel.
+"""LLM(..., kv_cache_dtype="fp8") in both engines (issue 50): greedy tokens equal to the numpy
+reference model over an fp8 cache (`ouro_reference.generate(..., kv_quant=True)`), dense and
+all-blocks WISE, with chunked prefill and staggered arrivals, Ouro's early exit too; prefix
+caching and preemption (offload / restore) keep the tokens, dense and WISE; the pool holds 3.56x
+the float32 pages of this model (head_dim 32) in the same memory; the fast decode kernel (JAX's
+Pallas, torch's Triton), Huginn and a bad kv_cache_dtype are refused. CPU, float32 model,
+reference kernel; each test runs once per framework (the refusals of torch's other fast paths:
+tests/wise_torch/test_torch_engine.py).
 
 How close the engine comes to the reference: the reference runs in float64 and rounds each K/V to
 float32 before quantizing it; the engine computes in float32. Both quantize by one rule, but a
@@ -19,18 +21,16 @@ import dataclasses
 import numpy as np
 import pytest
 
-import wise_jax
+from engine_cases import FRAMEWORKS, Framework, drained
 from wise_core import ouro_reference as R
 from wise_core.checkpoint import random_tensors
 from wise_core.engine import EngineArgs
 from wise_core.engine import args as engine_args
+from wise_core.kv_quant import entry_bytes
 from wise_core.model_config import ModelConfig
 from wise_core.presets import PRESETS
 from wise_core.sampling_params import SamplingParams
 from wise_core.wise_config import WiseConfig
-from wise_jax import kv_cache as kvc
-
-from engine_cases import drained
 
 CONFIG = PRESETS["test-tiny-gqa"]
 TENSORS = random_tensors(CONFIG, seed=5, std=0.08)
@@ -38,11 +38,12 @@ PAGE = 32
 PROMPTS = [(50, 10), (70, 10), (12, 10)]    # (prompt length, new tokens); 70 > max_num_batched_tokens: chunked
 WISE = WiseConfig(eta=0.5, kernel="reference")
 MODES = pytest.mark.parametrize("wise_config", [None, WISE], ids=["dense", "wise"])
+FAST_KERNEL = {"jax": "pallas", "torch": "triton"}     # the decode kernel that does not read fp8 pages yet
 
 
-@pytest.fixture(scope="module")
-def params():
-    return wise_jax.from_checkpoint_tensors(CONFIG, TENSORS)
+@pytest.fixture(scope="module", params=FRAMEWORKS)
+def model(request):
+    return Framework(request.param, CONFIG, tensors=TENSORS)
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +52,10 @@ def prompts():
     return [(rng.integers(0, CONFIG.vocab_size, n).tolist(), new) for n, new in PROMPTS]
 
 
-def engine(params, config=CONFIG, **kw):
+def engine(model, **kw):
     kw = {"num_pages": 16, "page_size": PAGE, "max_num_seqs": 4, "max_model_len": 128, "kernel": "reference",
           "kv_cache_dtype": "fp8", **kw}
-    return wise_jax.LLM(params, config, **kw)
+    return model.engine(**kw)
 
 
 def staggered(llm, prompts) -> list:
@@ -97,11 +98,11 @@ def assert_follows(got: list, config, tensors, prompts):
 
 @pytest.mark.parametrize("wise_config", [None, WiseConfig(all_blocks=True, kernel="reference")],
                          ids=["dense", "wise-all-blocks"])
-def test_tokens_equal_the_reference_over_an_fp8_cache(params, prompts, wise_config):
+def test_tokens_equal_the_reference_over_an_fp8_cache(model, prompts, wise_config):
     """All-blocks WISE attends densely through the WISE program (discovery, reuse, selection on
     the dequantized scores)."""
-    llm = engine(params, wise_config=wise_config, max_num_batched_tokens=64)
-    assert llm.kernel == "reference" and llm.cache.quantized
+    llm = engine(model, wise_config=wise_config, max_num_batched_tokens=64)
+    assert model.cache(llm).quantized
     assert "fp8" in llm.stats().pool_sizing
     changed = assert_follows(staggered(llm, prompts), CONFIG, TENSORS, prompts)
     assert changed >= 1        # the quantization changes some prompt's tokens: the test can tell
@@ -114,7 +115,7 @@ EXIT_CONFIG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, n
                           total_ut_steps=4, max_position_embeddings=512, early_exit_threshold=0.6)
 
 
-def test_early_exit_copies_the_exit_loops_codes():
+def test_early_exit_copies_the_exit_loops_codes(model):
     """Ouro's early exit (tests/wise_core/test_ouro_early_exit.py's model: tokens exit at loops 0,
     1 and 3): an exited token's later planes get its exit loop's codes and scales, not a second
     quantization of their values, as the reference's `held` appends."""
@@ -123,8 +124,7 @@ def test_early_exit_copies_the_exit_loops_codes():
     tensors["model.early_exit_gate.bias"] = np.array([-0.5], np.float32)
     rng = np.random.default_rng(11)
     prompts = [(rng.integers(0, 96, n).tolist(), new) for n, new in [(12, 10), (40, 6), (70, 8)]]
-    llm = engine(wise_jax.from_checkpoint_tensors(EXIT_CONFIG, tensors), EXIT_CONFIG, max_num_seqs=2,
-                 max_num_batched_tokens=64)
+    llm = engine(Framework(model.name, EXIT_CONFIG, tensors=tensors), max_num_seqs=2, max_num_batched_tokens=64)
     assert_follows(staggered(llm, prompts), EXIT_CONFIG, tensors, prompts)
     assert 1 < drained(llm).mean_decode_depth < 4
 
@@ -150,49 +150,54 @@ def waves(llm, prompts, size=3) -> list:
 
 
 @MODES
-def test_prefix_caching_and_preemption_keep_the_tokens(params, wise_config):
+def test_prefix_caching_and_preemption_keep_the_tokens(model, wise_config):
     """A small pool (preemptions offload and restore codes and scales) with prefix caching (cached
     fp8 pages read dequantized by later prompts' prefill) gives the tokens of a pool that holds
     everything, without the cache."""
     prompts = shared_prompts()
-    plain = engine(params, wise_config=wise_config, num_pages=64, max_num_seqs=8, enable_prefix_caching=False,
+    plain = engine(model, wise_config=wise_config, num_pages=64, max_num_seqs=8, enable_prefix_caching=False,
                    max_num_batched_tokens=256)
     want = waves(plain, prompts)
     assert drained(plain).preemptions == 0
-    small = engine(params, wise_config=wise_config, num_pages=7, max_num_seqs=3, max_num_batched_tokens=40)
+    small = engine(model, wise_config=wise_config, num_pages=7, max_num_seqs=3, max_num_batched_tokens=40)
     assert waves(small, prompts) == want
     stats = drained(small)
     assert stats.preemptions > 0 and stats.prefix_cache_hits >= 64
 
 
-def test_the_pool_holds_more_tokens_in_the_same_memory(params, monkeypatch):
+def test_the_pool_holds_more_tokens_in_the_same_memory(model, monkeypatch):
     """num_pages=None on a CPU fills CPU_POOL_BYTES (made 8 MiB here): an fp8 pool holds
     4 * 32 / (32 + 4) = 3.56x the float32 pages of this model (head_dim 32), in no more bytes."""
     monkeypatch.setattr(engine_args, "CPU_POOL_BYTES", 8 << 20)
+    planes = CONFIG.total_ut_steps * CONFIG.num_hidden_layers
     pools = {}
     for dtype in ("auto", "fp8"):
-        llm = engine(params, num_pages=None, max_num_seqs=64, max_model_len=1024, kv_cache_dtype=dtype)
-        stats = llm.stats()
-        per_page = kvc.page_bytes(CONFIG, PAGE, np.float32, kv_cache_dtype=dtype)
+        llm = engine(model, num_pages=None, max_num_seqs=64, max_model_len=1024, kv_cache_dtype=dtype)
+        stats, cache = llm.stats(), model.cache(llm)
+        per_page = 2 * planes * PAGE * CONFIG.num_key_value_heads * entry_bytes(CONFIG.head_dim, 4, dtype)
         assert stats.total_pages == (8 << 20) // per_page and stats.total_pages * per_page <= 8 << 20
         assert ("kv_cache_dtype='fp8'" in stats.pool_sizing) == (dtype == "fp8"), stats.pool_sizing
         pools[dtype] = stats.total_pages
-        assert sum(x.nbytes for x in (llm.cache.k, llm.cache.v, llm.cache.k_scale, llm.cache.v_scale)
+        assert sum(x.nbytes for x in (cache.k, cache.v, cache.k_scale, cache.v_scale)
                    if x is not None) == (stats.total_pages + 1) * per_page      # and its scratch page
     assert pools["fp8"] / pools["auto"] == pytest.approx(4 * 32 / (32 + 4), rel=0.01)    # 227 / 64 pages
 
 
-def test_refusals_name_the_setting(params):
+def test_refusals_name_the_setting(model):
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8'\), got 'e5m2'"):
         EngineArgs(kv_cache_dtype="e5m2")
-    for kw in (dict(kernel="pallas"), dict(kernel=None, wise_config=WiseConfig(kernel="pallas"))):
-        with pytest.raises(ValueError, match=r"kernel='pallas' .* does not read kv_cache_dtype='fp8'"):
-            engine(params, **kw)
-    assert engine(params, kernel="auto").kernel == "reference"
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8'\), got 'float8'"):
+        engine(model, kv_cache_dtype="float8")
+    fast = FAST_KERNEL[model.name]
+    for kw in (dict(kernel=fast), dict(kernel=None, wise_config=WiseConfig(kernel=fast))):
+        with pytest.raises(ValueError, match=rf"kernel='{fast}' .* does not read kv_cache_dtype='fp8'"):
+            engine(model, **kw)
+    llm = engine(model, kernel="auto")      # the reference, on every device
+    tokens = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0].token_ids
+    assert tokens == R.generate(CONFIG, TENSORS, [1, 2, 3], 3, kv_quant=True)[0]
     huginn = PRESETS["test-tiny-huginn"]
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not implemented for Huginn models yet"):
-        wise_jax.LLM(wise_jax.from_checkpoint_tensors(huginn, random_tensors(huginn, seed=0, std=0.08)), huginn,
-                     num_pages=8, page_size=PAGE, kv_cache_dtype="fp8")
+        engine(Framework(model.name, huginn), num_pages=8, kv_cache_dtype="fp8")
     # "auto" is the default and keeps the model's dtype
     assert EngineArgs().kv_cache_dtype == "auto"
     assert dataclasses.replace(EngineArgs(), kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
