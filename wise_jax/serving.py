@@ -62,11 +62,6 @@ class RequestKV:
     length: jax.Array
 
 
-def check_ids(ids, config: ModelConfig, what: str) -> list[int]:
-    """`wise_core.tokenizer.check_token_ids` against config's vocabulary (what `wise_jax.engine.encode` calls)."""
-    return check_token_ids(ids, config.vocab_size, what)
-
-
 def prefill_bucket(length: int, page_size: int) -> int:
     """Positions a prompt of `length` tokens is prefilled at: whole pages."""
     return -(-length // page_size) * page_size

@@ -73,7 +73,6 @@ from wise_core.engine.step_plan import DecodePlan, TagCounter
 from wise_core.huginn_reference import initial_state, num_planes
 from wise_core.model_config import ModelConfig
 from wise_core.sampling_params import MAX_SEED, SamplingParams
-from wise_core.tokenizer import encode_text
 from wise_jax import checks
 from wise_jax import huginn
 from wise_jax import kv_cache as kvc
@@ -565,16 +564,6 @@ def use_compilation_cache(where: str | Path | None) -> None:
     if jax.config.jax_compilation_cache_dir != str(where):
         where.mkdir(parents=True, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", str(where))
-
-
-def encode(prompt, config: ModelConfig, tokenizer: Tokenizer | None, what: str) -> list[int]:
-    """Token ids, or a string through `tokenizer`, -> checked token ids (`serving.check_ids`)."""
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError(f"a string {what} needs a tokenizer: pass tokenizer= (a checkpoint's comes from "
-                             "wise_jax.load_model(..., with_tokenizer=True))")
-        prompt = encode_text(tokenizer, prompt, what)
-    return serving.check_ids(prompt, config, what)
 
 
 def _default_num_pages(config: ModelConfig, page_size: int, dtype, most: int,
