@@ -30,7 +30,8 @@ from wise_core.engine.protocol import Engine
 from wise_core.generate_args import check_sampling, check_seed
 from wise_core.sampling_params import MAX_SEED, SamplingParams
 from wise_core.tokenizer import encode_text
-from wise_core.wise_config import KERNELS, WiseConfig
+from wise_core.engine.args import ATTENTION_BACKENDS
+from wise_core.wise_config import WiseConfig
 from wise_serve.model import build_engine, engine_context, select_device
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -56,9 +57,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wise", action="store_true", help="decode with WISE (default: dense decode)")
     parser.add_argument("--eta", type=float, default=None,
                         help=f"WISE mass fraction kept per head (needs --wise; default: {WiseConfig.eta})")
-    parser.add_argument("--kernel", choices=KERNELS, default=None,
-                        help="WISE decode-attention kernel (needs --wise; default: auto, the framework's GPU "
-                             "kernel on GPU, the reference on CPU)")
+    parser.add_argument("--attention-backend", choices=attention_backend_names(), default="auto",
+                        help="what runs prefill and decode attention (docs/attention.md): torch auto, triton, fa4, "
+                             "reference; jax auto, pallas, reference (default: auto, the fastest that runs here)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampling temperature; 0 is greedy, the default (as SamplingParams; the server's "
                              "default is 1, as OpenAI's)")
@@ -87,6 +88,11 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print the text token by token as it is generated (one prompt)")
     output.add_argument("--json", action="store_true",
                         help="print one JSON object per prompt: prompt, text, token_ids, finish_reason, stats")
+
+
+def attention_backend_names() -> list[str]:
+    """Every backend's attention_backend values (the engine refuses another framework's)."""
+    return sorted({name for names in ATTENTION_BACKENDS.values() for name in names})
 
 
 def physical_cores() -> int:
@@ -197,7 +203,8 @@ def _generate(args, wise_config: WiseConfig | None, prompts: list[Prompt], on_te
     # in a pool sized by the engine's default.
     num_pages = sum(-(-n // page_size) for n in lengths) if len(ids) <= max_num_seqs else None
     llm, threads = _engine(args, wise_config=wise_config, num_pages=num_pages, page_size=page_size,
-                           max_num_seqs=max_num_seqs, max_model_len=max(lengths), seed=args.seed or 0)
+                           max_num_seqs=max_num_seqs, max_model_len=max(lengths), seed=args.seed or 0,
+                           attention_backend=args.attention_backend)
     requests = {}
     for i, prompt in enumerate(ids):
         params = SamplingParams(max_tokens=new[i], temperature=args.temperature, stop=tuple(args.stop),
@@ -242,15 +249,13 @@ def _generate(args, wise_config: WiseConfig | None, prompts: list[Prompt], on_te
 
 
 def wise_settings(args) -> WiseConfig | None:
-    """The WiseConfig of --wise, --eta and --kernel; --eta or --kernel without --wise is an error
-    (dense decode would ignore them)."""
-    given = [name for name, value in (("--eta", args.eta), ("--kernel", args.kernel)) if value is not None]
+    """The WiseConfig of --wise and --eta; --eta without --wise is an error (dense decode would
+    ignore it)."""
     if not args.wise:
-        if given:
-            raise ValueError(f"{' and '.join(given)} set WISE decode; add --wise (dense decode does not use them)")
+        if args.eta is not None:
+            raise ValueError("--eta sets WISE decode; add --wise (dense decode does not use it)")
         return None
-    settings = {"eta": args.eta, "kernel": args.kernel}
-    return WiseConfig(**{name: value for name, value in settings.items() if value is not None})
+    return WiseConfig() if args.eta is None else WiseConfig(eta=args.eta)
 
 
 SAMPLING_FLAGS = {"top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed"}

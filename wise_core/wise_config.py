@@ -1,6 +1,6 @@
 """The WISE decode settings: `WiseConfig` (block size, eta, the discovery and reuse depths, the
-decode-attention kernel, the selection rule), the kernel names, and Huginn's WISE profile
-(`huginn_wise_config`). A frozen dataclass, hashable, so it can be a static argument under jit."""
+selection rule: the algorithm; which attention runs it is the engine's `attention_backend`) and
+Huginn's WISE profile (`huginn_wise_config`). A frozen dataclass, hashable, so it can be a static argument under jit."""
 
 from __future__ import annotations
 
@@ -9,13 +9,6 @@ import numbers
 
 from wise_core.config_error import ConfigError, is_int
 from wise_core.selection import Custom, Eta, SelectionRule
-
-
-KERNELS = ("auto", "reference", "triton", "pallas")
-"""Every decode-attention kernel name (`WiseConfig.kernel`, `wise generate --kernel`)."""
-FRAMEWORK_KERNELS = {"torch": ("auto", "reference", "triton"), "jax": ("auto", "reference", "pallas")}
-"""The names each framework runs: "auto" (its GPU kernel on a GPU, the reference elsewhere), the
-plain reference, and its kernel."""
 
 
 MAX_DISCOVER_DEPTH = 30
@@ -32,7 +25,6 @@ class WiseConfig:
     reuse_depths: loops that attend only the support found by the discovery loops.
     On Huginn a depth is a core iteration (the prelude and coda attend densely; see
     `huginn_wise_config`, docs/DESIGN.md "Huginn").
-    kernel: attention implementation ("auto" picks the framework's fastest on the device).
     all_blocks: select every causal block (equivalence checks: WISE must then equal dense).
     selection: None (the default): discovery keeps the eta rule's blocks; or another rule of
     `wise_core.selection` (`TopK`, `Threshold`, `Custom`; a plain callable is taken as
@@ -45,7 +37,6 @@ class WiseConfig:
     eta: float = 0.95
     discover_depths: tuple[int, ...] = (0, 1)
     reuse_depths: tuple[int, ...] = (2, 3)
-    kernel: str = "auto"
     all_blocks: bool = False
     selection: SelectionRule | None = None
 
@@ -87,8 +78,6 @@ class WiseConfig:
             raise ConfigError(
                 f"reuse depth {min(self.reuse_depths)} comes before the last discovery depth "
                 f"{max(self.discover_depths)}")
-        if not isinstance(self.kernel, str) or self.kernel not in KERNELS:
-            raise ConfigError(f"WiseConfig.kernel must be one of {KERNELS}, got {self.kernel!r}")
         if not isinstance(self.all_blocks, bool):
             raise ConfigError(f"WiseConfig.all_blocks must be True or False, got {self.all_blocks!r}")
 
@@ -130,7 +119,7 @@ class WiseConfig:
 def huginn_wise_config(num_steps: int = 32, **settings) -> WiseConfig:
     """The WISE profile for Huginn at `num_steps` core iterations (huginn-0125's default r = 32):
     discovery on iterations 0 and 1, reuse on 2 .. num_steps - 1; `settings`: the other WiseConfig
-    fields (block_size, eta, kernel, ...). This is the project's choice, mirroring Ouro's default
+    fields (block_size, eta, ...). This is the project's choice, mirroring Ouro's default
     (discover the first two loops, reuse the rest), not a profile taken from the WISE paper (whose
     Huginn discovery iterations are not stated in the material this project follows)."""
     if not is_int(num_steps) or num_steps < 3:

@@ -1,5 +1,6 @@
 """Decode attention over a paged cache: the jnp reference of every mode, the selection rule,
-and the dispatcher to the Pallas kernels (`wise_jax.kernels.choice` picks which).
+the dispatcher to the Pallas kernels (`wise_jax.kernels.choice` picks which), and what the
+engine's attention_backend runs in each phase (`attention_plan`, docs/attention.md's table).
 
 Modes (`wise_core.modes`, per row): DENSE attends every key < seq_len; DISCOVER attends densely,
 records block mass and returns support' = select_blocks(mass); DISCOVER_UNION ORs that selection
@@ -13,8 +14,9 @@ e4m3fn codes and `k_scale`, `v_scale` float32 [num_pages, page_size, kv_heads] t
 (`wise_core.kv_quant`). Only the reference reads them: it gathers a row's pages and dequantizes
 them to q's dtype, then runs the same code as over unquantized pages, so its output, mass and
 selection are those of attention over the dequantized K/V. The Pallas and Mosaic kernels do not
-read fp8 pages yet: kernel "auto" runs the reference for such a cache on every backend, and
-kernel "pallas" is refused (`resolve_kernel`).
+read fp8 pages yet: kernel "auto" (attention_backend "auto") runs the reference for such a cache
+on every backend, and kernel (attention_backend) "pallas" is refused (`resolve_kernel`,
+`attention_plan`).
 """
 
 from __future__ import annotations
@@ -28,12 +30,16 @@ from jax import lax
 
 from wise_core import modes as M
 from wise_core import selection as rules
+from wise_core.engine.args import ATTENTION_BACKENDS
 from wise_core.kv_quant import check_kv_cache_dtype
-from wise_core.wise_config import FRAMEWORK_KERNELS
 from wise_jax import kv_quant
 from wise_jax.decode_check import check_call
 
-KERNELS = FRAMEWORK_KERNELS["jax"]
+KERNELS = ("auto", "reference", "pallas")
+"""The decode kernels (`decode_attention(kernel=)`): "auto" (`resolve_kernel`), the jnp
+reference, and the Pallas kernels (`wise_jax.kernels.choice`: Mosaic GPU on Hopper where it
+takes the call, the Triton lowering elsewhere)."""
+JAX_BACKENDS = ATTENTION_BACKENDS["jax"]
 
 
 def select_blocks(mass: jax.Array, rule, context: rules.SelectionContext | None = None) -> jax.Array:
@@ -164,6 +170,35 @@ def resolve_kernel(kernel: str, head_dim: int | None = None, kv_cache_dtype: str
         return "pallas"
     from wise_jax.kernels.pallas_decode import takes
     return "pallas" if takes(head_dim) else "reference"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPlan:
+    """What the JAX engine runs in each phase (docs/attention.md's table; `attention_plan`).
+    kernel: the decode kernel of every decode loop, dense and WISE ("pallas" or "reference",
+    `attention_impl`); prefill: the prefill attention of chunks that open their prompts
+    (`wise_jax.prefill_attention.causal_attention`'s implementation: "auto", cuDNN where it
+    takes the call, else "chunked"; or "chunked")."""
+
+    kernel: str
+    prefill: str
+
+
+def attention_plan(backend: str, head_dim: int, kv_cache_dtype: str = "auto") -> AttentionPlan:
+    """The phases of `backend` for q/K/V of `head_dim` (the one place the JAX engine's attention
+    is chosen; docs/attention.md): "auto": the decode kernel `resolve_kernel("auto")` picks (the
+    Pallas kernels on a GPU for a head_dim they take, else the reference), prefill "auto";
+    "pallas": the Pallas kernels, prefill "auto"; "reference": the jnp decode reference and
+    the chunked jnp prefill. kv_cache_dtype "fp8": "auto" is "reference", and "pallas" is a
+    ValueError (the kernels do not read fp8 pages yet)."""
+    if backend not in JAX_BACKENDS:
+        raise ValueError(f"attention_backend {backend!r} is not one of wise_jax's ({', '.join(JAX_BACKENDS)})")
+    if check_kv_cache_dtype(kv_cache_dtype) != "auto" and backend == "pallas":
+        raise ValueError(f"attention_backend='pallas' (the Pallas and Mosaic GPU decode kernels) does not read "
+                         f"kv_cache_dtype={kv_cache_dtype!r} pages yet: use attention_backend='reference' or "
+                         f"'auto' (which runs the reference for an fp8 cache)")
+    kernel = resolve_kernel(backend, head_dim, kv_cache_dtype)
+    return AttentionPlan(kernel=kernel, prefill="chunked" if backend == "reference" else "auto")
 
 
 def attention_impl(kernel: str, head_dim: int | None = None, kv_cache_dtype: str = "auto"):

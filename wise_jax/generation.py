@@ -42,15 +42,16 @@ def pool_bucket(n: int) -> int:
     return -(-n // step) * step
 
 
-def _engine(params: Params, config: ModelConfig, lengths: list[int], *, wise_config, page_size, kernel,
-            tokenizer, mesh) -> LLM:
+def _engine(params: Params, config: ModelConfig, lengths: list[int], *, wise_config, page_size,
+            attention_backend, tokenizer, mesh) -> LLM:
     """An engine that holds every request at once (`lengths`: prompt + new tokens of each), so
     nothing is preempted."""
     pages = [-(-n // page_size) for n in lengths]
     rows = 1 << (len(lengths) - 1).bit_length()
     return LLM(params, config, wise_config=wise_config, page_size=page_size, max_num_seqs=rows,
                max_model_len=min(pool_bucket(max(pages)) * page_size, config.max_position_embeddings),
-               num_pages=pool_bucket(sum(pages)), kernel=kernel, tokenizer=tokenizer, mesh=mesh, seed=0)
+               num_pages=pool_bucket(sum(pages)), attention_backend=attention_backend, tokenizer=tokenizer,
+               mesh=mesh, seed=0)
 
 
 def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int] | str], *,
@@ -58,7 +59,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
              min_p: float = 0.0, stop: Sequence[str] = (), eos_token_id=MODEL_EOS, wise_config: WiseConfig | None = None,
              key: jax.Array | None = None, return_logits: bool = False,
              tokenizer: Tokenizer | None = None, page_size: int = DEFAULT_PAGE_SIZE,
-             kernel: str | None = None, mesh=None) -> GenerationOutput:
+             attention_backend: str = "auto", mesh=None) -> GenerationOutput:
     """Generate up to `max_new_tokens` per prompt; dense decode, or WISE with `wise_config`.
 
     prompts: token-id lists, or strings with `tokenizer` (`load_model(..., with_tokenizer=True)`
@@ -69,7 +70,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
     temperature 0 is greedy; otherwise sampling with min_p, top_k and top_p (`SamplingParams`);
     prompt i samples with the key fold_in(key, i) (key default PRNGKey(0)), so its tokens do not
     depend on the other prompts.
-    kernel: decode-attention kernel (default: wise_config.kernel, or 'auto' when dense).
+    attention_backend: the engine's (`EngineArgs`; docs/attention.md).
     mesh: a jax.sharding.Mesh with axis "tp" to split the heads over (`wise_jax.sharding`).
     """
     ids = prompt_lists(prompts, config.vocab_size, tokenizer, "prompts", NO_TOKENIZER)
@@ -79,8 +80,8 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
     wise_config = check_wise_config(wise_config, config.total_ut_steps)
     key = jax.random.PRNGKey(0) if key is None else key
     lengths = check_positions(ids, [sampling.max_tokens] * len(ids), config.max_position_embeddings, "prompts")
-    llm = _engine(params, config, lengths, wise_config=wise_config, page_size=page_size, kernel=kernel,
-                  tokenizer=tokenizer, mesh=mesh)
+    llm = _engine(params, config, lengths, wise_config=wise_config, page_size=page_size,
+                  attention_backend=attention_backend, tokenizer=tokenizer, mesh=mesh)
     outs, seqs = run_generate(llm, ids, [sampling] * len(ids), keep_logits=return_logits,
                               request_options=[dict(key=jax.random.fold_in(key, n)) for n in range(len(ids))])
     tokens = [o.token_ids for o in outs]
@@ -91,19 +92,20 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
 
 def teacher_force(params: Params, config: ModelConfig, context_ids, continuation_ids, *,
                   wise_config: WiseConfig | None = None, page_size: int = DEFAULT_PAGE_SIZE,
-                  kernel: str | None = None, tokenizer: Tokenizer | None = None, mesh=None) -> ForcedOutput:
+                  attention_backend: str = "auto", tokenizer: Tokenizer | None = None,
+                  mesh=None) -> ForcedOutput:
     """Prefill each context, then decode its continuation forced (the engine's decode step, fed
     the continuation instead of samples).
 
     context_ids, continuation_ids: one token-id list (or string) each, or lists of them (one per
-    sequence); strings need `tokenizer`; mesh: as in `generate`.
+    sequence); strings need `tokenizer`; attention_backend, mesh: as in `generate`.
     Returns per-sequence log-probs float32[len(continuation)] and stats."""
     contexts, continuations = forced_pairs(context_ids, continuation_ids, config.vocab_size, tokenizer, NO_TOKENIZER)
     wise_config = check_wise_config(wise_config, config.total_ut_steps)
     lengths = check_positions(contexts, [len(c) for c in continuations], config.max_position_embeddings,
                               "context_ids")
-    llm = _engine(params, config, lengths, wise_config=wise_config, page_size=page_size, kernel=kernel,
-                  tokenizer=tokenizer, mesh=mesh)
+    llm = _engine(params, config, lengths, wise_config=wise_config, page_size=page_size,
+                  attention_backend=attention_backend, tokenizer=tokenizer, mesh=mesh)
     outs = run_forced(llm, contexts, continuations)
     logprobs = [np.asarray(o.logprobs, np.float32) for o in outs]
     return ForcedOutput(logprobs, generation_stats(llm, sum(map(len, continuations))))

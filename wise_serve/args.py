@@ -2,7 +2,7 @@
 
 `--backend torch|jax` picks the engine (`wise_torch.LLM` or `wise_jax.LLM`); the flags of one
 framework's features (speculative decoding and CUDA graphs: torch) are refused with the other
-rather than ignored, as is a decode kernel the backend does not have.
+rather than ignored, as is an attention backend the framework does not have.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import argparse
 
 from wise_core.checkpoint import BUILTIN_MODELS, DEFAULT_MODEL
 from wise_core.presets import PRESETS
-from wise_core.wise_config import FRAMEWORK_KERNELS, KERNELS, WiseConfig
+from wise_core.engine.args import ATTENTION_BACKENDS
+from wise_core.wise_config import WiseConfig
 
 BACKENDS = ("torch", "jax")
 MAX_REQUEST_SEQUENCES = 256     # prompts x n of one request
@@ -39,12 +40,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wise", action="store_true", help="decode with WISE (default: dense decode)")
     parser.add_argument("--eta", type=float, default=None,
                         help=f"WISE mass fraction kept per head (default: {WiseConfig.eta}); needs --wise")
-    parser.add_argument("--kernel", choices=KERNELS, default="auto",
-                        help="decode-attention kernel: torch auto, reference, triton; jax auto, reference, pallas "
-                             "(default: auto, the framework's GPU kernel on a GPU, the reference on CPU)")
+    parser.add_argument("--attention-backend", default="auto",
+                        choices=sorted({name for names in ATTENTION_BACKENDS.values() for name in names}),
+                        help="what runs prefill and decode attention (docs/attention.md): torch auto, triton, fa4, "
+                             "reference; jax auto, pallas, reference (default: auto, the fastest that runs here)")
     parser.add_argument("--speculative", choices=("wise", "loops"), default=None,
                         help="lossless speculative decoding (the output is dense decode's): drafts by WISE "
-                             "(--eta, --kernel set it) or by the first --draft-loops loops (torch)")
+                             "(--eta sets it) or by the first --draft-loops loops (torch)")
     parser.add_argument("--num-draft", type=int, default=4, help="speculative: tokens drafted per round (default: 4)")
     parser.add_argument("--draft-loops", type=int, default=None,
                         help="--speculative loops: loops a draft runs (default: half the model's)")
@@ -99,9 +101,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_engine_arguments(args: argparse.Namespace) -> None:
     """Combinations argparse cannot check (ValueError naming the flag), the backend's among them."""
-    if args.kernel not in FRAMEWORK_KERNELS[args.backend]:
-        raise ValueError(f"--kernel {args.kernel} is not a {args.backend} kernel "
-                         f"(--backend {args.backend}: {', '.join(FRAMEWORK_KERNELS[args.backend])})")
+    if args.attention_backend not in ATTENTION_BACKENDS[args.backend]:
+        raise ValueError(f"--attention-backend {args.attention_backend} is not one of the {args.backend} engine's "
+                         f"(--backend {args.backend}: {', '.join(ATTENTION_BACKENDS[args.backend])})")
     if args.backend == "jax":
         for flag, given in (("--speculative", args.speculative is not None),
                             ("--cuda-graphs", args.cuda_graphs != "auto")):

@@ -53,8 +53,8 @@ def build_engine(backend: str, model, **engine_args) -> Engine:
     the framework's model (torch: an OuroForCausalLM or HuginnForCausalLM; jax: its Params, with
     `config=`). engine_args: `EngineArgs`' fields and the backend's own options
     (`BACKEND_OPTIONS`). An unknown backend, an option the backend does not take, an unknown
-    dtype name or a kernel the backend does not run is a ValueError naming it, before any
-    framework loads."""
+    dtype name or an attention_backend the backend does not have is a ValueError naming it,
+    before any framework loads."""
     check_engine_options(backend, engine_args)
     if backend == "torch":
         import torch
@@ -118,10 +118,10 @@ def build_llm(args: argparse.Namespace) -> Engine:
 def engine_arguments(args: argparse.Namespace) -> dict:
     """The `wise_core.engine.EngineArgs` of the flags (both backends take them)."""
     uses_wise = args.wise or args.speculative == "wise"
-    return dict(wise_config=WiseConfig(eta=args.eta, kernel=args.kernel) if uses_wise else None,
+    return dict(wise_config=WiseConfig(eta=args.eta) if uses_wise else None,
                 num_pages=args.num_pages, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                 max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                kernel=None if uses_wise else args.kernel, seed=args.seed,
+                attention_backend=args.attention_backend, seed=args.seed,
                 enable_prefix_caching=args.enable_prefix_caching)
 
 

@@ -1,13 +1,14 @@
 """Attention: dense causal prefill, and paged single-token decode in the four WISE modes.
 
-Prefill runs as `resolve_prefill_attention` picks: "sdpa" (`prefill_attention` per group of
+What an engine runs in each phase is derived from its one `attention_backend` by
+`attention_plan` (docs/attention.md's table): prefill "sdpa" (`prefill_attention` per group of
 chunks of one (start, length), over K/V gathered from the pages) or a packed varlen call over
-the paged pool (`VarlenPrefill`): "reference" (`prefill_attention_varlen_reference`, plain
-torch) or "fa4" (FlashAttention-4, `wise_torch.kernels.fa4`, same signature). Dense decode
-loops may run through FA4's paged decode instead of the decode kernel (`resolve_dense_decode`).
-`decode_attention_reference` is the plain-torch reference of the decode contract in
-docs/DESIGN.md; `decode_attention` dispatches to it or to the Triton kernel
-(`wise_torch.kernels.triton_decode`, same signature).
+the paged pool (`VarlenPrefill`): "fa4" (FlashAttention-4, `wise_torch.kernels.fa4`) or
+"reference" (`prefill_attention_varlen_reference`, plain torch, same signature: FA4's oracle,
+reached through a benchmark's or test's plan); the dense decode loops on the decode kernel or
+FA4's paged decode; the WISE loops on the decode kernel. `decode_attention_reference` is the
+plain-torch reference of the decode contract in docs/DESIGN.md; `decode_attention` dispatches
+to it or to the Triton kernel (`wise_torch.kernels.triton_decode`, same signature).
 
 An fp8 K/V cache (`PagedKVCache(..., kv_cache_dtype="fp8")`): k_pages and v_pages are uint8
 e4m3fn codes and `k_scale`, `v_scale` float32 [num_pages, page_size, kv_heads] their scales
@@ -15,9 +16,9 @@ e4m3fn codes and `k_scale`, `v_scale` float32 [num_pages, page_size, kv_heads] t
 `prefill_attention_varlen_reference` gather a row's pages and dequantize them to q's dtype, then
 run the same code as over unquantized pages, so their output, mass and selection are those of
 attention over the dequantized K/V (grouped SDPA prefill reads them through `KVPlane.gather`).
-The Triton decode kernel and FlashAttention-4 do not read fp8 pages yet: for such a cache
-kernel "auto" and prefill attention "auto" resolve to what does (`resolve_kernel`,
-`resolve_prefill_attention`), and naming one of them is a ValueError.
+The engine does not run the Triton decode kernel or FlashAttention-4 over fp8 pages yet: for
+such a cache attention_backend "auto" resolves to "reference" (`attention_plan`), and "triton"
+or "fa4" is a ValueError, as kernel "triton" is in `resolve_kernel`.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from wise_core import selection as rules
+from wise_core.engine.args import ATTENTION_BACKENDS
 from wise_core.kv_quant import check_kv_cache_dtype
 from wise_core.modes import DISCOVER, DISCOVER_UNION, SPARSE
-from wise_core.wise_config import FRAMEWORK_KERNELS
 from wise_torch import kv_quant
 from wise_torch.decode_check import check_call
 from wise_torch.kv_cache import VarlenPrefill
@@ -104,35 +105,78 @@ def prefill_attention_varlen_reference(q: torch.Tensor, k_pages: torch.Tensor, v
     return out
 
 
-PREFILL_ATTENTION = ("auto", "sdpa", "fa4", "reference")
+TORCH_BACKENDS = ATTENTION_BACKENDS["torch"]
+PREFILL_ATTENTION = ("sdpa", "fa4", "reference")
+DENSE_DECODE = ("kernel", "fa4")
 
 
-def resolve_prefill_attention(name: str, device: torch.device | str, dtype: torch.dtype,
-                              kv_cache_dtype: str = "auto") -> tuple[str, Callable | None]:
-    """The prefill attention `name` runs as for `dtype` activations on `device` -> (what runs,
-    its varlen function (`prefill_attention_varlen_reference`'s signature), None for "sdpa").
-    "auto": "fa4" on a CUDA device in float16/bfloat16 when flash_attn.cute imports, else
-    "sdpa". "fa4" where it cannot run raises, naming what is missing. kv_cache_dtype "fp8"
-    (pages of e4m3fn codes and scales): "auto" -> "sdpa", and "fa4" is a ValueError, as
-    FlashAttention-4 does not read fp8 pages yet."""
-    if name not in PREFILL_ATTENTION:
-        raise ValueError(f"prefill attention {name!r} is not available in wise_torch (choose from {PREFILL_ATTENTION})")
+@dataclasses.dataclass(frozen=True)
+class AttentionPlan:
+    """What the torch engine runs in each phase (docs/attention.md's table; `attention_plan`).
+
+    kernel: the decode kernel ("triton" or "reference", `resolve_kernel`): every WISE loop, and
+    the dense loops unless dense_decode is "fa4". prefill: "sdpa", "fa4" or "reference"
+    (`prefill_function`). dense_decode: "kernel" or "fa4" (`dense_decode_function`).
+    wise_decode: what runs the WISE loops: "kernel", or an arm of the reference system's union
+    decode ("fa4-union", "reference-union": `wise_torch.union_decode`), which no backend names:
+    a measurement sets it through `LLM._attention_plan`. `stats()` reports prefill and wise_decode."""
+
+    kernel: str
+    prefill: str
+    dense_decode: str = "kernel"
+    wise_decode: str = "kernel"
+
+
+def attention_plan(backend: str, device: torch.device | str, dtype: torch.dtype, head_dim: int,
+                   kv_cache_dtype: str = "auto") -> AttentionPlan:
+    """The phases of `backend` for a model of `dtype` and `head_dim` on `device` (the one place
+    the torch engine's attention is chosen; docs/attention.md):
+    "auto": FlashAttention-4 prefill on a CUDA device in float16/bfloat16 when flash_attn.cute
+    imports, else SDPA; the decode kernel `auto_kernel` picks (Triton on CUDA for a head_dim it
+    takes, else the reference) for every decode loop.
+    "triton": SDPA prefill, the Triton decode kernel for every decode loop.
+    "fa4": FlashAttention-4 for prefill and the dense decode loops, the WISE loops on the decode
+    kernel `auto_kernel` picks (FA4 has no WISE mode); a RuntimeError naming what is missing
+    where FA4 cannot run.
+    "reference": SDPA prefill, the plain-torch decode reference.
+    kv_cache_dtype "fp8": "auto" is "reference"; "triton" and "fa4" are ValueErrors (neither
+    reads fp8 pages in the engine yet)."""
+    if backend not in TORCH_BACKENDS:
+        raise ValueError(f"attention_backend {backend!r} is not one of wise_torch's ({', '.join(TORCH_BACKENDS)})")
     if check_kv_cache_dtype(kv_cache_dtype) != "auto":
-        if name == "fa4":
-            raise ValueError(f"prefill_attention='fa4' (FlashAttention-4) does not read kv_cache_dtype="
-                             f"{kv_cache_dtype!r} pages yet: use prefill_attention='sdpa', 'reference' or 'auto'")
-        if name == "auto":
-            name = "sdpa"
+        if backend in ("triton", "fa4"):
+            raise ValueError(f"attention_backend={backend!r} does not read kv_cache_dtype={kv_cache_dtype!r} "
+                             f"pages yet: use attention_backend='reference' or 'auto' (which runs the reference "
+                             f"for an fp8 cache)")
+        backend = "reference" if backend == "auto" else backend
+    if backend == "reference":
+        return AttentionPlan(kernel="reference", prefill="sdpa")
+    if backend == "triton":
+        return AttentionPlan(kernel="triton", prefill="sdpa")
+    if backend == "fa4":
+        require_fa4("attention_backend", device, dtype)
+        return AttentionPlan(kernel=auto_kernel(device, head_dim), prefill="fa4", dense_decode="fa4")
+    prefill = "fa4" if fa4_unavailable("attention_backend", device, dtype) is None else "sdpa"
+    return AttentionPlan(kernel=auto_kernel(device, head_dim), prefill=prefill)
+
+
+def prefill_function(name: str, device: torch.device | str, dtype: torch.dtype,
+                     kv_cache_dtype: str = "auto") -> Callable | None:
+    """The packed varlen prefill of a plan's `prefill` (`prefill_attention_varlen_reference`'s
+    signature), None for "sdpa". "fa4" where it cannot run, or over fp8 pages (FA4 does not read
+    them yet), is an error naming the plan's prefill."""
+    if name not in PREFILL_ATTENTION:
+        raise ValueError(f"prefill attention {name!r} is not one of wise_torch's ({', '.join(PREFILL_ATTENTION)})")
     if name == "sdpa":
-        return name, None
+        return None
     if name == "reference":
-        return name, prefill_attention_varlen_reference
+        return prefill_attention_varlen_reference
+    if check_kv_cache_dtype(kv_cache_dtype) != "auto":
+        raise ValueError(f"prefill='fa4' (FlashAttention-4) does not read kv_cache_dtype={kv_cache_dtype!r} pages "
+                         f"yet")
+    require_fa4("prefill", device, dtype)
     from wise_torch.kernels import fa4
-    if name == "auto":
-        runs = fa4_unavailable("prefill_attention", device, dtype) is None
-        return ("fa4", fa4.prefill_attention_varlen) if runs else ("sdpa", None)
-    require_fa4("prefill_attention", device, dtype)
-    return name, fa4.prefill_attention_varlen
+    return fa4.prefill_attention_varlen
 
 
 def fa4_unavailable(what: str, device: torch.device | str, dtype: torch.dtype) -> str | None:
@@ -155,22 +199,19 @@ def require_fa4(what: str, device: torch.device | str, dtype: torch.dtype) -> No
         raise RuntimeError(reason)
 
 
-DENSE_DECODE = ("kernel", "fa4")
-
-
-def resolve_dense_decode(name: str, device: torch.device | str, dtype: torch.dtype,
-                         kv_cache_dtype: str = "auto") -> Callable | None:
-    """What runs the DENSE decode calls (no WISE, or a WISE config's dense loops): "kernel" ->
-    None (the decode kernel's dense rows); "fa4" -> `wise_torch.kernels.fa4.decode_attention_dense`
-    (an error where it cannot run, and for kv_cache_dtype "fp8": FA4 does not read fp8 pages
-    yet). WISE calls stay on the decode kernel either way."""
+def dense_decode_function(name: str, device: torch.device | str, dtype: torch.dtype,
+                          kv_cache_dtype: str = "auto") -> Callable | None:
+    """What runs the DENSE decode calls of a plan's `dense_decode` (no WISE, or a WISE config's
+    dense loops): "kernel" -> None (the decode kernel's dense rows); "fa4" ->
+    `wise_torch.kernels.fa4.decode_attention_dense` (an error where it cannot run, and over fp8
+    pages: FA4 does not read them yet). WISE calls stay on the decode kernel either way."""
     if name not in DENSE_DECODE:
-        raise ValueError(f"dense_decode {name!r} is not available in wise_torch (choose from {DENSE_DECODE})")
+        raise ValueError(f"dense decode {name!r} is not one of wise_torch's ({', '.join(DENSE_DECODE)})")
     if name == "kernel":
         return None
     if check_kv_cache_dtype(kv_cache_dtype) != "auto":
         raise ValueError(f"dense_decode='fa4' (FlashAttention-4's paged decode) does not read kv_cache_dtype="
-                         f"{kv_cache_dtype!r} pages yet: use dense_decode='kernel'")
+                         f"{kv_cache_dtype!r} pages yet")
     require_fa4("dense_decode", device, dtype)
     from wise_torch.kernels import fa4
     return fa4.decode_attention_dense
@@ -273,7 +314,9 @@ def decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, modes,
     return (out, support, mass) if return_mass else (out, support)
 
 
-TORCH_KERNELS = FRAMEWORK_KERNELS["torch"]
+TORCH_KERNELS = ("auto", "reference", "triton")
+"""The decode kernels (`decode_attention(kernel=)`): "auto" (`auto_kernel`), the plain-torch
+reference and the Triton kernel."""
 
 
 def auto_kernel(device: torch.device | str, head_dim: int | None, kv_cache_dtype: str = "auto") -> str:

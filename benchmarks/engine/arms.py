@@ -1,6 +1,6 @@
 """The arms of the engine decode benchmarks (`throughput`, `jax_generate_bench`): their names, the
-arm each is compared with, the WISE profile and depth they run, and the pre-engine source tree the
-old arms import."""
+arm each is compared with, the WISE profile and depth they run, the engines of the arms no
+attention_backend names (`torch_engine_with`), and the pre-engine source tree the old arms import."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from benchmarks import report as rp
 
 # dense-default / wise-default: the engine as `LLM(model)` / `LLM(model, wise_config=WiseConfig())`
 # build it (Huginn: num_steps=--num-steps, wise_config=huginn_wise_config(num_steps)), every other
-# constructor argument at its default (pool, max_num_seqs, max_model_len, kernel).
+# constructor argument at its default (pool, max_num_seqs, max_model_len, attention_backend).
 ARMS = ("dense", "wise", "dense-default", "wise-default", "fa4", "wise-fa4", "old", "old-wise", "adaptive",
         "wise-adaptive", "adaptive-regroup")
 # The adaptive-depth arms (Huginn only) and the fixed-depth arm each is compared with.
@@ -96,6 +96,26 @@ def wise_config_of(config, num_steps: int, **settings):
     if config.architecture == "huginn":
         return huginn_wise_config(num_steps, **settings)
     return WiseConfig(**settings)
+
+
+def torch_engine_with(**phases) -> type:
+    """`wise_torch.LLM` whose attention plan has `phases` replaced (fields of
+    `wise_torch.attention.AttentionPlan`), through the engine's construction hook
+    `LLM._attention_plan`: the arms no attention_backend names, wise_decode="fa4-union" (the
+    reference system's FlashAttention WISE decode, `wise_torch.union_decode`), "reference-union"
+    (the same in plain torch) and prefill="reference" (the packed varlen prefill in plain torch,
+    FA4's oracle). The engine checks what it builds as for any plan (a union arm needs a
+    wise_config; FA4 where it cannot run, and an fp8 cache, are errors)."""
+    import dataclasses
+
+    import wise_torch
+
+    class ArmLLM(wise_torch.LLM):
+        def _attention_plan(self, *args):
+            return dataclasses.replace(super()._attention_plan(*args), **phases)
+
+    ArmLLM.__name__ = ArmLLM.__qualname__ = f"LLM[{', '.join(f'{k}={v}' for k, v in phases.items())}]"
+    return ArmLLM
 
 
 def wise_profile(config, num_steps: int, arms, eta: float) -> str | None:

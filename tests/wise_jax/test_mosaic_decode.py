@@ -154,8 +154,8 @@ def test_rejects_what_it_does_not_take():
 
 
 def test_kernel_choice_in_one_place(monkeypatch):
-    """kernel='pallas' runs the Triton-lowered kernel unless the flag is set and the call is on
-    sm90 with what the Mosaic kernel takes (`wise_jax.kernels.choice`)."""
+    """kernel='pallas' runs the Triton-lowered kernel unless the call is on sm90 with what the
+    Mosaic kernel takes (`wise_jax.kernels.choice`)."""
     from wise_jax.attention import decode_attention as dispatch
     from wise_jax.kernels import choice
     case = make_case(5, **COMBOS[MOSAIC_COMBOS[0]])
@@ -167,7 +167,6 @@ def test_kernel_choice_in_one_place(monkeypatch):
     monkeypatch.setattr(pallas_decode, "decode_attention",
                         lambda *a, **k: calls.append(("triton", k["reuse"])))
     dispatch(*args, block_size=BLOCK, eta=ETA, kernel="pallas", reuse=True)
-    monkeypatch.setattr(choice, "MOSAIC_ON_SM90", True)
     dispatch(*args, block_size=BLOCK, eta=ETA, kernel="pallas")  # not on sm90 here
     monkeypatch.setattr(choice, "on_sm90", lambda: True)
     dispatch(*args, block_size=BLOCK, eta=ETA, kernel="pallas", reuse=True)

@@ -3,8 +3,7 @@
     wise_torch.LLM(model, max_num_seqs=64)   # and wise_jax.LLM(params, config, max_num_seqs=64)
 
 Each engine takes these as keyword arguments beside its own (torch: cuda_graphs, dtype, device,
-speculative_config, tensor_parallel_size; JAX: tokenizer, attention, layers, unroll, mesh,
-dtype). The pool's size from device memory (num_pages=None) is the framework's measure of
+speculative_config, tensor_parallel_size; JAX: tokenizer, unroll, mesh, dtype). The pool's size from device memory (num_pages=None) is the framework's measure of
 free memory through `pool_pages`.
 """
 
@@ -22,6 +21,11 @@ from wise_core.wise_config import WiseConfig
 CPU_POOL_BYTES = 1 << 30       # num_pages=None on a CPU: a pool of at most 1 GiB of K/V
 MAX_PAGES = 2 ** 31 - 1        # page ids are int32 on the device
 
+ATTENTION_BACKENDS = {"torch": ("auto", "triton", "fa4", "reference"), "jax": ("auto", "pallas", "reference")}
+"""Each framework's `EngineArgs.attention_backend` values; what each runs in prefill, the dense
+decode loops and the WISE loops is docs/attention.md's table (derived in one place per framework:
+`wise_torch.attention.attention_plan`, `wise_jax.attention.attention_plan`)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineArgs:
@@ -31,15 +35,18 @@ class EngineArgs:
     buffers). max_model_len: prompt + output tokens a request may hold (None: the model's
     max_position_embeddings, at most the pool); it sizes page tables and WISE block tables.
     max_num_batched_tokens: tokens one step runs (decode rows, then prompt chunks: chunked
-    prefill). kernel: the decode attention (None: wise_config.kernel, else "auto"). seed: the
-    random state of requests without their own seed (None: a random one).
+    prefill). attention_backend: which attention implementations run prefill and decode, one
+    name for the whole engine (`ATTENTION_BACKENDS`: torch "auto", "triton", "fa4", "reference";
+    JAX "auto", "pallas", "reference"; docs/attention.md's table says what each runs in every
+    phase; "auto": the fastest that runs here). seed: the random state of requests without
+    their own seed (None: a random one).
     enable_prefix_caching: share the K/V of full prompt pages across requests with the same
     prefix, their prefill skipped (`wise_core.engine.block_manager`); the tokens are those of a
     run without it. kv_cache_dtype: how the pool holds K/V: "auto" in the model's dtype; "fp8"
     as float8 e4m3fn codes (a byte a value) and one float32 scale per (token, KV head), by
     `wise_core.kv_quant`'s rule, every attention reading them dequantized (about 1.9x the tokens
     of bf16 in the same memory; Ouro models only so far, through the engines' reference
-    attentions)."""
+    attentions: attention_backend "auto" or "reference")."""
 
     wise_config: WiseConfig | None = None
     num_pages: int | None = None
@@ -47,7 +54,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_model_len: int | None = None
     max_num_batched_tokens: int = 8192
-    kernel: str | None = None
+    attention_backend: str = "auto"
     seed: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
@@ -66,21 +73,17 @@ class EngineArgs:
             raise ValueError(f"page_size must be a multiple of the block_size {self.block_size}, got {self.page_size}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
-        if self.kernel is not None and not isinstance(self.kernel, str):
-            raise TypeError(f"kernel must be a string or None, got {self.kernel!r}")
+        names = sorted({name for names in ATTENTION_BACKENDS.values() for name in names})
+        if self.attention_backend not in names:
+            raise ValueError(f"attention_backend must be one of {', '.join(map(repr, names))} (torch: "
+                             f"{', '.join(ATTENTION_BACKENDS['torch'])}; jax: {', '.join(ATTENTION_BACKENDS['jax'])}), "
+                             f"got {self.attention_backend!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
         object.__setattr__(self, "seed", check_seed(self.seed))
 
     @property
     def block_size(self) -> int:
         return (self.wise_config or WiseConfig()).block_size
-
-    @property
-    def decode_kernel(self) -> str:
-        """The kernel name asked for: kernel, else wise_config.kernel, else "auto"."""
-        if self.kernel is not None:
-            return self.kernel
-        return self.wise_config.kernel if self.wise_config is not None else "auto"
 
     def checked_for(self, num_loops: int, max_position_embeddings: int, what: str | None = None) -> "EngineArgs":
         """Self, checked against a model of `num_loops` loops (`what` names them in an error, as

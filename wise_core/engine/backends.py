@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from wise_core.engine.args import EngineArgs
-from wise_core.wise_config import FRAMEWORK_KERNELS
+from wise_core.engine.args import ATTENTION_BACKENDS, EngineArgs
 
 BACKENDS = ("torch", "jax")
 """The engines: "torch" is wise_torch.LLM, "jax" is wise_jax.LLM."""
 
 BACKEND_OPTIONS = {
     "torch": ("num_steps", "adaptive_depth", "adaptive_regroup", "cuda_graphs", "dtype", "device",
-              "speculative_config", "tensor_parallel_size", "prefill_attention", "dense_decode", "wise_decode"),
-    "jax": ("config", "tokenizer", "attention", "layers", "unroll", "mesh", "dtype", "num_steps", "adaptive_depth",
-            "background_compile", "compilation_cache"),
+              "speculative_config", "tensor_parallel_size"),
+    "jax": ("config", "tokenizer", "unroll", "mesh", "dtype", "num_steps", "adaptive_depth", "background_compile",
+            "compilation_cache"),
 }
 """Each engine's own keyword arguments, beside EngineArgs' (the LLM constructors' signatures)."""
 
@@ -40,7 +39,8 @@ def check_backend(backend) -> str:
 def check_engine_options(backend: str, options: dict) -> None:
     """The keyword arguments given for `backend`'s engine: each an EngineArgs field or one of the
     backend's own options (else a ValueError naming the option, and the backend that takes it
-    when the other does), a dtype name among DTYPES, a kernel the backend runs."""
+    when the other does), a dtype name among DTYPES, an attention_backend of the backend's
+    (`ATTENTION_BACKENDS`)."""
     check_backend(backend)
     for name in options:
         if name in ENGINE_ARGS or name in BACKEND_OPTIONS[backend]:
@@ -53,7 +53,7 @@ def check_engine_options(backend: str, options: dict) -> None:
     dtype = options.get("dtype")
     if isinstance(dtype, str) and dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one an engine loads ({', '.join(DTYPES)})")
-    kernel = options.get("kernel")
-    if isinstance(kernel, str) and kernel not in FRAMEWORK_KERNELS[backend]:
-        raise ValueError(f"kernel {kernel!r} is not a {backend} kernel (the {backend} engine runs "
-                         f"{', '.join(FRAMEWORK_KERNELS[backend])})")
+    attention = options.get("attention_backend")
+    if isinstance(attention, str) and attention not in ATTENTION_BACKENDS[backend]:
+        raise ValueError(f"attention_backend {attention!r} is not one of the {backend} engine's "
+                         f"({', '.join(ATTENTION_BACKENDS[backend])})")

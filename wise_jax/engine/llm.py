@@ -41,8 +41,8 @@ kv_cache_dtype="fp8" (`EngineArgs`): the pool holds K/V as e4m3fn codes and a fl
 every attention reads them dequantized to the model's dtype (prefill's own chunk's keys too), a
 preemption copies codes and scales as they are. Pages are smaller (1 byte a value + 4 a (token,
 KV head) scale), so num_pages=None holds about 1.9x the tokens of bf16 (3.8x float32) in the
-same memory. The decode attention is the reference: kernel "auto" resolves to it on every
-backend, "pallas" is refused (the Pallas and Mosaic kernels do not read fp8 pages yet). Ouro
+same memory. The decode attention is the reference: attention_backend "auto" resolves to it on
+every backend, "pallas" is refused (the Pallas and Mosaic kernels do not read fp8 pages yet). Ouro
 models only (a Huginn model's is refused).
 
 WISE tags a row's supports with the step plan's token tag (docs/DESIGN.md "WISE state"): the
@@ -79,7 +79,7 @@ from wise_jax import kv_cache as kvc
 from wise_jax import serving
 from wise_jax import sharding
 from wise_jax import wise_state as ws
-from wise_jax.attention import resolve_kernel
+from wise_jax.attention import attention_plan
 from wise_jax.loading import load_model
 from wise_jax.params import Params, stack_layers, unstack_layers
 from wise_jax.sampling import LogitsState
@@ -120,16 +120,14 @@ class LLM(LLMEngine):
     built-in model name and config None (loaded here with its tokenizer, in `dtype`: None is
     bfloat16 on a GPU, float32 otherwise). engine_args: `wise_core.engine.EngineArgs`
     (wise_config, num_pages, page_size, max_num_seqs, max_model_len, max_num_batched_tokens,
-    kernel ('auto', 'reference', 'pallas'), seed, enable_prefix_caching, kv_cache_dtype ('auto',
-    'fp8': module docstring)), the same arguments and defaults as wise_torch.LLM's;
+    attention_backend ('auto', 'pallas', 'reference': what runs prefill and decode,
+    `wise_jax.attention.attention_plan`, docs/attention.md's table), seed, enable_prefix_caching,
+    kv_cache_dtype ('auto', 'fp8': module docstring)), the same arguments and defaults as
+    wise_torch.LLM's;
     num_pages=None fills GPU_POOL_FRACTION of the memory jax may allocate less what is in use on
     a GPU, CPU_POOL_BYTES on a CPU, never more than max_num_seqs x the pages of max_model_len.
-    tokenizer: for string prompts and texts; attention: prefill attention
-    (`wise_jax.prefill_attention`); layers: "unstacked" (default) decodes with one weight buffer
-    per layer (`params.unstack_layers`: straight-line code, no per-layer weight copies; the
-    engine makes that copy of stacked params once, and its decode step compiles slower) or
-    "stacked" (a scan over the stacked weights), for params not yet in a mesh layout; unroll:
-    layers per scan step of prefill and of a stacked decode step (True: all); mesh: a
+    tokenizer: for string prompts and texts; unroll: layers per scan step of prefill and of a
+    stacked decode step (True: all); mesh: a
     jax.sharding.Mesh with axis "tp" to shard the heads, the K/V pages and the WISE supports over
     (`wise_jax.sharding`; every device holds num_pages pages of its KV heads; `params` is then
     kept in the mesh layout, a `sharding.MeshParams`).
@@ -151,18 +149,22 @@ class LLM(LLMEngine):
 
     The decode step runs each run of loops of one role as a scan of one loop body
     (`model.decode_step`'s scan_loops): `scan_loops = False` in a subclass compiles every loop
-    straight-line instead (a measurement's other arm).
+    straight-line instead (a measurement's other arm). It decodes with one weight buffer per
+    layer (`layers = "unstacked"`: `params.unstack_layers`, straight-line code, no per-layer
+    weight copies; the engine makes that copy of stacked params once, and its decode step
+    compiles slower); `layers = "stacked"` in a subclass scans over the stacked weights
+    instead (another measurement's arm; params not yet in a mesh layout).
     """
 
     ARRAY_TYPES = (jax.Array,)
     scan_loops = True
+    layers = "unstacked"
 
     def __init__(self, params: Params | str | Path, config: ModelConfig | None = None, *,
-                 tokenizer: Tokenizer | None = None, attention: str = "auto", layers: str = "unstacked",
-                 unroll: int | bool = 1, mesh=None, dtype=None, num_steps: int | None = None,
+                 tokenizer: Tokenizer | None = None, unroll: int | bool = 1, mesh=None, dtype=None, num_steps: int | None = None,
                  adaptive_depth: AdaptiveDepth | None = None, background_compile: bool | None = None,
                  compilation_cache: str | Path | None = "auto", **engine_args):
-        args = EngineArgs(**engine_args)
+        args, layers = EngineArgs(**engine_args), self.layers
         use_compilation_cache(compilation_cache)
         if isinstance(params, (str, Path)):
             if config is not None:
@@ -201,9 +203,9 @@ class LLM(LLMEngine):
         elif isinstance(params, Params):   # MeshParams without a mesh: the step says what is wrong
             params = unstack_layers(params) if layers == "unstacked" else stack_layers(params)
         self.params, self.config, self.wise_config, self.mesh = params, config, args.wise_config, mesh
-        self.kernel = resolve_kernel(args.decode_kernel, config.head_dim, args.kv_cache_dtype)
-        self.kv_cache_dtype, self.dtype = args.kv_cache_dtype, dtype
-        self.attention, self.unroll = attention, unroll
+        plan = attention_plan(args.attention_backend, config.head_dim, args.kv_cache_dtype)
+        self.kernel, self.attention = plan.kernel, plan.prefill    # the decode kernel, the prefill attention
+        self.kv_cache_dtype, self.dtype, self.unroll = args.kv_cache_dtype, dtype, unroll
         num_pages, sizing = args.num_pages, f"num_pages={args.num_pages} as given"
         if num_pages is None:
             num_pages, sizing = _default_num_pages(per_device, args.page_size, dtype, args.max_num_seqs

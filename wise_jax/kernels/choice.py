@@ -1,14 +1,15 @@
 """Which Pallas kernel `kernel="pallas"` runs: the one place that chooses.
 
-`mosaic_decode` (its split kernel on Mosaic GPU) when `MOSAIC_ON_SM90` is set and the call runs
-on a Hopper GPU (compute capability 9.x) with what it takes (16-bit q/K/V, head_dim a multiple
-of 64); otherwise `pallas_decode` (the Triton lowering: every dtype, head_dim a power of two
-or a multiple of 16 such as huginn-0125's 96, the CI path). The choice is per call and covers
+`mosaic_decode` (its split kernel on Mosaic GPU) when the call runs on a Hopper GPU (compute
+capability 9.x) with what it takes (16-bit q/K/V, head_dim a multiple of 64); otherwise
+`pallas_decode` (the Triton lowering: every dtype, head_dim a power of two or a multiple of 16
+such as huginn-0125's 96, the CI path). The choice is per call and covers
 every row of it (one backend per call keeps a SPARSE row with every block selected bitwise
 DENSE).
 
-The flag is on from H200 runs where the Mosaic kernel was the faster of the two in every
-mode (docs/kernels/mosaic_decode.md has the numbers).
+Mosaic runs wherever it can because it was the faster of the two in every mode on an H200
+(docs/kernels/mosaic_decode.md has the numbers); a measurement of the Triton-lowered kernel on
+Hopper calls `pallas_decode` directly (benchmarks/kernels/bench_pallas.py).
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ from __future__ import annotations
 import jax
 
 from wise_jax.kernels import pallas_decode
-
-MOSAIC_ON_SM90 = True
 
 
 def on_sm90() -> bool:
@@ -27,7 +26,7 @@ def on_sm90() -> bool:
 
 def uses_mosaic(head_dim: int, dtype) -> bool:
     """Whether a call with q of this head_dim and dtype runs the Mosaic GPU kernel."""
-    if not (MOSAIC_ON_SM90 and on_sm90()):
+    if not on_sm90():
         return False
     from wise_jax.kernels import mosaic_decode
     return mosaic_decode.supports(head_dim, dtype)

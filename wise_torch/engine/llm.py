@@ -13,11 +13,10 @@ kv_cache_dtype="fp8" (`EngineArgs`): the pool holds K/V as e4m3fn codes and a fl
 quantized, every attention reads them dequantized to the model's dtype (prefill's own chunk's
 keys too), a preemption copies codes and scales as they are. Pages are smaller (1 byte a value +
 4 a (token, KV head) scale), so num_pages=None holds about 1.9x the tokens of bf16 (3.8x
-float32) in the same memory. The attentions are the references: kernel "auto" and
-prefill_attention "auto" resolve to them on every device; kernel="triton", prefill_attention=
-"fa4", dense_decode="fa4", the union wise_decode arms and speculative decoding (its verification
-kernel) are refused, as they do not read fp8 pages yet. Ouro models only (a Huginn model's is
-refused).
+float32) in the same memory. The attentions are the references: attention_backend "auto"
+resolves to "reference" on every device; "triton", "fa4" and speculative decoding (its
+verification kernel) are refused, as they do not read fp8 pages yet. Ouro models only (a Huginn
+model's is refused).
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from wise_core.engine.scheduler import Chunk
 from wise_core.engine.sequence import Sequence
 from wise_core.speculative_config import SpeculativeConfig
 from wise_core.wise_config import WiseConfig
+from wise_torch.attention import AttentionPlan, attention_plan
 from wise_torch.engine import distributed
 from wise_torch.engine.inflight import InFlight
 from wise_torch.engine.model_runner import ModelRunner
@@ -98,24 +98,14 @@ class LLM(LLMEngine):
     still runs WISE's later iterations; the model refuses it); Huginn has no speculation or
     tensor parallelism.
     engine_args: `wise_core.engine.EngineArgs` (wise_config, num_pages, page_size, max_num_seqs,
-    max_model_len, max_num_batched_tokens, kernel ("auto", "reference", "triton"), seed,
-    enable_prefix_caching, kv_cache_dtype ("auto", "fp8": module docstring)), the same arguments
-    and defaults as wise_jax.LLM's. num_pages=None sizes the pool from free
-    device memory on CUDA (GPU_MEMORY_FRACTION of it less GPU_RESERVE_BYTES), CPU_POOL_BYTES of
-    K/V on a CPU. cuda_graphs: True, False or "auto" (on CUDA). prefill_attention: "auto"
-    (FlashAttention-4 when flash_attn.cute imports and the model is float16/bfloat16 on CUDA,
-    else "sdpa"), "sdpa" (one SDPA per group of chunks of one (start, length), over K/V gathered
-    from the pages), "fa4" (every chunk of a step in one varlen call over the pages; an error
-    where it cannot run) or "reference" (that packed call in plain torch);
-    `stats().prefill_attention` says which runs. dense_decode: what runs the dense decode loops
-    (every loop without WISE, a WISE config's dense loops): "kernel" (the decode kernel) or "fa4"
-    (FlashAttention-4's paged decode; an error where it cannot run); WISE loops and speculative
-    drafts and verification stay on the kernel. wise_decode: what runs the WISE loops: "kernel"
-    (the WiseConfig's decode kernel, the decode contract), or the reference system's
-    FlashAttention WISE decode (`wise_torch.union_decode`: reuse rows attend the union over heads
-    of their support at page granularity, discovery rows' block mass rebuilt from the
-    log-sum-exp): "fa4-union" (FlashAttention-4; an error where it cannot run) or
-    "reference-union" (the same in plain torch); `stats().wise_decode` says which runs.
+    max_model_len, max_num_batched_tokens, attention_backend, seed, enable_prefix_caching,
+    kv_cache_dtype ("auto", "fp8": module docstring)), the same arguments and defaults as
+    wise_jax.LLM's. attention_backend: "auto", "triton", "fa4" or "reference", what runs prefill,
+    the dense decode loops and the WISE loops (`wise_torch.attention.attention_plan`,
+    docs/attention.md's table; speculative drafts and verification run on its decode kernel);
+    `stats().prefill_attention` and `stats().wise_decode` say what runs. num_pages=None sizes the
+    pool from free device memory on CUDA (GPU_MEMORY_FRACTION of it less GPU_RESERVE_BYTES),
+    CPU_POOL_BYTES of K/V on a CPU. cuda_graphs: True, False or "auto" (on CUDA).
     speculative_config: lossless speculative decoding (`SpeculativeConfig`; method "wise" drafts
     with wise_config, default WiseConfig()): the output is dense decode's, the stats count
     acceptance. Forced continuations are not speculated.
@@ -135,7 +125,6 @@ class LLM(LLMEngine):
                  cuda_graphs: bool | str = "auto",
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  speculative_config: SpeculativeConfig | None = None, tensor_parallel_size: int = 1,
-                 prefill_attention: str = "auto", dense_decode: str = "kernel", wise_decode: str = "kernel",
                  **engine_args):
         args = EngineArgs(**engine_args)
         if args.kv_cache_dtype == "fp8" and speculative_config is not None:
@@ -187,14 +176,13 @@ class LLM(LLMEngine):
             self._finalizer = weakref.finalize(self, self.workers.close)
         try:
             self._build(model, args, num_steps=num_steps, adaptive_depth=adaptive_depth,
-                        adaptive_regroup=adaptive_regroup, use_graphs=use_graphs, speculative_config=speculative_config,
-                        prefill_attention=prefill_attention, dense_decode=dense_decode, wise_decode=wise_decode)
+                        adaptive_regroup=adaptive_regroup, use_graphs=use_graphs, speculative_config=speculative_config)
         except BaseException:
             self.close()
             raise
 
     def _build(self, model: OuroForCausalLM | HuginnForCausalLM, args: EngineArgs, *, num_steps, adaptive_depth,
-               adaptive_regroup, use_graphs, speculative_config, prefill_attention, dense_decode, wise_decode) -> None:
+               adaptive_regroup, use_graphs, speculative_config) -> None:
         """The pool, host side and runner over `model` (under tensor parallelism rank 0's shard,
         the workers following); the arguments are __init__'s, checked."""
         config, weight = model.config, model.head_weight
@@ -216,12 +204,11 @@ class LLM(LLMEngine):
         self.model, self.wise_config = model, args.wise_config
         self._start(args, num_pages=num_pages, pool_sizing=sizing, max_model_len=max_model_len,
                     tokenizer=model.tokenizer, vocab_size=config.vocab_size, eos_token_id=config.eos_token_id)
-        kernel = args.decode_kernel
+        attention = self._attention_plan(args.attention_backend, weight.device, weight.dtype, config.head_dim,
+                                         args.kv_cache_dtype)
         settings = dict(wise_config=args.wise_config, num_pages=num_pages, page_size=args.page_size,
-                        max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
-                        use_graphs=use_graphs,
-                        kernel=kernel, seed=random.randrange(2 ** 63) if args.seed is None else args.seed,
-                        prefill_attention=prefill_attention, dense_decode=dense_decode, wise_decode=wise_decode,
+                        max_num_seqs=args.max_num_seqs, max_model_len=max_model_len, use_graphs=use_graphs,
+                        attention=attention, seed=random.randrange(2 ** 63) if args.seed is None else args.seed,
                         num_steps=num_steps, adaptive_depth=adaptive_depth, adaptive_regroup=adaptive_regroup,
                         kv_cache_dtype=args.kv_cache_dtype)
         if self.workers is not None:
@@ -231,9 +218,16 @@ class LLM(LLMEngine):
             self.workers.wait_ready()
         self.speculator = None
         if speculative_config is not None:
-            self.speculator = Speculator(self.runner, self.blocks, speculative_config, kernel=kernel)
+            self.speculator = Speculator(self.runner, self.blocks, speculative_config, kernel=attention.kernel)
             self.scheduler.lookahead = self.speculator.drafts_of
             self.scheduler.ready = self.speculator.ready
+
+    def _attention_plan(self, backend: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+                        kv_cache_dtype: str) -> AttentionPlan:
+        """What runs each phase's attention: `attention_plan` of the engine's attention_backend.
+        A construction hook, not an option: a measurement's subclass replaces phases no backend
+        names (benchmarks/engine/arms.py: the union decode arms, the packed reference prefill)."""
+        return attention_plan(backend, device, dtype, head_dim, kv_cache_dtype)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do on one device); the engine cannot step

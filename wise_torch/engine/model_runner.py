@@ -6,8 +6,8 @@ tensor-parallel ranks (`follower`).
 
 kv_cache_dtype "fp8": the pool holds e4m3fn codes and a float32 scale per (token, KV head)
 (`wise_torch.kv_cache`); prefill and decode write them quantized and read them dequantized
-through the reference attentions (the decode kernel "auto" and prefill attention "auto" resolve
-to them; the Triton kernel, FlashAttention-4 and the union arms refuse such a pool), and
+through the reference attentions (attention_backend "auto" resolves to them; "triton", "fa4"
+and the union arms refuse such a pool), and
 preemption copies codes and scales as they are.
 
 Decode runs at a (batch bucket, context bucket): `decode_buckets` sizes the rows (those past
@@ -52,7 +52,7 @@ from wise_core.engine.sequence import Sequence
 from wise_core.engine.step_plan import DecodePlan, TagCounter
 from wise_core.modes import DENSE
 from wise_core.wise_config import WiseConfig
-from wise_torch.attention import prepare_decode_attention, resolve_dense_decode, resolve_prefill_attention
+from wise_torch.attention import AttentionPlan, dense_decode_function, prefill_function, prepare_decode_attention
 from wise_torch.engine.graphs import StepGraphs
 from wise_torch.engine.inflight import PromptScores
 from wise_torch.engine.offload import copy_in, copy_out, scrub
@@ -77,11 +77,11 @@ def min_splits_for(rows: int, kv_heads: int, programs: int = 2048) -> int:
 class ModelRunner:
     """A rank's device side (module docstring). use_graphs: decode and speculation steps run as
     CUDA graphs (`step_graphs`; `graphs`: the decode steps', (batch bucket, context bucket) ->
-    (graph, logits)), else eagerly."""
+    (graph, logits)), else eagerly. attention: what runs each phase's attention (the engine's
+    `wise_torch.attention.attention_plan`, every rank the same)."""
 
     def __init__(self, model: OuroForCausalLM, *, wise_config: WiseConfig | None, num_pages: int, page_size: int,
-                 max_num_seqs: int, max_model_len: int, use_graphs: bool, kernel: str, seed: int,
-                 prefill_attention: str = "auto", dense_decode: str = "kernel", wise_decode: str = "kernel",
+                 max_num_seqs: int, max_model_len: int, use_graphs: bool, attention: AttentionPlan, seed: int,
                  num_steps: int | None = None, adaptive_depth: AdaptiveDepth | None = None,
                  adaptive_regroup: bool = False, kv_cache_dtype: str = "auto", workers=None):
         config = model.config
@@ -92,11 +92,11 @@ class ModelRunner:
         self.model, self.config, self.device, self.dtype = model, config, weight.device, weight.dtype
         block_size = (wise_config or WiseConfig()).block_size
         self.page_size = page_size
-        # What prefill attention runs ("sdpa", "fa4", "reference") and its varlen function (None: SDPA).
-        self.prefill_attention, self.prefill_fn = resolve_prefill_attention(prefill_attention, self.device,
-                                                                            self.dtype, kv_cache_dtype)
-        self.dense_decode = dense_decode   # "kernel" or "fa4": what runs the dense decode loops
-        self.dense_decode_fn = resolve_dense_decode(dense_decode, self.device, self.dtype, kv_cache_dtype)
+        # What runs prefill ("sdpa", "fa4", "reference") and its varlen function (None: SDPA), and
+        # the dense decode loops (None: the decode kernel).
+        self.prefill_attention = attention.prefill
+        self.prefill_fn = prefill_function(attention.prefill, self.device, self.dtype, kv_cache_dtype)
+        self.dense_decode_fn = dense_decode_function(attention.dense_decode, self.device, self.dtype, kv_cache_dtype)
         self.max_pages = -(-max_model_len // page_size)
         positions = min(self.max_pages * page_size, config.max_position_embeddings)
         model.rope_rows(positions)   # before any graph
@@ -121,15 +121,16 @@ class ModelRunner:
         # Per batch bucket, a decode attention whose rows split into enough programs to fill the
         # GPU (one workspace shared by all, sized for the widest step).
         self.attention = prepare_decode_attention(
-            kernel, batches=self.buckets, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
-            head_dim=config.head_dim, max_blocks=max_blocks, block_size=block_size, dtype=self.dtype,
+            attention.kernel, batches=self.buckets, heads=config.num_attention_heads,
+            kv_heads=config.num_key_value_heads, head_dim=config.head_dim, max_blocks=max_blocks,
+            block_size=block_size, dtype=self.dtype,
             device=self.device, min_splits=lambda b: min_splits_for(b, config.num_key_value_heads),
             selection=None if wise_config is None else wise_config.selection, kv_cache_dtype=kv_cache_dtype)
         # What runs the WISE loops: the kernel above, or an arm of `wise_torch.union_decode`.
-        if wise_decode != "kernel" and wise_config is None:
-            raise ValueError(f"wise_decode={wise_decode!r} runs WISE loops; the engine has no wise_config")
-        self.wise_decode = wise_decode
-        union = resolve_wise_decode(wise_decode, self.device, self.dtype,
+        if attention.wise_decode != "kernel" and wise_config is None:
+            raise ValueError(f"wise_decode={attention.wise_decode!r} runs WISE loops; the engine has no wise_config")
+        self.wise_decode = attention.wise_decode
+        union = resolve_wise_decode(attention.wise_decode, self.device, self.dtype,
                                     None if wise_config is None else wise_config.selection, kv_cache_dtype)
         if union is not None:
             self.attention = dict.fromkeys(self.buckets, union)
