@@ -53,7 +53,7 @@ def train(stream: np.ndarray, steps: int, seq_len: int, seed: int):
 
 def arms(block_size: int, rules: list[str]) -> list[WiseConfig | None]:
     """Dense, then WISE with each rule (`wise_core.selection.parse`: "eta=0.95", "top_k=3", ...)."""
-    return [None] + [WiseConfig(block_size=block_size, kernel="reference",
+    return [None] + [WiseConfig(block_size=block_size,
                                 **({"eta": rule.eta} if isinstance(rule, Eta) else {"selection": rule}))
                      for rule in map(parse, rules)]
 

@@ -40,7 +40,8 @@ class Decoded:
 
 @dataclasses.dataclass(frozen=True)
 class Impl:
-    """framework 'torch' or 'jax'; kernel as in `WiseConfig.kernel`; device: torch's device."""
+    """framework 'torch' or 'jax'; kernel as in `decode_attention(kernel=)` (also the engines'
+    attention_backend of that name); device: torch's device."""
 
     framework: str
     kernel: str

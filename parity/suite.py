@@ -218,33 +218,34 @@ class Suite:
     # -- generation ---------------------------------------------------------------------------
     def generate(self, framework: str, model: str, kernel: str, mode: str, workload: cases.Workload,
                  dtype: str = "float32") -> Generated:
-        """Greedy generation (no early stop). mode: 'dense', 'wise' (WiseConfig with `kernel` and
-        the settings' eta) or 'all-blocks' (WiseConfig(kernel=kernel, all_blocks=True))."""
+        """Greedy generation (no early stop), the engine's attention_backend `kernel` (the parity
+        impls' names are backends too). mode: 'dense', 'wise' (WiseConfig with the settings' eta)
+        or 'all-blocks' (WiseConfig(all_blocks=True))."""
         def run() -> Generated:
-            wise_config = self._wise_config(mode, kernel)
+            wise_config = self._wise_config(mode)
             if framework == "torch":
                 torch_model = self.torch_model(model, dtype)
                 out = wise_torch.generate(torch_model, workload.prompts(torch_model.config.vocab_size),
                                           max_new_tokens=workload.max_new_tokens, eos_token_id=None,
-                                          wise_config=wise_config, return_logits=True, kernel=kernel)
+                                          wise_config=wise_config, return_logits=True, attention_backend=kernel)
                 logits, density = [x.float().numpy() for x in out.logits], out.stats.density
             else:
                 config, params = self.jax_model(model, dtype)
                 with jax_precision(dtype):
                     out = wise_jax.generate(params, config, workload.prompts(config.vocab_size),
                                             max_new_tokens=workload.max_new_tokens, eos_token_id=None,
-                                            wise_config=wise_config, return_logits=True, kernel=kernel)
+                                            wise_config=wise_config, return_logits=True, attention_backend=kernel)
                 logits, density = [np.asarray(x, np.float32) for x in out.logits], out.stats.density
             return Generated(out.tokens, logits, density if mode == "wise" else None)
         return self._once(("generate", framework, model, kernel, mode, workload, dtype), run)
 
-    def _wise_config(self, mode: str, kernel: str) -> WiseConfig | None:
+    def _wise_config(self, mode: str) -> WiseConfig | None:
         if mode == "dense":
             return None
         if mode == "wise":
-            return WiseConfig(kernel=kernel, eta=self.settings.wise_eta)
+            return WiseConfig(eta=self.settings.wise_eta)
         if mode == "all-blocks":
-            return WiseConfig(kernel=kernel, all_blocks=True)
+            return WiseConfig(all_blocks=True)
         raise ValueError(f"unknown generation mode {mode!r} (dense, wise, all-blocks)")
 
     def huginn_models(self):
@@ -257,13 +258,14 @@ class Suite:
 
     def huginn_generate(self, framework: str, kernel: str, mode: str) -> Generated:
         """Greedy generation of `HUGINN_MODEL` (`parity.huginn`) over the settings' Huginn
-        workload, total_ut_steps core iterations: mode 'dense', 'wise' (`huginn_wise_config` with
-        `kernel` and the settings' eta) or 'all-blocks' (the same, every block selected)."""
+        workload, total_ut_steps core iterations, decode attention `kernel`: mode 'dense', 'wise'
+        (`huginn_wise_config` with the settings' eta) or 'all-blocks' (the same, every block
+        selected)."""
         def run() -> Generated:
             config = self.checkpoint(HUGINN_MODEL).config
             steps, work = config.total_ut_steps, self.settings.huginn_workload
             wise_config = None if mode == "dense" else huginn_wise_config(
-                steps, kernel=kernel, eta=self.settings.wise_eta, all_blocks=mode == "all-blocks")
+                steps, eta=self.settings.wise_eta, all_blocks=mode == "all-blocks")
             torch_model, params = self.huginn_models()
             args = dict(max_new_tokens=work.max_new_tokens, num_steps=steps, wise_config=wise_config, kernel=kernel)
             if framework == "torch":
@@ -281,20 +283,20 @@ class Suite:
         """Log-probs of a seeded random continuation (`workload.max_new_tokens` tokens) after each
         prompt: both frameworks score the same tokens, so low-precision runs cannot diverge."""
         def run() -> Generated:
-            wise_config = self._wise_config(mode, kernel)
+            wise_config = self._wise_config(mode)
             vocab = self.checkpoint(model).config.vocab_size
             contexts = workload.prompts(vocab)
             rng = np.random.default_rng(workload.seed + 1)
             continuations = [rng.integers(0, vocab, workload.max_new_tokens).tolist() for _ in contexts]
             if framework == "torch":
                 out = wise_torch.teacher_force(self.torch_model(model, dtype), contexts, continuations,
-                                               wise_config=wise_config, kernel=kernel)
+                                               wise_config=wise_config, attention_backend=kernel)
                 logprobs = [x.float().numpy() for x in out.logprobs]
             else:
                 config, params = self.jax_model(model, dtype)
                 with jax_precision(dtype):
                     out = wise_jax.teacher_force(params, config, contexts, continuations, wise_config=wise_config,
-                                                 kernel=kernel)
+                                                 attention_backend=kernel)
                 logprobs = [np.asarray(x, np.float32) for x in out.logprobs]
             return Generated(continuations, logprobs)
         return self._once(("forced", framework, model, kernel, mode, workload, dtype), run)

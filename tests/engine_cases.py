@@ -54,7 +54,7 @@ class Framework:
         """The framework's `generate` of `prompt` alone: n greedy tokens, no eos, reference kernel."""
         extra = () if self.name == "torch" else (self.config,)
         return self.lib.generate(self.model, *extra, [prompt], max_new_tokens=n, eos_token_id=None,
-                                 page_size=page_size, wise_config=wise_config, kernel="reference").tokens[0]
+                                 page_size=page_size, wise_config=wise_config, attention_backend="reference").tokens[0]
 
 
 def drained(llm):

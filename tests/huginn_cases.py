@@ -35,7 +35,7 @@ def bound(config, num_steps, want, keys):
 
 # -- WISE decode over core iterations -------------------------------------------------------------
 STEPS = 4
-WISE = WiseConfig(block_size=16, eta=0.8, discover_depths=(0, 1), reuse_depths=(3,), kernel="reference")
+WISE = WiseConfig(block_size=16, eta=0.8, discover_depths=(0, 1), reuse_depths=(3,))
 """Discovery on iterations 0 and 1, iteration 2 dense, reuse on 3; 16-key blocks and eta 0.8 so a
 random tiny model's supports leave blocks out of 4 to 6 causal ones."""
 TOP2 = dataclasses.replace(WISE, selection=TopK(2))

@@ -22,7 +22,7 @@ from cases import prompts_of
 
 assert jax.device_count() == 2, "run with XLA_FLAGS=--xla_force_host_platform_device_count=2"
 
-MODES = {"dense": None, "wise": WiseConfig(eta=0.5, kernel="reference")}
+MODES = {"dense": None, "wise": WiseConfig(eta=0.5)}
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +126,7 @@ def test_builtin_model_generate_on_the_mesh(mesh, mode):
     config, params, tokenizer = wise_jax.load_model("ouro-py-3m", with_tokenizer=True)
     prompts = ["def fib(n):", "import os\nimport sys\n" * 12, "class Stack:\n    def push(self, x):"]
     args = dict(max_new_tokens=16, eos_token_id=None, return_logits=True, tokenizer=tokenizer,
-                wise_config=None if mode == "dense" else WiseConfig(kernel="reference"))
+                wise_config=None if mode == "dense" else WiseConfig())
     one = wise_jax.generate(params, config, prompts, **args)
     two = wise_jax.generate(params, config, prompts, mesh=mesh, **args)
     assert_same_run(one, two, config, keys=180)

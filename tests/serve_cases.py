@@ -15,13 +15,13 @@ BACKENDS = ["torch", "jax"]
 
 
 def offline_engine(backend: str, model, **engine_args):
-    """The engine `wise serve --backend BACKEND --device cpu --kernel reference` builds (fp32,
+    """The engine `wise serve --backend BACKEND --device cpu --attention-backend reference` builds (fp32,
     eager), in this process."""
     if backend == "torch":
         import wise_torch
-        return wise_torch.LLM(model, kernel="reference", cuda_graphs=False, device="cpu", **engine_args)
+        return wise_torch.LLM(model, attention_backend="reference", cuda_graphs=False, device="cpu", **engine_args)
     import wise_jax
-    return wise_jax.LLM(model, kernel="reference", **engine_args)
+    return wise_jax.LLM(model, attention_backend="reference", **engine_args)
 
 
 class Server:
@@ -37,7 +37,7 @@ class Server:
         env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
         env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
         self.log = open(self.log_path, "w")
-        device = ["--device", "cpu", "--kernel", "reference"] if cpu else ["--device", "cuda"]
+        device = ["--device", "cpu", "--attention-backend", "reference"] if cpu else ["--device", "cuda"]
         self.proc = subprocess.Popen([sys.executable, "-m", "wise_serve", "--backend", backend, "--port", "0",
                                       *device, "--seed", "0", *args],
                                      stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)

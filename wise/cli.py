@@ -253,7 +253,7 @@ def wise_settings(args) -> WiseConfig | None:
     ignore it)."""
     if not args.wise:
         if args.eta is not None:
-            raise ValueError("--eta sets WISE decode; add --wise (dense decode does not use it)")
+            raise ValueError("--eta set WISE decode; add --wise (dense decode does not use it)")
         return None
     return WiseConfig() if args.eta is None else WiseConfig(eta=args.eta)
 
@@ -268,12 +268,16 @@ def sampling_filters(args) -> dict:
 
 def check_generate_arguments(args) -> None:
     """The flags of `wise generate` that need no model (ValueError naming the flag): values in
-    range, and no sampling flag without --temperature > 0 (greedy decoding would ignore it)."""
+    range, an attention backend of the --backend engine, and no sampling flag without
+    --temperature > 0 (greedy decoding would ignore it)."""
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
     check_sampling(args.temperature, 1.0 if args.top_p is None else args.top_p)
     SamplingParams(stop=tuple(args.stop), **{k: v for k, v in sampling_filters(args).items() if k != "top_p"})
     check_seed(args.seed)
+    if args.attention_backend not in ATTENTION_BACKENDS[args.backend]:
+        raise ValueError(f"--attention-backend {args.attention_backend} is not one of the {args.backend} engine's "
+                         f"({', '.join(ATTENTION_BACKENDS[args.backend])})")
     given = [flag for name, flag in SAMPLING_FLAGS.items() if getattr(args, name) is not None]
     if given and not args.temperature > 0:
         raise ValueError(f"{' and '.join(given)} set sampling; add --temperature T > 0 (greedy decoding, the "

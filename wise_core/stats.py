@@ -24,7 +24,8 @@ class EngineStats:
     forked_prompt_tokens: prompt tokens the later completions of n > 1 requests took from their
     first completion's pages instead of prefilling them. prefill_attention: the prefill
     attention that runs (torch: "sdpa", "fa4" or "reference"; "" where the engine has no choice);
-    wise_decode: what runs the WISE loops (torch: "kernel", "fa4-union" or "reference-union"; ""
+    wise_decode: what runs the WISE loops (torch: "kernel", the attention_backend's decode
+    kernel; "fa4-union" or "reference-union" in a benchmark's arm, docs/attention.md; ""
     where the engine has no choice). mean_decode_depth: with early exit (an Ouro model's
     early_exit_threshold < 1, a Huginn engine's adaptive_depth), the loops (Huginn: core
     iterations) a decoded token ran on average over the decode steps (each token's exit loop +

@@ -194,9 +194,9 @@ def attention_plan(backend: str, head_dim: int, kv_cache_dtype: str = "auto") ->
     if backend not in JAX_BACKENDS:
         raise ValueError(f"attention_backend {backend!r} is not one of wise_jax's ({', '.join(JAX_BACKENDS)})")
     if check_kv_cache_dtype(kv_cache_dtype) != "auto" and backend == "pallas":
-        raise ValueError(f"attention_backend='pallas' (the Pallas and Mosaic GPU decode kernels) does not read "
-                         f"kv_cache_dtype={kv_cache_dtype!r} pages yet: use attention_backend='reference' or "
-                         f"'auto' (which runs the reference for an fp8 cache)")
+        raise ValueError(f"attention_backend='pallas' does not read kv_cache_dtype={kv_cache_dtype!r} pages yet (the "
+                         f"Pallas and Mosaic GPU decode kernels): use attention_backend='reference' or 'auto' "
+                         f"(which runs the reference for an fp8 cache)")
     kernel = resolve_kernel(backend, head_dim, kv_cache_dtype)
     return AttentionPlan(kernel=kernel, prefill="chunked" if backend == "reference" else "auto")
 

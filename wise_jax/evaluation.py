@@ -56,7 +56,7 @@ def _batches(lengths: list[int], batch: int) -> list[list[int]]:
 def evaluate(params: Params, config: ModelConfig, wise_config: WiseConfig | None, contexts, continuations, *,
              greedy_tokens: int = 32, dense: Arm | None = None, tokenizer: Tokenizer | None = None,
              continuation_bytes: Sequence[int] | None = None, batch: int = 16, page_size: int = DEFAULT_PAGE_SIZE,
-             kernel: str | None = None, seed: int = 0, confidence: float = 0.95) -> Arm:
+             kernel: str = "auto", seed: int = 0, confidence: float = 0.95) -> Arm:
     """One arm (wise_config None: dense) on held-out (context, continuation) pairs -> `Arm`.
 
     contexts, continuations: token-id lists (or strings, with `tokenizer`), one per pair.
@@ -64,7 +64,7 @@ def evaluate(params: Params, config: ModelConfig, wise_config: WiseConfig | None
     dense's (`dense`: that arm, e.g. this function's result for None). continuation_bytes: the
     bytes each continuation encodes (None: decoded by `tokenizer`, UTF-8; without a tokenizer
     one byte per token, a byte-level model). batch: contexts decoded together. kernel: the
-    decode-attention kernel (None: wise_config.kernel, or "auto"). seed, confidence: of the
+    decode-attention kernel (`wise_jax.scoring.score`'s). seed, confidence: of the
     bootstrap intervals."""
     contexts = prompt_lists(contexts, config.vocab_size, tokenizer, "contexts", "pass tokenizer= to encode it")
     continuations = prompt_lists(continuations, config.vocab_size, tokenizer, "continuations",

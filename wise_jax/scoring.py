@@ -124,22 +124,21 @@ def _checked(params, config: ModelConfig, context_ids, context_lengths, wise_con
         raise ValueError(f"context_lengths must be in [1, {n}] (context_ids' width), got {known.tolist()}")
     if wise_config is not None:
         checks.wise_config_for(wise_config, config, page_size)
-    kernel = resolve_kernel((wise_config.kernel if wise_config is not None else "auto") if kernel is None else kernel,
-                            config.head_dim)
+    kernel = resolve_kernel(kernel, config.head_dim)
     return context, lengths, kernel
 
 
 def score(params: Params, config: ModelConfig, context_ids, continuation_ids, wise_config: WiseConfig | None = None,
-          *, context_lengths=None, page_size: int = DEFAULT_PAGE_SIZE, kernel: str | None = None) -> Decoded:
+          *, context_lengths=None, page_size: int = DEFAULT_PAGE_SIZE, kernel: str = "auto") -> Decoded:
     """Teacher-force `continuation_ids` after `context_ids` -> `Decoded` (its logprobs and, under
     WISE, the reuse depths' block counts).
 
     context_ids int[batch, n] (or [n]: batch 1), each row's context its first context_lengths[b]
     tokens (int[batch], default n; traced is fine); continuation_ids int[batch, m] (or [m]), m >= 1.
-    Dense when wise_config is None. kernel: the decode-attention kernel (None: wise_config.kernel,
-    or "auto"). Pure: jit it with config and wise_config static, or differentiate it (params
-    may be traced). Every argument is checked first (`wise_jax.checks`; token ids by value
-    when they are concrete)."""
+    Dense when wise_config is None. kernel: the decode-attention kernel ("auto", "reference",
+    "pallas": `wise_jax.attention.resolve_kernel`). Pure: jit it with config and wise_config
+    static, or differentiate it (params may be traced). Every argument is checked first
+    (`wise_jax.checks`; token ids by value when they are concrete)."""
     continuation = _rows(continuation_ids, "continuation_ids")
     context, lengths, kernel = _checked(params, config, context_ids, context_lengths, wise_config, page_size, kernel,
                                         continuation.shape[1])
@@ -151,7 +150,7 @@ def score(params: Params, config: ModelConfig, context_ids, continuation_ids, wi
 
 
 def greedy(params: Params, config: ModelConfig, context_ids, num_tokens: int, wise_config: WiseConfig | None = None,
-           *, context_lengths=None, page_size: int = DEFAULT_PAGE_SIZE, kernel: str | None = None) -> Decoded:
+           *, context_lengths=None, page_size: int = DEFAULT_PAGE_SIZE, kernel: str = "auto") -> Decoded:
     """Greedy decoding of `num_tokens` tokens after each context (no stop token) -> `Decoded`:
     .tokens int32[batch, num_tokens], .logprobs their log p. Arguments as `score`'s."""
     if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:

@@ -39,14 +39,14 @@ from benchmarks.quality.stdlib_corpus import is_held_out, list_files, stdlib_roo
 KINDS = ("wise", "wise3", "wise2", "loops2", "wise-sparse")
 
 
-def arm_config(arm: str, num_draft: int, eta: float, kernel: str):
+def arm_config(arm: str, num_draft: int, eta: float):
     """(SpeculativeConfig or None, WiseConfig or None) of an arm name."""
     from wise_core.speculative_config import SpeculativeConfig
     from wise_core.wise_config import WiseConfig
     kind = arm.removesuffix("-adaptive")
     if kind == "dense":
         return None, None
-    wise = WiseConfig(eta=eta, kernel=kernel)
+    wise = WiseConfig(eta=eta)
     spec = {"wise": (SpeculativeConfig("wise", num_draft=num_draft), wise),
             "wise3": (SpeculativeConfig("wise", num_draft=num_draft, draft_loops=3), wise),
             "wise2": (SpeculativeConfig("wise", num_draft=num_draft, draft_loops=2),
@@ -105,9 +105,9 @@ def prompts(tokenizer, count: int, length: int) -> list[list[int]]:
 
 def run_arm(model, arm: str, batch: list[list[int]], args) -> dict:
     import wise_torch
-    spec, wise = arm_config(arm, args.num_draft, args.eta, args.kernel)
+    spec, wise = arm_config(arm, args.num_draft, args.eta)
     llm = wise_torch.LLM(model, wise_config=wise, speculative_config=spec, max_num_seqs=len(batch),
-                         max_model_len=args.length + args.new_tokens, kernel=args.kernel)
+                         max_model_len=args.length + args.new_tokens, attention_backend=args.kernel)
     params = wise_torch.SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     timer = StepTimer(llm)
     start = time.perf_counter()
@@ -160,7 +160,7 @@ def main(argv=None) -> dict:
     p.add_argument("--batch", type=int, default=64, help="requests per engine call")
     p.add_argument("--num-draft", type=int, default=4)
     p.add_argument("--eta", type=float, default=0.95)
-    p.add_argument("--kernel", default="auto")
+    p.add_argument("--kernel", default="auto", help="the engine's attention_backend")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--arms", default=",".join(["dense", *KINDS, *(f"{k}-adaptive" for k in KINDS)]))
     p.add_argument("--out", type=Path, required=True)

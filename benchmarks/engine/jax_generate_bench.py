@@ -20,7 +20,7 @@ programs go to a persistent compilation cache shared by the run's workers (--com
 arms that share a program (the prefill of a context) compile it once; `recompiles` counts
 traces during the timed cohorts (0 expected).
 
-Arms: MODE[+OPTION...], MODE dense or wise (WiseConfig(eta, kernel)), or adaptive / wise-adaptive
+Arms: MODE[+OPTION...], MODE dense or wise (WiseConfig(eta), attention_backend=--kernel), or adaptive / wise-adaptive
 (Huginn only): dense's / wise's engine with per-token adaptive depth
 (`adaptive_depth=AdaptiveDepth(threshold=--adaptive-threshold)`, as `benchmarks.engine.throughput`'s
 adaptive arms: exited rows ride along, every iteration runs every row, the roofline is the
@@ -29,8 +29,9 @@ fixed-depth arm with the same options, "over fixed"). Every arm's greedy tokens 
 with the dense arm's of the same options ("differ": requests whose tokens differ; the adaptive
 arms' are the exits', so they may differ, not an error). Options, to measure what each part of
 the decode step costs:
-- stacked: the layers a scan over the stacked weights (LLM(layers="stacked")) instead of a
-  Python loop over per-layer weights (the engine's default, params.unstack_layers);
+- stacked: the layers a scan over the stacked weights (an LLM subclass with layers =
+  "stacked") instead of a Python loop over per-layer weights (the engine's default,
+  params.unstack_layers);
 - unroll: with stacked, the layer scan fully unrolled (LLM(unroll=True));
 - straight: every loop of the decode step straight-line (an LLM subclass with scan_loops =
   False) instead of a scan over each run of loops of one role (the engine's default);
@@ -92,7 +93,7 @@ from benchmarks.engine.workload import cohort_pages, config_fields, parse_floats
 
 # dense-default / wise-default: `LLM(params, config)` / `LLM(params, config, wise_config=WiseConfig())`
 # (Huginn: num_steps=--num-steps, wise_config=huginn_wise_config(num_steps)), every other constructor
-# argument at its default (pool, max_num_seqs, max_model_len, kernel).
+# argument at its default (pool, max_num_seqs, max_model_len, attention_backend).
 MODES = ("dense", "wise", "dense-default", "wise-default", "old", "old-wise", "adaptive", "wise-adaptive")
 OPTIONS = ("stacked", "unroll", "straight", "unfused", "nocb", "cbloops", "dsfusion", "cublas", "noremat", "tp2")
 XLA_FLAGS = {"nocb": "--xla_gpu_enable_command_buffer=",
@@ -145,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KL exit threshold of the adaptive arms (default: AdaptiveDepth's, the released 1e-3)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--kernel", default="auto", choices=("auto", "pallas", "reference"),
-                   help="decode attention of every arm")
+                   help="the attention_backend of every engine arm (the decode kernel of the old ones)")
     p.add_argument("--eta", type=float, default=0.95)
     p.add_argument("--page-size", type=int, default=128)
     p.add_argument("--old-src", type=Path, help="source tree of --old-commit (wise_core, wise_jax)")
@@ -230,22 +231,23 @@ def _engine_worker(spec: dict) -> dict:
     if "unfused" in options:
         params = split_projections(config, params)
     mesh = {"mesh": wise_jax.make_mesh(2)} if "tp2" in options else {}
-    engine = wise_jax.LLM
-    if "straight" in options:
-        engine = type("StraightLoopsLLM", (wise_jax.LLM,), {"scan_loops": False})
+    # The engine's measurement hooks, class attributes a subclass sets (wise_jax.LLM's docstring).
+    hooks = {**({"scan_loops": False} if "straight" in options else {}),
+             **({"layers": "stacked"} if "stacked" in options else {})}
+    engine = type("ArmLLM", (wise_jax.LLM,), hooks) if hooks else wise_jax.LLM
     if mode.endswith("-default"):
         llm = engine(params, config, num_steps=num_steps,
                            wise_config=wise_config_of(config, steps) if mode == "wise-default" else None, **mesh)
     else:
-        wise_config = wise_config_of(config, steps, eta=spec["eta"], kernel=spec["kernel"]) \
+        wise_config = wise_config_of(config, steps, eta=spec["eta"]) \
             if mode in ("wise", "wise-adaptive") else None
         from wise_core.adaptive_depth import AdaptiveDepth
         adaptive = AdaptiveDepth(threshold=spec["adaptive_threshold"]) if mode in ADAPTIVE_ARMS else None
         llm = engine(params, config, wise_config=wise_config, num_steps=num_steps, adaptive_depth=adaptive,
-                           num_pages=spec["num_pages"], page_size=spec["page_size"], max_num_seqs=spec["batch"], kernel=spec["kernel"],
+                           num_pages=spec["num_pages"], page_size=spec["page_size"], max_num_seqs=spec["batch"],
+                           attention_backend=spec["kernel"],
                            max_model_len=spec["context"] + max(spec["new_tokens"], spec["warmup_tokens"]),
-                           unroll=True if "unroll" in options else 1,
-                           layers="stacked" if "stacked" in options else "unstacked", **mesh)
+                           unroll=True if "unroll" in options else 1, **mesh)
 
     def cohort(requests: list, tokens: int) -> dict:
         llm.reset_stats()

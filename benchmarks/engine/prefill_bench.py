@@ -12,9 +12,11 @@ builds a fresh engine (prefix caching off, a pool of exactly the cohort's pages,
 = B), runs one untimed warm-up cohort of other prompts (compiles FA4's kernels), then
 --repeats timed cohorts; the best is reported, all are kept in the JSON.
 
-Arms: the engine's `prefill_attention` ("sdpa": grouped SDPA over K/V gathered from the pages,
-a dense mask for chunks after the first; "fa4": one FlashAttention-4 varlen call per plane over
-the pages; "reference": that call in plain torch, for CPU only). An arm that cannot run here
+Arms: the engine's prefill attention, set through `arms.torch_engine_with(prefill=ARM)` (the
+attention plan's `prefill`; decode as attention_backend "auto" runs it): "sdpa": grouped SDPA
+over K/V gathered from the pages, a dense mask for chunks after the first; "fa4": one
+FlashAttention-4 varlen call per plane over the pages; "reference": that call in plain torch,
+for CPU only. An arm that cannot run here
 (fa4 without flash_attn.cute) gets a row saying why. Budgets: max_num_batched_tokens per step,
 a number (2048: chunked prefill) or "whole" (max(8192, L): each prompt in one chunk).
 
@@ -35,6 +37,7 @@ import traceback
 from pathlib import Path
 
 from benchmarks import report as rp
+from benchmarks.engine.arms import torch_engine_with
 from benchmarks.engine.workload import random_model
 from wise_core.presets import PRESETS
 
@@ -100,12 +103,11 @@ def run_cohort(llm, prompts: list[list[int]]) -> dict:
 def measure(model, length: int, batch: int, arm: str, budget, *, page_size: int, repeats: int, seed: int) -> dict:
     """One (shape, arm, budget): a fresh engine, a warm-up cohort, `repeats` timed cohorts."""
     import torch
-    import wise_torch
     tokens = max(8192, length) if budget == "whole" else budget
     pages = batch * -(-(length + 1) // page_size)
-    llm = wise_torch.LLM(model, prefill_attention=arm, num_pages=pages, page_size=page_size, max_num_seqs=batch,
-                         max_model_len=length + 1, max_num_batched_tokens=tokens, enable_prefix_caching=False,
-                         cuda_graphs=False)
+    llm = torch_engine_with(prefill=arm)(model, num_pages=pages, page_size=page_size, max_num_seqs=batch,
+                                         max_model_len=length + 1, max_num_batched_tokens=tokens,
+                                         enable_prefix_caching=False, cuda_graphs=False)
     try:
         vocab = model.config.vocab_size
         run_cohort(llm, prompts_of(length, batch, vocab, seed + 1))
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--device", default="cuda")
     p.add_argument("--shapes", type=parse_shapes, default=parse_shapes("1024x64,4096x20,8192x10,32768x2"))
-    p.add_argument("--arms", default="sdpa,fa4", help="prefill_attention values, comma-separated")
+    p.add_argument("--arms", default="sdpa,fa4", help="prefill attentions (sdpa, fa4, reference), comma-separated")
     p.add_argument("--budgets", type=parse_budgets, default=parse_budgets("2048,whole"))
     p.add_argument("--page-size", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)

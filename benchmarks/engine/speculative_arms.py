@@ -3,7 +3,7 @@
 `--spec wise|wise2|wise-sparse|loops --num-draft K [--draft-loops D] [--adaptive-draft]` adds the
 arm `spec-wise`, `spec-wise2`, `spec-wise-sparse` or `spec-loops`: the engine with
 `SpeculativeConfig(method, num_draft=K, draft_loops=D, adaptive=...)` (spec-wise drafts with the
-run's `WiseConfig(eta, kernel)`; spec-wise2 with 2-loop WISE drafts, `WiseConfig(discover_depths=(0,),
+run's `WiseConfig(eta)`; spec-wise2 with 2-loop WISE drafts, `WiseConfig(discover_depths=(0,),
 reuse_depths=(1,))` and draft_loops 2, verified from loop 1; spec-wise-sparse with the run's
 WiseConfig and `sparse_discovery=True`: every loop of a draft token sparse on its request's last
 verified token's support, verified from loop 0), timed like every engine arm. Per repeat it reports the
@@ -77,20 +77,21 @@ def arms_of(args) -> list[str]:
 
 def engine_kwargs(arm: str, spec: dict) -> dict:
     """`LLM` keyword arguments of a speculative arm from the worker's spec (num_draft,
-    draft_loops, eta, kernel; the set acceptance of a spec-METHOD@P arm)."""
+    draft_loops, eta; the set acceptance of a spec-METHOD@P arm; the worker passes the spec's
+    kernel as attention_backend)."""
     from wise_core.speculative_config import SpeculativeConfig
     from wise_core.wise_config import WiseConfig
     method, rate = method_and_rate(arm)
     common = dict(num_draft=spec["num_draft"], accept_rate=rate, adaptive=spec.get("adaptive_draft", False))
     if method == "wise2":
         return dict(speculative_config=SpeculativeConfig("wise", draft_loops=2, **common),
-                    wise_config=WiseConfig(eta=spec["eta"], kernel=spec["kernel"], discover_depths=(0,),
+                    wise_config=WiseConfig(eta=spec["eta"], discover_depths=(0,),
                                            reuse_depths=(1,)))
     if method == "wise-sparse":
         return dict(speculative_config=SpeculativeConfig("wise", sparse_discovery=True, **common),
-                    wise_config=WiseConfig(eta=spec["eta"], kernel=spec["kernel"]))
+                    wise_config=WiseConfig(eta=spec["eta"]))
     return dict(speculative_config=SpeculativeConfig(method, draft_loops=spec.get("draft_loops"), **common),
-                wise_config=WiseConfig(eta=spec["eta"], kernel=spec["kernel"]) if method == "wise" else None)
+                wise_config=WiseConfig(eta=spec["eta"]) if method == "wise" else None)
 
 
 def counters(stats) -> dict:

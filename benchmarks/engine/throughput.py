@@ -18,13 +18,13 @@ warm-up cohort (--warmup-tokens new tokens: compiles kernels, captures graphs) a
 cohorts, all printed.
 
 Arms:
-- dense: the engine, Triton dense decode (`kernel=--kernel`, no WISE);
-- wise: the engine with WISE (`WiseConfig(eta, kernel=--kernel)`);
-- fa4: the engine with FlashAttention-4 for prefill and dense decode (`prefill_attention="fa4"`,
-  `dense_decode="fa4"`) when `flash_attn.cute` imports (else a 'not importable' row);
-- wise-fa4: WISE as the reference system's FlashAttention path runs it (`wise_decode="fa4-union"`:
-  reuse rows over the page-granular head union of their support; not the decode contract), its
-  dense loops and prefill on FA4 too;
+- dense: the engine, Triton dense decode (`attention_backend=--kernel`, no WISE);
+- wise: the engine with WISE (`WiseConfig(eta)`, `attention_backend=--kernel`);
+- fa4: the engine with FlashAttention-4 for prefill and dense decode (`attention_backend="fa4"`)
+  when `flash_attn.cute` imports (else a 'not importable' row);
+- wise-fa4: WISE as the reference system's FlashAttention path runs it (the union arm
+  `wise_decode="fa4-union"`, through `arms.torch_engine_with`: reuse rows over the page-granular
+  head union of their support; not the decode contract), its dense loops and prefill on FA4 too;
 - adaptive, wise-adaptive (Huginn only: an Ouro model exits by its config's early_exit_threshold):
   the dense / wise arm's engine with per-token adaptive depth
   (`adaptive_depth=AdaptiveDepth(threshold=--adaptive-threshold)`, the released KL exit criterion,
@@ -64,7 +64,7 @@ Ouro's q_proj; Huginn's q rows of attn.Wqkv and q's half of attn.qk_bias).
 Huginn (a Huginn --preset or --model: huginn-0125, test-tiny-huginn): every token runs
 --num-steps core iterations (default the config's total_ut_steps; an Ouro model runs its loops,
 and --num-steps, if given, must equal them); the wise arms use `huginn_wise_config(num_steps)`
-(discovery on iterations 0 and 1, reuse on the rest; --eta, --kernel), wise-default
+(discovery on iterations 0 and 1, reuse on the rest; --eta), wise-default
 `huginn_wise_config(num_steps)` with every other setting at its default; the old and speculative
 arms run Ouro only. The report states the WISE profile; the issue's targets are Ouro-1.4B's, and
 a Huginn run is held to none.
@@ -106,7 +106,7 @@ from benchmarks import report as rp
 from benchmarks.engine import speculative_arms
 from benchmarks.engine.arms import (ADAPTIVE_ARMS, ARMS, CUDA_GRAPHS, FA4_ARMS, OLD_COMMIT, adaptive_text,
                                     adaptive_threshold, check_depth, parse_arms, parse_threshold, prepare_old_src,
-                                    wise_config_of, wise_profile)
+                                    torch_engine_with, wise_config_of, wise_profile)
 from benchmarks.engine.decode_report import density_text, markdown, row_of, standing, summarize, write_report
 from benchmarks.engine.timing import DTYPE_BYTES, HBM_TBPS, reset_counters, run_cohort, stats_dict
 from benchmarks.engine.workload import (cohort_pages, load_model, parse_floats, parse_shapes, prepare_model,
@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
     p.add_argument("--device", default="cuda")
     p.add_argument("--kernel", default="triton", choices=("triton", "reference", "auto"),
-                   help="decode attention of the dense and wise arms (and of the old ones)")
+                   help="the attention_backend of the dense and wise arms (the decode kernel of the old ones)")
     p.add_argument("--eta", type=float, default=0.95)
     p.add_argument("--page-size", type=int, default=128)
     p.add_argument("--num-pages", type=int, default=0, help="KV pool of the engine arms (default: the cohort's + 1)")
@@ -195,7 +195,7 @@ def _engine_worker(spec: dict) -> dict:
         if speculating:
             configs = speculative_arms.engine_kwargs(arm, spec)
         else:
-            configs = dict(wise_config=wise_config_of(config, steps, eta=spec["eta"], kernel=spec["kernel"])
+            configs = dict(wise_config=wise_config_of(config, steps, eta=spec["eta"])
                            if arm in ("wise", "wise-fa4", "wise-adaptive") else None)
         cuda_graphs = CUDA_GRAPHS[spec["cuda_graphs"]]
         if arm in ADAPTIVE_ARMS:
@@ -203,17 +203,18 @@ def _engine_worker(spec: dict) -> dict:
             configs["adaptive_depth"] = AdaptiveDepth(threshold=spec["adaptive_threshold"])
         if arm == "adaptive-regroup":   # gathers rows (dynamic shapes): eager
             configs["adaptive_regroup"], cuda_graphs = True, False
+        build, attention_backend = wise_torch.LLM, spec["kernel"]
         if arm in FA4_ARMS:
-            configs.update(prefill_attention="fa4", dense_decode="fa4",
-                           **({"wise_decode": "fa4-union"} if arm == "wise-fa4" else {}))
-        kernel = spec["kernel"]
+            attention_backend = "fa4"
+            if arm == "wise-fa4":
+                build = torch_engine_with(wise_decode="fa4-union")
         extra = {"max_num_batched_tokens": spec["max_num_batched_tokens"]} if spec["max_num_batched_tokens"] else {}
         if spec.get("tensor_parallel_size", 1) > 1:   # benchmarks/engine/tp_scaling.py
             extra["tensor_parallel_size"] = spec["tensor_parallel_size"]
-        llm = wise_torch.LLM(model, **configs, num_steps=num_steps, num_pages=spec["num_pages"],
-                             page_size=spec["page_size"], max_num_seqs=spec["batch"],
-                             cuda_graphs=cuda_graphs, kernel=kernel,
-                             max_model_len=spec["context"] + max(spec["new_tokens"], spec["warmup_tokens"]), **extra)
+        llm = build(model, **configs, num_steps=num_steps, num_pages=spec["num_pages"],
+                    page_size=spec["page_size"], max_num_seqs=spec["batch"],
+                    cuda_graphs=cuda_graphs, attention_backend=attention_backend,
+                    max_model_len=spec["context"] + max(spec["new_tokens"], spec["warmup_tokens"]), **extra)
     del model   # under tensor parallelism the engine holds rank 0's shard, not the whole model
 
     def cohort(tokens: int) -> dict:

@@ -185,8 +185,8 @@ def _torch_worker(spec: dict, tmp: Path) -> dict:
     model = workload.random_model(dict(dtype=spec["dtype"], device=spec["device"], std=spec["std"], seed=0,
                                           q_scale=spec["q_scale"]), config)
     tight = dict(max_model_len=spec["context"] + spec["new_tokens"]) if spec["tight"] else {}
-    kernel = {} if spec["kernel"] == "auto" else dict(kernel=spec["kernel"])
-    llm = wise_torch.LLM(model, wise_config=WiseConfig() if spec["arm"] == "wise" else None, **tight, **kernel)
+    llm = wise_torch.LLM(model, wise_config=WiseConfig() if spec["arm"] == "wise" else None,
+                         attention_backend=spec["kernel"], **tight)
     g = torch.Generator().manual_seed(spec["context"] * 1000 + spec["batch"])
     prompts = torch.randint(0, config.vocab_size, (spec["batch"], spec["context"]), generator=g).tolist()
     cuda = spec["device"] == "cuda"
@@ -246,9 +246,8 @@ def _jax_worker(spec: dict, tmp: Path) -> dict:
     from wise_core.wise_config import WiseConfig
     config, params, prompts = bench.cohort_setup(dict(spec, seed=0))
     tight = dict(max_model_len=spec["context"] + spec["new_tokens"]) if spec["tight"] else {}
-    kernel = {} if spec["kernel"] == "auto" else dict(kernel=spec["kernel"])
-    llm = wise_jax.LLM(params, config, wise_config=WiseConfig() if spec["arm"] == "wise" else None, **tight,
-                       **kernel)
+    llm = wise_jax.LLM(params, config, wise_config=WiseConfig() if spec["arm"] == "wise" else None,
+                       attention_backend=spec["kernel"], **tight)
     sync = lambda: jax.block_until_ready(llm.cache)  # noqa: E731
     _cohort(llm, prompts, wise_jax.SamplingParams(max_tokens=spec["new_tokens"], ignore_eos=True))
     host_ms = _timed(llm, spec["steps"], sync)
@@ -334,7 +333,7 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=4, help="steps timed, then as many profiled")
     p.add_argument("--tight", action="store_true", help="max_model_len = context + steps (default: the defaults)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--kernel", default="auto", help="the engines' kernel (auto: their default)")
+    p.add_argument("--kernel", default="auto", help="the engines' attention_backend (auto: their default)")
     p.add_argument("--child-timeout", type=float, default=300)
     p.add_argument("--keep-hlo", action="store_true", help="keep the JAX decode step's optimised HLO (gzipped)")
     p.add_argument("--out", type=Path)

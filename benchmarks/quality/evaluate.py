@@ -22,7 +22,7 @@ prompts of `qa_scoring.PROMPT_TEMPLATE`, scored by EM and token F1 for dense dec
 with the paired bootstrap interval of the F1 difference.
 
 Writes JSON, markdown and (text) a plot of density and NLL difference against eta into `--out`.
-Backend: wise_torch (default; kernel from `--kernel`, "auto" = Triton on GPU, reference on CPU)
+Backend: wise_torch (default; attention_backend from `--kernel`, "auto" = Triton on GPU, reference on CPU)
 or wise_jax (`--backend jax`); both give the same table. On 2 CPU cores a model of the built-in
 size takes ~3 s per context and setting (dense or one eta): the default text run ~40 minutes.
 """
@@ -50,10 +50,12 @@ from wise_core.wise_config import WiseConfig
 # -- backends ---------------------------------------------------------------------------------
 class Backend:
     """A loaded model behind one interface: `forced` (teacher forcing) and `greedy` decoding,
-    dense when wise_config is None. Both return (per-sequence results, stats dict)."""
+    dense when wise_config is None, every arm's attention by `kernel` (the engines'
+    attention_backend; jax's functional evaluation: its decode kernel). Both return
+    (per-sequence results, stats dict)."""
 
-    def __init__(self, name: str, model: str, dtype: str):
-        self.name = name
+    def __init__(self, name: str, model: str, dtype: str, kernel: str = "auto"):
+        self.name, self.kernel = name, kernel
         if name == "torch":
             import torch
             import wise_torch
@@ -85,7 +87,8 @@ class Backend:
         return dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(stats)
 
     def forced(self, contexts, continuations, wise_config):
-        out = self.lib.teacher_force(*self._args(), contexts, continuations, wise_config=wise_config)
+        out = self.lib.teacher_force(*self._args(), contexts, continuations, wise_config=wise_config,
+                                     attention_backend=self.kernel)
         return [np.asarray(lp, np.float64) for lp in out.logprobs], self._stats(out.stats)
 
     def arm(self, contexts, continuations, wise_config, *, greedy: int, batch: int, dense: Arm | None, seed: int,
@@ -96,7 +99,8 @@ class Backend:
         if self.name == "jax":
             from wise_jax import evaluation
             out = evaluation.evaluate(self.params, self.config, wise_config, contexts, continuations,
-                                      greedy_tokens=greedy, dense=dense, tokenizer=self.tokenizer, batch=batch, seed=seed)
+                                      greedy_tokens=greedy, dense=dense, tokenizer=self.tokenizer, batch=batch, seed=seed,
+                                      kernel=self.kernel)
             progress(len(contexts))
             return out
         logprobs, tokens, meter = [], [], DensityMeter()
@@ -116,7 +120,7 @@ class Backend:
     def greedy(self, prompts, max_new_tokens: int, wise_config, *, stop_at_eos: bool):
         kwargs = {} if stop_at_eos else {"eos_token_id": None}
         out = self.lib.generate(*self._args(), prompts, max_new_tokens=max_new_tokens,
-                                wise_config=wise_config, **kwargs)
+                                wise_config=wise_config, attention_backend=self.kernel, **kwargs)
         return out.tokens, self._stats(out.stats)
 
 
@@ -161,7 +165,7 @@ def heldout_contexts(backend: Backend, args) -> list[tuple[list[int], list[int]]
 def run_text(backend: Backend, args) -> dict:
     pairs = heldout_contexts(backend, args)
     contexts, continuations = [p[0] for p in pairs], [p[1] for p in pairs]
-    settings = [None] + [WiseConfig(eta=eta, kernel=args.kernel) for eta in args.etas]
+    settings = [None] + [WiseConfig(eta=eta) for eta in args.etas]
     arms: dict[str, Arm] = {}
     seconds: dict[str, float] = {}
     with tqdm(total=len(settings) * len(pairs), desc="text", unit="ctx", disable=args.quiet) as bar:
@@ -257,7 +261,7 @@ def run_qa(backend: Backend, args) -> dict:
     if not kept:
         raise SystemExit("every example is too long for the model")
     order = np.argsort([len(p) for p in prompts], kind="stable")  # batch prompts of similar length
-    settings = [None] + [WiseConfig(eta=eta, kernel=args.kernel) for eta in args.etas]
+    settings = [None] + [WiseConfig(eta=eta) for eta in args.etas]
     answers: dict[str, list[str]] = {}
     meters: dict[str, DensityMeter] = {}
     with tqdm(total=len(settings) * len(kept), desc="qa", unit="ex", disable=args.quiet) as bar:
@@ -318,7 +322,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory or built-in model name")
     common.add_argument("--backend", choices=("torch", "jax"), default="torch")
-    common.add_argument("--kernel", default="auto", help="WISE decode-attention kernel (WiseConfig.kernel)")
+    common.add_argument("--kernel", default="auto",
+                        help="the engines' attention_backend (jax: the decode kernel of its functional evaluation)")
     common.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="auto: bfloat16 on GPU, float32 on CPU")
     common.add_argument("--batch", type=int, default=None, help="sequences per call")
@@ -348,7 +353,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.batch is None:
         args.batch = 16 if args.task == "text" else 8
     for eta in args.etas:
-        WiseConfig(eta=eta, kernel=args.kernel)  # validates eta and kernel
+        WiseConfig(eta=eta)  # validates eta
     positive = ["batch"] + (["n_contexts", "min_context", "continuation", "greedy"] if args.task == "text"
                             else ["max_new_tokens"])
     for name in positive:
@@ -362,7 +367,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     started = time.perf_counter()
-    backend = Backend(args.backend, args.model, args.dtype)
+    backend = Backend(args.backend, args.model, args.dtype, args.kernel)
     result = run_text(backend, args) if args.task == "text" else run_qa(backend, args)
     model_name = Path(str(args.model)).name
     stem = f"quality_{args.task}_{model_name}" + (f"_{args.data.stem}" if args.task == "qa" else "")

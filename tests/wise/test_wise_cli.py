@@ -25,7 +25,7 @@ def wise(*args, timeout=300, interpret=True, stdin=""):
                           cwd=ROOT, env=env, timeout=timeout, input=stdin)
 
 
-@pytest.mark.parametrize("extra", [(), ("--wise", "--eta", "0.9", "--kernel", "reference")])
+@pytest.mark.parametrize("extra", [(), ("--wise", "--eta", "0.9", "--attention-backend", "reference")])
 def test_generate_torch_on_cpu(extra):
     result = wise("generate", "--prompt", "def fib(n):", "--max-new-tokens", "3", "--device", "cpu", *extra)
     assert result.returncode == 0, result.stderr
@@ -136,8 +136,9 @@ def test_cli_module_does_not_import_a_framework():
 
 @pytest.mark.parametrize("args, message", [
     (("--eta", "0.5"), "--eta set WISE decode; add --wise"),
-    (("--kernel", "reference"), "--kernel set WISE decode; add --wise"),
-    (("--eta", "0.5", "--kernel", "triton"), "--eta and --kernel set WISE decode; add --wise"),
+    (("--attention-backend", "pallas"), "--attention-backend pallas is not one of the torch engine's (auto, triton, "
+                                        "fa4, reference)"),
+    (("--backend", "jax", "--attention-backend", "fa4"), "--attention-backend fa4 is not one of the jax engine's"),
     (("--seed", str(2 ** 70)), r"seed must be in [0, 2**63), got 1180591620717411303424"),
     (("--temperature", "nan"), "temperature must be finite and >= 0"),
     (("--top-p", "0"), "top_p must be in (0, 1], got 0.0"),
@@ -164,7 +165,7 @@ def test_generate_errors_that_need_the_model():
     result = wise("generate", "--prompt", "ab\udcff", "--device", "cpu", "--max-new-tokens", "1")
     assert result.returncode == 1 and "--prompt holds a lone surrogate '\\udcff' at index 2" in result.stderr, \
         result.stderr
-    env_free = wise("generate", "--prompt", "x", "--device", "cpu", "--wise", "--kernel", "triton",
+    env_free = wise("generate", "--prompt", "x", "--device", "cpu", "--attention-backend", "triton",
                     "--max-new-tokens", "1", interpret=False)
     assert env_free.returncode == 1, env_free.stderr
     assert "the Triton kernel needs a CUDA device or TRITON_INTERPRET=1" in env_free.stderr

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from wise_core.engine.args import EngineArgs
 from wise_core.config_error import ConfigError
 from wise_core.model_config import ModelConfig
 from wise_core.presets import PRESETS
@@ -133,7 +134,6 @@ def test_model_config_from_json_errors(tmp_path):
     ({"reuse_depths": (2, 2)}, "repeats a loop"),
     ({"discover_depths": (0, 2), "reuse_depths": (2, 3)}, r"loops \[2\] are both"),
     ({"discover_depths": (0, 3), "reuse_depths": (2,)}, "comes before the last discovery depth"),
-    ({"kernel": "cuda"}, "kernel must be one of"),
     ({"eta": "0.9"}, "eta must be a number"),
     ({"discover_depths": 0}, "tuple or list of non-negative loop indices"),
     ({"discover_depths": (True,)}, "tuple or list of non-negative loop indices"),
@@ -142,12 +142,23 @@ def test_model_config_from_json_errors(tmp_path):
     ({"block_size": 32.0}, r"block_size must be a positive power of two \(a Python int\), got 32.0"),
     ({"all_blocks": "no"}, "all_blocks must be True or False, got 'no'"),
     ({"all_blocks": 1}, "all_blocks must be True or False, got 1"),
-    ({"kernel": ["triton"]}, "kernel must be one of"),
     ({"eta": float("nan")}, r"eta must be in \(0, 1\], got nan"),
 ])
 def test_wise_config_errors(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         WiseConfig(**kwargs)
+
+
+def test_attention_is_the_engines_choice_not_the_wise_configs():
+    """WiseConfig holds the algorithm; the attention implementation is EngineArgs.attention_backend
+    (checked against every framework's names here, against its own by the engine)."""
+    with pytest.raises(TypeError, match="kernel"):
+        WiseConfig(kernel="triton")
+    assert EngineArgs().attention_backend == "auto" and EngineArgs(attention_backend="pallas").attention_backend
+    for bad in ("cuda", ["triton"], None):
+        with pytest.raises(ValueError, match="attention_backend must be one of 'auto', 'fa4', 'pallas', 'reference', "
+                                             "'triton'"):
+            EngineArgs(attention_backend=bad)
 
 
 def test_wise_config_roles_and_range():

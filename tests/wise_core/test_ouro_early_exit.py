@@ -138,11 +138,11 @@ def generate(framework: str, model, config: ModelConfig, prompt, new: int, wise_
     if framework == "torch":
         import wise_torch
         out = wise_torch.generate(model, [prompt], max_new_tokens=new, eos_token_id=None, page_size=PAGE,
-                                  kernel="reference", wise_config=wise_config, return_logits=True)
+                                  attention_backend="reference", wise_config=wise_config, return_logits=True)
     else:
         import wise_jax
         out = wise_jax.generate(model, config, [prompt], max_new_tokens=new, eos_token_id=None, page_size=PAGE,
-                                kernel="reference", wise_config=wise_config, return_logits=True)
+                                attention_backend="reference", wise_config=wise_config, return_logits=True)
     return out.tokens[0], np.asarray(out.logits[0], np.float64)
 
 
@@ -194,7 +194,7 @@ def test_threshold_one_makes_no_exit_state():
 
 def engine_of(framework: str, model, wise_config):
     args = dict(wise_config=wise_config, page_size=PAGE, max_num_seqs=2, max_model_len=4 * PAGE,
-                max_num_batched_tokens=64, kernel="reference")
+                max_num_batched_tokens=64, attention_backend="reference")
     if framework == "torch":
         import wise_torch
         return wise_torch.LLM(model, **args)

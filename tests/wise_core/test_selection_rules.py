@@ -258,7 +258,7 @@ def torch_model():
 def test_jax_generate_with_a_rule_is_generate_by_the_numpy_reference(jax_params, rule):
     def run(selection):
         return wise_jax.generate(jax_params, CONFIG, PROMPTS, max_new_tokens=4, page_size=32, eos_token_id=None,
-                                 wise_config=WiseConfig(block_size=16, selection=selection, kernel="reference"))
+                                 wise_config=WiseConfig(block_size=16, selection=selection))
     got, want = run(rule), run(_numpy_rule_for_jax(rule))
     assert got.tokens == want.tokens and got.stats.fallbacks == 0
     assert got.stats.density == want.stats.density and all(d < 1 for d in got.stats.density.values())
@@ -268,7 +268,7 @@ def test_jax_generate_with_a_rule_is_generate_by_the_numpy_reference(jax_params,
 def test_torch_generate_with_a_rule_is_generate_by_the_numpy_reference(torch_model, rule):
     def run(selection):
         return wise_torch.generate(torch_model, PROMPTS, max_new_tokens=4, page_size=32, eos_token_id=None,
-                                   wise_config=WiseConfig(block_size=16, selection=selection, kernel="reference"))
+                                   wise_config=WiseConfig(block_size=16, selection=selection))
     got, want = run(rule), run(_numpy_rule_for_torch(rule))
     assert got.tokens == want.tokens and got.stats.fallbacks == 0
     assert got.stats.density == want.stats.density and all(d < 1 for d in got.stats.density.values())
@@ -277,7 +277,7 @@ def test_torch_generate_with_a_rule_is_generate_by_the_numpy_reference(torch_mod
 def test_top_k_of_every_block_is_dense_decode(torch_model):
     """TopK(k >= the blocks) selects every block: the reuse loops' SPARSE rows then attend what
     DENSE does, so the tokens are dense decode's."""
-    wise = WiseConfig(block_size=16, selection=TopK(64), kernel="reference")
+    wise = WiseConfig(block_size=16, selection=TopK(64))
     dense = wise_torch.generate(torch_model, PROMPTS, max_new_tokens=4, page_size=32, eos_token_id=None)
     sparse = wise_torch.generate(torch_model, PROMPTS, max_new_tokens=4, page_size=32, eos_token_id=None,
                                  wise_config=wise)
@@ -339,7 +339,7 @@ def test_torch_decode_hands_each_discovery_call_its_context(torch_model):
 
     def run(fn):
         return wise_torch.generate(torch_model, PROMPTS[:1], max_new_tokens=3, page_size=32, eos_token_id=None,
-                                   wise_config=WiseConfig(block_size=16, kernel="reference",
+                                   wise_config=WiseConfig(block_size=16,
                                                           selection=Custom(fn, "rule", context=True)))
     got = run(recording)
     assert got.tokens == run(numpy_reference).tokens and got.stats.fallbacks == 0

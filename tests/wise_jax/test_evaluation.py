@@ -55,7 +55,7 @@ def test_eta_095_equals_the_quality_benchmark(params, pairs, monkeypatch):
 
     compiled = traces()
     dense = evaluation.evaluate(params, CONFIG, None, contexts, continuations, greedy_tokens=GREEDY, batch=BATCH)
-    arm = evaluation.evaluate(params, CONFIG, WiseConfig(eta=0.95, kernel="reference"), contexts, continuations,
+    arm = evaluation.evaluate(params, CONFIG, WiseConfig(eta=0.95), contexts, continuations,
                               greedy_tokens=GREEDY, batch=BATCH, dense=dense)
     assert traces() == compiled                                   # equal configs: the benchmark's programs
     assert row["per_context"]["nll"] == arm.nll.tolist()

@@ -15,7 +15,7 @@ from wise_jax import kv_cache as kvc
 from wise_jax import wise_state as ws
 from wise_jax.huginn import decode_step, huginn_from_tensors
 
-ALL_BLOCKS = WiseConfig(block_size=16, discover_depths=(0, 1), reuse_depths=(3,), kernel="reference", all_blocks=True)
+ALL_BLOCKS = WiseConfig(block_size=16, discover_depths=(0, 1), reuse_depths=(3,), all_blocks=True)
 
 
 @pytest.fixture(scope="module")

@@ -40,10 +40,10 @@ def record_buckets(llm) -> list[tuple[int, int]]:
     return shapes
 
 
-def run(params, *, bucketed: bool, kernel: str, wise_config=None, lengths=LENGTHS, budgets=BUDGETS, **kw):
+def run(params, *, bucketed: bool, attention_backend: str, wise_config=None, lengths=LENGTHS, budgets=BUDGETS, **kw):
     """Every request's tokens, the (rows, width) its decode steps ran at, and the engine."""
     llm = wise_jax.LLM(params, CONFIG, wise_config=wise_config, num_pages=64, page_size=PAGE, max_num_seqs=4,
-                       max_model_len=512, kernel=kernel, **kw)
+                       max_model_len=512, attention_backend=attention_backend, **kw)
     if not bucketed:
         llm.widths, llm.row_buckets = [llm.max_pages], [4]
     shapes = record_buckets(llm)
@@ -57,8 +57,8 @@ def run(params, *, bucketed: bool, kernel: str, wise_config=None, lengths=LENGTH
 @pytest.mark.parametrize("kernel", ["reference", "pallas"])
 @pytest.mark.parametrize("wise_config", [None, WiseConfig(eta=0.5)], ids=["dense", "wise"])
 def test_bucketed_decode_gives_the_unbucketed_tokens(params, kernel, wise_config):
-    tokens, shapes, llm = run(params, bucketed=True, kernel=kernel, wise_config=wise_config)
-    want, whole, _ = run(params, bucketed=False, kernel=kernel, wise_config=wise_config)
+    tokens, shapes, llm = run(params, bucketed=True, attention_backend=kernel, wise_config=wise_config)
+    want, whole, _ = run(params, bucketed=False, attention_backend=kernel, wise_config=wise_config)
     assert tokens == want
     assert set(whole) == {(4, 16)}
     rows, widths = zip(*shapes)
@@ -87,7 +87,7 @@ def test_a_step_wider_than_its_bucket_is_refused_on_the_host(params):
     """The width is the host's promise; a plan whose row outgrows it is refused before anything
     runs (no silent truncation)."""
     llm = wise_jax.LLM(params, CONFIG, num_pages=16, page_size=PAGE, max_num_seqs=2, max_model_len=512,
-                       kernel="reference")
+                       attention_backend="reference")
     llm.widths = [1] + llm.widths   # the ladder starts at 1 page
     request = llm.add_request(list(range(1, 33)), wise_jax.SamplingParams(max_tokens=4, ignore_eos=True))
     context_bucket = jax_engine.context_bucket
@@ -102,9 +102,9 @@ def test_a_step_wider_than_its_bucket_is_refused_on_the_host(params):
 def test_a_lone_request_in_a_high_slot_decodes_in_one_row(params):
     """Rows are compacted: with slots 0 and 1 finished first, slot 2 decodes alone in a 1-row
     step (a step sized by the highest slot would run 4), to the unbucketed tokens."""
-    tokens, shapes, llm = run(params, bucketed=True, kernel="reference", wise_config=WiseConfig(eta=0.5),
+    tokens, shapes, llm = run(params, bucketed=True, attention_backend="reference", wise_config=WiseConfig(eta=0.5),
                               budgets=[2, 4, 14])
-    want, _, _ = run(params, bucketed=False, kernel="reference", wise_config=WiseConfig(eta=0.5), budgets=[2, 4, 14])
+    want, _, _ = run(params, bucketed=False, attention_backend="reference", wise_config=WiseConfig(eta=0.5), budgets=[2, 4, 14])
     assert tokens == want
     rows = [r for r, _ in shapes]
     assert rows[-1] == 1 and rows.count(1) >= 9, rows
@@ -118,10 +118,10 @@ def test_background_compiles_never_stop_a_step_after_the_start_up_set(params, wi
     and the four prompts prefilled together run one by one in the one-prompt program, to the very
     tokens of an engine compiling every program on the step path, while their own compile off the
     step path. The decode compiles stay within the buckets the steps needed, plus the start-up set."""
-    blocking_tokens, blocking_shapes, _ = run(params, bucketed=True, kernel="reference", wise_config=wise_config,
+    blocking_tokens, blocking_shapes, _ = run(params, bucketed=True, attention_backend="reference", wise_config=wise_config,
                                               background_compile=False)
     llm = wise_jax.LLM(params, CONFIG, wise_config=wise_config, num_pages=64, page_size=PAGE, max_num_seqs=4,
-                       max_model_len=512, kernel="reference", background_compile=True)
+                       max_model_len=512, attention_backend="reference", background_compile=True)
     llm.wait_compiles()   # the start-up set: decode at (4 rows, 16 pages) and (1 row, each width) of the default variant
     startup = {(4, 16)} | {(1, w) for w in llm.widths}
     assert llm.stats().step_programs == len(startup)
@@ -162,9 +162,9 @@ def test_prefill_and_first_tokens_in_larger_buckets_give_the_same_tokens(params,
     bucket. (On a GPU the engine met this while a step's own program compiled in the background:
     a one-chunk step in the 16-row prefill program passed 16 rows of logits to the 1-row
     first-token program and failed.)"""
-    want, _, _ = run(params, bucketed=True, kernel="reference", max_num_batched_tokens=chunk_budget)
+    want, _, _ = run(params, bucketed=True, attention_backend="reference", max_num_batched_tokens=chunk_budget)
     llm = wise_jax.LLM(params, CONFIG, num_pages=64, page_size=PAGE, max_num_seqs=4, max_model_len=512,
-                       kernel="reference", max_num_batched_tokens=chunk_budget)
+                       attention_backend="reference", max_num_batched_tokens=chunk_budget)
     run_in_larger_buckets(llm.prefill_programs,
                           lambda s: (s[0] + 2, s[1], min(2 * s[2], llm.max_pages)))   # (rows, tokens, width)
     run_in_larger_buckets(llm.first_programs, lambda s: (s[0] + 3,))
@@ -181,10 +181,10 @@ def test_a_long_prompts_later_chunks_never_wait_for_a_compile_after_the_start_up
     of their own lengths compiling in the background), so no step waits, and the tokens are an
     engine's compiling every program on the step path."""
     lengths, budgets = [300, 40], [6, 5]
-    want, _, _ = run(params, bucketed=True, kernel="reference", lengths=lengths, budgets=budgets,
+    want, _, _ = run(params, bucketed=True, attention_backend="reference", lengths=lengths, budgets=budgets,
                      max_num_batched_tokens=64, background_compile=False)
     llm = wise_jax.LLM(params, CONFIG, num_pages=64, page_size=PAGE, max_num_seqs=4, max_model_len=512,
-                       kernel="reference", max_num_batched_tokens=64, background_compile=True)
+                       attention_backend="reference", max_num_batched_tokens=64, background_compile=True)
     llm.wait_compiles()
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, n).tolist() for n in lengths]

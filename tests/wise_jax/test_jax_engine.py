@@ -15,7 +15,7 @@ from cases import prompts_of
 
 CONFIG = PRESETS["test-tiny"]
 PAGE = 32
-WISE = WiseConfig(eta=0.5, kernel="reference")
+WISE = WiseConfig(eta=0.5)
 MODES = pytest.mark.parametrize("wise_config", [None, WISE], ids=["dense", "wise"])
 
 
@@ -26,11 +26,11 @@ def params():
 
 def alone(params, prompt, n, wise_config, **kw):
     return wise_jax.generate(params, CONFIG, [prompt], max_new_tokens=n, eos_token_id=None, page_size=PAGE,
-                             wise_config=wise_config, kernel="reference", **kw)
+                             wise_config=wise_config, attention_backend="reference", **kw)
 
 
 def engine(params, wise_config=None, **kw):
-    kw = {"num_pages": 64, "page_size": PAGE, "max_num_seqs": 8, "max_model_len": 256, "kernel": "reference", **kw}
+    kw = {"num_pages": 64, "page_size": PAGE, "max_num_seqs": 8, "max_model_len": 256, "attention_backend": "reference", **kw}
     return wise_jax.LLM(params, CONFIG, wise_config=wise_config, **kw)
 
 

@@ -80,7 +80,7 @@ def test_wise_selects_sparse_support(wise, dense):
 
 
 def test_pallas_kernel_in_generate_matches_reference(params, prompts, wise):
-    pallas = _run(params, prompts, wise_config=WiseConfig(eta=0.5, kernel="pallas"))  # interpreted on CPU
+    pallas = _run(params, prompts, wise_config=WiseConfig(eta=0.5))  # interpreted on CPU
     assert pallas.tokens == wise.tokens
     for a, b in zip(pallas.logits, wise.logits):
         diff, bound = rounding.model_difference(a, b, CONFIG, keys=128)   # fp32, other summation order
@@ -120,7 +120,7 @@ def test_stacked_and_unstacked_layers_decode_alike(params, prompts, dense, wise,
 def decode_memory(config, *, rows, max_pages, page_size, kernel, dtype):
     """(cache bytes, aliased bytes, temporary bytes) of the engine's compiled decode step."""
     params = jax.eval_shape(lambda: wise_jax.init_params(config, jax.random.PRNGKey(0), dtype=dtype))
-    wise_config = WiseConfig(kernel=kernel)
+    wise_config = WiseConfig()
     cache = jax.eval_shape(lambda: kvc.create(config, batch=1, max_pages=1, num_pages=rows * max_pages,
                                               page_size=page_size, dtype=dtype))   # the engine's storage
     state = jax.eval_shape(lambda: ws.create(wise_config, slots=rows, layers=config.num_hidden_layers,

@@ -94,14 +94,14 @@ def test_engine_staggered_admissions_with_pallas(gqa, prompts):
     """Three requests through two slots with the Pallas kernel (WISE): each gets the tokens of
     the reference kernel's run alone. fp32 at highest precision."""
     config, params = gqa
-    wise = WiseConfig(eta=0.5, kernel="pallas")
+    wise = WiseConfig(eta=0.5)
     with jax.default_matmul_precision("highest"):
         llm = wise_jax.LLM(params, config, wise_config=wise, page_size=64, max_num_seqs=2, max_model_len=256,
                            num_pages=8)
         outs = llm.generate(prompts, wise_jax.SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
         for prompt, out in zip(prompts, outs):
             alone = wise_jax.generate(params, config, [prompt], max_new_tokens=8, eos_token_id=None, page_size=64,
-                                      wise_config=dataclasses.replace(wise, kernel="reference"))
+                                      wise_config=wise, attention_backend="reference")
             assert out.token_ids == alone.tokens[0]
     assert llm.stats().fallbacks == 0 and llm.stats().free_pages == 8
 
@@ -115,7 +115,7 @@ def test_pallas_generate_agrees_with_reference(gqa, prompts, dtype):
         for kernel in ("reference", "pallas"):
             with jax.default_matmul_precision("highest"):
                 runs[wise, kernel] = wise_jax.generate(params, config, prompts, max_new_tokens=8, page_size=64,
-                                                       wise_config=wise, kernel=kernel, return_logits=True)
+                                                       wise_config=wise, attention_backend=kernel, return_logits=True)
         ref, pal = runs[wise, "reference"], runs[wise, "pallas"]
         name = jnp.dtype(dtype).name
         if dtype == jnp.float32:
@@ -136,10 +136,10 @@ def test_all_blocks_wise_matches_dense(gqa, prompts, kernel):
     tokens must agree."""
     config, params = gqa
     with jax.default_matmul_precision("highest"):
-        dense = wise_jax.generate(params, config, prompts, max_new_tokens=8, page_size=64, kernel=kernel,
+        dense = wise_jax.generate(params, config, prompts, max_new_tokens=8, page_size=64, attention_backend=kernel,
                                   return_logits=True)
         wise = wise_jax.generate(params, config, prompts, max_new_tokens=8, page_size=64, return_logits=True,
-                                 wise_config=WiseConfig(all_blocks=True, kernel=kernel))
+                                 wise_config=WiseConfig(all_blocks=True))
     assert wise.tokens == dense.tokens
     for a, b in zip(wise.logits, dense.logits):
         diff, bound = rounding.model_difference(a, b, config, keys=208)
@@ -151,10 +151,10 @@ def test_ouro_shaped_bf16_generate_long_prefill_and_donated_cache():
     config = dataclasses.replace(PRESETS["ouro-1.4b"], num_hidden_layers=2)  # real widths, vocab, loops
     params = wise_jax.init_params(config, jax.random.PRNGKey(0), dtype=jnp.bfloat16)
     prompts = np.random.default_rng(2).integers(0, config.vocab_size, (4, 300)).tolist()
-    dense = wise_jax.generate(params, config, prompts, max_new_tokens=4, eos_token_id=None, kernel="pallas",
+    dense = wise_jax.generate(params, config, prompts, max_new_tokens=4, eos_token_id=None, attention_backend="pallas",
                               return_logits=True)
     wise = wise_jax.generate(params, config, prompts, max_new_tokens=4, eos_token_id=None,
-                             wise_config=WiseConfig(kernel="pallas"), return_logits=True)
+                             wise_config=WiseConfig(), return_logits=True)
     for out in (dense, wise):
         assert [len(t) for t in out.tokens] == [4] * 4
         assert all(np.isfinite(x).all() for x in out.logits)

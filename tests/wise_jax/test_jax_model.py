@@ -203,7 +203,7 @@ def test_decode_step_scanned_loops_match_straight_line_loops(gqa, mode):
     operations, but XLA may fuse a scan body otherwise than straight-line code)."""
     config, _, params = gqa
     config = dataclasses.replace(config, early_exit_threshold=0.6)
-    wise_config = None if mode == "dense" else WiseConfig(eta=0.5, kernel="reference")
+    wise_config = None if mode == "dense" else WiseConfig(eta=0.5)
     rng = np.random.default_rng(3)
     batch, page_size, max_pages = 4, 32, 4
     runs = {}

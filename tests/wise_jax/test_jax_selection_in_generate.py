@@ -83,7 +83,7 @@ def test_generate_selects_by_the_rule_on_cpu(kernel):
     """test-tiny (2 layers, 4 loops): 3 prompts of 70-100 keys (3-4 blocks), 3 decode steps."""
     config = PRESETS["test-tiny"]
     params = wise_jax.from_checkpoint_tensors(config, random_tensors(config, seed=4, std=0.08))
-    wise = WiseConfig(eta=0.5, kernel=kernel)
+    wise = WiseConfig(eta=0.5)
     with recorded_discoveries() as (calls, kernels):
         out = wise_jax.generate(params, config, _prompts(config.vocab_size, (70, 100, 90)), max_new_tokens=4,
                                 page_size=32, wise_config=wise, eos_token_id=None)
@@ -107,7 +107,7 @@ def _jax_gpu() -> bool:
 def test_generate_selects_by_the_rule_on_gpu(kernel, dtype):
     """The built-in model, 4 prompts of 300-1900 keys, 8 decode steps, eta 0.9."""
     config, params = wise_jax.load_model(DEFAULT_MODEL, dtype=dtype)
-    wise = WiseConfig(eta=0.9, kernel=kernel)
+    wise = WiseConfig(eta=0.9)
     lengths = (300, 1100, 1900, 640)
     with recorded_discoveries() as (calls, kernels):
         out = wise_jax.generate(params, config, _prompts(config.vocab_size, lengths, seed=1), max_new_tokens=9,

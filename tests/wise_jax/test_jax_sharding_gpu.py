@@ -40,7 +40,7 @@ def test_bf16_two_gpus_equal_one_up_to_near_ties(mode):
     prompts = stdlib_prompts(tokenizer, 32, 256)
     assert len(prompts) == 32
     args = dict(max_new_tokens=64, eos_token_id=None, return_logits=True,
-                wise_config=WiseConfig(kernel="pallas") if mode == "wise" else None, kernel="pallas")
+                wise_config=WiseConfig() if mode == "wise" else None, attention_backend="pallas")
     one = wise_jax.generate(params, config, prompts, **args)
     two = wise_jax.generate(params, config, prompts, mesh=wise_jax.make_mesh(2), **args)
     result = compare_runs(config, Generated(one.tokens, one.logits), Generated(two.tokens, two.logits),

@@ -178,7 +178,7 @@ def test_a_context_rule_reads_the_loop_layer_heads_and_rows_of_the_call(cache):
     from wise_core.selection import Custom, SelectionContext
     k, v, table = cache
     rule = Custom(_at_loop_layer_head, "loop-layer-head", context=True)
-    wise = WiseConfig(selection=rule, kernel="reference")
+    wise = WiseConfig(selection=rule)
     lens, tags = jnp.asarray([100, 57], jnp.int32), jnp.asarray([7, 8], jnp.int32)
     state = ws.create(wise, slots=2, layers=2, heads=HEADS, max_blocks=4)
 

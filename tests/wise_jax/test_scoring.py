@@ -40,7 +40,7 @@ def data():
     return contexts, forced, padded
 
 
-@pytest.mark.parametrize("wise_config", [None, WiseConfig(eta=0.5, kernel="reference")], ids=["dense", "wise"])
+@pytest.mark.parametrize("wise_config", [None, WiseConfig(eta=0.5)], ids=["dense", "wise"])
 def test_score_is_teacher_force_bitwise(params, data, wise_config):
     contexts, forced, padded = data
     engine = wise_jax.teacher_force(params, CONFIG, contexts, forced, wise_config=wise_config, page_size=PAGE)
@@ -62,7 +62,7 @@ def test_score_is_teacher_force_bitwise(params, data, wise_config):
         assert density.shape == (FORCED - 1, 2) and ((density > 0) & (density <= 1)).all()
         assert density.min() < 1                                         # eta 0.5 leaves blocks out
         # An equal WiseConfig (a new object) reuses the compiled decode.
-        again = wise_jax.score(params, CONFIG, padded, np.asarray(forced), WiseConfig(eta=0.5, kernel="reference"),
+        again = wise_jax.score(params, CONFIG, padded, np.asarray(forced), WiseConfig(eta=0.5),
                                context_lengths=list(CONTEXTS), page_size=PAGE)
         np.testing.assert_array_equal(np.asarray(again.logprobs), np.asarray(out.logprobs))
     assert scoring.TRACES["score"] == before + 1
@@ -70,7 +70,7 @@ def test_score_is_teacher_force_bitwise(params, data, wise_config):
 
 def test_greedy_gives_the_tokens_of_generate(params, data):
     contexts, _, padded = data
-    wise_config = WiseConfig(eta=0.5, kernel="reference")
+    wise_config = WiseConfig(eta=0.5)
     engine = wise_jax.generate(params, CONFIG, contexts, max_new_tokens=6, eos_token_id=None, wise_config=wise_config,
                                page_size=PAGE)
     out = wise_jax.greedy(params, CONFIG, padded, 6, wise_config, context_lengths=list(CONTEXTS), page_size=PAGE)
@@ -84,7 +84,7 @@ def test_gradients_through_score_are_finite_and_descend(params, data):
     contexts, forced, _ = data
     context, continuation = jnp.asarray(contexts[0][:20]), jnp.asarray(forced[0][:6])
     config = dataclasses.replace(CONFIG, total_ut_steps=2)
-    wise_config = WiseConfig(eta=0.5, discover_depths=(0,), reuse_depths=(1,), kernel="reference")
+    wise_config = WiseConfig(eta=0.5, discover_depths=(0,), reuse_depths=(1,))
 
     def loss(params):
         return -wise_jax.score(params, config, context, continuation, wise_config, page_size=PAGE).logprobs.mean()

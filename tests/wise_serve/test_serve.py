@@ -292,7 +292,7 @@ def test_serve_load_reports_json_markdown_and_png(server, tmp_path):
 
 def test_offline_baseline_on_dummy_weights(tmp_path):
     report = serve_load.main(["--offline", "--model", "test-tiny", "--load-format", "dummy", "--q-scale", "4",
-                              "--wise", "--device", "cpu", "--kernel", "reference", "--num-pages", "8",
+                              "--wise", "--device", "cpu", "--attention-backend", "reference", "--num-pages", "8",
                               "--page-size", "32", "--max-model-len", "64", "--max-num-seqs", "4",
                               "--num-requests", "6", "--concurrency", "4", "--warmup-requests", "0",
                               "--prompt-len", "20", "--output-len", "5", "--ignore-eos", "--out", str(tmp_path),

@@ -66,7 +66,8 @@ def test_speculative_engine_streams_one_chunk_per_token_with_dense_text():
     and the text is dense decode's (lossless speculation; torch only)."""
     import wise_torch as wt
 
-    kw = dict(num_pages=16, page_size=32, max_model_len=128, max_num_seqs=4, kernel="reference", cuda_graphs=False,
+    kw = dict(num_pages=16, page_size=32, max_model_len=128, max_num_seqs=4, attention_backend="reference",
+              cuda_graphs=False,
               device="cpu")
     prompts = ["def add(a, b):\n    return", "    def __init__(self"]
     dense = wt.LLM("ouro-py-3m", **kw).generate(prompts, wt.SamplingParams(max_tokens=24), use_tqdm=False)

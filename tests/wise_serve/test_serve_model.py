@@ -38,8 +38,9 @@ def test_dummy_weights_are_those_of_the_throughput_benchmark():
 
 def test_build_llm_follows_the_flags():
     llm = build_llm(args_of("--model", "test-tiny", "--load-format", "dummy", "--wise", "--eta", "0.8",
-                            "--kernel", "reference", "--cuda-graphs", "off"))
-    assert llm.wise_config.eta == 0.8 and llm.wise_config.kernel == "reference" and llm.tokenizer is None
+                            "--attention-backend", "reference", "--cuda-graphs", "off"))
+    assert llm.wise_config.eta == 0.8 and llm.args.attention_backend == "reference" and llm.tokenizer is None
+    assert llm.attention_plan.kernel == "reference"
     assert (llm.blocks.num_pages, llm.page_size, llm.max_model_len) == (4, 32, 64)
     assert llm.model.head_weight.dtype == torch.float32 and not llm.runner.use_graphs
     assert isinstance(llm, Engine) and llm.args.enable_prefix_caching
@@ -49,9 +50,9 @@ def test_build_llm_jax_follows_the_flags():
     import wise_jax
 
     llm = build_llm(args_of("--backend", "jax", "--model", "test-tiny", "--load-format", "dummy", "--wise", "--eta",
-                            "0.8", "--kernel", "reference", "--no-enable-prefix-caching"))
+                            "0.8", "--attention-backend", "reference", "--no-enable-prefix-caching"))
     assert isinstance(llm, wise_jax.LLM) and isinstance(llm, Engine)
-    assert llm.wise_config.eta == 0.8 and llm.wise_config.kernel == "reference" and llm.get_tokenizer() is None
+    assert llm.wise_config.eta == 0.8 and llm.kernel == "reference" and llm.get_tokenizer() is None
     assert (llm.stats().total_pages, llm.page_size, llm.max_model_len) == (4, 32, 64)
     assert llm.cache.k.dtype == "float32" and not llm.args.enable_prefix_caching
     [out] = llm.generate([[1, 2, 3]], wise_jax.SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
@@ -67,7 +68,7 @@ def test_a_jax_server_compiles_ahead_so_its_first_requests_never_wait_for_a_comp
 
     blocked = {}
     for ahead in ("--compile-ahead", "--no-compile-ahead"):
-        llm = build_llm(args_of("--backend", "jax", "--model", "test-tiny", "--load-format", "dummy", "--kernel",
+        llm = build_llm(args_of("--backend", "jax", "--model", "test-tiny", "--load-format", "dummy", "--attention-backend",
                                 "reference", ahead))
         for prompt in ([1, 2, 3], list(range(1, 41))):      # one page, then two
             llm.generate([prompt], wise_jax.SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -84,7 +85,7 @@ def test_compile_ahead_is_refused_with_torch():
 @pytest.mark.parametrize("argv, message", [
     (("--speculative", "wise"), "--speculative is a torch engine feature"),
     (("--cuda-graphs", "off"), "--cuda-graphs is a torch engine feature"),
-    (("--kernel", "triton"), "--kernel triton is not a jax kernel"),
+    (("--attention-backend", "triton"), "--attention-backend triton is not one of the jax engine's"),
 ])
 def test_torch_only_flags_are_refused_with_jax(argv, message):
     with pytest.raises(ValueError, match=message):
@@ -110,7 +111,8 @@ REFUSED = [
     ("torch", {"mesh": None}, "mesh is an option of the jax engine; the torch engine does not take it"),
     ("torch", {"num_page": 4}, "unknown engine option 'num_page' for the torch engine"),
     ("jax", {"dtype": "int8"}, "dtype 'int8' is not one an engine loads"),
-    ("torch", {"kernel": "pallas"}, "kernel 'pallas' is not a torch kernel"),
+    ("torch", {"attention_backend": "pallas"}, "attention_backend 'pallas' is not one of the torch engine's"),
+    ("torch", {"prefill_attention": "fa4"}, "unknown engine option 'prefill_attention' for the torch engine"),
 ]
 
 
@@ -149,7 +151,7 @@ def test_the_backend_options_are_the_engines_own_arguments():
     (("--load-format", "dummy"), "--load-format dummy needs --model to be a preset"),
     (("--q-scale", "4"), "--q-scale applies to --load-format dummy only"),
     (("--model", "no-such-model"), "unknown model 'no-such-model'"),
-    (("--kernel", "pallas"), "--kernel pallas is not a torch kernel"),
+    (("--attention-backend", "pallas"), "--attention-backend pallas is not one of the torch engine's"),
 ])
 def test_bad_flags_are_named(argv, message):
     with pytest.raises(ValueError, match=message):
@@ -158,7 +160,7 @@ def test_bad_flags_are_named(argv, message):
 
 def test_speculative_flags():
     llm = build_llm(args_of("--model", "test-tiny", "--load-format", "dummy", "--speculative", "wise",
-                            "--num-draft", "3", "--eta", "0.9", "--kernel", "reference"))
+                            "--num-draft", "3", "--eta", "0.9", "--attention-backend", "reference"))
     assert llm.speculator.config.num_draft == 3 and llm.wise_config.eta == 0.9
     for argv, message in ((("--speculative", "loops", "--wise"), "--speculative loops decodes densely"),
                           (("--num-draft", "2"), "--num-draft and --draft-loops need --speculative")):

@@ -17,7 +17,7 @@ from wise_core.wise_config import WiseConfig
 from wise_torch.huginn import huginn_from_tensors
 from wise_torch.wise_state import WiseState
 
-ALL_BLOCKS = WiseConfig(block_size=16, discover_depths=(0, 1), reuse_depths=(3,), kernel="reference", all_blocks=True)
+ALL_BLOCKS = WiseConfig(block_size=16, discover_depths=(0, 1), reuse_depths=(3,), all_blocks=True)
 
 
 @pytest.fixture(scope="module")

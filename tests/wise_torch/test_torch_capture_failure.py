@@ -120,7 +120,7 @@ def fail_steps_in(model, fake: FakeCuda, phase: str, monkeypatch) -> None:
 def run(model, *, graphs: bool, wise_config=None, speculative_config=None):
     """The requests' tokens and kept logits, and the engine, eager or with (fake) CUDA graphs."""
     llm = wt.LLM(model, wise_config=wise_config, speculative_config=speculative_config, num_pages=64,
-                 page_size=32, max_num_seqs=4, max_model_len=512, kernel="reference", cuda_graphs=False)
+                 page_size=32, max_num_seqs=4, max_model_len=512, attention_backend="reference", cuda_graphs=False)
     llm.runner.use_graphs = graphs   # as on a CUDA device
     prompts = prompts_of(LENGTHS, model.config.vocab_size)
     keep = speculative_config is None   # speculation keeps no logits

@@ -28,10 +28,10 @@ def model():
     return wt.from_tensors(config, random_tensors(config, seed=0, std=0.08))
 
 
-def run(model, *, bucketed: bool, kernel: str, wise_config=None, speculative_config=None):
+def run(model, *, bucketed: bool, attention_backend: str, wise_config=None, speculative_config=None):
     """Every request's tokens, and the (batch bucket, width) of every decode step."""
     llm = wt.LLM(model, wise_config=wise_config, num_pages=64, page_size=32, max_num_seqs=4, max_model_len=512,
-                 kernel=kernel, speculative_config=speculative_config)
+                 attention_backend=attention_backend, speculative_config=speculative_config)
     runner = llm.runner
     if not bucketed:
         runner.widths = [runner.max_pages]
@@ -61,8 +61,8 @@ KERNELS = ["reference", pytest.param("triton", marks=pytest.mark.skipif(
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("wise_config", [None, WiseConfig(eta=0.5)], ids=["dense", "wise"])
 def test_bucketed_decode_gives_the_unbucketed_tokens(model, kernel, wise_config):
-    tokens, steps, llm = run(model, bucketed=True, kernel=kernel, wise_config=wise_config)
-    want, wide, _ = run(model, bucketed=False, kernel=kernel, wise_config=wise_config)
+    tokens, steps, llm = run(model, bucketed=True, attention_backend=kernel, wise_config=wise_config)
+    want, wide, _ = run(model, bucketed=False, attention_backend=kernel, wise_config=wise_config)
     assert tokens == want
     assert {w for _, w, _ in wide} == {16}
     # Each step runs at the smallest rung holding its longest row; here at 1, 2, 4 and 8 pages.
@@ -82,7 +82,7 @@ def test_a_row_crossing_a_rung_keeps_its_tokens(model):
     outs = {}
     for bucketed in (True, False):
         llm = wt.LLM(model, wise_config=wise, num_pages=16, page_size=32, max_num_seqs=2, max_model_len=1024,
-                     kernel="reference")
+                     attention_backend="reference")
         if not bucketed:
             llm.runner.widths = [llm.runner.max_pages]
         widths, forward = [], llm.runner._forward
@@ -96,9 +96,9 @@ def test_a_row_crossing_a_rung_keeps_its_tokens(model):
 
 def test_speculative_rounds_bucketed_give_the_unbucketed_tokens(model):
     spec = SpeculativeConfig("wise", num_draft=3)
-    tokens, _, llm = run(model, bucketed=True, kernel="reference", wise_config=WiseConfig(eta=0.5),
+    tokens, _, llm = run(model, bucketed=True, attention_backend="reference", wise_config=WiseConfig(eta=0.5),
                          speculative_config=spec)
-    want, _, _ = run(model, bucketed=False, kernel="reference", wise_config=WiseConfig(eta=0.5),
+    want, _, _ = run(model, bucketed=False, attention_backend="reference", wise_config=WiseConfig(eta=0.5),
                      speculative_config=spec)
     assert tokens == want
     assert llm.stats().spec_rounds > 0

@@ -12,6 +12,7 @@ from wise_core.checkpoint import random_tensors
 from wise_core.presets import PRESETS
 from wise_core.speculative_config import SpeculativeConfig
 from wise_core.wise_config import WiseConfig
+from wise_torch.attention import AttentionPlan
 from wise_torch.engine.sampler import sample
 from cases import prompts_of
 
@@ -21,13 +22,14 @@ def model():
     return wt.from_tensors(config, random_tensors(config, seed=0, std=0.08))
 
 
-def engine(model, wise_config=None, **kw):
-    kw = {"num_pages": 64, "page_size": 32, "max_num_seqs": 8, "max_model_len": 256, "kernel": "reference", **kw}
-    return wt.LLM(model, wise_config=wise_config, **kw)
+def engine(model, wise_config=None, build=wt.LLM, **kw):
+    kw = {"num_pages": 64, "page_size": 32, "max_num_seqs": 8, "max_model_len": 256, "attention_backend": "reference",
+          **kw}
+    return build(model, wise_config=wise_config, **kw)
 
 
 def test_step_outputs_stop_tokens_logprobs_and_text():
-    llm = wt.LLM("random-tiny", num_pages=16, page_size=32, max_num_seqs=2, kernel="reference")
+    llm = wt.LLM("random-tiny", num_pages=16, page_size=32, max_num_seqs=2, attention_backend="reference")
     a = llm.add_request("hello", wt.SamplingParams(max_tokens=5, ignore_eos=True, logprobs=True))
     assert llm.step() == []                                # the prefill runs; its token is read a step later
     first = llm.step()
@@ -98,7 +100,8 @@ def test_bad_inputs_are_named(model):
                       (dict(max_model_len=5000), r"exceeds the model's max_position_embeddings \(1024\)"),
                       (dict(cuda_graphs=True), "cuda_graphs=True needs the model on a CUDA device"),
                       (dict(cuda_graphs="yes"), "cuda_graphs must be True, False or 'auto'"),
-                      (dict(kernel="pallas"), "'pallas' is not available in wise_torch")):
+                      (dict(attention_backend="pallas"), "'pallas' is not one of wise_torch's"),
+                      (dict(attention_backend="flash"), "attention_backend must be one of")):
         with pytest.raises(ValueError, match=match):
             engine(model, **kw)
     with pytest.raises(TypeError, match="wise_config must be a WiseConfig"):
@@ -109,20 +112,26 @@ def test_bad_inputs_are_named(model):
 
 def test_fp8_pools_refuse_the_paths_that_do_not_read_them_and_run_the_reference_prefill(model):
     """kv_cache_dtype="fp8" (tests/wise_core/engine/test_engine_fp8.py runs it in both engines):
-    torch's fast paths that do not read fp8 pages yet are refused, each error naming its option;
-    prefill_attention "auto" resolves to SDPA, and the packed "reference" prefill reads the pages
-    dequantized, giving the tokens of the numpy reference over an fp8 cache."""
-    for kw, option in ((dict(prefill_attention="fa4"), "prefill_attention='fa4'"),
-                       (dict(dense_decode="fa4"), "dense_decode='fa4'"),
-                       (dict(wise_config=WiseConfig(kernel="reference"), wise_decode="fa4-union"),
-                        "wise_decode='fa4-union'"),
-                       (dict(wise_config=WiseConfig(kernel="reference"), wise_decode="reference-union"),
-                        "wise_decode='reference-union'"),
-                       (dict(speculative_config=SpeculativeConfig()), "speculative decoding")):
+    torch's fast paths that do not read fp8 pages yet are refused, each error naming its option
+    (the attention backends, and the arms a benchmark sets through `torch_engine_with`);
+    attention_backend "auto" resolves to the reference (SDPA prefill), and the packed "reference"
+    prefill reads the pages dequantized, giving the tokens of the numpy reference over an fp8
+    cache."""
+    from benchmarks.engine.arms import torch_engine_with
+    for build, kw, option in (
+            (wt.LLM, dict(attention_backend="fa4"), "attention_backend='fa4'"),
+            (wt.LLM, dict(attention_backend="triton"), "attention_backend='triton'"),
+            (torch_engine_with(prefill="fa4"), {}, "prefill='fa4'"),
+            (torch_engine_with(dense_decode="fa4"), {}, "dense_decode='fa4'"),
+            (torch_engine_with(wise_decode="fa4-union"), dict(wise_config=WiseConfig()), "wise_decode='fa4-union'"),
+            (torch_engine_with(wise_decode="reference-union"), dict(wise_config=WiseConfig()),
+             "wise_decode='reference-union'"),
+            (wt.LLM, dict(speculative_config=SpeculativeConfig()), "speculative decoding")):
         with pytest.raises(ValueError, match=rf"{option}.* does not read kv_cache_dtype='fp8' pages yet"):
-            engine(model, kv_cache_dtype="fp8", **kw)
-    assert engine(model, kv_cache_dtype="fp8").runner.prefill_attention == "sdpa"
-    llm = engine(model, kv_cache_dtype="fp8", prefill_attention="reference", max_num_batched_tokens=64)
+            engine(model, kv_cache_dtype="fp8", build=build, **kw)
+    fp8 = engine(model, kv_cache_dtype="fp8", attention_backend="auto")
+    assert fp8.attention_plan == AttentionPlan("reference", "sdpa") and fp8.runner.prefill_attention == "sdpa"
+    llm = engine(model, kv_cache_dtype="fp8", build=torch_engine_with(prefill="reference"), max_num_batched_tokens=64)
     prompts = prompts_of([70, 9], model.config.vocab_size, seed=3)     # 70: two chunks, the second over pages
     outs = llm.generate(prompts, wt.SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
     tensors = random_tensors(model.config, seed=0, std=0.08)

@@ -16,7 +16,7 @@ from wise_torch import LLM, from_tensors, generate
 def test_generate_runs_huginn_at_total_ut_steps():
     model = from_tensors(TINY, random_tensors(TINY, seed=1, std=0.08))
     prompt = prompts_of([45], TINY.vocab_size, seed=8)[0]
-    got = generate(model, [prompt], max_new_tokens=6, eos_token_id=None, kernel="reference").tokens[0]
+    got = generate(model, [prompt], max_new_tokens=6, eos_token_id=None, attention_backend="reference").tokens[0]
     assert got == torch_generate(model, [prompt], max_new_tokens=6, num_steps=TINY.total_ut_steps)[0][0]
 
 

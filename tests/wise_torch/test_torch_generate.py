@@ -46,7 +46,7 @@ def test_all_blocks_wise_is_bitwise_dense(model):
     prompts = prompts_of([70, 5, 33], model.config.vocab_size, seed=1)
     dense = wt.generate(model, prompts, max_new_tokens=8, eos_token_id=None, page_size=32, return_logits=True)
     wise = wt.generate(model, prompts, max_new_tokens=8, eos_token_id=None, page_size=32, return_logits=True,
-                       wise_config=WiseConfig(all_blocks=True, kernel="reference"))
+                       wise_config=WiseConfig(all_blocks=True))
     assert wise.tokens == dense.tokens
     assert all(torch.equal(a, b) for a, b in zip(wise.logits, dense.logits))
     assert wise.stats.density == {2: 1.0, 3: 1.0} and wise.stats.fallbacks == 0
@@ -56,10 +56,10 @@ def test_discovery_alone_is_bitwise_dense_and_real_wise_is_sparse(model):
     prompts = prompts_of([100, 66], model.config.vocab_size, seed=2)
     args = dict(max_new_tokens=6, eos_token_id=None, page_size=64, return_logits=True)
     dense = wt.generate(model, prompts, **args)
-    discover_only = wt.generate(model, prompts, wise_config=WiseConfig(reuse_depths=(), kernel="reference"), **args)
+    discover_only = wt.generate(model, prompts, wise_config=WiseConfig(reuse_depths=()), **args)
     assert all(torch.equal(a, b) for a, b in zip(discover_only.logits, dense.logits))
     assert discover_only.stats.density == {} and discover_only.stats.fallbacks == 0
-    wise = wt.generate(model, prompts, wise_config=WiseConfig(eta=0.5, kernel="reference"), **args)
+    wise = wt.generate(model, prompts, wise_config=WiseConfig(eta=0.5), **args)
     assert wise.stats.fallbacks == 0
     assert all(0 < d < 1 for d in wise.stats.density.values())
     assert not all(torch.equal(a, b) for a, b in zip(wise.logits, dense.logits))
@@ -68,7 +68,7 @@ def test_discovery_alone_is_bitwise_dense_and_real_wise_is_sparse(model):
 def test_teacher_force_scores_what_generate_produced(model):
     prompt = prompts_of([45], model.config.vocab_size, seed=3)[0]
     scored = {}
-    for wise_config in (None, WiseConfig(eta=0.8, kernel="reference")):
+    for wise_config in (None, WiseConfig(eta=0.8)):
         gen = wt.generate(model, [prompt], max_new_tokens=7, eos_token_id=None, return_logits=True,
                           wise_config=wise_config)
         forced = wt.teacher_force(model, prompt, gen.tokens[0], wise_config=wise_config)
@@ -95,7 +95,7 @@ def test_triton_kernel_through_generate():
 
     def run(kernel, **wise):
         return wt.generate(model, prompts, max_new_tokens=2, eos_token_id=None, page_size=32, return_logits=True,
-                           kernel=kernel, wise_config=WiseConfig(**wise) if wise else None)
+                           attention_backend=kernel, wise_config=WiseConfig(**wise) if wise else None)
 
     dense_ref, dense_tri = run("reference"), run("triton")
     assert dense_tri.tokens == dense_ref.tokens
@@ -184,7 +184,7 @@ def test_bad_inputs_are_named(byte_model, model):
     with pytest.raises(ConfigError, match="out of range"):
         gen(byte_model, [[1]], max_new_tokens=1, wise_config=WiseConfig(reuse_depths=(5,)))
     with pytest.raises(ValueError, match="'pallas' is not available in wise_torch"):
-        gen(byte_model, [[1]], max_new_tokens=2, wise_config=WiseConfig(kernel="pallas"))
+        gen(byte_model, [[1]], max_new_tokens=2, wise_config=WiseConfig())
     with pytest.raises(ValueError, match="2 contexts but 1 continuations"):
         wt.teacher_force(byte_model, [[1], [2]], [[3]])
     with pytest.raises(ValueError, match=r"continuation_ids\[0\] is empty"):

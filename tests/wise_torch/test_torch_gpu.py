@@ -26,7 +26,7 @@ def gpu_model(name, dtype=torch.float32, std=0.08, **changes):
 def test_paged_decode_matches_forward(kernel):
     model = gpu_model("test-tiny-gqa")
     prompt = prompts_of([150], model.config.vocab_size)[0]
-    llm = wt.LLM(model, num_pages=4, page_size=64, max_num_seqs=1, max_model_len=192, kernel=kernel)
+    llm = wt.LLM(model, num_pages=4, page_size=64, max_num_seqs=1, max_model_len=192, attention_backend=kernel)
     llm.blocks.free.reverse()
     rid = llm.add_request(prompt[:1], wt.SamplingParams(max_tokens=150), forced=prompt[1:] + [0], keep_logits=True)
     seq = llm.sequences[rid]
@@ -42,9 +42,9 @@ def test_generate_triton_against_reference_fp32():
     model = gpu_model("test-tiny")
     prompts = prompts_of([300, 40, 129], model.config.vocab_size, seed=1)
 
-    def run(kernel=None, **wise):
+    def run(kernel="auto", **wise):
         return wt.generate(model, prompts, max_new_tokens=16, eos_token_id=None, return_logits=True,
-                           kernel=kernel, wise_config=WiseConfig(**wise) if wise else None)
+                           attention_backend=kernel, wise_config=WiseConfig(**wise) if wise else None)
 
     dense, dense_tri, dense_ref = run(), run("triton"), run("reference")
     assert all(torch.equal(a, b) for a, b in zip(dense.logits, dense_tri.logits))  # "auto" is Triton on CUDA
@@ -78,7 +78,7 @@ def test_bf16_wise_generation_and_scoring():
     model = gpu_model("test-tiny-gqa", dtype=torch.bfloat16)
     prompts = prompts_of([500, 64], model.config.vocab_size, seed=2)
     out = wt.generate(model, prompts, max_new_tokens=20, eos_token_id=None,
-                      wise_config=WiseConfig(kernel="triton"))
+                      wise_config=WiseConfig())
     assert [len(t) for t in out.tokens] == [20, 20] and out.stats.fallbacks == 0
     context, continuation = prompts[0][:400], prompts[0][400:]
     dense = wt.teacher_force(model, context, continuation)
@@ -127,8 +127,8 @@ def test_wise_triton_tokens_equal_reference_tokens_builtin_fp32():
     prompts = [model.tokenizer.encode(t).ids for t in ("def fib(n):", "import os\nimport sys\n" * 30,
                                                       "class Stack:\n    def push(self, x):")]
     wise_config = WiseConfig(eta=0.95)
-    triton = engine_outputs(model, prompts, wise_config, 64, kernel="triton")
-    reference = engine_outputs(model, prompts, wise_config, 64, kernel="reference")
+    triton = engine_outputs(model, prompts, wise_config, 64, attention_backend="triton")
+    reference = engine_outputs(model, prompts, wise_config, 64, attention_backend="reference")
     assert triton[0] == reference[0]
     for a, b in zip(triton[1], reference[1]):
         diff, bound = rounding.model_difference(a, b, model.config, keys=2048)  # fp32, another summation order

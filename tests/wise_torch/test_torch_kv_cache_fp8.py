@@ -179,11 +179,14 @@ def test_paths_that_do_not_read_fp8_pages_are_refused():
         A.resolve_kernel("triton", "cuda", 64, "fp8")
     assert A.resolve_kernel("auto", "cuda", 64, "fp8") is A.decode_attention_reference   # Triton otherwise
     assert A.auto_kernel("cuda", 64) == "triton" and A.auto_kernel("cuda", 64, "fp8") == "reference"
-    assert A.resolve_prefill_attention("auto", "cuda", torch.bfloat16, "fp8") == ("sdpa", None)
-    with pytest.raises(ValueError, match=r"prefill_attention='fa4' .* does not read kv_cache_dtype='fp8'"):
-        A.resolve_prefill_attention("fa4", "cuda", torch.bfloat16, "fp8")
+    assert A.attention_plan("auto", "cuda", torch.bfloat16, 64, "fp8") == A.AttentionPlan("reference", "sdpa")
+    for backend in ("triton", "fa4"):
+        with pytest.raises(ValueError, match=rf"attention_backend='{backend}' does not read kv_cache_dtype='fp8'"):
+            A.attention_plan(backend, "cuda", torch.bfloat16, 64, "fp8")
+    with pytest.raises(ValueError, match=r"prefill='fa4' .* does not read kv_cache_dtype='fp8'"):
+        A.prefill_function("fa4", "cuda", torch.bfloat16, "fp8")
     with pytest.raises(ValueError, match=r"dense_decode='fa4' .* does not read kv_cache_dtype='fp8'"):
-        A.resolve_dense_decode("fa4", "cuda", torch.bfloat16, "fp8")
+        A.dense_decode_function("fa4", "cuda", torch.bfloat16, "fp8")
     for arm in ("fa4-union", "reference-union"):
         with pytest.raises(ValueError, match=rf"wise_decode='{arm}' .* does not read kv_cache_dtype='fp8'"):
             resolve_wise_decode(arm, "cuda", torch.bfloat16, None, "fp8")

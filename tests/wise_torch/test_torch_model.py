@@ -184,7 +184,7 @@ def forced_logits(model, prompts, page_size, max_num_batched_tokens=8192, shuffl
     through the engine's decode steps (pages taken from a shuffled free list)."""
     lens = [len(p) for p in prompts]
     llm = wt.LLM(model, num_pages=sum(-(-n // page_size) for n in lens) + 2, page_size=page_size,
-                 max_num_seqs=len(prompts), max_model_len=max(lens) + 1, kernel="reference",
+                 max_num_seqs=len(prompts), max_model_len=max(lens) + 1, attention_backend="reference",
                  max_num_batched_tokens=max_num_batched_tokens)
     if shuffle_seed is not None:
         random.Random(shuffle_seed).shuffle(llm.blocks.free)
@@ -217,7 +217,7 @@ def test_chunked_prefill_matches_full_sequence_forward():
     prompts = [torch.randint(0, 384, (n,), generator=g).tolist() for n in (5, 40, 33, 90)]
     with torch.inference_mode():
         for budget in (7, 32, 8192):  # chunks of at most `budget` prompt tokens per step
-            llm = wt.LLM(model, num_pages=16, page_size=32, max_num_seqs=4, max_model_len=128, kernel="reference",
+            llm = wt.LLM(model, num_pages=16, page_size=32, max_num_seqs=4, max_model_len=128, attention_backend="reference",
                          max_num_batched_tokens=budget)
             random.Random(budget).shuffle(llm.blocks.free)
             ids = [llm.add_request(p, wt.SamplingParams(max_tokens=2), forced=[7, 8], keep_logits=True)

@@ -1,9 +1,9 @@
 """Packed varlen prefill over the paged pool (wise_torch): the step's chunks as `VarlenPrefill`
 metadata (hand-computed values), the plain-torch varlen attention against one SDPA per
 request, the FlashAttention-4 calls' arguments (prefill, and the dense decode arm) through a
-stand-in `flash_attn.cute` (FA4 itself runs only in the `gpu` tests, on an H200), the choice of
-prefill attention ("auto" / "sdpa" / "fa4" / "reference") and of dense decode, and their
-fallback, and the engine's tokens with the packed path equal to grouped SDPA's (chunked and
+stand-in `flash_attn.cute` (FA4 itself runs only in the `gpu` tests, on an H200), what each
+attention_backend runs in prefill and dense decode (`attention_plan`) and its fallback, and the
+engine's tokens with the packed path equal to grouped SDPA's (chunked and
 whole prompts, dense and WISE, prefix caching on). CPU, fp32."""
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from wise_core.modes import DENSE
 from wise_core.presets import PRESETS
 from wise_core.sampling_params import SamplingParams
 from wise_core.wise_config import WiseConfig
-from wise_torch.attention import (decode_attention_reference, prefill_attention, prefill_attention_varlen_reference,
-                                  resolve_dense_decode, resolve_prefill_attention)
+from benchmarks.engine.arms import torch_engine_with
+from wise_torch.attention import (AttentionPlan, attention_plan, decode_attention_reference, dense_decode_function,
+                                  prefill_attention, prefill_attention_varlen_reference, prefill_function)
 from wise_torch.engine.model_runner import ModelRunner
 from wise_torch.kernels import fa4
 from wise_torch.kv_cache import VarlenPrefill
@@ -31,7 +32,7 @@ from cases import held_slots
 from fa4_cases import stand_in_fa4
 
 CONFIG = PRESETS["test-tiny-gqa"]
-WISE = WiseConfig(eta=0.5, kernel="reference")
+WISE = WiseConfig(eta=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ def sequence(i, prompt_len, pages):
 
 def runner(model, prefill_attention):
     return ModelRunner(model, wise_config=None, num_pages=12, page_size=16, max_num_seqs=4, max_model_len=64,
-                       use_graphs=False, kernel="reference", seed=0, prefill_attention=prefill_attention)
+                       use_graphs=False, attention=AttentionPlan("reference", prefill_attention), seed=0)
 
 
 def test_runner_packs_a_steps_chunks_and_matches_grouped_sdpa(model):
@@ -182,7 +183,7 @@ def test_fa4_dense_decode_equals_reference_dense_rows(monkeypatch):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("wise_config", [None, WiseConfig(eta=0.5, kernel="reference", discover_depths=(1,),
+@pytest.mark.parametrize("wise_config", [None, WiseConfig(eta=0.5, discover_depths=(1,),
                                                             reuse_depths=(2, 3))], ids=["dense", "wise"])
 def test_engine_dense_decode_through_stand_in_fa4_gives_kernel_tokens(model, monkeypatch, wise_config):
     """Dense decode loops through FA4's paged decode (the stand-in: "fa4" itself needs CUDA)
@@ -196,49 +197,59 @@ def test_engine_dense_decode_through_stand_in_fa4_gives_kernel_tokens(model, mon
 
 
 # -- the choice -------------------------------------------------------------------------------
-def test_resolve_dense_decode(monkeypatch):
+def test_dense_decode_function(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn.cute", stand_in_fa4([]))
-    assert resolve_dense_decode("kernel", "cpu", torch.float32) is None
-    assert resolve_dense_decode("fa4", "cuda", torch.bfloat16) is fa4.decode_attention_dense
+    assert dense_decode_function("kernel", "cpu", torch.float32) is None
+    assert dense_decode_function("fa4", "cuda", torch.bfloat16) is fa4.decode_attention_dense
     with pytest.raises(RuntimeError, match="runs on a CUDA device"):
-        resolve_dense_decode("fa4", "cpu", torch.float32)
-    with pytest.raises(ValueError, match="choose from"):
-        resolve_dense_decode("auto", "cuda", torch.bfloat16)
+        dense_decode_function("fa4", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="is not one of wise_torch's"):
+        dense_decode_function("auto", "cuda", torch.bfloat16)
     monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
     with pytest.raises(RuntimeError, match="dense_decode='fa4' needs FlashAttention-4 .*flash-attn-4"):
-        resolve_dense_decode("fa4", "cuda", torch.bfloat16)
+        dense_decode_function("fa4", "cuda", torch.bfloat16)
 
 
-def test_resolve_prefill_attention(monkeypatch):
+def test_attention_plan_and_prefill_function(monkeypatch):
+    """What each attention_backend runs (docs/attention.md's table), FA4 importable (the stand-in)."""
     monkeypatch.setitem(sys.modules, "flash_attn.cute", stand_in_fa4([]))
-    assert resolve_prefill_attention("sdpa", "cuda", torch.bfloat16) == ("sdpa", None)
-    assert resolve_prefill_attention("reference", "cpu", torch.float32) == (
-        "reference", prefill_attention_varlen_reference)
-    assert resolve_prefill_attention("auto", "cuda", torch.bfloat16) == ("fa4", fa4.prefill_attention_varlen)
-    assert resolve_prefill_attention("fa4", "cuda", torch.float16) == ("fa4", fa4.prefill_attention_varlen)
-    assert resolve_prefill_attention("auto", "cpu", torch.bfloat16) == ("sdpa", None)      # FA4 needs CUDA
-    assert resolve_prefill_attention("auto", "cuda", torch.float32) == ("sdpa", None)      # ... and fp16/bf16
+    assert attention_plan("auto", "cuda", torch.bfloat16, 64) == AttentionPlan("triton", "fa4")
+    assert attention_plan("auto", "cuda", torch.bfloat16, 40) == AttentionPlan("reference", "fa4")  # Triton: 16k
+    assert attention_plan("auto", "cpu", torch.bfloat16, 64) == AttentionPlan("reference", "sdpa")   # FA4 needs CUDA
+    assert attention_plan("auto", "cuda", torch.float32, 64) == AttentionPlan("triton", "sdpa")      # ... and fp16/bf16
+    assert attention_plan("fa4", "cuda", torch.float16, 64) == AttentionPlan("triton", "fa4", dense_decode="fa4")
+    assert attention_plan("triton", "cpu", torch.float32, 64) == AttentionPlan("triton", "sdpa")
+    assert attention_plan("reference", "cuda", torch.bfloat16, 64) == AttentionPlan("reference", "sdpa")
+    with pytest.raises(RuntimeError, match="attention_backend='fa4' runs on a CUDA device in float16 or bfloat16"):
+        attention_plan("fa4", "cpu", torch.bfloat16, 64)
+    with pytest.raises(ValueError, match="is not one of wise_torch's"):
+        attention_plan("pallas", "cuda", torch.bfloat16, 64)
+    assert prefill_function("sdpa", "cuda", torch.bfloat16) is None
+    assert prefill_function("reference", "cpu", torch.float32) is prefill_attention_varlen_reference
+    assert prefill_function("fa4", "cuda", torch.float16) is fa4.prefill_attention_varlen
     with pytest.raises(RuntimeError, match="runs on a CUDA device in float16 or bfloat16"):
-        resolve_prefill_attention("fa4", "cpu", torch.bfloat16)
-    with pytest.raises(ValueError, match="choose from"):
-        resolve_prefill_attention("flash", "cuda", torch.bfloat16)
+        prefill_function("fa4", "cpu", torch.bfloat16)
+    with pytest.raises(ValueError, match="is not one of wise_torch's"):
+        prefill_function("flash", "cuda", torch.bfloat16)
 
 
 def test_without_fa4_auto_falls_back_and_fa4_names_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn.cute", None)    # import raises ImportError
     assert fa4.import_error() is not None
-    assert resolve_prefill_attention("auto", "cuda", torch.bfloat16) == ("sdpa", None)
+    assert attention_plan("auto", "cuda", torch.bfloat16, 64) == AttentionPlan("triton", "sdpa")
     with pytest.raises(RuntimeError, match="flash-attn-4"):
-        resolve_prefill_attention("fa4", "cuda", torch.bfloat16)
+        attention_plan("fa4", "cuda", torch.bfloat16, 64)
 
 
 def test_engine_records_its_prefill_attention(model):
     import wise_torch
-    kw = dict(num_pages=16, page_size=32, max_num_seqs=2, max_model_len=128, kernel="reference")
+    kw = dict(num_pages=16, page_size=32, max_num_seqs=2, max_model_len=128)
+    assert wise_torch.LLM(model, attention_backend="reference", **kw).stats().prefill_attention == "sdpa"
     assert wise_torch.LLM(model, **kw).stats().prefill_attention == "sdpa"     # "auto" on a CPU
-    assert wise_torch.LLM(model, prefill_attention="reference", **kw).stats().prefill_attention == "reference"
+    packed = torch_engine_with(prefill="reference")(model, attention_backend="reference", **kw)
+    assert packed.stats().prefill_attention == "reference"
     with pytest.raises(RuntimeError, match="CUDA device"):
-        wise_torch.LLM(model, prefill_attention="fa4", **kw)
+        wise_torch.LLM(model, attention_backend="fa4", **kw)
 
 
 # -- the engine -------------------------------------------------------------------------------
@@ -252,9 +263,9 @@ def shared_prompts(n=5, common=75, seed=0):
 
 def run(model, prompts, prefill_attention, wise_config, swap=None, swap_decode=None, **kw):
     """Greedy tokens of each prompt, in two waves (the second finds the first's prefix cached)."""
-    import wise_torch
-    llm = wise_torch.LLM(model, prefill_attention=prefill_attention, wise_config=wise_config, num_pages=64,
-                         page_size=32, max_num_seqs=4, max_model_len=256, kernel="reference", **kw)
+    llm = torch_engine_with(prefill=prefill_attention)(model, wise_config=wise_config, num_pages=64, page_size=32,
+                                                       max_num_seqs=4, max_model_len=256,
+                                                       attention_backend="reference", **kw)
     if swap is not None:
         llm.runner.prefill_fn = swap
     if swap_decode is not None:
@@ -322,9 +333,9 @@ def test_engine_fa4_prefill_gives_sdpa_tokens_on_gpu(budget):
     g = np.random.default_rng(0)
     prompts = [g.integers(0, model.config.vocab_size, n).tolist() for n in (300, 129, 700, 77)]
 
-    def run(arm):
-        llm = wise_torch.LLM(model, prefill_attention=arm, num_pages=64, page_size=128, max_num_seqs=4,
-                             max_model_len=1024, max_num_batched_tokens=budget, kernel="triton")
+    def run(arm):   # "auto" runs FA4 prefill where it imports, "triton" SDPA; both the Triton decode kernel
+        llm = wise_torch.LLM(model, num_pages=64, page_size=128, max_num_seqs=4, max_model_len=1024,
+                             max_num_batched_tokens=budget, attention_backend="auto" if arm == "fa4" else "triton")
         assert llm.stats().prefill_attention == arm
         ids = [llm.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True), keep_logits=True) for p in prompts]
         seqs = [llm.sequences[i] for i in ids]
@@ -355,9 +366,9 @@ def test_engine_fa4_dense_decode_gives_triton_tokens_on_gpu():
     g = np.random.default_rng(1)
     prompts = [g.integers(0, model.config.vocab_size, n).tolist() for n in (300, 129, 700, 77)]
 
-    def run_decode(dense_decode):
-        llm = wise_torch.LLM(model, dense_decode=dense_decode, num_pages=64, page_size=128, max_num_seqs=4,
-                             max_model_len=1024, kernel="triton", prefill_attention="sdpa")
+    def run_decode(dense_decode):   # SDPA prefill either way
+        llm = torch_engine_with(dense_decode=dense_decode)(model, num_pages=64, page_size=128, max_num_seqs=4,
+                                                           max_model_len=1024, attention_backend="triton")
         ids = [llm.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in prompts]
         out = {o.request_id: o.token_ids for o in llm.run_until_done(ids)}
         assert llm.runner.use_graphs and llm.runner.graphs

@@ -23,7 +23,7 @@ from wise_core.wise_config import WiseConfig
 from wise_torch.model import SequenceContext
 from cases import prompts_of
 
-WISE = WiseConfig(eta=0.5, kernel="reference")
+WISE = WiseConfig(eta=0.5)
 SPECS = {"wise": (wt.SpeculativeConfig("wise", num_draft=3), WISE),
          "wise-sparse": (wt.SpeculativeConfig("wise", num_draft=3, sparse_discovery=True), WISE),
          "loops": (wt.SpeculativeConfig("loops", num_draft=3, draft_loops=2), None)}
@@ -45,7 +45,7 @@ def model():
 
 
 def engine(model, spec=None, **kw):
-    kw = {"num_pages": 64, "page_size": 32, "max_num_seqs": 8, "max_model_len": 256, "kernel": "reference", **kw}
+    kw = {"num_pages": 64, "page_size": 32, "max_num_seqs": 8, "max_model_len": 256, "attention_backend": "reference", **kw}
     config, wise = SPECS[spec] if spec else (None, None)
     return wt.LLM(model, wise_config=wise, speculative_config=config, **kw)
 
@@ -98,8 +98,8 @@ def test_greedy_equals_dense_with_requests_joining_between_steps(model, spec):
 def test_wise_draft_of_every_block_is_dense_and_always_accepted(model):
     prompts = prompts_of([40, 70], model.config.vocab_size, seed=4)
     params = wt.SamplingParams(max_tokens=12, ignore_eos=True)
-    llm = wt.LLM(model, wise_config=WiseConfig(all_blocks=True, kernel="reference"), num_pages=16, page_size=32,
-                 max_num_seqs=2, kernel="reference", speculative_config=wt.SpeculativeConfig("wise", num_draft=4))
+    llm = wt.LLM(model, wise_config=WiseConfig(all_blocks=True), num_pages=16, page_size=32,
+                 max_num_seqs=2, attention_backend="reference", speculative_config=wt.SpeculativeConfig("wise", num_draft=4))
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == dense_tokens(model, prompts, params)
     s = check_stats(llm, expect_rejections=False)
@@ -238,9 +238,9 @@ def test_sampling_keeps_the_dense_distribution(spec):
     model = damped_model(config, seed=1, head_scale=3.0, damp=0.1 if spec == "loops" else 0.3)
     prompt, new, temperature, n = [1, 2, 3, 0, 1], 4, 0.8, 4000
     spec_config, wise = (wt.SpeculativeConfig("loops", num_draft=2, draft_loops=1), None) if spec == "loops" else (
-        wt.SpeculativeConfig("wise", num_draft=2), WiseConfig(eta=0.3, block_size=4, kernel="reference"))
+        wt.SpeculativeConfig("wise", num_draft=2), WiseConfig(eta=0.3, block_size=4))
     llm = wt.LLM(model, wise_config=wise, speculative_config=spec_config, num_pages=256, page_size=32,
-                 max_num_seqs=256, max_model_len=32, kernel="reference", seed=0)
+                 max_num_seqs=256, max_model_len=32, attention_backend="reference", seed=0)
     params = [wt.SamplingParams(max_tokens=new, temperature=temperature, ignore_eos=True,
                                 seed=i if i % 2 else None) for i in range(n)]
     outs = llm.generate([prompt] * n, params, use_tqdm=False)
@@ -402,7 +402,7 @@ def test_set_acceptance_accepts_the_seeded_bernoulli_prefix(model, spec):
     for rate, seed in ((0.5, 7), (0.0, 1), (1.0, 2)):
         set_config = dataclasses.replace(config, accept_rate=rate, accept_seed=seed)
         llm = wt.LLM(model, wise_config=wise, speculative_config=set_config, num_pages=64, page_size=32,
-                     max_num_seqs=8, max_model_len=256, kernel="reference")
+                     max_num_seqs=8, max_model_len=256, attention_backend="reference")
         [out] = llm.generate([prompt], params, use_tqdm=False)
         s = llm.stats()
         assert len(out.token_ids) == new and s.free_pages == s.total_pages and s.running == s.waiting == 0
@@ -446,7 +446,7 @@ def test_adaptive_drafting_equals_dense_and_follows_the_acceptance(model, spec):
     config, wise = SPECS[spec]
     adaptive = dataclasses.replace(config, adaptive=True)
     llm = wt.LLM(model, wise_config=wise, speculative_config=adaptive, num_pages=64, page_size=32, max_num_seqs=8,
-                 max_model_len=256, kernel="reference")
+                 max_model_len=256, attention_backend="reference")
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == dense_tokens(model, prompts, params)
     check_stats(llm, expect_rejections=False)
@@ -454,7 +454,7 @@ def test_adaptive_drafting_equals_dense_and_follows_the_acceptance(model, spec):
     per_round = {}
     for rate in (0.0, 1.0):
         set_llm = wt.LLM(model, wise_config=wise, speculative_config=dataclasses.replace(adaptive, accept_rate=rate),
-                         num_pages=64, page_size=32, max_num_seqs=8, max_model_len=256, kernel="reference")
+                         num_pages=64, page_size=32, max_num_seqs=8, max_model_len=256, attention_backend="reference")
         set_llm.generate(prompts, params, use_tqdm=False)
         s = check_stats(set_llm, expect_rejections=False)
         per_round[rate] = s.draft_tokens / s.spec_rounds
@@ -467,13 +467,13 @@ def test_truncated_wise_drafts_equal_dense(model, discover, draft_loops, sparse)
     """A WISE draft of the first draft_loops loops (its reuse loops among them sparse; with
     sparse discovery every loop of a draft token), then the LM head: greedy tokens equal dense;
     verification recomputes from the first reuse depth (sparse discovery: from loop 0)."""
-    wise = WiseConfig(eta=0.5, kernel="reference", discover_depths=discover,
+    wise = WiseConfig(eta=0.5, discover_depths=discover,
                       reuse_depths=tuple(range(len(discover), 4)))
     config = wt.SpeculativeConfig("wise", num_draft=3, draft_loops=draft_loops, sparse_discovery=sparse)
     prompts = prompts_of([40, 70], model.config.vocab_size, seed=9)
     params = wt.SamplingParams(max_tokens=20, ignore_eos=True)
     llm = wt.LLM(model, wise_config=wise, speculative_config=config, num_pages=64, page_size=32, max_num_seqs=8,
-                 max_model_len=256, kernel="reference")
+                 max_model_len=256, attention_backend="reference")
     assert (llm.speculator.depth, llm.speculator.draft_end) == (0 if sparse else len(discover), draft_loops)
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == dense_tokens(model, prompts, params)
     s = check_stats(llm, expect_rejections=False)

@@ -18,7 +18,7 @@ from wise_core.wise_config import WiseConfig
 from wise_torch import parallel
 from cases import prompts_of
 
-WISE = WiseConfig(eta=0.5, kernel="reference")
+WISE = WiseConfig(eta=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def run(llm, prompts, news, join_every=0, abort_preempted=False):
 
 
 def engine(model, wise_config, tp, **kw):
-    kw = {"num_pages": 10, "page_size": 32, "max_num_seqs": 4, "max_model_len": 256, "kernel": "reference",
+    kw = {"num_pages": 10, "page_size": 32, "max_num_seqs": 4, "max_model_len": 256, "attention_backend": "reference",
           "max_num_batched_tokens": 64, "seed": 0, **kw}
     return wt.LLM(model, wise_config=wise_config, tensor_parallel_size=tp, **kw)
 
@@ -93,7 +93,7 @@ def test_two_ranks_give_the_single_device_tokens(model, wise_config):
         assert stats.density == pytest.approx(want_stats.density, abs=1e-3) and 0 < stats.density[2] < 1
 
 
-@pytest.mark.parametrize("wise_config", [None, WiseConfig(kernel="reference")], ids=["dense", "wise"])
+@pytest.mark.parametrize("wise_config", [None, WiseConfig()], ids=["dense", "wise"])
 def test_builtin_model_two_ranks_fp32(wise_config):
     model = wt.load_model("ouro-py-3m")
     texts = ("def fib(n):", "import os\nimport sys\n" * 12, "class Stack:\n    def push(self, x):")

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                  reason="needs two CUDA GPUs")]
 
-MODES = {"dense": None, "wise": WiseConfig(kernel="triton")}
+MODES = {"dense": None, "wise": WiseConfig()}
 
 
 def stdlib_prompts(tokenizer, count, length):

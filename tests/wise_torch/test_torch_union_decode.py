@@ -2,7 +2,8 @@
 compacted page table by hand, reuse rows against the contract's reference over the support
 widened to its page-granular head union, every block selected bitwise the dense call, the
 discovery mass rebuilt from the log-sum-exp against the softmax's block sums, the FA4 call
-through a stand-in `flash_attn.cute`, and the engine's `wise_decode` choice. CPU, fp32."""
+through a stand-in `flash_attn.cute`, and the engine running an arm (`wise_decode`, set through
+the benchmarks' hook `benchmarks.engine.arms.torch_engine_with`). CPU, fp32."""
 
 from __future__ import annotations
 
@@ -223,10 +224,13 @@ def model():
     return wise_torch.from_tensors(CONFIG, random_tensors(CONFIG, seed=0, std=0.08))
 
 
-def engine_tokens(model, wise_config, prompts, **kw):
-    import wise_torch
-    with wise_torch.LLM(model, wise_config=wise_config, num_pages=32, page_size=32, max_num_seqs=3,
-                        max_model_len=192, kernel="reference", **kw) as llm:
+def engine_tokens(model, wise_config, prompts, wise_decode="kernel"):
+    """The engine's greedy tokens and stats, its WISE loops on `wise_decode` (a union arm through
+    the benchmarks' construction hook, `torch_engine_with`)."""
+    from benchmarks.engine.arms import torch_engine_with
+    with torch_engine_with(wise_decode=wise_decode)(model, wise_config=wise_config, num_pages=32, page_size=32,
+                                                    max_num_seqs=3, max_model_len=192,
+                                                    attention_backend="reference") as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
         return [o.token_ids for o in outs], llm.stats()
 
@@ -235,19 +239,19 @@ def test_engine_union_arm_with_every_block_is_dense(model):
     from cases import prompts_of
     prompts = prompts_of([70, 33, 101], CONFIG.vocab_size, seed=3)
     dense, _ = engine_tokens(model, None, prompts)
-    every = WiseConfig(all_blocks=True, kernel="reference")
+    every = WiseConfig(all_blocks=True)
     got, stats = engine_tokens(model, every, prompts, wise_decode="reference-union")
     assert got == dense and stats.wise_decode == "reference-union"
-    peaked = WiseConfig(eta=0.5, kernel="reference")
+    peaked = WiseConfig(eta=0.5)
     _, stats = engine_tokens(model, peaked, prompts, wise_decode="reference-union")   # runs; its own semantics
     assert stats.wise_decode == "reference-union" and engine_tokens(model, peaked, prompts)[1].wise_decode == "kernel"
 
 
 def test_engine_refuses_a_union_arm_without_wise(model):
-    import wise_torch
+    from benchmarks.engine.arms import torch_engine_with
     with pytest.raises(ValueError, match="no wise_config"):
-        wise_torch.LLM(model, num_pages=8, page_size=32, max_num_seqs=1, max_model_len=64,
-                       wise_decode="reference-union")
+        torch_engine_with(wise_decode="reference-union")(model, num_pages=8, page_size=32, max_num_seqs=1,
+                                                         max_model_len=64)
 
 
 # -- on an H200, with FlashAttention-4 ------------------------------------------------------------

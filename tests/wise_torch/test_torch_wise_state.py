@@ -216,7 +216,7 @@ def run(model, cache, wise=None, context=DecodeContext):
 def test_interrupted_discovery_decodes_exactly_dense(prefilled):
     model, cache = prefilled
     config = model.config
-    wise_config = WiseConfig(eta=0.5, kernel="reference")
+    wise_config = WiseConfig(eta=0.5)
     dense = run(model, cache)
     whole = WiseState(wise_config, config, max_rows=1, max_blocks=3)
     sparse = run(model, cache, wise=whole)

@@ -204,8 +204,8 @@ class LLM(LLMEngine):
         self.model, self.wise_config = model, args.wise_config
         self._start(args, num_pages=num_pages, pool_sizing=sizing, max_model_len=max_model_len,
                     tokenizer=model.tokenizer, vocab_size=config.vocab_size, eos_token_id=config.eos_token_id)
-        attention = self._attention_plan(args.attention_backend, weight.device, weight.dtype, config.head_dim,
-                                         args.kv_cache_dtype)
+        self.attention_plan = attention = self._attention_plan(args.attention_backend, weight.device, weight.dtype,
+                                                               config.head_dim, args.kv_cache_dtype)
         settings = dict(wise_config=args.wise_config, num_pages=num_pages, page_size=args.page_size,
                         max_num_seqs=args.max_num_seqs, max_model_len=max_model_len, use_graphs=use_graphs,
                         attention=attention, seed=random.randrange(2 ** 63) if args.seed is None else args.seed,

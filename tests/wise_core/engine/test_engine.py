@@ -17,7 +17,7 @@ from wise_core.wise_config import WiseConfig
 
 CONFIG = PRESETS["test-tiny-gqa"]
 PAGE = 32
-WISE = WiseConfig(eta=0.5, kernel="reference")
+WISE = WiseConfig(eta=0.5)
 MODES = pytest.mark.parametrize("wise_config", [None, WISE], ids=["dense", "wise"])
 
 
@@ -27,7 +27,7 @@ def fw(request):
 
 
 def engine(fw, wise_config=None, **kw):
-    kw = {"num_pages": 64, "page_size": PAGE, "max_num_seqs": 8, "max_model_len": 256, "kernel": "reference", **kw}
+    kw = {"num_pages": 64, "page_size": PAGE, "max_num_seqs": 8, "max_model_len": 256, "attention_backend": "reference", **kw}
     return fw.engine(wise_config=wise_config, **kw)
 
 

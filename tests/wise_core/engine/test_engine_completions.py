@@ -23,12 +23,12 @@ def model(request):
 
 
 def engine(model, **kw):
-    kw = {"num_pages": 32, "page_size": 32, "max_num_seqs": 8, "max_model_len": 160, "kernel": "reference", **kw}
+    kw = {"num_pages": 32, "page_size": 32, "max_num_seqs": 8, "max_model_len": 160, "attention_backend": "reference", **kw}
     return model.engine(**kw)
 
 
 @pytest.mark.parametrize("caching", [True, False], ids=["cache", "no-cache"])
-@pytest.mark.parametrize("wise", [None, WiseConfig(eta=0.9, kernel="reference")], ids=["dense", "wise"])
+@pytest.mark.parametrize("wise", [None, WiseConfig(eta=0.9)], ids=["dense", "wise"])
 def test_seeded_completions_equal_single_requests(model, wise, caching):
     params = SamplingParams(n=3, max_tokens=10, temperature=0.9, seed=11, ignore_eos=True)
     llm = engine(model, wise_config=wise, enable_prefix_caching=caching)

@@ -36,7 +36,7 @@ CONFIG = PRESETS["test-tiny-gqa"]
 TENSORS = random_tensors(CONFIG, seed=5, std=0.08)
 PAGE = 32
 PROMPTS = [(50, 10), (70, 10), (12, 10)]    # (prompt length, new tokens); 70 > max_num_batched_tokens: chunked
-WISE = WiseConfig(eta=0.5, kernel="reference")
+WISE = WiseConfig(eta=0.5)
 MODES = pytest.mark.parametrize("wise_config", [None, WISE], ids=["dense", "wise"])
 FAST_KERNEL = {"jax": "pallas", "torch": "triton"}     # the decode kernel that does not read fp8 pages yet
 
@@ -53,7 +53,7 @@ def prompts():
 
 
 def engine(model, **kw):
-    kw = {"num_pages": 16, "page_size": PAGE, "max_num_seqs": 4, "max_model_len": 128, "kernel": "reference",
+    kw = {"num_pages": 16, "page_size": PAGE, "max_num_seqs": 4, "max_model_len": 128, "attention_backend": "reference",
           "kv_cache_dtype": "fp8", **kw}
     return model.engine(**kw)
 
@@ -96,7 +96,7 @@ def assert_follows(got: list, config, tensors, prompts):
     return changed
 
 
-@pytest.mark.parametrize("wise_config", [None, WiseConfig(all_blocks=True, kernel="reference")],
+@pytest.mark.parametrize("wise_config", [None, WiseConfig(all_blocks=True)],
                          ids=["dense", "wise-all-blocks"])
 def test_tokens_equal_the_reference_over_an_fp8_cache(model, prompts, wise_config):
     """All-blocks WISE attends densely through the WISE program (discovery, reuse, selection on
@@ -189,10 +189,10 @@ def test_refusals_name_the_setting(model):
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8'\), got 'float8'"):
         engine(model, kv_cache_dtype="float8")
     fast = FAST_KERNEL[model.name]
-    for kw in (dict(kernel=fast), dict(kernel=None, wise_config=WiseConfig(kernel=fast))):
-        with pytest.raises(ValueError, match=rf"kernel='{fast}' .* does not read kv_cache_dtype='fp8'"):
+    for kw in (dict(attention_backend=fast), dict(attention_backend=fast, wise_config=WiseConfig())):
+        with pytest.raises(ValueError, match=rf"attention_backend='{fast}' does not read kv_cache_dtype='fp8'"):
             engine(model, **kw)
-    llm = engine(model, kernel="auto")      # the reference, on every device
+    llm = engine(model, attention_backend="auto")      # the reference, on every device
     tokens = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0].token_ids
     assert tokens == R.generate(CONFIG, TENSORS, [1, 2, 3], 3, kv_quant=True)[0]
     huginn = PRESETS["test-tiny-huginn"]

@@ -39,7 +39,7 @@ from wise_torch.engine.llm import check_regroup
 CONFIG = PRESETS["test-tiny-huginn"]
 STEPS = 3           # core iterations of these engines (the preset's default is 4)
 PAGE = 32
-WISE = WiseConfig(discover_depths=(0,), reuse_depths=(1, 2), eta=0.5, kernel="reference")
+WISE = WiseConfig(discover_depths=(0,), reuse_depths=(1, 2), eta=0.5)
 MODES = pytest.mark.parametrize("wise_config", [None, WISE], ids=["dense", "wise"])
 # Every test runs these prompts (or some of them) for NEW tokens each: their reference runs are
 # made once per framework and mode, and few shapes are compiled (JAX).
@@ -56,7 +56,7 @@ def fw(request):
 
 
 def engine(fw, wise_config=None, **kw):
-    kw = {"num_pages": 64, "page_size": PAGE, "max_num_seqs": 8, "max_model_len": 256, "kernel": "reference",
+    kw = {"num_pages": 64, "page_size": PAGE, "max_num_seqs": 8, "max_model_len": 256, "attention_backend": "reference",
           "num_steps": STEPS, **kw}
     return fw.engine(wise_config=wise_config, **kw)
 
@@ -192,7 +192,7 @@ def test_a_huginn_checkpoint_directory_serves_the_tokens_of_its_tensors(fw, tmp_
     ckpt = checkpoint(tmp_path)
     prompt = prompts_of([37], CONFIG.vocab_size, seed=7)[0]
     llm = fw.engine_at(tmp_path / "ckpt", num_steps=2, num_pages=8, page_size=PAGE, max_model_len=64, max_num_seqs=2,
-                       kernel="reference")
+                       attention_backend="reference")
     out = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
     built = Framework(fw.name, CONFIG, tensors=ckpt.tensors)
     assert out.token_ids == model_generate(built, prompt, max_new_tokens=6, num_steps=2)[0][0]
@@ -215,7 +215,7 @@ def decode_kernel(fw, llm) -> str:
 @pytest.mark.parametrize("wise_config", [None, WiseConfig(block_size=16, eta=0.8, discover_depths=(0,),
                                                           reuse_depths=(1,))], ids=["dense", "wise"])
 def test_head_dim_96_on_the_gpu_kernel_gives_the_reference_kernels_tokens(fw, wise_config):
-    """LLM(kernel="triton" / "pallas") on a Huginn of head_dim 96 (interpreted on a CPU) decodes
+    """LLM(attention_backend="triton" / "pallas") on a Huginn of head_dim 96 (interpreted on a CPU) decodes
     on that kernel, not the reference, and gives the reference kernel's greedy tokens, dense and
     WISE (sparse: the reuse iteration attends fewer blocks than dense)."""
     if fw.name == "torch" and os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
@@ -225,7 +225,7 @@ def test_head_dim_96_on_the_gpu_kernel_gives_the_reference_kernels_tokens(fw, wi
     tokens, stats = {}, {}
     for kernel in ("reference", GPU_KERNEL[fw.name]):
         llm = model.engine(wise_config=wise_config, num_steps=2, num_pages=8, page_size=PAGE, max_model_len=64,
-                           max_num_seqs=2, kernel=kernel)
+                           max_num_seqs=2, attention_backend=kernel)
         assert decode_kernel(model, llm) == kernel
         outs = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
         tokens[kernel], stats[kernel] = [o.token_ids for o in outs], llm.stats()

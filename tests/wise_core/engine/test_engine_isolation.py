@@ -117,7 +117,7 @@ def test_nan_in_a_speculative_round_fails_that_request_alone():
     """torch's speculative rounds read their own tokens: there too the NaN request ends alone."""
     import wise_torch
     spec = wise_torch.SpeculativeConfig("wise", num_draft=3)
-    llm = engine("torch", speculative_config=spec, kernel="reference")
+    llm = engine("torch", speculative_config=spec, attention_backend="reference")
     want = [o.token_ids for o in engine("torch").generate(GOOD[:2], PARAMS, use_tqdm=False)]
     ids = [llm.add_request(GOOD[0], PARAMS), llm.add_request([2, 3, 4], SamplingParams(max_tokens=6)),
            llm.add_request(GOOD[1], PARAMS)]

@@ -32,7 +32,7 @@ def model(request):
 
 def engine(model, **kw):
     return model.engine(**{"num_pages": 32, "page_size": 32, "max_num_seqs": 4, "max_model_len": 256,
-                           "kernel": "reference", **kw})
+                           "attention_backend": "reference", **kw})
 
 
 def prompt_of(n: int, seed: int) -> list[int]:

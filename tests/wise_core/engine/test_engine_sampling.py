@@ -24,7 +24,7 @@ TIE = 1e-4
 
 def engine(framework: str, **kw):
     tensors = random_tensors(CONFIG, seed=3, std=0.08)
-    kw = {"num_pages": 16, "page_size": 32, "max_model_len": 256, "kernel": "reference", **kw}
+    kw = {"num_pages": 16, "page_size": 32, "max_model_len": 256, "attention_backend": "reference", **kw}
     if framework == "torch":
         import wise_torch
         return wise_torch.LLM(wise_torch.from_tensors(CONFIG, tensors), **kw)

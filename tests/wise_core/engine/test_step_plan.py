@@ -104,7 +104,7 @@ def test_both_engines_run_the_same_plans_on_a_staggered_workload(monkeypatch):
 
         monkeypatch.setattr(DecodePlan, "build", classmethod(recording))
         llm = Framework(name, config, seed=0).engine(num_pages=32, page_size=32, max_num_seqs=4, max_model_len=128,
-                                                     kernel="reference", wise_config=WiseConfig(kernel="reference"))
+                                                     attention_backend="reference", wise_config=WiseConfig())
         added, step = 0, 0
         while added < len(prompts) or llm.has_unfinished():
             if step % 2 == 0 and added < len(prompts):
