@@ -64,16 +64,17 @@ def decode_arm(params, wise: WiseConfig | None, contexts, forced, framework: str
     if framework == "jax":
         from wise_jax import evaluation
         return evaluation.evaluate(params, MODEL, wise, contexts, forced, greedy_tokens=len(forced[0]), dense=dense,
-                                   page_size=32)
+                                   page_size=32, kernel="reference")
     import torch
     import wise_torch
     from wise_jax.params import to_checkpoint_tensors
     torch.set_num_threads(1)  # tiny shapes: one thread is as fast, and does not spin against JAX's
     tensors = {name: np.array(x) for name, x in to_checkpoint_tensors(MODEL, params).items()}  # writable copies
     model = wise_torch.from_tensors(MODEL, tensors)
-    scored = wise_torch.teacher_force(model, contexts, forced, wise_config=wise, page_size=32)
+    scored = wise_torch.teacher_force(model, contexts, forced, wise_config=wise, page_size=32,
+                                      attention_backend="reference")
     greedy = wise_torch.generate(model, contexts, max_new_tokens=len(forced[0]), wise_config=wise, eos_token_id=None,
-                                 page_size=32)
+                                 page_size=32, attention_backend="reference")
     density = None if wise is None else {d: float(v) for d, v in scored.stats.density.items()}
     return Arm(wise, scored.logprobs, np.array([len(f) for f in forced]), greedy.tokens, density,
                None if wise is None else scored.stats.fallbacks, dense)

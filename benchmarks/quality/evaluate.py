@@ -99,8 +99,8 @@ class Backend:
         if self.name == "jax":
             from wise_jax import evaluation
             out = evaluation.evaluate(self.params, self.config, wise_config, contexts, continuations,
-                                      greedy_tokens=greedy, dense=dense, tokenizer=self.tokenizer, batch=batch, seed=seed,
-                                      kernel=self.kernel)
+                                      greedy_tokens=greedy, dense=dense, tokenizer=self.tokenizer, batch=batch,
+                                      seed=seed, kernel=self.kernel)
             progress(len(contexts))
             return out
         logprobs, tokens, meter = [], [], DensityMeter()

@@ -91,7 +91,8 @@ def run(args) -> dict:
                                           args.continuation, seed=args.seed)
     deepest = max(args.depths)
     arms = [(f"dense r={d}", d, None, None) for d in args.depths]
-    arms += [(f"WISE r={d}", d, huginn_wise_config(d, block_size=args.block_size, eta=args.eta), None) for d in args.depths]
+    arms += [(f"WISE r={d}", d, huginn_wise_config(d, block_size=args.block_size, eta=args.eta), None)
+             for d in args.depths]
     arms += [(f"adaptive KL<{t:g} r<={deepest}", deepest, None, AdaptiveDepth(threshold=t)) for t in args.thresholds]
     results, seconds = {}, {}
     for name, depth, wise, adaptive in arms:

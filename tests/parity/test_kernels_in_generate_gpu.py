@@ -50,7 +50,8 @@ def test_triton_generate_matches_the_reference_kernel_fp32(wise):
     model = wise_torch.load_model(DEFAULT_MODEL, device="cuda")
     prompts = _prompts(model.config.vocab_size)
     runs = {kernel: wise_torch.generate(model, prompts, max_new_tokens=NEW, eos_token_id=None, return_logits=True,
-                                        wise_config=wise, attention_backend=kernel) for kernel in ("triton", "reference")}
+                                        wise_config=wise, attention_backend=kernel)
+            for kernel in ("triton", "reference")}
     result = compare_runs(model.config, _generated(runs["triton"]), _generated(runs["reference"]), "float32",
                           forced=False)
     assert result.passed, result.detail
@@ -69,7 +70,8 @@ def test_triton_bf16_teacher_forced_matches_the_reference_kernel():
     continuations = _prompts(model.config.vocab_size, seed=2)
     continuations = [c[:NEW] for c in continuations]
     for wise in (None, WiseConfig(eta=0.9)):
-        runs = {kernel: wise_torch.teacher_force(model, contexts, continuations, wise_config=wise, attention_backend=kernel)
+        runs = {kernel: wise_torch.teacher_force(model, contexts, continuations, wise_config=wise,
+                                                 attention_backend=kernel)
                 for kernel in ("triton", "reference")}
         result = compare_runs(model.config, _forced(runs["triton"], continuations),
                               _forced(runs["reference"], continuations), "bfloat16", forced=True)

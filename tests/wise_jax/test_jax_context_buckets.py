@@ -104,7 +104,8 @@ def test_a_lone_request_in_a_high_slot_decodes_in_one_row(params):
     step (a step sized by the highest slot would run 4), to the unbucketed tokens."""
     tokens, shapes, llm = run(params, bucketed=True, attention_backend="reference", wise_config=WiseConfig(eta=0.5),
                               budgets=[2, 4, 14])
-    want, _, _ = run(params, bucketed=False, attention_backend="reference", wise_config=WiseConfig(eta=0.5), budgets=[2, 4, 14])
+    want, _, _ = run(params, bucketed=False, attention_backend="reference", wise_config=WiseConfig(eta=0.5),
+                     budgets=[2, 4, 14])
     assert tokens == want
     rows = [r for r, _ in shapes]
     assert rows[-1] == 1 and rows.count(1) >= 9, rows
@@ -118,8 +119,8 @@ def test_background_compiles_never_stop_a_step_after_the_start_up_set(params, wi
     and the four prompts prefilled together run one by one in the one-prompt program, to the very
     tokens of an engine compiling every program on the step path, while their own compile off the
     step path. The decode compiles stay within the buckets the steps needed, plus the start-up set."""
-    blocking_tokens, blocking_shapes, _ = run(params, bucketed=True, attention_backend="reference", wise_config=wise_config,
-                                              background_compile=False)
+    blocking_tokens, blocking_shapes, _ = run(params, bucketed=True, attention_backend="reference",
+                                              wise_config=wise_config, background_compile=False)
     llm = wise_jax.LLM(params, CONFIG, wise_config=wise_config, num_pages=64, page_size=PAGE, max_num_seqs=4,
                        max_model_len=512, attention_backend="reference", background_compile=True)
     llm.wait_compiles()   # the start-up set: decode at (4 rows, 16 pages) and (1 row, each width) of the default variant

@@ -30,7 +30,8 @@ def alone(params, prompt, n, wise_config, **kw):
 
 
 def engine(params, wise_config=None, **kw):
-    kw = {"num_pages": 64, "page_size": PAGE, "max_num_seqs": 8, "max_model_len": 256, "attention_backend": "reference", **kw}
+    kw = {"num_pages": 64, "page_size": PAGE, "max_num_seqs": 8, "max_model_len": 256,
+          "attention_backend": "reference", **kw}
     return wise_jax.LLM(params, CONFIG, wise_config=wise_config, **kw)
 
 

@@ -80,7 +80,7 @@ def test_wise_selects_sparse_support(wise, dense):
 
 
 def test_pallas_kernel_in_generate_matches_reference(params, prompts, wise):
-    pallas = _run(params, prompts, wise_config=WiseConfig(eta=0.5))  # interpreted on CPU
+    pallas = _run(params, prompts, wise_config=WiseConfig(eta=0.5), attention_backend="pallas")  # interpreted on CPU
     assert pallas.tokens == wise.tokens
     for a, b in zip(pallas.logits, wise.logits):
         diff, bound = rounding.model_difference(a, b, CONFIG, keys=128)   # fp32, other summation order
@@ -92,8 +92,9 @@ def test_pallas_kernel_in_generate_matches_reference(params, prompts, wise):
 @pytest.mark.parametrize("mode", ["dense", "wise"])
 def test_stacked_and_unstacked_layers_decode_alike(params, prompts, dense, wise, mode):
     """The engine's default per-layer weights (params.unstack_layers, a Python loop over layers)
-    and layers="stacked" (a scan over the stacked weights) give the same tokens, logits within
-    fp32 rounding (XLA fuses straight-line code and a loop body differently)."""
+    and a subclass's layers = "stacked" (a scan over the stacked weights: a measurement's arm,
+    benchmarks/engine/jax_generate_bench.py) give the same tokens, logits within fp32 rounding
+    (XLA fuses straight-line code and a loop body differently)."""
     from wise_jax.params import stack_layers, unstack_layers
     unstacked = unstack_layers(params)
     assert len(unstacked.layers) == CONFIG.num_hidden_layers
@@ -101,8 +102,8 @@ def test_stacked_and_unstacked_layers_decode_alike(params, prompts, dense, wise,
     np.testing.assert_array_equal(stack_layers(unstacked).layers.qkv_proj, params.layers.qkv_proj)
     wise_config = None if mode == "dense" else WiseConfig(eta=0.5)
     want = dense if mode == "dense" else wise
-    llm = wise_jax.LLM(unstacked, CONFIG, wise_config=wise_config, page_size=PAGE, max_num_seqs=4,
-                       max_model_len=256, layers="stacked")
+    stacked = type("StackedLLM", (wise_jax.LLM,), {"layers": "stacked"})
+    llm = stacked(unstacked, CONFIG, wise_config=wise_config, page_size=PAGE, max_num_seqs=4, max_model_len=256)
     assert not isinstance(llm.params.layers, tuple)
     outs = llm.generate(prompts, wise_jax.SamplingParams(max_tokens=NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == want.tokens
@@ -110,7 +111,8 @@ def test_stacked_and_unstacked_layers_decode_alike(params, prompts, dense, wise,
     assert isinstance(wise_jax.LLM(params, CONFIG, page_size=PAGE, max_num_seqs=1, max_model_len=256).params.layers,
                       tuple)
     with pytest.raises(ValueError, match="layers must be"):
-        wise_jax.LLM(params, CONFIG, page_size=PAGE, max_num_seqs=1, max_model_len=256, layers="scan")
+        type("ScanLLM", (wise_jax.LLM,), {"layers": "scan"})(params, CONFIG, page_size=PAGE, max_num_seqs=1,
+                                                             max_model_len=256)
     for short in (dataclasses.replace(unstacked, layers=unstacked.layers[:-1]),      # never silently fewer layers
                   dataclasses.replace(params, layers=jax.tree.map(lambda x: x[:-1], params.layers))):
         with pytest.raises(ValueError, match=f"params hold {CONFIG.num_hidden_layers - 1} layers, the config "):

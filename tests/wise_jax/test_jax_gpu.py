@@ -97,7 +97,7 @@ def test_engine_staggered_admissions_with_pallas(gqa, prompts):
     wise = WiseConfig(eta=0.5)
     with jax.default_matmul_precision("highest"):
         llm = wise_jax.LLM(params, config, wise_config=wise, page_size=64, max_num_seqs=2, max_model_len=256,
-                           num_pages=8)
+                           num_pages=8, attention_backend="pallas")
         outs = llm.generate(prompts, wise_jax.SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
         for prompt, out in zip(prompts, outs):
             alone = wise_jax.generate(params, config, [prompt], max_new_tokens=8, eos_token_id=None, page_size=64,
@@ -139,7 +139,7 @@ def test_all_blocks_wise_matches_dense(gqa, prompts, kernel):
         dense = wise_jax.generate(params, config, prompts, max_new_tokens=8, page_size=64, attention_backend=kernel,
                                   return_logits=True)
         wise = wise_jax.generate(params, config, prompts, max_new_tokens=8, page_size=64, return_logits=True,
-                                 wise_config=WiseConfig(all_blocks=True))
+                                 wise_config=WiseConfig(all_blocks=True), attention_backend=kernel)
     assert wise.tokens == dense.tokens
     for a, b in zip(wise.logits, dense.logits):
         diff, bound = rounding.model_difference(a, b, config, keys=208)
@@ -154,7 +154,7 @@ def test_ouro_shaped_bf16_generate_long_prefill_and_donated_cache():
     dense = wise_jax.generate(params, config, prompts, max_new_tokens=4, eos_token_id=None, attention_backend="pallas",
                               return_logits=True)
     wise = wise_jax.generate(params, config, prompts, max_new_tokens=4, eos_token_id=None,
-                             wise_config=WiseConfig(), return_logits=True)
+                             wise_config=WiseConfig(), attention_backend="pallas", return_logits=True)
     for out in (dense, wise):
         assert [len(t) for t in out.tokens] == [4] * 4
         assert all(np.isfinite(x).all() for x in out.logits)

@@ -86,7 +86,7 @@ def test_generate_selects_by_the_rule_on_cpu(kernel):
     wise = WiseConfig(eta=0.5)
     with recorded_discoveries() as (calls, kernels):
         out = wise_jax.generate(params, config, _prompts(config.vocab_size, (70, 100, 90)), max_new_tokens=4,
-                                page_size=32, wise_config=wise, eos_token_id=None)
+                                page_size=32, wise_config=wise, eos_token_id=None, attention_backend=kernel)
     assert kernels == {kernel} and out.stats.fallbacks == 0
     rows, strict = check_selections(calls, wise.eta)
     # 3 decode steps x 2 layers x 2 discovery loops, 4 rows (the batch bucket) each
@@ -111,7 +111,7 @@ def test_generate_selects_by_the_rule_on_gpu(kernel, dtype):
     lengths = (300, 1100, 1900, 640)
     with recorded_discoveries() as (calls, kernels):
         out = wise_jax.generate(params, config, _prompts(config.vocab_size, lengths, seed=1), max_new_tokens=9,
-                                wise_config=wise, eos_token_id=None)
+                                wise_config=wise, eos_token_id=None, attention_backend=kernel)
     assert kernels == {kernel} and out.stats.fallbacks == 0
     rows, strict = check_selections(calls, wise.eta)
     planes = config.num_hidden_layers * len(wise.discover_depths)

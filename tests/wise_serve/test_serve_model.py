@@ -68,8 +68,8 @@ def test_a_jax_server_compiles_ahead_so_its_first_requests_never_wait_for_a_comp
 
     blocked = {}
     for ahead in ("--compile-ahead", "--no-compile-ahead"):
-        llm = build_llm(args_of("--backend", "jax", "--model", "test-tiny", "--load-format", "dummy", "--attention-backend",
-                                "reference", ahead))
+        llm = build_llm(args_of("--backend", "jax", "--model", "test-tiny", "--load-format", "dummy",
+                                "--attention-backend", "reference", ahead))
         for prompt in ([1, 2, 3], list(range(1, 41))):      # one page, then two
             llm.generate([prompt], wise_jax.SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
         blocked[ahead] = llm.stats().compile_blocked_steps

@@ -183,8 +183,8 @@ def test_bad_inputs_are_named(byte_model, model):
         gen(byte_model, [[1]], max_new_tokens=1, wise_config=WiseConfig(), page_size=48)
     with pytest.raises(ConfigError, match="out of range"):
         gen(byte_model, [[1]], max_new_tokens=1, wise_config=WiseConfig(reuse_depths=(5,)))
-    with pytest.raises(ValueError, match="'pallas' is not available in wise_torch"):
-        gen(byte_model, [[1]], max_new_tokens=2, wise_config=WiseConfig())
+    with pytest.raises(ValueError, match="'pallas' is not one of wise_torch's"):
+        gen(byte_model, [[1]], max_new_tokens=2, wise_config=WiseConfig(), attention_backend="pallas")
     with pytest.raises(ValueError, match="2 contexts but 1 continuations"):
         wt.teacher_force(byte_model, [[1], [2]], [[3]])
     with pytest.raises(ValueError, match=r"continuation_ids\[0\] is empty"):

@@ -78,7 +78,7 @@ def test_bf16_wise_generation_and_scoring():
     model = gpu_model("test-tiny-gqa", dtype=torch.bfloat16)
     prompts = prompts_of([500, 64], model.config.vocab_size, seed=2)
     out = wt.generate(model, prompts, max_new_tokens=20, eos_token_id=None,
-                      wise_config=WiseConfig())
+                      wise_config=WiseConfig(), attention_backend="triton")
     assert [len(t) for t in out.tokens] == [20, 20] and out.stats.fallbacks == 0
     context, continuation = prompts[0][:400], prompts[0][400:]
     dense = wt.teacher_force(model, context, continuation)

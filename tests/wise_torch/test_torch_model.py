@@ -217,8 +217,8 @@ def test_chunked_prefill_matches_full_sequence_forward():
     prompts = [torch.randint(0, 384, (n,), generator=g).tolist() for n in (5, 40, 33, 90)]
     with torch.inference_mode():
         for budget in (7, 32, 8192):  # chunks of at most `budget` prompt tokens per step
-            llm = wt.LLM(model, num_pages=16, page_size=32, max_num_seqs=4, max_model_len=128, attention_backend="reference",
-                         max_num_batched_tokens=budget)
+            llm = wt.LLM(model, num_pages=16, page_size=32, max_num_seqs=4, max_model_len=128,
+                         attention_backend="reference", max_num_batched_tokens=budget)
             random.Random(budget).shuffle(llm.blocks.free)
             ids = [llm.add_request(p, wt.SamplingParams(max_tokens=2), forced=[7, 8], keep_logits=True)
                    for p in prompts]

@@ -45,7 +45,8 @@ def model():
 
 
 def engine(model, spec=None, **kw):
-    kw = {"num_pages": 64, "page_size": 32, "max_num_seqs": 8, "max_model_len": 256, "attention_backend": "reference", **kw}
+    kw = {"num_pages": 64, "page_size": 32, "max_num_seqs": 8, "max_model_len": 256,
+          "attention_backend": "reference", **kw}
     config, wise = SPECS[spec] if spec else (None, None)
     return wt.LLM(model, wise_config=wise, speculative_config=config, **kw)
 
@@ -98,8 +99,8 @@ def test_greedy_equals_dense_with_requests_joining_between_steps(model, spec):
 def test_wise_draft_of_every_block_is_dense_and_always_accepted(model):
     prompts = prompts_of([40, 70], model.config.vocab_size, seed=4)
     params = wt.SamplingParams(max_tokens=12, ignore_eos=True)
-    llm = wt.LLM(model, wise_config=WiseConfig(all_blocks=True), num_pages=16, page_size=32,
-                 max_num_seqs=2, attention_backend="reference", speculative_config=wt.SpeculativeConfig("wise", num_draft=4))
+    llm = wt.LLM(model, wise_config=WiseConfig(all_blocks=True), num_pages=16, page_size=32, max_num_seqs=2,
+                 attention_backend="reference", speculative_config=wt.SpeculativeConfig("wise", num_draft=4))
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == dense_tokens(model, prompts, params)
     s = check_stats(llm, expect_rejections=False)

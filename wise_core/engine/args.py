@@ -3,8 +3,9 @@
     wise_torch.LLM(model, max_num_seqs=64)   # and wise_jax.LLM(params, config, max_num_seqs=64)
 
 Each engine takes these as keyword arguments beside its own (torch: cuda_graphs, dtype, device,
-speculative_config, tensor_parallel_size; JAX: tokenizer, unroll, mesh, dtype). The pool's size from device memory (num_pages=None) is the framework's measure of
-free memory through `pool_pages`.
+speculative_config, tensor_parallel_size; JAX: tokenizer, unroll, mesh, dtype). The pool's
+size from device memory (num_pages=None) is the framework's measure of free memory through
+`pool_pages`.
 """
 
 from __future__ import annotations

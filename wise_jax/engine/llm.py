@@ -123,12 +123,11 @@ class LLM(LLMEngine):
     attention_backend ('auto', 'pallas', 'reference': what runs prefill and decode,
     `wise_jax.attention.attention_plan`, docs/attention.md's table), seed, enable_prefix_caching,
     kv_cache_dtype ('auto', 'fp8': module docstring)), the same arguments and defaults as
-    wise_torch.LLM's;
-    num_pages=None fills GPU_POOL_FRACTION of the memory jax may allocate less what is in use on
-    a GPU, CPU_POOL_BYTES on a CPU, never more than max_num_seqs x the pages of max_model_len.
-    tokenizer: for string prompts and texts; unroll: layers per scan step of prefill and of a
-    stacked decode step (True: all); mesh: a
-    jax.sharding.Mesh with axis "tp" to shard the heads, the K/V pages and the WISE supports over
+    wise_torch.LLM's; num_pages=None fills GPU_POOL_FRACTION of the memory jax may allocate less
+    what is in use on a GPU, CPU_POOL_BYTES on a CPU, never more than max_num_seqs x the pages of
+    max_model_len. tokenizer: for string prompts and texts; unroll: layers per scan step of
+    prefill and of a stacked decode step (True: all); mesh: a jax.sharding.Mesh with axis "tp"
+    to shard the heads, the K/V pages and the WISE supports over
     (`wise_jax.sharding`; every device holds num_pages pages of its KV heads; `params` is then
     kept in the mesh layout, a `sharding.MeshParams`).
 
@@ -161,9 +160,10 @@ class LLM(LLMEngine):
     layers = "unstacked"
 
     def __init__(self, params: Params | str | Path, config: ModelConfig | None = None, *,
-                 tokenizer: Tokenizer | None = None, unroll: int | bool = 1, mesh=None, dtype=None, num_steps: int | None = None,
-                 adaptive_depth: AdaptiveDepth | None = None, background_compile: bool | None = None,
-                 compilation_cache: str | Path | None = "auto", **engine_args):
+                 tokenizer: Tokenizer | None = None, unroll: int | bool = 1, mesh=None, dtype=None,
+                 num_steps: int | None = None, adaptive_depth: AdaptiveDepth | None = None,
+                 background_compile: bool | None = None, compilation_cache: str | Path | None = "auto",
+                 **engine_args):
         args, layers = EngineArgs(**engine_args), self.layers
         use_compilation_cache(compilation_cache)
         if isinstance(params, (str, Path)):

@@ -103,7 +103,8 @@ class LLM(LLMEngine):
     wise_jax.LLM's. attention_backend: "auto", "triton", "fa4" or "reference", what runs prefill,
     the dense decode loops and the WISE loops (`wise_torch.attention.attention_plan`,
     docs/attention.md's table; speculative drafts and verification run on its decode kernel);
-    `stats().prefill_attention` and `stats().wise_decode` say what runs. num_pages=None sizes the
+    `stats().prefill_attention` and `stats().wise_decode` say what runs, `attention_plan` every
+    phase (`wise_torch.attention.AttentionPlan`). num_pages=None sizes the
     pool from free device memory on CUDA (GPU_MEMORY_FRACTION of it less GPU_RESERVE_BYTES),
     CPU_POOL_BYTES of K/V on a CPU. cuda_graphs: True, False or "auto" (on CUDA).
     speculative_config: lossless speculative decoding (`SpeculativeConfig`; method "wise" drafts

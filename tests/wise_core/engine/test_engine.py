@@ -27,7 +27,8 @@ def fw(request):
 
 
 def engine(fw, wise_config=None, **kw):
-    kw = {"num_pages": 64, "page_size": PAGE, "max_num_seqs": 8, "max_model_len": 256, "attention_backend": "reference", **kw}
+    kw = {"num_pages": 64, "page_size": PAGE, "max_num_seqs": 8, "max_model_len": 256,
+          "attention_backend": "reference", **kw}
     return fw.engine(wise_config=wise_config, **kw)
 
 

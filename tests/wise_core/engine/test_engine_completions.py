@@ -23,7 +23,8 @@ def model(request):
 
 
 def engine(model, **kw):
-    kw = {"num_pages": 32, "page_size": 32, "max_num_seqs": 8, "max_model_len": 160, "attention_backend": "reference", **kw}
+    kw = {"num_pages": 32, "page_size": 32, "max_num_seqs": 8, "max_model_len": 160,
+          "attention_backend": "reference", **kw}
     return model.engine(**kw)
 
 

@@ -35,7 +35,8 @@ def shared_prompts(vocab, n=6, common=75, seed=0):
 def run(model, prompts, *, waves=2, abort=None, **kw):
     """Tokens of each prompt, queued in `waves` (a wave after the one before finished, so its
     prefix is cached), and the engine."""
-    kw = {"num_pages": 64, "page_size": 32, "max_num_seqs": 8, "max_model_len": 256, "attention_backend": "reference", **kw}
+    kw = {"num_pages": 64, "page_size": 32, "max_num_seqs": 8, "max_model_len": 256,
+          "attention_backend": "reference", **kw}
     llm = model.engine(**kw)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     out = {}

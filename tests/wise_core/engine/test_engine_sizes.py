@@ -29,7 +29,8 @@ def huginn(request):
 
 
 def small(**kw) -> dict:
-    return {"num_pages": 8, "page_size": 32, "max_num_seqs": 2, "max_model_len": 128, "attention_backend": "reference", **kw}
+    return {"num_pages": 8, "page_size": 32, "max_num_seqs": 2, "max_model_len": 128,
+            "attention_backend": "reference", **kw}
 
 
 def test_a_pool_larger_than_memory_names_the_bytes_it_needs(ouro):
