@@ -33,13 +33,6 @@ class SpeculativeConfig:
     attends sparsely the support the request's last verified token (the round's first token,
     whose discovery loops run densely) discovered, plus the blocks of the keys written after
     it (the drafts' own); verification then recomputes every loop densely (verify depth 0).
-    accept_rate: for timing only (`benchmarks/engine/throughput.py --accept-rate`): each draft token
-    is accepted with this probability, a Bernoulli draw from numpy's generator seeded with
-    accept_seed (drawn per round as [rows, num_draft] in the round's row order, accepted as a
-    prefix), instead of by the dense model's agreement. The drafts and the verification pass
-    run as in a real round, so a round costs what a real one does, but the output is not the
-    model's: accepted drafts are kept whatever the model says, and the token after them is the
-    verification's greedy token. None (the default): lossless speculation.
     adaptive: each request drafts, per round, the count in [0, num_draft] that maximises its
     expected tokens per unit of time (`draft_count`) from its running acceptance; draft_cost:
     a draft step's time in units of a dense step (the verification pass and the draft's loops
@@ -49,8 +42,6 @@ class SpeculativeConfig:
     method: str = "wise"
     num_draft: int = 4
     draft_loops: int | None = None
-    accept_rate: float | None = None
-    accept_seed: int = 0
     adaptive: bool = False
     draft_cost: float = 0.75
     sparse_discovery: bool = False
@@ -64,11 +55,6 @@ class SpeculativeConfig:
         d = self.draft_loops
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
             raise ConfigError(f"SpeculativeConfig.draft_loops must be None or a positive integer, got {d!r}")
-        p = self.accept_rate
-        if p is not None and (not isinstance(p, (int, float)) or isinstance(p, bool) or not 0.0 <= p <= 1.0):
-            raise ConfigError(f"SpeculativeConfig.accept_rate must be None or a probability in [0, 1], got {p!r}")
-        if not isinstance(self.accept_seed, int) or isinstance(self.accept_seed, bool) or self.accept_seed < 0:
-            raise ConfigError(f"SpeculativeConfig.accept_seed must be a non-negative integer, got {self.accept_seed!r}")
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"SpeculativeConfig.adaptive must be a bool, got {self.adaptive!r}")
         c = self.draft_cost

@@ -14,9 +14,8 @@ tok/s at 4K and 8K context while equal to dense.
 
 `--accept-rate P[,P...]` times speculation at a set acceptance instead (random weights give flat
 logits, so a real draft is almost never accepted): each speculative arm becomes `spec-METHOD@P`
-per P, the engine with `SpeculativeConfig(accept_rate=P)`, which runs its real drafts and its
-real verification pass but accepts each draft token with probability P (a seeded Bernoulli
-prefix). Its tokens are then not the model's (not compared with dense's); its speed is what a
+per P, the engine under `set_acceptance(llm, P)`, which runs its real drafts and its real
+verification pass but accepts each draft token with probability P (a seeded Bernoulli prefix). Its tokens are then not the model's (not compared with dense's); its speed is what a
 model accepting that often would get. Targets: spec-wise@0.971 (the built-in model's measured
 WISE-draft acceptance) >= 1.15x dense at 4K and 8K context and >= 1.3x at batch 1-4;
 spec-loops@0.706 (its 2-loop-draft acceptance) >= 1.1x.
@@ -77,21 +76,39 @@ def arms_of(args) -> list[str]:
 
 def engine_kwargs(arm: str, spec: dict) -> dict:
     """`LLM` keyword arguments of a speculative arm from the worker's spec (num_draft,
-    draft_loops, eta; the set acceptance of a spec-METHOD@P arm; the worker passes the spec's
-    kernel as attention_backend)."""
+    draft_loops, eta; the worker passes the spec's kernel as attention_backend, and sets a
+    spec-METHOD@P arm's acceptance on the engine it builds, `set_acceptance`)."""
     from wise_core.speculative_config import SpeculativeConfig
     from wise_core.wise_config import WiseConfig
-    method, rate = method_and_rate(arm)
-    common = dict(num_draft=spec["num_draft"], accept_rate=rate, adaptive=spec.get("adaptive_draft", False))
+    method, _ = method_and_rate(arm)
+    common = dict(num_draft=spec["num_draft"], adaptive=spec.get("adaptive_draft", False))
     if method == "wise2":
         return dict(speculative_config=SpeculativeConfig("wise", draft_loops=2, **common),
-                    wise_config=WiseConfig(eta=spec["eta"], discover_depths=(0,),
-                                           reuse_depths=(1,)))
+                    wise_config=WiseConfig(eta=spec["eta"], discover_depths=(0,), reuse_depths=(1,)))
     if method == "wise-sparse":
         return dict(speculative_config=SpeculativeConfig("wise", sparse_discovery=True, **common),
                     wise_config=WiseConfig(eta=spec["eta"]))
     return dict(speculative_config=SpeculativeConfig(method, draft_loops=spec.get("draft_loops"), **common),
                 wise_config=WiseConfig(eta=spec["eta"]) if method == "wise" else None)
+
+
+def set_acceptance(llm, rate: float, seed: int = 0) -> None:
+    """Time `llm`'s speculation (a wise_torch.LLM with speculative_config) at a set acceptance:
+    each draft token is accepted with probability `rate`, a Bernoulli draw from numpy's
+    generator seeded with `seed` (drawn per round as [rows, num_draft] in the round's row order,
+    accepted as a prefix), instead of by the dense model's agreement. The drafts and the
+    verification pass run as in a real round, so a round costs what a real one does, but the
+    output is not the model's: accepted drafts are kept whatever the model says, and the token
+    after them is the verification's greedy token. Through the engine's measurement hook
+    `Speculator.set_acceptance`; no engine option sets it."""
+    import numpy as np
+    if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0.0 <= rate <= 1.0:
+        raise ValueError(f"a set acceptance must be a probability in [0, 1], got {rate!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"the set acceptance's seed must be a non-negative integer, got {seed!r}")
+    if getattr(llm, "speculator", None) is None:
+        raise ValueError("a set acceptance times speculative rounds: the engine has no speculative_config")
+    llm.speculator.set_acceptance = (float(rate), np.random.default_rng(seed))
 
 
 def counters(stats) -> dict:

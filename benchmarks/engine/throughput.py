@@ -215,6 +215,9 @@ def _engine_worker(spec: dict) -> dict:
                     page_size=spec["page_size"], max_num_seqs=spec["batch"],
                     cuda_graphs=cuda_graphs, attention_backend=attention_backend,
                     max_model_len=spec["context"] + max(spec["new_tokens"], spec["warmup_tokens"]), **extra)
+    rate = speculative_arms.method_and_rate(arm)[1] if speculating else None
+    if rate is not None:   # spec-METHOD@P: timed at a set acceptance
+        speculative_arms.set_acceptance(llm, rate)
     del model   # under tensor parallelism the engine holds rank 0's shard, not the whole model
 
     def cohort(tokens: int) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import types
 
+import numpy as np
 import pytest
 
 from benchmarks.engine import speculative_arms as sa
@@ -29,7 +30,7 @@ def test_flags_and_engine_arguments():
     assert sa.arms_of(args) == ["spec-wise2@0.9"]
     kw = sa.engine_kwargs("spec-wise2@0.9", dict(num_draft=4, eta=0.9, kernel="reference", adaptive_draft=True))
     config, wise = kw["speculative_config"], kw["wise_config"]
-    assert (config.method, config.draft_loops, config.adaptive, config.accept_rate) == ("wise", 2, True, 0.9)
+    assert (config.method, config.draft_loops, config.adaptive) == ("wise", 2, True)
     assert (wise.discover_depths, wise.reuse_depths) == ((0,), (1,))
     assert config.verify_depth(4, wise) == 1 and config.draft_end(4) == 2
     args = parser.parse_args(["--spec", "wise-sparse", "--accept-rate", "0.8,0.9"])
@@ -37,7 +38,7 @@ def test_flags_and_engine_arguments():
     assert sa.method_and_rate("spec-wise-sparse@0.9") == ("wise-sparse", 0.9)
     kw = sa.engine_kwargs("spec-wise-sparse", dict(num_draft=4, eta=0.9, kernel="reference"))
     config, wise = kw["speculative_config"], kw["wise_config"]
-    assert (config.method, config.sparse_discovery, config.accept_rate, wise.eta) == ("wise", True, None, 0.9)
+    assert (config.method, config.sparse_discovery, wise.eta) == ("wise", True, 0.9)
     assert config.verify_depth(4, wise) == 0 and config.draft_end(4) == 4
 
 
@@ -90,7 +91,27 @@ def test_set_acceptance_arms_flags_and_standing():
             sa.arms_of(parser.parse_args(bad))
     assert sa.method_and_rate("spec-wise@0.971") == ("wise", 0.971) and sa.method_and_rate("dense") is None
     kw = sa.engine_kwargs("spec-loops@0.706", dict(num_draft=3, eta=0.9, kernel="reference"))
-    assert kw["speculative_config"].accept_rate == 0.706 and kw["wise_config"] is None
+    assert kw["speculative_config"].method == "loops" and kw["wise_config"] is None
+
+
+def test_set_acceptance_is_checked_before_the_engine_is_touched():
+    """set_acceptance (the engine's measurement hook, not a SpeculativeConfig field): a bad rate or
+    seed, or an engine without speculation, is a ValueError naming it; a good one lands on the
+    engine's Speculator."""
+    import dataclasses
+    import wise_torch
+    assert "accept_rate" not in {f.name for f in dataclasses.fields(wise_torch.SpeculativeConfig)}
+    engine = types.SimpleNamespace(speculator=types.SimpleNamespace(set_acceptance=None))
+    for bad in (1.5, -0.1, True, "0.9"):
+        with pytest.raises(ValueError, match="a set acceptance must be a probability in"):
+            sa.set_acceptance(engine, bad)
+    with pytest.raises(ValueError, match="seed must be a non-negative integer"):
+        sa.set_acceptance(engine, 0.5, seed=-1)
+    with pytest.raises(ValueError, match="the engine has no speculative_config"):
+        sa.set_acceptance(types.SimpleNamespace(speculator=None), 0.5)
+    sa.set_acceptance(engine, 0.25, seed=3)
+    rate, rng = engine.speculator.set_acceptance
+    assert rate == 0.25 and rng.random() == np.random.default_rng(3).random()
     summary = [dict(context=4096, batch=20, arm="spec-wise@0.971", over_dense=1.2, differ=None),
                dict(context=1024, batch=1, arm="spec-wise@0.971", over_dense=1.2, differ=None),
                dict(context=8192, batch=10, arm="spec-loops@0.706", over_dense=1.05, differ=None),

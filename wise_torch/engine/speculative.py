@@ -111,7 +111,10 @@ class Speculator:
             min_splits=lambda b: min_splits_for(b, c.num_key_value_heads))
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
         self.draw_generator = torch.Generator(device=device)
-        self.set_acceptance = None if config.accept_rate is None else np.random.default_rng(config.accept_seed)
+        # A measurement's set acceptance, (rate, numpy Generator): each draft token accepted with
+        # that probability instead of by the model (benchmarks.engine.speculative_arms.set_acceptance).
+        # None: lossless speculation.
+        self.set_acceptance: tuple[float, np.random.Generator] | None = None
         self.counters = SpeculativeCounters()
         # Adaptive drafting: per request, drafts proposed and accepted, each round's added to the
         # earlier ones decayed by HISTORY_DECAY (recent rounds weigh most; counts of a request
@@ -326,9 +329,9 @@ class Speculator:
             final = target.gather(1, accepted[:, None])[:, 0]
             if sampled:
                 self._accept_sampled(seqs, sampled, logits, draft_probs, drafts, accepted, final)
-        else:   # SpeculativeConfig.accept_rate: a seeded Bernoulli prefix per row, for timing
-            keep = (self.set_acceptance.random((m, k)) < self.config.accept_rate) & (np.arange(k)[None, :] <
-                                                                                     np.array(ks)[:, None])
+        else:   # a set acceptance: a seeded Bernoulli prefix per row, for timing
+            rate, rng = self.set_acceptance
+            keep = (rng.random((m, k)) < rate) & (np.arange(k)[None, :] < np.array(ks)[:, None])
             accepted = torch.from_numpy(keep.cumprod(1).sum(1)).to(self.device)
             final = target.gather(1, accepted[:, None])[:, 0]
         padded = torch.cat([drafts, drafts[:, :1]], 1)
