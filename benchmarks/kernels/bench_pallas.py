@@ -304,13 +304,12 @@ def mosaic_sweep_configs():
     base = MosaicConfig()
     C = MosaicConfig
     # Ordered by the H200 sweeps of 2026-12-01 (docs/kernels/mosaic_decode.md): closest to the
-    # default first, the mma products (launch_config's for sparse), wgmma (slower there) and the
-    # clearly slower shapes last.
+    # default first, the mma products (launch_config's for sparse) and the clearly slower shapes last.
     alternatives = [C(split_keys=2048), C(min_splits=2), C(min_splits=3),
                     C(split_keys=1024, num_stages=3), C(split_keys=512), C(split_keys=512, num_stages=3),
-                    C(split_keys=2048, num_stages=3), C(products="mma"), C(products="wgmma"),
+                    C(split_keys=2048, num_stages=3), C(products="mma"),
                     C(min_splits=4), C(split_keys=256, num_stages=3), C(num_stages=4),
-                    C(tile_n=128, split_keys=1024), C(products="wgmma", split_keys=512, num_stages=3)]
+                    C(tile_n=128, split_keys=1024)]
     return [base] + [c for c in dict.fromkeys(alternatives) if c != base]
 
 

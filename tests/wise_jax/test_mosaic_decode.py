@@ -137,17 +137,13 @@ def test_rejects_what_it_does_not_take():
         run(case, [M.DENSE] * 4, impl=mosaic, config=RING)
     with pytest.raises(ValueError, match="MosaicConfig"):
         MosaicConfig(tile_n=32)
-    with pytest.raises(ValueError, match="MosaicConfig.products must be one of"):
-        MosaicConfig(products="dots")
+    for gone in ("dots", "wgmma"):   # wgmma is not a product (docs/kernels/mosaic_decode.md)
+        with pytest.raises(ValueError, match="MosaicConfig.products must be one of"):
+            MosaicConfig(products=gone)
     with pytest.raises(ValueError, match="MosaicConfig.list_launch"):
         MosaicConfig(list_launch="no")
     with pytest.raises(ValueError, match="MosaicConfig.rows"):
         MosaicConfig(rows=3)
-    with pytest.raises(ValueError, match="rows > 1 does not run with products='wgmma'"):
-        MosaicConfig(rows=2, products="wgmma")
-    case = make_case(6, **COMBOS[MOSAIC_COMBOS[0]])
-    with pytest.raises(ValueError, match=r"products='wgmma'\) needs a GPU"):
-        run(case, [M.DENSE] * 4, impl=mosaic, config=MosaicConfig(products="wgmma"), interpret=True)
     with pytest.raises(ValueError, match=r"rows \(4\) must divide the heads \(2\)"):
         run(make_case(6, **COMBOS["page128-gqa-d64-bf16"]), [M.DENSE] * 4, impl=mosaic,
             config=MosaicConfig(rows=4))
@@ -276,10 +272,8 @@ def lower_for_cuda(batch, ctx, config, heads=16, head_dim=128, page_size=128, re
 @pytest.mark.parametrize("batch,ctx,config", [(64, 1024, MosaicConfig()),
                                               (10, 8192, MosaicConfig(tile_n=128, split_keys=1024,
                                                                       min_splits=4, num_stages=2)),
-                                              (20, 4096, MosaicConfig(products="wgmma")),
                                               (64, 1024, MosaicConfig(rows=4)),
                                               (20, 4096, MosaicConfig(rows=2, min_splits=3)),
-                                              (10, 8192, MosaicConfig(tile_n=128, products="wgmma")),
                                               (20, 4096, MosaicConfig(products="mma")),
                                               (64, 1024, MosaicConfig(rows=4, products="mma")),
                                               (10, 8192, MosaicConfig(tile_n=128, split_keys=2048,
@@ -318,16 +312,15 @@ def test_lowers_with_list_launch():
 
 
 # ------------------------------------------------------------------------------------------------
-# On a GPU (the three products ran on an H200 on 2026-12-03).
+# On a GPU (the products ran on an H200 on 2026-12-03).
 #
 # Every kernel variant compiles on the GPU (about 9 s each on an H100, 2026-12-07: the first 8 tests
 # of this file took 100 s), so each test compiles only the variants no other test covers; what was
 # cut (issue 46), and where each code path still runs:
-# - the products (reduce, mma, wgmma) against the float64 references in every mode, on both head
-#   layouts: test_gpu_modes_against_references_and_dense, all six, kept whole;
-# - against the Triton-lowered kernel, repeatably and rows alone: the two products the engines
-#   run, reduce (the default: plain calls) and mma (reuse launches); wgmma (an explicit config
-#   only) is held to the references by the modes test;
+# - the products (reduce, mma) against the float64 references in every mode, on both head
+#   layouts: test_gpu_modes_against_references_and_dense, all four, kept whole;
+# - against the Triton-lowered kernel, repeatably and rows alone: the two products, reduce (the
+#   default: plain calls) and mma (reuse launches);
 # - the in-kernel list against the list launch: the default products only (the list is made
 #   before any product runs; test_gpu_rows_bitwise_one_row compares both list routes under both
 #   products);

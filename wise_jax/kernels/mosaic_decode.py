@@ -65,8 +65,7 @@ from wise_jax.kernels.mosaic_ptx import (COL, ROW, SCALAR, TILED, WARPGROUP, arr
 LOG2E = math.log2(math.e)
 LIST_CHUNK = 32  # list entries copied to shared memory at least (a TMA moves 128-byte multiples)
 LIST_ALIGN = 4  # int32 entries in 16 bytes: a TMA copy's global address must be 16-byte aligned
-DOT_ROWS = 64  # q padded to this many rows for wgmma (its smallest M)
-PRODUCTS = ("mma", "reduce", "wgmma")  # MosaicConfig.products
+PRODUCTS = ("mma", "reduce")  # MosaicConfig.products
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,12 +75,12 @@ class MosaicConfig:
     in flight per program), products (how a tile's q.K and p.V run: "reduce", layout-hinted
     reductions in f32; "mma", tensor-core mma.sync a warp in raw Mosaic GPU code, `scores_mma` /
     `pv_mma`, the reductions when interpreted: the interpreter does not run raw Mosaic GPU code;
-    "wgmma", wgmma with q in row 0 of a 64-row tile, slower on an H200 and run on a GPU only;
-    `launch_config` picks "mma" for reuse calls).
+    `launch_config` picks "mma" for reuse calls; wgmma, q in row 0 of a 64-row tile, is not
+    offered: slower on an H200, docs/kernels/mosaic_decode.md).
     list_launch: the block list as a launch of its own (`pallas_decode._list_kernel`), always so
     when interpreted; else each program lists its split's blocks itself (`_list_in_kernel`).
     rows: heads a program attends (1, 2 or 4: consecutive heads of one sequence, split s of
-    each, their tiles through one ring), for calls of many short rows (not with wgmma)."""
+    each, their tiles through one ring), for calls of many short rows."""
 
     tile_n: int = 64
     split_keys: int = 1024
@@ -107,8 +106,6 @@ class MosaicConfig:
             raise ValueError(f"MosaicConfig.rows must be 1, 2 or 4, got {self.rows!r}")
         if self.products not in PRODUCTS:
             raise ValueError(f"MosaicConfig.products must be one of {PRODUCTS}, got {self.products!r}")
-        if self.rows > 1 and self.products == "wgmma":
-            raise ValueError("MosaicConfig.rows > 1 does not run with products='wgmma'")
         if not isinstance(self.list_launch, bool):
             raise ValueError(f"MosaicConfig.list_launch must be a bool, got {self.list_launch!r}")
 
@@ -201,13 +198,10 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
     split: the finish leaves them). SMEM: list_smem int32[rows, ...] (each row's split entries),
     meta_smem int32[rows, 2] (n_listed, tail keys), totals_smem int32[4] (per warp counts), q_smem
     [rows, head_dim], k_smem, v_smem [num_stages, tile_n, head_dim] (tiled, swizzled), acc_smem
-    [head_dim] f32, out_smem [head_dim]; extra: with wgmma (rows == 1), q_tile [DOT_ROWS,
-    head_dim] (tiled, swizzled): q in row 0, zeros elsewhere; with merge, the barrier of the
-    merge's copies.
+    [head_dim] f32, out_smem [head_dim]; extra: with merge, the barrier of the merge's copies.
     reuse: a reuse loop's call (rows SPARSE or DENSE): a discovery row's output is NaN (outside
     the contract). merge: the last split of a row to arrive merges the row's splits (`_merge`).
     """
-    q_tile = extra[0] if products == "wgmma" else None
     arrivals = pl.get_global(plgpu.SemaphoreType.REGULAR(counts_ref.shape)) if merge else None
     b, p, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     n_rows = q_smem.shape[0]
@@ -293,16 +287,6 @@ def _split_kernel(modes_ref, seq_lens_ref, list_in_ref, page_table_ref, q_ref, k
                 _layout(jnp.zeros((tile_n, head_dim), jnp.float32), plgpu.Layout.WGMMA, interpret))
 
     def attend():  # the program's tiles (none: a split past the list of each of its rows)
-        if products == "wgmma":
-            row = rows[0]
-            store(row, *_attend_dots(
-                q_smem.at[0], q_tile, k_smem, v_smem, k_bar, v_bar, stat_m_ref, stat_l_ref,
-                fetch, b=b, h=row["h"], lo=row["lo"], hi=row["hi"], n_tiles=n_tiles,
-                n_listed=row["n_listed"], tail_keys=row["tail_keys"], discovering=discovering,
-                block_size=block_size, tile_blocks=tile_blocks, num_stages=num_stages,
-                scale=scale))
-            return
-
         def q_rows(g):  # q of row g: 16-bit (mma) or scaled along the tile's keys (reduce)
             q = _layout(q_smem.at[g][...], COL, interpret)
             if products == "mma":
@@ -562,73 +546,6 @@ def _merge(arrivals, slot_smem, bar, m_ref, l_ref, acc_ref, out_ref, acc_smem, o
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _attend_dots(q_smem, q_tile, k_smem, v_smem, k_bar, v_bar, stat_m_ref, stat_l_ref, fetch, *,
-                 b, h, lo, hi, n_tiles, n_listed, tail_keys, discovering, block_size,
-                 tile_blocks, num_stages, scale):
-    """The split's tiles with q.K and p.V as wgmma (`MosaicConfig.dots`): q in row 0 of a
-    [DOT_ROWS, head_dim] tile, the other rows zero (each row runs its own online softmax; only
-    row 0's is kept). Returns row 0's (max, sum, acc [head_dim])."""
-    wgmma_layout = plgpu.Layout.WGMMA
-    tile_n, head_dim = k_smem.shape[1], k_smem.shape[2]
-    rows = plgpu.broadcasted_iota(jnp.int32, (DOT_ROWS, head_dim), 0, layout=wgmma_layout)
-    q = lax.broadcast_in_dim(plgpu.layout_cast(q_smem[...], COL), (DOT_ROWS, head_dim), [1])
-    q_tile[...] = jnp.where(rows == 0, q, jnp.zeros_like(q))
-    plgpu.commit_smem()
-    key_slot = plgpu.broadcasted_iota(jnp.int32, (DOT_ROWS, tile_n), 1, layout=wgmma_layout)
-    key_block = key_slot // block_size
-    row0 = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (DOT_ROWS,), 0), ROW) == 0
-    slot_keys = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (tile_n,), 0), ROW)
-
-    def first_row(x):  # x [DOT_ROWS] (ROW) -> x[0], exactly (the other rows add zeros)
-        return jnp.sum(jnp.where(row0, x, 0.0))
-
-    def step(t, carry):
-        m, l, acc = carry  # [DOT_ROWS], [DOT_ROWS], [DOT_ROWS, head_dim]: per q row
-        slot = lax.rem(t, num_stages)
-        plgpu.barrier_wait(k_bar.at[slot])
-
-        def qk(acc_ref):
-            plgpu.wgmma(acc_ref, q_tile, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-            return acc_ref[...]
-
-        scores = pl.run_scoped(qk, plgpu.ACC((DOT_ROWS, tile_n), jnp.float32))
-        ok = _valid_keys(lo + t * tile_blocks, key_slot, hi=hi, n_listed=n_listed,
-                         tail_keys=tail_keys, block_size=block_size)
-        scores = jnp.where(ok, scores * scale, -jnp.inf)
-        m_new = jnp.maximum(m, scores.max(axis=1))
-        m_base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m - m_base)
-        p = jnp.exp2(scores - lax.broadcast_in_dim(m_base, scores.shape, [0]))
-
-        pl.when(discovering)(functools.partial(  # row 0's
-            _store_block_stats, stat_m_ref, stat_l_ref, b=b, h=h, first=lo + t * tile_blocks,
-            hi=hi, tile_blocks=tile_blocks, block_m=lambda: first_row(m_base),
-            block_l=lambda j: first_row(jnp.sum(jnp.where(key_block == j, p, 0.0), axis=1))))
-
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        p16 = p.astype(v_smem.dtype)
-        plgpu.barrier_wait(v_bar.at[slot])
-        first = lo + t * tile_blocks
-        _zero_values_past_keys(v_smem.at[slot], _valid_keys(first, slot_keys, hi=hi, n_listed=n_listed,
-                                                            tail_keys=tail_keys, block_size=block_size),
-                               first, hi=hi, n_listed=n_listed, tail_keys=tail_keys, tile_blocks=tile_blocks,
-                               block_size=block_size, interpret=False)
-
-        def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-
-        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-        # Refill the slot once both products have read it (run_state waits for the wgmma).
-        pl.when(t + num_stages < n_tiles)(functools.partial(fetch, t + num_stages, slot))
-        return m_new, l * alpha + p.sum(axis=1), acc
-
-    init = (plgpu.layout_cast(jnp.full((DOT_ROWS,), -jnp.inf, jnp.float32), ROW),
-            plgpu.layout_cast(jnp.zeros((DOT_ROWS,), jnp.float32), ROW),
-            plgpu.layout_cast(jnp.zeros((DOT_ROWS, head_dim), jnp.float32), wgmma_layout))
-    m, l, acc = lax.fori_loop(0, n_tiles, step, init)
-    return first_row(m), first_row(l), jnp.sum(jnp.where(rows == 0, acc, 0.0), axis=0)
-
-
 def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size, scale,
                 config: MosaicConfig, reuse, interpret):
     batch, heads, head_dim = q.shape
@@ -669,8 +586,6 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
                plgpu.Barrier(num_arrivals=rows), plgpu.Barrier(num_arrivals=rows),
                plgpu.Barrier(num_arrivals=tile_blocks, num_barriers=stages),
                plgpu.Barrier(num_arrivals=tile_blocks, num_barriers=stages)]
-    if products == "wgmma":
-        scratch.append(plgpu.SMEM((DOT_ROWS, head_dim), q.dtype, transforms=TILED))
     merge = reuse and interpret is None  # the interpreter has no semaphores: the finish merges
     if merge:
         scratch.append(plgpu.Barrier(num_arrivals=1))
@@ -750,9 +665,6 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
                                reuse=reuse, n_sm=sm_count(interpret))
     if q.shape[1] % config.rows:
         raise ValueError(f"MosaicConfig.rows ({config.rows}) must divide the heads ({q.shape[1]})")
-    if config.products == "wgmma" and interpret:
-        raise ValueError("MosaicConfig(products='wgmma') needs a GPU: jax's GPU interpreter does not run "
-                         "wgmma on a transposed or register operand")
     return tuple(_decode(
         q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size,
         eta=float(eta), scale=float(scale), all_blocks=bool(all_blocks),
