@@ -273,14 +273,20 @@ def _engine_worker(spec: dict) -> dict:
 
 def _old_worker(spec: dict) -> dict:
     """The pre-engine generate, imported from the old source tree (first on the path: PYTHONPATH)."""
+    import inspect
+
     import wise_jax
     from wise_core.wise_config import WiseConfig
     config, params, prompts = cohort_setup(spec)
-    wise_config = WiseConfig(eta=spec["eta"], kernel=spec["kernel"]) if spec["arm"] == "old-wise" else None
+    old_api = "kernel" in inspect.signature(wise_jax.generate).parameters   # a later tree: attention_backend
+    attention = {"kernel" if old_api else "attention_backend": spec["kernel"]}
+    wise_config = None
+    if spec["arm"] == "old-wise":
+        wise_config = WiseConfig(eta=spec["eta"], **({"kernel": spec["kernel"]} if old_api else {}))
 
     def run(tokens: int) -> dict:
         return wise_jax.generate(params, config, prompts, max_new_tokens=tokens, eos_token_id=None,
-                                 wise_config=wise_config, page_size=spec["page_size"], kernel=spec["kernel"]).stats
+                                 wise_config=wise_config, page_size=spec["page_size"], **attention).stats
 
     start = time.perf_counter()
     run(spec["warmup_tokens"])

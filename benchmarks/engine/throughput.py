@@ -244,17 +244,25 @@ def _engine_worker(spec: dict) -> dict:
 
 
 def _old_worker(spec: dict) -> dict:
-    """The pre-engine generate, imported from the old source tree (first on the path: PYTHONPATH)."""
+    """The pre-engine generate, imported from the old source tree (first on the path: PYTHONPATH).
+    That tree names the decode attention `kernel` (of generate and WiseConfig); a later tree given
+    as --old-src (the smoke test runs this one) names it `attention_backend`."""
+    import inspect
+
     import torch
     import wise_torch
     from wise_core.wise_config import WiseConfig
     model = load_model(spec)
     prompts = random_prompts(spec, model.config.vocab_size)
-    wise_config = WiseConfig(eta=spec["eta"], kernel=spec["kernel"]) if spec["arm"] == "old-wise" else None
+    old_api = "kernel" in inspect.signature(wise_torch.generate).parameters
+    attention = {"kernel" if old_api else "attention_backend": spec["kernel"]}
+    wise_config = None
+    if spec["arm"] == "old-wise":
+        wise_config = WiseConfig(eta=spec["eta"], **({"kernel": spec["kernel"]} if old_api else {}))
 
     def run(tokens: int):
         return wise_torch.generate(model, prompts, max_new_tokens=tokens, eos_token_id=None, wise_config=wise_config,
-                                   page_size=spec["page_size"], kernel=spec["kernel"])
+                                   page_size=spec["page_size"], **attention)
 
     with torch.inference_mode():
         run(spec["warmup_tokens"])
