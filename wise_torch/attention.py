@@ -148,7 +148,7 @@ def attention_plan(backend: str, device: torch.device | str, dtype: torch.dtype,
             raise ValueError(f"attention_backend={backend!r} does not read kv_cache_dtype={kv_cache_dtype!r} "
                              f"pages yet: use attention_backend='reference' or 'auto' (which runs the reference "
                              f"for an fp8 cache)")
-        backend = "reference" if backend == "auto" else backend
+        backend = "reference"   # what "auto" and "reference" run over fp8 pages
     if backend == "reference":
         return AttentionPlan(kernel="reference", prefill="sdpa")
     if backend == "triton":
