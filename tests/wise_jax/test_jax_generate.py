@@ -245,7 +245,7 @@ def test_load_model_rejects_a_non_floating_dtype():
     ({"max_new_tokens": 0}, ValueError, "max_new_tokens"),
     ({"top_p": 0.0}, ValueError, "top_p"),
     ({"page_size": 48}, ValueError, "multiple of the block_size"),
-    ({"kernel": "triton"}, ValueError, "unknown JAX decode-attention kernel"),
+    ({"attention_backend": "triton"}, ValueError, "attention_backend 'triton' is not one of wise_jax's"),
     ({"wise_config": WiseConfig(reuse_depths=(2, 4))}, ConfigError, "out of range"),
 ])
 def test_bad_requests_raise(params, kwargs, error, match):
