@@ -48,6 +48,7 @@ def test_eta_095_equals_the_quality_benchmark(params, pairs, monkeypatch):
     contexts, continuations = pairs
     backend = quality.Backend.__new__(quality.Backend)      # the jax backend over these params
     backend.name, backend.params, backend.config, backend.tokenizer = "jax", params, CONFIG, None
+    backend.kernel = "reference"                            # --kernel: its decode kernel
     monkeypatch.setattr(quality, "heldout_contexts", lambda backend, args: list(zip(contexts, continuations)))
     args = argparse.Namespace(etas=[0.95], kernel="reference", greedy=GREEDY, batch=BATCH, seed=0, quiet=True,
                               continuation=8)
