@@ -106,7 +106,8 @@ def test_fp8_pages_pass_within_a_rounding_and_fail_on_a_misplaced_vector():
     moved = [{name: x.copy() for name, x in want[0].items()}]
     moved[0]["v"][1, 7], moved[0]["v_scale"][1, 7] = want[0]["v"][1, 8], want[0]["v_scale"][1, 8]
     diff = fp8.compare_pages(moved, want)
-    assert diff.values_far > 0 and "first value beyond its bound at [plane, token, head, dim] [1, 7," in " ".join(diff.lines)
+    assert diff.values_far > 0
+    assert "first value beyond its bound at [plane, token, head, dim] [1, 7," in " ".join(diff.lines)
     scaled = [{name: x.copy() for name, x in want[0].items()}]
     scaled[0]["k_scale"][0, 0, 0] *= np.float32(1.1)
     assert fp8.compare_pages(scaled, want).scales_far == 1
