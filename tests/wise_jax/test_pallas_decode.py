@@ -22,7 +22,7 @@ from wise_core import kv_quant
 from wise_core import modes as M
 from wise_core import reference as ref
 from wise_core import rounding, split_plan
-from wise_jax.kernels import mosaic_decode
+from wise_jax.kernels import mosaic_decode, pallas_decode
 from wise_jax.kernels.pallas_decode import KernelConfig, config_for, decode_attention
 
 BLOCK = 32
@@ -339,6 +339,20 @@ def fp8_case(seed, spec):
     return fp8, dequantized
 
 
+@pytest.mark.parametrize("interpret", [False, True])
+def test_fp8_codes_decode_to_the_specs_values(interpret):
+    """The kernel's in-register dequantization of every code, at scales from MIN_SCALE to 1e30,
+    into each dtype: bitwise `wise_core.kv_quant.dequantize` (NaN codes NaN), under jit."""
+    codes = np.tile(np.arange(256, dtype=np.uint8), (6, 1))
+    scales = np.array([1.0, kv_quant.MIN_SCALE, 3.7e-3, 0.37, 1e30, 2.5e-20], np.float32)[:, None]
+    for dtype in ("float32", "bfloat16", "float16"):
+        fn = jax.jit(functools.partial(pallas_decode._dequantize, dtype=jnp.dtype(dtype), interpret=interpret))
+        got = np.asarray(fn(jnp.asarray(codes), jnp.asarray(scales)).astype(jnp.float32))
+        want = kv_quant.dequantize(codes[:, None, :], scales, dtype)[:, 0].astype(np.float32)
+        assert np.array_equal(np.isnan(got), np.isnan(want))
+        assert np.array_equal(bits(got)[~np.isnan(got)], bits(want)[~np.isnan(want)]), dtype
+
+
 FP8_GQA = dict(COMBOS["page64-gqa-d48-bf16"], page_size=32, heads=2, kv_heads=1, max_pages=3, seq_lens=[96, 70, 33, 64])
 
 
@@ -348,15 +362,16 @@ def test_fp8_pages_read_as_their_dequantized_values():
     pages (the tests above hold that call to the references), the NaN codes past every row's keys
     reach nothing; against wise_jax.attention.decode_attention_reference reading the same pages,
     within twice each bound (both round) and the same selection up to rounding of the threshold.
-    GQA, padded lanes (head_dim 48), dots in bf16, rows of 3 splits. fp8 pages without both
-    scales are refused."""
+    GQA, padded lanes (head_dim 48), bf16 reductions over tiles of two pages (where the
+    interpreter's XLA would drop the rounding to bf16 unless made explicit: `_dequantize`). fp8
+    pages without both scales are refused."""
     from wise_jax.attention import decode_attention_reference
     fp8, dequantized = fp8_case(6, FP8_GQA)
     modes = [M.DISCOVER, M.DISCOVER_UNION, M.SPARSE, M.DENSE]
     scales = dict(k_scale=fp8["k_scale"], v_scale=fp8["v_scale"])
-    got = run(fp8, modes, config=DOTS, **scales)
+    got = run(fp8, modes, config=SPLIT, **scales)
     assert np.isnan(np.asarray(dequantized["k"].astype(jnp.float32))).any()    # the planted NaN codes
-    for a, b in zip(got, run(dequantized, modes, config=DOTS)):
+    for a, b in zip(got, run(dequantized, modes, config=SPLIT)):
         assert a.dtype == b.dtype and np.array_equal(bits(a), bits(b))
     out, support, mass = got
     assert np.isfinite(np.asarray(out.astype(jnp.float32))).all()
@@ -365,7 +380,7 @@ def test_fp8_pages_read_as_their_dequantized_values():
     ref_out, _, ref_mass = decode_attention_reference(*args, block_size=BLOCK, eta=ETA, return_mass=True, **scales)
     for b in range(4):
         assert_within(np.asarray(out[b].astype(jnp.float32)), np.asarray(ref_out[b].astype(jnp.float32)),
-                      2 * out_bound(dequantized, b, DOTS), f"row {b}")
+                      2 * out_bound(dequantized, b, SPLIT), f"row {b}")
     for b in range(2):
         assert_within(np.asarray(mass[b]), np.asarray(ref_mass[b]), 2 * mass_bound(dequantized, b), f"mass row {b}")
         assert_selection(np.asarray(support[b]), np.asarray(mass[b]), np.asarray(fp8["support"][b]) & (b == 1),

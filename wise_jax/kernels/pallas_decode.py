@@ -182,13 +182,23 @@ def _store_lanes(ref, b, h, x):
     pl_triton.store(ref.at[b, h, dims], x, mask=_lanes(dims, head_dim))
 
 
-def _dequantize(codes, scales, dtype):
+def _dequantize(codes, scales, dtype, interpret: bool):
     """fp8 pages read in registers: codes uint8 [n, width] (e4m3fn bit patterns), scales float32
     [n, 1] -> value(code) * scale in float32, rounded once to `dtype`: `wise_core.kv_quant`'s
     dequantize, bitwise. value(code) is built from the bits with integer ops (the Triton lowering
     has no float8 type to bitcast to): a normal code (exponent e > 0, mantissa m) is the float32
     of sign, exponent e - 7 + 127 and mantissa m << 20, a subnormal one m * 2**-9 (exact), codes
-    0x7F and 0xFF NaN."""
+    0x7F and 0xFF NaN.
+
+    interpret: the kernel runs in the Pallas interpreter, compiled by XLA for the CPU, which
+    drops a float32 -> bfloat16 -> float32 round trip fused into the reduction that reads it
+    (q.k then took the unrounded values: measured, 0.3 % off per score; an optimization barrier
+    does not keep it). There the product is rounded to `dtype`'s values in float32 first:
+    `lax.reduce_precision` (round to nearest even, as the conversion), which XLA keeps, and for
+    float16's subnormals (which XLA's reduce_precision flushes to zero) rint(x / 2**-24) * 2**-24,
+    exact in float32; the conversion is then exact. bfloat16 has no such case here: a nonzero
+    product is >= 2**-125 (`wise_core.kv_quant`: MIN_SCALE), a normal number. The Triton lowering
+    rounds on the conversion (cvt.rn) and keeps it."""
     c = codes.astype(jnp.int32)
     exponent, mantissa, negative = (c >> 3) & 0xF, c & 7, c >= 0x80
     bits = (jnp.where(negative, jnp.int32(-(2 ** 31)), 0) | ((exponent + 120) << 23) | (mantissa << 20))
@@ -197,7 +207,16 @@ def _dequantize(codes, scales, dtype):
     small = jnp.where(negative, -small, small)          # code 0x80: -0.0
     value = jnp.where(exponent == 0, small, normal)
     value = jnp.where((c & 0x7F) == 0x7F, jnp.float32(jnp.nan), value)
-    return (value * scales).astype(dtype)
+    product = value * scales
+    if interpret and jnp.dtype(dtype) != jnp.float32:
+        info = jnp.finfo(dtype)
+        rounded = jax.lax.reduce_precision(product, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+        if jnp.dtype(dtype) == jnp.float16:
+            step = float(info.smallest_subnormal)                       # 2**-24
+            subnormal = jnp.round(product * jnp.float32(1 / step)) * jnp.float32(step)
+            rounded = jnp.where(jnp.abs(product) < jnp.float32(info.tiny), subnormal, rounded)
+        product = rounded
+    return product.astype(dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,7 +322,7 @@ def _select_ranked(mass, eta):
 
 def _split_kernel(seq_lens_ref, modes_ref, support_ref, page_table_ref, q_ref, k_ref, v_ref,
                   *refs, block_size, page_size, tile_blocks, split_blocks, min_splits, scale,
-                  dots, finish, barrier, fp8):
+                  dots, finish, barrier, fp8, interpret):
     """Steps 1 and 2 of the module docstring for program (row b, head h, split s).
 
     page_table_ref: [max_pages]; q_ref: [head_dim]; k_ref, v_ref: [num_pages * page_size,
@@ -318,7 +337,8 @@ def _split_kernel(seq_lens_ref, modes_ref, support_ref, page_table_ref, q_ref, k
     the interpreter, which runs a program's code as one thread). fp8: k_ref, v_ref hold uint8
     e4m3fn codes and refs start with k_scale, v_scale [num_pages * page_size] (this KV head's
     scales); each tile's K/V are dequantized to q's dtype in registers (`_dequantize`), so the
-    rest is the arithmetic of a call on the dequantized pages.
+    rest is the arithmetic of a call on the dequantized pages. interpret: the kernel runs in the
+    Pallas interpreter (`_dequantize`).
     """
     if fp8:
         k_scale_ref, v_scale_ref, *refs = refs
@@ -378,7 +398,8 @@ def _split_kernel(seq_lens_ref, modes_ref, support_ref, page_table_ref, q_ref, k
             if fp8:  # codes -> q's dtype; masked keys and lanes read code 0 (+0.0) and scale 0
                 k_scales = pl_triton.load(k_scale_ref.at[rows], mask=key_ok[:, None], other=0.0)
                 v_scales = pl_triton.load(v_scale_ref.at[rows], mask=key_ok[:, None], other=0.0)
-                k, v = _dequantize(k, k_scales, q_ref.dtype), _dequantize(v, v_scales, q_ref.dtype)
+                k = _dequantize(k, k_scales, q_ref.dtype, interpret)
+                v = _dequantize(v, v_scales, q_ref.dtype, interpret)
             if dots:
                 scores = jax.lax.dot_general(k, q, (((1,), (1,)), ((), ())),
                                              preferred_element_type=jnp.float32)
@@ -604,7 +625,7 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
     del lists["block_size"]
     kernel = functools.partial(
         _split_kernel, block_size=block_size, page_size=page_size, scale=scale * LOG2E,
-        dots=config.dots, finish=finish, barrier=not interpret, fp8=fp8, **lists)
+        dots=config.dots, finish=finish, barrier=not interpret, fp8=fp8, interpret=interpret, **lists)
     return pl.pallas_call(
         kernel,
         grid=(batch, heads, max_splits),
