@@ -10,11 +10,12 @@ the public entry of both implementations (docs/DESIGN.md).
 
 An fp8 K/V cache (`kv_cache.create(..., kv_cache_dtype="fp8")`): k_pages and v_pages are uint8
 e4m3fn codes and `k_scale`, `v_scale` float32 [num_pages, page_size, kv_heads] their scales
-(`wise_core.kv_quant`). Only the reference reads them: it gathers a row's pages and dequantizes
-them to q's dtype, then runs the same code as over unquantized pages, so its output, mass and
-selection are those of attention over the dequantized K/V. The Pallas and Mosaic kernels do not
-read fp8 pages yet: kernel "auto" runs the reference for such a cache on every backend, and
-kernel "pallas" is refused (`resolve_kernel`).
+(`wise_core.kv_quant`). The reference gathers a row's pages and dequantizes them to q's dtype,
+then runs the same code as over unquantized pages, so its output, mass and selection are those of
+attention over the dequantized K/V; the Pallas kernel (`pallas_decode`) dequantizes each tile in
+registers by the same arithmetic, so its call is bitwise its call on the dequantized pages. The
+Mosaic kernel does not read fp8 pages: kernel "auto" runs the reference for such a cache on every
+backend, and kernel "pallas" the Pallas kernel (`resolve_kernel`, `kernels.choice`).
 """
 
 from __future__ import annotations
@@ -145,17 +146,13 @@ def resolve_kernel(kernel: str, head_dim: int | None = None, kv_cache_dtype: str
     kernel that `kernels.choice` may run instead needs a multiple of 64, else the Pallas one
     runs), 'reference' otherwise; other names are checked. The callers that run attention pass
     head_dim, so 'auto' never picks a kernel that refuses it. kv_cache_dtype "fp8" (pages of
-    e4m3fn codes and scales): 'auto' -> 'reference' on every backend, and 'pallas' is a
-    ValueError, as neither the Pallas nor the Mosaic GPU kernel reads fp8 pages yet."""
+    e4m3fn codes and scales): 'auto' -> 'reference' on every backend; 'pallas' runs
+    `pallas_decode`, which reads them (`kernels.choice` never gives them to the Mosaic kernel)."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown JAX decode-attention kernel {kernel!r}; choose one of {KERNELS}")
     if kv_cache_dtype != "auto":
         check_kv_cache_dtype(kv_cache_dtype)
-        if kernel == "pallas":
-            raise ValueError(f"kernel='pallas' (the Pallas and Mosaic GPU decode kernels) does not read "
-                             f"kv_cache_dtype={kv_cache_dtype!r} pages yet: use kernel='reference' or 'auto' "
-                             f"(which runs the reference for an fp8 cache)")
-        return "reference"
+        return "pallas" if kernel == "pallas" else "reference"
     if kernel != "auto":
         return kernel
     if jax.default_backend() not in ("gpu", "cuda", "rocm"):
@@ -197,8 +194,8 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
     supports are the rule's selection of it (`update_support`), so every kernel runs any rule
     unchanged; selection_context: what a Custom(..., context=True) rule reads (`wise_state`
     builds it for each loop and layer). k_scale, v_scale: an fp8 cache's scales, k_pages and
-    v_pages its codes (module docstring): the reference runs ('auto' picks it; 'pallas' is a
-    ValueError, `resolve_kernel`)."""
+    v_pages its codes (module docstring): 'auto' runs the reference, 'pallas' the Pallas kernel
+    (`resolve_kernel`)."""
     if isinstance(selection, rules.Eta):
         eta, selection = selection.eta, None
     if (k_scale is None) != (v_scale is None):
