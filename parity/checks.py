@@ -28,7 +28,7 @@ from typing import Callable
 import numpy as np
 
 from parity import cases
-from parity import kv_quant
+from parity import fp8, kv_quant
 from parity.convert import bits, jax_to_torch, jax_weights, params_differences, tensor_differences, \
     torch_to_jax, torch_weights
 from parity.suite import HUGINN_MODEL, Suite
@@ -578,3 +578,71 @@ def check_huginn_end_to_end(suite: Suite):
         for mode in ("dense", "wise"):
             yield Task(f"torch-{kernels[0]}|jax-{kernels[1]}", f"{HUGINN_MODEL} {mode}", "float32",
                        functools.partial(_huginn_end_to_end, suite, kernels, mode))
+
+
+# -- the fp8 K/V cache: the engines' pages, decode on them, attention over fp8 pages ---------------
+def _fp8_pages(suite: Suite, mode: str) -> Measured:
+    torch_run, jax_run = (suite.fp8_forced(framework, mode, "fp8") for framework in ("torch", "jax"))
+    diff = fp8.compare_pages(torch_run.pages, jax_run.pages)
+    wrong = diff.values_far + diff.scales_far
+    detail = (f"{diff.codes} of {diff.entries} codes differ ({diff.fraction:.2g}), {diff.values_far} values beyond "
+              f"their bound (largest at {diff.largest_ratio:.2g} of it); {diff.scales} of {diff.vectors} scales "
+              f"differ, {diff.scales_far} by more than 2**-5 relative; " + "; ".join(diff.lines[:SHOWN]))
+    return Measured(wrong == 0, wrong, 0, "values, scales beyond their bounds", detail)
+
+
+@check("fp8-pages", "the fp8 pages torch's and JAX's engines write for the same model and prompts (prefill, "
+                    "decode steps; dense and WISE): dequantized values within both roundings plus 2**-5 of the "
+                    "vector's amax, scales within 2**-5 (equal K/V give equal bytes: kv-quant; the frameworks' "
+                    "K/V differ by rounding)")
+def check_fp8_pages(suite: Suite):
+    for mode in suite.settings.fp8_modes:
+        yield Task("torch|jax", f"{suite.settings.fp8_model} {mode}", "float32",
+                   functools.partial(_fp8_pages, suite, mode))
+
+
+def _fp8_end_to_end(suite: Suite, mode: str) -> Measured:
+    torch_run, jax_run = (suite.fp8_forced(framework, mode, "fp8") for framework in ("torch", "jax"))
+    unquantized = suite.fp8_forced("torch", mode, "auto")
+    fraction = fp8.compare_pages(torch_run.pages, jax_run.pages).fraction
+    config = suite.checkpoint(suite.settings.fp8_model).config
+    bound, effect, base = fp8.forced_bound(config, torch_run.logprobs, jax_run.logprobs, unquantized.logprobs,
+                                           fraction)
+    err = max(float(np.abs(t.astype(np.float64) - j).max()) for t, j in zip(torch_run.logprobs, jax_run.logprobs))
+    detail = (f"{sum(map(len, torch_run.logprobs))} forced tokens; bound = model_bound {base:.3g} + sqrt(12 f) E: "
+              f"f = {fraction:.3g} codes differ (fp8-pages), E = {effect:.3g} (fp8 against the unquantized "
+              f"cache, torch)")
+    if torch_run.density is not None and mode == "wise":
+        detail += f"; WISE density torch {_density(torch_run.density)}, jax {_density(jax_run.density)}"
+    return Measured(err <= bound, err, bound, "max |diff| log-prob", detail)
+
+
+@check("fp8-end-to-end", "torch's and JAX's engines on fp8 caches, teacher-forced (dense and WISE): log-probs "
+                         "within model_bound plus the effect of the codes that differ (parity.fp8.forced_bound)")
+def check_fp8_end_to_end(suite: Suite):
+    for mode in suite.settings.fp8_modes:
+        yield Task("torch-reference|jax-reference", f"{suite.settings.fp8_model} {mode} forced", "float32",
+                   functools.partial(_fp8_end_to_end, suite, mode))
+
+
+def _fp8_decode_vs_spec(suite: Suite, impl, case, dtype) -> Measured:
+    out = worst_row(case, suite.decode(impl, case, dtype, "mixed").out, suite.spec(case, dtype, "mixed")[0],
+                    row_bounds(suite, case, dtype, "mixed"))
+    mass = worst_row(case, suite.decode(impl, case, dtype, "discover").mass, suite.spec(case, dtype, "discover")[1],
+                     mass_bounds(case, dtype))
+    passed = out.passed and mass.passed
+    detail = f"out: {out.detail}; DISCOVER mass: {mass.measured:.3g} <= {mass.bound:.3g} {mass.detail}"
+    return Measured(passed, out.measured, out.bound, "max |diff| out", detail if passed else "FAILED " + detail)
+
+
+@check("fp8-decode", "decode_attention on fp8 pages (codes and scales, quantized by the numpy spec), each "
+                     "kernel that reads them: output (mixed DENSE and SPARSE rows) and DISCOVER mass within their "
+                     "bounds of the float64 spec over the dequantized pages, torch vs JAX within twice it")
+def check_fp8_decode(suite: Suite):
+    impls = [impl for impl in suite.impls if impl.reads_fp8()]
+    fp8_cases = fp8.fp8_attention_cases(suite.settings.quick)
+    for impl, case, dtype in itertools.product(impls, fp8_cases, suite.settings.attention_dtypes):
+        yield Task(impl.name, case.name, dtype, functools.partial(_fp8_decode_vs_spec, suite, impl, case, dtype))
+    pairs = itertools.product([i for i in impls if i.framework == "torch"], [i for i in impls if i.framework == "jax"])
+    for (a, b), case, dtype in itertools.product(pairs, fp8_cases, suite.settings.attention_dtypes):
+        yield Task(f"{a.name}|{b.name}", case.name, dtype, functools.partial(_masked_pair, suite, a, b, case, dtype))

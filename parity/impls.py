@@ -62,29 +62,47 @@ class Impl:
             return f"{type(e).__name__}: {e}"
         return None
 
+    def reads_fp8(self) -> bool:
+        """Whether the kernel reads fp8 pages (codes and scales) here: its framework's
+        resolve_kernel accepts kv_cache_dtype 'fp8' for it."""
+        try:
+            if self.framework == "torch":
+                torch_attention.resolve_kernel(self.kernel, self.device, None, "fp8")
+            else:
+                jax_attention.resolve_kernel(self.kernel, None, "fp8")
+        except (ImportError, RuntimeError, ValueError):
+            return False
+        return True
+
     def to_device(self, inputs: dict[str, np.ndarray], dtype: str) -> dict:
         """The fixed inputs of a case (see `cases.AttentionCase.inputs`) as this framework's arrays
-        on its device: q, k_pages, v_pages in `dtype`; page_table, seq_lens."""
+        on its device: q, k_pages, v_pages in `dtype`; page_table, seq_lens; for fp8 pages
+        (`parity.fp8.Fp8AttentionCase.fp8_inputs`) k_pages, v_pages as their uint8 codes and
+        k_scale, v_scale float32."""
+        names = _FIXED + tuple(name for name in _SCALES if name in inputs)
+
+        def dtype_of(name):
+            return dtype if name in _FLOATS and inputs[name].dtype != np.uint8 else None
         if self.framework == "torch":
-            dt = getattr(torch, dtype)
-            return {name: torch.from_numpy(np.array(inputs[name])).to(self.device, dt if name in _FLOATS else None)
-                    for name in _FIXED}
-        dt = getattr(jnp, dtype)
-        return {name: jnp.asarray(inputs[name], dt if name in _FLOATS else None) for name in _FIXED}
+            return {name: torch.from_numpy(np.array(inputs[name])).to(
+                self.device, getattr(torch, dtype_of(name)) if dtype_of(name) else None) for name in names}
+        return {name: jnp.asarray(inputs[name], getattr(jnp, dtype_of(name)) if dtype_of(name) else None)
+                for name in names}
 
     def decode(self, arrays: dict, modes: np.ndarray, support: np.ndarray, *, block_size: int,
                eta: float) -> Decoded:
         """decode_attention(kernel=self.kernel) on `to_device` arrays, per-row modes int32[batch]
         and support bool[batch, heads, max_blocks] (numpy; not modified)."""
         fixed = [arrays[name] for name in _FIXED]
+        scales = {name: arrays[name] for name in _SCALES if name in arrays}   # fp8 pages
         if self.framework == "torch":
             out, new_support, mass = torch_attention.decode_attention(
                 *fixed, torch.from_numpy(np.array(modes)).to(self.device),
                 torch.from_numpy(np.array(support)).to(self.device), block_size=block_size, eta=eta,
-                return_mass=True, kernel=self.kernel)
+                return_mass=True, kernel=self.kernel, **scales)
             return Decoded(out.float().cpu().numpy(), new_support.cpu().numpy(), mass.float().cpu().numpy())
         out, new_support, mass = _jax_decode(*fixed, jnp.asarray(modes), jnp.asarray(support), block_size=block_size,
-                                             eta=eta, return_mass=True, kernel=self.kernel)
+                                             eta=eta, return_mass=True, kernel=self.kernel, **scales)
         return Decoded(np.asarray(out.astype(jnp.float32)), np.asarray(new_support), np.asarray(mass, np.float32))
 
 
@@ -92,6 +110,7 @@ class Impl:
 _jax_decode = jax.jit(jax_attention.decode_attention, static_argnames=("block_size", "eta", "return_mass", "kernel"))
 _FIXED = ("q", "k_pages", "v_pages", "page_table", "seq_lens")
 _FLOATS = ("q", "k_pages", "v_pages")
+_SCALES = ("k_scale", "v_scale")
 
 
 def discover_impls(device: str) -> tuple[list[Impl], dict[str, str]]:

@@ -15,7 +15,7 @@ import torch
 
 import wise_jax
 import wise_torch
-from parity import cases, huginn
+from parity import cases, fp8, huginn
 from parity import kv_quant
 from parity.convert import DTYPES
 from parity.impls import Decoded, Impl, discover_impls, jax_backend
@@ -24,6 +24,7 @@ from wise_core import modes as M
 from wise_core.checkpoint import DEFAULT_MODEL, Checkpoint, load_checkpoint, random_tensors, save_checkpoint
 from wise_core.wise_config import WiseConfig, huginn_wise_config
 from wise_jax import huginn as jax_huginn
+from wise_jax import kv_cache as jax_kv_cache
 from wise_torch import huginn as torch_huginn
 
 HUGINN_MODEL = "test-tiny-huginn"   # the Huginn rows' model (random weights, `cases.MODELS`)
@@ -76,6 +77,9 @@ class Settings:
     huginn_kernels: tuple[tuple[str, str], ...] = (("reference", "reference"),)   # torch|jax end to end
     huginn_every_impl: bool = False   # Huginn all-blocks rows for every kernel (GPU), else the references
     # (interpreted kernels on CPU: the same calls as Ouro's all-blocks rows, at many times their cost)
+    fp8_model: str = "test-tiny-gqa"                                  # the fp8 engine rows (`parity.fp8`)
+    fp8_workload: cases.Workload = cases.Workload((70, 133), 4)       # prefill, 3 decode steps forced
+    fp8_modes: tuple[str, ...] = ("wise",)   # CPU: WISE's first loop discovers densely, its others reuse
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -115,6 +119,7 @@ class Settings:
                      ("medium-random", kernels, "dense", "bfloat16"), ("medium-random", kernels, "wise", "bfloat16")]
         e2e = tuple(EndToEnd(model, *k, mode, dtype, work) for model, k, mode, dtype in runs)
         return cls(quick, device, cases.attention_cases(False), cases.DTYPES, "medium-random", work, e2e,
+                   fp8_model="medium-random", fp8_workload=work, fp8_modes=("dense", "wise"),
                    huginn_workload=cases.Workload((200, 700), 16),
                    huginn_kernels=(("reference", "reference"),) + ((kernels,) if gpu else ()),
                    huginn_every_impl=gpu)
@@ -192,8 +197,9 @@ class Suite:
     def decode(self, impl: Impl, case: cases.AttentionCase, dtype: str, call: str) -> Decoded:
         """One call of `CALLS` by `impl` (the case's arrays are moved to the device once)."""
         def run() -> Decoded:
+            inputs = case.fp8_inputs if isinstance(case, fp8.Fp8AttentionCase) else case.inputs
             arrays = self._once(("arrays", impl.framework, impl.device, case, dtype),
-                                lambda: impl.to_device(case.inputs(dtype), dtype))
+                                lambda: impl.to_device(inputs(dtype), dtype))
             modes, support = self.call_inputs(case, dtype, call)
             return impl.decode(arrays, modes, support, block_size=case.block_size, eta=case.eta)
         return self._once(("decode", impl, case, dtype, call), run)
@@ -214,6 +220,42 @@ class Suite:
             codes, scales = quantizer.quantize(case.inputs(dtype))
             return codes, scales, {out: quantizer.dequantize(codes, scales, out) for out in kv_quant.DTYPES}
         return self._once(("kv-quant", name, case, dtype), run)
+
+    # -- the fp8 K/V cache in the engines -------------------------------------------------------
+    def forced_tokens(self, model: str, workload: cases.Workload) -> tuple[list[list[int]], list[list[int]]]:
+        """(contexts, continuations) of the teacher-forced runs: the workload's prompts and a
+        seeded random continuation of workload.max_new_tokens tokens after each."""
+        vocab = self.checkpoint(model).config.vocab_size
+        contexts = workload.prompts(vocab)
+        rng = np.random.default_rng(workload.seed + 1)
+        return contexts, [rng.integers(0, vocab, workload.max_new_tokens).tolist() for _ in contexts]
+
+    def fp8_forced(self, framework: str, mode: str, kv_cache_dtype: str) -> fp8.ForcedRun:
+        """The settings' fp8 model and workload teacher-forced through `framework`'s engine
+        (`LLM(..., kv_cache_dtype=...)`, the reference kernel, every request admitted at once, no
+        prefix caching), mode 'dense' or 'wise' (`_wise_config`), float32; its pages read as it
+        runs (`parity.fp8.forced_run`)."""
+        def run() -> fp8.ForcedRun:
+            model, work = self.settings.fp8_model, self.settings.fp8_workload
+            contexts, continuations = self.forced_tokens(model, work)
+            lengths = [len(c) + len(f) for c, f in zip(contexts, continuations)]
+            page_size = 32
+            args = dict(wise_config=self._wise_config(mode), attention_backend="reference",
+                        num_pages=sum(-(-n // page_size) for n in lengths), page_size=page_size,
+                        max_num_seqs=len(lengths), max_model_len=max(lengths), enable_prefix_caching=False,
+                        kv_cache_dtype=kv_cache_dtype, seed=0)
+            if framework == "torch":
+                llm = wise_torch.LLM(self.torch_model(model), **args)
+                cache = llm.runner.cache
+                return fp8.forced_run(llm, lambda: {name: getattr(cache, name).cpu().numpy()
+                                                    for name in cache.storage_names()}, contexts, continuations)
+            config, params = self.jax_model(model)
+            with jax_precision("float32"):
+                llm = wise_jax.LLM(params, config, **args)
+                return fp8.forced_run(llm, lambda: {name: np.asarray(getattr(llm.cache, name))
+                                                    for name in jax_kv_cache.storage_names(llm.cache)},
+                                      contexts, continuations)
+        return self._once(("fp8-forced", framework, mode, kv_cache_dtype), run)
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, framework: str, model: str, kernel: str, mode: str, workload: cases.Workload,
@@ -284,10 +326,7 @@ class Suite:
         prompt: both frameworks score the same tokens, so low-precision runs cannot diverge."""
         def run() -> Generated:
             wise_config = self._wise_config(mode)
-            vocab = self.checkpoint(model).config.vocab_size
-            contexts = workload.prompts(vocab)
-            rng = np.random.default_rng(workload.seed + 1)
-            continuations = [rng.integers(0, vocab, workload.max_new_tokens).tolist() for _ in contexts]
+            contexts, continuations = self.forced_tokens(model, workload)
             if framework == "torch":
                 out = wise_torch.teacher_force(self.torch_model(model, dtype), contexts, continuations,
                                                wise_config=wise_config, attention_backend=kernel)

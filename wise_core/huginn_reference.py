@@ -53,6 +53,7 @@ from wise_core import reference as wise_ref
 from wise_core.adaptive_depth import AdaptiveDepth
 from wise_core.checkpoint import huginn_layers, validate_tensors
 from wise_core.model_config import ModelConfig
+from wise_core.ouro_reference import rms_norm
 from wise_core.wise_config import WiseConfig
 
 
@@ -118,10 +119,6 @@ def huginn_weights(config: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[
     if config.tie_word_embeddings:
         out["lm_head.weight"] = out["transformer.wte.weight"]
     return out
-
-
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight
 
 
 def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:

@@ -11,12 +11,13 @@ the public entry of both implementations (docs/DESIGN.md).
 
 An fp8 K/V cache (`kv_cache.create(..., kv_cache_dtype="fp8")`): k_pages and v_pages are uint8
 e4m3fn codes and `k_scale`, `v_scale` float32 [num_pages, page_size, kv_heads] their scales
-(`wise_core.kv_quant`). Only the reference reads them: it gathers a row's pages and dequantizes
-them to q's dtype, then runs the same code as over unquantized pages, so its output, mass and
-selection are those of attention over the dequantized K/V. The Pallas and Mosaic kernels do not
-read fp8 pages yet: kernel "auto" (attention_backend "auto") runs the reference for such a cache
-on every backend, and kernel (attention_backend) "pallas" is refused (`resolve_kernel`,
-`attention_plan`).
+(`wise_core.kv_quant`). The reference gathers a row's pages and dequantizes them to q's dtype,
+then runs the same code as over unquantized pages, so its output, mass and selection are those of
+attention over the dequantized K/V; the Pallas kernel (`pallas_decode`) dequantizes each tile in
+registers by the same arithmetic, so its call is bitwise its call on the dequantized pages. The
+Mosaic kernel does not read fp8 pages: kernel (attention_backend) "auto" runs the reference for
+such a cache on every backend, and "pallas" the Pallas kernel (`resolve_kernel`,
+`attention_plan`, `kernels.choice`).
 """
 
 from __future__ import annotations
@@ -151,17 +152,13 @@ def resolve_kernel(kernel: str, head_dim: int | None = None, kv_cache_dtype: str
     kernel that `kernels.choice` may run instead needs a multiple of 64, else the Pallas one
     runs), 'reference' otherwise; other names are checked. The callers that run attention pass
     head_dim, so 'auto' never picks a kernel that refuses it. kv_cache_dtype "fp8" (pages of
-    e4m3fn codes and scales): 'auto' -> 'reference' on every backend, and 'pallas' is a
-    ValueError, as neither the Pallas nor the Mosaic GPU kernel reads fp8 pages yet."""
+    e4m3fn codes and scales): 'auto' -> 'reference' on every backend; 'pallas' runs
+    `pallas_decode`, which reads them (`kernels.choice` never gives them to the Mosaic kernel)."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown JAX decode-attention kernel {kernel!r}; choose one of {KERNELS}")
     if kv_cache_dtype != "auto":
         check_kv_cache_dtype(kv_cache_dtype)
-        if kernel == "pallas":
-            raise ValueError(f"kernel='pallas' (the Pallas and Mosaic GPU decode kernels) does not read "
-                             f"kv_cache_dtype={kv_cache_dtype!r} pages yet: use kernel='reference' or 'auto' "
-                             f"(which runs the reference for an fp8 cache)")
-        return "reference"
+        return "pallas" if kernel == "pallas" else "reference"
     if kernel != "auto":
         return kernel
     if jax.default_backend() not in ("gpu", "cuda", "rocm"):
@@ -189,14 +186,10 @@ def attention_plan(backend: str, head_dim: int, kv_cache_dtype: str = "auto") ->
     is chosen; docs/attention.md): "auto": the decode kernel `resolve_kernel("auto")` picks (the
     Pallas kernels on a GPU for a head_dim they take, else the reference), prefill "auto";
     "pallas": the Pallas kernels, prefill "auto"; "reference": the jnp decode reference and
-    the chunked jnp prefill. kv_cache_dtype "fp8": "auto" is "reference", and "pallas" is a
-    ValueError (the kernels do not read fp8 pages yet)."""
+    the chunked jnp prefill. kv_cache_dtype "fp8": "auto" decodes with the reference, "pallas"
+    with the Pallas kernel that reads fp8 pages (`kernels.choice`: never Mosaic)."""
     if backend not in JAX_BACKENDS:
         raise ValueError(f"attention_backend {backend!r} is not one of wise_jax's ({', '.join(JAX_BACKENDS)})")
-    if check_kv_cache_dtype(kv_cache_dtype) != "auto" and backend == "pallas":
-        raise ValueError(f"attention_backend='pallas' does not read kv_cache_dtype={kv_cache_dtype!r} pages yet (the "
-                         f"Pallas and Mosaic GPU decode kernels): use attention_backend='reference' or 'auto' "
-                         f"(which runs the reference for an fp8 cache)")
     kernel = resolve_kernel(backend, head_dim, kv_cache_dtype)
     return AttentionPlan(kernel=kernel, prefill="chunked" if backend == "reference" else "auto")
 
@@ -232,8 +225,8 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
     supports are the rule's selection of it (`update_support`), so every kernel runs any rule
     unchanged; selection_context: what a Custom(..., context=True) rule reads (`wise_state`
     builds it for each loop and layer). k_scale, v_scale: an fp8 cache's scales, k_pages and
-    v_pages its codes (module docstring): the reference runs ('auto' picks it; 'pallas' is a
-    ValueError, `resolve_kernel`)."""
+    v_pages its codes (module docstring): 'auto' runs the reference, 'pallas' the Pallas kernel
+    (`resolve_kernel`)."""
     if isinstance(selection, rules.Eta):
         eta, selection = selection.eta, None
     if (k_scale is None) != (v_scale is None):

@@ -74,13 +74,18 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def config_of(config, what: str = "config") -> None:
-    """config must be a ModelConfig of an Ouro model (wise_jax.huginn runs Huginn's)."""
+def _architecture(config, architecture: str, what: str, runs: str) -> None:
+    """config must be a ModelConfig of an `architecture` model, else an error saying what `runs` it."""
     if not isinstance(config, ModelConfig):
         raise TypeError(f"{what} must be a wise_core ModelConfig, got {type(config).__name__}")
-    if config.architecture != "ouro":
-        raise ValueError(f"{what} is a {config.architecture} model's; this function runs Ouro models "
-                         f"(wise_jax.huginn runs Huginn's)")
+    if config.architecture != architecture:
+        article = "an" if config.architecture[:1] in tuple("aeiou") else "a"
+        raise ValueError(f"{what} is {article} {config.architecture} model's; {runs}")
+
+
+def config_of(config, what: str = "config") -> None:
+    """config must be a ModelConfig of an Ouro model (wise_jax.huginn runs Huginn's)."""
+    _architecture(config, "ouro", what, "this function runs Ouro models (wise_jax.huginn runs Huginn's)")
 
 
 def params(params, config: ModelConfig, what: str = "params") -> None:
@@ -434,11 +439,7 @@ BLOCK_FIELDS = ("qkv", "qkv_bias", "proj", "fc", "mlp_proj", "norm_1", "norm_2",
 
 def huginn_config(config, what: str = "config") -> None:
     """config must be a ModelConfig of a Huginn model (wise_jax.model runs Ouro's)."""
-    if not isinstance(config, ModelConfig):
-        raise TypeError(f"{what} must be a wise_core ModelConfig, got {type(config).__name__}")
-    if config.architecture != "huginn":
-        raise ValueError(f"{what} is an {config.architecture} model's; wise_jax.huginn runs Huginn models "
-                         f"(wise_jax.model runs Ouro's)")
+    _architecture(config, "huginn", what, "wise_jax.huginn runs Huginn models (wise_jax.model runs Ouro's)")
 
 
 def num_steps(value) -> int:

@@ -2,7 +2,8 @@
 and scales as each other and as the numpy specification (`wise_core.kv_quant`), bitwise, in
 every cache dtype; and it fails, naming the array and the first differing value, when one
 implementation computes x / scale by a division instead of the rule's multiplication by the
-float32 reciprocal, or writes one byte otherwise."""
+float32 reciprocal, or writes one byte otherwise. The fp8-pages rows' comparison of two engines'
+pages (`parity.fp8.compare_pages`) fails on a misplaced vector or scale."""
 
 import dataclasses
 
@@ -79,3 +80,34 @@ def test_one_byte_off_fails_the_jax_rows_only():
     assert failed and {r.impl for r in failed} == {"torch|jax", "jax vs numpy-spec"}
     assert len(failed) == 2 * len(kv_quant.kv_quant_cases(quick=True)) * len(kv_quant.DTYPES)
     assert all(r.measured >= 1 and r.detail.startswith("codes: 1 of ") for r in failed)
+
+
+def fp8_pages(seed=0) -> list[dict]:
+    """One request's pages as an engine holds them: 2 planes, 12 tokens, 2 KV heads of 16."""
+    rng = np.random.default_rng(seed)
+    pages = {}
+    for name in ("k", "v"):
+        pages[name], pages[f"{name}_scale"] = spec.quantize(rng.standard_normal((2, 12, 2, 16)).astype(np.float32))
+    return [pages]
+
+
+def test_fp8_pages_pass_within_a_rounding_and_fail_on_a_misplaced_vector():
+    """`parity.fp8.compare_pages` (the fp8-pages rows): a value moved by one e4m3fn step or a scale by
+    an ulp is within the bound; another token's vector in a slot, or a scale 10 % off, is not."""
+    from parity import fp8
+    want = fp8_pages()
+    near = [{name: x.copy() for name, x in want[0].items()}]
+    top = np.argmax(want[0]["k"][0, 3, 1] & 0x7F)                         # the vector's amax: its top code
+    near[0]["k"][0, 3, 1, top] -= 1                                       # one step down
+    near[0]["v_scale"][1, 5, 0] = np.nextafter(near[0]["v_scale"][1, 5, 0], np.float32(1))
+    diff = fp8.compare_pages(near, want)
+    assert (diff.codes, diff.scales, diff.values_far, diff.scales_far) == (1, 1, 0, 0)
+    assert diff.fraction == 1 / (2 * want[0]["k"].size) and 0.5 < diff.largest_ratio < 1   # 32 s of 46 s
+    moved = [{name: x.copy() for name, x in want[0].items()}]
+    moved[0]["v"][1, 7], moved[0]["v_scale"][1, 7] = want[0]["v"][1, 8], want[0]["v_scale"][1, 8]
+    diff = fp8.compare_pages(moved, want)
+    assert diff.values_far > 0
+    assert "first value beyond its bound at [plane, token, head, dim] [1, 7," in " ".join(diff.lines)
+    scaled = [{name: x.copy() for name, x in want[0].items()}]
+    scaled[0]["k_scale"][0, 0, 0] *= np.float32(1.1)
+    assert fp8.compare_pages(scaled, want).scales_far == 1

@@ -3,7 +3,7 @@ per (token, KV head), None scales and the unchanged pytree of an unquantized cac
 hold bitwise `wise_jax.kv_quant.quantize` of what was written (write_token, insert, prefill's
 chunks), copies of entries that never quantize twice (read_token -> write_token, read_pages ->
 write_pages), the decode reference over fp8 pages equal to attention over the dequantized K/V
-(every mode, mass and selection too), and the fast kernels refused. CPU, float32 unless said."""
+(every mode, mass and selection too), and the kernels that read them. CPU, float32 unless said."""
 
 import dataclasses
 
@@ -21,6 +21,7 @@ from wise_jax import attention as A
 from wise_jax import kv_cache as kvc
 from wise_jax import kv_quant
 from wise_jax.chunked_prefill import prefill_chunks
+from wise_jax.kernels import choice
 
 CONFIG = PRESETS["test-tiny"]      # 8 planes, 2 KV heads of head_dim 64
 PLANES = CONFIG.total_ut_steps * CONFIG.num_hidden_layers
@@ -207,17 +208,18 @@ def test_decode_reference_on_fp8_pages_is_attention_over_the_dequantized_k_v(dty
     assert np.asarray(want[0], np.float32).std() > 0.1       # not a degenerate case
 
 
-def test_fast_kernels_do_not_read_fp8_pages():
-    with pytest.raises(ValueError, match=r"kernel='pallas' .* does not read kv_cache_dtype='fp8'"):
-        A.resolve_kernel("pallas", 64, "fp8")
+def test_kernels_of_fp8_pages_and_refusals(monkeypatch):
+    """'pallas' runs the Pallas kernel (it reads fp8 pages: tests/wise_jax/test_pallas_decode.py),
+    never the Mosaic one, on any GPU; fp8 pages without both scales are refused."""
+    assert A.resolve_kernel("pallas", 64, "fp8") == "pallas"
     assert A.resolve_kernel("reference", 64, "fp8") == "reference"
+    monkeypatch.setattr(choice, "uses_mosaic", lambda head_dim, dtype: True)     # a Hopper GPU
+    monkeypatch.setattr(choice.pallas_decode, "decode_attention", lambda *a, **kw: "pallas_decode")
+    assert choice.decode_attention(*([None] * 7), k_scale=1, v_scale=1) == "pallas_decode"
     rng = np.random.default_rng(4)
     (codes, scale) = spec.quantize(_pages(rng))
     args = (jnp.ones((1, 2, 64)), jnp.asarray(codes), jnp.asarray(codes), jnp.zeros((1, 1), jnp.int32),
             jnp.array([5], jnp.int32), jnp.zeros((1,), jnp.int32), jnp.ones((1, 2, 1), bool))
-    with pytest.raises(ValueError, match="kernel='pallas'"):
-        A.decode_attention(*args, block_size=32, eta=0.9, kernel="pallas", k_scale=jnp.asarray(scale),
-                           v_scale=jnp.asarray(scale))
     with pytest.raises(ValueError, match="k_scale and v_scale must be given together"):
         A.decode_attention(*args, block_size=32, eta=0.9, kernel="reference", k_scale=jnp.asarray(scale))
     with pytest.raises(ValueError, match="q, k_pages and v_pages must share one dtype"):   # codes without scales

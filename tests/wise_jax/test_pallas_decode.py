@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 
 from cases import held_slots
+from wise_core import kv_quant
 from wise_core import modes as M
 from wise_core import reference as ref
 from wise_core import rounding, split_plan
-from wise_jax.kernels import mosaic_decode
+from wise_jax.kernels import mosaic_decode, pallas_decode
 from wise_jax.kernels.pallas_decode import KernelConfig, config_for, decode_attention
 
 BLOCK = 32
@@ -321,6 +322,75 @@ def test_matches_jnp_reference():
     assert np.array_equal(np.asarray(support), np.asarray(ref_support))
 
 
+def fp8_case(seed, spec):
+    """(the case with fp8 pages: k, v uint8 e4m3fn codes and k_scale, v_scale float32, by
+    `wise_core.kv_quant`; the case with their dequantized pages in the case's dtype). Codes
+    planted: -0 (0x80) at some of a row's keys, NaN (0x7F) in every slot past the rows' keys."""
+    case = make_case(seed, **spec)
+    dtype = jnp.dtype(spec["dtype"]).name
+    held = held_slots(case["page_table"], case["seq_lens"], *case["k"].shape[:2])
+    fp8, dequantized = dict(case), dict(case)
+    for name in ("k", "v"):
+        codes, scales = kv_quant.quantize(np.asarray(case[name].astype(jnp.float32)))
+        codes[~held] = kv_quant.NAN_CODE
+        codes[held.nonzero()[0][:5], held.nonzero()[1][:5], :, ::7] = 0x80
+        fp8[name], fp8[f"{name}_scale"] = jnp.asarray(codes), jnp.asarray(scales)
+        dequantized[name] = jnp.asarray(kv_quant.dequantize(codes, scales, dtype))
+    return fp8, dequantized
+
+
+@pytest.mark.parametrize("interpret", [False, True])
+def test_fp8_codes_decode_to_the_specs_values(interpret):
+    """The kernel's in-register dequantization of every code, at scales from MIN_SCALE to 1e30,
+    into each dtype: bitwise `wise_core.kv_quant.dequantize` (NaN codes NaN), under jit."""
+    codes = np.tile(np.arange(256, dtype=np.uint8), (6, 1))
+    scales = np.array([1.0, kv_quant.MIN_SCALE, 3.7e-3, 0.37, 1e30, 2.5e-20], np.float32)[:, None]
+    for dtype in ("float32", "bfloat16", "float16"):
+        fn = jax.jit(functools.partial(pallas_decode._dequantize, dtype=jnp.dtype(dtype), interpret=interpret))
+        got = np.asarray(fn(jnp.asarray(codes), jnp.asarray(scales)).astype(jnp.float32))
+        want = kv_quant.dequantize(codes[:, None, :], scales, dtype)[:, 0].astype(np.float32)
+        assert np.array_equal(np.isnan(got), np.isnan(want))
+        assert np.array_equal(bits(got)[~np.isnan(got)], bits(want)[~np.isnan(want)]), dtype
+
+
+FP8_GQA = dict(COMBOS["page64-gqa-d48-bf16"], page_size=32, heads=2, kv_heads=1, max_pages=3, seq_lens=[96, 70, 33, 64])
+
+
+def test_fp8_pages_read_as_their_dequantized_values():
+    """k_scale, v_scale: the kernel reads fp8 pages, dequantized in registers by the spec's
+    arithmetic: every mode's output, support' and mass are bitwise the call's on the dequantized
+    pages (the tests above hold that call to the references), the NaN codes past every row's keys
+    reach nothing; against wise_jax.attention.decode_attention_reference reading the same pages,
+    within twice each bound (both round) and the same selection up to rounding of the threshold.
+    GQA, padded lanes (head_dim 48), bf16 reductions over tiles of two pages (where the
+    interpreter's XLA would drop the rounding to bf16 unless made explicit: `_dequantize`). fp8
+    pages without both scales are refused."""
+    from wise_jax.attention import decode_attention_reference
+    fp8, dequantized = fp8_case(6, FP8_GQA)
+    modes = [M.DISCOVER, M.DISCOVER_UNION, M.SPARSE, M.DENSE]
+    scales = dict(k_scale=fp8["k_scale"], v_scale=fp8["v_scale"])
+    got = run(fp8, modes, config=SPLIT, **scales)
+    assert np.isnan(np.asarray(dequantized["k"].astype(jnp.float32))).any()    # the planted NaN codes
+    for a, b in zip(got, run(dequantized, modes, config=SPLIT)):
+        assert a.dtype == b.dtype and np.array_equal(bits(a), bits(b))
+    out, support, mass = got
+    assert np.isfinite(np.asarray(out.astype(jnp.float32))).all()
+    args = (fp8["q"], fp8["k"], fp8["v"], fp8["page_table"], fp8["seq_lens"], jnp.asarray(modes, jnp.int32),
+            fp8["support"])
+    ref_out, _, ref_mass = decode_attention_reference(*args, block_size=BLOCK, eta=ETA, return_mass=True, **scales)
+    for b in range(4):
+        assert_within(np.asarray(out[b].astype(jnp.float32)), np.asarray(ref_out[b].astype(jnp.float32)),
+                      2 * out_bound(dequantized, b, SPLIT), f"row {b}")
+    for b in range(2):
+        assert_within(np.asarray(mass[b]), np.asarray(ref_mass[b]), 2 * mass_bound(dequantized, b), f"mass row {b}")
+        assert_selection(np.asarray(support[b]), np.asarray(mass[b]), np.asarray(fp8["support"][b]) & (b == 1),
+                         exact=False)
+    with pytest.raises(ValueError, match="k_scale and v_scale must be given together"):
+        decode_attention(*args, block_size=BLOCK, eta=ETA, k_scale=fp8["k_scale"])
+    with pytest.raises(ValueError, match="q, k_pages and v_pages must share one dtype"):
+        decode_attention(*args, block_size=BLOCK, eta=ETA)
+
+
 def test_nan_past_a_rows_keys_never_reaches_it():
     check_stale_nan_unread(dict(COMBOS["page64-gqa-d128-bf16"], max_pages=2, seq_lens=[97, 70, 65]))
 
@@ -491,3 +561,31 @@ def test_gpu_mixed_batch_rows_equal_rows_alone_and_jnp_reference():
                       2 * out_bound(case, b, config), f"row {b}")
         if mode in (M.DISCOVER, M.DISCOVER_UNION):
             assert_within(np.asarray(mass[b]), np.asarray(ref_mass[b]), 2 * mass_bound(case, b), f"mass row {b}")
+
+
+@pytest.mark.parametrize("name", ["ouro-page128-d128-bf16", "gqa-page32-d64-f32"])
+@on_gpu
+def test_gpu_fp8_pages_read_as_their_dequantized_values(name):
+    """The compiled kernel (the table's launch) on fp8 pages: bitwise its call on the dequantized
+    pages, every mode, the NaN codes past the rows' keys unread; within twice each bound of the
+    jnp reference reading the same pages (selection within rounding of the threshold)."""
+    from wise_jax.attention import decode_attention_reference
+    spec = GPU_COMBOS[name]
+    config = config_for(spec["head_dim"], spec["dtype"])
+    fp8, dequantized = fp8_case(11, spec)
+    modes = [M.DISCOVER, M.DISCOVER_UNION, M.SPARSE, M.DENSE] * 2
+    scales = dict(k_scale=fp8["k_scale"], v_scale=fp8["v_scale"])
+    got = run(fp8, modes, config=config, **scales)
+    for a, b in zip(got, run(dequantized, modes, config=config)):
+        assert a.dtype == b.dtype and np.array_equal(bits(a), bits(b))
+    out, support, mass = got
+    ref_out, _, ref_mass = decode_attention_reference(
+        fp8["q"], fp8["k"], fp8["v"], fp8["page_table"], fp8["seq_lens"], jnp.asarray(modes, jnp.int32),
+        fp8["support"], block_size=BLOCK, eta=ETA, return_mass=True, **scales)
+    for b in range(len(modes)):
+        assert_within(np.asarray(out[b].astype(jnp.float32)), np.asarray(ref_out[b].astype(jnp.float32)),
+                      2 * out_bound(dequantized, b, config), f"row {b}")
+        if modes[b] in (M.DISCOVER, M.DISCOVER_UNION):
+            assert_within(np.asarray(mass[b]), np.asarray(ref_mass[b]), 2 * mass_bound(dequantized, b), f"mass {b}")
+            held = np.asarray(fp8["support"][b]) & (modes[b] == M.DISCOVER_UNION)
+            assert_selection(np.asarray(support[b]), np.asarray(mass[b]), held, exact=False)

@@ -31,22 +31,26 @@ SHAPES = {  # batch, heads, kv_heads, head_dim, page_size, max_pages, dtype
 }
 
 
-def lower_for_cuda(name, fused_finish=False):
+def lower_for_cuda(name, fused_finish=False, fp8=False):
+    """fp8: K/V pages of uint8 codes with float32 scales (the call's k_scale, v_scale)."""
     batch, heads, kv_heads, head_dim, page_size, max_pages, dtype = SHAPES[name]
     num_pages = batch * max_pages
     n_blocks = max_pages * page_size // 32
     config = dataclasses.replace(config_for(head_dim, dtype), fused_finish=fused_finish)
+    pages = (num_pages, page_size, kv_heads, head_dim)
     args = (jax.ShapeDtypeStruct((batch, heads, head_dim), dtype),
-            jax.ShapeDtypeStruct((num_pages, page_size, kv_heads, head_dim), dtype),
-            jax.ShapeDtypeStruct((num_pages, page_size, kv_heads, head_dim), dtype),
+            jax.ShapeDtypeStruct(pages, jnp.uint8 if fp8 else dtype),
+            jax.ShapeDtypeStruct(pages, jnp.uint8 if fp8 else dtype),
             jax.ShapeDtypeStruct((batch, max_pages), jnp.int32),
             jax.ShapeDtypeStruct((batch,), jnp.int32),
             jax.ShapeDtypeStruct((batch,), jnp.int32),
             jax.ShapeDtypeStruct((batch, heads, n_blocks), jnp.bool_))
+    args += (jax.ShapeDtypeStruct(pages[:-1], jnp.float32),) * 2 if fp8 else ()
 
     def call(*a):  # validate=False: an engine's decode step (a host callback cannot be cross-lowered)
-        return pallas_decode.decode_attention(*a, block_size=32, eta=0.95, return_mass=True,
-                                              interpret=False, config=config, validate=False)
+        scales = dict(k_scale=a[7], v_scale=a[8]) if fp8 else {}
+        return pallas_decode.decode_attention(*a[:7], block_size=32, eta=0.95, return_mass=True,
+                                              interpret=False, config=config, validate=False, **scales)
 
     jax.clear_caches()
     return jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -97,13 +101,16 @@ def test_padded_head_dim_lanes_are_masked(monkeypatch):
         assert len(stores) == (1 if name == "finish" else 0), (name, stores)
 
 
-def compile_kernels_for_sm90(tmp_path, monkeypatch, lower):
+def compile_kernels_for_sm90(tmp_path, monkeypatch, lower, lowered: dict | None = None):
     """Run lower() (returns the lowered text) capturing each Pallas kernel's Triton IR, and
-    compile each through to a cubin for sm90; returns the kernels' names (wise_decode_NAME)."""
+    compile each through to a cubin for sm90; returns the kernels' names (wise_decode_NAME).
+    lowered: filled with {"ir": the kernels' Triton IR by name, "text": lower()'s text}."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
     modules, text = triton_ir(monkeypatch, lower)
+    if lowered is not None:
+        lowered.update(ir=modules, text=text)
     launch = {name: (int(warps), int(stages)) for name, stages, warps in re.findall(
         r'name = "wise_decode_(\w+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', text)}
     assert sorted(launch) == sorted(modules)
@@ -122,6 +129,19 @@ def compile_kernels_for_sm90(tmp_path, monkeypatch, lower):
 def test_triton_ir_compiles_for_sm90(tmp_path, monkeypatch, name, fused_finish):
     kernels = compile_kernels_for_sm90(tmp_path, monkeypatch, lambda: lower_for_cuda(name, fused_finish))
     assert kernels == (["split"] if fused_finish else ["finish", "split"])
+
+
+def test_fp8_pages_lower_and_compile_for_sm90(tmp_path, monkeypatch):
+    """The split kernel reading fp8 pages (one-byte code loads, float32 scales, the e4m3fn
+    decode in registers) through to a cubin for sm90, at Ouro-1.4B's shape (bf16 dots); nothing
+    but the two kernels and the reshapes of the codes and scales runs on the device."""
+    lowered = {}
+    kernels = compile_kernels_for_sm90(tmp_path, monkeypatch, lambda: lower_for_cuda("ouro-1k-x64", fp8=True),
+                                       lowered)
+    assert kernels == ["finish", "split"]
+    assert re.search(r"tt\.load [^\n]*tensor<(?:\d+x)*\d+x!tt\.ptr<i8>>", lowered["ir"]["split"])   # the codes
+    ops = collections.Counter(re.findall(r"= \"?(\w+\.\w+)", lowered["text"]))
+    assert ops == {"stablehlo.custom_call": 2, "stablehlo.reshape": 4}, ops
 
 
 @pytest.mark.parametrize("list_launch", [False, True])

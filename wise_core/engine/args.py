@@ -46,8 +46,8 @@ class EngineArgs:
     run without it. kv_cache_dtype: how the pool holds K/V: "auto" in the model's dtype; "fp8"
     as float8 e4m3fn codes (a byte a value) and one float32 scale per (token, KV head), by
     `wise_core.kv_quant`'s rule, every attention reading them dequantized (about 1.9x the tokens
-    of bf16 in the same memory; Ouro models only so far, through the engines' reference
-    attentions: attention_backend "auto" or "reference")."""
+    of bf16 in the same memory; Ouro models only so far; attention_backend "auto" or
+    "reference", and JAX's "pallas": docs/attention.md)."""
 
     wise_config: WiseConfig | None = None
     num_pages: int | None = None

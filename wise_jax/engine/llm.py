@@ -41,9 +41,9 @@ kv_cache_dtype="fp8" (`EngineArgs`): the pool holds K/V as e4m3fn codes and a fl
 every attention reads them dequantized to the model's dtype (prefill's own chunk's keys too), a
 preemption copies codes and scales as they are. Pages are smaller (1 byte a value + 4 a (token,
 KV head) scale), so num_pages=None holds about 1.9x the tokens of bf16 (3.8x float32) in the
-same memory. The decode attention is the reference: attention_backend "auto" resolves to it on
-every backend, "pallas" is refused (the Pallas and Mosaic kernels do not read fp8 pages yet). Ouro
-models only (a Huginn model's is refused).
+same memory. attention_backend "auto" decodes with the reference on every backend, "pallas" with
+the Pallas kernel, which reads fp8 pages (`wise_jax.kernels.choice`: never Mosaic). Ouro models
+only (a Huginn model's is refused).
 
 WISE tags a row's supports with the step plan's token tag (docs/DESIGN.md "WISE state"): the
 tag the step passes to `model.decode_step` is issued once per decoded token (int32, modulo

@@ -3,7 +3,7 @@
 `mosaic_decode` (its split kernel on Mosaic GPU) when the call runs on a Hopper GPU (compute
 capability 9.x) with what it takes (16-bit q/K/V, head_dim a multiple of 64); otherwise
 `pallas_decode` (the Triton lowering: every dtype, head_dim a power of two or a multiple of 16
-such as huginn-0125's 96, the CI path). The choice is per call and covers
+such as huginn-0125's 96, fp8 pages, the CI path). The choice is per call and covers
 every row of it (one backend per call keeps a SPARSE row with every block selected bitwise
 DENSE).
 
@@ -34,7 +34,7 @@ def uses_mosaic(head_dim: int, dtype) -> bool:
 
 def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, **kwargs):
     """`pallas_decode.decode_attention`'s contract, run by the chosen kernel (module docstring)."""
-    if uses_mosaic(q.shape[-1], q.dtype):
+    if kwargs.get("k_scale") is None and uses_mosaic(q.shape[-1], q.dtype):   # fp8 pages: pallas_decode reads them
         from wise_jax.kernels import mosaic_decode
         return mosaic_decode.decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes,
                                               support, **kwargs)

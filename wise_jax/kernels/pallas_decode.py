@@ -182,6 +182,43 @@ def _store_lanes(ref, b, h, x):
     pl_triton.store(ref.at[b, h, dims], x, mask=_lanes(dims, head_dim))
 
 
+def _dequantize(codes, scales, dtype, interpret: bool):
+    """fp8 pages read in registers: codes uint8 [n, width] (e4m3fn bit patterns), scales float32
+    [n, 1] -> value(code) * scale in float32, rounded once to `dtype`: `wise_core.kv_quant`'s
+    dequantize, bitwise. value(code) is built from the bits with integer ops (the Triton lowering
+    has no float8 type to bitcast to): a normal code (exponent e > 0, mantissa m) is the float32
+    of sign, exponent e - 7 + 127 and mantissa m << 20, a subnormal one m * 2**-9 (exact), codes
+    0x7F and 0xFF NaN.
+
+    interpret: the kernel runs in the Pallas interpreter, compiled by XLA for the CPU, which
+    drops a float32 -> bfloat16 -> float32 round trip fused into the reduction that reads it
+    (q.k then took the unrounded values: measured, 0.3 % off per score; an optimization barrier
+    does not keep it). There the product is rounded to `dtype`'s values in float32 first:
+    `lax.reduce_precision` (round to nearest even, as the conversion), which XLA keeps, and for
+    float16's subnormals (which XLA's reduce_precision flushes to zero) rint(x / 2**-24) * 2**-24,
+    exact in float32; the conversion is then exact. bfloat16 has no such case here: a nonzero
+    product is >= 2**-125 (`wise_core.kv_quant`: MIN_SCALE), a normal number. The Triton lowering
+    rounds on the conversion (cvt.rn) and keeps it."""
+    c = codes.astype(jnp.int32)
+    exponent, mantissa, negative = (c >> 3) & 0xF, c & 7, c >= 0x80
+    bits = (jnp.where(negative, jnp.int32(-(2 ** 31)), 0) | ((exponent + 120) << 23) | (mantissa << 20))
+    normal = jax.lax.bitcast_convert_type(bits, jnp.float32)
+    small = mantissa.astype(jnp.float32) * jnp.float32(2.0 ** -9)
+    small = jnp.where(negative, -small, small)          # code 0x80: -0.0
+    value = jnp.where(exponent == 0, small, normal)
+    value = jnp.where((c & 0x7F) == 0x7F, jnp.float32(jnp.nan), value)
+    product = value * scales
+    if interpret and jnp.dtype(dtype) != jnp.float32:
+        info = jnp.finfo(dtype)
+        rounded = jax.lax.reduce_precision(product, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+        if jnp.dtype(dtype) == jnp.float16:
+            step = float(info.smallest_subnormal)                       # 2**-24
+            subnormal = jnp.round(product * jnp.float32(1 / step)) * jnp.float32(step)
+            rounded = jnp.where(jnp.abs(product) < jnp.float32(info.tiny), subnormal, rounded)
+        product = rounded
+    return product.astype(dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # Pieces shared by the split and the finish kernel
 
@@ -285,7 +322,7 @@ def _select_ranked(mass, eta):
 
 def _split_kernel(seq_lens_ref, modes_ref, support_ref, page_table_ref, q_ref, k_ref, v_ref,
                   *refs, block_size, page_size, tile_blocks, split_blocks, min_splits, scale,
-                  dots, finish, barrier):
+                  dots, finish, barrier, fp8, interpret):
     """Steps 1 and 2 of the module docstring for program (row b, head h, split s).
 
     page_table_ref: [max_pages]; q_ref: [head_dim]; k_ref, v_ref: [num_pages * page_size,
@@ -297,8 +334,14 @@ def _split_kernel(seq_lens_ref, modes_ref, support_ref, page_table_ref, q_ref, k
     counter int32[batch, heads] (input, aliased to the last output) and the finish outputs:
     the last split of each (row, head) to arrive runs _finish. barrier: synchronise the
     program's threads between writing and reading the list, and before the counter (off in
-    the interpreter, which runs a program's code as one thread).
+    the interpreter, which runs a program's code as one thread). fp8: k_ref, v_ref hold uint8
+    e4m3fn codes and refs start with k_scale, v_scale [num_pages * page_size] (this KV head's
+    scales); each tile's K/V are dequantized to q's dtype in registers (`_dequantize`), so the
+    rest is the arithmetic of a call on the dequantized pages. interpret: the kernel runs in the
+    Pallas interpreter (`_dequantize`).
     """
+    if fp8:
+        k_scale_ref, v_scale_ref, *refs = refs
     if finish is None:
         list_ref, stat_m_ref, stat_l_ref, acc_ref, m_ref, l_ref = refs
     else:
@@ -352,6 +395,11 @@ def _split_kernel(seq_lens_ref, modes_ref, support_ref, page_table_ref, q_ref, k
             rows = (start + within)[:, None]
             k = pl_triton.load(k_ref.at[rows, dims[None, :]], mask=_with_lanes(key_ok[:, None], lanes), other=0)
             v = pl_triton.load(v_ref.at[rows, dims[None, :]], mask=_with_lanes(key_ok[:, None], lanes), other=0)
+            if fp8:  # codes -> q's dtype; masked keys and lanes read code 0 (+0.0) and scale 0
+                k_scales = pl_triton.load(k_scale_ref.at[rows], mask=key_ok[:, None], other=0.0)
+                v_scales = pl_triton.load(v_scale_ref.at[rows], mask=key_ok[:, None], other=0.0)
+                k = _dequantize(k, k_scales, q_ref.dtype, interpret)
+                v = _dequantize(v, v_scales, q_ref.dtype, interpret)
             if dots:
                 scores = jax.lax.dot_general(k, q, (((1,), (1,)), ((), ())),
                                              preferred_element_type=jnp.float32)
@@ -534,8 +582,9 @@ def _lists(block_size, config: KernelConfig):
 
 
 def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size, scale,
-                config: KernelConfig, finish, return_mass, interpret: bool):
-    """The split kernel; with `finish` (dict of eta, all_blocks) it also finishes (fused)."""
+                config: KernelConfig, finish, return_mass, interpret: bool, k_scale=None, v_scale=None):
+    """The split kernel; with `finish` (dict of eta, all_blocks) it also finishes (fused); with
+    k_scale, v_scale (float32 [num_pages, page_size, kv_heads]) k_pages and v_pages are fp8 codes."""
     batch, heads, head_dim = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     n_blocks = support.shape[-1]
@@ -553,6 +602,11 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
                 pl.BlockSpec((None, None, head_dim), lambda b, h, s: (b, h, 0)),  # q
                 kv_spec, kv_spec]
     args = [seq_lens, modes, support, page_table, q, k_rows, v_rows]
+    fp8 = k_scale is not None
+    if fp8:
+        scale_spec = pl.BlockSpec((num_pages * page_size, None), lambda b, h, s: (0, h // group))
+        in_specs += [scale_spec, scale_spec]
+        args += [k_scale.reshape(num_pages * page_size, kv_heads), v_scale.reshape(num_pages * page_size, kv_heads)]
     f32 = jnp.float32
     out_shape = [jax.ShapeDtypeStruct((batch, heads, blocks_pad), jnp.int32),  # list
                  jax.ShapeDtypeStruct((batch, heads, blocks_pad), f32),  # stat_m
@@ -571,7 +625,7 @@ def _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, bl
     del lists["block_size"]
     kernel = functools.partial(
         _split_kernel, block_size=block_size, page_size=page_size, scale=scale * LOG2E,
-        dots=config.dots, finish=finish, barrier=not interpret, **lists)
+        dots=config.dots, finish=finish, barrier=not interpret, fp8=fp8, interpret=interpret, **lists)
     return pl.pallas_call(
         kernel,
         grid=(batch, heads, max_splits),
@@ -634,13 +688,13 @@ def _finish_call(seq_lens, modes, support, partials, *, head_dim, out_dtype, blo
 
 @functools.partial(jax.jit, static_argnames=("block_size", "eta", "scale", "all_blocks",
                                              "return_mass", "config", "interpret"))
-def _decode(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size, eta, scale,
-            all_blocks, return_mass, config, interpret):
+def _decode(q, k_pages, v_pages, page_table, seq_lens, modes, support, k_scale, v_scale, *, block_size, eta,
+            scale, all_blocks, return_mass, config, interpret):
     finish = dict(eta=eta, all_blocks=all_blocks)
     outputs = _split_call(q, k_pages, v_pages, page_table, seq_lens, modes, support,
                           block_size=block_size, scale=scale, config=config,
                           finish=finish if config.fused_finish else None,
-                          return_mass=return_mass, interpret=interpret)
+                          return_mass=return_mass, interpret=interpret, k_scale=k_scale, v_scale=v_scale)
     if config.fused_finish:
         return tuple(outputs[6:-1])
     return tuple(_finish_call(seq_lens, modes, support, outputs, head_dim=q.shape[-1], out_dtype=q.dtype,
@@ -654,7 +708,8 @@ def _decode(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_
 
 def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, *, block_size,
                      eta, scale=None, return_mass=False, interpret=None, all_blocks=False,
-                     config: KernelConfig | None = None, validate: bool = True, reuse: bool = False):
+                     config: KernelConfig | None = None, validate: bool = True, reuse: bool = False,
+                     k_scale=None, v_scale=None):
     """Decode attention over a paged KV cache with per-row WISE modes (docs/DESIGN.md).
 
     q: [batch, heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim];
@@ -670,10 +725,15 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
     reuse: a call of WISE's reuse loops, no row discovers (`wise_jax.attention.decode_attention`;
     checked with validate): the same launch, support' the support held as for any such row.
     NaN in q, k or v gives NaN outputs; a SPARSE head that selects no causal block (outside
-    the contract) gives NaN outputs when not validated.
+    the contract) gives NaN outputs when not validated. k_scale, v_scale: an fp8 cache's scales
+    float32 [num_pages, page_size, kv_heads], k_pages and v_pages then its uint8 e4m3fn codes:
+    each tile is dequantized to q's dtype in registers by `wise_core.kv_quant`'s arithmetic, so
+    the call is bitwise the one on the dequantized pages (`wise_jax.kv_quant.dequantize`); config
+    default: `config_for(head_dim, q.dtype)`, as for those pages.
     """
     seq_lens = check_call(q, k_pages, v_pages, page_table, seq_lens, modes, support,
-                          block_size=block_size, eta=eta, validate=validate, reuse=reuse)
+                          block_size=block_size, eta=eta, validate=validate, reuse=reuse,
+                          k_scale=k_scale, v_scale=v_scale)
     head_dim = q.shape[-1]
     if config is None:
         config = config_for(head_dim, q.dtype)
@@ -683,7 +743,7 @@ def decode_attention(q, k_pages, v_pages, page_table, seq_lens, modes, support, 
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     outputs = _decode(
-        q, k_pages, v_pages, page_table, seq_lens, modes, support, block_size=block_size,
+        q, k_pages, v_pages, page_table, seq_lens, modes, support, k_scale, v_scale, block_size=block_size,
         eta=float(eta), scale=float(scale), all_blocks=bool(all_blocks),
         return_mass=bool(return_mass), config=config, interpret=bool(interpret))
     return tuple(outputs)

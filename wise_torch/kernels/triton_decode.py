@@ -55,7 +55,7 @@ from wise_core import split_plan
 from wise_torch.decode_check import check_call
 from wise_torch.kernels import triton_head_dim
 from wise_torch.kernels.triton_head_dim import lanes, store_lanes
-from wise_torch.kernels.triton_splits import merge_splits, splits
+from wise_torch.kernels.triton_splits import check_launch, merge_splits, splits
 
 _DISCOVER = tl.constexpr(M.DISCOVER)
 _DISCOVER_UNION = tl.constexpr(M.DISCOVER_UNION)
@@ -77,16 +77,7 @@ class KernelConfig:
     min_splits: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tile_n", "split_keys", "num_warps"):
-            value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"KernelConfig.{name} must be a power of two, got {value}")
-        if self.tile_n < 16 or self.split_keys < self.tile_n:
-            raise ValueError(f"KernelConfig needs 16 <= tile_n <= split_keys, got {self}")
-        if self.num_stages < 1:
-            raise ValueError(f"KernelConfig.num_stages must be >= 1, got {self.num_stages}")
-        if self.min_splits < 1:
-            raise ValueError(f"KernelConfig.min_splits must be >= 1, got {self.min_splits}")
+        check_launch(self)
 
 
 # Fixed launch configurations (no autotuning: a decode step must be capturable in a CUDA graph).

@@ -2,13 +2,28 @@
 (`triton_decode`, `triton_verify`).
 
 `splits` is `wise_core.split_plan`'s rule for one row (tests/wise_core/test_split_plan.py holds the two
-equal); `merge_splits` combines a (row, head)'s split partials in split order.
+equal); `merge_splits` combines a (row, head)'s split partials in split order; `check_launch` checks a
+kernel's launch shape (each kernel's `KernelConfig`).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+def check_launch(config) -> None:
+    """A split kernel's launch shape (its KernelConfig): tile_n, split_keys and num_warps powers of
+    two, 16 <= tile_n <= split_keys, num_stages and min_splits >= 1; else a ValueError naming them."""
+    for name in ("tile_n", "split_keys", "num_warps"):
+        value = getattr(config, name)
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"KernelConfig.{name} must be a power of two, got {value}")
+    if config.tile_n < 16 or config.split_keys < config.tile_n:
+        raise ValueError(f"KernelConfig needs 16 <= tile_n <= split_keys, got {config}")
+    for name in ("num_stages", "min_splits"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"KernelConfig.{name} must be >= 1, got {getattr(config, name)}")
 
 
 @triton.jit

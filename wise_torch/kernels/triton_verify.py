@@ -31,7 +31,7 @@ import triton.language as tl
 from wise_core import split_plan
 from wise_torch.kernels import triton_head_dim
 from wise_torch.kernels.triton_head_dim import lanes, store_lanes
-from wise_torch.kernels.triton_splits import merge_splits, splits
+from wise_torch.kernels.triton_splits import check_launch, merge_splits, splits
 from wise_torch.verify_check import check_verify_args
 
 
@@ -47,14 +47,7 @@ class KernelConfig:
     min_splits: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tile_n", "split_keys", "num_warps"):
-            value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"KernelConfig.{name} must be a power of two, got {value}")
-        if self.tile_n < 16 or self.split_keys < self.tile_n:
-            raise ValueError(f"KernelConfig needs 16 <= tile_n <= split_keys, got {self}")
-        if self.num_stages < 1 or self.min_splits < 1:
-            raise ValueError(f"KernelConfig.num_stages and min_splits must be >= 1, got {self}")
+        check_launch(self)
 
 
 # Fixed launch configurations (no autotuning: a verification pass runs inside a CUDA graph).

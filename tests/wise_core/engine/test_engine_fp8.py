@@ -2,8 +2,8 @@
 reference model over an fp8 cache (`ouro_reference.generate(..., kv_quant=True)`), dense and
 all-blocks WISE, with chunked prefill and staggered arrivals, Ouro's early exit too; prefix
 caching and preemption (offload / restore) keep the tokens, dense and WISE; the pool holds 3.56x
-the float32 pages of this model (head_dim 32) in the same memory; the fast decode kernel (JAX's
-Pallas, torch's Triton), Huginn and a bad kv_cache_dtype are refused. CPU, float32 model,
+the float32 pages of this model (head_dim 32) in the same memory; JAX's Pallas kernel reads the
+fp8 pages; torch's Triton kernel, Huginn and a bad kv_cache_dtype are refused. CPU, float32 model,
 reference kernel; each test runs once per framework (the refusals of torch's other fast paths:
 tests/wise_torch/test_torch_engine.py).
 
@@ -38,7 +38,7 @@ PAGE = 32
 PROMPTS = [(50, 10), (70, 10), (12, 10)]    # (prompt length, new tokens); 70 > max_num_batched_tokens: chunked
 WISE = WiseConfig(eta=0.5)
 MODES = pytest.mark.parametrize("wise_config", [None, WISE], ids=["dense", "wise"])
-FAST_KERNEL = {"jax": "pallas", "torch": "triton"}     # the decode kernel that does not read fp8 pages yet
+FAST_KERNEL = {"torch": "triton"}     # the decode kernel that does not read fp8 pages yet (JAX's Pallas does)
 
 
 @pytest.fixture(scope="module", params=FRAMEWORKS)
@@ -183,13 +183,24 @@ def test_the_pool_holds_more_tokens_in_the_same_memory(model, monkeypatch):
     assert pools["fp8"] / pools["auto"] == pytest.approx(4 * 32 / (32 + 4), rel=0.01)    # 227 / 64 pages
 
 
+def test_the_pallas_kernel_decodes_fp8_pages():
+    """JAX's attention_backend='pallas' reads the fp8 pool (the Pallas kernel, interpreted on a CPU; every mode
+    of a WISE step with every block selected): the numpy fp8 reference's tokens."""
+    model = Framework("jax", CONFIG, tensors=TENSORS)
+    prompt = [(7 * i) % CONFIG.vocab_size for i in range(40)]
+    llm = engine(model, attention_backend="pallas", wise_config=WiseConfig(all_blocks=True))
+    assert llm.kernel == "pallas"
+    out = llm.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert out.token_ids == R.generate(CONFIG, TENSORS, prompt, 3, kv_quant=True)[0]
+
+
 def test_refusals_name_the_setting(model):
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8'\), got 'e5m2'"):
         EngineArgs(kv_cache_dtype="e5m2")
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8'\), got 'float8'"):
         engine(model, kv_cache_dtype="float8")
-    fast = FAST_KERNEL[model.name]
-    for kw in (dict(attention_backend=fast), dict(attention_backend=fast, wise_config=WiseConfig())):
+    fast = FAST_KERNEL.get(model.name)
+    for kw in (dict(attention_backend=fast), dict(attention_backend=fast, wise_config=WiseConfig())) if fast else ():
         with pytest.raises(ValueError, match=rf"attention_backend='{fast}' does not read kv_cache_dtype='fp8'"):
             engine(model, **kw)
     llm = engine(model, attention_backend="auto")      # the reference, on every device
