@@ -40,14 +40,14 @@ STEM = "gpu_tests"
 # has since issue 46 compile about 44 variants (it had about 120).
 FILE_SECONDS = {
     "tests/wise_jax/test_mosaic_decode.py": 330,
-    "tests/wise_jax/test_pallas_decode.py": 150,
+    "tests/wise_jax/test_pallas_decode.py": 180,   # 150 on an H100 before its fp8 cases
     "tests/wise_jax/test_jax_gpu.py": 150,
     "tests/wise_jax/test_jax_selection_in_generate.py": 90,
     "tests/parity/test_kernels_in_generate_gpu.py": 120,
     "tests/parity/test_parity_gpu.py": 90,
     "tests/wise_torch/test_torch_gpu.py": 120,
     "tests/wise_torch/test_torch_speculative_gpu.py": 120,
-    "tests/wise_torch/test_triton_decode.py": 90,
+    "tests/wise_torch/test_triton_decode.py": 120,   # 90 on an H100 before its fp8 cases
     "tests/parity/test_decode_contract.py": 120,   # the gpu suite's jax-tests part gave it 120 s
 }
 DEFAULT_SECONDS = 60

@@ -207,46 +207,47 @@ class LLMEngine:
             if seq.offloaded is not None:
                 self._restore(seq)
         launched: list[InFlight] = []
-        spoken: list[Sequence] = []     # the sequences of a speculative round, their tokens read already
-        made = None
+        speculated: list[Sequence] = []     # the sequences of a speculative round, their tokens read already
+        speculative_tokens = None
         if plan.decode:
-            made = self._speculate(plan.decode, spoken)
-            if made is None:
+            speculative_tokens = self._speculate(plan.decode, speculated)
+            if speculative_tokens is None:
                 launched.append(self._launch_decode(plan.decode))
                 for seq in plan.decode:
                     seq.num_cached = len(seq.tokens) - 1
             else:
-                self.counters["generated_tokens"] += made
+                self.counters["generated_tokens"] += speculative_tokens
         if plan.chunks:
             launched.append(self._launch_prefill(plan.chunks))
             for chunk in plan.chunks:
                 chunk.seq.num_cached = chunk.start + chunk.length
                 self.blocks.register(chunk.seq)     # its full prompt pages, for later requests
             self.counters["prompt_tokens"] += sum(c.length for c in plan.chunks)
-        if not launched and made is None and not self.inflight and self.scheduler.has_work() and not plan.preempted:
+        if (not launched and speculative_tokens is None and not self.inflight and self.scheduler.has_work()
+                and not plan.preempted):
             raise RuntimeError("the scheduler made no progress although requests wait "
                                f"({self.blocks.num_free} of {self.blocks.num_pages} pages free)")
         previous, self.inflight = self.inflight, launched
         self.inflight_kind = ("prefill" if plan.chunks else "decode") if launched else None
-        outputs = self._read(previous, spoken)
+        outputs = self._read(previous, speculated)
         # A step's host time is spent waiting for the device to finish the step before it (or
         # on this step's speculative round, which it reads).
-        kind = "decode" if made is not None else self.previous_kind if previous else self.inflight_kind
+        kind = "decode" if speculative_tokens is not None else self.previous_kind if previous else self.inflight_kind
         elapsed = time.perf_counter() - start - (self._build_seconds() - built)    # step programs built: apart
         if kind == "decode":
             self.counters["decode_s"] += elapsed
             self.counters["decode_steps"] += 1
-            self.counters["decode_tokens"] += made if made is not None else sum(
+            self.counters["decode_tokens"] += speculative_tokens if speculative_tokens is not None else sum(
                 len(f.rows) for f in previous or launched)
         elif kind == "prefill":
             self.counters["prefill_s"] += elapsed
         self.previous_kind = self.inflight_kind
         return outputs
 
-    def _read(self, records: list[InFlight], spoken: list[Sequence]) -> list[RequestOutput]:
-        """Read a finished step's tokens into their sequences; finished ones leave. `spoken`:
+    def _read(self, records: list[InFlight], speculated: list[Sequence]) -> list[RequestOutput]:
+        """Read a finished step's tokens into their sequences; finished ones leave. `speculated`:
         sequences that produced tokens already (a speculative round reads its own)."""
-        produced: dict[int, Sequence] = {seq.request_id: seq for seq in spoken}
+        produced: dict[int, Sequence] = {seq.request_id: seq for seq in speculated}
         for record in records:
             self._read_prompt(record)
             tokens, nan, logprobs, ranked = record.read()
@@ -358,9 +359,9 @@ class LLMEngine:
     def _new_sequence(self, seq: Sequence) -> None:
         """A request is accepted: set up its framework state (its random key, ...)."""
 
-    def _speculate(self, seqs: list[Sequence], spoken: list[Sequence]) -> int | None:
+    def _speculate(self, seqs: list[Sequence], speculated: list[Sequence]) -> int | None:
         """A speculative round over the decode rows, read at once (their sequences added to
-        `spoken`) -> the tokens it made; None: no speculation, the rows decode one token."""
+        `speculated`) -> the tokens it made; None: no speculation, the rows decode one token."""
         return None
 
     # -- the device side --------------------------------------------------------------------

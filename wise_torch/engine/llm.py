@@ -263,8 +263,8 @@ class LLM(LLMEngine):
         if self.speculator is not None:
             self.speculator.check_request(seq)
 
-    def _speculate(self, seqs: list[Sequence], spoken: list[Sequence]) -> int | None:
-        return None if self.speculator is None else self.speculator.decode(seqs, spoken)
+    def _speculate(self, seqs: list[Sequence], speculated: list[Sequence]) -> int | None:
+        return None if self.speculator is None else self.speculator.decode(seqs, speculated)
 
     def _launch_decode(self, seqs: list[Sequence]) -> InFlight:
         return self.runner.sampler.sample(self.runner.decode(seqs), seqs)
