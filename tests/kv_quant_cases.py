@@ -18,6 +18,12 @@ KINDS = ("normal", "outliers", "magnitudes", "tiny", "huge")
 SHAPES = ((1, 1), (3, 5), (2, 7, 4, 128), (16, 2, 64))
 
 
+def bits(x) -> np.ndarray:
+    """x (an array or a CPU tensor) as numpy, float32 as its uint32 bits: compares NaN and -0 bitwise."""
+    x = np.asarray(x)
+    return x.view(np.uint32) if x.dtype == np.float32 else x
+
+
 def random_kv(shape, kind: str, seed: int = 0) -> np.ndarray:
     """float32 K/V-like values of `shape` [..., kv_heads, head_dim]:
     normal: N(0, 1); outliers: N(0, 1) with a few head_dim channels x10 (as real keys have);

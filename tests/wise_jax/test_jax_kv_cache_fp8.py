@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import wise_jax
+from kv_quant_cases import bits
 from wise_core import kv_quant as spec
 from wise_core import modes as M
 from wise_core.checkpoint import random_tensors
@@ -30,11 +31,6 @@ PLANES = CONFIG.total_ut_steps * CONFIG.num_hidden_layers
 def _cache(kv_cache_dtype="fp8", batch=3, max_pages=4, num_pages=8, page_size=32, dtype=jnp.float32):
     return kvc.create(CONFIG, batch=batch, max_pages=max_pages, num_pages=num_pages, page_size=page_size,
                       dtype=dtype, kv_cache_dtype=kv_cache_dtype)
-
-
-def _bits(x) -> np.ndarray:
-    x = np.asarray(x)
-    return x.view(np.uint32) if x.dtype == np.float32 else x
 
 
 def test_layout_bytes_and_pytree():
@@ -86,7 +82,7 @@ def test_write_token_stores_the_quantized_token_and_copies_entries_as_they_are(d
         for b, pos in enumerate([32, 3]):
             page, offset = table[b, pos // 32], pos % 32
             assert np.array_equal(np.asarray(codes[5, page, offset]), want_codes[b])
-            assert np.array_equal(_bits(scales[5, page, offset]), _bits(want_scales[b]))
+            assert np.array_equal(bits(scales[5, page, offset]), bits(want_scales[b]))
     for name in kvc.STORAGE:   # rows 0 and 1 in their pages of plane 5; row 2 on the scratch page
         changed = np.argwhere(np.any(np.asarray(getattr(cache, name)) != getattr(before, name),
                                      axis=tuple(range(2, getattr(cache, name).ndim))))
@@ -97,7 +93,7 @@ def test_write_token_stores_the_quantized_token_and_copies_entries_as_they_are(d
     moved = jax.jit(kvc.write_token)(cache, 6, (k_codes, k_scales), (v_codes, v_scales), rows)
     for name in kvc.STORAGE:
         x = np.asarray(getattr(moved, name))
-        assert np.array_equal(_bits(x[6, table[0, 1], 0]), _bits(x[5, table[0, 1], 0])), name
+        assert np.array_equal(bits(x[6, table[0, 1], 0]), bits(x[5, table[0, 1], 0])), name
     # attention reads them dequantized to the model's dtype: wise_core.kv_quant.dequantize
     k_pages, _, shifted = kvc.plane_pages(cache, 5)
     k_scale, _ = kvc.plane_scales(cache)
@@ -114,7 +110,7 @@ def test_insert_and_page_copies_are_bitwise():
     pages = np.asarray(cache.page_table)[0, :2]
     want_codes, want_scales = spec.quantize(np.asarray(k).reshape(PLANES, 2, 32, 2, 64))
     assert np.array_equal(np.asarray(cache.k)[:, pages], want_codes)
-    assert np.array_equal(_bits(np.asarray(cache.k_scale)[:, pages]), _bits(want_scales))
+    assert np.array_equal(bits(np.asarray(cache.k_scale)[:, pages]), bits(want_scales))
     assert np.array_equal(np.asarray(cache.v)[:, pages], spec.quantize(-np.asarray(k).reshape(want_codes.shape))[0])
     # preemption's offload and restore: read_pages' storage written to other pages as it is
     stored = jax.jit(kvc.read_pages)(cache, jnp.asarray(pages))
@@ -122,7 +118,7 @@ def test_insert_and_page_copies_are_bitwise():
     moved = jax.jit(kvc.write_pages)(cache, jnp.array([5, 6], jnp.int32), stored)
     for name in kvc.STORAGE:
         x = np.asarray(getattr(moved, name))
-        assert np.array_equal(_bits(x[:, [5, 6]]), _bits(x[:, pages])), name
+        assert np.array_equal(bits(x[:, [5, 6]]), bits(x[:, pages])), name
     with pytest.raises(ValueError, match="the pages hold 2 arrays; this fp8 cache stores"):
         kvc.write_pages(cache, jnp.array([5, 6], jnp.int32), stored[:2])
 
@@ -162,7 +158,7 @@ def test_prefill_chunks_write_the_quantized_k_v_and_attend_what_the_pages_hold()
         for x, codes, scales in ((k, whole.k, whole.k_scale), (v, whole.v, whole.v_scale)):
             want_codes, want_scales = spec.quantize(x[0, :50])
             assert np.array_equal(codes[int(plane), :2].reshape(64, 2, 64)[:50], want_codes), int(plane)
-            assert np.array_equal(_bits(scales[int(plane), :2].reshape(64, 2)[:50]), _bits(want_scales))
+            assert np.array_equal(bits(scales[int(plane), :2].reshape(64, 2)[:50]), bits(want_scales))
     two = run([(0, 20), (20, 50)], None)
     values = [spec.dequantize(c[:, :2].reshape(PLANES, 64, 2, 64)[:, :50], s[:, :2].reshape(PLANES, 64, 2)[:, :50],
                               "float32") for c, s in ((whole.k, whole.k_scale), (two.k, two.k_scale))]

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from kv_quant_cases import bits
 from wise_core import kv_quant as spec
 from wise_core import modes as M
 from wise_core.presets import PRESETS
@@ -28,11 +29,6 @@ PLANES = CONFIG.total_ut_steps * CONFIG.num_hidden_layers
 def _cache(kv_cache_dtype="fp8", num_pages=8, page_size=32, dtype=torch.float32):
     return PagedKVCache.for_model(CONFIG, num_pages=num_pages, page_size=page_size, dtype=dtype,
                                   kv_cache_dtype=kv_cache_dtype)
-
-
-def _bits(x) -> np.ndarray:
-    x = x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
-    return x.view(np.uint32) if x.dtype == np.float32 else x
 
 
 def test_layout_and_bytes():
@@ -76,8 +72,8 @@ def test_rope_store_kv_stores_the_quantized_k_v(dtype):
         values = getattr(auto, name).flatten(0, 1)[slots]
         codes, scales = spec.quantize(values.float().numpy())     # float32(x) is exact: the same codes
         flat_codes, flat_scales = getattr(fp8, name).flatten(0, 1), getattr(fp8, f"{name}_scale").flatten(0, 1)
-        assert np.array_equal(flat_codes[slots].numpy(), codes) and np.array_equal(_bits(flat_scales[slots]),
-                                                                                   _bits(scales))
+        assert np.array_equal(flat_codes[slots].numpy(), codes) and np.array_equal(bits(flat_scales[slots]),
+                                                                                   bits(scales))
         others = torch.ones(flat_codes.shape[0], dtype=torch.bool)
         others[slots] = False
         assert not flat_codes[others].any() and bool((flat_scales[others] == 1).all())
@@ -114,7 +110,7 @@ def test_copies_keep_codes_and_scales_as_they_are():
     copy_in(cache, [5, 6], stored)
     for name in STORAGE:
         x = getattr(cache, name)
-        assert np.array_equal(_bits(x[:, [5, 6]]), _bits(x[:, [1, 3]])), name
+        assert np.array_equal(bits(x[:, [5, 6]]), bits(x[:, [1, 3]])), name
     with pytest.raises(ValueError, match="the pages hold 2 arrays; this fp8 cache stores"):
         copy_in(cache, [5, 6], stored[:2])
     scrub(cache, [1, 6])
